@@ -1,0 +1,30 @@
+# Two commands: `make run` (the main job) and `make test` (all tests).
+# Both depend on `make setup`, which is idempotent.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.setup-done
+
+.PHONY: setup run test download clean-venv
+
+setup: $(STAMP) download
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	# torch first and alone: the CPU wheel (pulling anything newer drags in CUDA).
+	$(PIP) install --quiet torch==2.13.0
+	$(PIP) install --quiet -e '.[test]'
+	touch $(STAMP)
+
+download: $(STAMP)
+	$(VENV)/bin/vllm-anatomy download
+
+run: setup
+	$(VENV)/bin/vllm-anatomy generate
+
+test: setup
+	$(PY) -m pytest -q
+
+clean-venv:
+	rm -rf $(VENV)

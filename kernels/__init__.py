@@ -1,0 +1,1 @@
+"""Triton kernels (installed as vllm_anatomy.kernels); each beside its plain-torch reference."""

@@ -1,0 +1,71 @@
+"""The attention-backend interface and the metadata every backend reads.
+
+Mirrors vllm/v1/attention/backend.py (CommonAttentionMetadata, AttentionBackend,
+AttentionImpl). One flat batch mixes prefill chunks and decodes; nothing here
+knows about "phases" — a decode is just a sequence whose query_len is 1.
+
+KV cache layout (one tensor per layer), as vLLM's FlashAttention backend:
+    kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]
+    kv_cache[0] = keys, kv_cache[1] = values.
+A token at position p of a request lives in slot
+    slot = block_table[req, p // block_size] * block_size + p % block_size
+i.e. kv_cache[:, slot // block_size, slot % block_size].
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+PAD_SLOT_ID = -1
+
+
+@dataclass
+class AttentionMetadata:
+    num_actual_tokens: int          # T: real tokens (the rest of a padded batch is padding)
+    num_reqs: int                   # R
+    max_query_len: int
+    max_seq_len: int
+    query_start_loc: torch.Tensor   # [R + 1] int32, cumulative query lengths, starts at 0
+    seq_lens: torch.Tensor          # [R] int32, context + query length of each request
+    block_table: torch.Tensor       # [R, max_blocks_per_req] int32 physical block ids
+    slot_mapping: torch.Tensor      # [T(+padding)] int64, -1 = padding (not written)
+    # CPU copies of the small index tensors, for backends that loop on the host
+    # (the torch reference backend). Never read by GPU kernels.
+    query_start_loc_cpu: torch.Tensor | None = None
+    seq_lens_cpu: torch.Tensor | None = None
+
+
+class AttentionImpl:
+    """One attention computation for one layer."""
+
+    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float) -> None:
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.num_kv_heads = num_kv_heads
+        self.scale = scale
+
+    def do_kv_cache_update(self, key: torch.Tensor, value: torch.Tensor,
+                           kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Scatter new K/V ([T, num_kv_heads, head_dim]) into the paged cache (skip slot -1)."""
+        raise NotImplementedError
+
+    def forward(self, query: torch.Tensor, kv_cache: torch.Tensor,
+                attn_metadata: AttentionMetadata) -> torch.Tensor:
+        """query [T, num_heads, head_dim] -> output [T, num_heads, head_dim].
+
+        Reads K/V only from the cache (the new tokens were written there first)."""
+        raise NotImplementedError
+
+
+class AttentionBackend:
+    name: str = "abstract"
+
+    @staticmethod
+    def get_impl_cls() -> type[AttentionImpl]:
+        raise NotImplementedError
+
+    @staticmethod
+    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
+                           head_dim: int) -> tuple[int, ...]:
+        return (2, num_blocks, block_size, num_kv_heads, head_dim)

@@ -1,0 +1,66 @@
+"""Engine configuration, split the way vLLM splits it (vllm/config/*.py).
+
+ModelConfig (what model, which dtype, how long), CacheConfig (the paged KV
+cache), SchedulerConfig (the token budget) and VllmConfig holding all three.
+Users set these through EngineArgs (vllm_anatomy/engine/arg_utils.py) using
+vLLM's argument names.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class ModelConfig:
+    model: str                       # path of an HF-style directory
+    dtype: torch.dtype = torch.float32
+    max_model_len: int = 2048
+    seed: int = 0
+    device: str = "cpu"
+    # Filled from config.json by the loader (vllm: model_config.hf_config).
+    hf_config: dict = field(default_factory=dict)
+
+    @property
+    def num_hidden_layers(self) -> int:
+        return self.hf_config["num_hidden_layers"]
+
+    @property
+    def num_kv_heads(self) -> int:
+        c = self.hf_config
+        return c.get("num_key_value_heads") or c["num_attention_heads"]
+
+    @property
+    def head_dim(self) -> int:
+        c = self.hf_config
+        return c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    num_gpu_blocks_override: int | None = None
+    # Fraction of device memory the engine may use (weights + activations + KV).
+    gpu_memory_utilization: float = 0.92
+    # On CPU there is no device memory to measure: KV cache gets this many bytes.
+    cpu_kv_cache_space_bytes: int = 512 * 1024 * 1024
+    enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: str = "sha256"
+    num_gpu_blocks: int | None = None     # resolved at start-up
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
+
+
+@dataclass
+class VllmConfig:
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig

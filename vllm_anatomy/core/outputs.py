@@ -1,0 +1,26 @@
+"""What a worker returns to the scheduler after a step.
+
+Mirrors vllm/v1/outputs.py. Crosses the worker -> EngineCore boundary, so it is
+a msgspec Struct (msgpack on the wire, no pickle).
+"""
+from __future__ import annotations
+
+import msgspec
+
+from vllm_anatomy.engine.protocol import LogprobsLists
+
+
+class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    # [num_reqs] in InputBatch row order.
+    req_ids: list[str]
+    req_id_to_index: dict[str, int]
+    # [num_reqs][num_generated_tokens]; an empty list for a partial prefill
+    # chunk (its sampled token is discarded: the prompt is not finished).
+    sampled_token_ids: list[list[int]]
+    # Logprobs of the sampled tokens, one LogprobsLists row per request row
+    # (each LogprobsLists holds one row per generated token); None when no
+    # request in the batch asked for logprobs.
+    logprobs: list[LogprobsLists | None] | None = None
+
+
+EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])

@@ -1,0 +1,75 @@
+"""What the scheduler tells the workers each step: SchedulerOutput.
+
+Mirrors vllm/v1/core/sched/output.py. NOTE: only ids and numbers cross this
+boundary — block ids, never KVCacheBlock objects — so a worker in another
+process can rebuild its view from the message alone. New requests are sent in
+full once; after that only the diff (CachedRequestData).
+"""
+from __future__ import annotations
+
+import msgspec
+
+from vllm_anatomy.sampling_params import SamplingParams
+
+
+class NewRequestData(msgspec.Struct, omit_defaults=True, gc=False):
+    """A request the worker has not seen (or one resumed after preemption in vLLM's V2 runner)."""
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    # One list per KV-cache group (we have exactly one group: full attention).
+    block_ids: tuple[list[int], ...]
+    num_computed_tokens: int
+
+    @classmethod
+    def from_request(cls, request, block_ids: tuple[list[int], ...]) -> "NewRequestData":
+        return cls(
+            req_id=request.request_id,
+            prompt_token_ids=list(request.prompt_token_ids),
+            sampling_params=request.sampling_params,
+            block_ids=block_ids,
+            num_computed_tokens=request.num_computed_tokens,
+        )
+
+
+class CachedRequestData(msgspec.Struct, omit_defaults=True, gc=False):
+    """The per-step diff for requests the worker already caches. Parallel lists."""
+    req_ids: list[str]
+    # For these, new_block_ids *replaces* the worker's block table row (they
+    # were preempted and lost their blocks) instead of being appended to it.
+    resumed_req_ids: set[str]
+    # Only for resumed requests: the full token list (prompt + outputs) —
+    # the worker dropped them from its persistent batch on preemption.
+    resumed_req_token_ids: list[list[int] | None]
+    new_block_ids: list[tuple[list[int], ...] | None]
+    num_computed_tokens: list[int]
+    num_output_tokens: list[int]
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+    @classmethod
+    def make_empty(cls) -> "CachedRequestData":
+        return cls([], set(), [], [], [], [])
+
+
+class SchedulerOutput(msgspec.Struct, omit_defaults=True, gc=False):
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    # req_id -> number of tokens scheduled for it this step.
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # Requests finished between the previous step and this one: workers drop their state.
+    finished_req_ids: set[str]
+    # Requests preempted in this step (informational; the worker also notices
+    # they are simply not scheduled).
+    preempted_req_ids: set[str] = set()
+    # Teaching extras (not in vLLM): which step this is, and the W3C trace
+    # context of the step so worker-side spans join the step's trace.
+    step_id: int = 0
+    trace_headers: dict[str, str] | None = None
+
+    @classmethod
+    def make_empty(cls) -> "SchedulerOutput":
+        return cls([], CachedRequestData.make_empty(), {}, 0, set())

@@ -1,0 +1,116 @@
+"""EngineArgs: user-facing engine arguments (vLLM's names) -> VllmConfig.
+
+Mirrors vllm/engine/arg_utils.py. Defaults that depend on the hardware are
+resolved here, once, and the resolved values are what the trace records.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import dataclass, fields
+
+import torch
+
+from vllm_anatomy.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm_anatomy.model_executor.default_model import resolve_model
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+           "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = None            # a local HF directory, or None / the default alias
+    dtype: str = "auto"                 # auto = float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"                # auto = cuda if available else cpu
+    seed: int = 0
+    max_model_len: int | None = None    # None = the model's max_position_embeddings
+    block_size: int = 16
+    num_gpu_blocks_override: int | None = None
+    gpu_memory_utilization: float = 0.92
+    enable_prefix_caching: bool = True
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
+
+    def _resolve_device(self) -> str:
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError("device='cuda' was requested but no CUDA device is available.")
+        return self.device
+
+    def _resolve_dtype(self, device: str) -> torch.dtype:
+        if self.dtype == "auto":
+            # NOTE: bf16 is slower than fp32 on these CPUs, and fp32 makes the
+            # CPU path bit-comparable with transformers.
+            return torch.bfloat16 if device.startswith("cuda") else torch.float32
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
+        return _DTYPES[self.dtype]
+
+    def create_engine_config(self) -> VllmConfig:
+        model_dir = resolve_model(self.model)
+        with open(os.path.join(model_dir, "config.json")) as f:
+            hf_config = json.load(f)
+        device = self._resolve_device()
+        model_max = hf_config.get("max_position_embeddings", 2048)
+        max_model_len = self.max_model_len or model_max
+        if max_model_len > model_max:
+            raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
+                             f"max_position_embeddings={model_max}.")
+        if self.block_size <= 0 or self.block_size % 8:
+            raise ValueError(f"block_size must be a positive multiple of 8, got {self.block_size}")
+        on_gpu = device.startswith("cuda")
+        # vLLM picks these by GPU size for the offline LLM; on CPU a smaller budget
+        # keeps one step short enough to watch.
+        max_num_batched_tokens = self.max_num_batched_tokens or (16384 if on_gpu else 2048)
+        max_num_seqs = self.max_num_seqs or (1024 if on_gpu else 128)
+        if not self.enable_chunked_prefill:
+            max_num_batched_tokens = max(max_num_batched_tokens, max_model_len)
+        if max_num_batched_tokens < 1 or max_num_seqs < 1:
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be at least 1")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
+            raise ValueError("num_gpu_blocks_override must be at least 2 (block 0 is the null block)")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        model_config = ModelConfig(model=model_dir, dtype=self._resolve_dtype(device),
+                                   max_model_len=max_model_len, seed=self.seed, device=device,
+                                   hf_config=hf_config)
+        cache_config = CacheConfig(block_size=self.block_size,
+                                   num_gpu_blocks_override=self.num_gpu_blocks_override,
+                                   gpu_memory_utilization=self.gpu_memory_utilization,
+                                   enable_prefix_caching=self.enable_prefix_caching)
+        scheduler_config = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
+                                           max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                                           enable_chunked_prefill=self.enable_chunked_prefill,
+                                           long_prefill_token_threshold=self.long_prefill_token_threshold)
+        return VllmConfig(model_config, cache_config, scheduler_config)
+
+    # -- command line -------------------------------------------------------------
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        d = EngineArgs()
+        p = parser.add_argument
+        p("--model", default=None, help="local HF model directory (default: SmolLM2-135M-Instruct)")
+        p("--dtype", default=d.dtype)
+        p("--device", default=d.device)
+        p("--seed", type=int, default=d.seed)
+        p("--max-model-len", type=int, default=None)
+        p("--block-size", type=int, default=d.block_size)
+        p("--num-gpu-blocks-override", type=int, default=None)
+        p("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
+        p("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+        p("--max-num-batched-tokens", type=int, default=None)
+        p("--max-num-seqs", type=int, default=None)
+        p("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+        p("--long-prefill-token-threshold", type=int, default=0)
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})

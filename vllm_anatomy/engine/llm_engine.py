@@ -1,0 +1,92 @@
+"""LLMEngine: the synchronous frontend the offline `LLM` drives.
+
+Mirrors vllm/v1/engine/llm_engine.py: InputProcessor -> EngineCore ->
+OutputProcessor, polled by `step()`. Here EngineCore runs in this process
+(vLLM's InprocClient); the multi-process client comes with the server.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+from vllm_anatomy.config import VllmConfig
+from vllm_anatomy.engine.core import EngineCore
+from vllm_anatomy.engine.input_processor import InputProcessor, PromptType
+from vllm_anatomy.engine.output_processor import OutputProcessor
+from vllm_anatomy.outputs import RequestOutput
+from vllm_anatomy.sampling_params import SamplingParams
+from vllm_anatomy.tracing.recorder import NullRecorder, Recorder
+from vllm_anatomy.transformers_utils.tokenizer import get_tokenizer
+
+
+def _load_generation_config(model_dir: str) -> dict:
+    path = os.path.join(model_dir, "generation_config.json")
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+class LLMEngine:
+
+    def __init__(self, vllm_config: VllmConfig, recorder: Recorder | None = None) -> None:
+        self.vllm_config = vllm_config
+        self.recorder = recorder or NullRecorder()
+        model_dir = vllm_config.model_config.model
+        self.tokenizer = get_tokenizer(model_dir)
+        self.input_processor = InputProcessor(vllm_config.model_config, self.tokenizer,
+                                              _load_generation_config(model_dir))
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.engine_core = EngineCore(vllm_config, self.recorder)
+        self.last_scheduler_stats = None
+        # Counters named after vLLM's Prometheus metrics (prefix-cache counts in tokens).
+        self.counters: dict[str, float] = {
+            "vllm:num_preemptions": 0, "vllm:prefix_cache_queries": 0, "vllm:prefix_cache_hits": 0,
+            "vllm:prompt_tokens": 0, "vllm:generation_tokens": 0, "vllm:request_success": 0,
+            "vllm:engine_steps": 0,
+        }
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                    arrival_time: float | None = None) -> None:
+        prompt_text, request = self.input_processor.process_inputs(request_id, prompt, params, arrival_time)
+        self.output_processor.add_request(request, prompt_text)
+        self.counters["vllm:prompt_tokens"] += len(request.prompt_token_ids)
+        self.engine_core.add_request(request)
+
+    def abort_request(self, request_ids: list[str]) -> None:
+        known = self.output_processor.abort_requests(request_ids)
+        self.engine_core.abort_requests(known)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.output_processor.get_num_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        outputs_by_client, _ = self.engine_core.step()
+        request_outputs: list[RequestOutput] = []
+        for outputs in outputs_by_client.values():
+            if outputs.scheduler_stats is not None:
+                self._record_stats(outputs.scheduler_stats)
+            c = self.counters
+            for eco in outputs.outputs:
+                c["vllm:generation_tokens"] += len(eco.new_token_ids)
+                if eco.finished:
+                    c["vllm:request_success"] += 1
+            processed = self.output_processor.process_outputs(outputs.outputs)
+            request_outputs.extend(processed.request_outputs)
+            # Stop strings finished these on the frontend; free them in the engine.
+            self.engine_core.abort_requests(processed.reqs_to_abort)
+        return request_outputs
+
+    def _record_stats(self, stats) -> None:
+        self.last_scheduler_stats = stats
+        c = self.counters
+        c["vllm:engine_steps"] += 1
+        c["vllm:num_preemptions"] += stats.num_preemptions
+        c["vllm:prefix_cache_queries"] += stats.prefix_cache_queries
+        c["vllm:prefix_cache_hits"] += stats.prefix_cache_hits
+
+    def shutdown(self) -> None:
+        self.engine_core.shutdown()

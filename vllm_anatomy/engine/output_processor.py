@@ -1,0 +1,162 @@
+"""OutputProcessor: EngineCoreOutputs -> RequestOutputs, on the frontend.
+
+Mirrors vllm/v1/engine/output_processor.py. Per request it keeps a
+RequestState (detokenizer, logprobs, timestamps). `process_outputs` is the one
+per-batch Python loop of the frontend: detokenize the new tokens, check stop
+strings, build RequestOutputs, and collect the ids to abort in the engine
+(requests that a stop string finished here but that the engine still runs).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from vllm_anatomy.engine.detokenizer import IncrementalDetokenizer
+from vllm_anatomy.engine.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason, LogprobsLists
+from vllm_anatomy.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from vllm_anatomy.sampling_params import RequestOutputKind
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    external_req_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    output_kind: RequestOutputKind
+    detokenizer: IncrementalDetokenizer
+    num_logprobs: int | None
+    metrics: RequestMetrics
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    sent_text_len: int = 0
+    sent_token_len: int = 0
+    num_cached_tokens: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class OutputProcessorOutput:
+    request_outputs: list[RequestOutput]
+    reqs_to_abort: list[str]
+
+
+class OutputProcessor:
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.request_states: dict[str, RequestState] = {}
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.request_states)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.request_states)
+
+    def add_request(self, request: EngineCoreRequest, prompt: str | None) -> None:
+        if request.request_id in self.request_states:
+            raise ValueError(f"Request id {request.request_id} already running.")
+        params = request.sampling_params
+        self.request_states[request.request_id] = RequestState(
+            request_id=request.request_id,
+            external_req_id=request.external_req_id or request.request_id,
+            prompt=prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            output_kind=params.output_kind,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params),
+            num_logprobs=params.logprobs,
+            metrics=RequestMetrics(arrival_time=time.monotonic()),
+        )
+
+    def abort_requests(self, request_ids: list[str]) -> list[str]:
+        """Forget these requests; returns the ids that were known."""
+        return [rid for rid in request_ids if self.request_states.pop(rid, None) is not None]
+
+    def process_outputs(self, engine_core_outputs: list[EngineCoreOutput]) -> OutputProcessorOutput:
+        request_outputs: list[RequestOutput] = []
+        reqs_to_abort: list[str] = []
+        now = time.monotonic()
+        for eco in engine_core_outputs:
+            state = self.request_states.get(eco.request_id)
+            if state is None:   # aborted by the user while in flight
+                continue
+            self._update_metrics(state, eco, now)
+            finish_reason = eco.finish_reason
+            stop_reason = eco.stop_reason
+            stop_str = state.detokenizer.update(eco.new_token_ids, finish_reason == FinishReason.STOP)
+            if stop_str is not None:
+                finish_reason, stop_reason = FinishReason.STOP, stop_str
+                # NOTE: the stop string may end before the last new token; keep
+                # token_ids consistent with the text as vLLM does (trim surplus).
+                self._trim_tokens_after_stop(state)
+            if eco.new_logprobs is not None:
+                self._append_logprobs(state, eco.new_logprobs)
+            if finish_reason is not None:
+                state.finish_reason = str(finish_reason)
+                state.stop_reason = stop_reason
+                state.metrics.finished_time = now
+                del self.request_states[eco.request_id]
+                if not eco.finished:  # finished here (stop string), engine still runs it
+                    reqs_to_abort.append(eco.request_id)
+            out = self._make_request_output(state)
+            if out is not None:
+                request_outputs.append(out)
+        return OutputProcessorOutput(request_outputs, reqs_to_abort)
+
+    @staticmethod
+    def _update_metrics(state: RequestState, eco: EngineCoreOutput, now: float) -> None:
+        m = state.metrics
+        if eco.new_token_ids:
+            if m.first_token_time is None:
+                m.first_token_time = now
+                state.num_cached_tokens = eco.num_cached_tokens
+            m.last_token_time = now
+            m.num_generation_tokens += len(eco.new_token_ids)
+
+    @staticmethod
+    def _trim_tokens_after_stop(state: RequestState) -> None:
+        det = state.detokenizer
+        # Keep the shortest token prefix whose decoding still covers the kept text.
+        text_len = len(det.output_text)
+        for n in range(1, len(det.token_ids) + 1):
+            if len(det.tokenizer.decode(det.token_ids[:n], skip_special_tokens=det.skip_special_tokens)) >= text_len:
+                del det.token_ids[n:]
+                return
+
+    def _append_logprobs(self, state: RequestState, lp: LogprobsLists) -> None:
+        for ids, vals, rank in zip(lp.logprob_token_ids, lp.logprobs, lp.sampled_token_ranks):
+            entry: dict[int, Logprob] = {}
+            for i, (tid, val) in enumerate(zip(ids, vals)):
+                if tid in entry:
+                    continue
+                entry[tid] = Logprob(val, rank if i == 0 else i,
+                                     self.tokenizer.decode([tid]))
+            state.logprobs.append(entry)
+            state.cumulative_logprob += vals[0]
+
+    def _make_request_output(self, state: RequestState) -> RequestOutput | None:
+        finished = state.finished
+        kind = state.output_kind
+        if kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        delta = kind == RequestOutputKind.DELTA
+        det = state.detokenizer
+        text = det.get_next_output_text(finished, delta, state.sent_text_len)
+        token_ids = det.token_ids[state.sent_token_len:] if delta else list(det.token_ids)
+        logprobs = state.logprobs[state.sent_token_len:] if delta else list(state.logprobs)
+        state.sent_text_len = state.sent_text_len + len(text) if delta else len(text)
+        state.sent_token_len = len(det.token_ids)
+        completion = CompletionOutput(
+            index=0, text=text, token_ids=token_ids,
+            cumulative_logprob=state.cumulative_logprob if state.num_logprobs is not None else None,
+            logprobs=logprobs if state.num_logprobs is not None else None,
+            finish_reason=state.finish_reason, stop_reason=state.stop_reason)
+        return RequestOutput(request_id=state.external_req_id, prompt=state.prompt,
+                             prompt_token_ids=state.prompt_token_ids, outputs=[completion],
+                             finished=finished, num_cached_tokens=state.num_cached_tokens,
+                             metrics=state.metrics)

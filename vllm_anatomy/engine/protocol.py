@@ -1,0 +1,112 @@
+"""The records that cross the frontend <-> EngineCore boundary.
+
+Mirrors vllm/v1/engine/__init__.py. These are msgspec Structs so that they go
+over a ZMQ socket as msgpack (never pickle). `array_like=True` encodes a struct
+as a positional array: smaller and faster, at the cost of field order mattering.
+"""
+from __future__ import annotations
+
+import enum
+import time
+
+import msgspec
+
+from vllm_anatomy.sampling_params import SamplingParams
+
+
+class FinishReason(enum.IntEnum):
+    """Why a request finished. An int on the wire; `str()` gives OpenAI's word."""
+    STOP = 0
+    LENGTH = 1
+    ABORT = 2
+    ERROR = 3
+    REPETITION = 4
+
+    def __str__(self) -> str:
+        return FINISH_REASON_STRINGS[self.value]
+
+
+FINISH_REASON_STRINGS = ("stop", "length", "abort", "error", "repetition")
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+    cache_salt: str | None = None
+    client_index: int = 0
+    priority: int = 0
+    # W3C trace context (traceparent / tracestate) carried across processes.
+    trace_headers: dict[str, str] | None = None
+    # The id the user gave; `request_id` may be made unique by the frontend.
+    external_req_id: str | None = None
+
+
+class EngineCoreEventType(enum.IntEnum):
+    QUEUED = 1
+    SCHEDULED = 2
+    PREEMPTED = 3
+
+
+class EngineCoreEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A timestamped request state change, on the engine process' monotonic clock."""
+    type: EngineCoreEventType
+    timestamp: float
+
+    @classmethod
+    def new_event(cls, event_type: EngineCoreEventType, timestamp: float | None = None) -> "EngineCoreEvent":
+        return cls(event_type, time.monotonic() if timestamp is None else timestamp)
+
+
+class LogprobsLists(msgspec.Struct, array_like=True, gc=False):
+    """Per sampled token: ids [sampled, top1..topk], their logprobs, and the sampled token's rank.
+
+    Row i of each list belongs to the i-th new token of the request.
+    """
+    logprob_token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    sampled_token_ranks: list[int]
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: LogprobsLists | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    events: list[EngineCoreEvent] | None = None
+    trace_headers: dict[str, str] | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class SchedulerStats(msgspec.Struct, omit_defaults=True, gc=False):
+    """A snapshot of scheduler state after a step (v1/metrics/stats.py)."""
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    step_counter: int = 0
+    current_wave: int = 0
+    kv_cache_usage: float = 0.0
+    # Prefix cache stats for this step, counted in tokens (queries, hits).
+    prefix_cache_requests: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0            # preemptions in this step
+    num_scheduled_tokens: int = 0
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    engine_index: int = 0
+    outputs: list[EngineCoreOutput] = []
+    scheduler_stats: SchedulerStats | None = None
+    timestamp: float = 0.0
+    # Ids finished in the engine this step (incl. aborted ones).
+    finished_requests: set[str] | None = None
+
+    def __post_init__(self) -> None:
+        if self.timestamp == 0.0:
+            self.timestamp = time.monotonic()

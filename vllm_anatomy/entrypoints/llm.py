@@ -1,0 +1,100 @@
+"""The offline API: `LLM(...).generate(prompts, sampling_params)`.
+
+Mirrors vllm/entrypoints/llm.py. Run:
+
+    from vllm_anatomy import LLM, SamplingParams
+    llm = LLM()                                  # the default SmolLM2-135M-Instruct
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0, max_tokens=32))
+    print(out[0].outputs[0].text)
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Sequence
+
+from tqdm.auto import tqdm
+
+from vllm_anatomy.engine.arg_utils import EngineArgs
+from vllm_anatomy.engine.input_processor import PromptType
+from vllm_anatomy.engine.llm_engine import LLMEngine
+from vllm_anatomy.outputs import RequestOutput
+from vllm_anatomy.sampling_params import SamplingParams
+from vllm_anatomy.tracing.recorder import Recorder
+
+
+class LLM:
+
+    def __init__(self, model: str | None = None, *, recorder: Recorder | None = None, **engine_args) -> None:
+        unknown = set(engine_args) - set(EngineArgs.__dataclass_fields__)
+        if unknown:
+            raise TypeError(f"Unknown engine argument(s): {', '.join(sorted(unknown))}")
+        self.engine_args = EngineArgs(model=model, **engine_args)
+        self.llm_engine = LLMEngine(self.engine_args.create_engine_config(), recorder)
+        self.request_counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def get_metrics(self) -> dict[str, float]:
+        """Cumulative counters since start-up, named like vLLM's Prometheus metrics."""
+        return dict(self.llm_engine.counters)
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"The lengths of prompts ({len(prompts)}) and "
+                                 f"sampling_params ({len(params_list)}) must be the same.")
+        # NOTE: validate every prompt before adding any, so a bad one loses nothing.
+        for p, sp in zip(prompts, params_list):
+            self.llm_engine.input_processor.process_inputs("validate", p, sp)
+        for p, sp in zip(prompts, params_list):
+            self.llm_engine.add_request(str(next(self.request_counter)), p, sp)
+        return self._run_engine(len(prompts), use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tok = self.get_tokenizer()
+        prompts = [{"prompt_token_ids": tok.apply_chat_template(conv, tokenize=True,
+                                                                add_generation_prompt=add_generation_prompt,
+                                                                return_dict=False)}
+                   for conv in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run_engine(self, num_requests: int, use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        pbar = tqdm(total=num_requests, desc="Processed prompts", dynamic_ncols=True,
+                    disable=not use_tqdm)
+        finished: dict[str, RequestOutput] = {}
+        out_tokens, start = 0, time.perf_counter()
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+                        out_tokens += len(out.outputs[0].token_ids)
+                        elapsed = max(time.perf_counter() - start, 1e-9)
+                        pbar.set_postfix_str(f"output: {out_tokens / elapsed:.1f} tok/s", refresh=False)
+                        pbar.update(1)
+        except BaseException:
+            # NOTE: an interrupted generate() must not leave requests in the engine.
+            engine.abort_request(list(engine.output_processor.request_states))
+            raise
+        finally:
+            pbar.close()
+        # Sort by request id (submission order), as vLLM does.
+        return sorted(finished.values(), key=lambda o: int(o.request_id))

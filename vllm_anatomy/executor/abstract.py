@@ -1,0 +1,51 @@
+"""Executor interface: how EngineCore reaches the workers.
+
+Mirrors vllm/v1/executor/abstract.py. EngineCore never calls a Worker
+directly: it calls the executor, which forwards a method name + arguments to
+every worker (`collective_rpc`) — a plain call in the same process
+(UniProcExecutor) or a message over shared memory (MultiprocExecutor, later).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from vllm_anatomy.config import VllmConfig
+from vllm_anatomy.core.outputs import ModelRunnerOutput
+from vllm_anatomy.core.sched.output import SchedulerOutput
+from vllm_anatomy.tracing.recorder import NullRecorder, Recorder
+
+
+class Executor:
+
+    def __init__(self, vllm_config: VllmConfig, recorder: Recorder | None = None) -> None:
+        self.vllm_config = vllm_config
+        self.recorder = recorder or NullRecorder()
+        self._init_executor()
+
+    def _init_executor(self) -> None:
+        raise NotImplementedError
+
+    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list[Any]:
+        raise NotImplementedError
+
+    def determine_num_available_blocks(self) -> int:
+        # NOTE: with several workers each reports what fits on its device;
+        # the scheduler must plan for the smallest.
+        return min(self.collective_rpc("determine_num_available_blocks"))
+
+    def initialize_from_config(self, num_gpu_blocks: int) -> None:
+        self.collective_rpc("initialize_from_config", (num_gpu_blocks,))
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> None:
+        with self.recorder.span("Executor.execute_model"):
+            self.collective_rpc("execute_model", (scheduler_output,))
+
+    def sample_tokens(self) -> ModelRunnerOutput:
+        with self.recorder.span("Executor.sample_tokens"):
+            return self.collective_rpc("sample_tokens")[0]
+
+    def snapshot(self) -> dict:
+        return self.collective_rpc("snapshot")[0]
+
+    def shutdown(self) -> None:
+        pass
