@@ -1,0 +1,111 @@
+"""Shared test helpers: build paged-attention batches by hand.
+
+`build_attn_metadata` does, for a list of requests, what
+GPUModelRunner._prepare_inputs does for a real step (positions, query_start_loc,
+seq_lens, block_table, slot_mapping). `PagedSequences` is a toy stand-in for
+scheduler + KV cache manager + runner: it hands out blocks from a *shuffled*
+free list (so block tables are non-contiguous, as in a long-running server)
+and runs the model on a flat batch of chunks. Tests use it to drive a model
+step by step without the engine.
+"""
+from __future__ import annotations
+
+import random
+from typing import Hashable, Sequence
+
+import torch
+
+from vllm_anatomy.attention.backends.abstract import PAD_SLOT_ID, AttentionMetadata
+
+
+def build_attn_metadata(query_lens: Sequence[int], seq_lens: Sequence[int],
+                        block_tables: Sequence[Sequence[int]], block_size: int,
+                        num_padded_tokens: int | None = None,
+                        device: str | torch.device = "cpu") -> tuple[torch.Tensor, AttentionMetadata]:
+    """Metadata for requests whose last query_lens[i] of seq_lens[i] tokens are new.
+
+    Returns (positions [T_padded] long, AttentionMetadata). Padding tokens (up to
+    num_padded_tokens) get position 0 and slot -1.
+    """
+    num_tokens = sum(query_lens)
+    num_padded_tokens = num_padded_tokens or num_tokens
+    positions, slot_mapping = [], []
+    for query_len, seq_len, blocks in zip(query_lens, seq_lens, block_tables):
+        assert len(blocks) * block_size >= seq_len, "not enough blocks for the sequence"
+        for pos in range(seq_len - query_len, seq_len):
+            positions.append(pos)
+            slot_mapping.append(blocks[pos // block_size] * block_size + pos % block_size)
+    pad = num_padded_tokens - num_tokens
+    positions += [0] * pad
+    slot_mapping += [PAD_SLOT_ID] * pad
+    max_blocks = max((len(b) for b in block_tables), default=0)
+    block_table = [list(b) + [0] * (max_blocks - len(b)) for b in block_tables]
+    query_start_loc = [0]
+    for query_len in query_lens:
+        query_start_loc.append(query_start_loc[-1] + query_len)
+    query_start_loc_cpu = torch.tensor(query_start_loc, dtype=torch.int32)
+    seq_lens_cpu = torch.tensor(list(seq_lens), dtype=torch.int32)
+    metadata = AttentionMetadata(
+        num_actual_tokens=num_tokens,
+        num_reqs=len(query_lens),
+        max_query_len=max(query_lens, default=0),
+        max_seq_len=max(seq_lens, default=0),
+        query_start_loc=query_start_loc_cpu.to(device),
+        seq_lens=seq_lens_cpu.to(device),
+        block_table=torch.tensor(block_table, dtype=torch.int32, device=device).reshape(
+            len(block_tables), max_blocks),                  # [R, max_blocks], 0-padded
+        slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
+        query_start_loc_cpu=query_start_loc_cpu,
+        seq_lens_cpu=seq_lens_cpu,
+    )
+    return torch.tensor(positions, dtype=torch.long, device=device), metadata
+
+
+def allocate_kv_caches(model, num_blocks: int, block_size: int) -> list[torch.Tensor]:
+    """One zeroed cache per layer, in the layout of the model's attention backend."""
+    shape = model.attn_backend.get_kv_cache_shape(num_blocks, block_size, model.num_kv_heads,
+                                                  model.head_dim)
+    weight = model.lm_head.weight
+    return [torch.zeros(shape, dtype=weight.dtype, device=weight.device)
+            for _ in range(model.num_layers)]
+
+
+class PagedSequences:
+    """Sequences sharing one paged KV cache; `step` runs one flat batch of chunks."""
+
+    def __init__(self, model, num_blocks: int, block_size: int = 16, seed: int = 0) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.kv_caches = allocate_kv_caches(model, num_blocks, block_size)
+        self.free_blocks = list(range(num_blocks))
+        random.Random(seed).shuffle(self.free_blocks)
+        self.block_ids: dict[Hashable, list[int]] = {}
+        self.num_computed_tokens: dict[Hashable, int] = {}
+
+    def step(self, chunks: Sequence[tuple[Hashable, Sequence[int]]]) -> list[torch.Tensor]:
+        """chunks: (seq_id, new token ids) per request, in batch order.
+
+        Each chunk continues its sequence where the previous step left it (its
+        context is already in the cache). Returns each chunk's logits
+        [len(chunk), V] (float32) — every position, not just the last one.
+        """
+        query_lens, seq_lens, block_tables, input_ids = [], [], [], []
+        for seq_id, token_ids in chunks:
+            num_computed = self.num_computed_tokens.get(seq_id, 0)
+            seq_len = num_computed + len(token_ids)
+            blocks = self.block_ids.setdefault(seq_id, [])
+            while len(blocks) * self.block_size < seq_len:
+                blocks.append(self.free_blocks.pop())
+            query_lens.append(len(token_ids))
+            seq_lens.append(seq_len)
+            block_tables.append(blocks)
+            input_ids.extend(token_ids)
+            self.num_computed_tokens[seq_id] = seq_len
+        device = self.kv_caches[0].device
+        positions, metadata = build_attn_metadata(query_lens, seq_lens, block_tables,
+                                                  self.block_size, device=device)
+        input_ids = torch.tensor(input_ids, dtype=torch.long, device=device)
+        with torch.inference_mode():
+            hidden_states = self.model(input_ids, positions, self.kv_caches, metadata)
+            logits = self.model.compute_logits(hidden_states)       # [T, V]
+        return list(logits.split(query_lens))

@@ -1,0 +1,46 @@
+"""RMSNorm, with the fused "add residual, then normalize" variant.
+
+Mirrors vllm/model_executor/layers/layernorm.py (RMSNorm.forward_native).
+vLLM fuses the residual add into the norm (one CUDA kernel, `fused_add_rms_norm`);
+here it is plain torch, but the calling convention is the same:
+
+    x = norm(x)                       # first layer: no residual yet
+    x, residual = norm(x, residual)   # later: x + residual is normalized, and
+                                      # the sum is handed back as the new residual
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.variance_epsilon = eps
+        # NOTE: torch.empty, not ones: every weight is overwritten by load_weights;
+        # a norm left at its init value would hide a missing checkpoint tensor.
+        self.weight = nn.Parameter(torch.empty(hidden_size))
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        # x: [..., hidden_size]
+        if residual is not None:
+            x = x + residual
+            residual = x
+        orig_dtype = x.dtype
+        # NOTE: the mean of squares is taken in fp32 even for bf16 activations:
+        # a sum of 576+ squares loses too much in bf16. The result is cast back
+        # *before* multiplying by the weight, exactly as transformers does, so
+        # that our bf16 numbers match theirs.
+        x32 = x.float()
+        variance = x32.pow(2).mean(dim=-1, keepdim=True)
+        x = (x32 * torch.rsqrt(variance + self.variance_epsilon)).to(orig_dtype)
+        x = self.weight * x
+        return x if residual is None else (x, residual)
+
+    def extra_repr(self) -> str:
+        return f"hidden_size={self.hidden_size}, eps={self.variance_epsilon}"

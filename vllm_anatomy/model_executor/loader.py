@@ -1,0 +1,103 @@
+"""Load a model from a local HF-style directory: config.json + *.safetensors.
+
+Mirrors vllm/model_executor/model_loader/ (get_model, DefaultModelLoader,
+utils.set_default_torch_dtype, weight_utils.safetensors_weights_iterator).
+The order is vLLM's:
+  1. read config.json and pick the model class from `architectures`;
+  2. build the model *directly* on the target device and dtype, with empty
+     (uninitialised) parameters — no random init, no fp32 copy on the host;
+  3. stream the checkpoint tensors, shard by shard, into model.load_weights,
+     which packs q/k/v and gate/up as they arrive;
+  4. check that every parameter was loaded, then eval().
+Nothing is downloaded: the directory must exist (see default_model.py for the
+default SmolLM2 model, converted once from its GGUF).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from vllm_anatomy.attention.selector import get_attn_backend
+from vllm_anatomy.config import ModelConfig
+from vllm_anatomy.model_executor.models.llama import resolve_model_cls
+
+
+def get_model(model_config: ModelConfig, backend: str = "torch") -> nn.Module:
+    model_dir = Path(model_config.model)
+    if not model_config.hf_config:
+        model_config.hf_config = load_hf_config(model_dir)
+    hf_config = model_config.hf_config
+    model_cls = resolve_model_cls(hf_config)
+    max_position = hf_config.get("max_position_embeddings")
+    if max_position is not None and model_config.max_model_len > max_position:
+        # NOTE: the RoPE table has max_position_embeddings rows; a longer
+        # sequence would index past it. vLLM refuses this at config time too.
+        raise ValueError(f"max_model_len={model_config.max_model_len} exceeds the model's "
+                         f"max_position_embeddings={max_position}")
+    attn_backend = get_attn_backend(backend)
+    dtype = _resolve_dtype(model_config.dtype)
+    with set_default_torch_dtype(dtype), torch.device(model_config.device):
+        model = model_cls(hf_config, attn_backend)
+    weights = safetensors_weights_iterator(get_safetensors_files(model_dir))
+    with torch.no_grad():
+        loaded = model.load_weights(weights)
+    missing = {name for name, _ in model.named_parameters()} - loaded
+    if missing:
+        raise ValueError(f"{model_dir}: checkpoint lacks weights for {sorted(missing)[:8]}"
+                         f"{' ...' if len(missing) > 8 else ''}")
+    return model.eval()
+
+
+def load_hf_config(model_dir: str | Path) -> dict:
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: --model must be a local HF-style directory")
+    return json.loads(path.read_text())
+
+
+def get_safetensors_files(model_dir: str | Path) -> list[Path]:
+    """The checkpoint shards: from model.safetensors.index.json if present, else *.safetensors."""
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [model_dir / f for f in sorted(set(weight_map.values()))]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {model_dir}")
+    return files
+
+
+def safetensors_weights_iterator(files: Iterable[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    # NOTE: one tensor at a time, so peak host memory is one shard's mmap plus
+    # one tensor, never a second full copy of the model.
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+@contextlib.contextmanager
+def set_default_torch_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Parameters created inside get this dtype (vLLM: model_loader/utils.py)."""
+    old_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old_dtype)
+
+
+def _resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    resolved = getattr(torch, str(dtype), None)
+    if not isinstance(resolved, torch.dtype):
+        raise ValueError(f"unknown dtype {dtype!r}")
+    return resolved
