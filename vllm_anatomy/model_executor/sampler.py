@@ -1,0 +1,143 @@
+"""Sampler: logits of the batch's last tokens -> one new token id per row.
+
+Mirrors vllm/v1/sample/sampler.py (Sampler), with the top-k/top-p step of
+vllm/v1/sample/ops/topk_topp_sampler.py. The order of operations is vLLM's:
+
+    1. raw logprobs, if any row asked for logprobs (before anything changes the logits)
+    2. logits -> float32
+    3. greedy rows: argmax; if every row is greedy, done
+    4. temperature
+    5. min-p
+    6. top-k / top-p
+    7. sample (seeded rows with their own generator)
+    8. gather the logprobs of the sampled token and of the top-n tokens, with its rank
+
+Simplified here: no penalties, logit bias, allowed/bad words, logits
+processors, structured-output bitmask, or spec-decode rejection sampler.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from vllm_anatomy.model_executor.sampling_metadata import SamplingMetadata
+from vllm_anatomy.sampling_params import _SAMPLING_EPS
+
+
+class LogprobsTensors(NamedTuple):
+    """(vLLM keeps this in v1/outputs.py.) Column 0 is the sampled token, then the top-n."""
+    logprob_token_ids: torch.Tensor    # [R, 1 + max_num_logprobs] int64
+    logprobs: torch.Tensor             # [R, 1 + max_num_logprobs] float32
+    selected_token_ranks: torch.Tensor  # [R] int64, 1 = the most likely token
+
+
+class SamplerOutput(NamedTuple):
+    sampled_token_ids: torch.Tensor    # [R] int64
+    logprobs_tensors: LogprobsTensors | None
+
+
+class Sampler(nn.Module):
+
+    def forward(self, logits: torch.Tensor, sampling_metadata: SamplingMetadata) -> SamplerOutput:
+        """logits [R, V] (not modified) -> SamplerOutput."""
+        num_logprobs = sampling_metadata.max_num_logprobs
+        # NOTE: vLLM's default logprobs mode is "raw": the model's own
+        # distribution, before temperature / top-k / top-p reshape it.
+        raw_logprobs = self.compute_logprobs(logits) if num_logprobs is not None else None
+        logits = logits.to(torch.float32)
+        sampled = self.sample(logits, sampling_metadata)
+        logprobs_tensors = None
+        if raw_logprobs is not None:
+            logprobs_tensors = self.gather_logprobs(raw_logprobs, num_logprobs, sampled)
+        return SamplerOutput(sampled, logprobs_tensors)
+
+    @staticmethod
+    def compute_logprobs(logits: torch.Tensor) -> torch.Tensor:
+        return logits.log_softmax(dim=-1, dtype=torch.float32)
+
+    def sample(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        greedy_sampled = None if md.all_random else logits.argmax(dim=-1)     # [R]
+        if md.all_greedy:
+            return greedy_sampled
+        assert md.temperature is not None
+        logits = self.apply_temperature(logits, md.temperature)   # a new tensor from here on
+        if md.min_p is not None:
+            logits = apply_min_p(logits, md.min_p)
+        logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
+        probs = logits.softmax(dim=-1, dtype=torch.float32)                   # [R, V]
+        random_sampled = random_sample(probs, md.generators)
+        if greedy_sampled is None:
+            return random_sampled
+        # Mixed batch: both were computed for every row; each row keeps its own kind.
+        return torch.where(md.temperature < _SAMPLING_EPS, greedy_sampled, random_sampled)
+
+    @staticmethod
+    def apply_temperature(logits: torch.Tensor, temp: torch.Tensor) -> torch.Tensor:
+        # Greedy rows carry temperature 0; divide them by 1 instead (their
+        # random sample is discarded anyway) to avoid inf/nan.
+        temp = torch.where(temp < _SAMPLING_EPS, 1.0, temp)
+        return logits / temp.unsqueeze(1)                                     # [R, V]
+
+    @staticmethod
+    def gather_logprobs(logprobs: torch.Tensor, num_logprobs: int,
+                        token_ids: torch.Tensor) -> LogprobsTensors:
+        """logprobs [R, V], token_ids [R] -> the sampled token's logprob and rank + the top-n."""
+        token_ids = token_ids.long().unsqueeze(-1)                            # [R, 1]
+        token_logprobs = logprobs.gather(-1, token_ids)                       # [R, 1]
+        # Rank = how many tokens are at least as likely as the sampled one
+        # (1 = the most likely), counted the way vLLM counts it.
+        ranks = (logprobs >= token_logprobs).sum(dim=-1)                      # [R]
+        topk_logprobs, topk_ids = logprobs.topk(num_logprobs, dim=-1)         # [R, n]
+        return LogprobsTensors(torch.cat([token_ids, topk_ids], dim=1),
+                               torch.cat([token_logprobs, topk_logprobs], dim=1),
+                               ranks)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose probability is below min_p x (the row's top probability)."""
+    probs = logits.softmax(dim=-1)                                            # [R, V]
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)         # [R, 1]
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None,
+                      p: torch.Tensor | None) -> torch.Tensor:
+    """Keep each row's k most likely tokens, then the smallest prefix holding mass p.
+
+    k [R] (vocab_size = off), p [R] (1.0 = off); None skips the step for all rows.
+    """
+    if k is None and p is None:
+        return logits
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)          # [R, V]
+    if k is not None:
+        col = torch.arange(logits.shape[-1], device=logits.device)            # [V]
+        sorted_logits = sorted_logits.masked_fill(col >= k.unsqueeze(1).long(), float("-inf"))
+    if p is not None:
+        probs = sorted_logits.softmax(dim=-1)
+        # Mass of the tokens ranked *before* each one. NOTE: the top token has
+        # 0 there, so at least one token always survives (p > 0).
+        mass_before = probs.cumsum(dim=-1) - probs
+        sorted_logits = sorted_logits.masked_fill(mass_before >= p.unsqueeze(1), float("-inf"))
+    # Undo the sort: put every (possibly -inf) logit back at its token id.
+    return torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
+
+
+def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """Sample one token per row from probs [R, V] -> [R].
+
+    NOTE: argmax(probs / E) with E ~ Exp(1) i.i.d. picks token i with
+    probability probs[i] (the "exponential race": the winner of independent
+    exponential clocks with rates probs[i]). It needs no cumsum/searchsorted
+    and, crucially, each row's noise can come from that row's own generator:
+    a seeded request draws exactly V numbers from its generator per step,
+    whatever else is in the batch and whichever row it occupies, so its
+    samples are reproducible across batch compositions.
+    """
+    q = torch.empty_like(probs)
+    if len(generators) != probs.shape[0]:
+        q.exponential_()                          # unseeded rows: the global RNG
+    for i, generator in generators.items():
+        q[i].exponential_(generator=generator)    # seeded rows: their own stream
+    return probs.div(q).argmax(dim=-1)                                        # [R]

@@ -1,0 +1,36 @@
+"""SamplingMetadata: the batch's sampling parameters as tensors, one entry per row.
+
+Mirrors vllm/v1/sample/metadata.py. Built by InputBatch.refresh_metadata() from
+its persistent per-row arrays and read by the Sampler.
+
+NOTE: a tensor is None when no row of the batch uses that feature ("all
+default"), so the Sampler can skip the whole operation instead of running it
+with neutral values (top_p = 1.0 everywhere still costs a full sort).
+
+Simplified here: no penalties, logit bias, allowed/bad words, logits
+processors, or prompt logprobs. min_p is a field (as in older vLLM), not a
+logits processor.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SamplingMetadata:
+    # [R] float32; 0.0 for greedy rows. None when every row is greedy.
+    temperature: torch.Tensor | None
+    all_greedy: bool
+    all_random: bool
+    # [R] float32 in (0, 1]; None when no row uses top-p (1.0 = off for a row).
+    top_p: torch.Tensor | None
+    # [R] int32; vocab_size for rows without top-k. None when no row uses it.
+    top_k: torch.Tensor | None
+    # [R] float32 in [0, 1]; None when no row uses min-p (0.0 = off for a row).
+    min_p: torch.Tensor | None
+    # batch row -> that request's own torch.Generator (requests with a seed).
+    generators: dict[int, torch.Generator]
+    # Largest `logprobs` asked for in the batch; None when nobody asked.
+    max_num_logprobs: int | None

@@ -1,0 +1,140 @@
+"""BlockTable: each batch row's list of physical KV-cache blocks, and slot_mapping.
+
+Mirrors vllm/v1/worker/block_table.py (BlockTable; MultiGroupBlockTable is not
+needed: we have a single KV-cache group, full attention).
+
+Row r of `block_table` holds the block ids of the request in InputBatch row r:
+logical block j of that request lives in physical block `block_table[r, j]`.
+From it comes `slot_mapping`: for every token scheduled this step, the flat
+slot of the paged KV cache its key/value must be written to:
+
+    slot = block_table[req, pos // block_size] * block_size + pos % block_size
+
+NOTE: block ids arrive from the scheduler as plain integers (SchedulerOutput);
+the worker never sees KVCacheBlock objects. The scheduler owns *which* blocks a
+request has; this table only mirrors that, indexed by batch row.
+
+Simplified here: no context parallelism (DCP/PCP interleaving), no hybrid
+groups, no 128-token width rounding. vLLM computes slot_mapping with a Triton
+kernel on the GPU; here it is numpy on the CPU (`compute_slot_mapping`), the
+seam where a kernel can replace it.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from vllm_anatomy.attention.backends.abstract import PAD_SLOT_ID
+
+
+class BlockTable:
+
+    def __init__(self, block_size: int, max_num_reqs: int, max_num_blocks_per_req: int,
+                 max_num_batched_tokens: int, device: torch.device | str,
+                 pin_memory: bool = False) -> None:
+        self.block_size = block_size
+        self.max_num_reqs = max_num_reqs
+        self.max_num_blocks_per_req = max_num_blocks_per_req
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.device = torch.device(device)
+
+        # [max_num_reqs, max_num_blocks_per_req] int32, on the device (read by kernels)
+        # and on the CPU (edited here), with a numpy view of the CPU tensor.
+        shape = (max_num_reqs, max_num_blocks_per_req)
+        self.block_table = torch.zeros(shape, dtype=torch.int32, device=self.device)
+        self.block_table_cpu = torch.zeros(shape, dtype=torch.int32, device="cpu",
+                                           pin_memory=pin_memory)
+        self.block_table_np = self.block_table_cpu.numpy()
+        self.num_blocks_per_row = np.zeros(max_num_reqs, dtype=np.int32)
+
+        # [max_num_batched_tokens] int64: one slot per scheduled token.
+        self.slot_mapping_cpu = torch.full((max_num_batched_tokens,), PAD_SLOT_ID,
+                                           dtype=torch.int64, device="cpu", pin_memory=pin_memory)
+        self.slot_mapping_np = self.slot_mapping_cpu.numpy()
+        self.slot_mapping = torch.full((max_num_batched_tokens,), PAD_SLOT_ID,
+                                       dtype=torch.int64, device=self.device)
+
+    # -- row edits (CPU only; the device copy is refreshed by commit_block_table) --
+    def append_row(self, block_ids: list[int], row_idx: int) -> None:
+        """Add newly allocated blocks to the end of a row."""
+        if not block_ids:
+            return
+        start = int(self.num_blocks_per_row[row_idx])
+        end = start + len(block_ids)
+        if end > self.max_num_blocks_per_req:
+            raise ValueError(f"row {row_idx}: {end} blocks exceed max_num_blocks_per_req="
+                             f"{self.max_num_blocks_per_req}")
+        self.block_table_np[row_idx, start:end] = block_ids
+        self.num_blocks_per_row[row_idx] = end
+
+    def add_row(self, block_ids: list[int], row_idx: int) -> None:
+        """Start a row afresh (a new or re-added request)."""
+        self.num_blocks_per_row[row_idx] = 0
+        self.append_row(block_ids, row_idx)
+
+    def clear_row(self, row_idx: int) -> None:
+        self.num_blocks_per_row[row_idx] = 0
+        self.block_table_np[row_idx] = 0
+
+    def move_row(self, src: int, tgt: int) -> None:
+        """Copy row `src` into row `tgt` and empty `src` (InputBatch.condense)."""
+        n = int(self.num_blocks_per_row[src])
+        self.block_table_np[tgt, :n] = self.block_table_np[src, :n]
+        self.num_blocks_per_row[tgt] = n
+        self.clear_row(src)
+
+    def swap_row(self, src: int, tgt: int) -> None:
+        """Exchange two rows (InputBatch.swap_states)."""
+        self.num_blocks_per_row[[src, tgt]] = self.num_blocks_per_row[[tgt, src]]
+        # NOTE: fancy indexing on the right makes a copy, so this is a true swap.
+        self.block_table_np[[src, tgt]] = self.block_table_np[[tgt, src]]
+
+    # -- CPU -> device --------------------------------------------------------
+    def commit_block_table(self, num_reqs: int) -> None:
+        """Copy the first `num_reqs` rows to the device.
+
+        NOTE: called first in _prepare_inputs so that this host-to-device copy
+        (non_blocking, from pinned memory on CUDA) overlaps the numpy work that
+        follows; nothing waits for it on the CPU.
+        """
+        self.block_table[:num_reqs].copy_(self.block_table_cpu[:num_reqs], non_blocking=True)
+
+    def compute_slot_mapping(self, req_indices: np.ndarray, positions: np.ndarray) -> None:
+        """Fill slot_mapping_np for tokens whose (batch row, position) are given.
+
+        req_indices, positions: [T] numpy arrays (T = scheduled tokens this step).
+        Entries past T are PAD_SLOT_ID (-1): a padded batch (CUDA graphs) has
+        tokens that must not write into any real slot, and the KV write skips -1.
+        """
+        num_tokens = req_indices.shape[0]
+        # Index into the flattened table: row r, logical block b -> r * width + b.
+        block_table_indices = (req_indices * self.max_num_blocks_per_req
+                               + positions // self.block_size)                 # [T]
+        block_numbers = self.block_table_np.ravel()[block_table_indices]     # [T]
+        block_offsets = positions % self.block_size                          # [T]
+        np.add(block_numbers.astype(np.int64) * self.block_size, block_offsets,
+               out=self.slot_mapping_np[:num_tokens])
+        self.slot_mapping_np[num_tokens:] = PAD_SLOT_ID
+
+    def commit_slot_mapping(self, num_tokens: int) -> None:
+        """Copy the first `num_tokens` slots to the device.
+
+        Pass the number of tokens the kernels will see: with a padded batch
+        (CUDA graphs) that is more than were scheduled, and the extra entries
+        are the -1 padding written by compute_slot_mapping.
+        """
+        self.slot_mapping[:num_tokens].copy_(self.slot_mapping_cpu[:num_tokens], non_blocking=True)
+
+    def get_device_tensor(self, num_reqs: int) -> torch.Tensor:
+        return self.block_table[:num_reqs]                    # [R, max_num_blocks_per_req]
+
+    def snapshot(self, num_reqs: int | None = None) -> dict:
+        """Plain data: each row's block ids (rows [0, num_reqs), default all non-empty rows)."""
+        if num_reqs is None:
+            nonzero = np.nonzero(self.num_blocks_per_row)[0]
+            num_reqs = int(nonzero[-1]) + 1 if len(nonzero) else 0
+        rows = [self.block_table_np[r, :self.num_blocks_per_row[r]].tolist()
+                for r in range(num_reqs)]
+        return {"block_size": self.block_size,
+                "max_num_blocks_per_req": self.max_num_blocks_per_req,
+                "rows": rows}

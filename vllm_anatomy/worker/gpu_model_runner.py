@@ -1,0 +1,404 @@
+"""GPUModelRunner: one SchedulerOutput in, one forward pass and one sampled token per request out.
+
+Mirrors vllm/v1/worker/gpu_model_runner.py — the "V1" runner with the
+persistent InputBatch that the article follows. A step is two calls:
+
+    execute_model(scheduler_output) -> None
+        _update_states   mirror the scheduler's decisions into CachedRequestState / InputBatch
+        _prepare_inputs  flatten the batch: input_ids, positions, query_start_loc,
+                         seq_lens, slot_mapping (the "translation layer" of the article)
+        _model_forward   the model on the flat batch, writing K/V into the paged cache
+        compute_logits   only at logits_indices (the last scheduled token of each request)
+    sample_tokens() -> ModelRunnerOutput
+        Sampler, then _bookkeeping_sync: the step's one CPU-waits-for-device point.
+
+NOTE: execute_model returns None. On a GPU everything it did was only
+*enqueued*; returning lets the caller (EngineCore) do CPU work — in vLLM the
+structured-output grammar bitmask — while the device runs the forward pass.
+
+Simplified here: no spec decode, LoRA, multimodal, pooling, pipeline
+parallelism, structured output, CUDA graphs (yet) or async scheduling; the
+scheduler runs synchronously, so sampled tokens come back every step.
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from vllm_anatomy.attention.backends.abstract import AttentionMetadata
+from vllm_anatomy.config import VllmConfig
+from vllm_anatomy.core.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+from vllm_anatomy.core.sched.output import SchedulerOutput
+from vllm_anatomy.engine.protocol import LogprobsLists
+from vllm_anatomy.model_executor.loader import get_model, load_hf_config
+from vllm_anatomy.model_executor.sampler import Sampler, SamplerOutput
+from vllm_anatomy.model_executor.sampling_metadata import SamplingMetadata
+from vllm_anatomy.tracing.recorder import NullRecorder, Recorder
+from vllm_anatomy.worker.gpu_input_batch import CachedRequestState, InputBatch
+
+
+class ExecuteModelState(NamedTuple):
+    """What execute_model leaves for sample_tokens."""
+    scheduler_output: SchedulerOutput
+    logits: torch.Tensor | None          # [R, V] float32; None for a step with no tokens
+    discard_request_indices: np.ndarray  # rows whose sampled token is thrown away
+
+
+class GPUModelRunner:
+
+    def __init__(self, vllm_config: VllmConfig, device: torch.device | str,
+                 recorder: Recorder = NullRecorder(), attn_backend: str = "torch") -> None:
+        self.vllm_config = vllm_config
+        self.model_config = mc = vllm_config.model_config
+        self.cache_config = vllm_config.cache_config
+        self.scheduler_config = sc = vllm_config.scheduler_config
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.recorder = recorder
+        self.attn_backend_name = attn_backend
+        self.pin_memory = self.device.type == "cuda"
+        self.max_model_len = mc.max_model_len
+        self.max_num_tokens = sc.max_num_batched_tokens
+        self.max_num_reqs = sc.max_num_seqs
+        self.block_size = self.cache_config.block_size
+        if not mc.hf_config:
+            mc.hf_config = load_hf_config(mc.model)
+
+        self.requests: dict[str, CachedRequestState] = {}
+        self.input_batch = InputBatch(self.max_num_reqs, self.max_model_len, self.max_num_tokens,
+                                      self.device, self.pin_memory, mc.hf_config["vocab_size"],
+                                      self.block_size)
+        self.sampler = Sampler()
+        self.model: torch.nn.Module | None = None
+        self.kv_caches: list[torch.Tensor] = []
+        self.execute_model_state: ExecuteModelState | None = None
+        self.last_prepare_inputs: dict | None = None
+        self.discard_request_indices = np.empty(0, dtype=np.int64)
+
+        # Persistent buffers, reused every step: CPU tensor + numpy view + device tensor.
+        self.input_ids_cpu, self.input_ids_np, self.input_ids = self._buffer(self.max_num_tokens, torch.int64)
+        self.positions_cpu, self.positions_np, self.positions = self._buffer(self.max_num_tokens, torch.int64)
+        self.query_start_loc_cpu, self.query_start_loc_np, self.query_start_loc = \
+            self._buffer(self.max_num_reqs + 1, torch.int32)
+        self.seq_lens_cpu, self.seq_lens_np, self.seq_lens = self._buffer(self.max_num_reqs, torch.int32)
+        self.arange_np = np.arange(max(self.max_num_reqs + 1, self.max_model_len, self.max_num_tokens),
+                                   dtype=np.int64)
+        self.sampled_token_ids_pinned_cpu = torch.zeros(self.max_num_reqs, dtype=torch.int64,
+                                                        pin_memory=self.pin_memory)
+        self.transfer_event = torch.cuda.Event() if self.device.type == "cuda" else None
+
+    def _buffer(self, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, np.ndarray, torch.Tensor]:
+        cpu = torch.zeros(n, dtype=dtype, pin_memory=self.pin_memory)
+        return cpu, cpu.numpy(), torch.zeros(n, dtype=dtype, device=self.device)
+
+    # -- start-up -------------------------------------------------------------------
+    def load_model(self) -> None:
+        with self.recorder.span("GPUModelRunner.load_model"):
+            self.model = get_model(self.model_config, backend=self.attn_backend_name).to(self.device)
+
+    def get_kv_cache_bytes_per_block(self) -> int:
+        """Bytes one block takes summed over all layers (K and V)."""
+        m = self.model
+        shape = m.attn_backend.get_kv_cache_shape(1, self.block_size, m.num_kv_heads, m.head_dim)
+        itemsize = next(m.parameters()).element_size()
+        return math.prod(shape) * itemsize * m.num_layers
+
+    @torch.inference_mode()
+    def determine_num_available_blocks(self) -> int:
+        with self.recorder.span("GPUModelRunner.determine_num_available_blocks"):
+            if self.cache_config.num_gpu_blocks_override is not None:
+                return self.cache_config.num_gpu_blocks_override
+            bytes_per_block = self.get_kv_cache_bytes_per_block()
+            if self.device.type != "cuda":
+                # NOTE: no device memory to measure on a CPU: a fixed byte budget.
+                return self.cache_config.cpu_kv_cache_space_bytes // bytes_per_block
+            return self._profile_num_gpu_blocks(bytes_per_block)
+
+    def _profile_num_gpu_blocks(self, bytes_per_block: int) -> int:
+        """KV blocks that fit in gpu_memory_utilization x total, after a worst-case dummy step.
+
+        NOTE: the dummy step (max_num_batched_tokens tokens, max_num_seqs
+        logits rows through the sampler) finds the activation peak; the KV cache
+        gets what is left of the budget after weights, that peak, and memory the
+        torch allocator does not see (CUDA context, other processes).
+        """
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._dummy_run(self.max_num_tokens)
+        torch.cuda.synchronize(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        non_torch = (total - free) - torch.cuda.memory_reserved(self.device)
+        available = total * self.cache_config.gpu_memory_utilization - peak - non_torch
+        num_blocks = int(available // bytes_per_block)
+        if num_blocks <= 0:
+            raise RuntimeError(f"no memory left for the KV cache (available {available / 2**30:.2f} GiB): "
+                               "raise gpu_memory_utilization or lower max_num_batched_tokens")
+        return num_blocks
+
+    def _dummy_run(self, num_tokens: int) -> None:
+        """A forward without KV cache (attention returns zeros) + a sampler pass, for profiling."""
+        input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        positions = torch.arange(num_tokens, device=self.device) % self.max_model_len
+        hidden = self.model(input_ids, positions, [], None)                   # [T, H]
+        num_reqs = min(self.max_num_reqs, num_tokens)
+        logits = self.model.compute_logits(hidden[:num_reqs])                 # [R, V]
+        full = lambda v, dt: torch.full((num_reqs,), v, dtype=dt, device=self.device)  # noqa: E731
+        self.sampler(logits, SamplingMetadata(full(1.0, torch.float32), False, True,
+                                              full(0.9, torch.float32), full(20, torch.int32),
+                                              None, {}, 20))
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """One tensor per layer, [2, num_blocks, block_size, num_kv_heads, head_dim]."""
+        with self.recorder.span("GPUModelRunner.initialize_kv_cache", num_blocks=num_blocks):
+            m = self.model
+            shape = m.attn_backend.get_kv_cache_shape(num_blocks, self.block_size, m.num_kv_heads, m.head_dim)
+            dtype = next(m.parameters()).dtype
+            self.kv_caches = [torch.zeros(shape, dtype=dtype, device=self.device)
+                              for _ in range(m.num_layers)]
+
+    # -- one step: execute_model -------------------------------------------------------
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> None:
+        if self.execute_model_state is not None:
+            raise RuntimeError("execute_model called again before sample_tokens consumed the previous step")
+        num_tokens = scheduler_output.total_num_scheduled_tokens
+        with self.recorder.span("GPUModelRunner.execute_model", **{
+                "vllm_anatomy.step_id": scheduler_output.step_id,
+                "vllm_anatomy.num_scheduled_tokens": num_tokens}):
+            with self.recorder.span("GPUModelRunner._update_states"):
+                self._update_states(scheduler_output)
+            if not num_tokens:
+                # Nothing to run (e.g. every request finished): sample_tokens returns EMPTY.
+                self.execute_model_state = ExecuteModelState(scheduler_output, None, np.empty(0, np.int64))
+                return None
+            with self.recorder.span("GPUModelRunner._prepare_inputs"):
+                attn_metadata, logits_indices = self._prepare_inputs(scheduler_output)
+            with self.recorder.span("GPUModelRunner._model_forward"):
+                hidden_states = self._model_forward(num_tokens, attn_metadata)  # [T, H]
+            with self.recorder.span("GPUModelRunner.compute_logits"):
+                logits = self.model.compute_logits(hidden_states[logits_indices])  # [R, V]
+            self.execute_model_state = ExecuteModelState(scheduler_output, logits,
+                                                         self.discard_request_indices)
+        return None
+
+    def _update_states(self, scheduler_output: SchedulerOutput) -> None:
+        batch = self.input_batch
+        # 1. Finished requests: forget them entirely.
+        for req_id in scheduler_output.finished_req_ids:
+            self.requests.pop(req_id, None)
+            batch.remove_request(req_id)
+        # 3. Rows not scheduled this step (preempted, or skipped for lack of
+        # budget) leave the batch, but their CachedRequestState stays: they
+        # will be scheduled again and come back as cached requests.
+        scheduled = scheduler_output.num_scheduled_tokens
+        for req_id in [r for r in batch.req_id_to_index if r not in scheduled]:
+            batch.remove_request(req_id)
+        # 4. New requests.
+        reqs_to_add: list[CachedRequestState] = []
+        for new_req in scheduler_output.scheduled_new_reqs:
+            sp = new_req.sampling_params
+            generator = None
+            if sp.seed is not None and not sp.sampling_type_greedy:
+                generator = torch.Generator(device=self.device)
+                generator.manual_seed(sp.seed)
+            # NOTE: copy the block-id lists: we extend them in place later, and
+            # in-process (UniProcExecutor) they may be the scheduler's own lists.
+            state = CachedRequestState(new_req.req_id, new_req.prompt_token_ids, sp, generator,
+                                       tuple(list(ids) for ids in new_req.block_ids),
+                                       new_req.num_computed_tokens)
+            self.requests[new_req.req_id] = state
+            reqs_to_add.append(state)
+        # 5. Requests we already know: a diff.
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self.requests[req_id]
+            state.num_computed_tokens = cached.num_computed_tokens[i]
+            new_block_ids = cached.new_block_ids[i]
+            resumed = req_id in cached.resumed_req_ids
+            if resumed:
+                # NOTE: preemption freed all its blocks; the new ones *replace* them.
+                state.block_ids = tuple(list(ids) for ids in new_block_ids)
+                token_ids = cached.resumed_req_token_ids[i]
+                if token_ids is not None:
+                    state.output_token_ids = list(token_ids[state.num_prompt_tokens:])
+            elif new_block_ids is not None:
+                for ids, new_ids in zip(state.block_ids, new_block_ids):
+                    ids.extend(new_ids)
+            row = batch.req_id_to_index.get(req_id)
+            if row is None:                      # was evicted from the batch: re-add whole
+                reqs_to_add.append(state)
+                continue
+            batch.num_computed_tokens_cpu[row] = state.num_computed_tokens
+            if resumed:
+                batch.block_table.add_row(state.block_ids[0], row)
+            elif new_block_ids is not None:
+                batch.block_table.append_row(new_block_ids[0], row)
+        # 6. Fill the holes (lowest first), close the rest, refresh sampling tensors.
+        for state in reqs_to_add:
+            batch.add_request(state)
+        batch.condense()
+        batch.refresh_metadata()
+
+    def _get_cumsum_and_arange(self, num_tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """[2, 5, 3] -> cu_num_tokens [2, 7, 10], arange [0, 1, 0, 1, 2, 3, 4, 0, 1, 2]."""
+        cu_num_tokens = np.cumsum(num_tokens)                                  # [R]
+        starts = np.repeat(cu_num_tokens - num_tokens, num_tokens)            # [T] each token's request start
+        return cu_num_tokens, self.arange_np[:cu_num_tokens[-1]] - starts     # [R], [T]
+
+    def _prepare_inputs(self, scheduler_output: SchedulerOutput) -> tuple[AttentionMetadata, torch.Tensor]:
+        """Flatten the batch into the model's inputs; return (attn_metadata, logits_indices)."""
+        batch = self.input_batch
+        num_reqs = batch.num_reqs
+        total = scheduler_output.total_num_scheduled_tokens
+        # NOTE: first, so this host-to-device copy overlaps the numpy work below.
+        batch.block_table.commit_block_table(num_reqs)
+
+        num_scheduled = np.array([scheduler_output.num_scheduled_tokens[r] for r in batch.req_ids],
+                                 dtype=np.int32)                               # [R]
+        assert num_scheduled.sum() == total, "rows and num_scheduled_tokens disagree"
+        req_indices = np.repeat(self.arange_np[:num_reqs], num_scheduled)     # [T] row of each token
+        cu_num_tokens, arange = self._get_cumsum_and_arange(num_scheduled)    # [R], [T]
+        positions_np = self.positions_np[:total]
+        np.add(batch.num_computed_tokens_cpu[req_indices], arange, out=positions_np)   # [T]
+        # token_ids_cpu is [max_num_reqs, max_model_len]; flattened, (row, pos) is row * max_model_len + pos.
+        token_indices = positions_np + req_indices * self.max_model_len       # [T]
+        self.input_ids_np[:total] = batch.token_ids_cpu.ravel()[token_indices]
+
+        self.query_start_loc_np[0] = 0
+        self.query_start_loc_np[1:num_reqs + 1] = cu_num_tokens
+        # NOTE: padded with the last value so the array stays non-decreasing.
+        self.query_start_loc_np[num_reqs + 1:] = total
+        self.seq_lens_np[:num_reqs] = batch.num_computed_tokens_cpu[:num_reqs] + num_scheduled
+        self.seq_lens_np[num_reqs:] = 0
+        batch.block_table.compute_slot_mapping(req_indices, positions_np)
+        batch.block_table.commit_slot_mapping(total)
+
+        for cpu, dev, n in ((self.input_ids_cpu, self.input_ids, total),
+                            (self.positions_cpu, self.positions, total),
+                            (self.query_start_loc_cpu, self.query_start_loc, num_reqs + 1),
+                            (self.seq_lens_cpu, self.seq_lens, num_reqs)):
+            dev[:n].copy_(cpu[:n], non_blocking=True)
+
+        # NOTE: a partial prefill chunk ends before the request's last token, so
+        # its "next token" would be a guess in the middle of the prompt. It is
+        # sampled anyway (simpler, batched) and discarded in _bookkeeping_sync.
+        self.discard_request_indices = np.nonzero(
+            self.seq_lens_np[:num_reqs] < batch.num_tokens_no_spec[:num_reqs])[0]
+        attn_metadata = AttentionMetadata(
+            num_actual_tokens=total, num_reqs=num_reqs,
+            max_query_len=int(num_scheduled.max()), max_seq_len=int(self.seq_lens_np[:num_reqs].max()),
+            query_start_loc=self.query_start_loc[:num_reqs + 1], seq_lens=self.seq_lens[:num_reqs],
+            block_table=batch.block_table.get_device_tensor(num_reqs),
+            slot_mapping=batch.block_table.slot_mapping[:total],
+            query_start_loc_cpu=self.query_start_loc_cpu[:num_reqs + 1],
+            seq_lens_cpu=self.seq_lens_cpu[:num_reqs])
+        # The last scheduled token of each request: the only rows that need logits.
+        logits_indices = self.query_start_loc[1:num_reqs + 1].long() - 1       # [R]
+        if self.recorder.wants_snapshots:
+            self.last_prepare_inputs = {
+                "req_ids": list(batch.req_ids), "num_scheduled_tokens": num_scheduled.tolist(),
+                "req_indices": req_indices.tolist(), "cu_num_tokens": cu_num_tokens.tolist(),
+                "arange": arange.tolist(), "positions": positions_np.tolist(),
+                "token_indices": token_indices.tolist(), "input_ids": self.input_ids_np[:total].tolist(),
+                "query_start_loc": self.query_start_loc_np[:num_reqs + 1].tolist(),
+                "seq_lens": self.seq_lens_np[:num_reqs].tolist(),
+                "slot_mapping": batch.block_table.slot_mapping_np[:total].tolist(),
+                "logits_indices": (cu_num_tokens - 1).tolist(),
+                "discard_request_indices": self.discard_request_indices.tolist()}
+        return attn_metadata, logits_indices
+
+    def _model_forward(self, num_tokens: int, attn_metadata: AttentionMetadata) -> torch.Tensor:
+        return self.model(self.input_ids[:num_tokens], self.positions[:num_tokens],
+                          self.kv_caches, attn_metadata)
+
+    # -- one step: sample_tokens --------------------------------------------------------
+    @torch.inference_mode()
+    def sample_tokens(self) -> ModelRunnerOutput:
+        state, self.execute_model_state = self.execute_model_state, None
+        if state is None:
+            raise RuntimeError("sample_tokens called without a preceding execute_model")
+        if state.logits is None:
+            return EMPTY_MODEL_RUNNER_OUTPUT
+        with self.recorder.span("GPUModelRunner.sample_tokens"):
+            md = self.input_batch.sampling_metadata
+            # Generator states of rows whose sample will be discarded, to roll back.
+            saved = {i: md.generators[i].get_state()
+                     for i in state.discard_request_indices.tolist() if i in md.generators}
+            with self.recorder.span("GPUModelRunner._sample"):
+                sampler_output = self.sampler(state.logits, md)
+            with self.recorder.span("GPUModelRunner._bookkeeping_sync") as span:
+                output = self._bookkeeping_sync(state, sampler_output, saved, span)
+        if self.recorder.wants_snapshots:
+            self.recorder.snapshot("model_runner", self.snapshot(), step_id=state.scheduler_output.step_id)
+        return output
+
+    def _to_cpu(self, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], float]:
+        """Bring sampled ids (and logprobs) to the host; return them and the seconds waited."""
+        if self.transfer_event is None:
+            # NOTE: on a CPU every op ran synchronously: the "wait" already happened.
+            return tensors, 0.0
+        n = tensors[0].shape[0]
+        pinned = self.sampled_token_ids_pinned_cpu[:n]
+        pinned.copy_(tensors[0], non_blocking=True)
+        host = [pinned] + [t.to("cpu", non_blocking=True) for t in tensors[1:]]
+        # NOTE: an event sync, not .tolist() on a device tensor (a stream-wide
+        # sync that would also block other streams' copies, vLLM issue #22754).
+        self.transfer_event.record()
+        t0 = time.perf_counter()
+        self.transfer_event.synchronize()
+        return host, time.perf_counter() - t0
+
+    def _bookkeeping_sync(self, state: ExecuteModelState, sampler_output: SamplerOutput,
+                          saved_generator_states: dict[int, torch.Tensor], span) -> ModelRunnerOutput:
+        batch = self.input_batch
+        lp = sampler_output.logprobs_tensors
+        host, wait_s = self._to_cpu([sampler_output.sampled_token_ids, *(lp or ())])
+        span.set_attribute("vllm_anatomy.sync_wait_ms", wait_s * 1e3)
+        span.set_attribute("vllm_anatomy.device", self.device.type)
+        valid_sampled_token_ids = [[t] for t in host[0].tolist()]
+        for i in state.discard_request_indices.tolist():
+            valid_sampled_token_ids[i] = []
+            if i in saved_generator_states:
+                # NOTE: rewind the seeded generator, as if this row had not sampled:
+                # a seeded request then gets the same tokens however its prompt
+                # was chunked. (vLLM rewinds the CUDA Philox offset by 4.)
+                batch.generators[i].set_state(saved_generator_states[i])
+        req_ids = batch.req_ids
+        for i, ids in enumerate(valid_sampled_token_ids):
+            if not ids:
+                continue
+            start = int(batch.num_tokens_no_spec[i])
+            end = start + len(ids)
+            assert end <= self.max_model_len, f"{req_ids[i]}: past max_model_len"
+            batch.token_ids_cpu[i, start:end] = ids
+            batch.num_tokens_no_spec[i] = end
+            self.requests[req_ids[i]].output_token_ids.extend(ids)
+        logprobs = None
+        if lp is not None:
+            ids_l, lps_l, ranks_l = (t.tolist() for t in host[1:])
+            logprobs = []
+            for i, req_id in enumerate(req_ids):
+                n = batch.num_logprobs.get(req_id)
+                ok = n is not None and valid_sampled_token_ids[i]
+                logprobs.append(LogprobsLists([ids_l[i][:n + 1]], [lps_l[i][:n + 1]], [ranks_l[i]])
+                                if ok else None)
+        return ModelRunnerOutput(req_ids=list(req_ids), req_id_to_index=dict(batch.req_id_to_index),
+                                 sampled_token_ids=valid_sampled_token_ids, logprobs=logprobs)
+
+    def snapshot(self) -> dict:
+        return {
+            "input_batch": self.input_batch.snapshot(),
+            "prepare_inputs": self.last_prepare_inputs,
+            "cached_requests": [{"req_id": r, "num_tokens": s.num_tokens,
+                                 "num_computed_tokens": s.num_computed_tokens,
+                                 "in_batch": r in self.input_batch.req_id_to_index}
+                                for r, s in self.requests.items()],
+            "kv_cache_shape": list(self.kv_caches[0].shape) if self.kv_caches else None,
+            "num_kv_cache_layers": len(self.kv_caches),
+        }

@@ -1,0 +1,68 @@
+"""Worker: one device, one GPUModelRunner; the object an executor calls by method name.
+
+Mirrors vllm/v1/worker/gpu_worker.py (Worker). The executor drives a worker
+only through method names and plain arguments — UniProcExecutor calls them
+directly, MultiprocExecutor sends (method name, args) through a shared-memory
+queue to a worker process — so every public method here is a thin, picklable-
+argument entry point that delegates to the runner.
+
+Start-up order (EngineCore._initialize_kv_caches in vLLM):
+    init_device -> load_model -> determine_num_available_blocks
+    -> (the engine picks num_blocks, tells the scheduler) -> initialize_from_config(num_blocks)
+Then every step: execute_model(scheduler_output) -> None, sample_tokens() -> ModelRunnerOutput.
+
+Simplified here: one worker per engine (no tensor / pipeline parallelism, no
+distributed init), no sleep mode, no profiler hooks, no CUDA-graph warm-up.
+"""
+from __future__ import annotations
+
+import torch
+
+from vllm_anatomy.config import VllmConfig
+from vllm_anatomy.core.outputs import ModelRunnerOutput
+from vllm_anatomy.core.sched.output import SchedulerOutput
+from vllm_anatomy.tracing.recorder import NullRecorder, Recorder
+from vllm_anatomy.worker.gpu_model_runner import GPUModelRunner
+
+
+class Worker:
+
+    def __init__(self, vllm_config: VllmConfig, device: str = "cpu",
+                 recorder: Recorder = NullRecorder(), attn_backend: str = "torch") -> None:
+        self.vllm_config = vllm_config
+        self.device = torch.device(device)
+        self.recorder = recorder
+        self.attn_backend = attn_backend
+        self.model_runner: GPUModelRunner | None = None
+
+    def init_device(self) -> None:
+        with self.recorder.span("Worker.init_device", device=str(self.device)):
+            if self.device.type == "cuda":
+                if self.device.index is None:
+                    self.device = torch.device("cuda", torch.cuda.current_device())
+                torch.cuda.set_device(self.device)
+                torch.cuda.empty_cache()
+            # NOTE: seeds the *global* RNG (unseeded requests); seeded requests
+            # use their own generators and do not depend on this.
+            torch.manual_seed(self.vllm_config.model_config.seed)
+            self.model_runner = GPUModelRunner(self.vllm_config, self.device, self.recorder,
+                                               self.attn_backend)
+
+    def load_model(self) -> None:
+        self.model_runner.load_model()
+
+    def determine_num_available_blocks(self) -> int:
+        return self.model_runner.determine_num_available_blocks()
+
+    def initialize_from_config(self, num_blocks: int) -> None:
+        self.vllm_config.cache_config.num_gpu_blocks = num_blocks
+        self.model_runner.initialize_kv_cache(num_blocks)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> None:
+        return self.model_runner.execute_model(scheduler_output)
+
+    def sample_tokens(self) -> ModelRunnerOutput:
+        return self.model_runner.sample_tokens()
+
+    def snapshot(self) -> dict:
+        return self.model_runner.snapshot()
