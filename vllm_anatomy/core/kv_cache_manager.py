@@ -1,0 +1,210 @@
+"""KVCacheManager: the scheduler's one door to the paged KV cache.
+
+Mirrors vllm/v1/core/kv_cache_manager.py. The scheduler asks two questions:
+"how much of this prompt is already cached?" (get_computed_blocks) and "give
+this request room for n more tokens" (allocate_slots). Block objects never
+leave this process: the scheduler turns them into block ids (KVCacheBlocks).
+
+Simplified: one KV-cache group (full attention) and no KVCacheCoordinator;
+no KV connector (external tokens), no lookahead for spec decode in practice,
+no watermark, no encoder tokens.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from vllm_anatomy.core.block_pool import BlockPool, BlockPoolEvent, short_hash
+from vllm_anatomy.core.kv_cache_utils import KVCacheBlock, PrefixCacheStats
+from vllm_anatomy.core.single_type_kv_cache_manager import FullAttentionManager
+
+if TYPE_CHECKING:
+    from vllm_anatomy.core.request import Request
+
+
+@dataclass
+class KVCacheBlocks:
+    """An allocation result: blocks[group][i]. Hides KVCacheBlock internals from the scheduler."""
+    blocks: tuple[Sequence[KVCacheBlock], ...]
+
+    def __add__(self, other: KVCacheBlocks) -> KVCacheBlocks:
+        return KVCacheBlocks(tuple([*a, *b] for a, b in zip(self.blocks, other.blocks)))
+
+    def get_block_ids(self, allow_none: bool = False) -> tuple[list[int], ...] | None:
+        """Block ids per group; None if allow_none and there are no blocks at all."""
+        if allow_none and all(len(group) == 0 for group in self.blocks):
+            return None
+        return tuple([blk.block_id for blk in group] for group in self.blocks)
+
+    def get_unhashed_block_ids(self) -> list[int]:
+        assert len(self.blocks) == 1, "Only one group is supported"
+        return [blk.block_id for blk in self.blocks[0] if blk.block_hash is None]
+
+    def new_empty(self) -> KVCacheBlocks:
+        return KVCacheBlocks(tuple(() for _ in self.blocks))
+
+
+class KVCacheManager:
+    """Prefix-cache lookups, slot allocation and freeing for every request."""
+
+    def __init__(self, num_gpu_blocks: int, block_size: int, max_model_len: int,
+                 enable_caching: bool = True, log_stats: bool = False,
+                 enable_kv_cache_events: bool = False) -> None:
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.enable_caching = enable_caching
+        self.log_stats = log_stats
+        self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
+        self.block_pool = BlockPool(num_gpu_blocks, enable_caching, enable_kv_cache_events)
+        # vLLM: coordinator.single_type_managers[0]; one group here.
+        self.manager = FullAttentionManager(block_size, self.block_pool)
+        self.empty_kv_cache_blocks = KVCacheBlocks(((),))
+
+    @property
+    def usage(self) -> float:
+        """KV-cache usage between 0.0 and 1.0."""
+        return self.block_pool.get_usage()
+
+    def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
+        """Return the prefix-cache stats gathered so far and start new ones."""
+        if not self.log_stats:
+            return None
+        stats = self.prefix_cache_stats
+        self.prefix_cache_stats = PrefixCacheStats()
+        return stats
+
+    def record_prefix_cache_stats(self, request: Request, num_hits: int) -> None:
+        """Count one admission's lookup: num_tokens queried, num_hits hit (tokens)."""
+        if not self.log_stats or not self.enable_caching:
+            return
+        self.prefix_cache_stats.record(num_tokens=request.num_tokens, num_hits=num_hits,
+                                       preempted=request.num_preemptions > 0)
+
+    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
+        """The cached blocks of the request's longest cached prefix, and its length in tokens.
+
+        Simplified: vLLM 0.33 also returns a shared_prefix_boundary used only by
+        hybrid (Mamba / sliding-window) models.
+        """
+        if not self.enable_caching:
+            return self.empty_kv_cache_blocks, 0
+        # NOTE: when the whole prompt is cached we must still recompute its last
+        # token to get logits for the first output token, so a hit may cover at
+        # most num_tokens - 1 tokens. Hits are whole blocks, so this can cost
+        # recomputing one full block.
+        max_cache_hit_length = request.num_tokens - 1
+        computed_blocks = self.manager.find_longest_cache_hit(
+            request.block_hashes, max_cache_hit_length, self.block_pool, self.block_size)
+        num_new_computed_tokens = len(computed_blocks) * self.block_size
+        return KVCacheBlocks((computed_blocks,)), num_new_computed_tokens
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       num_new_computed_tokens: int = 0,
+                       new_computed_blocks: KVCacheBlocks | None = None,
+                       num_lookahead_tokens: int = 0,
+                       full_sequence_must_fit: bool = False) -> KVCacheBlocks | None:
+        """Make room for num_new_tokens more tokens; None if the pool cannot.
+
+        Blocks layout:
+            | < comp > | < new_comp > | < new > | < lookahead > |
+                                      |  < to be computed >     |
+                       |         < to be allocated >            |
+        comp = request.num_computed_tokens, new_comp = num_new_computed_tokens
+        (prefix hits found by get_computed_blocks), new = num_new_tokens.
+
+        Args:
+            full_sequence_must_fit: admission gate (the scheduler sets it for
+                waiting requests): refuse unless the whole request, not just
+                this chunk, fits in the free blocks. Without it a long chunked
+                prompt could be admitted, grab blocks chunk by chunk, and force
+                preemptions.
+
+        Returns:
+            The newly allocated blocks (not the prefix hits), or None.
+            NOTE: None leaves everything untouched (no ref_cnt change, no
+            allocation), so the scheduler can simply try something else.
+        """
+        if num_new_tokens == 0:
+            raise ValueError("num_new_tokens must be greater than 0")
+        new_computed_block_list = list(new_computed_blocks.blocks[0]) if new_computed_blocks else []
+        request_id = request.request_id
+        num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
+        num_free_blocks = self.block_pool.get_num_free_blocks()
+
+        if full_sequence_must_fit:
+            full_num_tokens = min(request.num_tokens + num_lookahead_tokens, self.max_model_len)
+            if self.manager.get_num_blocks_to_allocate(
+                    request_id, full_num_tokens, new_computed_block_list) > num_free_blocks:
+                return None
+
+        num_tokens_need_slot = min(num_computed_tokens + num_new_tokens + num_lookahead_tokens,
+                                   self.max_model_len)
+        num_blocks_to_allocate = self.manager.get_num_blocks_to_allocate(
+            request_id, num_tokens_need_slot, new_computed_block_list)
+        if num_blocks_to_allocate > num_free_blocks:
+            return None
+
+        # From here on we change state. Hits first: touching them takes them out
+        # of the free queue before get_new_blocks could pop (and evict) them.
+        self.manager.save_new_computed_blocks(request_id, new_computed_block_list)
+        new_blocks = self.manager.allocate_new_blocks(request_id, num_tokens_need_slot)
+
+        if self.enable_caching:
+            # NOTE: cache the blocks that are full once this step's tokens are
+            # computed. Hashing ahead of the forward pass is safe: the step runs
+            # before anyone else can schedule a lookup. Capped at num_tokens so
+            # lookahead slots (tokens not known yet) are never cached.
+            self.manager.cache_blocks(request, min(num_computed_tokens + num_new_tokens, request.num_tokens))
+        return KVCacheBlocks((new_blocks,))
+
+    def free(self, request: Request) -> None:
+        """Free the request's blocks in reverse order (tail blocks evicted first)."""
+        self.manager.free(request.request_id)
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Cache the request's full blocks within its first num_computed_tokens tokens."""
+        if self.enable_caching:
+            self.manager.cache_blocks(request, num_computed_tokens)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached hashes (only possible when no request holds blocks)."""
+        if not self.block_pool.reset_prefix_cache():
+            return False
+        if self.log_stats:
+            self.prefix_cache_stats.reset = True
+        return True
+
+    def get_blocks(self, request_id: str) -> KVCacheBlocks:
+        return KVCacheBlocks((list(self.manager.req_to_blocks.get(request_id, [])),))
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        return self.get_blocks(request_id).get_block_ids()
+
+    def take_events(self) -> list[BlockPoolEvent]:
+        """Block events recorded since the last call (needs enable_kv_cache_events)."""
+        return self.block_pool.take_events()
+
+    def snapshot(self) -> dict[str, Any]:
+        """Plain, JSON-able view of every block, the free queue and the block tables."""
+        owners: defaultdict[int, list[str]] = defaultdict(list)
+        for req_id, blocks in self.manager.req_to_blocks.items():
+            for blk in blocks:
+                owners[blk.block_id].append(req_id)
+        return {
+            "num_gpu_blocks": self.block_pool.num_gpu_blocks,
+            "block_size": self.block_size,
+            "enable_caching": self.enable_caching,
+            "usage": self.usage,
+            "num_free_blocks": self.block_pool.get_num_free_blocks(),
+            "blocks": [
+                {"block_id": blk.block_id, "ref_cnt": blk.ref_cnt, "hash": short_hash(blk.block_hash),
+                 "owners": owners.get(blk.block_id, []), "is_null": blk.is_null}
+                for blk in self.block_pool.blocks
+            ],
+            "free_queue": [blk.block_id for blk in self.block_pool.free_block_queue.get_all_free_blocks()],
+            "req_to_block_ids": {req_id: [blk.block_id for blk in blocks]
+                                 for req_id, blocks in self.manager.req_to_blocks.items()},
+            "num_cached_block": dict(self.manager.num_cached_block),
+        }

@@ -1,0 +1,267 @@
+"""KV-cache block metadata, the free-block queue and prefix-cache block hashing.
+
+Mirrors vllm/v1/core/kv_cache_utils.py (KVCacheBlock, FreeKVCacheBlockQueue,
+hash_block_tokens, init_none_hash, get_request_block_hasher) plus
+PrefixCacheStats from vllm/v1/metrics/stats.py. Only bookkeeping lives here:
+a KVCacheBlock describes a slice of the KV tensor on the device, it never
+holds any KV data itself.
+
+Simplified: one KV-cache group, so a block's hash key is the plain BlockHash
+(vLLM appends a 4-byte group id: BlockHashWithGroupId); only SHA-256 over
+pickle is offered (vLLM also has sha256_cbor and xxhash variants); extra hash
+keys are only the cache salt (no LoRA, no multimodal, no prompt embeds).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import pickle
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NewType
+
+if TYPE_CHECKING:
+    from vllm_anatomy.core.request import Request
+
+# The bytes of one block's chained hash (32 bytes for SHA-256).
+BlockHash = NewType("BlockHash", bytes)
+
+
+def sha256(input: Any) -> bytes:
+    """vLLM's default prefix-caching hash: SHA-256 over the pickled object.
+
+    NOTE: pickle of tuples of ints/str/bytes is deterministic, so every
+    process computes the same hash for the same tokens (Python's built-in
+    hash() is salted per process and could not be shared across processes).
+    """
+    return hashlib.sha256(pickle.dumps(input, protocol=pickle.HIGHEST_PROTOCOL)).digest()
+
+
+# The "parent hash" of the first block of every request.
+NONE_HASH: BlockHash
+
+
+def init_none_hash(hash_fn: Callable[[Any], bytes]) -> None:
+    """Set NONE_HASH, the seed of every hash chain (EngineCore.__init__ calls this).
+
+    NOTE: the seed is fixed ("vllm-none-hash") unless PYTHONHASHSEED is set, so
+    separate processes (and separate runs) agree on every block hash. vLLM uses
+    a random seed only for xxhash, which we do not offer.
+    """
+    global NONE_HASH
+    hash_seed = os.getenv("PYTHONHASHSEED") or "vllm-none-hash"
+    NONE_HASH = BlockHash(hash_fn(hash_seed))
+
+
+# NOTE: vLLM leaves NONE_HASH unset until EngineCore starts; we set the SHA-256
+# default at import so the pure core (and its tests) work on their own.
+init_none_hash(sha256)
+
+
+def hash_block_tokens(
+    hash_fn: Callable[[Any], bytes],
+    parent_block_hash: BlockHash | None,
+    curr_block_token_ids: Sequence[int],
+    extra_keys: tuple[Any, ...] | None = None,
+) -> BlockHash:
+    """Hash one full block: (parent hash, this block's token ids, extra keys).
+
+    NOTE: the parent hash makes the chain: two blocks with equal tokens but
+    different prefixes get different hashes, so a hash hit on block i implies
+    that blocks 0..i-1 match too.
+    """
+    if not parent_block_hash:
+        parent_block_hash = NONE_HASH
+    return BlockHash(hash_fn((parent_block_hash, tuple(curr_block_token_ids), extra_keys)))
+
+
+def generate_block_hash_extra_keys(request: Request, start_token_idx: int) -> tuple[Any, ...] | None:
+    """Extra keys of one block: only the cache salt, and only on the first block.
+
+    NOTE: salting block 0 is enough: every later hash chains from it.
+    """
+    if start_token_idx == 0 and request.cache_salt:
+        return ("cache_salt", request.cache_salt)
+    return None
+
+
+def get_request_block_hasher(
+    block_size: int, hash_fn: Callable[[Any], bytes]
+) -> Callable[[Request], list[BlockHash]]:
+    """The per-request callback that hashes every newly full block.
+
+    Request.__init__ and Request.append_output_token_ids call it, so
+    request.block_hashes always covers every full block of all_token_ids.
+    """
+
+    def request_block_hasher(request: Request) -> list[BlockHash]:
+        start_token_idx = len(request.block_hashes) * block_size
+        num_tokens = request.num_tokens
+        prev_block_hash = request.block_hashes[-1] if request.block_hashes else None
+        new_block_hashes: list[BlockHash] = []
+        # NOTE: only full blocks are hashed: a partial block's content can still change.
+        while start_token_idx + block_size <= num_tokens:
+            end_token_idx = start_token_idx + block_size
+            block_tokens = request.all_token_ids[start_token_idx:end_token_idx]
+            extra_keys = generate_block_hash_extra_keys(request, start_token_idx)
+            block_hash = hash_block_tokens(hash_fn, prev_block_hash, block_tokens, extra_keys)
+            new_block_hashes.append(block_hash)
+            prev_block_hash = block_hash
+            start_token_idx = end_token_idx
+        return new_block_hashes
+
+    return request_block_hasher
+
+
+@dataclass(slots=True, eq=False)
+class KVCacheBlock:
+    """Metadata of one KV-cache block (block_size token slots of every layer).
+
+    NOTE: eq=False: blocks compare by identity (a field-wise __eq__ would walk
+    the free list through prev/next). Simplified: no `pool` back-reference and
+    no `_block_hash_num_tokens` (vLLM's finer-grained hybrid hashing).
+    """
+    block_id: int
+    # How many requests hold this block. 0 => it sits in the free queue.
+    ref_cnt: int = 0
+    # Set only when the block is full and cached (see block_hash).
+    _block_hash: BlockHash | None = None
+    # Doubly linked free list; touched only by FreeKVCacheBlockQueue.
+    prev_free_block: KVCacheBlock | None = None
+    next_free_block: KVCacheBlock | None = None
+    # The placeholder block 0 (never holds real KV).
+    is_null: bool = False
+
+    @property
+    def block_hash(self) -> BlockHash | None:
+        return self._block_hash
+
+    @block_hash.setter
+    def block_hash(self, block_hash: BlockHash) -> None:
+        # NOTE: a block is hashed once; re-hashing without reset_hash() would
+        # leave a stale entry in BlockPool.cached_block_hash_to_block.
+        assert self._block_hash is None, "The block already has a hash. This should not happen."
+        self._block_hash = block_hash
+
+    def reset_hash(self) -> None:
+        """Forget the hash (the block is evicted from the prefix cache)."""
+        self._block_hash = None
+
+    def __repr__(self) -> str:
+        prev_id = self.prev_free_block.block_id if self.prev_free_block else None
+        next_id = self.next_free_block.block_id if self.next_free_block else None
+        h = self._block_hash.hex()[:8] if self._block_hash else None
+        return (f"KVCacheBlock(block_id={self.block_id}, ref_cnt={self.ref_cnt}, "
+                f"block_hash={h}, prev_free_block={prev_id}, next_free_block={next_id})")
+
+
+class FreeKVCacheBlockQueue:
+    """The free blocks as a doubly linked list, in eviction order (front first).
+
+    NOTE: hand-written rather than a deque because a prefix-cache hit must take
+    a block out of the *middle* of the queue (remove) in O(1), and the links
+    live in the blocks themselves so no Python objects are allocated per op.
+    Two sentinel blocks (id -1) remove every "is the list empty?" branch.
+
+    Eviction order: least recently freed at the front. Blocks of one request
+    are freed in reverse (tail block first) by the caller, so the block covering
+    the most tokens is evicted first — its hash is the least likely to be hit.
+    """
+
+    def __init__(self, blocks: list[KVCacheBlock]) -> None:
+        self.num_free_blocks = len(blocks)
+        self.fake_free_list_head = KVCacheBlock(block_id=-1)
+        self.fake_free_list_tail = KVCacheBlock(block_id=-1)
+        # Initially every block is free, in block-id order.
+        chain = [self.fake_free_list_head, *blocks, self.fake_free_list_tail]
+        for prev, nxt in zip(chain, chain[1:]):
+            prev.next_free_block = nxt
+            nxt.prev_free_block = prev
+
+    def popleft(self) -> KVCacheBlock:
+        """Pop the first (next to evict) free block."""
+        block = self.fake_free_list_head.next_free_block
+        if block is self.fake_free_list_tail:
+            raise ValueError("No free blocks available")
+        self.remove(block)
+        return block
+
+    def popleft_n(self, n: int) -> list[KVCacheBlock]:
+        """Pop the first n free blocks."""
+        if n > self.num_free_blocks:
+            raise ValueError(f"Cannot pop {n} blocks: only {self.num_free_blocks} free")
+        return [self.popleft() for _ in range(n)]
+
+    def remove(self, block: KVCacheBlock) -> None:
+        """Unlink a block from anywhere in the queue (a prefix-cache hit)."""
+        if block.prev_free_block is None or block.next_free_block is None:
+            raise RuntimeError(f"remove() called on a block that is not free: {block}")
+        block.prev_free_block.next_free_block = block.next_free_block
+        block.next_free_block.prev_free_block = block.prev_free_block
+        block.prev_free_block = block.next_free_block = None
+        self.num_free_blocks -= 1
+
+    def append(self, block: KVCacheBlock) -> None:
+        """Put a block at the tail (evicted last)."""
+        last = self.fake_free_list_tail.prev_free_block
+        last.next_free_block = block
+        block.prev_free_block = last
+        block.next_free_block = self.fake_free_list_tail
+        self.fake_free_list_tail.prev_free_block = block
+        self.num_free_blocks += 1
+
+    def append_n(self, blocks: list[KVCacheBlock]) -> None:
+        """Put blocks at the tail, keeping their order."""
+        for block in blocks:
+            self.append(block)
+
+    def prepend_n(self, blocks: list[KVCacheBlock]) -> None:
+        """Put blocks at the front (reused first), keeping their order."""
+        if not blocks:
+            return
+        first = self.fake_free_list_head.next_free_block
+        prev = self.fake_free_list_head
+        for block in blocks:
+            prev.next_free_block = block
+            block.prev_free_block = prev
+            prev = block
+        prev.next_free_block = first
+        first.prev_free_block = prev
+        self.num_free_blocks += len(blocks)
+
+    def get_all_free_blocks(self) -> list[KVCacheBlock]:
+        """All free blocks, front (next to evict) to tail."""
+        ret = []
+        block = self.fake_free_list_head.next_free_block
+        while block is not self.fake_free_list_tail:
+            ret.append(block)
+            block = block.next_free_block
+        return ret
+
+
+@dataclass
+class PrefixCacheStats:
+    """Prefix-cache counters since the last make_prefix_cache_stats() (v1/metrics/stats.py).
+
+    NOTE: queries and hits are counted in *tokens*, not requests, so the hit
+    rate is the fraction of prompt tokens that were not recomputed. Resumed
+    (preempted) requests go to separate counters: their hits are mostly their
+    own freed blocks and would inflate the hit rate.
+    """
+    reset: bool = False
+    requests: int = 0
+    queries: int = 0
+    hits: int = 0
+    preempted_requests: int = 0
+    preempted_queries: int = 0
+    preempted_hits: int = 0
+
+    def record(self, num_tokens: int, num_hits: int, preempted: bool) -> None:
+        if preempted:
+            self.preempted_requests += 1
+            self.preempted_queries += num_tokens
+            self.preempted_hits += num_hits
+        else:
+            self.requests += 1
+            self.queries += num_tokens
+            self.hits += num_hits

@@ -1,0 +1,222 @@
+"""Request: the engine core's live object for one generation, and its state machine.
+
+Mirrors vllm/v1/request.py. An EngineCoreRequest is flat data that crossed a
+process boundary; a Request is what the scheduler mutates step after step
+(status, num_computed_tokens, output tokens, block hashes).
+
+Simplified: no pooling, LoRA, multimodal, prompt embeds, structured output,
+KV transfer or streaming-input sessions; no async-scheduling placeholders
+(num_output_placeholders); FCFS only, so no __lt__ for a priority heap.
+"""
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from vllm_anatomy.engine.protocol import (EngineCoreEvent, EngineCoreEventType, EngineCoreRequest,
+                                          FinishReason)
+from vllm_anatomy.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from vllm_anatomy.core.kv_cache_utils import BlockHash
+
+T = TypeVar("T")
+
+
+class ConstantList(Sequence[T]):
+    """A read-only view of a list (vllm/v1/utils.py).
+
+    NOTE: output tokens must only grow through append_output_token_ids, which
+    also extends block_hashes; handing out the raw list would let a caller
+    append behind the hasher's back.
+    """
+    __slots__ = ("_x",)
+
+    def __init__(self, x: list[T]) -> None:
+        self._x = x
+
+    def __getitem__(self, item):
+        return self._x[item]
+
+    def __len__(self) -> int:
+        return len(self._x)
+
+    def __iter__(self) -> Iterator[T]:
+        return iter(self._x)
+
+    def __repr__(self) -> str:
+        return f"ConstantList({self._x})"
+
+
+class RequestStatus(enum.IntEnum):
+    """Status of a request. NOTE: the order matters: see is_finished()."""
+    WAITING = enum.auto()
+    WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR = enum.auto()  # unused here: no structured output
+    WAITING_FOR_REMOTE_KVS = enum.auto()                 # unused here: no KV connector
+    WAITING_FOR_STREAMING_REQ = enum.auto()              # unused here: no streaming input
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    # NOTE: anything after PREEMPTED is a finished status.
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+    FINISHED_IGNORED = enum.auto()
+    FINISHED_ERROR = enum.auto()
+    FINISHED_REPETITION = enum.auto()
+
+    def __str__(self) -> str:
+        return self.name
+
+    @staticmethod
+    def is_finished(status: RequestStatus) -> bool:
+        return status > RequestStatus.PREEMPTED
+
+    @staticmethod
+    def get_finished_reason(status: RequestStatus) -> FinishReason | None:
+        return _FINISHED_REASON_MAP.get(status)
+
+
+# The finish reason the frontend (OpenAI API) sees for each terminal status.
+_FINISHED_REASON_MAP = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    # NOTE: a prompt longer than the model's context: OpenAI calls that "length".
+    RequestStatus.FINISHED_IGNORED: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
+    RequestStatus.FINISHED_REPETITION: FinishReason.REPETITION,
+    # NOTE: vLLM maps this non-finished status too: a streaming-input chunk ends with "stop".
+    RequestStatus.WAITING_FOR_STREAMING_REQ: FinishReason.STOP,
+}
+
+
+class Request:
+    """One request inside the engine core (plain class, mutated in place)."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        arrival_time: float | None = None,
+        client_index: int = 0,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        trace_headers: dict[str, str] | None = None,
+        block_hasher: Callable[[Request], list[BlockHash]] | None = None,
+        external_req_id: str | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.external_req_id = external_req_id or request_id
+        self.client_index = client_index
+        self.priority = priority
+        self.sampling_params = sampling_params
+        self.arrival_time = arrival_time if arrival_time is not None else time.time()
+        self.status = RequestStatus.WAITING
+        self.events: list[EngineCoreEvent] = []
+        self.stop_reason: int | str | None = None
+        # NOTE: the frontend fills max_tokens (max_model_len - prompt) when the
+        # user gives none; None here means "no cap but max_model_len".
+        self.max_tokens = sampling_params.max_tokens
+        self.cache_salt = cache_salt
+        self.trace_headers = trace_headers
+
+        self.prompt_token_ids = prompt_token_ids
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self._output_token_ids: list[int] = []
+        self._all_token_ids: list[int] = list(prompt_token_ids)
+        self.output_token_ids = ConstantList(self._output_token_ids)
+        self.all_token_ids = ConstantList(self._all_token_ids)
+        # Draft tokens to verify next step. Always empty: no spec decode here.
+        self.spec_token_ids: list[int] = []
+        # How many of all_token_ids have KV in the cache (advanced optimistically by the scheduler).
+        self.num_computed_tokens = 0
+        # Prefix-cache hit at first admission (-1 until first scheduled).
+        self.num_cached_tokens = -1
+        self.num_preemptions = 0
+        # True when the last scheduled chunk ended before the prompt's end.
+        self.is_prefill_chunk = False
+
+        self.block_hashes: list[BlockHash] = []
+        self._block_hasher = block_hasher
+        self.update_block_hashes()
+
+    @classmethod
+    def from_engine_core_request(
+        cls, request: EngineCoreRequest, block_hasher: Callable[[Request], list[BlockHash]] | None
+    ) -> Request:
+        return cls(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            sampling_params=request.sampling_params,
+            arrival_time=request.arrival_time,
+            client_index=request.client_index,
+            priority=request.priority,
+            cache_salt=request.cache_salt,
+            trace_headers=request.trace_headers,
+            block_hasher=block_hasher,
+            external_req_id=request.external_req_id,
+        )
+
+    def append_output_token_ids(self, token_ids: int | list[int]) -> None:
+        if isinstance(token_ids, int):
+            self._output_token_ids.append(token_ids)
+            self._all_token_ids.append(token_ids)
+        else:
+            self._output_token_ids.extend(token_ids)
+            self._all_token_ids.extend(token_ids)
+        # NOTE: hash every block the new tokens completed, right now, so that
+        # the KV manager can cache it without recomputing anything.
+        self.update_block_hashes()
+
+    def update_block_hashes(self) -> None:
+        if self._block_hasher is not None:
+            self.block_hashes.extend(self._block_hasher(self))
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        return len(self._all_token_ids) + len(self.spec_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self._output_token_ids)
+
+    def is_finished(self) -> bool:
+        return RequestStatus.is_finished(self.status)
+
+    def get_finished_reason(self) -> FinishReason | None:
+        return RequestStatus.get_finished_reason(self.status)
+
+    def record_event(self, event_type: EngineCoreEventType, timestamp: float | None = None) -> None:
+        self.events.append(EngineCoreEvent.new_event(event_type, timestamp))
+
+    def take_events(self) -> list[EngineCoreEvent] | None:
+        """Return and clear the recorded events (None if there are none)."""
+        if not self.events:
+            return None
+        events, self.events = self.events, []
+        return events
+
+    def snapshot(self, block_ids: list[int] | None = None) -> dict[str, Any]:
+        """Plain data for the dashboard (teaching extra, not in vLLM)."""
+        return {
+            "request_id": self.request_id,
+            "status": self.status.name,
+            "num_tokens": self.num_tokens,
+            "num_computed_tokens": self.num_computed_tokens,
+            "num_prompt_tokens": self.num_prompt_tokens,
+            "num_output_tokens": self.num_output_tokens,
+            "num_preemptions": self.num_preemptions,
+            "num_cached_tokens": self.num_cached_tokens,
+            "block_ids": list(block_ids or []),
+        }
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, {self.status.name}, num_tokens={self.num_tokens}, "
+                f"num_computed_tokens={self.num_computed_tokens})")

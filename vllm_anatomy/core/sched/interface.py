@@ -1,0 +1,63 @@
+"""SchedulerInterface: what EngineCore needs from a scheduler.
+
+Mirrors vllm/v1/core/sched/interface.py (the subset this project uses).
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vllm_anatomy.core.outputs import ModelRunnerOutput
+    from vllm_anatomy.core.request import Request, RequestStatus
+    from vllm_anatomy.core.sched.output import SchedulerOutput
+    from vllm_anatomy.engine.protocol import EngineCoreOutputs, SchedulerStats
+
+
+class SchedulerInterface(ABC):
+
+    @abstractmethod
+    def schedule(self) -> SchedulerOutput:
+        """Decide which requests run this step and how many tokens each computes."""
+
+    @abstractmethod
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           model_runner_output: ModelRunnerOutput) -> dict[int, EngineCoreOutputs]:
+        """Apply the sampled tokens; return the outputs per frontend client."""
+
+    @abstractmethod
+    def add_request(self, request: Request) -> None:
+        """Queue a new request."""
+
+    @abstractmethod
+    def finish_requests(self, request_ids: str | Iterable[str], finished_status: RequestStatus) -> None:
+        """Finish requests from outside (aborts); unknown ids are ignored."""
+
+    @abstractmethod
+    def get_num_unfinished_requests(self) -> int: ...
+
+    def has_unfinished_requests(self) -> bool:
+        return self.get_num_unfinished_requests() > 0
+
+    @abstractmethod
+    def has_finished_requests(self) -> bool:
+        """Finished requests whose news has not reached the workers/clients yet."""
+
+    def has_requests(self) -> bool:
+        """True while a step would do something (EngineCore.step skips otherwise)."""
+        return self.has_unfinished_requests() or self.has_finished_requests()
+
+    @abstractmethod
+    def get_request_counts(self) -> tuple[int, int]:
+        """(num_running, num_waiting)."""
+
+    @abstractmethod
+    def make_stats(self) -> SchedulerStats | None: ...
+
+    @abstractmethod
+    def reset_prefix_cache(self) -> bool: ...
+
+    @abstractmethod
+    def snapshot(self) -> dict[str, Any]:
+        """Plain data of the scheduler's state (teaching extra, not in vLLM)."""

@@ -1,0 +1,82 @@
+"""SchedulerStepRecord: why schedule() did what it did, as plain data.
+
+Teaching extra, not in vLLM (vLLM returns SchedulerOutput and SchedulerStats
+only). The dashboard's step inspector draws the token-budget bar, the
+per-request chunks and "why admission stopped" from this record; the scheduler
+keeps the latest one as `scheduler.last_step_record`.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from vllm_anatomy.core.request import Request
+
+# Why the WAITING loop stopped admitting requests this step.
+AdmissionStopReason = Literal[
+    "queue_empty",               # nobody is waiting
+    "budget_exhausted",          # token budget spent (RUNNING requests come first)
+    "max_num_seqs",              # the running batch is full
+    "no_free_blocks",            # allocate_slots refused the head of the queue
+    "preempted_this_step",       # a preemption happened: no admissions this step
+    "chunked_prefill_disabled",  # the head's prompt does not fit the remaining budget whole
+]
+
+# What a scheduled chunk is, from the request's point of view.
+ScheduledKind = Literal["prefill_chunk", "final_prefill_chunk", "decode", "resumed"]
+
+
+@dataclass
+class ScheduledRequestRecord:
+    request_id: str
+    num_tokens: int                   # scheduled this step
+    kind: ScheduledKind
+    num_computed_tokens_before: int   # where this chunk starts
+    new_block_ids: list[int]          # blocks allocated this step (all blocks if new/resumed)
+
+
+@dataclass
+class PrefixHitRecord:
+    request_id: str
+    num_query_tokens: int   # tokens looked up (the request's num_tokens)
+    num_hit_tokens: int     # tokens found in the prefix cache (whole blocks)
+    hit_block_ids: list[int]
+
+
+@dataclass
+class SchedulerStepRecord:
+    step_id: int
+    token_budget_start: int
+    token_budget_end: int = 0
+    scheduled: list[ScheduledRequestRecord] = field(default_factory=list)
+    preempted_req_ids: list[str] = field(default_factory=list)
+    admission_stop_reason: AdmissionStopReason | None = None
+    prefix_hits: list[PrefixHitRecord] = field(default_factory=list)
+    num_running: int = 0    # after this step's decisions
+    num_waiting: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def classify_chunk(num_computed_before: int, num_scheduled: int, num_tokens: int,
+                   num_output_tokens: int, resumed: bool) -> ScheduledKind:
+    """Name a scheduled chunk. NOTE: the scheduler itself has no such notion
+    (no prefill/decode phases): this label is for the reader only."""
+    if resumed:
+        return "resumed"
+    if num_computed_before + num_scheduled < num_tokens:
+        return "prefill_chunk"
+    if num_output_tokens > 0 and num_scheduled == 1 and num_computed_before == num_tokens - 1:
+        return "decode"
+    return "final_prefill_chunk"
+
+
+def make_scheduled_record(request: Request, num_scheduled: int, new_block_ids: list[int],
+                          resumed: bool) -> ScheduledRequestRecord:
+    """Record one scheduled request; call before num_computed_tokens is advanced."""
+    kind = classify_chunk(request.num_computed_tokens, num_scheduled, request.num_tokens,
+                          request.num_output_tokens, resumed)
+    return ScheduledRequestRecord(request.request_id, num_scheduled, kind, request.num_computed_tokens,
+                                  new_block_ids)

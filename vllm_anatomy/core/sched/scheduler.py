@@ -1,0 +1,415 @@
+"""Scheduler: each step, who computes how many tokens — and what came of it.
+
+Mirrors vllm/v1/core/sched/scheduler.py (Scheduler.schedule, _preempt_request,
+_update_after_schedule, update_from_output, finish_requests, make_stats).
+
+Simplified: FCFS policy only; one token budget (vLLM also has input_budget
+and draft slots for spec decode); no spec decode, KV connector, encoder cache,
+structured output, LoRA, pipeline parallelism, or async scheduling (no
+output placeholders). Teaching extras: `last_step_record` and `snapshot()`.
+"""
+from __future__ import annotations
+
+import itertools
+from collections import defaultdict
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from vllm_anatomy.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+from vllm_anatomy.core.outputs import ModelRunnerOutput
+from vllm_anatomy.core.request import Request, RequestStatus
+from vllm_anatomy.core.sched.interface import SchedulerInterface
+from vllm_anatomy.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from vllm_anatomy.core.sched.record import PrefixHitRecord, SchedulerStepRecord, make_scheduled_record
+from vllm_anatomy.core.sched.request_queue import SchedulingPolicy, create_request_queue
+from vllm_anatomy.core.sched.utils import check_stop
+from vllm_anatomy.core.single_type_kv_cache_manager import cdiv
+from vllm_anatomy.engine.protocol import (EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs,
+                                          LogprobsLists, SchedulerStats)
+
+if TYPE_CHECKING:
+    from vllm_anatomy.config import VllmConfig
+
+
+class Scheduler(SchedulerInterface):
+
+    def __init__(self, vllm_config: VllmConfig, num_gpu_blocks: int, log_stats: bool = True,
+                 enable_kv_cache_events: bool = False) -> None:
+        self.vllm_config = vllm_config
+        self.scheduler_config = vllm_config.scheduler_config
+        self.cache_config = vllm_config.cache_config
+        self.log_stats = log_stats
+        self.max_num_running_reqs = self.scheduler_config.max_num_seqs
+        self.max_num_scheduled_tokens = self.scheduler_config.max_num_batched_tokens
+        self.max_model_len = vllm_config.model_config.max_model_len
+        self.block_size = self.cache_config.block_size
+        self._check_config(num_gpu_blocks)
+
+        self.requests: dict[str, Request] = {}
+        self.policy = SchedulingPolicy.FCFS
+        self.waiting = create_request_queue(self.policy)
+        self.running: list[Request] = []
+        # Finished since the last schedule(): the workers drop their state for these.
+        self.finished_req_ids: set[str] = set()
+        # Finished since the last update_from_output(), per client (the frontend cleans up).
+        self.finished_req_ids_dict: dict[int, set[str]] = defaultdict(set)
+        # Prompts longer than max_model_len: finished on the next update, never scheduled.
+        self._ignored_reqs: list[Request] = []
+        self.kv_cache_manager = KVCacheManager(
+            num_gpu_blocks, self.block_size, self.max_model_len,
+            enable_caching=self.cache_config.enable_prefix_caching, log_stats=log_stats,
+            enable_kv_cache_events=enable_kv_cache_events)
+        self.current_step = 0
+        self.last_step_record: SchedulerStepRecord | None = None
+
+    def _check_config(self, num_gpu_blocks: int) -> None:
+        # NOTE: both checks guarantee progress. vLLM makes them at start-up
+        # (SchedulerConfig and check_enough_kv_cache_memory).
+        if cdiv(self.max_model_len, self.block_size) > num_gpu_blocks - 1:
+            raise ValueError(f"The KV cache ({num_gpu_blocks - 1} usable blocks of {self.block_size} tokens) "
+                             f"cannot hold one sequence of max_model_len={self.max_model_len} tokens: "
+                             f"such a request could never be admitted. Decrease max_model_len.")
+        if not self.scheduler_config.enable_chunked_prefill and \
+                self.max_num_scheduled_tokens < self.max_model_len:
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_scheduled_tokens}) is smaller than "
+                             f"max_model_len ({self.max_model_len}) with chunked prefill disabled: "
+                             f"longer prompts could never be scheduled.")
+
+    def schedule(self) -> SchedulerOutput:
+        # NOTE: there is no "prefill phase" or "decode phase". Each request has
+        # num_computed_tokens and num_tokens_with_spec (prompt + outputs); each
+        # step gives requests tokens so num_computed_tokens catches up. A decode
+        # is just a catch-up of 1; chunked prefill and prefix caching fall out.
+        self.current_step += 1
+        token_budget = self.max_num_scheduled_tokens
+        prefix_hits: list[PrefixHitRecord] = []   # for the step record (teaching extra)
+        scheduled_new_reqs: list[Request] = []
+        scheduled_resumed_reqs: list[Request] = []
+        scheduled_running_reqs: list[Request] = []
+        preempted_reqs: list[Request] = []
+        req_to_new_blocks: dict[str, KVCacheBlocks] = {}
+        num_scheduled_tokens: dict[str, int] = {}
+
+        # NOTE: the threshold keeps one long prompt from starving the others;
+        # with a single eligible request there is nobody to starve.
+        num_eligible = len(self.running) + len(self.waiting)
+        long_prefill_token_threshold = (self.scheduler_config.long_prefill_token_threshold
+                                        if num_eligible > 1 else 0)
+
+        # First, schedule the RUNNING requests.
+        req_index = 0
+        while req_index < len(self.running) and token_budget > 0:
+            request = self.running[req_index]
+            num_new_tokens = request.num_tokens_with_spec - request.num_computed_tokens
+            if 0 < long_prefill_token_threshold < num_new_tokens:
+                num_new_tokens = long_prefill_token_threshold
+            num_new_tokens = min(num_new_tokens, token_budget)
+            # NOTE: without async scheduling or drafts a running request always
+            # has its last sampled token (or the rest of its prompt) to compute,
+            # below max_model_len (check_stop ends it there). vLLM also caps by
+            # max_model_len and `continue`s past requests with nothing to do.
+            assert 0 < num_new_tokens and request.num_computed_tokens + num_new_tokens <= self.max_model_len
+
+            while True:
+                new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+                if new_blocks is not None:
+                    break
+                # Out of blocks: preempt the lowest-priority request and retry.
+                # FCFS: the most recently admitted one, running[-1].
+                preempted_req = self.running.pop()
+                # NOTE: the victim sits at or after req_index, so under FCFS it was
+                # never scheduled in this step (vLLM hands a scheduled victim's
+                # tokens back to the budget; only the priority policy needs that).
+                assert preempted_req.request_id not in num_scheduled_tokens
+                self._preempt_request(preempted_req)
+                preempted_reqs.append(preempted_req)
+                if preempted_req is request:
+                    break  # it preempted itself: nothing left to free for it
+            if new_blocks is None:
+                break
+
+            scheduled_running_reqs.append(request)
+            req_to_new_blocks[request.request_id] = new_blocks
+            num_scheduled_tokens[request.request_id] = num_new_tokens
+            token_budget -= num_new_tokens
+            req_index += 1
+
+        # Next, admit WAITING requests. NOTE: never in a step that preempted:
+        # memory is short, and admitting now would just preempt again next step.
+        stop_reason = "preempted_this_step" if preempted_reqs else None
+        while stop_reason is None:
+            if not self.waiting:
+                stop_reason = "queue_empty"
+                break
+            if token_budget <= 0:
+                stop_reason = "budget_exhausted"
+                break
+            if len(self.running) >= self.max_num_running_reqs:
+                stop_reason = "max_num_seqs"
+                break
+            request = self.waiting.peek_request()
+            # NOTE: a waiting request holds no blocks (new, or preempted and
+            # freed), so it always gets a fresh prefix-cache lookup; a resumed
+            # request usually finds its own freed blocks still cached.
+            assert request.num_computed_tokens == 0
+            new_computed_blocks, num_new_local_computed_tokens = \
+                self.kv_cache_manager.get_computed_blocks(request)
+            # num_tokens, not num_prompt_tokens: a resumed request recomputes its outputs too.
+            num_new_tokens = request.num_tokens - num_new_local_computed_tokens
+            if 0 < long_prefill_token_threshold < num_new_tokens:
+                num_new_tokens = long_prefill_token_threshold
+            if not self.scheduler_config.enable_chunked_prefill and num_new_tokens > token_budget:
+                stop_reason = "chunked_prefill_disabled"
+                break
+            num_new_tokens = min(num_new_tokens, token_budget)
+            new_blocks = self.kv_cache_manager.allocate_slots(
+                request, num_new_tokens, num_new_local_computed_tokens, new_computed_blocks,
+                full_sequence_must_fit=True)
+            if new_blocks is None:
+                # NOTE: waiting requests never preempt running ones: stop admitting.
+                stop_reason = "no_free_blocks"
+                break
+
+            self.kv_cache_manager.record_prefix_cache_stats(request, num_new_local_computed_tokens)
+            if self.kv_cache_manager.enable_caching:
+                prefix_hits.append(PrefixHitRecord(
+                    request.request_id, request.num_tokens, num_new_local_computed_tokens,
+                    new_computed_blocks.get_block_ids()[0]))
+            self.waiting.pop_request()
+            self.running.append(request)
+            if self.log_stats:
+                request.record_event(EngineCoreEventType.SCHEDULED)
+            if request.status == RequestStatus.PREEMPTED:
+                scheduled_resumed_reqs.append(request)
+            else:
+                scheduled_new_reqs.append(request)
+            req_to_new_blocks[request.request_id] = self.kv_cache_manager.get_blocks(request.request_id)
+            num_scheduled_tokens[request.request_id] = num_new_tokens
+            token_budget -= num_new_tokens
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_new_local_computed_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_new_local_computed_tokens
+
+        total_num_scheduled_tokens = sum(num_scheduled_tokens.values())
+        assert total_num_scheduled_tokens <= self.max_num_scheduled_tokens and token_budget >= 0
+        assert len(self.running) <= self.max_num_running_reqs
+
+        scheduler_output = SchedulerOutput(
+            scheduled_new_reqs=[NewRequestData.from_request(req, req_to_new_blocks[req.request_id].get_block_ids())
+                                for req in scheduled_new_reqs],
+            scheduled_cached_reqs=self._make_cached_request_data(
+                scheduled_running_reqs, scheduled_resumed_reqs, req_to_new_blocks),
+            num_scheduled_tokens=num_scheduled_tokens,
+            total_num_scheduled_tokens=total_num_scheduled_tokens,
+            # NOTE: hand over this set object and start a new one below, so the
+            # output keeps exactly the ids finished before this step.
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids={req.request_id for req in preempted_reqs},
+            step_id=self.current_step,
+        )
+        self.last_step_record = SchedulerStepRecord(
+            step_id=self.current_step, token_budget_start=self.max_num_scheduled_tokens,
+            token_budget_end=token_budget,
+            scheduled=[make_scheduled_record(req, num_scheduled_tokens[req.request_id],
+                                             req_to_new_blocks[req.request_id].get_block_ids()[0],
+                                             resumed=req in scheduled_resumed_reqs)
+                       for req in itertools.chain(scheduled_running_reqs, scheduled_new_reqs, scheduled_resumed_reqs)],
+            preempted_req_ids=[req.request_id for req in preempted_reqs], admission_stop_reason=stop_reason,
+            prefix_hits=prefix_hits, num_running=len(self.running), num_waiting=len(self.waiting))
+
+        self._update_after_schedule(scheduler_output)
+        return scheduler_output
+
+    def _make_cached_request_data(self, running_reqs: list[Request], resumed_reqs: list[Request],
+                                  req_to_new_blocks: dict[str, KVCacheBlocks]) -> CachedRequestData:
+        req_ids, resumed_req_token_ids, new_block_ids, num_computed_tokens, num_output_tokens = [], [], [], [], []
+        resumed_req_ids = {req.request_id for req in resumed_reqs}
+        for req in itertools.chain(running_reqs, resumed_reqs):
+            req_id = req.request_id
+            req_ids.append(req_id)
+            # NOTE: a resumed request's row was dropped by the worker on
+            # preemption: send its full token list, and its block ids *replace*
+            # the old row (they are all of its blocks, not an increment).
+            resumed_req_token_ids.append(list(req.all_token_ids) if req_id in resumed_req_ids else None)
+            new_block_ids.append(req_to_new_blocks[req_id].get_block_ids(allow_none=True))
+            num_computed_tokens.append(req.num_computed_tokens)
+            num_output_tokens.append(req.num_output_tokens)
+        return CachedRequestData(req_ids, resumed_req_ids, resumed_req_token_ids, new_block_ids,
+                                 num_computed_tokens, num_output_tokens)
+
+    def _preempt_request(self, request: Request) -> None:
+        """Preempt by recompute: free the blocks, forget the progress, requeue at the front.
+
+        NOTE: the caller already removed it from `running`. Its freed blocks
+        stay cached (hashed blocks go to the LRU tail), so on resumption the
+        prefix cache often gives most of the work back.
+        """
+        assert request.status == RequestStatus.RUNNING
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        if self.log_stats:
+            request.record_event(EngineCoreEventType.PREEMPTED)
+        self.waiting.prepend_request(request)
+
+    def _update_after_schedule(self, scheduler_output: SchedulerOutput) -> None:
+        # NOTE: advance num_computed_tokens now, before the step even runs
+        # (optimistically), so that the next schedule() sees the chunk as done.
+        # Sampled tokens are appended later, in update_from_output.
+        for req_id, num_scheduled_token in scheduler_output.num_scheduled_tokens.items():
+            request = self.requests[req_id]
+            request.num_computed_tokens += num_scheduled_token
+            request.is_prefill_chunk = request.num_computed_tokens < request.num_tokens
+        self.finished_req_ids = set()
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           model_runner_output: ModelRunnerOutput) -> dict[int, EngineCoreOutputs]:
+        """Append sampled tokens, check stops, free finished requests, build outputs."""
+        sampled_token_ids = model_runner_output.sampled_token_ids
+        outputs: dict[int, list[EngineCoreOutput]] = defaultdict(list)
+        stopped_running_reqs: set[Request] = set()
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished():
+                continue  # aborted while the step was running
+            req_index = model_runner_output.req_id_to_index[req_id]
+            # NOTE: a non-final prefill chunk samples nothing (empty list).
+            new_token_ids = list(sampled_token_ids[req_index]) if sampled_token_ids else []
+            stopped = False
+            if new_token_ids:
+                new_token_ids, stopped = self._update_request_with_output(request, new_token_ids)
+            if stopped:
+                self._free_request(request)
+                stopped_running_reqs.add(request)
+            # NOTE: no output for a partial prefill: nothing new to say yet.
+            if new_token_ids or stopped:
+                outputs[request.client_index].append(self._make_output(
+                    request, new_token_ids, self._get_logprobs(model_runner_output, req_index, len(new_token_ids))))
+        if stopped_running_reqs:
+            self.running = [req for req in self.running if req not in stopped_running_reqs]
+        for request in self._ignored_reqs:
+            self._free_request(request)
+            outputs[request.client_index].append(self._make_output(request, []))
+        self._ignored_reqs = []
+        return self._make_engine_core_outputs(outputs)
+
+    def _update_request_with_output(self, request: Request, new_token_ids: list[int]) -> tuple[list[int], bool]:
+        """Append tokens one at a time, checking for a stop after each one."""
+        for num_new, output_token_id in enumerate(new_token_ids, 1):
+            request.append_output_token_ids(output_token_id)
+            if check_stop(request, self.max_model_len):
+                # NOTE: tokens after the stop are dropped (only spec decode yields several).
+                return new_token_ids[:num_new], True
+        return new_token_ids, False
+
+    @staticmethod
+    def _get_logprobs(model_runner_output: ModelRunnerOutput, req_index: int, n: int) -> LogprobsLists | None:
+        logprobs = model_runner_output.logprobs[req_index] if model_runner_output.logprobs else None
+        if logprobs is None or n == 0:
+            return None
+        return LogprobsLists(logprobs.logprob_token_ids[:n], logprobs.logprobs[:n],
+                             logprobs.sampled_token_ranks[:n])
+
+    def _make_output(self, request: Request, new_token_ids: list[int],
+                     new_logprobs: LogprobsLists | None = None) -> EngineCoreOutput:
+        return EngineCoreOutput(
+            request_id=request.request_id, new_token_ids=new_token_ids, new_logprobs=new_logprobs,
+            finish_reason=request.get_finished_reason(), stop_reason=request.stop_reason,
+            events=request.take_events(), trace_headers=request.trace_headers,
+            num_cached_tokens=max(request.num_cached_tokens, 0))
+
+    def _make_engine_core_outputs(self, outputs: dict[int, list[EngineCoreOutput]]) -> dict[int, EngineCoreOutputs]:
+        clients = set(outputs) | set(self.finished_req_ids_dict)
+        engine_core_outputs = {
+            client: EngineCoreOutputs(outputs=outputs.get(client, []),
+                                      finished_requests=self.finished_req_ids_dict.get(client) or None)
+            for client in clients}
+        self.finished_req_ids_dict = defaultdict(set)
+        stats = self.make_stats()
+        if stats is not None:
+            # NOTE: stats go to one client only (any will do), even with no outputs.
+            if not engine_core_outputs:
+                engine_core_outputs[0] = EngineCoreOutputs()
+            engine_core_outputs[min(engine_core_outputs)].scheduler_stats = stats
+        return engine_core_outputs
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"Duplicate request id {request.request_id!r}")
+        if request.num_prompt_tokens == 0:
+            raise ValueError(f"Request {request.request_id!r} has an empty prompt")
+        self.requests[request.request_id] = request
+        if self.log_stats:
+            request.record_event(EngineCoreEventType.QUEUED)
+        if request.num_prompt_tokens > self.max_model_len:
+            # NOTE: the frontend rejects such prompts; if one slips through it
+            # could never be scheduled, so finish it instead of queueing it.
+            request.status = RequestStatus.FINISHED_IGNORED
+            self._ignored_reqs.append(request)
+            return
+        self.waiting.add_request(request)
+
+    def finish_requests(self, request_ids: str | Iterable[str], finished_status: RequestStatus) -> None:
+        """Finish requests from outside (aborts, stop strings). Unknown or finished ids are ignored."""
+        assert RequestStatus.is_finished(finished_status)
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        valid_requests = [req for req_id in request_ids
+                          if (req := self.requests.get(req_id)) is not None and not req.is_finished()]
+        running = {req for req in valid_requests if req.status == RequestStatus.RUNNING}
+        if running:
+            self.running = [req for req in self.running if req not in running]
+        if len(running) < len(valid_requests):
+            self.waiting.remove_requests([req for req in valid_requests if req not in running])
+        for request in valid_requests:
+            request.status = finished_status
+            self._free_request(request)
+
+    def _free_request(self, request: Request) -> None:
+        assert request.is_finished()
+        self.finished_req_ids.add(request.request_id)
+        self.finished_req_ids_dict[request.client_index].add(request.request_id)
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def has_finished_requests(self) -> bool:
+        return len(self.finished_req_ids) > 0 or len(self._ignored_reqs) > 0
+
+    def get_request_counts(self) -> tuple[int, int]:
+        return len(self.running), len(self.waiting)
+
+    def get_kv_cache_usage(self) -> float:
+        return self.kv_cache_manager.usage
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    def make_stats(self) -> SchedulerStats | None:
+        if not self.log_stats:
+            return None
+        prefix_stats = self.kv_cache_manager.make_prefix_cache_stats()
+        record = self.last_step_record
+        return SchedulerStats(
+            num_running_reqs=len(self.running), num_waiting_reqs=len(self.waiting),
+            step_counter=self.current_step, kv_cache_usage=self.kv_cache_manager.usage,
+            prefix_cache_requests=prefix_stats.requests, prefix_cache_queries=prefix_stats.queries,
+            prefix_cache_hits=prefix_stats.hits,
+            num_preemptions=len(record.preempted_req_ids) if record else 0,
+            num_scheduled_tokens=record.token_budget_start - record.token_budget_end if record else 0)
+
+    def snapshot(self) -> dict[str, Any]:
+        kv = self.kv_cache_manager
+        return {
+            "step_id": self.current_step,
+            "max_num_batched_tokens": self.max_num_scheduled_tokens,
+            "max_num_seqs": self.max_num_running_reqs,
+            "waiting": [req.snapshot(kv.get_block_ids(req.request_id)[0]) for req in self.waiting],
+            "running": [req.snapshot(kv.get_block_ids(req.request_id)[0]) for req in self.running],
+            "step_record": self.last_step_record.to_dict() if self.last_step_record else None,
+            "kv_cache": kv.snapshot(),
+        }
