@@ -108,7 +108,8 @@ def test_chunked_prefill(default_model_dir, hf_model, prompts):
 def test_preemption(default_model_dir, hf_model, prompts):
     # 12 usable blocks of 16 tokens for 9 requests of ~30-60 tokens each: they
     # cannot all stay resident, so the scheduler must preempt (and recompute).
-    llm = LLM(default_model_dir, num_gpu_blocks_override=13, enable_prefix_caching=False)
+    llm = LLM(default_model_dir, num_gpu_blocks_override=13, max_model_len=192,
+              enable_prefix_caching=False)
     got, _ = _engine_tokens(llm, prompts)
     _check_equal(hf_model, prompts, got)
     assert llm.get_metrics()["vllm:num_preemptions"] > 0

@@ -41,7 +41,10 @@ class EngineCore:
                 num_gpu_blocks = self.model_executor.determine_num_available_blocks()
                 cache_config.num_gpu_blocks = num_gpu_blocks
                 self.model_executor.initialize_from_config(num_gpu_blocks)
-            self.scheduler = Scheduler(vllm_config, num_gpu_blocks)
+            # Block-pool events (allocate / free / hit / evict) are kept only when
+            # snapshots are recorded: someone must drain them every step.
+            self.scheduler = Scheduler(vllm_config, num_gpu_blocks,
+                                       enable_kv_cache_events=self.recorder.wants_snapshots)
         # NOTE: the request computes its own block hashes (on arrival and on
         # every appended token); the hasher is created once, here, so every
         # request chains from the same NONE_HASH seed.
@@ -49,7 +52,6 @@ class EngineCore:
         if cache_config.enable_prefix_caching:
             init_none_hash(sha256)
             self.request_block_hasher = get_request_block_hasher(cache_config.block_size, sha256)
-        self.step_counter = 0
 
     # -- requests ---------------------------------------------------------------
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -71,12 +73,11 @@ class EngineCore:
         Returns (outputs per client index, whether the model ran this step)."""
         if not self.scheduler.has_requests():
             return {}, False
-        self.step_counter += 1
         rec = self.recorder
-        with rec.span("EngineCore.step", **{"vllm_anatomy.step_id": self.step_counter}) as span:
+        with rec.span("EngineCore.step") as span:
             with rec.span("Scheduler.schedule"):
                 scheduler_output = self.scheduler.schedule()
-            scheduler_output.step_id = self.step_counter
+            span.set_attribute("vllm_anatomy.step_id", scheduler_output.step_id)
             self.model_executor.execute_model(scheduler_output)
             model_output = self.model_executor.sample_tokens()
             with rec.span("Scheduler.update_from_output"):
@@ -88,13 +89,16 @@ class EngineCore:
         return outputs, scheduler_output.total_num_scheduled_tokens > 0
 
     def _record_snapshot(self, scheduler_output) -> None:
+        step_id = scheduler_output.step_id
         self.recorder.snapshot("step", {
-            "step_id": self.step_counter,
+            "step_id": step_id,
             "time": time.time(),
             "scheduler_output": msgspec.to_builtins(scheduler_output),
             "scheduler": self.scheduler.snapshot(),
-            "worker": self.model_executor.snapshot(),
-        }, step_id=self.step_counter)
+            "block_pool_events": msgspec.to_builtins(self.scheduler.kv_cache_manager.take_events()),
+        }, step_id=step_id)
+        # NOTE: the worker records its own half ("model_runner") where it runs:
+        # in another process it could not be fetched without an extra round trip.
 
     def shutdown(self) -> None:
         self.model_executor.shutdown()
