@@ -1,7 +1,6 @@
-"""The `vllm-anatomy` command.
+"""`vllm-anatomy generate`: a real generation with the offline LLM API.
 
-    vllm-anatomy download [--force]          fetch + convert the default model
-    vllm-anatomy generate [--prompt P ...]   a real generation on the default model
+    vllm-anatomy generate --prompt "What is a KV cache?" --max-num-batched-tokens 16
 """
 from __future__ import annotations
 
@@ -49,14 +48,8 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def add_parser(sub) -> None:
     from vllm_anatomy.engine.arg_utils import EngineArgs
-
-    parser = argparse.ArgumentParser(prog="vllm-anatomy", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
-    d = sub.add_parser("download", help="fetch and convert the default model")
-    d.add_argument("--force", action="store_true", help="download and convert again")
     g = sub.add_parser("generate", help="generate with the offline LLM API")
     EngineArgs.add_cli_args(g)
     g.add_argument("--prompt", action="append", help="a user message (repeatable)")
@@ -64,16 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--sampling-seed", type=int, default=None)
-    args = parser.parse_args(argv)
-    try:
-        if args.command == "download":
-            from vllm_anatomy.model_executor.default_model import download_main
-            return download_main(["--force"] if args.force else [])
-        return _generate(args)
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
-        print(f"vllm-anatomy: error: {e}", file=sys.stderr)
-        return 2
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def run(args: argparse.Namespace) -> int:
+    return _generate(args)
