@@ -60,7 +60,24 @@ class SchedulerConfig:
 
 
 @dataclass
+class ParallelConfig:
+    # "uni": one worker in the engine process (UniProcExecutor, a plain call);
+    # "mp": worker processes behind a shared-memory ring buffer (MultiprocExecutor).
+    distributed_executor_backend: str = "uni"
+    world_size: int = 1
+
+
+@dataclass
+class ObservabilityConfig:
+    trace_level: str = "off"              # off | spans | full
+    trace_dir: str | None = None          # where run stores are written
+    otlp_traces_endpoint: str | None = None
+
+
+@dataclass
 class VllmConfig:
     model_config: ModelConfig
     cache_config: CacheConfig
     scheduler_config: SchedulerConfig
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    observability_config: ObservabilityConfig = field(default_factory=ObservabilityConfig)

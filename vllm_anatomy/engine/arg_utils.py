@@ -12,7 +12,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from vllm_anatomy.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm_anatomy.config import (CacheConfig, ModelConfig, ObservabilityConfig, ParallelConfig,
+                                 SchedulerConfig, VllmConfig)
 from vllm_anatomy.model_executor.default_model import resolve_model
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -34,6 +35,10 @@ class EngineArgs:
     max_num_seqs: int | None = None
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
+    distributed_executor_backend: str = "uni"   # uni | mp
+    trace_level: str = "off"                    # off | spans | full
+    trace_dir: str | None = None
+    otlp_traces_endpoint: str | None = None
 
     def _resolve_device(self) -> str:
         if self.device == "auto":
@@ -89,7 +94,15 @@ class EngineArgs:
                                            max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                                            enable_chunked_prefill=self.enable_chunked_prefill,
                                            long_prefill_token_threshold=self.long_prefill_token_threshold)
-        return VllmConfig(model_config, cache_config, scheduler_config)
+        if self.distributed_executor_backend not in ("uni", "mp"):
+            raise ValueError(f"distributed_executor_backend must be 'uni' or 'mp', "
+                             f"got {self.distributed_executor_backend!r}")
+        if self.trace_level not in ("off", "spans", "full"):
+            raise ValueError(f"trace_level must be one of off, spans, full; got {self.trace_level!r}")
+        parallel_config = ParallelConfig(distributed_executor_backend=self.distributed_executor_backend)
+        observability_config = ObservabilityConfig(trace_level=self.trace_level, trace_dir=self.trace_dir,
+                                                   otlp_traces_endpoint=self.otlp_traces_endpoint)
+        return VllmConfig(model_config, cache_config, scheduler_config, parallel_config, observability_config)
 
     # -- command line -------------------------------------------------------------
     @staticmethod
@@ -109,6 +122,10 @@ class EngineArgs:
         p("--max-num-seqs", type=int, default=None)
         p("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
         p("--long-prefill-token-threshold", type=int, default=0)
+        p("--distributed-executor-backend", choices=["uni", "mp"], default=d.distributed_executor_backend)
+        p("--trace-level", choices=["off", "spans", "full"], default=d.trace_level)
+        p("--trace-dir", default=None)
+        p("--otlp-traces-endpoint", default=None)
         return parser
 
     @classmethod

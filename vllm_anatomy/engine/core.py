@@ -24,18 +24,18 @@ from vllm_anatomy.core.request import Request, RequestStatus
 from vllm_anatomy.core.sched.scheduler import Scheduler
 from vllm_anatomy.engine.protocol import EngineCoreOutputs, EngineCoreRequest
 from vllm_anatomy.executor.abstract import Executor
-from vllm_anatomy.executor.uniproc_executor import UniProcExecutor
 from vllm_anatomy.tracing.recorder import NullRecorder, Recorder
 
 
 class EngineCore:
 
     def __init__(self, vllm_config: VllmConfig, recorder: Recorder | None = None,
-                 executor_class: type[Executor] = UniProcExecutor) -> None:
+                 executor_class: type[Executor] | None = None) -> None:
         self.vllm_config = vllm_config
         self.recorder = recorder or NullRecorder()
         cache_config = vllm_config.cache_config
         with self.recorder.span("EngineCore.__init__"):
+            executor_class = executor_class or Executor.get_class(vllm_config)
             self.model_executor = executor_class(vllm_config, self.recorder)
             with self.recorder.span("EngineCore._initialize_kv_caches"):
                 num_gpu_blocks = self.model_executor.determine_num_available_blocks()

@@ -17,6 +17,15 @@ from vllm_anatomy.tracing.recorder import NullRecorder, Recorder
 
 class Executor:
 
+    @staticmethod
+    def get_class(vllm_config: VllmConfig) -> type["Executor"]:
+        backend = vllm_config.parallel_config.distributed_executor_backend
+        if backend == "mp":
+            from vllm_anatomy.executor.multiproc_executor import MultiprocExecutor
+            return MultiprocExecutor
+        from vllm_anatomy.executor.uniproc_executor import UniProcExecutor
+        return UniProcExecutor
+
     def __init__(self, vllm_config: VllmConfig, recorder: Recorder | None = None) -> None:
         self.vllm_config = vllm_config
         self.recorder = recorder or NullRecorder()
