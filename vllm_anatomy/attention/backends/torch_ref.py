@@ -6,7 +6,10 @@ contract: `do_kv_cache_update` scatters the new K/V into the paged cache
 (vLLM: reshape_and_cache_flash), then `forward` computes attention reading
 K/V *only from the cache*. It is the CPU default and the oracle the Triton
 kernels are tested against, so it favours clarity over speed: one Python
-loop over the requests of the flat batch.
+loop over the requests of the flat batch. One concession to speed: all
+decodes (query_len == 1) of a batch are computed together in a few batched
+ops, since a per-request loop of tiny ops dominated a decode step on the CPU
+(~0.25 ms per request per layer: 16 requests x 30 layers = 120 ms a step).
 
 Per request i of the batch (R requests, T tokens in all):
     query tokens  query[query_start_loc[i] : query_start_loc[i + 1]]
@@ -56,10 +59,17 @@ class TorchReferenceImpl(AttentionImpl):
         # The loop bounds must be Python ints: read the host copies (no device sync).
         query_start_loc = _host(attn_metadata.query_start_loc_cpu, attn_metadata.query_start_loc)
         seq_lens = _host(attn_metadata.seq_lens_cpu, attn_metadata.seq_lens)
+        decode_reqs = [i for i in range(attn_metadata.num_reqs)
+                       if query_start_loc[i + 1] - query_start_loc[i] == 1]
+        if decode_reqs:
+            q_idx = [query_start_loc[i] for i in decode_reqs]
+            output[q_idx] = self._attend_decodes(query[q_idx], key_cache, value_cache,
+                                                 attn_metadata.block_table[decode_reqs],
+                                                 [seq_lens[i] for i in decode_reqs])
         for i in range(attn_metadata.num_reqs):
             q_start, q_end = query_start_loc[i], query_start_loc[i + 1]
             query_len, seq_len = q_end - q_start, seq_lens[i]
-            if query_len == 0:
+            if query_len <= 1:      # nothing to do, or a decode done above
                 continue
             num_blocks = -(-seq_len // block_size)                      # cdiv
             block_ids = attn_metadata.block_table[i, :num_blocks].long()
@@ -89,6 +99,31 @@ class TorchReferenceImpl(AttentionImpl):
         probs = torch.softmax(scores, dim=-1)
         out = torch.einsum("hqk,khd->qhd", probs, value.float())                # [q, nh, hd]
         return out.to(query.dtype)
+
+
+    def _attend_decodes(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                        block_table: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
+        """D decode tokens at once: query [D, nh, hd] -> [D, nh, hd].
+
+        Each token sees every key of its own sequence (it is the last one), so
+        the only mask is the sequence's length within the padded gather."""
+        num_decodes, block_size = query.shape[0], key_cache.shape[1]
+        max_len = max(seq_lens)
+        num_blocks = -(-max_len // block_size)
+        block_ids = block_table[:, :num_blocks].long()                         # [D, nb]
+        key = key_cache[block_ids].flatten(1, 2)[:, :max_len].float()          # [D, L, nkv, hd]
+        value = value_cache[block_ids].flatten(1, 2)[:, :max_len].float()      # [D, L, nkv, hd]
+        # GQA without copying K/V: view the query heads as [nkv, g] groups,
+        # query head h = kv_head * g + j reads kv head h // g.
+        group = self.num_heads // self.num_kv_heads
+        q = query.float().view(num_decodes, self.num_kv_heads, group, self.head_dim)  # [D, nkv, g, hd]
+        scores = torch.einsum("dkgh,dlkh->dkgl", q, key) * self.scale                 # [D, nkv, g, L]
+        lens = torch.tensor(seq_lens, device=query.device)
+        valid = torch.arange(max_len, device=query.device)[None, :] < lens[:, None]  # [D, L]
+        scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out = torch.einsum("dkgl,dlkh->dkgh", probs, value)                           # [D, nkv, g, hd]
+        return out.reshape(num_decodes, self.num_heads, self.head_dim).to(query.dtype)
 
 
 def _host(cpu_copy: torch.Tensor | None, tensor: torch.Tensor) -> list[int]:
