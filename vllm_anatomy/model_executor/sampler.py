@@ -5,6 +5,7 @@ vllm/v1/sample/ops/topk_topp_sampler.py. The order of operations is vLLM's:
 
     1. raw logprobs, if any row asked for logprobs (before anything changes the logits)
     2. logits -> float32
+    2b. min_tokens: stop tokens masked for rows that may not stop yet
     3. greedy rows: argmax; if every row is greedy, done
     4. temperature
     5. min-p
@@ -47,6 +48,8 @@ class Sampler(nn.Module):
         # distribution, before temperature / top-k / top-p reshape it.
         raw_logprobs = self.compute_logprobs(logits) if num_logprobs is not None else None
         logits = logits.to(torch.float32)
+        if sampling_metadata.min_tokens:
+            logits = apply_min_tokens(logits, sampling_metadata.min_tokens)
         sampled = self.sample(logits, sampling_metadata)
         logprobs_tensors = None
         if raw_logprobs is not None:
@@ -141,3 +144,14 @@ def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -
     for i, generator in generators.items():
         q[i].exponential_(generator=generator)    # seeded rows: their own stream
     return probs.div(q).argmax(dim=-1)                                        # [R]
+
+
+def apply_min_tokens(logits: torch.Tensor, rows: dict[int, list[int]]) -> torch.Tensor:
+    """Forbid stop tokens for rows with fewer than min_tokens outputs.
+
+    NOTE: the scheduler's check_stop also ignores EOS before min_tokens, but
+    only masking here keeps EOS out of the text (vLLM: MinTokensLogitsProcessor)."""
+    logits = logits.clone()
+    for row, stop_ids in rows.items():
+        logits[row, stop_ids] = float("-inf")
+    return logits

@@ -8,12 +8,12 @@ default"), so the Sampler can skip the whole operation instead of running it
 with neutral values (top_p = 1.0 everywhere still costs a full sort).
 
 Simplified here: no penalties, logit bias, allowed/bad words, logits
-processors, or prompt logprobs. min_p is a field (as in older vLLM), not a
-logits processor.
+processors, or prompt logprobs. min_p and min_tokens are fields (as in older
+vLLM), not logits processors.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -34,3 +34,6 @@ class SamplingMetadata:
     generators: dict[int, torch.Generator]
     # Largest `logprobs` asked for in the batch; None when nobody asked.
     max_num_logprobs: int | None
+    # row -> stop token ids (EOS, stop_token_ids) it may not sample yet because
+    # it has fewer than min_tokens outputs. Empty for most batches.
+    min_tokens: dict[int, list[int]] = field(default_factory=dict)

@@ -100,6 +100,8 @@ class InputBatch:
         # batch row -> generator (seeded requests only); req_id -> logprobs count.
         self.generators: dict[int, torch.Generator] = {}
         self.num_logprobs: dict[str, int] = {}
+        # req_id -> (min_tokens, stop token ids it must not sample before that).
+        self.min_tokens: dict[str, tuple[int, list[int]]] = {}
         self.sampling_metadata: SamplingMetadata | None = None
 
         # Every per-row numpy array: they move together in condense/swap.
@@ -168,6 +170,10 @@ class InputBatch:
             self.min_p_reqs.add(req_id)
         if sp.logprobs is not None:
             self.num_logprobs[req_id] = sp.logprobs
+        stop_ids = [t for t in [sp.eos_token_id, *(sp.stop_token_ids or []), *(sp.all_stop_token_ids or [])]
+                    if t is not None]
+        if sp.min_tokens > 0 and stop_ids:
+            self.min_tokens[req_id] = (sp.min_tokens, stop_ids)
 
     def remove_request(self, req_id: str) -> int | None:
         """Free a request's row. Leaves a hole: call condense() before running a step."""
@@ -180,6 +186,7 @@ class InputBatch:
             s.discard(req_id)
         self.generators.pop(req_index, None)
         self.num_logprobs.pop(req_id, None)
+        self.min_tokens.pop(req_id, None)
         self.block_table.clear_row(req_index)
         return req_index
 
@@ -264,8 +271,17 @@ class InputBatch:
             min_p=to_device(self.min_p_cpu_tensor, self.min_p, bool(self.min_p_reqs)),
             generators=dict(self.generators),
             max_num_logprobs=max(self.num_logprobs.values()) if self.num_logprobs else None,
+            min_tokens=self._rows_below_min_tokens(),
         )
         return self.sampling_metadata
+
+    def _rows_below_min_tokens(self) -> dict[int, list[int]]:
+        rows = {}
+        for req_id, (min_tokens, stop_ids) in self.min_tokens.items():
+            i = self.req_id_to_index[req_id]
+            if self.num_tokens_no_spec[i] - self.num_prompt_tokens[i] < min_tokens:
+                rows[i] = stop_ids
+        return rows
 
     def snapshot(self) -> dict:
         rows = []

@@ -1,0 +1,120 @@
+"""The offline API's contract on the real default model: sampling options, bad
+input (clear errors, nothing lost), aborts and stop strings free every block."""
+import pytest
+
+from vllm_anatomy import LLM, SamplingParams
+from vllm_anatomy.core.request import RequestStatus
+from vllm_anatomy.engine.protocol import EngineCoreRequest, FinishReason
+
+pytestmark = pytest.mark.model
+
+CHAT = [{"role": "user", "content": "Tell me a short story about a robot."}]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(max_model_len=256)
+
+
+def _no_blocks_held(llm):
+    sched = llm.llm_engine.engine_core.scheduler
+    pool = sched.kv_cache_manager.block_pool
+    # Every block but the null block is free (cached ones included): nothing leaked.
+    return (not sched.has_unfinished_requests() and pool.get_num_free_blocks() == pool.num_gpu_blocks - 1)
+
+
+def test_seeded_sampling_is_reproducible_across_batches(llm):
+    sp = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, seed=1234)
+    alone = llm.chat(CHAT, sp, use_tqdm=False)[0].outputs[0].token_ids
+    other = SamplingParams(temperature=1.0, max_tokens=16)
+    batched = llm.chat([[{"role": "user", "content": "Hi!"}], CHAT], [other, sp], use_tqdm=False)
+    assert batched[1].outputs[0].token_ids == alone
+    unseeded = {tuple(llm.chat(CHAT, SamplingParams(temperature=1.0, max_tokens=16), use_tqdm=False)[0]
+                      .outputs[0].token_ids) for _ in range(3)}
+    assert len(unseeded) > 1, "temperature sampling without a seed should vary"
+
+
+def test_logprobs(llm):
+    out = llm.chat(CHAT, SamplingParams(temperature=0, max_tokens=6, logprobs=3), use_tqdm=False)[0].outputs[0]
+    assert len(out.logprobs) == len(out.token_ids) == 6
+    for tok, entry in zip(out.token_ids, out.logprobs):
+        assert tok in entry and entry[tok].rank == 1          # greedy: the sampled token is the top one
+        assert len(entry) == 3 and all(lp.logprob <= 0 for lp in entry.values())
+    assert out.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(out.token_ids, out.logprobs)))
+
+
+def test_stop_token_ids_and_min_tokens(llm):
+    greedy = llm.chat(CHAT, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0].outputs[0]
+    stop_tok = greedy.token_ids[3]
+    out = llm.chat(CHAT, SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_tok]),
+                   use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_tok
+    assert out.token_ids == greedy.token_ids[:greedy.token_ids.index(stop_tok) + 1]
+    # "The capital of France is Paris." then EOS after 8 tokens; min_tokens=12
+    # forbids EOS (<|im_end|> = 2) until 12 tokens.
+    short = [{"role": "user", "content": "What is the capital of France?"}]
+    base = llm.chat(short, SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)[0].outputs[0]
+    assert base.finish_reason == "stop" and base.token_ids[-1] == 2 and len(base.token_ids) < 12
+    forced = llm.chat(short, SamplingParams(temperature=0, max_tokens=20, min_tokens=12),
+                      use_tqdm=False)[0].outputs[0]
+    assert len(forced.token_ids) >= 12 and 2 not in forced.token_ids[:12]
+    assert forced.token_ids[:len(base.token_ids) - 1] == base.token_ids[:-1]
+
+
+def test_stop_string_aborts_in_engine_and_frees_blocks(llm):
+    greedy = llm.chat(CHAT, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0].outputs[0]
+    word = greedy.text.split()[3]
+    out = llm.chat(CHAT, SamplingParams(temperature=0, max_tokens=24, stop=[word]), use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == word
+    assert out.text == greedy.text[:greedy.text.index(word)]
+    assert _no_blocks_held(llm)
+
+
+def test_prompt_too_long_raises_and_loses_nothing(llm):
+    tok = llm.get_tokenizer()
+    long_prompt = {"prompt_token_ids": [tok.encode("a")[0]] * 300}
+    with pytest.raises(ValueError, match="longer than the maximum model length of 256"):
+        llm.generate(["Hello", long_prompt], SamplingParams(max_tokens=4), use_tqdm=False)
+    # The valid prompt of the refused batch was not started either.
+    assert not llm.llm_engine.has_unfinished_requests() and _no_blocks_held(llm)
+
+
+@pytest.mark.parametrize("prompt, err", [("", ValueError), ({"prompt_token_ids": []}, ValueError),
+                                         ({"prompt_token_ids": [10 ** 9]}, ValueError),
+                                         ({"nothing": 1}, ValueError), (3.5, TypeError)])
+def test_bad_prompts(llm, prompt, err):
+    with pytest.raises(err):
+        llm.generate(prompt, SamplingParams(max_tokens=2), use_tqdm=False)
+
+
+def test_bad_engine_arguments():
+    with pytest.raises(TypeError, match="Unknown engine argument"):
+        LLM(max_num_batchd_tokens=3)
+    with pytest.raises(ValueError, match="num_gpu_blocks_override"):
+        LLM(num_gpu_blocks_override=1)
+
+
+def test_engine_core_ignores_too_long_prompt_and_aborts_unknown(llm):
+    core = llm.llm_engine.engine_core
+    core.abort_requests(["never-existed"])                       # a no-op
+    sp = SamplingParams(max_tokens=4)
+    core.add_request(EngineCoreRequest("too-long", [5] * 300, sp, 0.0))
+    outs, _ = core.step()
+    (eco,) = [o for out in outs.values() for o in out.outputs if o.request_id == "too-long"]
+    assert eco.finish_reason == FinishReason.LENGTH and eco.new_token_ids == []
+    assert _no_blocks_held(llm)
+
+
+def test_abort_mid_generation_frees_blocks(llm):
+    engine = llm.llm_engine
+    engine.add_request("x", {"prompt_token_ids": llm.get_tokenizer().encode("Once upon a time")},
+                       SamplingParams(max_tokens=50, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    req = engine.engine_core.scheduler.requests["x"]
+    assert req.status == RequestStatus.RUNNING and req.num_output_tokens > 0
+    engine.abort_request(["x"])
+    assert req.status == RequestStatus.FINISHED_ABORTED
+    engine.step()   # the next step tells the worker to drop it
+    assert _no_blocks_held(llm)
+    assert "x" not in engine.engine_core.model_executor.driver_worker.model_runner.input_batch.req_id_to_index
