@@ -36,6 +36,9 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
     distributed_executor_backend: str = "uni"   # uni | mp
+    # NOTE: ranks all run the whole model for now (no sharding yet): this sets
+    # how many worker processes the "mp" executor drives.
+    tensor_parallel_size: int = 1
     trace_level: str = "off"                    # off | spans | full
     trace_dir: str | None = None
     otlp_traces_endpoint: str | None = None
@@ -99,7 +102,12 @@ class EngineArgs:
                              f"got {self.distributed_executor_backend!r}")
         if self.trace_level not in ("off", "spans", "full"):
             raise ValueError(f"trace_level must be one of off, spans, full; got {self.trace_level!r}")
-        parallel_config = ParallelConfig(distributed_executor_backend=self.distributed_executor_backend)
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and self.distributed_executor_backend != "mp":
+            raise ValueError("tensor_parallel_size > 1 needs distributed_executor_backend='mp'")
+        parallel_config = ParallelConfig(distributed_executor_backend=self.distributed_executor_backend,
+                                         world_size=self.tensor_parallel_size)
         observability_config = ObservabilityConfig(trace_level=self.trace_level, trace_dir=self.trace_dir,
                                                    otlp_traces_endpoint=self.otlp_traces_endpoint)
         return VllmConfig(model_config, cache_config, scheduler_config, parallel_config, observability_config)
@@ -123,6 +131,7 @@ class EngineArgs:
         p("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
         p("--long-prefill-token-threshold", type=int, default=0)
         p("--distributed-executor-backend", choices=["uni", "mp"], default=d.distributed_executor_backend)
+        p("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size)
         p("--trace-level", choices=["off", "spans", "full"], default=d.trace_level)
         p("--trace-dir", default=None)
         p("--otlp-traces-endpoint", default=None)

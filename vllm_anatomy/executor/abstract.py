@@ -56,5 +56,8 @@ class Executor:
     def snapshot(self) -> dict:
         return self.collective_rpc("snapshot")[0]
 
+    def register_failure_callback(self, callback) -> None:
+        """Called when a worker dies. One in-process worker cannot die alone: no-op."""
+
     def shutdown(self) -> None:
         pass

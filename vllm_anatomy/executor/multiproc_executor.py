@@ -1,0 +1,381 @@
+"""MultiprocExecutor: workers in their own processes, reached through shared memory.
+
+Mirrors vllm/v1/executor/multiproc_executor.py (MultiprocExecutor, WorkerProc).
+
+    EngineCore --collective_rpc--> rpc_broadcast_mq (1 writer, world_size readers)
+         ^                              |
+         |                    WorkerProc.worker_busy_loop (one process per rank):
+         |                    dequeue (method, args) -> getattr(worker, method)(*args)
+         +---- worker_response_mq (one per worker; only the replying ranks write)
+
+Everything on the queues is msgspec msgpack, never pickle. NOTE: the types are
+the Worker's own annotations: a worker decodes `execute_model`'s argument as
+SchedulerOutput because `Worker.execute_model` says so, and the executor
+decodes the reply with the method's return annotation. vLLM pickles instead,
+and also accepts a cloudpickled function as the "method": we accept names only.
+The VllmConfig reaches a worker once, as a spawn argument (multiprocessing
+pickles those at start-up, as in vLLM); nothing is pickled after that.
+
+Simplified: no torch.distributed init (each rank runs the full model: a stand-in
+until tensor parallelism splits it), no async-output thread, no non_block futures.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import multiprocessing
+import multiprocessing.connection
+import shutil
+import tempfile
+import threading
+import traceback
+import typing
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import msgspec
+
+from vllm_anatomy.config import VllmConfig
+from vllm_anatomy.core.outputs import ModelRunnerOutput
+from vllm_anatomy.core.sched.output import SchedulerOutput
+from vllm_anatomy.executor.abstract import Executor
+from vllm_anatomy.executor.shm_broadcast import Handle, MessageQueue, MessageQueueCancelled
+from vllm_anatomy.tracing.recorder import NullRecorder
+from vllm_anatomy.worker.worker import Worker
+
+logger = logging.getLogger(__name__)
+
+MAX_CHUNK_BYTES = 1 << 20      # vLLM: VLLM_MQ_MAX_CHUNK_BYTES_MB = 16 MiB; our messages are small
+WORKER_READY_TIMEOUT_S = 600.0
+SHUTDOWN_GRACE_S = 5.0
+
+
+class RPCRequest(msgspec.Struct, array_like=True):
+    method: str
+    # NOTE: each argument is encoded on its own and decoded lazily (Raw) with
+    # the type the worker method declares for it.
+    args: list[msgspec.Raw]
+    kwargs: dict[str, msgspec.Raw]
+    output_rank: int | None          # only this rank replies; None = every rank
+
+
+class RPCResponse(msgspec.Struct, array_like=True):
+    status: str                      # "SUCCESS" | "FAILURE" (vLLM: ResponseStatus)
+    result: msgspec.Raw              # encoded return value (msgpack nil on failure)
+    error: str | None = None         # the worker's traceback text
+
+
+class WorkerReady(msgspec.Struct):
+    status: str                      # "READY" | "FAILED"
+    response_handle: Handle | None = None
+    error: str | None = None
+
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def _raw(obj: Any) -> msgspec.Raw:
+    return msgspec.Raw(_encoder.encode(obj))
+
+
+@functools.cache
+def _worker_method_types(method: str) -> tuple[list[Any], dict[str, Any], Any]:
+    """(positional types, keyword types, return type) from Worker's annotations."""
+    fn = getattr(Worker, method, None)
+    if method.startswith("_") or not callable(fn):
+        raise AttributeError(f"Worker has no RPC method {method!r}")
+    hints = typing.get_type_hints(fn)
+    params = list(inspect.signature(fn).parameters.values())[1:]     # drop self
+    types = {p.name: hints.get(p.name, Any) for p in params}
+    return list(types.values()), types, hints.get("return", Any)
+
+
+@dataclass
+class UnreadyWorkerProcHandle:
+    proc: multiprocessing.process.BaseProcess
+    rank: int
+    ready_pipe: multiprocessing.connection.Connection
+    death_writer: multiprocessing.connection.Connection
+
+
+@dataclass
+class WorkerProcHandle:
+    proc: multiprocessing.process.BaseProcess
+    rank: int
+    worker_response_mq: MessageQueue
+    death_writer: multiprocessing.connection.Connection
+
+
+class BackgroundResources:
+    """What shutdown must release, kept apart from the executor (as vLLM's core_client
+    does) so a weakref.finalize can reach it without keeping the executor alive."""
+
+    def __init__(self) -> None:
+        # NOTE: every ipc socket file lives here: removed even if a worker was killed.
+        self.ipc_dir = tempfile.mkdtemp(prefix="vllm_anatomy_ipc_")
+        self.rpc_broadcast_mq: MessageQueue | None = None
+        self.unready: list[UnreadyWorkerProcHandle] = []
+        self.workers: list[WorkerProcHandle] = []
+        self.shutdown_event = threading.Event()
+        self.shutting_down = False
+
+    def __call__(self) -> None:
+        """Stop the workers, then unlink every segment and socket."""
+        self.shutting_down = True
+        self.shutdown_event.set()        # NOTE: ends our own waits on the queues
+        for conn in [u.death_writer for u in self.unready]:
+            conn.close()                 # NOTE: EOF on the death pipe = "exit now" for the worker
+        for proc in [u.proc for u in self.unready]:
+            proc.join(SHUTDOWN_GRACE_S)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(1.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        for w in self.workers:
+            w.worker_response_mq.close()
+            # NOTE: a killed worker could not unlink the segment it created.
+            w.worker_response_mq.buffer.unlink()
+        if self.rpc_broadcast_mq is not None:
+            self.rpc_broadcast_mq.close()
+        shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+
+class MultiprocExecutor(Executor):
+
+    def _init_executor(self) -> None:
+        self.world_size = self.vllm_config.parallel_config.world_size
+        # NOTE: vLLM replies from world_size - tp_size * pcp_size (first TP rank of
+        # the last pipeline stage); with every rank in one stage that is rank 0.
+        self.output_rank = 0
+        self.is_failed = False
+        self.failure_message: str | None = None
+        self.failure_callback: Callable[[], None] | None = None
+        self.resources = res = BackgroundResources()
+        self.ipc_dir, self.shutdown_event = res.ipc_dir, res.shutdown_event
+        # NOTE: runs at interpreter exit at the latest, or when the executor is collected.
+        self._finalizer = weakref.finalize(self, res)
+        try:
+            self.rpc_broadcast_mq = res.rpc_broadcast_mq = MessageQueue(self.world_size, MAX_CHUNK_BYTES,
+                                                                        ipc_dir=self.ipc_dir)
+            handle = self.rpc_broadcast_mq.export_handle()
+            res.unready = [WorkerProc.make_worker_process(self.vllm_config, rank, rank, handle, self.ipc_dir)
+                           for rank in range(self.world_size)]
+            self.workers = res.workers = WorkerProc.wait_for_ready(res.unready)
+            self.rpc_broadcast_mq.wait_until_ready(timeout=WORKER_READY_TIMEOUT_S)
+            for w in self.workers:
+                w.worker_response_mq.wait_until_ready(timeout=WORKER_READY_TIMEOUT_S)
+        except BaseException:
+            self.shutdown()
+            raise
+        self.start_worker_monitor()
+
+    def start_worker_monitor(self) -> None:
+        """A thread that waits on the workers' process sentinels (readable when a process ends)."""
+        workers, self_ref, res = list(self.workers), weakref.ref(self), self.resources
+
+        def monitor_workers() -> None:
+            died = multiprocessing.connection.wait([w.proc.sentinel for w in workers])
+            executor = self_ref()
+            if executor is None or res.shutting_down:
+                return
+            executor._fail(next(w for w in workers if w.proc.sentinel in died))
+            # NOTE: as in vLLM, one dead worker takes the executor down: the others
+            # are stopped now; shared memory is reclaimed by shutdown().
+            for w in workers:
+                if w.proc.is_alive():
+                    w.proc.terminate()
+
+        threading.Thread(target=monitor_workers, daemon=True, name="MultiprocWorkerMonitor").start()
+
+    def register_failure_callback(self, callback: Callable[[], None]) -> None:
+        """Called (from the monitor thread) when a worker dies, e.g. to report an idle engine dead."""
+        if self.is_failed:
+            callback()
+        else:
+            self.failure_callback = callback
+
+    def _fail(self, dead: WorkerProcHandle) -> None:
+        if self.is_failed:
+            return
+        dead.proc.join(1.0)
+        self.failure_message = (f"Worker proc {dead.proc.name} (rank {dead.rank}, pid {dead.proc.pid}) died "
+                                f"unexpectedly with exit code {dead.proc.exitcode}; the executor cannot continue.")
+        self.is_failed = True
+        self.shutdown_event.set()     # NOTE: wakes every wait on a queue (cancel)
+        if self.failure_callback is not None:
+            self.failure_callback()
+
+    def _check_alive(self) -> None:
+        if not self.is_failed and not self.resources.shutting_down:
+            # NOTE: also polled here, so a death just before this call cannot race the monitor.
+            dead = next((w for w in self.workers if w.proc.exitcode is not None), None)
+            if dead is not None:
+                self._fail(dead)
+        if self.is_failed or self.resources.shutting_down:
+            raise RuntimeError(self.failure_message or "MultiprocExecutor has been shut down.")
+
+    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None,
+                       unique_reply_rank: int | None = None, timeout: float | None = None) -> Any:
+        """Broadcast (method, args) once; a list of replies, one per rank, or only
+        `unique_reply_rank`'s reply (not a list), as in vLLM."""
+        if not isinstance(method, str):
+            raise TypeError("collective_rpc takes a Worker method name (vLLM also takes a "
+                            "cloudpickled function; we never pickle).")
+        self._check_alive()
+        request = RPCRequest(method, [_raw(a) for a in args],
+                             {k: _raw(v) for k, v in (kwargs or {}).items()}, unique_reply_rank)
+        try:
+            self.rpc_broadcast_mq.enqueue(request, timeout=timeout, cancel=self.shutdown_event)
+            ranks = [unique_reply_rank] if unique_reply_rank is not None else range(self.world_size)
+            # NOTE: read every reply before raising any error: one left in a queue
+            # would be taken as the answer to the next call.
+            responses = [self.workers[r].worker_response_mq.dequeue(timeout, self.shutdown_event,
+                                                                    decoder=_response_decoder)
+                         for r in ranks]
+        except MessageQueueCancelled:
+            raise RuntimeError(self.failure_message or "MultiprocExecutor has been shut down.") from None
+        except TimeoutError:
+            # NOTE: a late reply would be read as the answer to the next call.
+            self.is_failed = True
+            self.failure_message = f"RPC call to {method} timed out; the executor cannot continue."
+            raise TimeoutError(self.failure_message) from None
+        for rank, response in zip(ranks, responses):
+            if response.status != "SUCCESS":
+                raise RuntimeError(f"Worker (rank {rank}) failed in {method}. "
+                                   f"Worker traceback:\n{response.error}")
+        return_type = _worker_method_types(method)[2]
+        results = [msgspec.msgpack.decode(r.result, type=return_type) for r in responses]
+        return results[0] if unique_reply_rank is not None else results
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> None:
+        with self.recorder.span("Executor.execute_model"):
+            self.collective_rpc("execute_model", (scheduler_output,), unique_reply_rank=self.output_rank)
+
+    def sample_tokens(self) -> ModelRunnerOutput:
+        with self.recorder.span("Executor.sample_tokens"):
+            return self.collective_rpc("sample_tokens", unique_reply_rank=self.output_rank)
+
+    def shutdown(self) -> None:
+        """Stop the workers, unlink all shared memory. Idempotent (a finalizer runs once)."""
+        self._finalizer()
+
+
+_response_decoder = msgspec.msgpack.Decoder(RPCResponse)
+_request_decoder = msgspec.msgpack.Decoder(RPCRequest)
+
+
+class WorkerProc:
+    """One worker process: a Worker plus the two queues (mirrors vLLM's WorkerProc)."""
+
+    def __init__(self, vllm_config: VllmConfig, local_rank: int, rank: int, input_shm_handle: Handle,
+                 ipc_dir: str) -> None:
+        self.rank = rank
+        self.rpc_broadcast_mq = MessageQueue.create_from_handle(input_shm_handle, rank)
+        self.worker_response_mq = MessageQueue(1, MAX_CHUNK_BYTES, ipc_dir=ipc_dir)
+        device = vllm_config.model_config.device
+        if device.startswith("cuda"):
+            device = f"cuda:{local_rank}"
+        # NOTE: NullRecorder for now: spans from worker processes are not yet
+        # carried back to the engine's trace (tracing across processes comes later).
+        self.worker = Worker(vllm_config, device=device, recorder=NullRecorder())
+        self.worker.init_device()
+        self.worker.load_model()
+
+    @staticmethod
+    def make_worker_process(vllm_config: VllmConfig, local_rank: int, rank: int, input_shm_handle: Handle,
+                            ipc_dir: str) -> UnreadyWorkerProcHandle:
+        context = multiprocessing.get_context("spawn")     # NOTE: never fork a process holding threads
+        ready_reader, ready_writer = context.Pipe(duplex=False)
+        death_reader, death_writer = context.Pipe(duplex=False)
+        proc = context.Process(target=WorkerProc.worker_main, name=f"VllmWorker-{rank}", daemon=True,
+                               args=(vllm_config, local_rank, rank, _encoder.encode(input_shm_handle),
+                                     ipc_dir, ready_writer, death_reader))
+        proc.start()
+        # NOTE: close our copies, so EOF on these pipes means "that process is gone".
+        ready_writer.close()
+        death_reader.close()
+        return UnreadyWorkerProcHandle(proc, rank, ready_reader, death_writer)
+
+    @staticmethod
+    def wait_for_ready(unready: list[UnreadyWorkerProcHandle]) -> list[WorkerProcHandle]:
+        pending = {u.ready_pipe: u for u in unready}
+        ready: dict[int, WorkerProcHandle] = {}
+        while pending:
+            conns = multiprocessing.connection.wait(list(pending), timeout=WORKER_READY_TIMEOUT_S)
+            if not conns:
+                raise TimeoutError(f"Workers did not start within {WORKER_READY_TIMEOUT_S} s")
+            for conn in conns:
+                u = pending.pop(conn)
+                try:
+                    msg = msgspec.msgpack.decode(conn.recv_bytes(), type=WorkerReady)
+                except EOFError:
+                    u.proc.join(1.0)
+                    raise RuntimeError(f"WorkerProc rank {u.rank} died during start-up "
+                                       f"(exit code {u.proc.exitcode})") from None
+                finally:
+                    conn.close()
+                if msg.status != "READY":
+                    raise RuntimeError(f"WorkerProc rank {u.rank} failed to start:\n{msg.error}")
+                mq = MessageQueue.create_from_handle(msg.response_handle, 0)
+                ready[u.rank] = WorkerProcHandle(u.proc, u.rank, mq, u.death_writer)
+        return [ready[rank] for rank in sorted(ready)]
+
+    @staticmethod
+    def worker_main(vllm_config: VllmConfig, local_rank: int, rank: int, handle_bytes: bytes, ipc_dir: str,
+                    ready_pipe, death_pipe) -> None:
+        shutdown_requested = threading.Event()
+
+        def monitor_parent_death() -> None:
+            # NOTE: EOF arrives when the executor closes its end (shutdown) or its
+            # process dies, even by SIGKILL: the kernel closes the pipe.
+            try:
+                death_pipe.recv_bytes()
+            except (EOFError, OSError):
+                pass
+            shutdown_requested.set()
+
+        threading.Thread(target=monitor_parent_death, daemon=True, name="WorkerDeathMonitor").start()
+        proc: WorkerProc | None = None
+        try:
+            proc = WorkerProc(vllm_config, local_rank, rank,
+                              msgspec.msgpack.decode(handle_bytes, type=Handle), ipc_dir)
+            ready_pipe.send_bytes(_encoder.encode(WorkerReady("READY", proc.worker_response_mq.export_handle())))
+            ready_pipe.close()
+            proc.rpc_broadcast_mq.wait_until_ready(cancel=shutdown_requested)
+            proc.worker_response_mq.wait_until_ready(cancel=shutdown_requested)
+            proc.worker_busy_loop(shutdown_requested)
+        except MessageQueueCancelled:
+            pass                                  # the executor shut down, or is gone
+        except Exception:
+            if not ready_pipe.closed:
+                ready_pipe.send_bytes(_encoder.encode(WorkerReady("FAILED", error=traceback.format_exc())))
+            raise
+        finally:
+            if proc is not None:
+                proc.rpc_broadcast_mq.close()
+                proc.worker_response_mq.close()
+
+    def worker_busy_loop(self, cancel: threading.Event) -> None:
+        while True:
+            request = self.rpc_broadcast_mq.dequeue(cancel=cancel, decoder=_request_decoder)
+            replies = request.output_rank is None or request.output_rank == self.rank
+            try:
+                arg_types, kwarg_types, _ = _worker_method_types(request.method)
+                args = [msgspec.msgpack.decode(a, type=arg_types[i] if i < len(arg_types) else Any)
+                        for i, a in enumerate(request.args)]
+                kwargs = {k: msgspec.msgpack.decode(v, type=kwarg_types.get(k, Any))
+                          for k, v in request.kwargs.items()}
+                output = getattr(self.worker, request.method)(*args, **kwargs)
+                response = RPCResponse("SUCCESS", _raw(output))
+            except Exception:
+                # NOTE: vLLM sends str(e); the whole traceback is more useful to a reader.
+                response = RPCResponse("FAILURE", _raw(None), traceback.format_exc())
+            if replies:
+                self.worker_response_mq.enqueue(response, cancel=cancel)
+            elif response.status != "SUCCESS":
+                # NOTE: as in vLLM, a non-replying rank's error is only logged here.
+                logger.error("Worker rank %d failed in %s:\n%s", self.rank, request.method, response.error)
