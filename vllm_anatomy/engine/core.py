@@ -1,7 +1,8 @@
 """EngineCore: the inner loop — schedule, execute, update.
 
-Mirrors vllm/v1/engine/core.py (EngineCore; EngineCoreProc, the same loop in
-its own process, comes with the process-boundary work). One `step()`:
+Mirrors vllm/v1/engine/core.py: EngineCore (used in-process by LLMEngine /
+InprocClient) and EngineCoreProc (the same core in its own process, behind ZMQ
+sockets; see its docstring). One `step()`:
 
     Scheduler.schedule()            -> SchedulerOutput        (CPU, pure Python)
     Executor.execute_model(out)     -> None                   (enqueues the forward)
@@ -14,17 +15,30 @@ structured-output grammar bitmask) until sample_tokens needs the logits.
 """
 from __future__ import annotations
 
+import logging
+import os
+import queue
+import signal
+import threading
 import time
+from typing import Any
 
 import msgspec
+import zmq
 
 from vllm_anatomy.config import VllmConfig
 from vllm_anatomy.core.kv_cache_utils import get_request_block_hasher, init_none_hash, sha256
 from vllm_anatomy.core.request import Request, RequestStatus
 from vllm_anatomy.core.sched.scheduler import Scheduler
-from vllm_anatomy.engine.protocol import EngineCoreOutputs, EngineCoreRequest
+from vllm_anatomy.engine.protocol import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest,
+                                          FinishReason, SchedulerStats)
+from vllm_anatomy.engine.serial_utils import (EngineCoreOutputType, EngineCoreReadyResponse,
+                                              EngineCoreRequestType, MsgpackDecoder, MsgpackEncoder,
+                                              UtilityOutput, UtilityRequest)
 from vllm_anatomy.executor.abstract import Executor
 from vllm_anatomy.tracing.recorder import NullRecorder, Recorder
+
+logger = logging.getLogger(__name__)
 
 
 class EngineCore:
@@ -54,10 +68,20 @@ class EngineCore:
             self.request_block_hasher = get_request_block_hasher(cache_config.block_size, sha256)
 
     # -- requests ---------------------------------------------------------------
-    def add_request(self, request: EngineCoreRequest) -> None:
+    def preprocess_add_request(self, request: EngineCoreRequest) -> Request:
+        """EngineCoreRequest -> Request, block hashes included.
+
+        NOTE: in EngineCoreProc this runs in the input thread, so hashing a long
+        prompt overlaps the busy loop's step instead of delaying it (as in vLLM).
+        """
+        return Request.from_engine_core_request(request, self.request_block_hasher)
+
+    def add_request(self, request: EngineCoreRequest | Request) -> None:
+        """Queue a request (an EngineCoreRequest, or a Request already preprocessed)."""
         with self.recorder.span("EngineCore.add_request", **{"vllm_anatomy.request_id": request.request_id}):
-            req = Request.from_engine_core_request(request, self.request_block_hasher)
-            self.scheduler.add_request(req)
+            if isinstance(request, EngineCoreRequest):
+                request = self.preprocess_add_request(request)
+            self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Abort requests; unknown or already finished ids are ignored."""
@@ -65,6 +89,21 @@ class EngineCore:
 
     def has_requests(self) -> bool:
         return self.scheduler.has_requests()
+
+    # -- utility calls (the frontend reaches these through UTILITY messages) ------
+    def get_scheduler_stats(self) -> SchedulerStats:
+        """Queue lengths and KV-cache usage now (does not drain the per-step prefix stats)."""
+        num_running, num_waiting = self.scheduler.get_request_counts()
+        return SchedulerStats(num_running_reqs=num_running, num_waiting_reqs=num_waiting,
+                              step_counter=self.scheduler.current_step,
+                              kv_cache_usage=self.scheduler.get_kv_cache_usage())
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached blocks; False if some blocks are still in use."""
+        return self.scheduler.reset_prefix_cache()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.scheduler.get_num_unfinished_requests()
 
     # -- the step -----------------------------------------------------------------
     def step(self) -> tuple[dict[int, EngineCoreOutputs], bool]:
@@ -102,3 +141,211 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.model_executor.shutdown()
+
+
+# Internal input-queue markers (never on the wire).
+_SHUTDOWN = "SHUTDOWN"                       # the parent process is gone
+_INPUT_THREAD_FAILED = "INPUT_THREAD_FAILED"
+# How often the input thread wakes up to check for shutdown / a dead parent.
+_POLL_TIMEOUT_MS = 200
+
+
+class EngineCoreProc(EngineCore):
+    """EngineCore in its own process: an input thread, the busy loop, an output thread.
+
+        client ROUTER --ipc--> DEALER [input thread]  decode, Request + block hashes
+                                        |  input_queue
+                                  [busy loop, main thread]  add/abort/utility, step()
+                                        |  output_queue
+        client PULL  <--ipc--  PUSH  [output thread]  encode, send
+
+    NOTE: the threads only move bytes and build Requests; all scheduler state
+    is touched by the main thread alone, so the core needs no locks. ZMQ and
+    msgpack release the GIL, so I/O overlaps the step.
+
+    Simplified: one frontend per engine (vLLM has one PUSH socket per client
+    index), no data-parallel coordinator, no eager aborts queue (our step does
+    not overlap the model run with the next schedule).
+    """
+
+    # NOTE: only these methods may be called through a UTILITY message; the
+    # socket is owner-only, but the callable surface stays explicit.
+    UTILITY_METHODS = frozenset({"get_scheduler_stats", "reset_prefix_cache",
+                                 "get_num_unfinished_requests"})
+
+    def __init__(self, vllm_config: VllmConfig, input_path: str, output_path: str,
+                 engine_index: int = 0, recorder: Recorder | None = None,
+                 executor_class: type[Executor] | None = None) -> None:
+        self.input_queue: queue.Queue[tuple[Any, Any]] = queue.Queue()
+        self.output_queue: queue.Queue[tuple[EngineCoreOutputType, Any] | None] = queue.Queue()
+        super().__init__(vllm_config, recorder, executor_class)
+        self.engine_index = engine_index
+        self._parent_pid = os.getppid()
+        self._shutdown_event = threading.Event()
+        self.ctx = zmq.Context()
+        cfg = vllm_config
+        ready = EngineCoreReadyResponse(engine_index, os.getpid(), cfg.cache_config.num_gpu_blocks,
+                                        cfg.cache_config.block_size, cfg.model_config.max_model_len)
+        self.output_thread = threading.Thread(target=self.process_output_sockets, args=(output_path,),
+                                              name="EngineCoreOutputThread", daemon=True)
+        self.input_thread = threading.Thread(target=self.process_input_sockets, args=(input_path, ready),
+                                             name="EngineCoreInputThread", daemon=True)
+        self.output_thread.start()
+        self.input_thread.start()
+
+    # -- process entry point --------------------------------------------------------
+    @staticmethod
+    def run_engine_core(*args, **kwargs) -> None:
+        """Target of the spawned process: build the core, loop until told to stop."""
+        logging.basicConfig(level=os.environ.get("VLLM_ANATOMY_LOG_LEVEL", "WARNING"))
+        shutdown_requested = False
+
+        def signal_handler(signum, frame):
+            nonlocal shutdown_requested
+            # NOTE: SystemExit unwinds the busy loop (even from a blocking
+            # queue.get()) into the finally below; only raise it once.
+            if not shutdown_requested:
+                shutdown_requested = True
+                raise SystemExit()
+
+        signal.signal(signal.SIGTERM, signal_handler)
+        signal.signal(signal.SIGINT, signal_handler)
+        engine_core = None
+        try:
+            engine_core = EngineCoreProc(*args, **kwargs)
+            engine_core.run_busy_loop()
+        except SystemExit:
+            logger.debug("EngineCore exiting.")
+        except BaseException as e:
+            if engine_core is None:
+                logger.exception("EngineCore failed to start.")
+            else:
+                logger.exception("EngineCore encountered a fatal error.")
+                engine_core._send_engine_dead(e)
+            raise
+        finally:
+            if engine_core is not None:
+                engine_core.shutdown()
+
+    # -- the busy loop (main thread) --------------------------------------------------
+    def run_busy_loop(self) -> None:
+        """Core busy loop: take in requests, step, hand outputs to the output thread."""
+        while True:
+            self._process_input_queue()
+            self._process_engine_step()
+
+    def _process_input_queue(self) -> None:
+        # NOTE: with nothing to do, block on the queue: an idle engine uses no CPU.
+        while not self.scheduler.has_requests():
+            self._handle_client_request(*self.input_queue.get())
+        while not self.input_queue.empty():
+            self._handle_client_request(*self.input_queue.get_nowait())
+
+    def _process_engine_step(self) -> None:
+        outputs, model_executed = self.step()
+        # NOTE: one frontend, so every client index's outputs go to the same socket.
+        for engine_core_outputs in outputs.values():
+            engine_core_outputs.engine_index = self.engine_index
+            self.output_queue.put_nowait((EngineCoreOutputType.OUTPUTS, engine_core_outputs))
+        if not model_executed and self.scheduler.has_requests():
+            time.sleep(0.001)   # requests wait for blocks: don't spin at 100 % CPU
+
+    def _handle_client_request(self, request_type: Any, request: Any) -> None:
+        if request_type == EngineCoreRequestType.ADD:
+            try:
+                self.add_request(request)
+            except ValueError as e:   # e.g. a duplicate id: refuse it, keep serving
+                logger.warning("Refused request %s: %s", request.request_id, e)
+        elif request_type == EngineCoreRequestType.ABORT:
+            self.abort_requests(request)
+        elif request_type == EngineCoreRequestType.UTILITY:
+            self.output_queue.put_nowait((EngineCoreOutputType.UTILITY, self._call_utility(request)))
+        elif request_type == _SHUTDOWN:
+            raise SystemExit("parent process exited")
+        elif request_type == _INPUT_THREAD_FAILED:
+            raise RuntimeError("EngineCore input thread failed") from request
+
+    def _call_utility(self, request: UtilityRequest) -> UtilityOutput:
+        method = request.method_name
+        try:
+            if method not in self.UTILITY_METHODS:
+                raise ValueError(f"unknown utility method {method!r}; "
+                                 f"allowed: {', '.join(sorted(self.UTILITY_METHODS))}")
+            result = getattr(self, method)(*request.args)
+            return UtilityOutput(request.call_id, result=msgspec.to_builtins(result))
+        except Exception as e:   # a failed call is the caller's error, not the engine's
+            return UtilityOutput(request.call_id, failure_message=f"Call to {method} failed: {e!r}")
+
+    def _send_engine_dead(self, error: BaseException) -> None:
+        """Tell the frontend why we are exiting, and give the message time to leave."""
+        self.output_queue.put_nowait((EngineCoreOutputType.ENGINE_CORE_DEAD,
+                                      f"{type(error).__name__}: {error}"))
+        self.output_thread.join(timeout=5.0)
+
+    # -- the I/O threads ------------------------------------------------------------
+    def process_input_sockets(self, input_path: str, ready: EngineCoreReadyResponse) -> None:
+        """Input thread: receive, decode and preprocess requests into input_queue."""
+        decoders = {EngineCoreRequestType.ADD: MsgpackDecoder(EngineCoreRequest),
+                    EngineCoreRequestType.ABORT: MsgpackDecoder(list[str]),
+                    EngineCoreRequestType.UTILITY: MsgpackDecoder(UtilityRequest)}
+        try:
+            with self.ctx.socket(zmq.DEALER) as socket:
+                socket.setsockopt(zmq.LINGER, 0)
+                socket.connect(input_path)
+                # NOTE: the first message registers this DEALER with the client's
+                # ROUTER and is the startup handshake (vLLM sends its ready response).
+                socket.send(MsgpackEncoder().encode(ready))
+                while not self._shutdown_event.is_set():
+                    if not socket.poll(_POLL_TIMEOUT_MS):
+                        if os.getppid() != self._parent_pid:   # orphaned: nobody to serve
+                            self.input_queue.put_nowait((_SHUTDOWN, None))
+                            return
+                        continue
+                    self._decode_into_queue(socket.recv_multipart(), decoders)
+        except Exception as e:
+            logger.exception("EngineCore input thread failed.")
+            self.input_queue.put_nowait((_INPUT_THREAD_FAILED, e))
+
+    def _decode_into_queue(self, frames: list[bytes], decoders: dict) -> None:
+        # NOTE: a malformed message is logged and dropped: it must not kill the engine.
+        try:
+            type_frame, payload = frames
+            request_type = EngineCoreRequestType(type_frame)
+            request = decoders[request_type].decode(payload)
+        except (ValueError, msgspec.DecodeError) as e:
+            logger.error("Dropped a malformed message (%d frames): %s", len(frames), e)
+            return
+        if request_type == EngineCoreRequestType.ADD:
+            try:
+                request = self.preprocess_add_request(request)
+            except Exception as e:
+                # NOTE: finish it as an error, so the frontend does not wait forever.
+                logger.error("Request %s failed preprocessing: %r", request.request_id, e)
+                self.output_queue.put_nowait((EngineCoreOutputType.OUTPUTS, EngineCoreOutputs(
+                    engine_index=self.engine_index, finished_requests={request.request_id},
+                    outputs=[EngineCoreOutput(request.request_id, [], finish_reason=FinishReason.ERROR)])))
+                return
+        self.input_queue.put_nowait((request_type, request))
+
+    def process_output_sockets(self, output_path: str) -> None:
+        """Output thread: encode and send what the busy loop put on output_queue."""
+        encoder = MsgpackEncoder()
+        with self.ctx.socket(zmq.PUSH) as socket:
+            # NOTE: on close, wait up to 1 s for unsent messages (the last outputs,
+            # the engine-dead reason); forever would hang if the frontend is gone.
+            socket.setsockopt(zmq.LINGER, 1000)
+            socket.connect(output_path)
+            while (item := self.output_queue.get()) is not None:
+                output_type, payload = item
+                socket.send_multipart((output_type.value, encoder.encode(payload)))
+                if output_type == EngineCoreOutputType.ENGINE_CORE_DEAD:
+                    return
+
+    def shutdown(self) -> None:
+        self._shutdown_event.set()
+        self.output_queue.put_nowait(None)
+        self.output_thread.join(timeout=2.0)
+        self.input_thread.join(timeout=2.0)
+        if not (self.output_thread.is_alive() or self.input_thread.is_alive()):
+            self.ctx.term()
+        super().shutdown()

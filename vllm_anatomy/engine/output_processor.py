@@ -5,16 +5,82 @@ RequestState (detokenizer, logprobs, timestamps). `process_outputs` is the one
 per-batch Python loop of the frontend: detokenize the new tokens, check stop
 strings, build RequestOutputs, and collect the ids to abort in the engine
 (requests that a stop string finished here but that the engine still runs).
+
+With AsyncLLM each request also has a RequestOutputCollector (its `queue`):
+outputs are put there instead of being returned. `process_outputs` also fills
+an IterationStats (vllm_anatomy/metrics/stats.py) for the stat loggers.
 """
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 
 from vllm_anatomy.engine.detokenizer import IncrementalDetokenizer
 from vllm_anatomy.engine.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason, LogprobsLists
+from vllm_anatomy.metrics.stats import IterationStats, RequestStateStats
 from vllm_anatomy.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from vllm_anatomy.sampling_params import RequestOutputKind
+
+
+class RequestOutputCollector:
+    """Single-slot mailbox between the output handler and one generate() call.
+
+    NOTE: `put` never blocks and never queues up: if the consumer has not taken
+    the pending output yet, the new one is merged into it (DELTA: text, token
+    ids and logprobs concatenated; otherwise the newer output replaces it). A
+    slow consumer thus gets coalesced outputs and the producer, which serves
+    every request, never waits for one of them. An exception replaces the slot.
+    """
+
+    def __init__(self, output_kind: RequestOutputKind, request_id: str) -> None:
+        self.aggregate = output_kind == RequestOutputKind.DELTA
+        self.request_id = request_id
+        self.output: RequestOutput | Exception | None = None
+        self.ready = asyncio.Event()
+
+    def put(self, output: RequestOutput | Exception) -> None:
+        if self.output is None or isinstance(output, Exception):
+            self.output = output
+            self.ready.set()
+        elif isinstance(self.output, RequestOutput):
+            _merge_request_output(self.output, output, self.aggregate)
+        # else: an exception is pending; it wins over later outputs.
+
+    async def get(self) -> RequestOutput:
+        while (output := self.output) is None:
+            await self.ready.wait()
+        return self._take(output)
+
+    def get_nowait(self) -> RequestOutput | None:
+        output = self.output
+        return None if output is None else self._take(output)
+
+    def _take(self, output: RequestOutput | Exception) -> RequestOutput:
+        self.output = None
+        self.ready.clear()
+        if isinstance(output, Exception):
+            raise output
+        return output
+
+
+def _merge_request_output(pending: RequestOutput, new: RequestOutput, aggregate: bool) -> None:
+    """Fold `new` into the not-yet-consumed `pending` (vLLM: RequestOutput.add)."""
+    pending.finished |= new.finished
+    pending.metrics = new.metrics
+    pending.num_cached_tokens = new.num_cached_tokens
+    for i, completion in enumerate(new.outputs):
+        if not aggregate:
+            pending.outputs[i] = completion
+            continue
+        old = pending.outputs[i]
+        old.text += completion.text
+        old.token_ids = old.token_ids + completion.token_ids
+        if completion.logprobs is not None:
+            old.logprobs = (old.logprobs or []) + completion.logprobs
+        old.cumulative_logprob = completion.cumulative_logprob
+        old.finish_reason = completion.finish_reason
+        old.stop_reason = completion.stop_reason
 
 
 @dataclass
@@ -34,6 +100,10 @@ class RequestState:
     num_cached_tokens: int = 0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    queue: RequestOutputCollector | None = None      # AsyncLLM only
+    max_tokens_param: int | None = None
+    is_prefilling: bool = True                        # until the first token arrives
+    stats: RequestStateStats = field(default_factory=RequestStateStats)
 
     @property
     def finished(self) -> bool:
@@ -58,7 +128,8 @@ class OutputProcessor:
     def has_unfinished_requests(self) -> bool:
         return bool(self.request_states)
 
-    def add_request(self, request: EngineCoreRequest, prompt: str | None) -> None:
+    def add_request(self, request: EngineCoreRequest, prompt: str | None,
+                    queue: RequestOutputCollector | None = None) -> None:
         if request.request_id in self.request_states:
             raise ValueError(f"Request id {request.request_id} already running.")
         params = request.sampling_params
@@ -71,21 +142,56 @@ class OutputProcessor:
             detokenizer=IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params),
             num_logprobs=params.logprobs,
             metrics=RequestMetrics(arrival_time=time.monotonic()),
+            queue=queue,
+            max_tokens_param=params.max_tokens,
+            stats=RequestStateStats(arrival_time=request.arrival_time),
         )
 
     def abort_requests(self, request_ids: list[str]) -> list[str]:
-        """Forget these requests; returns the ids that were known."""
-        return [rid for rid in request_ids if self.request_states.pop(rid, None) is not None]
+        """Forget these requests; returns the ids that were known.
 
-    def process_outputs(self, engine_core_outputs: list[EngineCoreOutput]) -> OutputProcessorOutput:
+        NOTE: a request with a collector gets a last output, finish_reason
+        "abort", so that a generate() waiting on it ends instead of hanging.
+        """
+        aborted = []
+        for rid in request_ids:
+            state = self.request_states.pop(rid, None)
+            if state is None:
+                continue
+            aborted.append(rid)
+            if state.queue is not None:
+                state.finish_reason = str(FinishReason.ABORT)
+                state.metrics.finished_time = time.monotonic()
+                if (out := self._make_request_output(state)) is not None:
+                    state.queue.put(out)
+        return aborted
+
+    def propagate_error(self, e: Exception) -> None:
+        """Hand an error (e.g. EngineDeadError) to every waiting generate()."""
+        for state in self.request_states.values():
+            if state.queue is not None:
+                state.queue.put(e)
+
+    def process_outputs(self, engine_core_outputs: list[EngineCoreOutput],
+                        engine_core_timestamp: float | None = None,
+                        iteration_stats: IterationStats | None = None) -> OutputProcessorOutput:
+        """Detokenize, stop-check and deliver one batch; the frontend's only per-batch loop.
+
+        Outputs of requests with a collector are put there; the others are returned.
+        """
         request_outputs: list[RequestOutput] = []
         reqs_to_abort: list[str] = []
         now = time.monotonic()
+        engine_core_timestamp = now if engine_core_timestamp is None else engine_core_timestamp
         for eco in engine_core_outputs:
             state = self.request_states.get(eco.request_id)
             if state is None:   # aborted by the user while in flight
                 continue
             self._update_metrics(state, eco, now)
+            if iteration_stats is not None:
+                iteration_stats.update_from_output(eco, engine_core_timestamp, state.is_prefilling,
+                                                   len(state.prompt_token_ids), state.stats)
+            state.is_prefilling = state.is_prefilling and not eco.new_token_ids
             finish_reason = eco.finish_reason
             stop_reason = eco.stop_reason
             stop_str = state.detokenizer.update(eco.new_token_ids, finish_reason == FinishReason.STOP)
@@ -103,8 +209,16 @@ class OutputProcessor:
                 del self.request_states[eco.request_id]
                 if not eco.finished:  # finished here (stop string), engine still runs it
                     reqs_to_abort.append(eco.request_id)
+                if iteration_stats is not None:
+                    iteration_stats.update_from_finished_request(
+                        state.finish_reason, len(state.prompt_token_ids), state.max_tokens_param,
+                        state.stats, state.num_cached_tokens)
             out = self._make_request_output(state)
-            if out is not None:
+            if out is None:
+                continue
+            if state.queue is not None:
+                state.queue.put(out)
+            else:
                 request_outputs.append(out)
         return OutputProcessorOutput(request_outputs, reqs_to_abort)
 

@@ -1,0 +1,204 @@
+"""AsyncLLM: the asyncio frontend the HTTP server drives.
+
+Mirrors vllm/v1/engine/async_llm.py. Per request:
+
+    generate()  -> InputProcessor.process_inputs  (tokenize, validate -> EngineCoreRequest)
+                -> OutputProcessor.add_request     (with a RequestOutputCollector)
+                -> engine_core.add_request_async   (ZMQ to EngineCoreProc)
+                ... awaits its collector, yields RequestOutputs until finished
+
+and one background task for everybody:
+
+    output_handler: engine_core.get_output_async() -> OutputProcessor.process_outputs
+                    (detokenize, stop strings, put into the collectors)
+                    -> abort stop-string finishes in the engine -> stat loggers
+
+Simplified: no n > 1 (ParentRequest fan-out), no LoRA / multimodal, no
+renderer thread pool (tokenization runs on the event loop: the fast tokenizer
+is Rust), and request ids are used as given (vLLM appends a random suffix to
+make the internal id unique; here a duplicate id is refused).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncGenerator, Iterable
+
+from vllm_anatomy.config import ModelConfig, VllmConfig
+from vllm_anatomy.engine.arg_utils import EngineArgs
+from vllm_anatomy.engine.core_client import EngineCoreClient, cancel_task_threadsafe
+from vllm_anatomy.engine.exceptions import EngineDeadError, EngineGenerateError
+from vllm_anatomy.engine.input_processor import InputProcessor, PromptType
+from vllm_anatomy.engine.llm_engine import _load_generation_config
+from vllm_anatomy.engine.output_processor import OutputProcessor, RequestOutputCollector
+from vllm_anatomy.engine.protocol import SchedulerStats
+from vllm_anatomy.metrics.stats import IterationStats
+from vllm_anatomy.outputs import RequestOutput
+from vllm_anatomy.sampling_params import SamplingParams
+from vllm_anatomy.tracing.recorder import NullRecorder, Recorder
+from vllm_anatomy.transformers_utils.tokenizer import get_tokenizer
+
+logger = logging.getLogger(__name__)
+
+# Outputs are processed in slices this big, yielding to the event loop between
+# slices so that a huge batch does not stall the HTTP handlers (vLLM's value).
+VLLM_V1_OUTPUT_PROC_CHUNK_SIZE = 128
+
+
+class AsyncLLM:
+    """asyncio engine client.
+
+    `stat_loggers`: objects with `record(scheduler_stats, iteration_stats)`,
+    called after every processed batch (scheduler_stats may be None).
+    """
+
+    def __init__(self, vllm_config: VllmConfig, *, multiprocess: bool = True,
+                 recorder: Recorder | None = None, stat_loggers: list | None = None) -> None:
+        self.vllm_config = vllm_config
+        self.model_config: ModelConfig = vllm_config.model_config
+        self.recorder = recorder or NullRecorder()
+        model_dir = self.model_config.model
+        self.tokenizer = get_tokenizer(model_dir)
+        self.input_processor = InputProcessor(self.model_config, self.tokenizer,
+                                              _load_generation_config(model_dir))
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.stat_loggers: list = list(stat_loggers or [])
+        self.engine_core = EngineCoreClient.make_client(
+            multiprocess_mode=multiprocess, asyncio_mode=True, vllm_config=vllm_config,
+            recorder=self.recorder)
+        self.output_handler: asyncio.Task | None = None
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs, *, multiprocess: bool = True,
+                         recorder: Recorder | None = None) -> "AsyncLLM":
+        return cls(engine_args.create_engine_config(), multiprocess=multiprocess, recorder=recorder)
+
+    # -- state ------------------------------------------------------------------
+    @property
+    def is_running(self) -> bool:
+        return self.output_handler is None or not self.output_handler.done()
+
+    @property
+    def errored(self) -> bool:
+        return self.engine_core.engine_dead or not self.is_running
+
+    @property
+    def dead_error(self) -> BaseException:
+        return EngineDeadError()
+
+    async def check_health(self) -> None:
+        if self.errored:
+            raise self.dead_error
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    # -- requests ---------------------------------------------------------------
+    async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                          arrival_time: float | None = None,
+                          trace_headers: dict[str, str] | None = None) -> RequestOutputCollector:
+        """Validate and send one request; returns the collector its outputs arrive in."""
+        if self.errored:
+            raise EngineDeadError()
+        prompt_text, request = self.input_processor.process_inputs(
+            request_id, prompt, params, arrival_time, trace_headers=trace_headers)
+        queue = RequestOutputCollector(params.output_kind, request.request_id)
+        # NOTE: register with the OutputProcessor *before* the engine can answer.
+        self.output_processor.add_request(request, prompt_text, queue)
+        try:
+            await self.engine_core.add_request_async(request)
+        except BaseException:
+            self.output_processor.abort_requests([request.request_id])
+            raise
+        self._run_output_handler()
+        return queue
+
+    async def generate(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str,
+                       *, trace_headers: dict[str, str] | None = None
+                       ) -> AsyncGenerator[RequestOutput, None]:
+        """Stream the request's RequestOutputs until one says finished.
+
+        prompt: text, a list of token ids, or {"prompt_token_ids": [...]}.
+        Closing or cancelling the generator aborts the request in the engine.
+        """
+        q: RequestOutputCollector | None = None
+        try:
+            q = await self.add_request(request_id, prompt, sampling_params, trace_headers=trace_headers)
+            finished = False
+            while not finished:
+                # NOTE: get_nowait first: no suspension when an output is ready.
+                out = q.get_nowait() or await q.get()
+                finished = out.finished
+                yield out
+        except (asyncio.CancelledError, GeneratorExit):
+            # The consumer went away (e.g. an HTTP client disconnected): free the blocks.
+            if q is not None:
+                await self.abort(q.request_id)
+            raise
+        except (EngineDeadError, ValueError, TypeError):
+            raise    # engine death, or a request refused by validation
+        except Exception as e:
+            if q is not None:
+                await self.abort(q.request_id)
+            raise EngineGenerateError(f"Request {request_id} failed: {e!r}") from e
+
+    async def abort(self, request_id: str | Iterable[str]) -> None:
+        """Abort requests (unknown or finished ids are ignored)."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        known = self.output_processor.abort_requests(ids)
+        # NOTE: a dead engine holds no blocks any more: nothing to free there.
+        if known and not self.engine_core.engine_dead:
+            await self.engine_core.abort_requests_async(known)
+
+    # -- the output handler ------------------------------------------------------
+    def _run_output_handler(self) -> None:
+        if self.output_handler is None:
+            self.output_handler = asyncio.get_running_loop().create_task(
+                self._output_handler_loop(), name="AsyncLLM.output_handler")
+
+    async def _output_handler_loop(self) -> None:
+        engine_core, output_processor = self.engine_core, self.output_processor
+        try:
+            while True:
+                outputs = await engine_core.get_output_async()
+                iteration_stats = IterationStats()
+                batch = outputs.outputs
+                for start in range(0, len(batch), VLLM_V1_OUTPUT_PROC_CHUNK_SIZE):
+                    if start:
+                        await asyncio.sleep(0)
+                    processed = output_processor.process_outputs(
+                        batch[start:start + VLLM_V1_OUTPUT_PROC_CHUNK_SIZE], outputs.timestamp,
+                        iteration_stats)
+                    # Stop strings finished these here; the engine still runs them.
+                    await engine_core.abort_requests_async(processed.reqs_to_abort)
+                self._record_stats(outputs.scheduler_stats, iteration_stats)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            logger.exception("AsyncLLM output_handler failed.")
+            err = e if isinstance(e, EngineDeadError) else EngineDeadError(f"output handler failed: {e!r}")
+            output_processor.propagate_error(err)
+
+    def _record_stats(self, scheduler_stats: SchedulerStats | None,
+                      iteration_stats: IterationStats) -> None:
+        for stat_logger in self.stat_loggers:
+            try:
+                stat_logger.record(scheduler_stats, iteration_stats)
+            except Exception:   # a broken logger must not stop serving
+                logger.exception("Stat logger %r failed.", stat_logger)
+
+    # -- utility calls -------------------------------------------------------------
+    async def get_scheduler_stats(self) -> SchedulerStats:
+        """Queue lengths and KV-cache usage, asked from the engine now."""
+        return await self.engine_core.get_scheduler_stats_async()
+
+    async def reset_prefix_cache(self) -> bool:
+        return await self.engine_core.reset_prefix_cache_async()
+
+    def shutdown(self) -> None:
+        """Stop the output handler and the engine (process, sockets, temp dir)."""
+        cancel_task_threadsafe(self.output_handler)
+        self.engine_core.shutdown()
+
+    def __repr__(self) -> str:
+        return f"AsyncLLM(model={self.model_config.model!r}, running={self.is_running})"

@@ -1,0 +1,488 @@
+"""EngineCoreClient: how a frontend (LLMEngine, AsyncLLM) talks to EngineCore.
+
+Mirrors vllm/v1/engine/core_client.py. `EngineCoreClient.make_client` picks:
+
+    InprocClient       EngineCore in this process, plain calls (lessons, tests, notebooks)
+    AsyncInprocClient  (ours) the same for asyncio: steps run on one worker thread
+    SyncMPClient       EngineCoreProc in a child process; a thread reads its outputs
+    AsyncMPClient      EngineCoreProc in a child process; an asyncio task reads its outputs
+
+The multi-process clients bind two ZMQ sockets on `ipc://` paths inside a fresh
+private directory (mode 0o700, socket files 0o600: only this user can connect):
+a ROUTER for inputs (ADD / ABORT / UTILITY, see serial_utils.py) and a PULL for
+outputs. The engine process is started with multiprocessing "spawn" (a fresh
+interpreter: no forked torch / thread state) and handshakes with its ready
+message on the input socket.
+
+NOTE: engine death is detected two ways, so no caller ever waits forever:
+the engine says why it is exiting (ENGINE_CORE_DEAD message), and a monitor
+thread waits on the process sentinel (this also catches SIGKILL / OOM kills).
+Either way every pending and future call raises EngineDeadError.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import queue
+import shutil
+import tempfile
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from vllm_anatomy.config import VllmConfig
+from vllm_anatomy.engine.core import EngineCore, EngineCoreProc
+from vllm_anatomy.engine.exceptions import EngineDeadError
+from vllm_anatomy.engine.protocol import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from vllm_anatomy.engine.serial_utils import (EngineCoreOutputType, EngineCoreReadyResponse,
+                                              EngineCoreRequestType, MsgpackDecoder, MsgpackEncoder,
+                                              UtilityOutput, UtilityRequest)
+from vllm_anatomy.executor.abstract import Executor
+from vllm_anatomy.tracing.recorder import Recorder
+
+logger = logging.getLogger(__name__)
+
+# How long to wait for the engine's ready message (model loading included).
+VLLM_ENGINE_READY_TIMEOUT_S = float(os.environ.get("VLLM_ENGINE_READY_TIMEOUT_S", "600"))
+
+
+class EngineCoreClient:
+    """The interface every client offers (sync and async halves)."""
+
+    @staticmethod
+    def make_client(multiprocess_mode: bool, asyncio_mode: bool, vllm_config: VllmConfig,
+                    executor_class: type[Executor] | None = None,
+                    recorder: Recorder | None = None) -> "EngineCoreClient":
+        # NOTE: a recorder object cannot follow the engine into another process;
+        # there the EngineCore uses a NullRecorder (the tracing layer configures
+        # the child's own recorder).
+        if multiprocess_mode:
+            cls = AsyncMPClient if asyncio_mode else SyncMPClient
+            return cls(vllm_config, executor_class)
+        cls = AsyncInprocClient if asyncio_mode else InprocClient
+        return cls(vllm_config, executor_class, recorder)
+
+    engine_dead: bool = False
+
+    def shutdown(self) -> None: ...
+
+
+class InprocClient(EngineCoreClient):
+    """EngineCore in this process; `get_output()` runs one step (vLLM: InprocClient)."""
+
+    def __init__(self, vllm_config: VllmConfig, executor_class: type[Executor] | None = None,
+                 recorder: Recorder | None = None) -> None:
+        self.engine_core = EngineCore(vllm_config, recorder, executor_class)
+
+    def get_output(self) -> EngineCoreOutputs:
+        outputs, _ = self.engine_core.step()
+        return outputs.get(0) or EngineCoreOutputs()
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.engine_core.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        if request_ids:
+            self.engine_core.abort_requests(request_ids)
+
+    def call_utility(self, method: str, *args: Any) -> Any:
+        return msgspec.to_builtins(getattr(self.engine_core, method)(*args))
+
+    def get_scheduler_stats(self) -> SchedulerStats:
+        return self.engine_core.get_scheduler_stats()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.engine_core.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.engine_core.shutdown()
+
+
+class AsyncInprocClient(InprocClient):
+    """asyncio without a child process (ours: vLLM refuses this combination).
+
+    NOTE: every EngineCore call runs on one worker thread, so calls are
+    serialized (no locks needed) and a 100 ms step never blocks the event loop.
+    """
+
+    def __init__(self, vllm_config: VllmConfig, executor_class: type[Executor] | None = None,
+                 recorder: Recorder | None = None) -> None:
+        super().__init__(vllm_config, executor_class, recorder)
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="EngineCore")
+        self._new_work = asyncio.Event()
+
+    async def _run(self, fn: Callable, *args: Any) -> Any:
+        if self.engine_dead:
+            raise EngineDeadError("EngineCore failed earlier; see the first error.")
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        except (ValueError, TypeError):
+            raise          # the caller's bad argument; the engine is fine
+        except Exception as e:
+            self.engine_dead = True
+            raise EngineDeadError(f"EngineCore failed: {e!r}") from e
+
+    async def get_output_async(self) -> EngineCoreOutputs:
+        while True:
+            # NOTE: clear, then look: an add landing in between sets the event again.
+            self._new_work.clear()
+            if self.engine_core.has_requests():
+                break
+            await self._new_work.wait()
+        outputs, _ = await self._run(self.engine_core.step)
+        return outputs.get(0) or EngineCoreOutputs()
+
+    async def add_request_async(self, request: EngineCoreRequest) -> None:
+        await self._run(self.engine_core.add_request, request)
+        self._new_work.set()
+
+    async def abort_requests_async(self, request_ids: list[str]) -> None:
+        if request_ids:
+            await self._run(self.engine_core.abort_requests, request_ids)
+
+    async def call_utility_async(self, method: str, *args: Any) -> Any:
+        return msgspec.to_builtins(await self._run(getattr(self.engine_core, method), *args))
+
+    async def get_scheduler_stats_async(self) -> SchedulerStats:
+        return msgspec.convert(await self.call_utility_async("get_scheduler_stats"), SchedulerStats)
+
+    async def reset_prefix_cache_async(self) -> bool:
+        return await self.call_utility_async("reset_prefix_cache")
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=True)
+        super().shutdown()
+
+
+def cancel_task_threadsafe(task: asyncio.Task | None) -> None:
+    """Cancel an asyncio task from any thread, whether or not its loop is running."""
+    if task is None or task.done() or task.get_loop().is_closed():
+        return
+    loop = task.get_loop()
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    if running is loop:
+        task.cancel()
+    elif loop.is_running():
+        loop.call_soon_threadsafe(task.cancel)
+    else:
+        # NOTE: the loop is idle (e.g. shutdown from synchronous code): let the
+        # task see its cancellation now, or it dies "pending" when the loop closes.
+        task.cancel()
+        loop.run_until_complete(asyncio.gather(task, return_exceptions=True))
+
+
+@dataclass
+class BackgroundResources:
+    """Everything a multi-process client must release; called once at shutdown / exit."""
+    ipc_dir: str
+    ctx: zmq.Context | None = None
+    sockets: tuple = ()
+    engine_proc: multiprocessing.process.BaseProcess | None = None
+    output_thread: threading.Thread | None = None
+    output_task: asyncio.Task | None = None
+    engine_dead: bool = False
+    dead_reason: str | None = None
+    shutting_down: bool = False
+
+    def __call__(self) -> None:
+        self.shutting_down = True
+        proc = self.engine_proc
+        if proc is not None and proc.is_alive():
+            proc.terminate()           # SIGTERM: EngineCoreProc shuts down cleanly
+            proc.join(5.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        cancel_task_threadsafe(self.output_task)
+        if self.output_thread is not None and self.output_thread is not threading.current_thread():
+            self.output_thread.join(1.0)
+        for socket in self.sockets:
+            socket.close(linger=0)
+        if self.ctx is not None:
+            self.ctx.term()
+        shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+
+class MPClient(EngineCoreClient):
+    """Starts EngineCoreProc in a child process and owns the two sockets."""
+
+    def __init__(self, asyncio_mode: bool, vllm_config: VllmConfig,
+                 executor_class: type[Executor] | None = None) -> None:
+        self.vllm_config = vllm_config
+        self.encoder = MsgpackEncoder()
+        self.outputs_decoder = MsgpackDecoder(EngineCoreOutputs)
+        self.utility_decoder = MsgpackDecoder(UtilityOutput)
+        self.call_ids = itertools.count()
+        # NOTE: mkdtemp creates the directory with mode 0o700 (owner only).
+        self.resources = BackgroundResources(ipc_dir=tempfile.mkdtemp(prefix="vllm_anatomy_"))
+        self._finalizer = weakref.finalize(self, self.resources)
+        try:
+            self._start(asyncio_mode, vllm_config, executor_class)
+        except BaseException:
+            self._finalizer()
+            raise
+
+    def _start(self, asyncio_mode: bool, vllm_config: VllmConfig, executor_class) -> None:
+        res = self.resources
+        input_path = f"ipc://{res.ipc_dir}/input.sock"
+        output_path = f"ipc://{res.ipc_dir}/output.sock"
+        res.ctx = zmq.Context()
+        self.input_socket = res.ctx.socket(zmq.ROUTER)
+        self.input_socket.setsockopt(zmq.SNDHWM, 0)           # never drop a request
+        self.input_socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a gone engine is an error
+        self.input_socket.bind(input_path)
+        out_ctx = zmq.asyncio.Context.shadow(res.ctx) if asyncio_mode else res.ctx
+        self.output_socket = out_ctx.socket(zmq.PULL)
+        self.output_socket.bind(output_path)
+        res.sockets = (self.input_socket, self.output_socket)
+        for path in (input_path, output_path):
+            os.chmod(path.removeprefix("ipc://"), 0o600)
+        proc = multiprocessing.get_context("spawn").Process(
+            target=EngineCoreProc.run_engine_core, name="EngineCore_0",
+            kwargs=dict(vllm_config=vllm_config, input_path=input_path, output_path=output_path,
+                        engine_index=0, executor_class=executor_class))
+        proc.start()
+        res.engine_proc = proc
+        self.ready = self._wait_for_engine_startup(proc)
+
+    def _wait_for_engine_startup(self, proc) -> EngineCoreReadyResponse:
+        deadline = time.monotonic() + VLLM_ENGINE_READY_TIMEOUT_S
+        while not self.input_socket.poll(100):
+            if not proc.is_alive():
+                raise RuntimeError(f"Engine core initialization failed (exit code {proc.exitcode}). "
+                                   "See the root cause above.")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"EngineCore not ready after {VLLM_ENGINE_READY_TIMEOUT_S:.0f} s "
+                                   "(VLLM_ENGINE_READY_TIMEOUT_S).")
+        # NOTE: ROUTER prefixes each message with the sender's identity; replies
+        # to the engine are addressed with it.
+        self.engine_identity, payload = self.input_socket.recv_multipart()
+        return MsgpackDecoder(EngineCoreReadyResponse).decode(payload)
+
+    def _start_engine_monitor(self, on_dead: Callable[[EngineDeadError], None]) -> None:
+        res = self.resources
+        proc = res.engine_proc
+
+        def monitor_engine_cores() -> None:
+            multiprocessing.connection.wait([proc.sentinel])
+            if res.shutting_down or res.engine_dead:
+                return   # our own shutdown, or the engine already said why it died
+            res.engine_dead = True
+            res.dead_reason = f"EngineCore process died unexpectedly (exit code {proc.exitcode})."
+            logger.error(res.dead_reason)
+            on_dead(EngineDeadError(res.dead_reason))
+
+        threading.Thread(target=monitor_engine_cores, daemon=True, name="EngineCoreMonitor").start()
+
+    @property
+    def engine_dead(self) -> bool:
+        return self.resources.engine_dead
+
+    def dead_error(self) -> EngineDeadError:
+        return EngineDeadError(self.resources.dead_reason or "EngineCore is dead.")
+
+    def _send_input(self, request_type: EngineCoreRequestType, payload: Any) -> None:
+        if self.resources.engine_dead:
+            raise self.dead_error()
+        msg = (self.engine_identity, request_type.value, self.encoder.encode(payload))
+        try:
+            self.input_socket.send_multipart(msg)
+        except zmq.ZMQError as e:   # EHOSTUNREACH: the engine's socket is gone
+            raise EngineDeadError(f"Cannot reach EngineCore: {e}") from e
+
+    def _decode_output(self, frames: list[bytes], put_outputs: Callable[[Any], None],
+                       resolve_utility: Callable[[UtilityOutput], None]) -> bool:
+        """Route one message from the output socket; False once the engine is dead."""
+        kind, payload = frames
+        kind = EngineCoreOutputType(kind)
+        if kind == EngineCoreOutputType.OUTPUTS:
+            put_outputs(self.outputs_decoder.decode(payload))
+        elif kind == EngineCoreOutputType.UTILITY:
+            resolve_utility(self.utility_decoder.decode(payload))
+        else:
+            self.resources.dead_reason = f"EngineCore died: {msgspec.msgpack.decode(payload)}"
+            self.resources.engine_dead = True
+            return False
+        return True
+
+    def shutdown(self) -> None:
+        self._finalizer()
+
+
+def _utility_result(output: UtilityOutput) -> tuple[Any, Exception | None]:
+    if output.failure_message is not None:
+        return None, RuntimeError(output.failure_message)
+    return output.result, None
+
+
+class SyncMPClient(MPClient):
+    """Blocking client: a thread decodes the output socket into a queue.Queue."""
+
+    def __init__(self, vllm_config: VllmConfig, executor_class: type[Executor] | None = None) -> None:
+        super().__init__(False, vllm_config, executor_class)
+        self.outputs_queue: queue.Queue[EngineCoreOutputs | Exception] = queue.Queue()
+        self.utility_results: dict[int, concurrent.futures.Future] = {}
+        self._lock = threading.Lock()
+        self.resources.output_thread = threading.Thread(
+            target=self.process_outputs_socket, daemon=True, name="EngineCoreOutputQueueThread")
+        self.resources.output_thread.start()
+        self._start_engine_monitor(self._fail_all)
+
+    def process_outputs_socket(self) -> None:
+        res = self.resources
+        while not res.shutting_down:
+            if not self.output_socket.poll(100):
+                continue
+            if not self._decode_output(self.output_socket.recv_multipart(),
+                                       self.outputs_queue.put_nowait, self._resolve_utility):
+                self._fail_all(self.dead_error())
+                return
+
+    def _resolve_utility(self, output: UtilityOutput) -> None:
+        with self._lock:
+            future = self.utility_results.pop(output.call_id, None)
+        if future is not None:
+            result, error = _utility_result(output)
+            future.set_exception(error) if error else future.set_result(result)
+
+    def _fail_all(self, error: EngineDeadError) -> None:
+        self.outputs_queue.put_nowait(error)
+        with self._lock:
+            futures, self.utility_results = self.utility_results, {}
+        for future in futures.values():
+            future.set_exception(error)
+
+    def get_output(self) -> EngineCoreOutputs:
+        if self.engine_dead and self.outputs_queue.empty():
+            raise self.dead_error()
+        outputs = self.outputs_queue.get()
+        if isinstance(outputs, Exception):
+            self.outputs_queue.put_nowait(outputs)   # later callers get it too
+            raise outputs
+        return outputs
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self._send_input(EngineCoreRequestType.ADD, request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        if request_ids:
+            self._send_input(EngineCoreRequestType.ABORT, list(request_ids))
+
+    def call_utility(self, method: str, *args: Any) -> Any:
+        call_id = next(self.call_ids)
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:   # register first: a death from now on fails this future
+            self.utility_results[call_id] = future
+        try:
+            self._send_input(EngineCoreRequestType.UTILITY, UtilityRequest(0, call_id, method, list(args)))
+        except BaseException:
+            with self._lock:
+                self.utility_results.pop(call_id, None)
+            raise
+        return future.result()
+
+    def get_scheduler_stats(self) -> SchedulerStats:
+        return msgspec.convert(self.call_utility("get_scheduler_stats"), SchedulerStats)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.call_utility("reset_prefix_cache")
+
+
+class AsyncMPClient(MPClient):
+    """asyncio client: a task decodes the output socket into an asyncio.Queue.
+
+    The task (and the event loop it belongs to) is set up on first use, so the
+    client may be built before the loop runs.
+    """
+
+    def __init__(self, vllm_config: VllmConfig, executor_class: type[Executor] | None = None) -> None:
+        super().__init__(True, vllm_config, executor_class)
+        self.outputs_queue: asyncio.Queue[EngineCoreOutputs | Exception] = asyncio.Queue()
+        self.utility_results: dict[int, asyncio.Future] = {}
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._start_engine_monitor(self._fail_all_threadsafe)
+
+    def _ensure_output_queue_task(self) -> None:
+        if self.resources.output_task is None:
+            self.loop = asyncio.get_running_loop()
+            self.resources.output_task = self.loop.create_task(
+                self.process_outputs_socket(), name="EngineCoreOutputQueueTask")
+
+    async def process_outputs_socket(self) -> None:
+        while True:
+            frames = await self.output_socket.recv_multipart()
+            if not self._decode_output(frames, self.outputs_queue.put_nowait, self._resolve_utility):
+                self._fail_all(self.dead_error())
+                return
+
+    def _resolve_utility(self, output: UtilityOutput) -> None:
+        future = self.utility_results.pop(output.call_id, None)
+        if future is not None and not future.done():
+            result, error = _utility_result(output)
+            future.set_exception(error) if error else future.set_result(result)
+
+    def _fail_all(self, error: EngineDeadError) -> None:
+        self.outputs_queue.put_nowait(error)
+        futures, self.utility_results = self.utility_results, {}
+        for future in futures.values():
+            if not future.done():
+                future.set_exception(error)
+
+    def _fail_all_threadsafe(self, error: EngineDeadError) -> None:
+        # Called by the monitor thread: hop onto the event loop (if it ever ran).
+        loop = self.loop
+        if loop is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(self._fail_all, error)
+            except RuntimeError:   # the loop closed meanwhile
+                pass
+
+    async def get_output_async(self) -> EngineCoreOutputs:
+        self._ensure_output_queue_task()
+        if self.engine_dead and self.outputs_queue.empty():
+            raise self.dead_error()
+        outputs = await self.outputs_queue.get()
+        if isinstance(outputs, Exception):
+            self.outputs_queue.put_nowait(outputs)
+            raise outputs
+        return outputs
+
+    async def add_request_async(self, request: EngineCoreRequest) -> None:
+        self._ensure_output_queue_task()
+        self._send_input(EngineCoreRequestType.ADD, request)
+
+    async def abort_requests_async(self, request_ids: list[str]) -> None:
+        if request_ids:
+            self._send_input(EngineCoreRequestType.ABORT, list(request_ids))
+
+    async def call_utility_async(self, method: str, *args: Any) -> Any:
+        self._ensure_output_queue_task()
+        call_id = next(self.call_ids)
+        future = self.loop.create_future()
+        self.utility_results[call_id] = future
+        try:
+            self._send_input(EngineCoreRequestType.UTILITY, UtilityRequest(0, call_id, method, list(args)))
+        except BaseException:
+            self.utility_results.pop(call_id, None)
+            raise
+        return await future
+
+    async def get_scheduler_stats_async(self) -> SchedulerStats:
+        return msgspec.convert(await self.call_utility_async("get_scheduler_stats"), SchedulerStats)
+
+    async def reset_prefix_cache_async(self) -> bool:
+        return await self.call_utility_async("reset_prefix_cache")

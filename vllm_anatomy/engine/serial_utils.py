@@ -1,0 +1,99 @@
+"""What goes over the frontend <-> EngineCoreProc sockets, and how it is encoded.
+
+Mirrors vllm/v1/serial_utils.py (MsgpackEncoder / MsgpackDecoder) and the
+message-type bytes of vllm/v1/engine/__init__.py (EngineCoreRequestType).
+
+Every message is a ZMQ multipart message of two frames:
+
+    frame 0: one type byte      (EngineCoreRequestType / EngineCoreOutputType)
+    frame 1: msgpack payload    (a msgspec Struct, a list of ids, or a string)
+
+NOTE: msgpack via msgspec, never pickle: a socket peer can only make us build
+the declared types, and decoding is validated against them. vLLM falls back to
+pickle for types it cannot encode (tensors as raw zero-copy frames, other
+objects behind an env flag); here an unsupported type is an error, said clearly.
+
+Simplified: vLLM's EngineCoreOutputs carries `utility_output` and signals death
+with a raw b"ENGINE_CORE_DEAD" frame; here the output side has the same
+two-frame envelope as the input side (EngineCoreOutputType, ours).
+"""
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import msgspec
+
+
+class EngineCoreRequestType(enum.Enum):
+    """Frontend -> engine message types (the values are vLLM's)."""
+    ADD = b"\x00"        # payload: EngineCoreRequest
+    ABORT = b"\x01"      # payload: list[str] (request ids)
+    UTILITY = b"\x03"    # payload: UtilityRequest
+
+
+class EngineCoreOutputType(enum.Enum):
+    """Engine -> frontend message types (ours; see the module docstring)."""
+    OUTPUTS = b"\x00"            # payload: EngineCoreOutputs
+    UTILITY = b"\x01"            # payload: UtilityOutput
+    ENGINE_CORE_DEAD = b"\x02"   # payload: str, why the engine is exiting
+
+
+class EngineCoreReadyResponse(msgspec.Struct, array_like=True, gc=False):
+    """First message of a started engine: what the frontend must know about it."""
+    engine_index: int
+    pid: int
+    num_gpu_blocks: int
+    block_size: int
+    max_model_len: int
+
+
+class UtilityRequest(msgspec.Struct, array_like=True, gc=False):
+    """Call `method_name(*args)` on the EngineCore, answer with a UtilityOutput.
+
+    vLLM sends the tuple (client_index, call_id, method_name, args).
+    """
+    client_index: int
+    call_id: int
+    method_name: str
+    args: list[Any] = []
+
+
+class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """The answer to one UtilityRequest: a plain-data result, or why it failed."""
+    call_id: int
+    failure_message: str | None = None
+    result: Any = None
+
+
+def _refuse(obj: Any) -> Any:
+    raise TypeError(
+        f"Objects of type {type(obj).__name__} cannot cross the process boundary: only "
+        f"msgspec Structs and plain data (str, int, float, list, dict, ...) are encoded; "
+        f"there is no pickle fallback.")
+
+
+class MsgpackEncoder:
+    """msgpack encoder for the wire types (msgspec Structs, enums, builtins)."""
+
+    def __init__(self) -> None:
+        self.encoder = msgspec.msgpack.Encoder(enc_hook=_refuse)
+
+    def encode(self, obj: Any) -> bytes:
+        return self.encoder.encode(obj)
+
+    def encode_into(self, obj: Any, buf: bytearray) -> None:
+        """Encode into a reusable buffer (vLLM reuses them to avoid allocations)."""
+        self.encoder.encode_into(obj, buf)
+
+
+class MsgpackDecoder:
+    """msgpack decoder checking the payload against one declared type."""
+
+    def __init__(self, t: Any = Any) -> None:
+        self.type = t
+        self.decoder = msgspec.msgpack.Decoder(t)
+
+    def decode(self, buf: bytes | bytearray | memoryview) -> Any:
+        """Decode; a payload that is not valid msgpack of `t` raises msgspec.DecodeError."""
+        return self.decoder.decode(buf)
