@@ -40,3 +40,17 @@ def test_top_level_names_do_not_import_torch():
     code = ("import sys, vllm_anatomy; from vllm_anatomy.sampling_params import SamplingParams; "
             "print('torch' in sys.modules)")
     assert _run(code, REPO) == "False"
+
+
+def test_every_subpackage_is_listed_in_pyproject():
+    # The package list is explicit (the kernels folder is remapped), so a new
+    # subpackage missing from it would vanish from a non-editable install.
+    import tomllib
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+        listed = set(tomllib.load(f)["tool"]["setuptools"]["packages"])
+    found = {"vllm_anatomy.kernels"}
+    for root, dirs, files in os.walk(os.path.join(REPO, "vllm_anatomy")):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        if "__init__.py" in files:
+            found.add(os.path.relpath(root, REPO).replace(os.sep, "."))
+    assert found == listed

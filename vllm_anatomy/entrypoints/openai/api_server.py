@@ -1,0 +1,255 @@
+"""The OpenAI-compatible HTTP server: FastAPI app on top of AsyncLLM.
+
+Mirrors vllm/entrypoints/openai/api_server.py. Run it with
+
+    vllm-anatomy serve --port 8000          # then: the `openai` client, curl, bench/serve.py
+
+Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models,
+GET /health (503 when the engine is dead), GET /version, GET /metrics.
+Every error is an OpenAI error body {"error": {"message", "type", "param", "code"}}.
+
+NOTE: vLLM terminates the server when the engine dies (unless
+VLLM_KEEP_ALIVE_ON_ENGINE_DEATH). Here the server stays up and answers 503, so
+a learner can watch what a dead engine looks like from outside.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import logging
+from http import HTTPStatus
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import vllm_anatomy
+from vllm_anatomy.engine.exceptions import EngineDeadError
+from vllm_anatomy.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse
+from vllm_anatomy.entrypoints.openai.serving_chat import OpenAIServingChat
+from vllm_anatomy.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from vllm_anatomy.entrypoints.openai.serving_engine import (OpenAIError, create_error_response,
+                                                            engine_dead_error)
+from vllm_anatomy.entrypoints.openai.serving_models import BaseModelPath, OpenAIServingModels
+from vllm_anatomy.metrics.prometheus import PrometheusStatLogger
+
+logger = logging.getLogger("vllm_anatomy.api_server")
+
+_ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+                405: "MethodNotAllowedError", 413: "RequestTooLargeError"}
+# Documented error responses, so the OpenAPI schema (and schemathesis) know them.
+_ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 503)}
+
+
+def error_json(e: OpenAIError) -> JSONResponse:
+    return JSONResponse(e.response.model_dump(), status_code=e.status_code)
+
+
+def with_cancellation(handler):
+    """Cancel a non-streaming handler when its client disconnects (vLLM's decorator of that name).
+
+    NOTE: cancelling the handler task raises CancelledError inside the engine
+    generator it awaits, and AsyncLLM.generate aborts the request. Streams do
+    not need this: Starlette cancels the body iterator itself.
+    """
+    @functools.wraps(handler)
+    async def wrapper(*args, **kwargs):
+        raw_request: Request = kwargs["raw_request"]
+        handler_task = asyncio.create_task(handler(*args, **kwargs))
+        disconnect_task = asyncio.create_task(_listen_for_disconnect(raw_request))
+        done, _ = await asyncio.wait({handler_task, disconnect_task}, return_when=asyncio.FIRST_COMPLETED)
+        if handler_task in done:
+            disconnect_task.cancel()
+            return handler_task.result()
+        handler_task.cancel()
+        return Response(status_code=499)   # nobody is listening any more
+    return wrapper
+
+
+async def _listen_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class ClosingStreamingResponse(StreamingResponse):
+    """A StreamingResponse that always closes its body iterator.
+
+    NOTE: when the client disconnects, Starlette cancels the sending task and
+    returns, leaving our generator suspended at a `yield` until garbage
+    collection. Closing it here runs its `finally` now, which closes the engine
+    generator, which aborts the request: blocks are freed within the step.
+    """
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+def _respond(result):
+    if isinstance(result, (JSONResponse, Response)):
+        return result
+    if hasattr(result, "__aiter__"):
+        return ClosingStreamingResponse(result, media_type="text/event-stream")
+    return JSONResponse(result.model_dump())
+
+
+def build_app(engine_client, args: argparse.Namespace) -> FastAPI:
+    """The FastAPI app serving `engine_client` (an AsyncLLM)."""
+    app = FastAPI(title="vllm_anatomy OpenAI-compatible server", version=vllm_anatomy.__version__)
+    init_app_state(engine_client, app.state, args)
+    _add_exception_handlers(app)
+    if getattr(args, "api_key", None):
+        app.add_middleware(AuthenticationMiddleware, api_key=args.api_key)
+    _add_routes(app)
+    maybe_instrument_app(app)
+    return app
+
+
+def init_app_state(engine_client, state, args: argparse.Namespace) -> None:
+    model_config = engine_client.model_config
+    names = args.served_model_name or [args.model or _default_model_name()]
+    base_model_paths = [BaseModelPath(name=name, model_path=model_config.model) for name in names]
+    state.engine_client = engine_client
+    state.openai_serving_models = models = OpenAIServingModels(base_model_paths, model_config.max_model_len)
+    state.openai_serving_chat = OpenAIServingChat(engine_client, models)
+    state.openai_serving_completion = OpenAIServingCompletion(engine_client, models)
+    state.stat_logger = PrometheusStatLogger(models.model_name, model_config.max_model_len)
+    # NOTE: AsyncLLM calls every logger in `stat_loggers` after each output batch.
+    engine_client.stat_loggers.append(state.stat_logger)
+
+
+def _default_model_name() -> str:
+    from vllm_anatomy.model_executor.default_model import DEFAULT_MODEL
+    return DEFAULT_MODEL
+
+
+def _add_exception_handlers(app: FastAPI) -> None:
+    @app.exception_handler(OpenAIError)
+    async def openai_error_handler(_: Request, exc: OpenAIError):
+        return error_json(exc)
+
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead_handler(_: Request, exc: EngineDeadError):
+        return error_json(engine_dead_error(exc))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_exception_handler(_: Request, exc: RequestValidationError):
+        # NOTE: FastAPI answers 422 with its own body; OpenAI clients expect 400
+        # and an error object. The first error names the field (`param`).
+        errors = exc.errors()
+        if errors and errors[0].get("type") == "json_invalid":
+            ctx = errors[0].get("ctx") or {}
+            return error_json(OpenAIError(f"The request body is not valid JSON: {ctx.get('error', 'decode error')}."))
+        message = "; ".join(f"{_loc(e) or 'body'}: {e.get('msg', 'invalid')}" for e in errors[:5])
+        return error_json(OpenAIError(message or "Invalid request.", param=_loc(errors[0]) if errors else None))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_exception_handler(_: Request, exc: StarletteHTTPException):
+        err = create_error_response(str(exc.detail), _ERROR_TYPES.get(exc.status_code, "Error"),
+                                    HTTPStatus(exc.status_code))
+        return JSONResponse(err.model_dump(), status_code=exc.status_code, headers=exc.headers)
+
+
+class AuthenticationMiddleware:
+    """Pure ASGI middleware checking `Authorization: Bearer <api_key>` (vLLM's class of that name).
+
+    NOTE: only the /v1 API is protected; /health, /metrics and /version stay
+    open for probes and scrapers, as in vLLM. A pure ASGI middleware (rather
+    than @app.middleware("http")) leaves streaming and disconnects untouched.
+    """
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            headers = dict(scope.get("headers") or [])
+            if headers.get(b"authorization") != self.expected:
+                response = error_json(OpenAIError("Incorrect API key provided.", "AuthenticationError",
+                                                  HTTPStatus.UNAUTHORIZED, code="invalid_api_key"))
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _loc(error: dict) -> str | None:
+    """'messages.0.content' from pydantic's ('body', 'messages', 0, 'content')."""
+    return ".".join(str(x) for x in error.get("loc", ()) if x != "body") or None
+
+
+def _add_routes(app: FastAPI) -> None:
+    @app.get("/health")
+    async def health(raw_request: Request) -> Response:
+        try:
+            await raw_request.app.state.engine_client.check_health()
+        except EngineDeadError:
+            return Response(status_code=HTTPStatus.SERVICE_UNAVAILABLE)
+        return Response(status_code=HTTPStatus.OK)
+
+    @app.get("/version")
+    async def show_version() -> JSONResponse:
+        return JSONResponse({"version": vllm_anatomy.__version__})
+
+    @app.get("/metrics")
+    async def metrics(raw_request: Request) -> Response:
+        registry = raw_request.app.state.stat_logger.registry
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", responses=_ERRORS)
+    async def show_available_models(raw_request: Request) -> JSONResponse:
+        models = await raw_request.app.state.openai_serving_models.show_available_models()
+        return JSONResponse(models.model_dump())
+
+    @app.post("/v1/chat/completions", responses=_ERRORS)
+    @with_cancellation
+    async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request):
+        handler = raw_request.app.state.openai_serving_chat
+        return _respond(await handler.create_chat_completion(request, raw_request))
+
+    @app.post("/v1/completions", responses=_ERRORS)
+    @with_cancellation
+    async def create_completion(request: CompletionRequest, raw_request: Request):
+        handler = raw_request.app.state.openai_serving_completion
+        return _respond(await handler.create_completion(request, raw_request))
+
+
+def maybe_instrument_app(app: FastAPI, tracer_provider=None) -> bool:
+    """Tracing hook: HTTP server spans via opentelemetry-instrumentation-fastapi.
+
+    Only when a real SDK TracerProvider is configured (passed in, or set
+    globally by the tracing setup): with the default no-op provider the
+    instrumentation would only cost time. Returns whether it instrumented.
+    """
+    from opentelemetry import trace
+    provider = tracer_provider or trace.get_tracer_provider()
+    if isinstance(provider, (trace.ProxyTracerProvider, trace.NoOpTracerProvider)):
+        return False
+    from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor
+    FastAPIInstrumentor.instrument_app(app, tracer_provider=provider)
+    return True
+
+
+async def run_server(args: argparse.Namespace, **uvicorn_kwargs) -> None:
+    """Start AsyncLLM (EngineCore in its own process), then serve until SIGINT/SIGTERM."""
+    import uvicorn
+
+    from vllm_anatomy.engine.arg_utils import EngineArgs
+    from vllm_anatomy.engine.async_llm import AsyncLLM
+
+    engine_client = AsyncLLM.from_engine_args(EngineArgs.from_cli_args(args), multiprocess=True)
+    try:
+        app = build_app(engine_client, args)
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                                access_log=not args.disable_uvicorn_access_log, **uvicorn_kwargs)
+        server = uvicorn.Server(config)
+        logger.warning("vllm_anatomy OpenAI server on http://%s:%d (model %s)", args.host, args.port,
+                       app.state.openai_serving_models.model_name)
+        await server.serve()
+    finally:
+        engine_client.shutdown()

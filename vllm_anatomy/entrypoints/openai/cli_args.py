@@ -1,0 +1,34 @@
+"""Command-line arguments of the OpenAI-compatible server.
+
+Mirrors vllm/entrypoints/openai/cli_args.py (make_arg_parser): the server's
+own flags plus every engine argument (EngineArgs.add_cli_args).
+"""
+from __future__ import annotations
+
+import argparse
+
+from vllm_anatomy.engine.arg_utils import EngineArgs
+
+
+def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p = parser.add_argument
+    # NOTE: 127.0.0.1 by default (vLLM binds all interfaces): a learning server
+    # should not be reachable from the network unless asked (--host 0.0.0.0).
+    p("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p("--port", type=int, default=8000)
+    p("--api-key", default=None,
+      help="if set, every /v1 request needs the header `Authorization: Bearer <key>`")
+    p("--served-model-name", nargs="+", default=None,
+      help="model name(s) clients use (default: the --model value, or the default model's alias)")
+    p("--uvicorn-log-level", default="warning",
+      choices=["critical", "error", "warning", "info", "debug", "trace"])
+    p("--disable-uvicorn-access-log", action="store_true")
+    EngineArgs.add_cli_args(parser)
+    return parser
+
+
+def validate_parsed_serve_args(args: argparse.Namespace) -> None:
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    if args.api_key is not None and not args.api_key:
+        raise ValueError("--api-key must not be empty")

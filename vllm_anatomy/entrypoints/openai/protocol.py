@@ -1,0 +1,311 @@
+"""Pydantic models of the OpenAI-compatible API (requests, responses, stream chunks).
+
+Mirrors vllm/entrypoints/openai/protocol.py, names verbatim, for the subset this
+engine serves: chat completions, completions, models, errors.
+
+NOTE: models are `strict`: a wrong JSON type ("temperature": "hot", "n": true)
+is refused with a 400 instead of being coerced, as the OpenAI API does. vLLM
+uses pydantic's lax mode; we prefer the clearer error. Unknown fields are
+accepted and ignored (as vLLM does), so newer clients keep working.
+Not supported (refused with a 400 naming the field): n > 1, best_of > 1,
+penalties, logit_bias, suffix, tools / response_format, batched prompts.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
+
+from vllm_anatomy.sampling_params import RequestOutputKind, SamplingParams
+
+
+def random_uuid() -> str:
+    return uuid.uuid4().hex
+
+
+class OpenAIBaseModel(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+
+# -- errors ---------------------------------------------------------------------
+class ErrorInfo(OpenAIBaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int | str | None = None
+
+
+class ErrorResponse(OpenAIBaseModel):
+    error: ErrorInfo
+
+
+# -- models -----------------------------------------------------------------------
+class ModelPermission(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: f"modelperm-{random_uuid()}")
+    object: str = "model_permission"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    allow_sampling: bool = True
+    allow_view: bool = True
+
+
+class ModelCard(OpenAIBaseModel):
+    id: str
+    object: str = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "vllm"
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
+    permission: list[ModelPermission] = Field(default_factory=list)
+
+
+class ModelList(OpenAIBaseModel):
+    object: str = "list"
+    data: list[ModelCard] = Field(default_factory=list)
+
+
+# -- shared request pieces ----------------------------------------------------------
+class StreamOptions(OpenAIBaseModel):
+    include_usage: bool | None = True
+    continuous_usage_stats: bool | None = False
+
+
+class UsageInfo(OpenAIBaseModel):
+    prompt_tokens: int = 0
+    total_tokens: int = 0
+    completion_tokens: int | None = 0
+
+
+class _SamplingRequest(OpenAIBaseModel):
+    """Fields that chat and completions share, and their SamplingParams mapping."""
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    n: int = 1
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    frequency_penalty: float | None = 0.0
+    presence_penalty: float | None = 0.0
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+    def check_unsupported(self) -> None:
+        """Raise ValueError("<field> ...") for what this engine does not implement."""
+        for name in ("frequency_penalty", "presence_penalty"):
+            if getattr(self, name):
+                raise ValueError(f"{name} is not supported by this engine (leave it at 0).")
+        if self.repetition_penalty not in (None, 1.0):
+            raise ValueError("repetition_penalty is not supported by this engine (leave it at 1).")
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported by this engine.")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options can only be set when stream is true.")
+
+    def _sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        # NOTE: None means "the OpenAI default": temperature 1, top_p 1, top-k off.
+        return SamplingParams(
+            n=self.n,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=0 if self.top_k is None else self.top_k,
+            min_p=0.0 if self.min_p is None else self.min_p,
+            seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens,
+            stop=self.stop, stop_token_ids=self.stop_token_ids,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            ignore_eos=self.ignore_eos, logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            # Streams want only what is new; a plain response wants one final output.
+            output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY)
+
+
+# -- chat completions -----------------------------------------------------------------
+class ChatCompletionContentPartTextParam(OpenAIBaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatCompletionMessageParam(OpenAIBaseModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ChatCompletionContentPartTextParam] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    # Ordered like the OpenAI API reference: https://platform.openai.com/docs/api-reference/chat
+    messages: list[ChatCompletionMessageParam] = Field(min_length=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = 0
+    max_completion_tokens: int | None = None
+    # vLLM extras
+    add_generation_prompt: bool = True
+
+    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        self.check_unsupported()
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs to be true.")
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else (
+            self.max_tokens if self.max_tokens is not None else default_max_tokens)
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self._sampling_params(max_tokens, logprobs)
+
+
+class ChatCompletionLogProb(OpenAIBaseModel):
+    token: str
+    logprob: float = -9999.0
+    bytes: list[int] | None = None
+
+
+class ChatCompletionLogProbsContent(ChatCompletionLogProb):
+    top_logprobs: list[ChatCompletionLogProb] = Field(default_factory=list)
+
+
+class ChatCompletionLogProbs(OpenAIBaseModel):
+    content: list[ChatCompletionLogProbsContent] | None = None
+
+
+class ChatMessage(OpenAIBaseModel):
+    role: str
+    content: str | None = None
+
+
+class ChatCompletionResponseChoice(OpenAIBaseModel):
+    index: int
+    message: ChatMessage
+    logprobs: ChatCompletionLogProbs | None = None
+    finish_reason: str | None = "stop"
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: f"chatcmpl-{random_uuid()}")
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionResponseChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(OpenAIBaseModel):
+    role: str | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler):
+        # NOTE: OpenAI's deltas omit absent fields ({"content": "Hi"}, no "role": null).
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatCompletionResponseStreamChoice(OpenAIBaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatCompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionStreamResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatCompletionResponseStreamChoice]
+    usage: UsageInfo | None = None
+
+
+# -- completions ---------------------------------------------------------------------
+class CompletionRequest(_SamplingRequest):
+    # https://platform.openai.com/docs/api-reference/completions/create
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool | None = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def get_single_prompt(self) -> str | list[int]:
+        """The one prompt of this request; a batch of several is refused."""
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            if len(p) != 1:
+                raise ValueError("prompt: batched prompts (a list of several prompts) are not "
+                                 "supported by this server; send one request per prompt.")
+            p = p[0]
+        if len(p) == 0:
+            raise ValueError("prompt must not be empty.")
+        return p
+
+    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        self.check_unsupported()
+        if self.suffix is not None:
+            raise ValueError("suffix is not supported by this engine.")
+        if self.best_of not in (None, 1):
+            raise ValueError("best_of must be 1: beam search / best_of is not supported.")
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo with logprobs needs prompt logprobs, which are not supported.")
+        max_tokens = default_max_tokens if self.max_tokens is None else self.max_tokens
+        return self._sampling_params(max_tokens, self.logprobs)
+
+
+class CompletionLogProbs(OpenAIBaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionResponseChoice(OpenAIBaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: f"cmpl-{random_uuid()}")
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionResponseChoice]
+    usage: UsageInfo
+
+
+class CompletionResponseStreamChoice(OpenAIBaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionStreamResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionResponseStreamChoice]
+    usage: UsageInfo | None = None
+
+
+def dump_json(model: BaseModel) -> str:
+    """Serialize a response model (no unset extras, None kept as null like OpenAI)."""
+    return model.model_dump_json()
+

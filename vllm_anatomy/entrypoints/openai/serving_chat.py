@@ -1,0 +1,154 @@
+"""OpenAIServingChat: POST /v1/chat/completions.
+
+Mirrors vllm/entrypoints/openai/serving_chat.py: render the conversation with
+the tokenizer's chat template, tokenize, validate, hand the prompt token ids to
+the engine, and turn RequestOutputs into a ChatCompletionResponse or a stream
+of `chat.completion.chunk` server-sent events ending with `data: [DONE]`.
+
+NOTE: a stream is an async generator wrapping the engine's generator. When the
+client goes away the server closes the stream (see api_server.py), the `finally`
+below closes the engine generator, and AsyncLLM aborts the request, so its KV
+blocks go back to the pool.
+"""
+from __future__ import annotations
+
+import time
+from typing import AsyncGenerator, AsyncIterator
+
+from starlette.requests import Request
+
+from vllm_anatomy.entrypoints.openai.protocol import (ChatCompletionLogProb, ChatCompletionLogProbs,
+                                                      ChatCompletionLogProbsContent, ChatCompletionRequest,
+                                                      ChatCompletionResponse, ChatCompletionResponseChoice,
+                                                      ChatCompletionResponseStreamChoice,
+                                                      ChatCompletionStreamResponse, ChatMessage, DeltaMessage,
+                                                      UsageInfo)
+from vllm_anatomy.entrypoints.openai.serving_engine import (OpenAIError, OpenAIServing,
+                                                            bad_request_from_value_error, sse)
+from vllm_anatomy.outputs import CompletionOutput, Logprob, RequestOutput
+
+
+class OpenAIServingChat(OpenAIServing):
+
+    response_role = "assistant"
+
+    async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request | None = None
+                                     ) -> ChatCompletionResponse | AsyncGenerator[str, None]:
+        self._check_model(request.model)
+        prompt_text, prompt_ids = self._render_chat(request)
+        self._validate_prompt_ids(prompt_ids)
+        try:
+            params = request.to_sampling_params(self._default_max_tokens(prompt_ids))
+        except ValueError as e:
+            raise bad_request_from_value_error(e) from e
+        name = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
+        self._check_max_tokens(params, prompt_ids, name)
+        request_id = f"chatcmpl-{self._base_request_id(raw_request)}"
+        model_name = self.models.model_name_for(request.model)
+        generator = self._generate({"prompt_token_ids": prompt_ids, "prompt": prompt_text},
+                                   params, request_id, raw_request)
+        num_top = request.top_logprobs or 0
+        if request.stream:
+            return self.chat_completion_stream_generator(request, generator, request_id, model_name, num_top)
+        return await self.chat_completion_full_generator(generator, request_id, model_name, num_top)
+
+    def _render_chat(self, request: ChatCompletionRequest) -> tuple[str, list[int]]:
+        conversation = [{"role": m.role, "content": m.text()} for m in request.messages]
+        try:
+            text = self.tokenizer.apply_chat_template(conversation, tokenize=False,
+                                                      add_generation_prompt=request.add_generation_prompt)
+        except Exception as e:  # jinja2 TemplateError / raise_exception() inside templates
+            raise OpenAIError(f"The chat template could not render these messages: {e}",
+                              param="messages") from e
+        # NOTE: the template already wrote the special tokens (<|im_start|> ...),
+        # so tokenizing must not add a BOS of its own.
+        return text, self.tokenizer.encode(text, add_special_tokens=False)
+
+    async def chat_completion_full_generator(self, result_generator: AsyncIterator[RequestOutput],
+                                             request_id: str, model_name: str,
+                                             num_top: int) -> ChatCompletionResponse:
+        final = await self._final_output(result_generator)
+        output = final.outputs[0]
+        choice = ChatCompletionResponseChoice(
+            index=0, message=ChatMessage(role=self.response_role, content=output.text),
+            logprobs=self._create_chat_logprobs(output, num_top),
+            finish_reason=output.finish_reason, stop_reason=output.stop_reason)
+        num_prompt_tokens = len(final.prompt_token_ids)
+        usage = UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=len(output.token_ids),
+                          total_tokens=num_prompt_tokens + len(output.token_ids))
+        return ChatCompletionResponse(id=request_id, model=model_name, choices=[choice], usage=usage)
+
+    async def chat_completion_stream_generator(self, request: ChatCompletionRequest,
+                                               result_generator: AsyncGenerator[RequestOutput, None],
+                                               request_id: str, model_name: str,
+                                               num_top: int) -> AsyncGenerator[str, None]:
+        created = int(time.time())
+        opts = request.stream_options
+        include_usage = bool(opts and opts.include_usage)
+        continuous_usage = bool(include_usage and opts.continuous_usage_stats)
+        num_prompt_tokens = num_generated = 0
+
+        def chunk(choices: list, usage: UsageInfo | None = None) -> str:
+            return sse(ChatCompletionStreamResponse(id=request_id, created=created, model=model_name,
+                                                    choices=choices, usage=usage).model_dump_json())
+
+        def usage() -> UsageInfo:
+            return UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=num_generated,
+                             total_tokens=num_prompt_tokens + num_generated)
+
+        try:
+            # The first chunk carries only the role, as OpenAI's does.
+            yield chunk([ChatCompletionResponseStreamChoice(
+                index=0, delta=DeltaMessage(role=self.response_role, content=""))])
+            async for res in result_generator:
+                output = res.outputs[0]
+                num_prompt_tokens = len(res.prompt_token_ids)
+                num_generated += len(output.token_ids)
+                want_logprobs = output.logprobs is not None
+                if not output.text and not output.finished() and not (want_logprobs and output.token_ids):
+                    continue   # nothing to show yet (text held back for a possible stop string)
+                choice = ChatCompletionResponseStreamChoice(
+                    index=0, delta=DeltaMessage(content=output.text),
+                    logprobs=self._create_chat_logprobs(output, num_top),
+                    finish_reason=output.finish_reason, stop_reason=output.stop_reason)
+                yield chunk([choice], usage() if continuous_usage else None)
+            if include_usage:
+                yield chunk([], usage())
+        except OpenAIError as e:
+            yield sse(e.response.model_dump_json())
+        except Exception as e:  # noqa: BLE001 - headers are sent: report it in-stream
+            yield self._stream_exception_event(e)
+        finally:
+            # NOTE: closing the engine generator is what aborts the request when
+            # we stop early (client gone). Harmless when it already finished.
+            await result_generator.aclose()
+        yield "data: [DONE]\n\n"
+
+    def _create_chat_logprobs(self, output: CompletionOutput, num_top: int) -> ChatCompletionLogProbs | None:
+        if output.logprobs is None:
+            return None
+        content = []
+        for token_id, entry in zip(output.token_ids, output.logprobs):
+            # NOTE: an entry holds the sampled token (its true rank) and the top-k
+            # (ranks 1..k); top_logprobs are the entries ranked 1..num_top.
+            tops = sorted(((tid, lp) for tid, lp in entry.items() if lp.rank is not None and lp.rank <= num_top),
+                          key=lambda item: item[1].rank)
+            sampled = self._chat_logprob(token_id, entry.get(token_id))
+            content.append(ChatCompletionLogProbsContent(
+                **sampled.model_dump(), top_logprobs=[self._chat_logprob(tid, lp) for tid, lp in tops]))
+        return ChatCompletionLogProbs(content=content)
+
+    def _chat_logprob(self, token_id: int, lp: Logprob | None) -> ChatCompletionLogProb:
+        token = self._token_str(token_id, lp)
+        return ChatCompletionLogProb(token=token, logprob=_clamp(lp.logprob if lp else -9999.0),
+                                     bytes=list(token.encode("utf-8", errors="replace")))
+
+    def _token_str(self, token_id: int, lp: Logprob | None) -> str:
+        if lp is not None and lp.decoded_token is not None:
+            return lp.decoded_token
+        return self.tokenizer.decode([token_id])
+
+
+def _clamp(logprob: float) -> float:
+    # NOTE: -inf is not valid JSON; vLLM clamps to -9999.0 the same way.
+    return max(logprob, -9999.0)
