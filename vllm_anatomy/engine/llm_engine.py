@@ -3,6 +3,10 @@
 Mirrors vllm/v1/engine/llm_engine.py: InputProcessor -> EngineCore ->
 OutputProcessor, polled by `step()`. Here EngineCore runs in this process
 (vLLM's InprocClient); the multi-process client comes with the server.
+
+Tracing: without an injected recorder, one is made from
+vllm_config.observability_config (trace_level, trace_dir, otlp_traces_endpoint);
+with tracing on, a RequestTracer keeps one `llm_request` span per request.
 """
 from __future__ import annotations
 
@@ -15,7 +19,9 @@ from vllm_anatomy.engine.input_processor import InputProcessor, PromptType
 from vllm_anatomy.engine.output_processor import OutputProcessor
 from vllm_anatomy.outputs import RequestOutput
 from vllm_anatomy.sampling_params import SamplingParams
-from vllm_anatomy.tracing.recorder import NullRecorder, Recorder
+from vllm_anatomy.tracing.factory import make_recorder, run_meta
+from vllm_anatomy.tracing.recorder import Recorder
+from vllm_anatomy.tracing.request_tracer import RequestTracer
 from vllm_anatomy.transformers_utils.tokenizer import get_tokenizer
 
 
@@ -31,13 +37,19 @@ class LLMEngine:
 
     def __init__(self, vllm_config: VllmConfig, recorder: Recorder | None = None) -> None:
         self.vllm_config = vllm_config
-        self.recorder = recorder or NullRecorder()
+        # NOTE: a recorder we make is ours to shut down (flush the exporters).
+        self._owns_recorder = recorder is None
+        self.recorder = recorder if recorder is not None else make_recorder(vllm_config, "frontend")
+        self.request_tracer = (RequestTracer(self.recorder, os.path.basename(vllm_config.model_config.model.rstrip("/")))
+                               if self.recorder.enabled else None)
         model_dir = vllm_config.model_config.model
         self.tokenizer = get_tokenizer(model_dir)
         self.input_processor = InputProcessor(vllm_config.model_config, self.tokenizer,
                                               _load_generation_config(model_dir))
         self.output_processor = OutputProcessor(self.tokenizer)
         self.engine_core = EngineCore(vllm_config, self.recorder)
+        if self._owns_recorder:   # the config as resolved at start-up (num_gpu_blocks, ...)
+            self.recorder.set_run_meta("config", run_meta(vllm_config)["config"])
         self.last_scheduler_stats = None
         # Counters named after vLLM's Prometheus metrics (prefix-cache counts in tokens).
         self.counters: dict[str, float] = {
@@ -51,10 +63,17 @@ class LLMEngine:
         prompt_text, request = self.input_processor.process_inputs(request_id, prompt, params, arrival_time)
         self.output_processor.add_request(request, prompt_text)
         self.counters["vllm:prompt_tokens"] += len(request.prompt_token_ids)
-        self.engine_core.add_request(request)
+        if self.request_tracer is None:
+            self.engine_core.add_request(request)
+            return
+        span = self.request_tracer.on_add(request)
+        with self.recorder.use_span(span):   # an in-process EngineCore.add_request nests under it
+            self.engine_core.add_request(request)
 
     def abort_request(self, request_ids: list[str]) -> None:
         known = self.output_processor.abort_requests(request_ids)
+        if self.request_tracer is not None:
+            self.request_tracer.abort_all(known)
         self.engine_core.abort_requests(known)
 
     def has_unfinished_requests(self) -> bool:
@@ -76,6 +95,9 @@ class LLMEngine:
                     c["vllm:request_success"] += 1
             processed = self.output_processor.process_outputs(outputs.outputs)
             request_outputs.extend(processed.request_outputs)
+            if self.request_tracer is not None:
+                self.request_tracer.on_outputs(outputs.outputs)
+                self.request_tracer.abort_all(processed.reqs_to_abort, "stop")
             # Stop strings finished these on the frontend; free them in the engine.
             self.engine_core.abort_requests(processed.reqs_to_abort)
         return request_outputs
@@ -90,3 +112,5 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()
+        if self._owns_recorder:
+            self.recorder.shutdown()

@@ -1,9 +1,16 @@
 """The Recorder seam: how every orchestration layer reports what it does.
 
 One object is injected (a constructor argument, never a global). It offers
-    span(name, **attrs)      context manager timing a piece of work
-    event(name, **attrs)     a point in time (e.g. a request state change)
-    snapshot(kind, data)     plain, JSON-able state (level "full" only)
+    span(name, links=None, **attrs)       context manager timing a piece of work
+                                          (links: trace-header dicts of other spans)
+    record_span(name, start_ns, end_ns)   a span with explicit times on now_ns()'s
+                                          clock (device lane, resolved after a sync)
+    start_span(name, ...) -> handle       a long-lived span that is not "current"
+                                          (one per request); use_span(handle) nests under it
+    event(name, **attrs)                  a point in time on the current span
+    snapshot(kind, data, step_id)         plain, JSON-able state (level "full" only)
+    inject_trace_headers()                W3C traceparent of the current span
+    flush() / shutdown()                  drain exporters
 `NullRecorder` is the default and costs one attribute lookup and a no-op call;
 `InMemoryRecorder` keeps everything in lists for tests and lessons. The
 OpenTelemetry-backed recorder lives in tracing/otel.py and is the only place
@@ -26,6 +33,9 @@ LEVELS = ("off", "spans", "full")
 
 class Recorder:
     level: str = "off"
+    # The run store file this recorder writes (None without trace_dir): other
+    # processes of the same run attach to it.
+    run_path: str | None = None
 
     @property
     def enabled(self) -> bool:
@@ -35,7 +45,18 @@ class Recorder:
     def wants_snapshots(self) -> bool:
         return self.level == "full"
 
-    def span(self, name: str, **attrs: Any) -> contextlib.AbstractContextManager:
+    def span(self, name: str, links: list[dict] | None = None,
+             **attrs: Any) -> contextlib.AbstractContextManager:
+        raise NotImplementedError
+
+    def record_span(self, name: str, start_ns: int, end_ns: int, **attrs: Any) -> None:
+        raise NotImplementedError
+
+    def start_span(self, name: str, trace_headers: dict | None = None, kind: str = "internal",
+                   start_ns: int | None = None, **attrs: Any) -> "SpanHandle":
+        raise NotImplementedError
+
+    def use_span(self, handle: "SpanHandle") -> contextlib.AbstractContextManager:
         raise NotImplementedError
 
     def event(self, name: str, **attrs: Any) -> None:
@@ -44,8 +65,44 @@ class Recorder:
     def snapshot(self, kind: str, data: Any, step_id: int | None = None) -> None:
         raise NotImplementedError
 
+    def inject_trace_headers(self) -> dict[str, str]:
+        return {}
 
-class _NullSpan:
+    def now_ns(self) -> int:
+        """The clock of record_span/start_span timestamps."""
+        return time.perf_counter_ns()
+
+    def set_run_meta(self, key: str, value: Any) -> None:
+        """A fact about the whole run (the run store's meta table), e.g. the resolved config."""
+
+    def flush(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
+
+
+class SpanHandle:
+    """What start_span returns (and what span() yields): a span to annotate."""
+
+    def set_attribute(self, key: str, value: Any) -> None:
+        raise NotImplementedError
+
+    def add_event(self, name: str, time_ns: int | None = None, **attrs: Any) -> None:
+        """time_ns on the recorder's now_ns() clock; default now."""
+        raise NotImplementedError
+
+    def add_link(self, trace_headers: dict | None, **attrs: Any) -> None:
+        raise NotImplementedError
+
+    def trace_headers(self) -> dict[str, str]:
+        raise NotImplementedError
+
+    def end(self, end_ns: int | None = None) -> None:
+        raise NotImplementedError
+
+
+class _NullSpan(SpanHandle):
     __slots__ = ()
 
     def __enter__(self) -> "_NullSpan":
@@ -57,6 +114,18 @@ class _NullSpan:
     def set_attribute(self, key: str, value: Any) -> None:
         pass
 
+    def add_event(self, name: str, time_ns: int | None = None, **attrs: Any) -> None:
+        pass
+
+    def add_link(self, trace_headers: dict | None, **attrs: Any) -> None:
+        pass
+
+    def trace_headers(self) -> dict[str, str]:
+        return {}
+
+    def end(self, end_ns: int | None = None) -> None:
+        pass
+
 
 _NULL_SPAN = _NullSpan()
 
@@ -65,7 +134,17 @@ class NullRecorder(Recorder):
     """Records nothing. The default everywhere."""
     level = "off"
 
-    def span(self, name: str, **attrs: Any) -> _NullSpan:
+    def span(self, name: str, links: list[dict] | None = None, **attrs: Any) -> _NullSpan:
+        return _NULL_SPAN
+
+    def record_span(self, name: str, start_ns: int, end_ns: int, **attrs: Any) -> None:
+        pass
+
+    def start_span(self, name: str, trace_headers: dict | None = None, kind: str = "internal",
+                   start_ns: int | None = None, **attrs: Any) -> _NullSpan:
+        return _NULL_SPAN
+
+    def use_span(self, handle: SpanHandle) -> _NullSpan:
         return _NULL_SPAN
 
     def event(self, name: str, **attrs: Any) -> None:
@@ -76,23 +155,6 @@ class NullRecorder(Recorder):
 
 
 @dataclass
-class RecordedSpan:
-    name: str
-    span_id: int
-    parent_id: int | None
-    start_ns: int
-    end_ns: int | None = None
-    attrs: dict[str, Any] = field(default_factory=dict)
-
-    def set_attribute(self, key: str, value: Any) -> None:
-        self.attrs[key] = value
-
-    @property
-    def duration_ns(self) -> int:
-        return (self.end_ns or self.start_ns) - self.start_ns
-
-
-@dataclass
 class RecordedEvent:
     name: str
     time_ns: int
@@ -100,10 +162,68 @@ class RecordedEvent:
     attrs: dict[str, Any]
 
 
+def format_traceparent(trace_id: int, span_id: int, flags: int = 1) -> dict[str, str]:
+    """W3C trace context header for (trace_id, span_id)."""
+    return {"traceparent": f"00-{trace_id:032x}-{span_id:016x}-{flags:02x}"}
+
+
+def parse_traceparent(headers: dict | None) -> tuple[int, int] | None:
+    """(trace_id, span_id) from a W3C traceparent header, None if absent or malformed."""
+    value = (headers or {}).get("traceparent", "")
+    parts = value.split("-")
+    if len(parts) != 4 or len(parts[1]) != 32 or len(parts[2]) != 16:
+        return None
+    try:
+        return int(parts[1], 16), int(parts[2], 16)
+    except ValueError:
+        return None
+
+
+@dataclass
+class RecordedSpan(SpanHandle):
+    name: str
+    span_id: int
+    parent_id: int | None
+    start_ns: int
+    end_ns: int | None = None
+    attrs: dict[str, Any] = field(default_factory=dict)
+    trace_id: int = 0
+    kind: str = "internal"
+    links: list[tuple[int, int]] = field(default_factory=list)
+    events: list[RecordedEvent] = field(default_factory=list)
+    _on_end: Any = field(default=None, repr=False, compare=False)
+
+    def set_attribute(self, key: str, value: Any) -> None:
+        self.attrs[key] = value
+
+    def add_event(self, name: str, time_ns: int | None = None, **attrs: Any) -> None:
+        t = time.perf_counter_ns() if time_ns is None else time_ns
+        self.events.append(RecordedEvent(name, t, self.span_id, attrs))
+
+    def add_link(self, trace_headers: dict | None, **attrs: Any) -> None:
+        ids = parse_traceparent(trace_headers)
+        if ids is not None:
+            self.links.append(ids)
+
+    def trace_headers(self) -> dict[str, str]:
+        return format_traceparent(self.trace_id, self.span_id)
+
+    def end(self, end_ns: int | None = None) -> None:
+        if self.end_ns is None:
+            self.end_ns = time.perf_counter_ns() if end_ns is None else end_ns
+            if self._on_end is not None:
+                self._on_end(self)
+
+    @property
+    def duration_ns(self) -> int:
+        return (self.end_ns or self.start_ns) - self.start_ns
+
+
 class InMemoryRecorder(Recorder):
     """Keeps spans, events and snapshots in lists: for tests and lessons.
 
     Spans nest by call order (a stack), like OpenTelemetry's current-span context.
+    A span is appended to `spans` when it ends.
     """
 
     def __init__(self, level: str = "full") -> None:
@@ -116,17 +236,44 @@ class InMemoryRecorder(Recorder):
         self._stack: list[RecordedSpan] = []
         self._ids = itertools.count(1)
 
+    def _new_span(self, name: str, parent_ids: tuple[int, int] | None, attrs: dict,
+                  start_ns: int | None = None, kind: str = "internal") -> RecordedSpan:
+        span_id = next(self._ids)
+        if parent_ids is None and self._stack:
+            parent_ids = (self._stack[-1].trace_id, self._stack[-1].span_id)
+        trace_id, parent = parent_ids if parent_ids else (span_id, None)
+        start = time.perf_counter_ns() if start_ns is None else start_ns
+        return RecordedSpan(name, span_id, parent, start, attrs=dict(attrs), trace_id=trace_id,
+                            kind=kind, _on_end=self.spans.append)
+
     @contextlib.contextmanager
-    def span(self, name: str, **attrs: Any) -> Iterator[RecordedSpan]:
-        parent = self._stack[-1].span_id if self._stack else None
-        s = RecordedSpan(name, next(self._ids), parent, time.perf_counter_ns(), attrs=dict(attrs))
+    def span(self, name: str, links: list[dict] | None = None, **attrs: Any) -> Iterator[RecordedSpan]:
+        s = self._new_span(name, None, attrs)
+        for headers in links or ():
+            s.add_link(headers)
         self._stack.append(s)
         try:
             yield s
         finally:
-            s.end_ns = time.perf_counter_ns()
             self._stack.pop()
-            self.spans.append(s)
+            s.end()
+
+    def record_span(self, name: str, start_ns: int, end_ns: int, **attrs: Any) -> None:
+        self._new_span(name, None, attrs, start_ns=start_ns).end(end_ns)
+
+    def start_span(self, name: str, trace_headers: dict | None = None, kind: str = "internal",
+                   start_ns: int | None = None, **attrs: Any) -> RecordedSpan:
+        # NOTE: as in OpenTelemetry, the parent is the remote span named by
+        # trace_headers, else the current span, else none (a new trace).
+        return self._new_span(name, parse_traceparent(trace_headers), attrs, start_ns, kind)
+
+    @contextlib.contextmanager
+    def use_span(self, handle: RecordedSpan) -> Iterator[RecordedSpan]:
+        self._stack.append(handle)
+        try:
+            yield handle
+        finally:
+            self._stack.pop()
 
     def event(self, name: str, **attrs: Any) -> None:
         sid = self._stack[-1].span_id if self._stack else None
@@ -135,6 +282,9 @@ class InMemoryRecorder(Recorder):
     def snapshot(self, kind: str, data: Any, step_id: int | None = None) -> None:
         if self.level == "full":
             self.snapshots.append((kind, step_id, data))
+
+    def inject_trace_headers(self) -> dict[str, str]:
+        return self._stack[-1].trace_headers() if self._stack else {}
 
     # -- queries used by tests -------------------------------------------------
     def span_names(self) -> list[str]:

@@ -1,0 +1,64 @@
+"""make_recorder: the Recorder a process of a run uses, from ObservabilityConfig.
+
+    trace_level "off"   -> NullRecorder (OpenTelemetry is never imported)
+    otherwise           -> OTelRecorder, writing the run store under trace_dir
+                           (created by the first process, attached by the others
+                           through `run_path`) and/or live OTLP.
+
+NOTE: `LLM(trace_level="spans")` with neither trace_dir, an OTLP endpoint nor
+OTEL_EXPORTER_OTLP_* would record into the void; it writes the run store under
+DEFAULT_TRACE_DIR instead, so a run asked to be traced always is.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+from vllm_anatomy.tracing.recorder import NullRecorder, Recorder
+
+DEFAULT_TRACE_DIR = "vllm_anatomy_traces"
+
+
+def _has_otlp_env() -> bool:
+    return bool(os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
+
+
+def run_meta(vllm_config) -> dict[str, Any]:
+    """What the run store's meta table says about the run."""
+    mc = vllm_config.model_config
+    config = dataclasses.asdict(vllm_config)
+    config["model_config"].pop("hf_config", None)
+    return {"model": mc.model, "device": mc.device,
+            "trace_level": vllm_config.observability_config.trace_level,
+            "config": _plain(config)}
+
+
+def _plain(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    return obj if obj is None or isinstance(obj, (str, int, float, bool)) else str(obj)
+
+
+def make_recorder(vllm_config, process_kind: str = "frontend", run_path: str | None = None,
+                  process_name: str | None = None) -> Recorder:
+    """The recorder of one process. The first process of a run passes no run_path
+    (a new run store is created); the others pass `first_recorder.run_path`."""
+    obs = vllm_config.observability_config
+    if obs.trace_level == "off":
+        return NullRecorder()
+    from vllm_anatomy.tracing.otel import OTelRecorder
+    from vllm_anatomy.tracing.store import RunStore
+    trace_dir = obs.trace_dir
+    if trace_dir is None and obs.otlp_traces_endpoint is None and not _has_otlp_env():
+        trace_dir = DEFAULT_TRACE_DIR
+    if run_path is not None:
+        store = RunStore.attach(run_path)
+    elif trace_dir is not None:
+        store = RunStore.create(trace_dir, run_meta(vllm_config))
+    else:
+        store = None
+    return OTelRecorder(obs.trace_level, process_kind=process_kind, process_name=process_name,
+                        store=store, otlp_traces_endpoint=obs.otlp_traces_endpoint)

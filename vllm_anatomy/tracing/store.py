@@ -1,0 +1,161 @@
+"""The run store: one SQLite file per run, written by every process of the run.
+
+    <trace_dir>/run-<YYYYmmdd-HHMMSS>-<run_id>.sqlite
+
+Tables (schema documented in docs/trace-format.md, version SCHEMA_VERSION):
+    meta(key, value)        (values JSON) schema_version, run_id, model, device, config (JSON),
+                            git_commit, start_time_ns, trace_level, end_time_ns
+    spans(...)              one row per finished span (OpenTelemetry's model)
+    snapshots(...)          one row per (step, kind, process) snapshot, JSON
+
+NOTE: WAL mode lets readers (the live dashboard) read while writers write, and
+keeps every committed transaction after a crash of the writer. Writers from
+several processes serialise on SQLite's lock; busy_timeout makes them wait
+instead of failing, and each transaction is short (one batch of spans or one
+snapshot) so nobody waits long. synchronous=NORMAL skips the fsync per commit:
+a killed process loses nothing committed (only a power cut could).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import sqlite3
+import subprocess
+import threading
+import time
+import uuid
+from typing import Any, Iterable
+
+import msgspec
+
+SCHEMA_VERSION = 1
+BUSY_TIMEOUT_MS = 10_000
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS spans (
+    trace_id TEXT NOT NULL, span_id TEXT NOT NULL, parent_id TEXT,
+    name TEXT NOT NULL, kind TEXT NOT NULL,
+    start_ns INTEGER NOT NULL, end_ns INTEGER NOT NULL,
+    attributes TEXT NOT NULL, events TEXT NOT NULL, links TEXT NOT NULL,
+    status TEXT, service TEXT NOT NULL, process_kind TEXT NOT NULL, pid INTEGER NOT NULL,
+    step_id INTEGER, request_id TEXT,
+    PRIMARY KEY (trace_id, span_id));
+CREATE INDEX IF NOT EXISTS spans_step ON spans(step_id);
+CREATE INDEX IF NOT EXISTS spans_request ON spans(request_id);
+CREATE TABLE IF NOT EXISTS snapshots (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    step_id INTEGER, kind TEXT NOT NULL, process TEXT NOT NULL,
+    time_ns INTEGER NOT NULL, data TEXT NOT NULL);
+CREATE INDEX IF NOT EXISTS snapshots_step ON snapshots(step_id, kind);
+"""
+
+SPAN_COLUMNS = ("trace_id", "span_id", "parent_id", "name", "kind", "start_ns", "end_ns",
+                "attributes", "events", "links", "status", "service", "process_kind", "pid",
+                "step_id", "request_id")
+
+
+def _enc_hook(obj: Any) -> Any:
+    # numpy scalars/arrays and tensors that slipped into a snapshot.
+    if hasattr(obj, "tolist"):
+        return obj.tolist()
+    return str(obj)
+
+
+_encoder = msgspec.json.Encoder(enc_hook=_enc_hook)
+
+
+def to_json(obj: Any) -> str:
+    return _encoder.encode(obj).decode()
+
+
+def git_commit(path: str | None = None) -> str | None:
+    """The commit of the checkout this package runs from, if it is one."""
+    here = path or os.path.dirname(os.path.abspath(__file__))
+    try:
+        out = subprocess.run(["git", "-C", here, "rev-parse", "HEAD"], capture_output=True,
+                             text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if out.returncode != 0:
+        return None
+    return out.stdout.strip() or None
+
+
+def connect(path: str) -> sqlite3.Connection:
+    # isolation_level=None: we issue BEGIN/COMMIT ourselves (short, explicit transactions).
+    conn = sqlite3.connect(path, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None,
+                           check_same_thread=False)
+    conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+    return conn
+
+
+class RunStore:
+    """Writer side. `create` starts a run; `attach` joins one from another process."""
+
+    def __init__(self, path: str, conn: sqlite3.Connection) -> None:
+        self.path = path
+        self._conn = conn
+        # NOTE: one connection shared by the engine thread (snapshots) and the
+        # span exporter's thread: a lock keeps their transactions apart.
+        self._lock = threading.Lock()
+
+    @classmethod
+    def create(cls, trace_dir: str, meta: dict[str, Any]) -> "RunStore":
+        os.makedirs(trace_dir, exist_ok=True)
+        run_id = meta.get("run_id") or uuid.uuid4().hex[:12]
+        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+        path = os.path.join(trace_dir, f"run-{stamp}-{run_id}.sqlite")
+        conn = connect(path)
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA synchronous=NORMAL")
+        full = {"schema_version": SCHEMA_VERSION, "run_id": run_id, "start_time_ns": time.time_ns(),
+                "git_commit": git_commit(), **meta}
+        conn.execute("BEGIN IMMEDIATE")
+        # NOTE: statement by statement: executescript() would COMMIT on its own.
+        for stmt in filter(str.strip, _SCHEMA.split(";")):
+            conn.execute(stmt)
+        conn.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)",
+                         [(k, to_json(v)) for k, v in full.items()])
+        conn.execute("COMMIT")
+        return cls(path, conn)
+
+    @classmethod
+    def attach(cls, path: str) -> "RunStore":
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"run store {path} does not exist (the creating process makes it)")
+        conn = connect(path)
+        conn.execute("PRAGMA synchronous=NORMAL")
+        return cls(path, conn)
+
+    def _write(self, sql: str, rows: Iterable[tuple]) -> None:
+        with self._lock:
+            if self._conn is None:
+                return
+            self._conn.execute("BEGIN IMMEDIATE")
+            try:
+                self._conn.executemany(sql, rows)
+            except BaseException:
+                self._conn.execute("ROLLBACK")
+                raise
+            self._conn.execute("COMMIT")
+
+    def write_spans(self, rows: list[tuple]) -> None:
+        marks = ", ".join("?" * len(SPAN_COLUMNS))
+        self._write(f"INSERT OR REPLACE INTO spans ({', '.join(SPAN_COLUMNS)}) VALUES ({marks})", rows)
+
+    def write_snapshot(self, step_id: int | None, kind: str, process: str, data: Any) -> None:
+        """One committed transaction per snapshot: a crash keeps every earlier step."""
+        row = (step_id, kind, process, time.time_ns(), to_json(data))
+        self._write("INSERT INTO snapshots (step_id, kind, process, time_ns, data) VALUES (?, ?, ?, ?, ?)",
+                    [row])
+
+    def set_meta(self, key: str, value: Any) -> None:
+        self._write("INSERT OR REPLACE INTO meta VALUES (?, ?)",
+                    [(key, to_json(value))])
+
+    def close(self) -> None:
+        with self._lock:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
