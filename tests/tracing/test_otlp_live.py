@@ -55,6 +55,15 @@ def _check(spans):
     steps = [s for s in spans if s["name"] == "EngineCore.step"]
     assert [s["attributes"]["vllm_anatomy.step_id"] for s in steps] == list(range(1, len(steps) + 1))
     assert all(not any(k.startswith("gen_ai.") for k in s["attributes"]) for s in steps)
+    # Requests and steps are separate trees joined by links: every step links
+    # to each request it served, and each request is linked from every step it
+    # needed (1 prefill + 2 more decodes for 3 tokens).
+    request_ids = {(r["trace_id"], r["span_id"]) for r in requests}
+    for s in steps:
+        linked = {(lk["trace_id"], lk["span_id"]) for lk in s["links"]}
+        assert linked and linked <= request_ids and s["trace_id"] not in {t for t, _ in request_ids}
+    for key in request_ids:
+        assert sum(key in {(lk["trace_id"], lk["span_id"]) for lk in s["links"]} for s in steps) == 3
 
 
 def test_otlp_http(default_model_dir, monkeypatch, tmp_path):

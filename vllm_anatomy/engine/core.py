@@ -78,10 +78,15 @@ class EngineCore:
 
     def add_request(self, request: EngineCoreRequest | Request) -> None:
         """Queue a request (an EngineCoreRequest, or a Request already preprocessed)."""
-        with self.recorder.span("EngineCore.add_request", **{"vllm_anatomy.request_id": request.request_id}):
+        # NOTE: parented on the request's own trace (its W3C context rides on
+        # the request), so this span joins the request's tree, not the caller's.
+        span = self.recorder.start_span("EngineCore.add_request", trace_headers=request.trace_headers,
+                                        **{"vllm_anatomy.request_id": request.request_id})
+        with self.recorder.use_span(span):
             if isinstance(request, EngineCoreRequest):
                 request = self.preprocess_add_request(request)
             self.scheduler.add_request(request)
+        span.end()
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Abort requests; unknown or already finished ids are ignored."""
@@ -117,6 +122,10 @@ class EngineCore:
             with rec.span("Scheduler.schedule"):
                 scheduler_output = self.scheduler.schedule()
             span.set_attribute("vllm_anatomy.step_id", scheduler_output.step_id)
+            if rec.enabled:
+                # A step serves many requests: it links to each (nesting would lie).
+                for req_id in scheduler_output.num_scheduled_tokens:
+                    span.add_link(self.scheduler.requests[req_id].trace_headers)
             self.model_executor.execute_model(scheduler_output)
             model_output = self.model_executor.sample_tokens()
             with rec.span("Scheduler.update_from_output"):
