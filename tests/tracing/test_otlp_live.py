@@ -9,7 +9,8 @@ from vllm_anatomy import LLM, SamplingParams
 pytestmark = pytest.mark.model
 
 LAYER_SPANS = {"llm_request", "EngineCore.add_request", "EngineCore.step", "Scheduler.schedule",
-               "Executor.execute_model", "GPUModelRunner.execute_model", "GPUModelRunner._prepare_inputs",
+               "Executor.execute_model", "Worker.execute_model", "GPUModelRunner.execute_model",
+               "Worker.sample_tokens", "GPUModelRunner._prepare_inputs",
                "GPUModelRunner._model_forward", "Executor.sample_tokens", "GPUModelRunner.sample_tokens",
                "GPUModelRunner._bookkeeping_sync", "Scheduler.update_from_output"}
 
@@ -34,7 +35,11 @@ def _check(spans):
             assert parent(s) == "EngineCore.step"
         if s["name"] == "GPUModelRunner._model_forward":
             assert parent(s) == "GPUModelRunner.execute_model"
-            assert parent(by_id[s["parent_id"]]) == "Executor.execute_model"
+            assert parent(by_id[s["parent_id"]]) == "Worker.execute_model"
+        if s["name"] == "Worker.execute_model":
+            assert parent(s) == "Executor.execute_model"
+        if s["name"] == "GPUModelRunner.sample_tokens":
+            assert parent(s) == "Worker.sample_tokens" and parent(by_id[s["parent_id"]]) == "Executor.sample_tokens"
         if s["name"] == "EngineCore.add_request":
             assert parent(s) == "llm_request"
             assert by_id[s["parent_id"]]["trace_id"] == s["trace_id"]

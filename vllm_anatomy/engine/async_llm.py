@@ -21,6 +21,7 @@ make the internal id unique; here a duplicate id is refused).
 from __future__ import annotations
 
 import asyncio
+import os
 import logging
 from collections.abc import AsyncGenerator, Iterable
 
@@ -35,7 +36,9 @@ from vllm_anatomy.engine.protocol import SchedulerStats
 from vllm_anatomy.metrics.stats import IterationStats
 from vllm_anatomy.outputs import RequestOutput
 from vllm_anatomy.sampling_params import SamplingParams
-from vllm_anatomy.tracing.recorder import NullRecorder, Recorder
+from vllm_anatomy.tracing.factory import make_recorder
+from vllm_anatomy.tracing.recorder import Recorder
+from vllm_anatomy.tracing.request_tracer import RequestTracer
 from vllm_anatomy.transformers_utils.tokenizer import get_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -56,7 +59,11 @@ class AsyncLLM:
                  recorder: Recorder | None = None, stat_loggers: list | None = None) -> None:
         self.vllm_config = vllm_config
         self.model_config: ModelConfig = vllm_config.model_config
-        self.recorder = recorder or NullRecorder()
+        # NOTE: a recorder we make is ours to shut down (flush the exporters).
+        self._owns_recorder = recorder is None
+        self.recorder = recorder if recorder is not None else make_recorder(vllm_config, "frontend")
+        self.request_tracer = (RequestTracer(self.recorder, os.path.basename(vllm_config.model_config.model.rstrip("/")))
+                               if self.recorder.enabled else None)
         model_dir = self.model_config.model
         self.tokenizer = get_tokenizer(model_dir)
         self.input_processor = InputProcessor(self.model_config, self.tokenizer,
@@ -105,10 +112,16 @@ class AsyncLLM:
         queue = RequestOutputCollector(params.output_kind, request.request_id)
         # NOTE: register with the OutputProcessor *before* the engine can answer.
         self.output_processor.add_request(request, prompt_text, queue)
+        if self.request_tracer is not None:
+            # The request's span (a child of the HTTP span when traceparent came
+            # in); its own context then rides to the engine on the request.
+            self.request_tracer.on_add(request)
         try:
             await self.engine_core.add_request_async(request)
         except BaseException:
             self.output_processor.abort_requests([request.request_id])
+            if self.request_tracer is not None:
+                self.request_tracer.abort_all([request.request_id], "error")
             raise
         self._run_output_handler()
         return queue
@@ -146,6 +159,8 @@ class AsyncLLM:
         """Abort requests (unknown or finished ids are ignored)."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         known = self.output_processor.abort_requests(ids)
+        if self.request_tracer is not None:
+            self.request_tracer.abort_all(known)
         # NOTE: a dead engine holds no blocks any more: nothing to free there.
         if known and not self.engine_core.engine_dead:
             await self.engine_core.abort_requests_async(known)
@@ -166,9 +181,11 @@ class AsyncLLM:
                 for start in range(0, len(batch), VLLM_V1_OUTPUT_PROC_CHUNK_SIZE):
                     if start:
                         await asyncio.sleep(0)
-                    processed = output_processor.process_outputs(
-                        batch[start:start + VLLM_V1_OUTPUT_PROC_CHUNK_SIZE], outputs.timestamp,
-                        iteration_stats)
+                    chunk = batch[start:start + VLLM_V1_OUTPUT_PROC_CHUNK_SIZE]
+                    processed = output_processor.process_outputs(chunk, outputs.timestamp, iteration_stats)
+                    if self.request_tracer is not None:
+                        self.request_tracer.on_outputs(chunk)
+                        self.request_tracer.abort_all(processed.reqs_to_abort, "stop")
                     # Stop strings finished these here; the engine still runs them.
                     await engine_core.abort_requests_async(processed.reqs_to_abort)
                 self._record_stats(outputs.scheduler_stats, iteration_stats)
@@ -199,6 +216,8 @@ class AsyncLLM:
         """Stop the output handler and the engine (process, sockets, temp dir)."""
         cancel_task_threadsafe(self.output_handler)
         self.engine_core.shutdown()
+        if self._owns_recorder:
+            self.recorder.shutdown()
 
     def __repr__(self) -> str:
         return f"AsyncLLM(model={self.model_config.model!r}, running={self.is_running})"

@@ -36,6 +36,7 @@ from vllm_anatomy.engine.serial_utils import (EngineCoreOutputType, EngineCoreRe
                                               EngineCoreRequestType, MsgpackDecoder, MsgpackEncoder,
                                               UtilityOutput, UtilityRequest)
 from vllm_anatomy.executor.abstract import Executor
+from vllm_anatomy.tracing.factory import make_recorder
 from vllm_anatomy.tracing.recorder import NullRecorder, Recorder
 
 logger = logging.getLogger(__name__)
@@ -220,8 +221,11 @@ class EngineCoreProc(EngineCore):
         signal.signal(signal.SIGTERM, signal_handler)
         signal.signal(signal.SIGINT, signal_handler)
         engine_core = None
+        # This process' own recorder, attached to the frontend's run store.
+        recorder = make_recorder(kwargs["vllm_config"], "engine_core", run_path=kwargs.pop("run_path", None),
+                                 process_name="EngineCore_0")
         try:
-            engine_core = EngineCoreProc(*args, **kwargs)
+            engine_core = EngineCoreProc(*args, recorder=recorder, **kwargs)
             engine_core.run_busy_loop()
         except SystemExit:
             logger.debug("EngineCore exiting.")
@@ -235,6 +239,7 @@ class EngineCoreProc(EngineCore):
         finally:
             if engine_core is not None:
                 engine_core.shutdown()
+            recorder.shutdown()          # flush this process' spans into the store
 
     # -- the busy loop (main thread) --------------------------------------------------
     def run_busy_loop(self) -> None:

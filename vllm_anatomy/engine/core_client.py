@@ -65,11 +65,11 @@ class EngineCoreClient:
                     executor_class: type[Executor] | None = None,
                     recorder: Recorder | None = None) -> "EngineCoreClient":
         # NOTE: a recorder object cannot follow the engine into another process;
-        # there the EngineCore uses a NullRecorder (the tracing layer configures
-        # the child's own recorder).
+        # the child builds its own from the config and attaches it to the same
+        # run store (run_path), so all processes of a run write one file.
         if multiprocess_mode:
             cls = AsyncMPClient if asyncio_mode else SyncMPClient
-            return cls(vllm_config, executor_class)
+            return cls(vllm_config, executor_class, run_path=getattr(recorder, "run_path", None))
         cls = AsyncInprocClient if asyncio_mode else InprocClient
         return cls(vllm_config, executor_class, recorder)
 
@@ -221,8 +221,9 @@ class MPClient(EngineCoreClient):
     """Starts EngineCoreProc in a child process and owns the two sockets."""
 
     def __init__(self, asyncio_mode: bool, vllm_config: VllmConfig,
-                 executor_class: type[Executor] | None = None) -> None:
+                 executor_class: type[Executor] | None = None, run_path: str | None = None) -> None:
         self.vllm_config = vllm_config
+        self.run_path = run_path
         self.encoder = MsgpackEncoder()
         self.outputs_decoder = MsgpackDecoder(EngineCoreOutputs)
         self.utility_decoder = MsgpackDecoder(UtilityOutput)
@@ -254,7 +255,7 @@ class MPClient(EngineCoreClient):
         proc = multiprocessing.get_context("spawn").Process(
             target=EngineCoreProc.run_engine_core, name="EngineCore_0",
             kwargs=dict(vllm_config=vllm_config, input_path=input_path, output_path=output_path,
-                        engine_index=0, executor_class=executor_class))
+                        engine_index=0, executor_class=executor_class, run_path=self.run_path))
         proc.start()
         res.engine_proc = proc
         self.ready = self._wait_for_engine_startup(proc)
@@ -332,8 +333,9 @@ def _utility_result(output: UtilityOutput) -> tuple[Any, Exception | None]:
 class SyncMPClient(MPClient):
     """Blocking client: a thread decodes the output socket into a queue.Queue."""
 
-    def __init__(self, vllm_config: VllmConfig, executor_class: type[Executor] | None = None) -> None:
-        super().__init__(False, vllm_config, executor_class)
+    def __init__(self, vllm_config: VllmConfig, executor_class: type[Executor] | None = None,
+                 run_path: str | None = None) -> None:
+        super().__init__(False, vllm_config, executor_class, run_path)
         self.outputs_queue: queue.Queue[EngineCoreOutputs | Exception] = queue.Queue()
         self.utility_results: dict[int, concurrent.futures.Future] = {}
         self._lock = threading.Lock()
@@ -409,8 +411,9 @@ class AsyncMPClient(MPClient):
     client may be built before the loop runs.
     """
 
-    def __init__(self, vllm_config: VllmConfig, executor_class: type[Executor] | None = None) -> None:
-        super().__init__(True, vllm_config, executor_class)
+    def __init__(self, vllm_config: VllmConfig, executor_class: type[Executor] | None = None,
+                 run_path: str | None = None) -> None:
+        super().__init__(True, vllm_config, executor_class, run_path)
         self.outputs_queue: asyncio.Queue[EngineCoreOutputs | Exception] = asyncio.Queue()
         self.utility_results: dict[int, asyncio.Future] = {}
         self.loop: asyncio.AbstractEventLoop | None = None

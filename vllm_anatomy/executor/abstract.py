@@ -46,12 +46,21 @@ class Executor:
         self.collective_rpc("initialize_from_config", (num_gpu_blocks,))
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:
-        with self.recorder.span("Executor.execute_model"):
-            self.collective_rpc("execute_model", (scheduler_output,))
+        with self.recorder.span("Executor.execute_model") as span:
+            # NOTE: the W3C context rides on the message, so a worker in another
+            # process parents its spans here: one trace across the boundary.
+            if self.recorder.enabled:
+                scheduler_output.trace_headers = span.trace_headers()
+            self._rpc_output_rank("execute_model", (scheduler_output,))
 
     def sample_tokens(self) -> ModelRunnerOutput:
-        with self.recorder.span("Executor.sample_tokens"):
-            return self.collective_rpc("sample_tokens")[0]
+        with self.recorder.span("Executor.sample_tokens") as span:
+            headers = span.trace_headers() if self.recorder.enabled else None
+            return self._rpc_output_rank("sample_tokens", (headers,))
+
+    def _rpc_output_rank(self, method: str, args: tuple) -> Any:
+        """Call every worker; only the output rank's reply matters (vLLM: unique_reply_rank)."""
+        return self.collective_rpc(method, args)[0]
 
     def snapshot(self) -> dict:
         return self.collective_rpc("snapshot")[0]

@@ -42,7 +42,7 @@ from vllm_anatomy.core.outputs import ModelRunnerOutput
 from vllm_anatomy.core.sched.output import SchedulerOutput
 from vllm_anatomy.executor.abstract import Executor
 from vllm_anatomy.executor.shm_broadcast import Handle, MessageQueue, MessageQueueCancelled
-from vllm_anatomy.tracing.recorder import NullRecorder
+from vllm_anatomy.tracing.factory import make_recorder
 from vllm_anatomy.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -162,7 +162,9 @@ class MultiprocExecutor(Executor):
             self.rpc_broadcast_mq = res.rpc_broadcast_mq = MessageQueue(self.world_size, MAX_CHUNK_BYTES,
                                                                         ipc_dir=self.ipc_dir)
             handle = self.rpc_broadcast_mq.export_handle()
-            res.unready = [WorkerProc.make_worker_process(self.vllm_config, rank, rank, handle, self.ipc_dir)
+            run_path = getattr(self.recorder, "run_path", None)
+            res.unready = [WorkerProc.make_worker_process(self.vllm_config, rank, rank, handle, self.ipc_dir,
+                                                          run_path)
                            for rank in range(self.world_size)]
             self.workers = res.workers = WorkerProc.wait_for_ready(res.unready)
             self.rpc_broadcast_mq.wait_until_ready(timeout=WORKER_READY_TIMEOUT_S)
@@ -251,13 +253,8 @@ class MultiprocExecutor(Executor):
         results = [msgspec.msgpack.decode(r.result, type=return_type) for r in responses]
         return results[0] if unique_reply_rank is not None else results
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> None:
-        with self.recorder.span("Executor.execute_model"):
-            self.collective_rpc("execute_model", (scheduler_output,), unique_reply_rank=self.output_rank)
-
-    def sample_tokens(self) -> ModelRunnerOutput:
-        with self.recorder.span("Executor.sample_tokens"):
-            return self.collective_rpc("sample_tokens", unique_reply_rank=self.output_rank)
+    def _rpc_output_rank(self, method: str, args: tuple) -> Any:
+        return self.collective_rpc(method, args, unique_reply_rank=self.output_rank)
 
     def shutdown(self) -> None:
         """Stop the workers, unlink all shared memory. Idempotent (a finalizer runs once)."""
@@ -272,28 +269,30 @@ class WorkerProc:
     """One worker process: a Worker plus the two queues (mirrors vLLM's WorkerProc)."""
 
     def __init__(self, vllm_config: VllmConfig, local_rank: int, rank: int, input_shm_handle: Handle,
-                 ipc_dir: str) -> None:
+                 ipc_dir: str, run_path: str | None = None) -> None:
         self.rank = rank
         self.rpc_broadcast_mq = MessageQueue.create_from_handle(input_shm_handle, rank)
         self.worker_response_mq = MessageQueue(1, MAX_CHUNK_BYTES, ipc_dir=ipc_dir)
         device = vllm_config.model_config.device
         if device.startswith("cuda"):
             device = f"cuda:{local_rank}"
-        # NOTE: NullRecorder for now: spans from worker processes are not yet
-        # carried back to the engine's trace (tracing across processes comes later).
-        self.worker = Worker(vllm_config, device=device, recorder=NullRecorder())
+        # NOTE: each process has its own recorder, attached to the run's store
+        # (run_path); the engine's context arrives with each message, so the
+        # worker's spans join the engine's trace.
+        self.recorder = make_recorder(vllm_config, "worker", run_path=run_path, process_name=f"worker-{rank}")
+        self.worker = Worker(vllm_config, device=device, recorder=self.recorder)
         self.worker.init_device()
         self.worker.load_model()
 
     @staticmethod
     def make_worker_process(vllm_config: VllmConfig, local_rank: int, rank: int, input_shm_handle: Handle,
-                            ipc_dir: str) -> UnreadyWorkerProcHandle:
+                            ipc_dir: str, run_path: str | None = None) -> UnreadyWorkerProcHandle:
         context = multiprocessing.get_context("spawn")     # NOTE: never fork a process holding threads
         ready_reader, ready_writer = context.Pipe(duplex=False)
         death_reader, death_writer = context.Pipe(duplex=False)
         proc = context.Process(target=WorkerProc.worker_main, name=f"VllmWorker-{rank}", daemon=True,
                                args=(vllm_config, local_rank, rank, _encoder.encode(input_shm_handle),
-                                     ipc_dir, ready_writer, death_reader))
+                                     ipc_dir, ready_writer, death_reader, run_path))
         proc.start()
         # NOTE: close our copies, so EOF on these pipes means "that process is gone".
         ready_writer.close()
@@ -326,7 +325,7 @@ class WorkerProc:
 
     @staticmethod
     def worker_main(vllm_config: VllmConfig, local_rank: int, rank: int, handle_bytes: bytes, ipc_dir: str,
-                    ready_pipe, death_pipe) -> None:
+                    ready_pipe, death_pipe, run_path: str | None = None) -> None:
         shutdown_requested = threading.Event()
 
         def monitor_parent_death() -> None:
@@ -342,7 +341,7 @@ class WorkerProc:
         proc: WorkerProc | None = None
         try:
             proc = WorkerProc(vllm_config, local_rank, rank,
-                              msgspec.msgpack.decode(handle_bytes, type=Handle), ipc_dir)
+                              msgspec.msgpack.decode(handle_bytes, type=Handle), ipc_dir, run_path)
             ready_pipe.send_bytes(_encoder.encode(WorkerReady("READY", proc.worker_response_mq.export_handle())))
             ready_pipe.close()
             proc.rpc_broadcast_mq.wait_until_ready(cancel=shutdown_requested)
@@ -358,6 +357,7 @@ class WorkerProc:
             if proc is not None:
                 proc.rpc_broadcast_mq.close()
                 proc.worker_response_mq.close()
+                proc.recorder.shutdown()          # flush this process' spans into the store
 
     def worker_busy_loop(self, cancel: threading.Event) -> None:
         while True:

@@ -38,6 +38,7 @@ from vllm_anatomy.model_executor.loader import get_model, load_hf_config
 from vllm_anatomy.model_executor.sampler import Sampler, SamplerOutput
 from vllm_anatomy.model_executor.sampling_metadata import SamplingMetadata
 from vllm_anatomy.tracing.recorder import NullRecorder, Recorder
+from vllm_anatomy.worker.device_timer import DeviceTimer
 from vllm_anatomy.worker.gpu_input_batch import CachedRequestState, InputBatch
 
 
@@ -91,6 +92,7 @@ class GPUModelRunner:
         self.sampled_token_ids_pinned_cpu = torch.zeros(self.max_num_reqs, dtype=torch.int64,
                                                         pin_memory=self.pin_memory)
         self.transfer_event = torch.cuda.Event() if self.device.type == "cuda" else None
+        self.device_timer = DeviceTimer(self.device, recorder)
 
     def _buffer(self, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, np.ndarray, torch.Tensor]:
         cpu = torch.zeros(n, dtype=dtype, pin_memory=self.pin_memory)
@@ -177,10 +179,14 @@ class GPUModelRunner:
                 # Nothing to run (e.g. every request finished): sample_tokens returns EMPTY.
                 self.execute_model_state = ExecuteModelState(scheduler_output, None, np.empty(0, np.int64))
                 return None
+            timer = self.device_timer
+            timer.mark("prepare_inputs")       # the H2D copies of the step's inputs
             with self.recorder.span("GPUModelRunner._prepare_inputs"):
                 attn_metadata, logits_indices = self._prepare_inputs(scheduler_output)
+            timer.mark("model_forward")
             with self.recorder.span("GPUModelRunner._model_forward"):
                 hidden_states = self._model_forward(num_tokens, attn_metadata)  # [T, H]
+            timer.mark("compute_logits")
             with self.recorder.span("GPUModelRunner.compute_logits"):
                 logits = self.model.compute_logits(hidden_states[logits_indices])  # [R, V]
             self.execute_model_state = ExecuteModelState(scheduler_output, logits,
@@ -330,6 +336,7 @@ class GPUModelRunner:
             # Generator states of rows whose sample will be discarded, to roll back.
             saved = {i: md.generators[i].get_state()
                      for i in state.discard_request_indices.tolist() if i in md.generators}
+            self.device_timer.mark("sample")
             with self.recorder.span("GPUModelRunner._sample"):
                 sampler_output = self.sampler(state.logits, md)
             with self.recorder.span("GPUModelRunner._bookkeeping_sync") as span:
@@ -345,8 +352,10 @@ class GPUModelRunner:
             return tensors, 0.0
         n = tensors[0].shape[0]
         pinned = self.sampled_token_ids_pinned_cpu[:n]
+        self.device_timer.mark("d2h")
         pinned.copy_(tensors[0], non_blocking=True)
         host = [pinned] + [t.to("cpu", non_blocking=True) for t in tensors[1:]]
+        self.device_timer.mark("end")
         # NOTE: an event sync, not .tolist() on a device tensor (a stream-wide
         # sync that would also block other streams' copies, vLLM issue #22754).
         self.transfer_event.record()
@@ -359,6 +368,7 @@ class GPUModelRunner:
         batch = self.input_batch
         lp = sampler_output.logprobs_tensors
         host, wait_s = self._to_cpu([sampler_output.sampled_token_ids, *(lp or ())])
+        self.device_timer.resolve(state.scheduler_output.step_id)   # events are all done now
         span.set_attribute("vllm_anatomy.sync_wait_ms", wait_s * 1e3)
         span.set_attribute("vllm_anatomy.device", self.device.type)
         valid_sampled_token_ids = [[t] for t in host[0].tolist()]

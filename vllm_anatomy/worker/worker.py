@@ -16,6 +16,8 @@ distributed init), no sleep mode, no profiler hooks, no CUDA-graph warm-up.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from vllm_anatomy.config import VllmConfig
@@ -59,10 +61,24 @@ class Worker:
         self.model_runner.initialize_kv_cache(num_blocks)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:
-        return self.model_runner.execute_model(scheduler_output)
+        with self._span_from(scheduler_output.trace_headers, "Worker.execute_model"):
+            return self.model_runner.execute_model(scheduler_output)
 
-    def sample_tokens(self) -> ModelRunnerOutput:
-        return self.model_runner.sample_tokens()
+    def sample_tokens(self, trace_headers: dict[str, str] | None = None) -> ModelRunnerOutput:
+        with self._span_from(trace_headers, "Worker.sample_tokens"):
+            return self.model_runner.sample_tokens()
+
+    @contextlib.contextmanager
+    def _span_from(self, trace_headers: dict[str, str] | None, name: str):
+        """A span whose parent is the caller's (the executor's) span, named by the
+        W3C context that came with the call — in this process or from another."""
+        span = self.recorder.start_span(name, trace_headers=trace_headers)
+        try:
+            with self.recorder.use_span(span):
+                yield span
+        finally:
+            span.end()
 
     def snapshot(self) -> dict:
         return self.model_runner.snapshot()
+

@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import functools
 import logging
+import signal
 from http import HTTPStatus
 
 from fastapi import FastAPI, Request
@@ -106,7 +107,7 @@ def build_app(engine_client, args: argparse.Namespace) -> FastAPI:
     if getattr(args, "api_key", None):
         app.add_middleware(AuthenticationMiddleware, api_key=args.api_key)
     _add_routes(app)
-    maybe_instrument_app(app)
+    maybe_instrument_app(app, getattr(getattr(engine_client, "recorder", None), "provider", None))
     return app
 
 
@@ -235,6 +236,10 @@ def maybe_instrument_app(app: FastAPI, tracer_provider=None) -> bool:
     return True
 
 
+def _exit_on_signal(signum, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
 async def run_server(args: argparse.Namespace, **uvicorn_kwargs) -> None:
     """Start AsyncLLM (EngineCore in its own process), then serve until SIGINT/SIGTERM."""
     import uvicorn
@@ -248,6 +253,11 @@ async def run_server(args: argparse.Namespace, **uvicorn_kwargs) -> None:
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                                 access_log=not args.disable_uvicorn_access_log, **uvicorn_kwargs)
         server = uvicorn.Server(config)
+        # NOTE: uvicorn shuts down gracefully on SIGTERM, then re-raises the
+        # signal to the handler it found. With the default one the process
+        # would die right there, before the `finally` below stops the engine
+        # and flushes this process' spans; this handler turns it into SystemExit.
+        signal.signal(signal.SIGTERM, _exit_on_signal)
         logger.warning("vllm_anatomy OpenAI server on http://%s:%d (model %s)", args.host, args.port,
                        app.state.openai_serving_models.model_name)
         await server.serve()

@@ -115,8 +115,15 @@ class OpenAIServing:
                 return header
         return random_uuid()
 
-    @staticmethod
-    def _get_trace_headers(raw_request: Request | None) -> dict[str, str] | None:
+    def _get_trace_headers(self, raw_request: Request | None) -> dict[str, str] | None:
+        recorder = getattr(self.engine_client, "recorder", None)
+        if recorder is not None and recorder.enabled:
+            # NOTE: with tracing on, the HTTP server span (FastAPI instrumentation,
+            # itself a child of any incoming traceparent) is the current context:
+            # the request's spans become its children.
+            headers = recorder.inject_trace_headers()
+            if headers:
+                return headers
         if raw_request is None:
             return None
         headers = {h: raw_request.headers[h] for h in TRACE_HEADERS if h in raw_request.headers}
