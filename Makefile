@@ -5,9 +5,9 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.setup-done
 
-.PHONY: setup run test download clean-venv
+.PHONY: setup run test download browser clean-venv
 
-setup: $(STAMP) download
+setup: $(STAMP) browser download
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -16,6 +16,12 @@ $(STAMP): pyproject.toml
 	$(PIP) install --quiet torch==2.13.0
 	$(PIP) install --quiet -e '.[test]'
 	touch $(STAMP)
+
+# Debian's chromium for the browser tests (Playwright drives it; it never downloads a browser).
+browser:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq chromium; \
+	  else echo "note: chromium is not installed and this is not root: browser tests will be skipped"; fi; }
 
 download: $(STAMP)
 	$(VENV)/bin/vllm-anatomy download
