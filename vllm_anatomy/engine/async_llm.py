@@ -21,7 +21,6 @@ make the internal id unique; here a duplicate id is refused).
 from __future__ import annotations
 
 import asyncio
-import os
 import logging
 from collections.abc import AsyncGenerator, Iterable
 
@@ -30,7 +29,6 @@ from vllm_anatomy.engine.arg_utils import EngineArgs
 from vllm_anatomy.engine.core_client import EngineCoreClient, cancel_task_threadsafe
 from vllm_anatomy.engine.exceptions import EngineDeadError, EngineGenerateError
 from vllm_anatomy.engine.input_processor import InputProcessor, PromptType
-from vllm_anatomy.engine.llm_engine import _load_generation_config
 from vllm_anatomy.engine.output_processor import OutputProcessor, RequestOutputCollector
 from vllm_anatomy.engine.protocol import SchedulerStats
 from vllm_anatomy.metrics.stats import IterationStats
@@ -38,7 +36,7 @@ from vllm_anatomy.outputs import RequestOutput
 from vllm_anatomy.sampling_params import SamplingParams
 from vllm_anatomy.tracing.factory import make_recorder
 from vllm_anatomy.tracing.recorder import Recorder
-from vllm_anatomy.tracing.request_tracer import RequestTracer
+from vllm_anatomy.tracing.request_tracer import make_request_tracer
 from vllm_anatomy.transformers_utils.tokenizer import get_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -62,12 +60,9 @@ class AsyncLLM:
         # NOTE: a recorder we make is ours to shut down (flush the exporters).
         self._owns_recorder = recorder is None
         self.recorder = recorder if recorder is not None else make_recorder(vllm_config, "frontend")
-        self.request_tracer = (RequestTracer(self.recorder, os.path.basename(vllm_config.model_config.model.rstrip("/")))
-                               if self.recorder.enabled else None)
-        model_dir = self.model_config.model
-        self.tokenizer = get_tokenizer(model_dir)
-        self.input_processor = InputProcessor(self.model_config, self.tokenizer,
-                                              _load_generation_config(model_dir))
+        self.request_tracer = make_request_tracer(self.recorder, vllm_config.model_config.model)
+        self.tokenizer = get_tokenizer(self.model_config.model)
+        self.input_processor = InputProcessor(self.model_config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stat_loggers: list = list(stat_loggers or [])
         self.engine_core = EngineCoreClient.make_client(

@@ -7,6 +7,8 @@ is refused here, before the engine ever sees it.
 """
 from __future__ import annotations
 
+import json
+import os
 import time
 from typing import Any, Union
 
@@ -18,12 +20,21 @@ from vllm_anatomy.sampling_params import SamplingParams
 PromptType = Union[str, list[int], dict[str, Any]]
 
 
+def load_generation_config(model_dir: str) -> dict:
+    """generation_config.json of a model directory ({} when there is none)."""
+    path = os.path.join(model_dir, "generation_config.json")
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
 class InputProcessor:
 
     def __init__(self, model_config: ModelConfig, tokenizer, generation_config: dict | None = None) -> None:
         self.model_config = model_config
         self.tokenizer = tokenizer
-        gen = generation_config or {}
+        gen = generation_config if generation_config is not None else load_generation_config(model_config.model)
         eos = gen.get("eos_token_id", tokenizer.eos_token_id)
         eos_list = eos if isinstance(eos, list) else [eos]
         self.eos_token_id: int | None = eos_list[0] if eos_list and eos_list[0] is not None else tokenizer.eos_token_id

@@ -10,9 +10,6 @@ with tracing on, a RequestTracer keeps one `llm_request` span per request.
 """
 from __future__ import annotations
 
-import json
-import os
-
 from vllm_anatomy.config import VllmConfig
 from vllm_anatomy.engine.core import EngineCore
 from vllm_anatomy.engine.input_processor import InputProcessor, PromptType
@@ -21,16 +18,9 @@ from vllm_anatomy.outputs import RequestOutput
 from vllm_anatomy.sampling_params import SamplingParams
 from vllm_anatomy.tracing.factory import make_recorder, run_meta
 from vllm_anatomy.tracing.recorder import Recorder
-from vllm_anatomy.tracing.request_tracer import RequestTracer
+from vllm_anatomy.tracing.request_tracer import make_request_tracer
 from vllm_anatomy.transformers_utils.tokenizer import get_tokenizer
 
-
-def _load_generation_config(model_dir: str) -> dict:
-    path = os.path.join(model_dir, "generation_config.json")
-    if not os.path.exists(path):
-        return {}
-    with open(path) as f:
-        return json.load(f)
 
 
 class LLMEngine:
@@ -40,12 +30,9 @@ class LLMEngine:
         # NOTE: a recorder we make is ours to shut down (flush the exporters).
         self._owns_recorder = recorder is None
         self.recorder = recorder if recorder is not None else make_recorder(vllm_config, "frontend")
-        self.request_tracer = (RequestTracer(self.recorder, os.path.basename(vllm_config.model_config.model.rstrip("/")))
-                               if self.recorder.enabled else None)
-        model_dir = vllm_config.model_config.model
-        self.tokenizer = get_tokenizer(model_dir)
-        self.input_processor = InputProcessor(vllm_config.model_config, self.tokenizer,
-                                              _load_generation_config(model_dir))
+        self.request_tracer = make_request_tracer(self.recorder, vllm_config.model_config.model)
+        self.tokenizer = get_tokenizer(vllm_config.model_config.model)
+        self.input_processor = InputProcessor(vllm_config.model_config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.engine_core = EngineCore(vllm_config, self.recorder)
         if self._owns_recorder:   # the config as resolved at start-up (num_gpu_blocks, ...)

@@ -19,6 +19,7 @@ LLMEngine holds None and pays a single `is not None` test per call.
 """
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -101,3 +102,10 @@ class RequestTracer:
         # NOTE: engine event times are time.monotonic() of the engine's host (the
         # same host here); shifted onto the recorder's clock.
         return self.recorder.now_ns() - time.monotonic_ns() + int(ts * 1e9)
+
+
+def make_request_tracer(recorder: Recorder, model_path: str) -> RequestTracer | None:
+    """The frontend's request tracer, or None when tracing is off (one `is None` test per call)."""
+    if not recorder.enabled:
+        return None
+    return RequestTracer(recorder, os.path.basename(model_path.rstrip("/")))
