@@ -1,0 +1,303 @@
+"""unified_attention: one launch for a flat batch of prefill chunks and decodes.
+
+Mirrors vllm/v1/attention/ops/triton_unified_attention.py (the 2D kernel).
+Nothing distinguishes prefill from decode: request i owns query tokens
+query_start_loc[i] .. query_start_loc[i+1]-1 (query_len of them) and has
+seq_len = seq_lens[i] tokens of K/V in the paged cache (context_len =
+seq_len - query_len written by earlier steps, then this step's query_len).
+Query token j of the request sits at position context_len + j and sees keys
+0 .. context_len + j (causal). A decode is query_len == 1.
+
+Memory layout:
+    query, output   [T, num_heads, head_dim]        last dim contiguous
+    key_cache,      [num_blocks, block_size, num_kv_heads, head_dim] each
+    value_cache     (kv_cache[0] / kv_cache[1] of abstract.py's layout)
+    block_table     [num_seqs, max_blocks_per_seq] int32 physical block ids
+    query_start_loc [num_seqs + 1] int32;  seq_lens [num_seqs] int32
+
+GQA packing: the num_queries_per_kv query heads that share one KV head are
+computed together, so each K/V tile is loaded once for all of them. A program's
+BLOCK_M rows are BLOCK_Q query tokens x num_queries_per_kv heads
+(row m -> token m // num_queries_per_kv, head m % num_queries_per_kv).
+
+Grid: (T // BLOCK_Q + num_seqs, num_kv_heads). Axis 0 counts query blocks over
+the whole batch; T // BLOCK_Q + num_seqs is an upper bound on
+sum_i cdiv(query_len_i, BLOCK_Q) that needs no device->host read. Program
+(b, h) finds its request by binary search over query_start_loc (request i's
+blocks start at query_start_loc[i] // BLOCK_Q + i), exits if the request has
+fewer query blocks, then walks the request's keys TILE_SIZE at a time through
+block_table, up to the last key its last query token may see, with an online
+softmax (running max M, running sum L, accumulator acc; all fp32). Tiles that
+every row sees whole skip the masks; only the tiles on the causal diagonal
+(and the sequence's ragged end) pay for them.
+
+NOTE: no split-KV ("3D") decode variant. vLLM adds one for batches too small
+to fill the GPU with (sequence, KV head) programs; at 256 decodes x 1024
+context this 2D kernel already reads K/V at the device-copy rate
+(bench/results/kernels_h200.json), so it would buy nothing there. Small decode
+batches with long contexts are where it would.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _find_seq_idx(query_start_loc_ptr, q_block_global, num_seqs, BLOCK_Q: tl.constexpr):
+    """The last request i with query_start_loc[i] // BLOCK_Q + i <= q_block_global."""
+    left = 0
+    right = num_seqs
+    while left < right:
+        mid = (left + right) // 2
+        start = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if start <= q_block_global:
+            left = mid + 1
+        else:
+            right = mid
+    return left - 1
+
+
+@triton.jit
+def _attend_tile(acc, m_i, l_i, q, tile_start, num_keys, causal_limit,
+                 bt_row, k_base, v_base, offs_d, d_mask,
+                 stride_kc_block, stride_kc_off, stride_vc_block, stride_vc_off, scale_log2,
+                 BLOCK_SIZE: tl.constexpr, TILE_SIZE: tl.constexpr, PAD_D: tl.constexpr,
+                 MASKED: tl.constexpr, DOT_FP32: tl.constexpr):
+    """One KV tile: keys tile_start .. tile_start + TILE_SIZE - 1 -> updated (acc, M, L).
+
+    MASKED=False is for tiles every row of the block may see entirely (below
+    the causal diagonal, inside the sequence): no bounds or causal mask.
+    """
+    key_pos = tile_start + tl.arange(0, TILE_SIZE)                         # [TILE]
+    if MASKED:
+        tile_mask = key_pos < num_keys
+    else:
+        tile_mask = key_pos >= 0                                           # all true
+    # NOTE: masked, because reading block_table past the request's last
+    # block could run off the end of the table; masked keys load as 0 so no
+    # uninitialised cache memory (possibly NaN bits) reaches the dots.
+    block = tl.load(bt_row + key_pos // BLOCK_SIZE, mask=tile_mask, other=0).to(tl.int64)
+    off = key_pos % BLOCK_SIZE
+    # K and V tiles both as [TILE, D]: each key's head_dim values are contiguous
+    # in the cache (16-byte vector loads); QK^T takes K transposed (tl.trans).
+    k_ptrs = k_base + (block * stride_kc_block + off * stride_kc_off)[:, None] + offs_d[None, :]
+    v_ptrs = v_base + (block * stride_vc_block + off * stride_vc_off)[:, None] + offs_d[None, :]
+    if MASKED or PAD_D:
+        kv_mask = tile_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)                      # [TILE, D]
+        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)                      # [TILE, D]
+    else:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    if DOT_FP32:
+        # NOTE: the Triton interpreter computes bf16 arithmetic wrongly; upcast
+        # right after the load (fp32 inputs stay fp32, dots in IEEE fp32).
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")                # [BLOCK_M, TILE]
+    else:
+        s = tl.dot(q, tl.trans(k))                                         # bf16/fp16 in, fp32 out
+    s = s * scale_log2
+    if MASKED:
+        visible = tile_mask[None, :] & (key_pos[None, :] <= causal_limit[:, None])
+        s = tl.where(visible, s, float("-inf"))
+
+    # Online softmax (base 2): rescale what was accumulated so far to the new max.
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    # NOTE: a row that has seen no visible key yet has max -inf; keep it
+    # finite so that exp2(-inf - m) is 0 and not NaN (-inf - -inf).
+    m_new = tl.where(m_new > float("-inf"), m_new, 0.0)
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if DOT_FP32:
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+    else:
+        # NOTE: P in the value dtype for the tensor cores (as FlashAttention
+        # does); the sum L above was taken from the fp32 P.
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _unified_attention_kernel(
+    query_ptr, key_cache_ptr, value_cache_ptr, output_ptr,
+    block_table_ptr, query_start_loc_ptr, seq_lens_ptr,
+    scale_log2,                                   # softmax_scale * log2(e): we use exp2
+    num_seqs,
+    stride_q_tok, stride_q_head,
+    stride_o_tok, stride_o_head,
+    stride_kc_block, stride_kc_off, stride_kc_head,
+    stride_vc_block, stride_vc_off, stride_vc_head,
+    stride_bt,
+    NUM_QUERIES_PER_KV: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PADDED: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,                     # KV-cache block size
+    BLOCK_M: tl.constexpr,                        # rows per program = BLOCK_Q * NUM_QUERIES_PER_KV (padded)
+    BLOCK_Q: tl.constexpr,                        # query tokens per program
+    TILE_SIZE: tl.constexpr,                      # keys per loop iteration
+    DOT_FP32: tl.constexpr,                       # compute the dots in fp32 (fp32 input, interpreter)
+):
+    # NOTE: query blocks in reverse order: the GPU starts programs roughly in
+    # id order, and within a prefill the last query blocks see the most keys.
+    # Heaviest first keeps the multiprocessors busy to the end (longest
+    # processing time first); the sum of work is unchanged.
+    q_block_global = tl.num_programs(0) - 1 - tl.program_id(0)
+    kv_head = tl.program_id(1)
+
+    seq_idx = _find_seq_idx(query_start_loc_ptr, q_block_global, num_seqs, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + seq_idx)
+    q_block_local = q_block_global - (q_start // BLOCK_Q + seq_idx)
+    query_len = tl.load(query_start_loc_ptr + seq_idx + 1) - q_start
+    if q_block_local * BLOCK_Q >= query_len:
+        return                                    # a surplus program of the upper-bound grid
+    seq_len = tl.load(seq_lens_ptr + seq_idx)
+    context_len = seq_len - query_len
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM_PADDED)
+    query_pos = q_block_local * BLOCK_Q + offs_m // NUM_QUERIES_PER_KV    # [BLOCK_M] index in the query
+    head = kv_head * NUM_QUERIES_PER_KV + offs_m % NUM_QUERIES_PER_KV     # [BLOCK_M] query head
+    # NOTE: when NUM_QUERIES_PER_KV is not a power of two, BLOCK_M is padded
+    # and the last rows would belong to a token of the next block: mask them.
+    row_mask = (query_pos < query_len) & (offs_m < BLOCK_Q * NUM_QUERIES_PER_KV)
+    d_mask = offs_d < HEAD_DIM
+
+    q_tok = (q_start + query_pos).to(tl.int64)
+    q = tl.load(query_ptr + q_tok[:, None] * stride_q_tok + head[:, None] * stride_q_head
+                + offs_d[None, :], mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], tl.float32)
+
+    # The last query token of this block sees keys up to context_len + its index:
+    # no tile past that is needed (the causal bound, per block). The first token
+    # sees keys 0 .. context_len + its index: tiles wholly below that need no mask.
+    last_q = tl.minimum((q_block_local + 1) * BLOCK_Q, query_len) - 1
+    num_keys = context_len + last_q + 1
+    num_unmasked_tiles = (context_len + q_block_local * BLOCK_Q + 1) // TILE_SIZE
+    causal_limit = context_len + query_pos                               # [BLOCK_M] last visible key
+
+    bt_row = block_table_ptr + seq_idx.to(tl.int64) * stride_bt
+    k_base = key_cache_ptr + kv_head * stride_kc_head
+    v_base = value_cache_ptr + kv_head * stride_vc_head
+    for t in range(0, num_unmasked_tiles):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, t * TILE_SIZE, num_keys, causal_limit, bt_row, k_base, v_base,
+            offs_d, d_mask, stride_kc_block, stride_kc_off, stride_vc_block, stride_vc_off,
+            scale_log2, BLOCK_SIZE, TILE_SIZE, HEAD_DIM != HEAD_DIM_PADDED, False, DOT_FP32)
+    for t in range(num_unmasked_tiles, tl.cdiv(num_keys, TILE_SIZE)):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, t * TILE_SIZE, num_keys, causal_limit, bt_row, k_base, v_base,
+            offs_d, d_mask, stride_kc_block, stride_kc_off, stride_vc_block, stride_vc_off,
+            scale_log2, BLOCK_SIZE, TILE_SIZE, HEAD_DIM != HEAD_DIM_PADDED, True, DOT_FP32)
+
+    out = acc / l_i[:, None]
+    o_ptrs = output_ptr + q_tok[:, None] * stride_o_tok + head[:, None] * stride_o_head + offs_d[None, :]
+    tl.store(o_ptrs, out.to(output_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+
+
+def pick_config(max_seqlen_q: int, num_queries_per_kv: int, head_dim: int) -> dict:
+    """Block shapes for a batch, from host-side ints only (no device read).
+
+    Decode-like batches (short queries): 16 rows per program, the smallest
+    tile tl.dot accepts; the kernel is bound by reading K/V and larger row
+    blocks would only waste work on absent query tokens. Prefill-heavy
+    batches: 64 rows, so each K/V tile feeds a larger matrix product.
+    """
+    pow2 = triton.next_power_of_2(num_queries_per_kv)
+    # NOTE: chosen from sweeps on an H200 (bench/kernels.py; Qwen3-0.6B heads,
+    # bf16). Decode 256 x 1024: this shape was the fastest in both runs.
+    # Prefill: 64 x 64 was the fastest for 4 x 4096 tokens and within 4 % of
+    # the fastest (128 rows, 128 keys, 8 warps) for 1 x 4096; the spread
+    # between runs is about that large.
+    if max_seqlen_q * num_queries_per_kv <= 16:
+        return dict(block_m=max(16, pow2), tile_size=64, num_warps=4, num_stages=2)
+    return dict(block_m=max(64, pow2), tile_size=64, num_warps=4, num_stages=2)
+
+
+def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                      out: torch.Tensor, cu_seqlens_q: torch.Tensor, max_seqlen_q: int,
+                      seqused_k: torch.Tensor, max_seqlen_k: int, softmax_scale: float,
+                      block_table: torch.Tensor, *, block_m: int | None = None,
+                      tile_size: int | None = None, num_warps: int | None = None,
+                      num_stages: int | None = None) -> torch.Tensor:
+    """Causal paged attention over a flat mixed batch; writes out[:T] (vLLM's argument names).
+
+    q/out [T, nh, hd]; cu_seqlens_q = query_start_loc [R + 1]; seqused_k =
+    seq_lens [R]; block_table [R, max_blocks]. max_seqlen_q / max_seqlen_k are
+    host ints (vLLM's metadata carries them for the same reason: choosing a
+    launch configuration must not read device memory). max_seqlen_k is unused
+    here (the loop bound is read per request on the device); kept for the
+    signature's sake.
+    """
+    del max_seqlen_k
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    num_seqs = cu_seqlens_q.numel() - 1
+    assert num_heads % num_kv_heads == 0
+    assert q.stride(-1) == 1 and out.stride(-1) == 1
+    assert key_cache.stride(-1) == 1 and value_cache.stride(-1) == 1
+    assert block_table.stride(1) == 1
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    interpreted = isinstance(_unified_attention_kernel, InterpretedFunction)
+    if q.device.type != "cuda" and not interpreted:
+        raise RuntimeError("Triton kernels on CPU tensors need TRITON_INTERPRET=1 set before "
+                           "vllm_anatomy.kernels is first imported")
+    num_queries_per_kv = num_heads // num_kv_heads
+    cfg = pick_config(max_seqlen_q, num_queries_per_kv, head_dim)
+    block_m = block_m or cfg["block_m"]
+    tile_size = tile_size or cfg["tile_size"]
+    block_q = max(1, block_m // num_queries_per_kv)
+    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    _unified_attention_kernel[grid](
+        q, key_cache, value_cache, out, block_table, cu_seqlens_q, seqused_k,
+        softmax_scale * LOG2E, num_seqs,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        block_table.stride(0),
+        NUM_QUERIES_PER_KV=num_queries_per_kv, HEAD_DIM=head_dim,
+        HEAD_DIM_PADDED=max(16, triton.next_power_of_2(head_dim)), BLOCK_SIZE=block_size,
+        BLOCK_M=block_m, BLOCK_Q=block_q, TILE_SIZE=tile_size,
+        DOT_FP32=(q.dtype == torch.float32 or interpreted),
+        num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"])
+    return out
+
+
+def unified_attention_ref(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                          cu_seqlens_q: torch.Tensor, seqused_k: torch.Tensor,
+                          softmax_scale: float, block_table: torch.Tensor) -> torch.Tensor:
+    """Plain torch, one request at a time: gather the request's blocks, causal softmax in fp32."""
+    out = torch.zeros_like(q)
+    num_heads, block_size = q.shape[1], key_cache.shape[1]
+    group = num_heads // key_cache.shape[2]
+    qsl, seq_lens = cu_seqlens_q.tolist(), seqused_k.tolist()
+    for i, seq_len in enumerate(seq_lens):
+        q_start, q_end = qsl[i], qsl[i + 1]
+        query_len = q_end - q_start
+        if query_len == 0:
+            continue
+        blocks = block_table[i, :math.ceil(seq_len / block_size)].long()
+        k = key_cache[blocks].flatten(0, 1)[:seq_len].float()                # [S, nkv, hd]
+        v = value_cache[blocks].flatten(0, 1)[:seq_len].float()
+        k = k.repeat_interleave(group, dim=1)                                # [S, nh, hd]
+        v = v.repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q[q_start:q_end].float(), k) * softmax_scale
+        query_pos = seq_len - query_len + torch.arange(query_len, device=q.device)
+        visible = torch.arange(seq_len, device=q.device)[None, :] <= query_pos[:, None]
+        probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)  # [nh, q, S]
+        out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
+    return out

@@ -1,0 +1,65 @@
+"""The Triton attention backend: reshape_and_cache + unified_attention.
+
+Mirrors vllm/v1/attention/backends/triton_attn.py (TritonAttentionBackend,
+TritonAttentionImpl). Same contract as the torch reference backend
+(torch_ref.py): do_kv_cache_update scatters the step's new K/V into the paged
+cache, then forward reads K/V only from the cache. One kernel launch each,
+whatever mix of prefill chunks and decodes the batch holds.
+
+Simplified here: vLLM's Triton backend views the cache as
+[num_blocks, num_kv_heads, block_size, 2 * head_size] and transposes it; we
+keep abstract.py's [2, num_blocks, block_size, num_kv_heads, head_dim] (the
+FlashAttention layout) for every backend, so kv_cache[0] / kv_cache[1] are the
+key / value caches directly. No sliding window, softcap, alibi, sinks, fp8 or
+split-KV (3D) decode kernel.
+
+On a machine without CUDA the kernels run in Triton's interpreter: only when
+TRITON_INTERPRET=1 was set before vllm_anatomy.kernels was imported (tests do
+that in tests/kernels/conftest.py). It is slow; the CPU default stays "torch".
+"""
+from __future__ import annotations
+
+import torch
+
+from vllm_anatomy.attention.backends.abstract import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionMetadata,
+)
+from vllm_anatomy.kernels.reshape_and_cache import reshape_and_cache
+from vllm_anatomy.kernels.unified_attention import unified_attention
+
+
+class TritonAttentionImpl(AttentionImpl):
+
+    def do_kv_cache_update(self, key: torch.Tensor, value: torch.Tensor,
+                           kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """key, value: [T, num_kv_heads, head_dim]; kv_cache: [2, num_blocks, block_size, nkv, hd]."""
+        key_cache, value_cache = kv_cache.unbind(0)        # views: [num_blocks, block_size, nkv, hd]
+        reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+
+    def forward(self, query: torch.Tensor, kv_cache: torch.Tensor,
+                attn_metadata: AttentionMetadata) -> torch.Tensor:
+        """query [T, num_heads, head_dim] -> output [T, num_heads, head_dim]."""
+        num_actual_tokens = attn_metadata.num_actual_tokens
+        key_cache, value_cache = kv_cache.unbind(0)
+        output = torch.empty_like(query)
+        # NOTE: rows past num_actual_tokens are padding (a CUDA-graph-sized
+        # batch); the kernel never writes them. Zero them so that the output
+        # equals the torch reference everywhere (a slice by a host int: no sync).
+        output[num_actual_tokens:].zero_()
+        unified_attention(
+            q=query[:num_actual_tokens], key_cache=key_cache, value_cache=value_cache,
+            out=output[:num_actual_tokens],
+            cu_seqlens_q=attn_metadata.query_start_loc, max_seqlen_q=attn_metadata.max_query_len,
+            seqused_k=attn_metadata.seq_lens, max_seqlen_k=attn_metadata.max_seq_len,
+            softmax_scale=self.scale, block_table=attn_metadata.block_table)
+        return output
+
+
+class TritonAttentionBackend(AttentionBackend):
+    name = "triton"
+
+    @staticmethod
+    def get_impl_cls() -> type[AttentionImpl]:
+        return TritonAttentionImpl
