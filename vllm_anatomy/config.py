@@ -19,6 +19,7 @@ class ModelConfig:
     max_model_len: int = 2048
     seed: int = 0
     device: str = "cpu"
+    attention_backend: str = "torch"    # torch (reference, CPU) | triton (GPU kernels)
     # Filled from config.json by the loader (vllm: model_config.hf_config).
     hf_config: dict = field(default_factory=dict)
 

@@ -25,6 +25,7 @@ class EngineArgs:
     model: str | None = None            # a local HF directory, or None / the default alias
     dtype: str = "auto"                 # auto = float32 on CPU, bfloat16 on CUDA
     device: str = "auto"                # auto = cuda if available else cpu
+    attention_backend: str = "auto"     # auto = triton on CUDA, torch (the reference) on CPU
     seed: int = 0
     max_model_len: int | None = None    # None = the model's max_position_embeddings
     block_size: int = 16
@@ -61,6 +62,17 @@ class EngineArgs:
             raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
         return _DTYPES[self.dtype]
 
+    def _resolve_attention_backend(self, device: str) -> str:
+        name = self.attention_backend
+        if name == "auto":
+            return "triton" if device.startswith("cuda") else "torch"
+        if name not in ("torch", "triton"):
+            raise ValueError(f"attention_backend must be auto, torch or triton; got {name!r}")
+        if name == "triton" and not device.startswith("cuda") and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("attention_backend='triton' needs a CUDA device "
+                             "(or TRITON_INTERPRET=1 to run the kernels in Triton's interpreter)")
+        return name
+
     def create_engine_config(self) -> VllmConfig:
         model_dir = resolve_model(self.model)
         with open(os.path.join(model_dir, "config.json")) as f:
@@ -88,6 +100,7 @@ class EngineArgs:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         model_config = ModelConfig(model=model_dir, dtype=self._resolve_dtype(device),
                                    max_model_len=max_model_len, seed=self.seed, device=device,
+                                   attention_backend=self._resolve_attention_backend(device),
                                    hf_config=hf_config)
         cache_config = CacheConfig(block_size=self.block_size,
                                    num_gpu_blocks_override=self.num_gpu_blocks_override,
@@ -120,6 +133,7 @@ class EngineArgs:
         p("--model", default=None, help="local HF model directory (default: SmolLM2-135M-Instruct)")
         p("--dtype", default=d.dtype)
         p("--device", default=d.device)
+        p("--attention-backend", choices=["auto", "torch", "triton"], default=d.attention_backend)
         p("--seed", type=int, default=d.seed)
         p("--max-model-len", type=int, default=None)
         p("--block-size", type=int, default=d.block_size)

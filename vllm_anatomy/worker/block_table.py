@@ -116,6 +116,16 @@ class BlockTable:
                out=self.slot_mapping_np[:num_tokens])
         self.slot_mapping_np[num_tokens:] = PAD_SLOT_ID
 
+    def compute_slot_mapping_device(self, num_reqs: int, query_start_loc: torch.Tensor,
+                                    positions: torch.Tensor, pad_to: int) -> None:
+        """The same formula on the device (the Triton kernel), after commit_block_table.
+
+        query_start_loc [R + 1] and positions [T] must already be on the device;
+        slot_mapping[:pad_to] is written there, -1 past the scheduled tokens."""
+        from vllm_anatomy.kernels.slot_mapping import compute_slot_mapping
+        compute_slot_mapping(self.block_table, query_start_loc, positions, self.block_size, num_reqs,
+                             self.slot_mapping, pad_to)
+
     def commit_slot_mapping(self, num_tokens: int) -> None:
         """Copy the first `num_tokens` slots to the device.
 

@@ -52,7 +52,7 @@ class ExecuteModelState(NamedTuple):
 class GPUModelRunner:
 
     def __init__(self, vllm_config: VllmConfig, device: torch.device | str,
-                 recorder: Recorder = NullRecorder(), attn_backend: str = "torch") -> None:
+                 recorder: Recorder = NullRecorder(), attn_backend: str | None = None) -> None:
         self.vllm_config = vllm_config
         self.model_config = mc = vllm_config.model_config
         self.cache_config = vllm_config.cache_config
@@ -61,7 +61,7 @@ class GPUModelRunner:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.recorder = recorder
-        self.attn_backend_name = attn_backend
+        self.attn_backend_name = attn_backend or self.model_config.attention_backend
         self.pin_memory = self.device.type == "cuda"
         self.max_model_len = mc.max_model_len
         self.max_num_tokens = sc.max_num_batched_tokens
@@ -282,14 +282,22 @@ class GPUModelRunner:
         self.query_start_loc_np[num_reqs + 1:] = total
         self.seq_lens_np[:num_reqs] = batch.num_computed_tokens_cpu[:num_reqs] + num_scheduled
         self.seq_lens_np[num_reqs:] = 0
-        batch.block_table.compute_slot_mapping(req_indices, positions_np)
-        batch.block_table.commit_slot_mapping(total)
+        # NOTE: on a GPU the slot mapping is computed there, by a Triton kernel
+        # reading the block table and positions already copied over (vLLM does
+        # the same); on a CPU — and when a full trace wants the values on the
+        # host for its snapshot — numpy computes the same formula.
+        slot_mapping_on_device = self.device.type == "cuda" and not self.recorder.wants_snapshots
+        if not slot_mapping_on_device:
+            batch.block_table.compute_slot_mapping(req_indices, positions_np)
+            batch.block_table.commit_slot_mapping(total)
 
         for cpu, dev, n in ((self.input_ids_cpu, self.input_ids, total),
                             (self.positions_cpu, self.positions, total),
                             (self.query_start_loc_cpu, self.query_start_loc, num_reqs + 1),
                             (self.seq_lens_cpu, self.seq_lens, num_reqs)):
             dev[:n].copy_(cpu[:n], non_blocking=True)
+        if slot_mapping_on_device:
+            batch.block_table.compute_slot_mapping_device(num_reqs, self.query_start_loc, self.positions, total)
 
         # NOTE: a partial prefill chunk ends before the request's last token, so
         # its "next token" would be a guess in the middle of the prompt. It is

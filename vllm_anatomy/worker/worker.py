@@ -30,7 +30,7 @@ from vllm_anatomy.worker.gpu_model_runner import GPUModelRunner
 class Worker:
 
     def __init__(self, vllm_config: VllmConfig, device: str = "cpu",
-                 recorder: Recorder = NullRecorder(), attn_backend: str = "torch") -> None:
+                 recorder: Recorder = NullRecorder(), attn_backend: str | None = None) -> None:
         self.vllm_config = vllm_config
         self.device = torch.device(device)
         self.recorder = recorder
