@@ -13,7 +13,7 @@ import importlib
 import sys
 
 # Subcommand modules under vllm_anatomy.entrypoints.cli, in help order.
-SUBCOMMANDS = ["download", "generate", "serve", "export"]
+SUBCOMMANDS = ["download", "generate", "serve", "export", "dashboard", "lesson"]
 
 
 def main(argv: list[str] | None = None) -> int:

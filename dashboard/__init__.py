@@ -1,0 +1,2 @@
+"""The vllm_anatomy dashboard (Streamlit). Not an installed package: `dashboard/app.py`
+puts the repository root on sys.path, so pages import `dashboard.*`."""

@@ -1,0 +1,27 @@
+"""The persistent InputBatch of the worker: one row per request in the batch
+(row index = position in the block table and the sampling tensors), and this
+step's condense moves (a finished request's hole filled by the last row)."""
+from __future__ import annotations
+
+import pandas as pd
+import streamlit as st
+
+from dashboard.components.code_ref import code_ref
+from dashboard.theme import chip
+
+
+def input_batch(mr: dict) -> None:
+    ib = mr.get("input_batch") or {}
+    rows = ib.get("rows", [])
+    st.markdown(f"**InputBatch** · num_reqs {ib.get('num_reqs', 0)}")
+    if rows:
+        st.dataframe(pd.DataFrame([{"row": r["index"], "req": r["req_id"], "num_tokens": r["num_tokens"],
+                                    "num_prompt_tokens": r["num_prompt_tokens"],
+                                    "num_computed_tokens": r["num_computed_tokens"],
+                                    "block_ids": str(r["block_ids"])} for r in rows]),
+                     hide_index=True, width="stretch")
+    moves = ib.get("condense_moves", [])
+    text = " ".join(chip(f"row {m[0]} → row {m[1]}" if isinstance(m, (list, tuple)) else
+                         f"row {m.get('from')} → row {m.get('to')}", "#7E6BA6") for m in moves)
+    st.markdown(f"condense moves this step: {text or 'none'}", unsafe_allow_html=True)
+    code_ref("vllm_anatomy/worker/gpu_input_batch.py", "InputBatch.condense / add_request")

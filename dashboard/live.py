@@ -1,0 +1,174 @@
+"""A live engine in a background process, writing a run store at trace level "full".
+
+Parent side (the Streamlit session): `LiveRun.start(spec, trace_dir)` spawns
+
+    python dashboard/live.py SPEC.json STATUS.json
+
+and `LiveRun.status()` reads the status file the child keeps up to date
+({"state": loading|running|done|stopped|error, "run_path", "step", "outputs", "error"}).
+A child that dies without saying why (killed, segfault) is reported as "crashed"
+with the tail of its log. The UI never waits on the child: it reads the run
+store, which is committed step by step.
+
+Child side: `drive(llm, spec)` adds each prompt at its arrival step and calls
+`LLMEngine.step()` until all requests finish (the offline LLM.generate loop,
+with arrivals spread over time so continuous batching is visible).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import traceback
+import uuid
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LIVE_DIR = ".live"   # under trace_dir: spec, status and log files of live runs
+
+
+def _write_json(path: str, data: dict) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f)
+    os.replace(tmp, path)   # readers never see a half-written file
+
+
+class LiveRun:
+    """Handle on one engine child process (kept in st.session_state)."""
+
+    def __init__(self, proc: subprocess.Popen, status_path: str, log_path: str, spec: dict) -> None:
+        self.proc, self.status_path, self.log_path, self.spec = proc, status_path, log_path, spec
+
+    @classmethod
+    def start(cls, spec: dict, trace_dir: str) -> "LiveRun":
+        live_dir = os.path.join(trace_dir, LIVE_DIR)
+        os.makedirs(live_dir, exist_ok=True)
+        token = uuid.uuid4().hex[:8]
+        spec = {**spec, "trace_dir": os.path.abspath(trace_dir)}
+        spec_path, status_path, log_path = (os.path.join(live_dir, f"{token}.{ext}")
+                                            for ext in ("spec.json", "status.json", "log"))
+        _write_json(spec_path, spec)
+        _write_json(status_path, {"state": "starting"})
+        env = {**os.environ, "PYTHONPATH": REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), spec_path, status_path],
+                                    stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT,
+                                    start_new_session=True)
+        return cls(proc, status_path, log_path, spec)
+
+    def status(self) -> dict:
+        try:
+            with open(self.status_path) as f:
+                st = json.load(f)
+        except (OSError, ValueError):
+            st = {"state": "starting"}
+        rc = self.proc.poll()
+        st["returncode"] = rc
+        if rc is not None and st["state"] in ("starting", "loading", "running"):
+            st["state"] = "crashed"
+            st["error"] = f"the engine process exited with code {rc}.\n" + self.log_tail()
+        return st
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def log_tail(self, n: int = 2000) -> str:
+        try:
+            with open(self.log_path) as f:
+                return f.read()[-n:]
+        except OSError:
+            return ""
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Ask the engine to stop after the current step (SIGTERM); kill it if it hangs."""
+        if self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+# -- child side ------------------------------------------------------------------------------
+_stop_requested = False
+
+
+def _on_sigterm(signum, frame) -> None:
+    global _stop_requested
+    _stop_requested = True
+
+
+def _prompt_ids(tok, p: dict) -> dict:
+    conv = ([{"role": "system", "content": p["system"]}] if p.get("system") else []) + \
+           [{"role": "user", "content": p["text"]}]
+    return {"prompt_token_ids": tok.apply_chat_template(conv, tokenize=True, add_generation_prompt=True,
+                                                        return_dict=False)}
+
+
+def drive(llm, spec: dict, on_step=None) -> dict[str, str]:
+    """Run the spec's requests through llm.llm_engine; return request id -> text."""
+    from vllm_anatomy.sampling_params import SamplingParams
+    engine, tok = llm.llm_engine, llm.get_tokenizer()
+    params = SamplingParams(temperature=0, max_tokens=spec["max_tokens"], ignore_eos=spec["ignore_eos"])
+    pending = sorted(enumerate(spec["prompts"]), key=lambda ip: (ip[1]["arrive_step"], ip[0]))
+    outputs: dict[str, str] = {}
+    step = 0
+    while (pending or engine.has_unfinished_requests()) and not _stop_requested:
+        if not engine.has_unfinished_requests():
+            step = max(step, pending[0][1]["arrive_step"])   # nothing runs: jump to the next arrival
+        while pending and pending[0][1]["arrive_step"] <= step:
+            i, p = pending.pop(0)
+            engine.add_request(str(i), _prompt_ids(tok, p), params)
+        for out in engine.step():
+            outputs[out.request_id] = out.outputs[0].text
+        step += 1
+        if on_step:
+            on_step(step, outputs)
+        if spec.get("step_delay_s"):
+            time.sleep(spec["step_delay_s"])
+    if _stop_requested:
+        engine.abort_request(list(engine.output_processor.request_states))
+    return outputs
+
+
+def child_main(spec_path: str, status_path: str) -> int:
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    status = {"state": "loading", "pid": os.getpid()}
+    _write_json(status_path, status)
+    try:
+        with open(spec_path) as f:
+            spec = json.load(f)
+        from vllm_anatomy.entrypoints.llm import LLM
+        llm = LLM(spec.get("model"), trace_level="full", trace_dir=spec["trace_dir"], **spec["engine_args"])
+        status.update(state="running", run_path=llm.llm_engine.recorder.run_path)
+        _write_json(status_path, status)
+
+        parent = os.getppid()
+
+        def on_step(step, outputs):
+            global _stop_requested
+            if os.getppid() != parent:   # the dashboard went away: do not run on as an orphan
+                _stop_requested = True
+            status.update(step=step, outputs=outputs)
+            _write_json(status_path, status)
+
+        drive(llm, spec, on_step)
+        llm.llm_engine.shutdown()
+        status.update(state="stopped" if _stop_requested else "done")
+        _write_json(status_path, status)
+        return 0
+    except BaseException as e:   # noqa: BLE001 - reported to the UI, then re-raised as an exit code
+        status.update(state="error", error=f"{type(e).__name__}: {e}\n\n{traceback.format_exc()[-3000:]}")
+        _write_json(status_path, status)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, REPO_ROOT)
+    sys.exit(child_main(sys.argv[1], sys.argv[2]))

@@ -1,0 +1,75 @@
+"""Live-run scenarios: prompts (with the engine step at which each arrives) and the
+engine arguments that make one mechanism of the article visible.
+
+A scenario is plain data, handed to the engine process as JSON (dashboard/live.py).
+"""
+from __future__ import annotations
+
+MUSEUM = ("You are a careful assistant for a museum of computing history. Answer in one short "
+          "sentence, precisely, and never invent dates or names you are not sure about.")
+LONG_TEXT = ("Paged attention stores the key and value vectors of every token in fixed-size blocks. "
+             "A block table maps each request's logical blocks to physical blocks in one shared pool, "
+             "so memory is allocated on demand, shared between requests with a common prefix, and "
+             "returned to the pool the moment a request finishes or is preempted. "
+             "Summarise this paragraph in one sentence.")
+
+ENGINE_ARG_NAMES = ("max_num_batched_tokens", "num_gpu_blocks_override", "block_size", "max_num_seqs",
+                    "enable_prefix_caching", "max_model_len")
+
+
+def _p(text: str, arrive_step: int = 0, system: str | None = None) -> dict:
+    return {"text": text, "arrive_step": arrive_step, "system": system}
+
+
+SCENARIOS: dict[str, dict] = {
+    "tour": {
+        "label": "Guided tour: prefix hits, chunked prefill and preemption in one run",
+        "engine_args": {"max_num_batched_tokens": 32, "num_gpu_blocks_override": 9, "max_model_len": 112},
+        "max_tokens": 14, "ignore_eos": True,
+        "prompts": [_p("What is a CPU?", 0, MUSEUM), _p("Who built ENIAC?", 3, MUSEUM),
+                    _p("What is RAM?", 3, MUSEUM), _p("Name an old computer.", 3, MUSEUM),
+                    _p(LONG_TEXT, 5)],
+    },
+    "prefix": {
+        "label": "Shared system prompt → prefix-cache hits",
+        "engine_args": {}, "max_tokens": 16, "ignore_eos": False,
+        "prompts": [_p("What is a CPU?", 0, MUSEUM)] + [_p(q, 3, MUSEUM) for q in
+                                                          ("Who built ENIAC?", "What is RAM?", "What was the Altair 8800?")],
+    },
+    "preemption": {
+        "label": "Tiny KV cache → preemption and recompute",
+        "engine_args": {"num_gpu_blocks_override": 9, "max_model_len": 96},
+        "max_tokens": 40, "ignore_eos": True,
+        "prompts": [_p(q) for q in ("Tell me about Alan Turing.", "What is a transistor?",
+                                    "Explain virtual memory.", "What is a compiler?")],
+    },
+    "chunked": {
+        "label": "Long prompt → chunked prefill next to decodes",
+        "engine_args": {"max_num_batched_tokens": 24},
+        "max_tokens": 12, "ignore_eos": False,
+        "prompts": [_p("Say hello."), _p(LONG_TEXT, 2), _p("Count to five.", 4)],
+    },
+    "continuous": {
+        "label": "Mixed lengths → continuous batching",
+        "engine_args": {"max_num_seqs": 3},
+        "max_tokens": 20, "ignore_eos": False,
+        "prompts": [_p("Hi!"), _p("Write a haiku about paged memory.", 1), _p(LONG_TEXT, 3),
+                    _p("List three prime numbers.", 5), _p("What is 2 + 2?", 8),
+                    _p("Name a colour.", 10)],
+    },
+    "custom": {
+        "label": "My own prompts",
+        "engine_args": {}, "max_tokens": 24, "ignore_eos": False,
+        "prompts": [_p("What is the capital of France?")],
+    },
+}
+
+
+def build_spec(scenario: str, prompts: list[dict], engine_args: dict, max_tokens: int,
+               ignore_eos: bool, step_delay_s: float = 0.0) -> dict:
+    """What dashboard/live.py runs: engine arguments without Nones, and the requests."""
+    args = {k: v for k, v in engine_args.items() if k in ENGINE_ARG_NAMES and v not in (None, 0, "")}
+    if "enable_prefix_caching" in engine_args:
+        args["enable_prefix_caching"] = bool(engine_args["enable_prefix_caching"])
+    return {"scenario": scenario, "engine_args": args, "max_tokens": int(max_tokens),
+            "ignore_eos": bool(ignore_eos), "prompts": prompts, "step_delay_s": float(step_delay_s)}

@@ -1,0 +1,100 @@
+"""Spans of a run as tables for the timeline and the request journey.
+
+Step-tree spans carry no step id of their own: they share the trace of their
+root `EngineCore.step`, whose `vllm_anatomy.step_id` names the step. On a CPU
+run the device lane shows the host timings of the device work (`_model_forward`,
+`compute_logits`, `_sample`), as the Perfetto exporter does; spans recorded with
+`vllm_anatomy.lane="device"` go there directly.
+"""
+from __future__ import annotations
+
+import sqlite3
+
+import pandas as pd
+import streamlit as st
+
+from dashboard.data import RunError
+from vllm_anatomy.tracing.reader import TraceStoreError, open_run
+
+DEVICE_WORK = ("GPUModelRunner._model_forward", "GPUModelRunner.compute_logits", "GPUModelRunner._sample")
+DEVICE_LANE = "device"
+
+
+def _depths(spans) -> dict[str, int]:
+    parent = {s.span_id: s.parent_id for s in spans}
+    depth: dict[str, int] = {}
+    for s in spans:
+        d, p, seen = 0, s.parent_id, 0
+        while p in parent and seen < 64:
+            d, p, seen = d + 1, parent[p], seen + 1
+        depth[s.span_id] = d
+    return depth
+
+
+def _span_rows(spans, host_device: bool) -> list[dict]:
+    step_of = {s.trace_id: s.step_id for s in spans if s.name == "EngineCore.step"}
+    depth = _depths(spans)
+    rows = []
+    for s in spans:
+        a = s.attributes
+        base = {"name": s.name, "start_ns": s.start_ns, "end_ns": s.end_ns,
+                "step_id": s.step_id if s.step_id is not None else step_of.get(s.trace_id),
+                "request_id": s.request_id, "depth": depth[s.span_id],
+                "sync_wait_ms": a.get("vllm_anatomy.sync_wait_ms"),
+                "lane": f"{s.process_kind} · pid {s.pid}", "host_timing": False}
+        if a.get("vllm_anatomy.lane") == "device":
+            rows.append({**base, "lane": DEVICE_LANE, "depth": 0})
+            continue
+        rows.append(base)
+        if host_device and s.name in DEVICE_WORK:
+            rows.append({**base, "lane": DEVICE_LANE, "depth": 0, "host_timing": True})
+    return rows
+
+
+@st.cache_data(max_entries=16, show_spinner=False)
+def span_table(path: str, version: tuple, device: str) -> pd.DataFrame | RunError:
+    try:
+        with open_run(path) as run:
+            spans = run.spans()
+    except (TraceStoreError, sqlite3.Error, OSError) as e:
+        return RunError(f"{path}: cannot read spans ({e})")
+    has_device_spans = any(s.attributes.get("vllm_anatomy.lane") == "device" for s in spans)
+    df = pd.DataFrame(_span_rows(spans, host_device=not has_device_spans))
+    if not df.empty:
+        df["dur_ms"] = (df["end_ns"] - df["start_ns"]) / 1e6
+    return df
+
+
+def _request_row(s) -> dict:
+    a = s.attributes
+    ev = {}
+    for e in s.events:
+        ev.setdefault(e["name"], []).append(e["time_ns"])
+    first = ev.get("FIRST_TOKEN", [None])[0]
+    queued = ev.get("QUEUED", [s.start_ns])[0]
+    out_tokens = a.get("gen_ai.usage.output_tokens")
+    finished = ev.get("FINISHED", [None])[0]
+    decode_ms = (finished - first) / 1e6 if finished and first else None
+    return {"request_id": s.request_id or a.get("vllm_anatomy.request_id"),
+            "start_ns": s.start_ns, "end_ns": s.end_ns, "events": s.events,
+            "input_tokens": a.get("gen_ai.usage.input_tokens"), "output_tokens": out_tokens,
+            "max_tokens": a.get("gen_ai.request.max_tokens"),
+            "finish_reasons": a.get("gen_ai.response.finish_reasons"),
+            "ttft_ms": (first - queued) / 1e6 if first else None,
+            "itl_ms": decode_ms / (out_tokens - 1) if decode_ms is not None and out_tokens and out_tokens > 1 else None,
+            "e2e_ms": (s.end_ns - s.start_ns) / 1e6,
+            "num_preemptions": len(ev.get("PREEMPTED", []))}
+
+
+@st.cache_data(max_entries=16, show_spinner=False)
+def request_table(path: str, version: tuple) -> list[dict] | RunError:
+    """One row per finished `llm_request` span (a span is written when it ends)."""
+    try:
+        with open_run(path) as run:
+            reqs = run.requests()
+    except (TraceStoreError, sqlite3.Error, OSError) as e:
+        return RunError(f"{path}: cannot read request spans ({e})")
+    rows = [_request_row(s) for s in reqs]
+    return sorted(rows, key=lambda r: (not str(r["request_id"]).isdigit(),
+                                       int(r["request_id"]) if str(r["request_id"]).isdigit() else 0,
+                                       str(r["request_id"])))

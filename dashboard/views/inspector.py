@@ -1,0 +1,74 @@
+"""Step inspector: one committed step of the open run, scrubbed, played or
+followed live. Every panel is drawn from the step's snapshots ("step" from
+EngineCore, "model_runner" from the worker) and the previous step's, for the diff."""
+from __future__ import annotations
+
+import streamlit as st
+
+from dashboard import data, spans, state
+from dashboard.components.block_pool import block_pool
+from dashboard.components.block_tables import block_tables
+from dashboard.components.budget import budget
+from dashboard.components.diff import diff
+from dashboard.components.input_batch import input_batch
+from dashboard.components.prepare_inputs import prepare_inputs
+from dashboard.components.queues import queues, state_machine, transitions
+from dashboard.components.sampled import sampled
+from dashboard.components.scrubber import scrubber
+from dashboard.components.sched_output import scheduler_output
+from dashboard.components.slot_mapping import slot_mapping
+
+
+def finish_reasons(path: str, version: tuple) -> dict[str, str]:
+    reqs = spans.request_table(path, version)
+    if isinstance(reqs, data.RunError):
+        return {}
+    return {r["request_id"]: (r["finish_reasons"] or [""])[0] for r in reqs}
+
+
+def main() -> None:
+    st.title("Step inspector")
+    cur = state.current()
+    if cur is None:
+        return
+    path, info = cur
+    version = data.file_version(path)
+    steps = info["steps"]
+    step_id = scrubber(steps)
+    d = data.step_data(path, step_id)
+    if isinstance(d, data.RunError):
+        state.show_error(d)
+        return
+    idx = steps.index(step_id)
+    p = data.step_data(path, steps[idx - 1]) if idx > 0 else None
+    prev = p["step"] if isinstance(p, dict) else None
+    step, mr = d["step"], d["mr"]
+    moves = transitions(prev, step, finish_reasons(path, version))
+    c1, c2 = st.columns([2, 3])
+    with c1:
+        diff(prev, step, moves)
+        queues(step)
+    with c2:
+        state_machine(moves)
+    kv = step["scheduler"]["kv_cache"]
+    t_sched, t_kv, t_worker = st.tabs(["Scheduler", "KV cache", "Worker (model runner)"])
+    with t_sched:
+        budget(step["scheduler"]["step_record"])
+        scheduler_output(step["scheduler_output"], step["scheduler"]["step_record"])
+    with t_kv:
+        block_pool(kv, step.get("block_pool_events", []), prev["scheduler"]["kv_cache"] if prev else None)
+        block_tables(kv)
+    with t_worker:
+        tokens = data.token_index(path, version)
+        if isinstance(tokens, data.RunError):
+            state.show_error(tokens)
+            tokens = {"sampled": {}, "tokens": {}}
+        sampled(info["meta"], step_id, tokens, step["scheduler_output"])
+        pi = mr.get("prepare_inputs")
+        if pi:
+            slot_mapping(pi, kv["block_size"])
+        prepare_inputs(pi)
+        input_batch(mr)
+
+
+main()

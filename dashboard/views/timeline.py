@@ -1,0 +1,69 @@
+"""Timeline: the spans of a window of steps, one lane per process plus the device
+lane; click a span (or pick a step) to open that step in the inspector."""
+from __future__ import annotations
+
+import streamlit as st
+
+from dashboard import data, spans, state
+from dashboard.components.code_ref import code_ref
+from dashboard.components.timeline_fig import step_duration_figure, timeline_figure
+
+ss = st.session_state
+MAX_WINDOW = 60
+
+
+def on_select() -> None:
+    sel = ss.get("timeline_chart")
+    points = (sel or {}).get("selection", {}).get("points", []) if isinstance(sel, dict) else \
+        getattr(getattr(sel, "selection", None), "points", [])
+    for p in points:
+        step = (p.get("customdata") or [-1])[0]
+        if step is not None and step >= 0:
+            state.goto(step, "inspector")
+            return
+
+
+def window(steps: list[int]) -> tuple[int, int]:
+    idx = state.cursor_index(steps)
+    lo, hi = max(0, idx - 3), min(len(steps) - 1, idx + 3)
+    if len(steps) == 1:
+        return steps[0], steps[0]
+    a, b = st.select_slider("Steps shown", options=steps, value=(steps[lo], steps[hi]), key="tl_window")
+    if steps.index(b) - steps.index(a) >= MAX_WINDOW:
+        st.caption(f"window capped at {MAX_WINDOW} steps")
+        b = steps[steps.index(a) + MAX_WINDOW - 1]
+    return a, b
+
+
+def main() -> None:
+    st.title("Timeline")
+    cur = state.current()
+    if cur is None:
+        return
+    path, info = cur
+    df = spans.span_table(path, data.file_version(path), str(info["meta"].get("device")))
+    if isinstance(df, data.RunError):
+        state.show_error(df)
+        return
+    if df.empty or df["step_id"].isna().all():
+        st.info("No step spans recorded yet (spans arrive in batches every 200 ms).")
+        return
+    steps_df = df[df["name"] == "EngineCore.step"].sort_values("step_id")
+    st.plotly_chart(step_duration_figure(steps_df), width="stretch", key="step_durations")
+    a, b = window(info["steps"])
+    win = df[df["step_id"].between(a, b)]
+    fig = timeline_figure(win, int(win["start_ns"].min()), ss.get("cursor"))
+    st.plotly_chart(fig, width="stretch", key="timeline_chart", on_select=on_select,
+                    selection_mode="points")
+    sync = win[(win["name"] == "GPUModelRunner._bookkeeping_sync") & (win["lane"] != "device")]
+    device = "no GPU: the device lane shows host timings" if info["meta"].get("device") == "cpu" else "GPU"
+    st.caption(f"{len(win)} spans in steps {a}–{b} · {len(sync)} sync points, total wait "
+               f"{sync['sync_wait_ms'].fillna(0).sum():.2f} ms · {device}. Click a bar to open its step.")
+    c1, c2 = st.columns([1, 3], vertical_alignment="bottom")
+    pick = c1.selectbox("Open step", info["steps"], index=state.cursor_index(info["steps"]), key="tl_pick")
+    c2.button("Open in the step inspector", key="tl_open", icon=":material/search:", on_click=state.goto, args=(pick, "inspector"))
+    code_ref("vllm_anatomy/engine/core.py", "EngineCore.step → Scheduler.schedule, Executor.execute_model, "
+                                            "GPUModelRunner.*")
+
+
+main()

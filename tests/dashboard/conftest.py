@@ -1,0 +1,77 @@
+"""A run recorded once per session by the real engine (default model, CPU), with
+preemption, prefix-cache hits and chunked prefill, driven by the live page's own
+engine loop (dashboard/live.py: drive)."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+SYSTEM = "You are a museum guide. Answer briefly."
+# 7 usable blocks of 16 tokens, a 32-token budget: a ~45-token chat prompt is prefilled in
+# chunks, the shared system prompt is a prefix hit for the later requests, and four
+# growing requests cannot all stay resident: preemption.
+FIXTURE_SPEC = {
+    "scenario": "fixture",
+    "engine_args": {"num_gpu_blocks_override": 8, "max_model_len": 80, "max_num_batched_tokens": 32},
+    "max_tokens": 8, "ignore_eos": True, "step_delay_s": 0.0,
+    "prompts": [{"text": "What is a CPU?", "arrive_step": 0, "system": SYSTEM},
+                {"text": "Who built ENIAC?", "arrive_step": 1, "system": SYSTEM},
+                {"text": "What is RAM?", "arrive_step": 1, "system": SYSTEM},
+                {"text": "Name an old computer.", "arrive_step": 1, "system": SYSTEM}],
+}
+
+
+@pytest.fixture(scope="session")
+def recorded_run(tmp_path_factory):
+    """(trace_dir, run path) of the fixture run."""
+    from dashboard.live import drive
+    from vllm_anatomy.entrypoints.llm import LLM
+    from vllm_anatomy.model_executor.default_model import ensure_default_model
+    trace_dir = str(tmp_path_factory.mktemp("dash_traces"))
+    llm = LLM(str(ensure_default_model()), trace_level="full", trace_dir=trace_dir, **FIXTURE_SPEC["engine_args"])
+    path = llm.llm_engine.recorder.run_path
+    drive(llm, FIXTURE_SPEC)
+    llm.llm_engine.shutdown()
+    return trace_dir, path
+
+
+APP = os.path.join(ROOT, "dashboard", "app.py")
+
+
+@pytest.fixture(scope="session")
+def run_facts(recorded_run):
+    """What the pages must show, read straight from the run store."""
+    from vllm_anatomy.tracing.reader import open_run
+    _, path = recorded_run
+    with open_run(path) as run:
+        steps = run.steps()
+        snaps = {i: run.snapshot(i) for i in steps}
+    recs = {i: s["scheduler"]["step_record"] for i, s in snaps.items()}
+    first = lambda pred: next(i for i in steps if pred(recs[i]))  # noqa: E731
+    return {"steps": steps, "snaps": snaps,
+            "preempt_step": first(lambda r: r["preempted_req_ids"]),
+            "hit_step": first(lambda r: any(h["num_hit_tokens"] for h in r["prefix_hits"])),
+            "chunk_step": first(lambda r: any(s["kind"] == "prefill_chunk" for s in r["scheduled"]))}
+
+
+@pytest.fixture
+def make_app(recorded_run, monkeypatch):
+    """AppTest of the dashboard opened on the fixture run (page, step) through the URL."""
+    from streamlit.testing.v1 import AppTest
+    trace_dir, path = recorded_run
+    monkeypatch.setenv("VLLM_ANATOMY_TRACE_DIR", trace_dir)
+
+    def make(page: str, step: int | None = None, run: str | None = None) -> AppTest:
+        at = AppTest.from_file(APP, default_timeout=60)
+        at.query_params["run"] = run if run is not None else os.path.basename(path)
+        at.query_params["page"] = page
+        if step is not None:
+            at.query_params["step"] = str(step)
+        return at.run()
+    return make
