@@ -27,7 +27,7 @@ download: $(STAMP)
 	$(VENV)/bin/vllm-anatomy download
 
 run: setup
-	$(VENV)/bin/vllm-anatomy generate
+	$(VENV)/bin/vllm-anatomy dashboard
 
 test: setup
 	$(PY) -m pytest -q

@@ -350,7 +350,10 @@ class GPUModelRunner:
             with self.recorder.span("GPUModelRunner._bookkeeping_sync") as span:
                 output = self._bookkeeping_sync(state, sampler_output, saved, span)
         if self.recorder.wants_snapshots:
-            self.recorder.snapshot("model_runner", self.snapshot(), step_id=state.scheduler_output.step_id)
+            snap = self.snapshot()
+            # What this step sampled, per batch row ([] for a partial prefill chunk).
+            snap["sampled_token_ids"] = output.sampled_token_ids
+            self.recorder.snapshot("model_runner", snap, step_id=state.scheduler_output.step_id)
         return output
 
     def _to_cpu(self, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], float]:
