@@ -46,10 +46,6 @@ RUNNER_SAMPLE = ["GPUModelRunner._sample", "GPUModelRunner._bookkeeping_sync"]
 DEVICE_ORDER = ["GPU.prepare_inputs", "GPU.model_forward", "GPU.compute_logits", "GPU.sample", "GPU.d2h"]
 
 
-def tell(text: str) -> None:
-    """say() with the f-string's line breaks and indentation folded into single spaces."""
-    say(" ".join(text.split()))
-
 
 def _model_arg() -> dict:
     if "--model" in sys.argv:
@@ -133,7 +129,7 @@ def main() -> None:
     by_id = {s.span_id: s for s in spans}
     root = one(spans, "EngineCore.step")
 
-    tell(f"""We generated {MAX_TOKENS} tokens for each of {len(QUESTIONS)} chat prompts on
+    say(f"""We generated {MAX_TOKENS} tokens for each of {len(QUESTIONS)} chat prompts on
         {device} in {sw.seconds:.1f} s: {len(step_ids)} engine steps. Below is step {shown}, a
         decode step ({root.attributes['vllm_anatomy.num_reqs']} requests, one token each), as
         the run store recorded it: offset from the step's start, duration, and the span tree.""")
@@ -150,7 +146,7 @@ def main() -> None:
     # 1. What the two calls return.
     execs = [r for r in returned if r[0] == "execute_model"]
     samples = [r for r in returned if r[0] == "sample_tokens"]
-    tell(f"""EngineCore called Executor.execute_model {len(execs)} times and every call returned
+    say(f"""EngineCore called Executor.execute_model {len(execs)} times and every call returned
         {sorted({type(r[2]).__name__ for r in execs})}: the forward pass was handed over, not
         waited for. The logits stay inside the model runner (execute_model_state) until the
         second call, sample_tokens, which returned a ModelRunnerOutput each time — that is
@@ -184,7 +180,7 @@ def main() -> None:
         _cuda_part(steps, step_ids, shown, waits, device_spans)
     else:
         fwd_share = sum(forwards) / sum(step_durs)
-        tell(f"""This run is on the CPU, and a CPU has no asynchronous device: every torch op ran
+        say(f"""This run is on the CPU, and a CPU has no asynchronous device: every torch op ran
             to completion before the next Python line. So "enqueued" means "done" here —
             _model_forward's host span IS the forward ({ms(sum(forwards)) / len(forwards):.1f} ms
             per step on average, {fwd_share:.0%} of the step time), the sync has nothing left to
@@ -212,7 +208,7 @@ def _cuda_part(steps, step_ids, shown, waits, device_spans) -> None:
             for i in step_ids]
     mean_launch, mean_dev = ms(sum(launch) / len(launch)), ms(sum(run_dev) / max(len(run_dev), 1))
     bound = "launch-bound" if mean_launch > mean_dev else "device-bound"
-    tell(f"""On this GPU the step has a device lane (GPU.* spans from CUDA events, read after the
+    say(f"""On this GPU the step has a device lane (GPU.* spans from CUDA events, read after the
         sync). In {exec_end_before_dev} of {len(step_ids)} steps GPUModelRunner.execute_model
         returned before the device finished the logits: the CPU had only queued the work. The
         CPU then waited at _bookkeeping_sync for {sum(waits) / len(waits):.3f} ms per step on
@@ -220,7 +216,7 @@ def _cuda_part(steps, step_ids, shown, waits, device_spans) -> None:
         took {mean_launch:.2f} ms to launch the forward's kernels; the device ran them in
         {mean_dev:.2f} ms; the device was busy {sum(busy) / len(busy):.0%} of each step. This
         forward is {bound}.""")
-    tell(f"""CUDA graphs are what vLLM uses against the launch cost: a decode batch of a captured
+    say(f"""CUDA graphs are what vLLM uses against the launch cost: a decode batch of a captured
         size replays the whole forward as one graph launch, so those {mean_launch:.2f} ms of
         per-kernel Python and launch overhead shrink to a few microseconds and the device no
         longer waits between kernels. This engine does not capture CUDA graphs (yet), so the

@@ -51,10 +51,6 @@ STEP_CHAIN = [("EngineCore.step", None, "engine_core"),
               ("GPUModelRunner._model_forward", "GPUModelRunner.execute_model", "worker")]
 
 
-def tell(text: str) -> None:
-    """say() with the f-string's line breaks and indentation folded into single spaces."""
-    say(" ".join(text.split()))
-
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -153,7 +149,7 @@ def main() -> None:
                  and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
     [run_path] = [os.path.join(trace_dir, f) for f in os.listdir(trace_dir) if f.endswith(".sqlite")]
 
-    tell(f"""The server started in {startup.seconds:.1f} s as {len(family)} processes, answered one
+    say(f"""The server started in {startup.seconds:.1f} s as {len(family)} processes, answered one
         chat request ({answer['usage']['prompt_tokens']} prompt tokens, {answer['usage']['completion_tokens']}
         generated: {answer['choices'][0]['message']['content']!r}) in {request_time.seconds:.2f} s,
         and was stopped. The request carried traceparent {traceparent}. All three processes wrote
@@ -220,7 +216,7 @@ def main() -> None:
     zmq_hop = (add["startTime"] - request["startTime"]) / 1e3
     shm_hop = (step_chain[3]["startTime"] - step_chain[2]["startTime"]) / 1e3
     fwd = step_chain[-1]["duration"] / 1e3
-    tell(f"""Three processes, three pids: the API server ({frontend_pid}) holds the HTTP span and
+    say(f"""Three processes, three pids: the API server ({frontend_pid}) holds the HTTP span and
         llm_request; EngineCoreProc ({engine_pid}) received the request over ZMQ and ran
         EngineCore.add_request {zmq_hop:.2f} ms after llm_request began; its busy loop's step
         scheduled it and Executor.execute_model broadcast the
@@ -254,14 +250,14 @@ def main() -> None:
     with open_run(run_path) as run:
         device = run.meta["device"]
     if str(device).startswith("cuda"):
-        tell(f"""The third boundary is inside the worker: from GPUModelRunner._model_forward on, Python
+        say(f"""The third boundary is inside the worker: from GPUModelRunner._model_forward on, Python
             only launches kernels on {device}; the span measures the launches, and the device runs
             them asynchronously (lesson 6 shows that timeline).""")
     else:
-        tell("""The third boundary of the article, Python -> CUDA, is not crossed in this run: the
+        say("""The third boundary of the article, Python -> CUDA, is not crossed in this run: the
             worker runs on the CPU, so _model_forward's span is the computation itself, on the
             worker's own thread. On a CUDA machine that span would only measure kernel launches.""")
-    tell(f"""Open {jaeger_path} in Jaeger (Search -> JSON File) to see both trees, or
+    say(f"""Open {jaeger_path} in Jaeger (Search -> JSON File) to see both trees, or
         {perfetto_path} in ui.perfetto.dev to see the three processes as lanes on one time axis.""")
     dashboard_link(run_path, "journey")
 

@@ -60,10 +60,6 @@ TEXT = ("The history of computing is a story of layers: vacuum tubes gave way to
         "and every layer leaks a little of it too. ")
 
 
-def tell(text: str) -> None:
-    """say() with the f-string's line breaks and indentation folded into single spaces."""
-    say(" ".join(text.split()))
-
 
 def _model_arg() -> dict:
     if "--model" in sys.argv:
@@ -198,7 +194,7 @@ def main() -> None:
     growth = many["step"] / one["step"]
     per_tok_1, per_tok_b = one["step"], many["step"] / big
     bw = weight_bytes / (one["forward"] / 1e3) / 1e9
-    tell(f"""Batch 1 took {sw1.seconds:.1f} s and batch {big} took {swb.seconds:.1f} s of wall
+    say(f"""Batch 1 took {sw1.seconds:.1f} s and batch {big} took {swb.seconds:.1f} s of wall
         time here. The row to look at is the decode step: going from 1 to {big} requests made the
         step {growth:.2f}x longer, not {big}x, so one token costs {per_tok_1:.1f} ms of step at
         batch 1 but {per_tok_b:.1f} ms at batch {big}. Every step streams all
@@ -206,7 +202,7 @@ def main() -> None:
         batch has (at batch 1 that is {bw:.1f} GB/s of effective bandwidth here), and the
         Python work per step ({one['python']:.2f} ms at batch 1) is paid once per step too;
         extra rows add only their own arithmetic and KV reads.""")
-    tell(f"""TPOT rose from {one['tpot']:.1f} to {many['tpot']:.1f} ms with the batch: each request
+    say(f"""TPOT rose from {one['tpot']:.1f} to {many['tpot']:.1f} ms with the batch: each request
         waits for the bigger step, which is the latency half of the trade. ITL is the gap between
         one request's consecutive tokens: in steady decode it equals the step time, and its
         maximum ({many['itl_max']:.1f} ms at batch {big}) shows the spikes. TTFT includes the
@@ -214,13 +210,13 @@ def main() -> None:
         prefilled together made the batch's TTFT {many['ttft']:.1f} ms against
         {one['ttft']:.1f} ms alone.""")
     if not on_cuda:
-        tell("""On a CPU the "device" is the CPU itself: the forward is compute as well as memory
+        say("""On a CPU the "device" is the CPU itself: the forward is compute as well as memory
             traffic, it runs synchronously (no overlap of Python with the forward), and there are
             no CUDA graphs; torch used the thread count in the conditions line (set
             OMP_NUM_THREADS to change it). So the absolute numbers are a long way from the A100's; what
             carries over is the shape: the step's cost grows much more slowly than the batch.""")
     else:
-        tell("""On this GPU the step time is set by the device (weights and KV read from HBM) plus
+        say("""On this GPU the step time is set by the device (weights and KV read from HBM) plus
             the host's launch overhead, which this engine pays per kernel because it has no CUDA
             graphs: at small batches that overhead, not HBM, can dominate — the reason vLLM
             captures graphs for decode.""")

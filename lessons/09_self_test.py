@@ -48,10 +48,6 @@ EVENT_METHOD = {"hit": "BlockPool.touch", "evict": "BlockPool._maybe_evict_cache
                 "free": "BlockPool.free_blocks"}
 
 
-def tell(text: str) -> None:
-    """say() with the f-string's line breaks and indentation folded into single spaces."""
-    say(" ".join(text.split()))
-
 
 def ms(ns: float) -> float:
     return ns / 1e6
@@ -72,7 +68,7 @@ def main() -> None:
     snap = {i: run.snapshot(i) for i in steps}
     mr = {i: run.snapshot(i, "model_runner") for i in steps}
     bs = snap[steps[0]]["scheduler"]["kv_cache"]["block_size"]
-    tell(f"""Recorded {len(steps)} steps: {len(a)} requests sharing a system prompt (max_tokens
+    say(f"""Recorded {len(steps)} steps: {len(a)} requests sharing a system prompt (max_tokens
         {PHASE_A_TOKENS}), then {len(b)} more — one with the same system prompt, {len(PHASE_B_OTHER)}
         long unrelated ones — on a pool of {NUM_BLOCKS - 1} usable KV blocks of {bs} tokens.""")
 
@@ -119,7 +115,7 @@ def q1(run, steps, snap) -> None:
         ok &= any(e["kind"] == "allocate" and e["block_ids"] == blocks[n_hit:] for e in events)
     evicted = [b for e in events if e["kind"] == "evict" for b in e["block_ids"]]
     ok &= set(evicted) <= allocated_in_step
-    tell(f"""So the chain is Scheduler.schedule -> KVCacheManager.get_computed_blocks (the prefix-cache
+    say(f"""So the chain is Scheduler.schedule -> KVCacheManager.get_computed_blocks (the prefix-cache
         lookup; step_record.prefix_hits) -> KVCacheManager.allocate_slots, which first takes a
         reference on the hit blocks (BlockPool.touch), then pops fresh blocks from the free queue's
         front (BlockPool.get_new_blocks — evicting the stale hash of any block that still carried
@@ -147,7 +143,7 @@ def q2(steps, snap, mr) -> int:
           f"{[r['req_id'] for r in so['scheduled_new_reqs']]}")
     print(f"  removed {removed}, added {added}, condense moves (src row -> dst row) {moves}")
     print(f"  rows after  {after}")
-    tell(f"""_update_states made the persistent InputBatch agree with the scheduler by a diff, not
+    say(f"""_update_states made the persistent InputBatch agree with the scheduler by a diff, not
         a rebuild: it dropped the finished request(s) {removed}, which left hole(s) in the rows;
         added {added or 'no'} new request(s) into the lowest holes; then condense() moved the last
         occupied row into each remaining hole ({moves}), so rows 0..{len(after) - 1} are dense
@@ -197,7 +193,7 @@ def q3(steps, snap, mr, bs) -> None:
           f"{row['block_ids'][p // bs]}, offset {p % bs}")
     print(f"   slot_mapping = {row['block_ids'][p // bs]} * {bs} + {p % bs} = {slot}")
     print(f"   KV cache per layer: shape {shape} = [K/V, num_blocks, block_size, kv_heads, head_dim]")
-    tell(f"""The scheduler only ever sends block ids: the full list for a new request, then the
+    say(f"""The scheduler only ever sends block ids: the full list for a new request, then the
         newly appended ones in later steps. _update_states appends them to the request's row of
         the InputBatch block table; _prepare_inputs turns each scheduled token's position into a
         slot (block_ids[pos // {bs}] * {bs} + pos % {bs}) in slot_mapping, which the cache-write
@@ -243,7 +239,7 @@ def q4(run, steps, snap, finished_outputs) -> None:
                 if bid in free_ev["block_ids"] and bid not in fate and e["kind"] in ("hit", "evict", "allocate"):
                     fate[bid] = (e["kind"], i)
     print("  later: " + ", ".join(f"block {bid} {k} in step {i}" for bid, (k, i) in sorted(fate.items())))
-    tell(f"""When request {rid} finished, Scheduler.update_from_output removed it from running and
+    say(f"""When request {rid} finished, Scheduler.update_from_output removed it from running and
         called KVCacheManager.free, which hands its blocks to BlockPool.free_blocks in reverse order.
         Each block's ref_cnt dropped by one; a block reaching 0 became free — but a block shared
         with a running request (the system prompt's) stayed held. Freed blocks with a hash went to
@@ -307,7 +303,7 @@ def q5(run, steps, snap, mr, rid, weight_bytes) -> None:
     print(f"  request: engine events {' -> '.join(e['name'] for e in req.events)}; scheduler status by step "
           f"{' -> '.join(f'{s}@{i}' for s, i in states)} -> finished "
           f"({req.attributes['gen_ai.response.finish_reasons']})")
-    tell(f"""Five numbers, none of which says much alone. This request ran with its neighbours in
+    say(f"""Five numbers, none of which says much alone. This request ran with its neighbours in
         one process on one device, so its communication account is empty here; with
         `--distributed-executor-backend mp` each of its {len(served)} steps would cross the
         shared-memory queue twice each way (execute_model and sample_tokens, with their replies), and with

@@ -62,6 +62,14 @@ def chat_prompts(llm: LLM, questions: list[str], system: str | None = None) -> l
     return prompts
 
 
+def fixed_len(tok, text: str, n: int) -> list[int]:
+    """Exactly n token ids: `text` repeated as often as needed, then cut."""
+    ids = tok.encode(text)
+    while len(ids) < n:
+        ids += tok.encode(" " + text)
+    return ids[:n]
+
+
 def greedy(max_tokens: int, **kw) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=max_tokens, **kw)
 
@@ -72,7 +80,8 @@ def title(text: str) -> None:
 
 
 def say(text: str) -> None:
-    print(textwrap.fill(textwrap.dedent(text).strip(), width=88), end="\n\n")
+    """One paragraph: line breaks and indentation (e.g. of a multi-line f-string) fold into spaces."""
+    print(textwrap.fill(" ".join(text.split()), width=88), end="\n\n")
 
 
 def check(condition: bool, fact: str) -> None:

@@ -1,0 +1,210 @@
+"""Lesson 4: prefix caching -- chained hashes, shared blocks, and where freed blocks go.
+
+The memory domain is the only one shared across requests. A full block gets a hash
+chained from its parent's hash and its own token ids, so equal hashes mean an equal
+*prefix*, not only equal tokens. Requests that start the same way point at the same
+physical blocks (ref_cnt counts them). This lesson, on one engine with 13 usable blocks:
+
+1. P1 (a 48-token shared prefix + a question) runs alone: we recompute its block hashes
+   ourselves with vllm_anatomy.core.kv_cache_utils and compare with the recorded ones;
+   when it finishes, its blocks are freed tail first: hashed ones to the *tail* of the
+   free queue (kept for reuse), the unhashed partial block to the *front*.
+2. P2 and P3 (same prefix, other questions) run together: three blocks with ref_cnt 2.
+3. P4 is exactly the prefix (48 tokens, three cached blocks) yet still computes 16 tokens:
+   the last prompt token must be recomputed to get logits, and hits are whole blocks.
+4. P5, a long unrelated prompt, needs more blocks than the never-cached ones: the
+   allocation takes the free queue from the front and evicts the cached blocks it
+   reaches, in LRU order -- chain tails before chain heads.
+5. P6 repeats P1: it hits exactly the part of the chain that survived.
+
+Run:  python lessons/04_prefix_caching.py      (or: vllm-anatomy lesson 4)
+CPU, about 15 s.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+# NOTE: one intra-op thread: on a small CPU shared with other work, torch's spinning worker
+# threads make every step several times slower. OMP_NUM_THREADS=2 (or more) overrides it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _common import check, dashboard_link, finish, fixed_len, greedy, make_llm, say, title  # noqa: E402
+from vllm_anatomy.core import kv_cache_utils  # noqa: E402
+from vllm_anatomy.tracing.reader import open_run  # noqa: E402
+
+BS, MAX_MODEL_LEN = 16, 192
+PREFIX_TEXT = ("You are the guide of a small museum of computing history. Visitors ask short questions "
+               "about old machines; answer in one friendly sentence and never invent dates.")
+QUESTIONS = {"P1": " Who built the first mouse?", "P2": " What did ENIAC compute?", "P3": " Why were punch cards used?"}
+UNRELATED = "Rivers carve valleys slowly, grain by grain, over thousands of years of patient water."
+
+
+
+
+def run_requests(engine, requests: dict[str, tuple[list[int], int]]) -> None:
+    for req_id, (ids, max_tokens) in requests.items():
+        engine.add_request(req_id, {"prompt_token_ids": ids}, greedy(max_tokens, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def chain_hashes(token_ids: list[int]) -> list[str]:
+    """The block hashes of every full block, computed here from the token ids alone."""
+    hashes, parent = [], None
+    for start in range(0, len(token_ids) - BS + 1, BS):
+        parent = kv_cache_utils.hash_block_tokens(kv_cache_utils.sha256, parent, token_ids[start:start + BS])
+        hashes.append(parent.hex()[:8])
+    return hashes
+
+
+def main() -> None:
+    title("Lesson 4: prefix caching")
+    llm = make_llm(max_model_len=MAX_MODEL_LEN, num_gpu_blocks_override=14, block_size=BS)
+    engine, tok = llm.llm_engine, llm.get_tokenizer()
+    path = llm.llm_engine.recorder.run_path
+    prefix = fixed_len(tok, PREFIX_TEXT, 3 * BS)
+    prompt = {r: prefix + tok.encode(q) for r, q in QUESTIONS.items()}
+    prompt["P4"] = list(prefix)
+
+    run_requests(engine, {"P1": (prompt["P1"], 3)})
+    run_requests(engine, {"P2": (prompt["P2"], 3), "P3": (prompt["P3"], 3)})
+    run_requests(engine, {"P4": (prompt["P4"], 2)})
+    # Size P5 from the recorded state: two blocks more than the never-cached free blocks.
+    with open_run(path) as live:
+        kv = live.snapshot(live.steps()[-1])["scheduler"]["kv_cache"]
+    hash_of = {b["block_id"]: b["hash"] for b in kv["blocks"]}
+    n_unhashed = sum(1 for b in kv["free_queue"] if hash_of[b] is None)
+    prompt["P5"] = fixed_len(tok, UNRELATED, min((n_unhashed + 2) * BS - 4, MAX_MODEL_LEN - 4))
+    run_requests(engine, {"P5": (prompt["P5"], 2)})
+    prompt["P6"] = list(prompt["P1"])
+    run_requests(engine, {"P6": (prompt["P6"], 2)})
+    path = finish(llm)
+
+    run = open_run(path)
+    steps = run.steps()
+    snaps = {s: run.snapshot(s) for s in steps}
+    tables = {s: snaps[s]["scheduler"]["kv_cache"]["req_to_block_ids"] for s in steps}
+    blocks = {s: {b["block_id"]: b for b in snaps[s]["scheduler"]["kv_cache"]["blocks"]} for s in steps}
+
+    def first_step(pred) -> int | None:
+        return next((s for s in steps if pred(s)), None)
+
+    def hit(req_id: str) -> tuple[int | None, dict | None]:
+        for s in steps:
+            for h in snaps[s]["scheduler"]["step_record"]["prefix_hits"]:
+                if h["request_id"] == req_id:
+                    return s, h
+        return None, None
+
+    # 1. chained hashes and freeing order ----------------------------------------------------
+    s1 = first_step(lambda s: "P1" in tables[s])
+    t1 = tables[s1]["P1"]
+    recorded = [blocks[s1][b]["hash"] for b in t1]
+    mine = chain_hashes(prompt["P1"])
+    unchained = kv_cache_utils.hash_block_tokens(kv_cache_utils.sha256, None, prompt["P1"][BS:2 * BS]).hex()[:8]
+    f1 = first_step(lambda s: s > s1 and "P1" not in tables[s])
+    free_ev = [e for e in snaps[f1]["block_pool_events"] if e["kind"] == "free"]
+    fq1 = snaps[f1]["scheduler"]["kv_cache"]["free_queue"]
+    hashed1 = [b for b in t1 if blocks[s1][b]["hash"]]
+    unhashed1 = [b for b in t1 if not blocks[s1][b]["hash"]]
+    say(f"""P1 has {len(prompt['P1'])} prompt tokens, so blocks {t1} ({BS} tokens each): the first
+         {len(mine)} are full and hashed, the last one is partial and is not. Recomputing the chain
+         from the token ids: {mine}; recorded: {recorded}. The same tokens as block 1 without
+         its parent would hash to {unchained}: a hash names the whole prefix up to that block.""")
+    say(f"""P1 finished at step {f1}. Its blocks were freed tail first ({free_ev[0]['block_ids'] if free_ev else '?'}):
+         the unhashed block went to the front of the free queue (reused first, it can never be a hit)
+         and the hashed ones to the tail, so the free queue is now {fq1}.""")
+    check(recorded[:len(mine)] == mine and all(h is None for h in recorded[len(mine):]) and unchained != mine[1],
+          f"block hashes recomputed from token ids ({', '.join(mine)}) match the recorded ones; the parent hash changes the result")
+    check(len(free_ev) == 1 and free_ev[0]["block_ids"] == list(reversed(t1)),
+          f"a finished request's blocks are freed in reverse order: {list(reversed(t1))}")
+    check(fq1[:len(unhashed1)] == list(reversed(unhashed1)) and fq1[-len(hashed1):] == list(reversed(hashed1)),
+          f"unhashed block {unhashed1} went to the front of the free queue, hashed {list(reversed(hashed1))} to the tail")
+
+    print()
+
+    # 2. two live requests sharing blocks ------------------------------------------------------
+    s2 = first_step(lambda s: "P2" in tables[s] and "P3" in tables[s])
+    shared = [b for b in tables[s2]["P2"] if b in tables[s2]["P3"]]
+    _, h2 = hit("P2")
+    _, h3 = hit("P3")
+    say(f"""P2 and P3 start with the same 48 tokens. At step {s2} both found them cached
+         ({h2['num_hit_tokens'] if h2 else '?'} and {h3['num_hit_tokens'] if h3 else '?'} hit tokens) and now share blocks
+         {shared}: {', '.join(f"block {b} ref_cnt={blocks[s2][b]['ref_cnt']} owners={blocks[s2][b]['owners']}" for b in shared)}.
+         Their block tables are {tables[s2]['P2']} and {tables[s2]['P3']}; only the last block differs.""")
+    check(shared == t1[:3] and all(blocks[s2][b]["ref_cnt"] == 2 and sorted(blocks[s2][b]["owners"]) == ["P2", "P3"]
+                                   for b in shared),
+          f"two live requests share P1's cached blocks {shared} with ref_cnt 2")
+    check(h2 and h3 and h2["num_hit_tokens"] == h3["num_hit_tokens"] == 3 * BS and h2["hit_block_ids"] == shared,
+          f"both prefix lookups hit {3 * BS} tokens = 3 whole blocks")
+
+    print()
+
+    # 3. the last-token recompute --------------------------------------------------------------
+    s4, h4 = hit("P4")
+    cached_before = {b["hash"] for b in blocks[s4 - 1].values() if b["hash"]}
+    p4_hashes = chain_hashes(prompt["P4"])
+    p4_sched = snaps[s4]["scheduler_output"]["num_scheduled_tokens"].get("P4")
+    p4_pi = run.snapshot(s4, "model_runner")["prepare_inputs"]
+    p4_pos = [p for p, r in zip(p4_pi["positions"], p4_pi["req_indices"]) if p4_pi["req_ids"][r] == "P4"]
+    say(f"""P4 is the bare {len(prompt['P4'])}-token prefix; all {len(p4_hashes)} of its block hashes were
+         cached before it arrived. Still, the lookup returned only {h4['num_hit_tokens'] if h4 else '?'} tokens and
+         step {s4} computed {p4_sched} (positions {p4_pos[0] if p4_pos else '?'}..{p4_pos[-1] if p4_pos else '?'}):
+         a hit may cover at most num_tokens - 1 tokens, because the last prompt token has to run
+         through the model to produce the logits of the first output token -- and hits come in
+         whole blocks, so here a whole block is recomputed.""")
+    check(h4 is not None and set(p4_hashes) <= cached_before and h4["num_hit_tokens"] < len(prompt["P4"])
+          and h4["num_hit_tokens"] == (len(prompt["P4"]) - 1) // BS * BS
+          and p4_sched == len(prompt["P4"]) - h4["num_hit_tokens"] and p4_pos and p4_pos[-1] == len(prompt["P4"]) - 1,
+          f"a fully cached {len(prompt['P4'])}-token prompt still computes {p4_sched} tokens, its last one included")
+
+    print()
+
+    # 4. eviction ---------------------------------------------------------------------------------
+    s5 = first_step(lambda s: "P5" in tables[s])
+    fq_before = snaps[s5 - 1]["scheduler"]["kv_cache"]["free_queue"]
+    hash_before = {b: blocks[s5 - 1][b]["hash"] for b in fq_before}
+    ev5 = snaps[s5]["block_pool_events"]
+    alloc5 = [b for e in ev5 if e["kind"] == "allocate" for b in e["block_ids"]]
+    evicted = [(b, h) for e in ev5 if e["kind"] == "evict" for b, h in zip(e["block_ids"], e["block_hashes"])]
+    expect_evicted = [b for b in fq_before[:len(alloc5)] if hash_before[b]]
+    survivors = [b for b in fq_before[len(alloc5):] if hash_before[b]]
+    say(f"""Before P5 the free queue was {fq_before}, with cached (hashed) blocks
+         {[b for b in fq_before if hash_before[b]]} at the tail. P5 ({len(prompt['P5'])} tokens) needed
+         {len(alloc5)} blocks and took them from the front: {alloc5}. Reaching cached blocks, it
+         evicted {[b for b, _ in evicted]} (hashes {[h for _, h in evicted]}): the least recently freed,
+         which are chain tails -- a block is only useful if every block before it also hits, so the
+         heads {survivors} stay cached longest.""")
+    check(alloc5 == fq_before[:len(alloc5)],
+          f"allocation pops the free queue from the front: {alloc5}")
+    check(evicted and [b for b, _ in evicted] == expect_evicted
+          and all(hash_before[b] == h for b, h in evicted),
+          f"evicted first: the cached blocks nearest the front, {expect_evicted}; never-cached blocks were used before them")
+
+    print()
+
+    # 5. what survived ------------------------------------------------------------------------------
+    s6, h6 = hit("P6")
+    cached6 = {b["hash"] for b in blocks[s6 - 1].values() if b["hash"]}
+    p6_hashes = chain_hashes(prompt["P6"])
+    expect6 = next((i for i, h in enumerate(p6_hashes) if h not in cached6), len(p6_hashes)) * BS
+    say(f"""P6 repeats P1's prompt. Of its {len(p6_hashes)} full-block hashes, the cache still held
+         {[h for h in p6_hashes if h in cached6]}; the lookup walks the chain and stops at the first
+         miss, so it hit {h6['num_hit_tokens'] if h6 else '?'} tokens.""")
+    check(h6 is not None and h6["num_hit_tokens"] == min(expect6, (len(prompt["P6"]) - 1) // BS * BS)
+          and h6["num_hit_tokens"] < len(p6_hashes) * BS,
+          f"after eviction P6 hits {h6['num_hit_tokens'] if h6 else '?'} tokens: the chain up to the first evicted block")
+    invariant = all(b["ref_cnt"] == len(b["owners"]) for s in steps for b in blocks[s].values() if not b["is_null"])
+    check(invariant, f"at every one of {len(steps)} steps, each block's ref_cnt equals the number of requests holding it")
+
+    print()
+    say(f"""The step inspector at step {s2} shows the block grid with the three shared blocks at
+         ref_cnt 2 and the free queue beside it.""")
+    dashboard_link(path, "inspector", s2)
+    run.close()
+
+
+if __name__ == "__main__":
+    main()
