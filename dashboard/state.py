@@ -73,6 +73,19 @@ def current() -> tuple[str, dict] | None:
     return path, info
 
 
+def current_step_table():
+    """(path, run info, the run's per-step table) of the open run, or None after showing why not."""
+    cur = current()
+    if cur is None:
+        return None
+    path, info = cur
+    df = data.step_table(path, data.file_version(path))
+    if isinstance(df, data.RunError):
+        show_error(df)
+        return None
+    return path, info, df
+
+
 def show_error(err: data.RunError) -> None:
     st.error(err.message, icon=":material/warning:")
 

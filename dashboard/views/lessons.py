@@ -6,7 +6,7 @@ import os
 
 import streamlit as st
 
-from dashboard import data, state
+from dashboard import state
 from dashboard.components.code_ref import code_ref
 from dashboard.lessons import LESSONS
 
@@ -27,14 +27,10 @@ def lesson_card(lesson, step: int | None, run_name: str) -> None:
 
 def main() -> None:
     st.title("Lessons")
-    cur = state.current()
+    cur = state.current_step_table()
     if cur is None:
         return
-    path, info = cur
-    df = data.step_table(path, data.file_version(path))
-    if isinstance(df, data.RunError):
-        state.show_error(df)
-        return
+    path, _, df = cur
     found = [(lesson, lesson.find(df)) for lesson in LESSONS]
     n = sum(step is not None for _, step in found)
     st.caption(f"{n} of {len(found)} concepts appear in this run ({len(df)} steps).")

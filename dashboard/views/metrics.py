@@ -7,7 +7,7 @@ import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
-from dashboard import data, state
+from dashboard import state
 from dashboard.components.code_ref import code_ref
 from dashboard.theme import KIND_COLORS, STATUS_COLORS
 
@@ -71,14 +71,10 @@ def figures(d: pd.DataFrame, cursor: int | None) -> list[tuple[str, go.Figure]]:
 
 def main() -> None:
     st.title("Metrics over time")
-    cur = state.current()
+    cur = state.current_step_table()
     if cur is None:
         return
-    path, info = cur
-    df = data.step_table(path, data.file_version(path))
-    if isinstance(df, data.RunError):
-        state.show_error(df)
-        return
+    _, _, df = cur
     d = derive(df)
     last = d.iloc[-1]
     c = st.columns(5)
