@@ -8,7 +8,8 @@ from vllm_anatomy import LLM, SamplingParams
 
 pytestmark = pytest.mark.model
 
-LAYER_SPANS = {"llm_request", "EngineCore.add_request", "EngineCore.step", "Scheduler.schedule",
+LAYER_SPANS = {"llm_request", "InputProcessor.process_inputs", "OutputProcessor.process_outputs",
+               "EngineCore.add_request", "EngineCore.step", "Scheduler.schedule",
                "Executor.execute_model", "Worker.execute_model", "GPUModelRunner.execute_model",
                "Worker.sample_tokens", "GPUModelRunner._prepare_inputs",
                "GPUModelRunner._model_forward", "Executor.sample_tokens", "GPUModelRunner.sample_tokens",

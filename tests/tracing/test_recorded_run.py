@@ -132,3 +132,28 @@ def test_perfetto_export(recorded):
     assert starts and starts == {e["id"] for e in ev if e["ph"] == "f"}
     names = {e["args"]["name"] for e in ev if e["ph"] == "M"}
     assert "device" in names and any(n.startswith("request ") for n in names)
+
+
+def test_kv_cache_manager_calls_inside_schedule(recorded):
+    """At level full, every get_computed_blocks / allocate_slots call of a step is a
+    span under that step's Scheduler.schedule, naming its request and its result;
+    the block ids they report are the ones the step's SchedulerOutput carries."""
+    run, _ = recorded
+    spans = run.spans()
+    by_id = {s.span_id: s for s in spans}
+    schedule_step = {s.span_id: by_id[s.parent_id].attributes["vllm_anatomy.step_id"]
+                     for s in spans if s.name == "Scheduler.schedule"}
+    calls = [s for s in spans if s.name.startswith("KVCacheManager.")]
+    assert {s.name for s in calls} == {"KVCacheManager.get_computed_blocks", "KVCacheManager.allocate_slots"}
+    assert all(s.parent_id in schedule_step for s in calls)
+    assert any(s.attributes.get("vllm_anatomy.result") == "None" for s in calls)        # the preemption
+    for step in run.steps():
+        so = run.snapshot(step)["scheduler_output"]
+        sent = {r["req_id"]: r["block_ids"][0] for r in so["scheduled_new_reqs"]}
+        for s in calls:
+            rid = s.attributes["vllm_anatomy.request_id"]
+            if (schedule_step[s.parent_id] == step and s.name.endswith("allocate_slots")
+                    and rid in sent and "vllm_anatomy.new_block_ids" in s.attributes):
+                # a new request's block table = prefix hits + the blocks allocate_slots just gave it
+                new = s.attributes["vllm_anatomy.new_block_ids"]
+                assert sent[rid][len(sent[rid]) - len(new):] == new

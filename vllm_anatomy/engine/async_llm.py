@@ -102,8 +102,15 @@ class AsyncLLM:
         """Validate and send one request; returns the collector its outputs arrive in."""
         if self.errored:
             raise EngineDeadError()
-        prompt_text, request = self.input_processor.process_inputs(
-            request_id, prompt, params, arrival_time, trace_headers=trace_headers)
+        with self.recorder.span("AsyncLLM.add_request", **{"vllm_anatomy.request_id": request_id}):
+            return await self._add_request(request_id, prompt, params, arrival_time, trace_headers)
+
+    async def _add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                           arrival_time: float | None,
+                           trace_headers: dict[str, str] | None) -> RequestOutputCollector:
+        with self.recorder.span("InputProcessor.process_inputs"):
+            prompt_text, request = self.input_processor.process_inputs(
+                request_id, prompt, params, arrival_time, trace_headers=trace_headers)
         queue = RequestOutputCollector(params.output_kind, request.request_id)
         # NOTE: register with the OutputProcessor *before* the engine can answer.
         self.output_processor.add_request(request, prompt_text, queue)
@@ -177,7 +184,9 @@ class AsyncLLM:
                     if start:
                         await asyncio.sleep(0)
                     chunk = batch[start:start + VLLM_V1_OUTPUT_PROC_CHUNK_SIZE]
-                    processed = output_processor.process_outputs(chunk, outputs.timestamp, iteration_stats)
+                    with self.recorder.span("OutputProcessor.process_outputs",
+                                            **{"vllm_anatomy.num_outputs": len(chunk)}):
+                        processed = output_processor.process_outputs(chunk, outputs.timestamp, iteration_stats)
                     if self.request_tracer is not None:
                         self.request_tracer.on_outputs(chunk)
                         self.request_tracer.abort_all(processed.reqs_to_abort, "stop")

@@ -38,6 +38,7 @@ from vllm_anatomy.engine.serial_utils import (EngineCoreOutputType, EngineCoreRe
 from vllm_anatomy.executor.abstract import Executor
 from vllm_anatomy.tracing.factory import make_recorder
 from vllm_anatomy.tracing.recorder import NullRecorder, Recorder
+from vllm_anatomy.tracing.traced import trace_methods
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,9 @@ class EngineCore:
             # snapshots are recorded: someone must drain them every step.
             self.scheduler = Scheduler(vllm_config, num_gpu_blocks,
                                        enable_kv_cache_events=self.recorder.wants_snapshots)
+            if self.recorder.wants_snapshots:
+                trace_methods(self.scheduler.kv_cache_manager, self.recorder, "KVCacheManager",
+                              ["get_computed_blocks", "allocate_slots"])
         # NOTE: the request computes its own block hashes (on arrival and on
         # every appended token); the hasher is created once, here, so every
         # request chains from the same NONE_HASH seed.

@@ -47,7 +47,8 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                     arrival_time: float | None = None) -> None:
-        prompt_text, request = self.input_processor.process_inputs(request_id, prompt, params, arrival_time)
+        with self.recorder.span("InputProcessor.process_inputs", **{"vllm_anatomy.request_id": request_id}):
+            prompt_text, request = self.input_processor.process_inputs(request_id, prompt, params, arrival_time)
         self.output_processor.add_request(request, prompt_text)
         self.counters["vllm:prompt_tokens"] += len(request.prompt_token_ids)
         if self.request_tracer is None:
@@ -80,7 +81,9 @@ class LLMEngine:
                 c["vllm:generation_tokens"] += len(eco.new_token_ids)
                 if eco.finished:
                     c["vllm:request_success"] += 1
-            processed = self.output_processor.process_outputs(outputs.outputs)
+            with self.recorder.span("OutputProcessor.process_outputs",
+                                    **{"vllm_anatomy.num_outputs": len(outputs.outputs)}):
+                processed = self.output_processor.process_outputs(outputs.outputs)
             request_outputs.extend(processed.request_outputs)
             if self.request_tracer is not None:
                 self.request_tracer.on_outputs(outputs.outputs)
