@@ -115,7 +115,7 @@ def q1(run, steps, snap) -> None:
         ok &= any(e["kind"] == "allocate" and e["block_ids"] == blocks[n_hit:] for e in events)
     evicted = [b for e in events if e["kind"] == "evict" for b in e["block_ids"]]
     ok &= set(evicted) <= allocated_in_step
-    say(f"""So the chain is Scheduler.schedule -> KVCacheManager.get_computed_blocks (the prefix-cache
+    say("""So the chain is Scheduler.schedule -> KVCacheManager.get_computed_blocks (the prefix-cache
         lookup; step_record.prefix_hits) -> KVCacheManager.allocate_slots, which first takes a
         reference on the hit blocks (BlockPool.touch), then pops fresh blocks from the free queue's
         front (BlockPool.get_new_blocks — evicting the stale hash of any block that still carried

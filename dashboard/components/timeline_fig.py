@@ -15,7 +15,6 @@ def timeline_figure(df: pd.DataFrame, t0_ns: int, cursor: int | None) -> go.Figu
     df = df.assign(start_ms=(df["start_ns"] - t0_ns) / 1e6,
                    family=df["name"].str.split(".").str[0].where(df["lane"] != "device", "device"))
     df["level"] = df["depth"].clip(upper=6).map(lambda d: f"depth {d}")
-    lanes = sorted(df["lane"].unique(), key=lambda lane: (lane == "device", lane))
     fig = go.Figure()
     for fam, g in df.groupby("family", sort=False):
         label = g["name"] + g["host_timing"].map({True: " (host timing)", False: ""})

@@ -38,8 +38,6 @@ from typing import Any, Callable
 import msgspec
 
 from vllm_anatomy.config import VllmConfig
-from vllm_anatomy.core.outputs import ModelRunnerOutput
-from vllm_anatomy.core.sched.output import SchedulerOutput
 from vllm_anatomy.executor.abstract import Executor
 from vllm_anatomy.executor.shm_broadcast import Handle, MessageQueue, MessageQueueCancelled
 from vllm_anatomy.tracing.factory import make_recorder

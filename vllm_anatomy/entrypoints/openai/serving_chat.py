@@ -7,7 +7,7 @@ of `chat.completion.chunk` server-sent events ending with `data: [DONE]`.
 
 NOTE: a stream is an async generator wrapping the engine's generator. When the
 client goes away the server closes the stream (see api_server.py), the `finally`
-below closes the engine generator, and AsyncLLM aborts the request, so its KV
+of OpenAIServing._sse_stream closes the engine generator, and AsyncLLM aborts the request, so its KV
 blocks go back to the pool.
 """
 from __future__ import annotations
@@ -49,7 +49,8 @@ class OpenAIServingChat(OpenAIServing):
                                    params, request_id, raw_request)
         num_top = request.top_logprobs or 0
         if request.stream:
-            return self.chat_completion_stream_generator(request, generator, request_id, model_name, num_top)
+            return self._sse_stream(self.chat_completion_stream_generator(
+                request, generator, request_id, model_name, num_top), generator)
         return await self.chat_completion_full_generator(generator, request_id, model_name, num_top)
 
     def _render_chat(self, request: ChatCompletionRequest) -> tuple[str, list[int]]:
@@ -96,33 +97,23 @@ class OpenAIServingChat(OpenAIServing):
             return UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=num_generated,
                              total_tokens=num_prompt_tokens + num_generated)
 
-        try:
-            # The first chunk carries only the role, as OpenAI's does.
-            yield chunk([ChatCompletionResponseStreamChoice(
-                index=0, delta=DeltaMessage(role=self.response_role, content=""))])
-            async for res in result_generator:
-                output = res.outputs[0]
-                num_prompt_tokens = len(res.prompt_token_ids)
-                num_generated += len(output.token_ids)
-                want_logprobs = output.logprobs is not None
-                if not output.text and not output.finished() and not (want_logprobs and output.token_ids):
-                    continue   # nothing to show yet (text held back for a possible stop string)
-                choice = ChatCompletionResponseStreamChoice(
-                    index=0, delta=DeltaMessage(content=output.text),
-                    logprobs=self._create_chat_logprobs(output, num_top),
-                    finish_reason=output.finish_reason, stop_reason=output.stop_reason)
-                yield chunk([choice], usage() if continuous_usage else None)
-            if include_usage:
-                yield chunk([], usage())
-        except OpenAIError as e:
-            yield sse(e.response.model_dump_json())
-        except Exception as e:  # noqa: BLE001 - headers are sent: report it in-stream
-            yield self._stream_exception_event(e)
-        finally:
-            # NOTE: closing the engine generator is what aborts the request when
-            # we stop early (client gone). Harmless when it already finished.
-            await result_generator.aclose()
-        yield "data: [DONE]\n\n"
+        # The first chunk carries only the role, as OpenAI's does.
+        yield chunk([ChatCompletionResponseStreamChoice(
+            index=0, delta=DeltaMessage(role=self.response_role, content=""))])
+        async for res in result_generator:
+            output = res.outputs[0]
+            num_prompt_tokens = len(res.prompt_token_ids)
+            num_generated += len(output.token_ids)
+            want_logprobs = output.logprobs is not None
+            if not output.text and not output.finished() and not (want_logprobs and output.token_ids):
+                continue   # nothing to show yet (text held back for a possible stop string)
+            choice = ChatCompletionResponseStreamChoice(
+                index=0, delta=DeltaMessage(content=output.text),
+                logprobs=self._create_chat_logprobs(output, num_top),
+                finish_reason=output.finish_reason, stop_reason=output.stop_reason)
+            yield chunk([choice], usage() if continuous_usage else None)
+        if include_usage:
+            yield chunk([], usage())
 
     def _create_chat_logprobs(self, output: CompletionOutput, num_top: int) -> ChatCompletionLogProbs | None:
         if output.logprobs is None:

@@ -15,7 +15,7 @@ from starlette.requests import Request
 from vllm_anatomy.entrypoints.openai.protocol import (CompletionLogProbs, CompletionRequest, CompletionResponse,
                                                       CompletionResponseChoice, CompletionResponseStreamChoice,
                                                       CompletionStreamResponse, UsageInfo)
-from vllm_anatomy.entrypoints.openai.serving_engine import (OpenAIError, OpenAIServing,
+from vllm_anatomy.entrypoints.openai.serving_engine import (OpenAIServing,
                                                             bad_request_from_value_error, sse)
 from vllm_anatomy.outputs import CompletionOutput, RequestOutput
 
@@ -50,7 +50,8 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.echo:
             echo_text = prompt_text if prompt_text is not None else self.tokenizer.decode(prompt_ids)
         if request.stream:
-            return self.completion_stream_generator(request, generator, request_id, model_name, echo_text)
+            return self._sse_stream(self.completion_stream_generator(
+                request, generator, request_id, model_name, echo_text), generator)
         return await self.completion_full_generator(request, generator, request_id, model_name, echo_text)
 
     async def completion_full_generator(self, request: CompletionRequest,
@@ -87,33 +88,24 @@ class OpenAIServingCompletion(OpenAIServing):
             return sse(CompletionStreamResponse(id=request_id, created=created, model=model_name,
                                                 choices=choices, usage=usage_info).model_dump_json())
 
-        try:
-            async for res in result_generator:
-                output = res.outputs[0]
-                num_prompt_tokens = len(res.prompt_token_ids)
-                num_generated += len(output.token_ids)
-                text = output.text
-                if echo_text is not None:   # the prompt goes first, once
-                    text, echo_text = echo_text + text, None
-                if not text and not output.finished() and not (output.logprobs and output.token_ids):
-                    continue
-                logprobs = self._create_completion_logprobs(output, request.logprobs,
-                                                            text_offset + len(text) - len(output.text))
-                text_offset += len(text)
-                choice = CompletionResponseStreamChoice(index=0, text=text, logprobs=logprobs,
-                                                        finish_reason=output.finish_reason,
-                                                        stop_reason=output.stop_reason)
-                yield chunk([choice], usage() if continuous_usage else None)
-            if include_usage:
-                yield chunk([], usage())
-        except OpenAIError as e:
-            yield sse(e.response.model_dump_json())
-        except Exception as e:  # noqa: BLE001 - headers are sent: report it in-stream
-            yield self._stream_exception_event(e)
-        finally:
-            # NOTE: closing the engine generator aborts the request if it still runs.
-            await result_generator.aclose()
-        yield "data: [DONE]\n\n"
+        async for res in result_generator:
+            output = res.outputs[0]
+            num_prompt_tokens = len(res.prompt_token_ids)
+            num_generated += len(output.token_ids)
+            text = output.text
+            if echo_text is not None:   # the prompt goes first, once
+                text, echo_text = echo_text + text, None
+            if not text and not output.finished() and not (output.logprobs and output.token_ids):
+                continue
+            logprobs = self._create_completion_logprobs(output, request.logprobs,
+                                                        text_offset + len(text) - len(output.text))
+            text_offset += len(text)
+            choice = CompletionResponseStreamChoice(index=0, text=text, logprobs=logprobs,
+                                                    finish_reason=output.finish_reason,
+                                                    stop_reason=output.stop_reason)
+            yield chunk([choice], usage() if continuous_usage else None)
+        if include_usage:
+            yield chunk([], usage())
 
     def _create_completion_logprobs(self, output: CompletionOutput, num_top: int | None,
                                     initial_text_offset: int) -> CompletionLogProbs | None:

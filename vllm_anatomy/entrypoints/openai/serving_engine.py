@@ -150,6 +150,25 @@ class OpenAIServing:
                               HTTPStatus.INTERNAL_SERVER_ERROR)
         return final
 
+    async def _sse_stream(self, events: AsyncGenerator[str, None],
+                          result_generator: AsyncGenerator[RequestOutput, None]) -> AsyncGenerator[str, None]:
+        """The SSE frame around a stream's events: an error is reported in the stream
+        (the 200 and its headers are already sent), the engine generator is always
+        closed, and `data: [DONE]` comes last."""
+        try:
+            async for event in events:
+                yield event
+        except OpenAIError as e:
+            yield sse(e.response.model_dump_json())
+        except Exception as e:  # noqa: BLE001 - headers are sent: report it in-stream
+            yield self._stream_exception_event(e)
+        finally:
+            # NOTE: closing the engine generator is what aborts the request when
+            # we stop early (client gone). Harmless when it already finished.
+            await events.aclose()
+            await result_generator.aclose()
+        yield "data: [DONE]\n\n"
+
     @staticmethod
     def _stream_exception_event(e: Exception) -> str:
         if isinstance(e, EngineDeadError):
