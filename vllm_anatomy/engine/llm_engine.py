@@ -14,6 +14,7 @@ from vllm_anatomy.config import VllmConfig
 from vllm_anatomy.engine.core import EngineCore
 from vllm_anatomy.engine.input_processor import InputProcessor, PromptType
 from vllm_anatomy.engine.output_processor import OutputProcessor
+from vllm_anatomy.engine.protocol import EngineCoreRequest
 from vllm_anatomy.outputs import RequestOutput
 from vllm_anatomy.sampling_params import SamplingParams
 from vllm_anatomy.tracing.factory import make_recorder, run_meta
@@ -47,8 +48,15 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                     arrival_time: float | None = None) -> None:
+        self.add_processed_request(*self.process_inputs(request_id, prompt, params, arrival_time))
+
+    def process_inputs(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                       arrival_time: float | None = None) -> tuple[str | None, EngineCoreRequest]:
+        """Tokenize and validate (raises on bad input); nothing is added yet."""
         with self.recorder.span("InputProcessor.process_inputs", **{"vllm_anatomy.request_id": request_id}):
-            prompt_text, request = self.input_processor.process_inputs(request_id, prompt, params, arrival_time)
+            return self.input_processor.process_inputs(request_id, prompt, params, arrival_time)
+
+    def add_processed_request(self, prompt_text: str | None, request: EngineCoreRequest) -> None:
         self.output_processor.add_request(request, prompt_text)
         self.counters["vllm:prompt_tokens"] += len(request.prompt_token_ids)
         if self.request_tracer is None:

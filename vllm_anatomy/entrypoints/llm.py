@@ -57,11 +57,12 @@ class LLM:
             if len(params_list) != len(prompts):
                 raise ValueError(f"The lengths of prompts ({len(prompts)}) and "
                                  f"sampling_params ({len(params_list)}) must be the same.")
-        # NOTE: validate every prompt before adding any, so a bad one loses nothing.
-        for p, sp in zip(prompts, params_list):
-            self.llm_engine.input_processor.process_inputs("validate", p, sp)
-        for p, sp in zip(prompts, params_list):
-            self.llm_engine.add_request(str(next(self.request_counter)), p, sp)
+        # NOTE: tokenize and validate every prompt before adding any, so a bad one loses nothing.
+        engine = self.llm_engine
+        processed = [engine.process_inputs(str(next(self.request_counter)), p, sp)
+                     for p, sp in zip(prompts, params_list)]
+        for prompt_text, request in processed:
+            engine.add_processed_request(prompt_text, request)
         return self._run_engine(len(prompts), use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]],
