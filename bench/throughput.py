@@ -30,21 +30,21 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from kernels import copy_ceiling, matmul_ceiling  # noqa: E402  (bench/kernels.py)
 
 
-def qwen3_06b_config():
+def qwen3_06b_config(num_hidden_layers: int = 28):
     import transformers
     return transformers.Qwen3Config(
-        vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+        vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=num_hidden_layers,
         num_attention_heads=16, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
         max_position_embeddings=40960, tie_word_embeddings=True, torch_dtype="bfloat16",
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
 
 
-def write_random_model(path: str) -> None:
+def write_random_model(path: str, num_hidden_layers: int = 28) -> None:
     """config.json, random bf16 safetensors (transformers' names) and a word-level tokenizer."""
     import transformers
     from safetensors.torch import save_file
     from tokenizers import Tokenizer, models, pre_tokenizers
-    cfg = qwen3_06b_config()
+    cfg = qwen3_06b_config(num_hidden_layers)
     cfg.save_pretrained(path)
     with torch.device("meta"):
         params = dict(transformers.AutoModelForCausalLM.from_config(cfg).named_parameters())

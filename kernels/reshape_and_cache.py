@@ -71,6 +71,19 @@ def _reshape_and_cache_kernel(
     tl.store(vc, v.to(value_cache_ptr.dtype.element_ty), mask=mask)
 
 
+def _tokens_per_program(num_kv_heads: int, head_dim: int) -> int:
+    # NOTE: ~8 K elements (16 KB of bf16 per tensor) per program: large enough
+    # that each program keeps many 16-byte loads in flight, small enough that a
+    # decode batch still gives every multiprocessor work.
+    row_padded = triton.next_power_of_2(num_kv_heads) * triton.next_power_of_2(head_dim)
+    return max(1, min(64, 8192 // row_padded))
+
+
+def launch_grid(num_tokens: int, num_kv_heads: int, head_dim: int) -> tuple[int]:
+    """One program per BLOCK_T tokens (for tracing)."""
+    return (triton.cdiv(num_tokens, _tokens_per_program(num_kv_heads, head_dim)),)
+
+
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                       value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Write key/value [T, nkv, hd] into key_cache/value_cache at slot_mapping[:T] (skip -1)."""
@@ -87,11 +100,7 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
                            "vllm_anatomy.kernels is first imported")
     heads_padded = triton.next_power_of_2(num_kv_heads)
     head_dim_padded = triton.next_power_of_2(head_dim)
-    row_padded = heads_padded * head_dim_padded
-    # NOTE: ~8 K elements (16 KB of bf16 per tensor) per program: large enough
-    # that each program keeps many 16-byte loads in flight, small enough that a
-    # decode batch still gives every multiprocessor work.
-    block_t = max(1, min(64, 8192 // row_padded))
+    block_t = _tokens_per_program(num_kv_heads, head_dim)
     grid = (triton.cdiv(num_tokens, block_t),)
     _reshape_and_cache_kernel[grid](
         key, value, key_cache, value_cache, slot_mapping, num_tokens,

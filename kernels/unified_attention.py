@@ -227,6 +227,19 @@ def pick_config(max_seqlen_q: int, num_queries_per_kv: int, head_dim: int) -> di
     return dict(block_m=max(64, pow2), tile_size=64, num_warps=4, num_stages=2)
 
 
+def launch_grid(num_tokens: int, num_seqs: int, num_kv_heads: int, block_q: int) -> tuple[int, int]:
+    """(query blocks, an upper bound needing no device read; KV heads)."""
+    return (num_tokens // block_q + num_seqs, num_kv_heads)
+
+
+def default_grid(num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads: int,
+                 head_dim: int, max_seqlen_q: int) -> tuple[int, int]:
+    """The grid unified_attention launches with its default block shapes (for tracing)."""
+    num_queries_per_kv = num_heads // num_kv_heads
+    block_m = pick_config(max_seqlen_q, num_queries_per_kv, head_dim)["block_m"]
+    return launch_grid(num_tokens, num_seqs, num_kv_heads, max(1, block_m // num_queries_per_kv))
+
+
 def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                       out: torch.Tensor, cu_seqlens_q: torch.Tensor, max_seqlen_q: int,
                       seqused_k: torch.Tensor, max_seqlen_k: int, softmax_scale: float,
@@ -261,7 +274,7 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     block_m = block_m or cfg["block_m"]
     tile_size = tile_size or cfg["tile_size"]
     block_q = max(1, block_m // num_queries_per_kv)
-    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    grid = launch_grid(num_tokens, num_seqs, num_kv_heads, block_q)
     _unified_attention_kernel[grid](
         q, key_cache, value_cache, out, block_table, cu_seqlens_q, seqused_k,
         softmax_scale * LOG2E, num_seqs,

@@ -1,7 +1,8 @@
 """Engine configuration, split the way vLLM splits it (vllm/config/*.py).
 
 ModelConfig (what model, which dtype, how long), CacheConfig (the paged KV
-cache), SchedulerConfig (the token budget) and VllmConfig holding all three.
+cache), SchedulerConfig (the token budget), CompilationConfig (CUDA graphs)
+and VllmConfig holding them all.
 Users set these through EngineArgs (vllm_anatomy/engine/arg_utils.py) using
 vLLM's argument names.
 """
@@ -76,9 +77,34 @@ class ObservabilityConfig:
 
 
 @dataclass
+class CompilationConfig:
+    """How the forward pass runs (vllm/config/compilation.py).
+
+    cudagraph_mode: FULL_DECODE_ONLY = a full CUDA graph for batches where every
+    request decodes one token (padded up to a capture size), eager otherwise;
+    NONE = always eager (`--enforce-eager`, and always on a CPU). vLLM's
+    default is FULL_AND_PIECEWISE (prefill/mixed batches also run as graph
+    pieces around eager attention); we have no torch.compile, so no pieces.
+    """
+    cudagraph_mode: str = "NONE"                      # FULL_DECODE_ONLY | NONE
+    cudagraph_capture_sizes: list[int] = field(default_factory=list)   # resolved at start-up
+    max_cudagraph_capture_size: int = 0
+
+
+def default_capture_sizes(max_size: int) -> list[int]:
+    """[1, 2, 4, 8, 16, 24, ..., max_size]: vLLM's 1, 2, 4 then steps of 8
+    (vLLM switches to steps of 16 past 256, where padding costs relatively less)."""
+    sizes = [s for s in (1, 2, 4) if s <= max_size] + list(range(8, max_size + 1, 8))
+    if max_size not in sizes:
+        sizes.append(max_size)
+    return sizes
+
+
+@dataclass
 class VllmConfig:
     model_config: ModelConfig
     cache_config: CacheConfig
     scheduler_config: SchedulerConfig
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     observability_config: ObservabilityConfig = field(default_factory=ObservabilityConfig)
+    compilation_config: CompilationConfig = field(default_factory=CompilationConfig)

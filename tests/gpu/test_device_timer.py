@@ -12,12 +12,13 @@ PHASES = ["GPU.prepare_inputs", "GPU.model_forward", "GPU.compute_logits", "GPU.
 def test_device_phases_per_step(tiny_llama_dir):
     from vllm_anatomy import LLM, SamplingParams
     rec = InMemoryRecorder("spans")
-    llm = LLM(tiny_llama_dir, device="cuda", recorder=rec, max_model_len=256)
+    llm = LLM(tiny_llama_dir, device="cuda", recorder=rec, max_model_len=256, enforce_eager=True,
+              max_num_seqs=8)
     llm.generate([{"prompt_token_ids": list(range(1, 40))}] * 3,
                  SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     steps = [s.attrs["vllm_anatomy.step_id"] for s in rec.find("EngineCore.step")]
     for step_id in steps:
-        device = sorted((s for s in rec.spans if s.name.startswith("GPU.")
+        device = sorted((s for s in rec.spans if s.name in PHASES
                          and s.attrs["vllm_anatomy.step_id"] == step_id), key=lambda s: s.start_ns)
         assert [s.name for s in device] == PHASES
         assert all(s.attrs["vllm_anatomy.lane"] == "device" for s in device)
@@ -36,3 +37,38 @@ def _step_of(rec, span):
         if "vllm_anatomy.step_id" in span.attrs:
             return span.attrs["vllm_anatomy.step_id"]
     return None
+
+
+def test_layer_and_kernel_spans_eager_steps_only(tiny_llama_dir):
+    """Eager steps: one GPU.layer span per decoder layer inside GPU.model_forward; at
+    level full each kernel launch too. Graph replays: one forward span, no finer ones."""
+    from vllm_anatomy import LLM, SamplingParams
+    rec = InMemoryRecorder("full")
+    llm = LLM(tiny_llama_dir, device="cuda", recorder=rec, max_model_len=256, max_num_seqs=8)
+    num_layers = llm.llm_engine.vllm_config.model_config.num_hidden_layers
+    llm.generate([{"prompt_token_ids": list(range(1, 40 + i))} for i in range(3)],
+                 SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)
+    llm.llm_engine.shutdown()
+    by_step: dict[int, list] = {}
+    for s in rec.spans:
+        if s.name.startswith("GPU."):
+            by_step.setdefault(s.attrs["vllm_anatomy.step_id"], []).append(s)
+    modes = set()
+    for step_id, spans in by_step.items():
+        (fwd,) = [s for s in spans if s.name == "GPU.model_forward"]
+        layers = sorted((s for s in spans if s.name == "GPU.layer"), key=lambda s: s.start_ns)
+        kernels = [s for s in spans if s.name.startswith("GPU.kernel.")]
+        mode = fwd.attrs["vllm_anatomy.cudagraph_mode"]
+        modes.add(mode)
+        if mode == "FULL":
+            assert not layers and not kernels
+            continue
+        assert [s.attrs["vllm_anatomy.layer"] for s in layers] == list(range(num_layers))
+        assert all(fwd.start_ns <= s.start_ns <= s.end_ns <= fwd.end_ns for s in layers)
+        names = [s.name for s in kernels]
+        assert names.count("GPU.kernel.unified_attention") == num_layers
+        assert names.count("GPU.kernel.reshape_and_cache") == num_layers
+        assert names.count("GPU.kernel.compute_slot_mapping") == 1
+        attn = next(s for s in kernels if s.name == "GPU.kernel.unified_attention")
+        assert attn.attrs["vllm_anatomy.bytes"] > 0 and len(attn.attrs["vllm_anatomy.grid"]) == 2
+    assert modes == {"FULL", "NONE"}

@@ -10,7 +10,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 def _tokens(model_dir, backend, trace_level="off"):
     from vllm_anatomy import LLM, SamplingParams
     llm = LLM(model_dir, device="cuda", dtype="float32", attention_backend=backend, max_model_len=256,
-              max_num_batched_tokens=64, trace_level=trace_level,
+              max_num_batched_tokens=64, max_num_seqs=16, trace_level=trace_level,
               **({"trace_dir": "/tmp/vllm_anatomy_gpu_traces"} if trace_level != "off" else {}))
     cfg = llm.llm_engine.vllm_config.model_config
     prompts = [{"prompt_token_ids": [(7 * i + 3 * j) % 500 + 5 for j in range(n)]}
@@ -25,5 +25,5 @@ def test_triton_backend_matches_torch_backend(tiny_llama_dir):
     name_r, torch_tokens = _tokens(tiny_llama_dir, "torch")
     assert (name_t, name_r) == ("triton", "torch")
     assert triton_tokens == torch_tokens
-    # At trace level full the slot mapping is computed on the host instead: same tokens.
+    # At trace level full every kernel launch is timed and snapshots taken: same tokens.
     assert _tokens(tiny_llama_dir, "triton", trace_level="full")[1] == triton_tokens

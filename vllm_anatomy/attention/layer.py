@@ -47,7 +47,8 @@ class Attention(nn.Module):
         query = query.view(num_tokens, self.num_heads, self.head_size)    # [T, nh, hd]
         key = key.view(num_tokens, self.num_kv_heads, self.head_size)     # [T, nkv, hd]
         value = value.view(num_tokens, self.num_kv_heads, self.head_size)
-        self.impl.do_kv_cache_update(key, value, kv_cache, attn_metadata.slot_mapping)
+        self.impl.do_kv_cache_update(key, value, kv_cache, attn_metadata.slot_mapping,
+                                     kernel_timer=attn_metadata.kernel_timer)
         output = self.impl.forward(query, kv_cache, attn_metadata)        # [T, nh, hd]
         return output.view(num_tokens, self.num_heads * self.head_size)
 

@@ -12,8 +12,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from vllm_anatomy.config import (CacheConfig, ModelConfig, ObservabilityConfig, ParallelConfig,
-                                 SchedulerConfig, VllmConfig)
+from vllm_anatomy.config import (CacheConfig, CompilationConfig, ModelConfig, ObservabilityConfig,
+                                 ParallelConfig, SchedulerConfig, VllmConfig, default_capture_sizes)
 from vllm_anatomy.model_executor.default_model import resolve_model
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -40,6 +40,10 @@ class EngineArgs:
     # NOTE: ranks all run the whole model for now (no sharding yet): this sets
     # how many worker processes the "mp" executor drives.
     tensor_parallel_size: int = 1
+    # CUDA graphs for pure-decode batches (vLLM's names); ignored on a CPU.
+    enforce_eager: bool = False
+    max_cudagraph_capture_size: int | None = None   # None = min(2 * max_num_seqs, 512), as vLLM
+    cudagraph_capture_sizes: list[int] | None = None
     trace_level: str = "off"                    # off | spans | full
     trace_dir: str | None = None
     otlp_traces_endpoint: str | None = None
@@ -123,7 +127,26 @@ class EngineArgs:
                                          world_size=self.tensor_parallel_size)
         observability_config = ObservabilityConfig(trace_level=self.trace_level, trace_dir=self.trace_dir,
                                                    otlp_traces_endpoint=self.otlp_traces_endpoint)
-        return VllmConfig(model_config, cache_config, scheduler_config, parallel_config, observability_config)
+        compilation_config = self._compilation_config(on_gpu, max_num_seqs, max_num_batched_tokens)
+        return VllmConfig(model_config, cache_config, scheduler_config, parallel_config, observability_config,
+                          compilation_config)
+
+    def _compilation_config(self, on_gpu: bool, max_num_seqs: int, max_num_batched_tokens: int) -> CompilationConfig:
+        if self.cudagraph_capture_sizes is not None:
+            sizes = sorted(set(self.cudagraph_capture_sizes))
+            if not sizes or sizes[0] < 1:
+                raise ValueError(f"cudagraph_capture_sizes must be positive integers, got {self.cudagraph_capture_sizes}")
+        else:
+            max_size = self.max_cudagraph_capture_size or min(2 * max_num_seqs, 512)
+            if max_size < 1:
+                raise ValueError(f"max_cudagraph_capture_size must be at least 1, got {max_size}")
+            sizes = default_capture_sizes(max_size)
+        # NOTE: a graph runs one decode token per request, so a batch can never
+        # need more than max_num_seqs (or the token budget) rows.
+        sizes = [s for s in sizes if s <= min(max_num_seqs, max_num_batched_tokens)] or [1]
+        if not on_gpu or self.enforce_eager:
+            return CompilationConfig("NONE", [], 0)
+        return CompilationConfig("FULL_DECODE_ONLY", sizes, sizes[-1])
 
     # -- command line -------------------------------------------------------------
     @staticmethod
@@ -146,6 +169,9 @@ class EngineArgs:
         p("--long-prefill-token-threshold", type=int, default=0)
         p("--distributed-executor-backend", choices=["uni", "mp"], default=d.distributed_executor_backend)
         p("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size)
+        p("--enforce-eager", action="store_true", help="never use CUDA graphs")
+        p("--max-cudagraph-capture-size", type=int, default=None)
+        p("--cudagraph-capture-sizes", type=int, nargs="+", default=None)
         p("--trace-level", choices=["off", "spans", "full"], default=d.trace_level)
         p("--trace-dir", default=None)
         p("--otlp-traces-endpoint", default=None)

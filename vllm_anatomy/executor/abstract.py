@@ -44,6 +44,8 @@ class Executor:
 
     def initialize_from_config(self, num_gpu_blocks: int) -> None:
         self.collective_rpc("initialize_from_config", (num_gpu_blocks,))
+        # NOTE: after the KV cache exists: graphs capture its addresses.
+        self.collective_rpc("compile_or_warm_up_model")
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:
         with self.recorder.span("Executor.execute_model") as span:

@@ -21,3 +21,6 @@ class UniProcExecutor(Executor):
 
     def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list[Any]:
         return [getattr(self.driver_worker, method)(*args, **(kwargs or {}))]
+
+    def shutdown(self) -> None:
+        self.driver_worker.shutdown()

@@ -7,6 +7,14 @@ read only after the step's one existing sync point (`_bookkeeping_sync`), when
 all of them have. The spans go to the recorder with explicit timestamps on the
 "device" lane.
 
+Finer grain, where the step runs eager (not a CUDA graph replay):
+- each decoder layer gets a span `GPU.layer` (forward hooks on the layers);
+- at trace level `full`, each kernel launch the engine makes itself
+  (compute_slot_mapping, reshape_and_cache, unified_attention per layer) gets
+  a span `GPU.kernel.<name>` with its grid, token count and bytes moved.
+A graph replay is one span (`GPU.model_forward` with cudagraph_mode FULL and
+the padded size): events cannot be recorded between a graph's kernels.
+
 NOTE: device and host clocks differ; we anchor the device timeline at the sync:
 the last event completed just before `synchronize()` returned, so a mark's host
 time is `t_sync - elapsed(mark, last)`. (Anchoring at the first *enqueue* would
@@ -15,6 +23,9 @@ On a CPU there is no device lane: every op runs synchronously on the host, and
 the host spans (GPUModelRunner._model_forward, ...) are that timeline.
 """
 from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
 
 import torch
 
@@ -26,26 +37,76 @@ class DeviceTimer:
     def __init__(self, device: torch.device, recorder: Recorder) -> None:
         self.recorder = recorder
         self.enabled = recorder.enabled and device.type == "cuda"
-        self.marks: list[tuple[str, torch.cuda.Event]] = []
+        # True while CUDA graphs are captured: an event recorded then would be
+        # baked into the graph, so no marks, layer or kernel spans at all.
+        self.capturing = False
+        self.marks: list[tuple[str, torch.cuda.Event, dict]] = []
+        # (name, start event, end event, attributes) of layers and kernels.
+        self.intervals: list[tuple[str, torch.cuda.Event, torch.cuda.Event, dict]] = []
+        self._layer_start: torch.cuda.Event | None = None
 
-    def mark(self, phase: str) -> None:
+    @property
+    def active(self) -> bool:
+        return self.enabled and not self.capturing
+
+    @property
+    def times_kernels(self) -> bool:
+        return self.active and self.recorder.wants_snapshots
+
+    def _event(self) -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def mark(self, phase: str, **attrs: Any) -> None:
         """The device work enqueued from here on belongs to `phase` (until the next mark)."""
-        if self.enabled:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self.marks.append((phase, event))
+        if self.active:
+            if not self.marks:          # a new step: drop layer spans of dummy/warm-up runs
+                self.intervals.clear()
+            self.marks.append((phase, self._event(), attrs))
+
+    @contextlib.contextmanager
+    def kernel(self, name: str, **attrs: Any) -> Iterator[None]:
+        """Time one kernel launch (level full, eager steps only)."""
+        if not self.times_kernels:
+            yield
+            return
+        start = self._event()
+        yield
+        self.intervals.append((f"GPU.kernel.{name}", start, self._event(), attrs))
+
+    def watch_layers(self, layers: torch.nn.ModuleList) -> None:
+        """Per-layer spans through forward hooks (cheap no-ops when tracing is off)."""
+        if not self.enabled:
+            return
+        for i, layer in enumerate(layers):
+            layer.register_forward_pre_hook(self._layer_pre_hook)
+            layer.register_forward_hook(lambda _m, _a, _o, i=i: self._layer_post_hook(i))
+
+    def _layer_pre_hook(self, _module, _args) -> None:
+        if self.active:
+            self._layer_start = self._event()
+
+    def _layer_post_hook(self, index: int) -> None:
+        if self.active and self._layer_start is not None:
+            self.intervals.append(("GPU.layer", self._layer_start, self._event(),
+                                   {"vllm_anatomy.layer": index}))
+            self._layer_start = None
 
     def resolve(self, step_id: int) -> None:
         """After the sync point: turn the marks into device-lane spans."""
         if not self.enabled or len(self.marks) < 2:
             self.marks.clear()
+            self.intervals.clear()
             return
         t_sync = self.recorder.now_ns()
         last = self.marks[-1][1]
-        for (phase, ev), (_, nxt) in zip(self.marks, self.marks[1:]):
-            start = t_sync - int(ev.elapsed_time(last) * 1e6)
-            end = t_sync - int(nxt.elapsed_time(last) * 1e6)
-            self.recorder.record_span(f"GPU.{phase}", start, end, **{
-                "vllm_anatomy.lane": "device", "vllm_anatomy.step_id": step_id,
-                "vllm_anatomy.timing": "cuda_event"})
+        at = lambda ev: t_sync - int(ev.elapsed_time(last) * 1e6)  # noqa: E731  (host ns of an event)
+        common = {"vllm_anatomy.lane": "device", "vllm_anatomy.step_id": step_id,
+                  "vllm_anatomy.timing": "cuda_event"}
+        for (phase, ev, attrs), (_, nxt, _) in zip(self.marks, self.marks[1:]):
+            self.recorder.record_span(f"GPU.{phase}", at(ev), at(nxt), **common, **attrs)
+        for name, start, end, attrs in self.intervals:
+            self.recorder.record_span(name, at(start), at(end), **common, **attrs)
         self.marks.clear()
+        self.intervals.clear()

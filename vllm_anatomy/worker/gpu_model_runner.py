@@ -16,12 +16,17 @@ NOTE: execute_model returns None. On a GPU everything it did was only
 *enqueued*; returning lets the caller (EngineCore) do CPU work — in vLLM the
 structured-output grammar bitmask — while the device runs the forward pass.
 
+CUDA graphs (worker/cudagraph.py): a batch of pure decodes is padded to the
+next captured size and replays that size's graph instead of launching the
+forward kernel by kernel; anything with a prefill chunk runs eager.
+
 Simplified here: no spec decode, LoRA, multimodal, pooling, pipeline
-parallelism, structured output, CUDA graphs (yet) or async scheduling; the
+parallelism, structured output, piecewise graphs or async scheduling; the
 scheduler runs synchronously, so sampled tokens come back every step.
 """
 from __future__ import annotations
 
+import logging
 import math
 import time
 from typing import NamedTuple
@@ -38,8 +43,11 @@ from vllm_anatomy.model_executor.loader import get_model, load_hf_config
 from vllm_anatomy.model_executor.sampler import Sampler, SamplerOutput
 from vllm_anatomy.model_executor.sampling_metadata import SamplingMetadata
 from vllm_anatomy.tracing.recorder import NullRecorder, Recorder
+from vllm_anatomy.worker.cudagraph import CUDAGraphRunner, CudagraphDecision, CudagraphDispatcher
 from vllm_anatomy.worker.device_timer import DeviceTimer
 from vllm_anatomy.worker.gpu_input_batch import CachedRequestState, InputBatch
+
+logger = logging.getLogger(__name__)
 
 
 class ExecuteModelState(NamedTuple):
@@ -94,6 +102,15 @@ class GPUModelRunner:
         self.transfer_event = torch.cuda.Event() if self.device.type == "cuda" else None
         self.device_timer = DeviceTimer(self.device, recorder)
 
+        # CUDA graphs: only on a GPU, and only with kernels that read nothing
+        # on the host (the torch reference backend loops over requests in Python).
+        cc = vllm_config.compilation_config
+        if self.device.type != "cuda" or self.attn_backend_name != "triton":
+            cc = type(cc)("NONE", [], 0)
+        self.cudagraph_dispatcher = CudagraphDispatcher(cc)
+        self.cudagraph_runner = CUDAGraphRunner() if self.cudagraph_dispatcher.enabled else None
+        self.cudagraph_decision: CudagraphDecision | None = None
+
     def _buffer(self, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, np.ndarray, torch.Tensor]:
         cpu = torch.zeros(n, dtype=dtype, pin_memory=self.pin_memory)
         return cpu, cpu.numpy(), torch.zeros(n, dtype=dtype, device=self.device)
@@ -102,6 +119,7 @@ class GPUModelRunner:
     def load_model(self) -> None:
         with self.recorder.span("GPUModelRunner.load_model"):
             self.model = get_model(self.model_config, backend=self.attn_backend_name).to(self.device)
+            self.device_timer.watch_layers(self.model.model.layers)
 
     def get_kv_cache_bytes_per_block(self) -> int:
         """Bytes one block takes summed over all layers (K and V)."""
@@ -148,12 +166,7 @@ class GPUModelRunner:
         input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         positions = torch.arange(num_tokens, device=self.device) % self.max_model_len
         hidden = self.model(input_ids, positions, [], None)                   # [T, H]
-        num_reqs = min(self.max_num_reqs, num_tokens)
-        logits = self.model.compute_logits(hidden[:num_reqs])                 # [R, V]
-        full = lambda v, dt: torch.full((num_reqs,), v, dtype=dt, device=self.device)  # noqa: E731
-        self.sampler(logits, SamplingMetadata(full(1.0, torch.float32), False, True,
-                                              full(0.9, torch.float32), full(20, torch.int32),
-                                              None, {}, 20))
+        self._dummy_run_sampler(hidden[:min(self.max_num_reqs, num_tokens)])  # [R, V] logits
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """One tensor per layer, [2, num_blocks, block_size, num_kv_heads, head_dim]."""
@@ -163,6 +176,76 @@ class GPUModelRunner:
             dtype = next(m.parameters()).dtype
             self.kv_caches = [torch.zeros(shape, dtype=dtype, device=self.device)
                               for _ in range(m.num_layers)]
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Run the kernels once before the first request, so their JIT compilation
+        (Triton compiles a kernel variant on its first launch, ~1 s) is not
+        billed to a user's first token: a dummy prefill chunk, then a decode."""
+        if self.device.type != "cuda":
+            return
+        with self.recorder.span("GPUModelRunner.warm_up"):
+            for num_tokens in (min(64, self.max_num_tokens), 1):
+                self._dummy_step_inputs(num_tokens, query_len=num_tokens)
+                hidden = self._model_forward(num_tokens, self._dummy_attn_metadata(1, num_tokens, num_tokens))
+                self._dummy_run_sampler(hidden[:1])
+            torch.cuda.synchronize(self.device)
+
+    @torch.inference_mode()
+    def capture_model(self) -> None:
+        """Capture one CUDA graph per capture size (largest first), for pure-decode batches."""
+        if self.cudagraph_runner is None:
+            return
+        sizes = sorted(self.cudagraph_dispatcher.capture_sizes, reverse=True)
+        t0, free0 = time.perf_counter(), torch.cuda.mem_get_info(self.device)[0]
+        with self.recorder.span("GPUModelRunner.capture_model", **{
+                "vllm_anatomy.cudagraph_mode": self.cudagraph_dispatcher.mode,
+                "vllm_anatomy.num_capture_sizes": len(sizes)}) as span:
+            # Decode-shaped dummy inputs in the static buffers, for the largest size.
+            self._dummy_step_inputs(sizes[0], query_len=1)
+            self.device_timer.capturing = True     # no events may be recorded into a graph
+            try:
+                for size in _progress(sizes, "Capturing CUDA graphs (decode, FULL)"):
+                    with self.recorder.span("CUDAGraph.capture", **{"vllm_anatomy.cudagraph_size": size}):
+                        metadata = self._dummy_attn_metadata(size, size, 1)
+                        self.cudagraph_runner.capture(size, lambda: self._model_forward(size, metadata))
+            finally:
+                self.device_timer.capturing = False
+            torch.cuda.synchronize(self.device)
+            used = free0 - torch.cuda.mem_get_info(self.device)[0]
+            span.set_attribute("vllm_anatomy.cudagraph_memory_bytes", used)
+        logger.info("captured %d CUDA graphs (sizes %d..%d) in %.1f s, %.2f GiB",
+                    len(sizes), sizes[-1], sizes[0], time.perf_counter() - t0, used / 2**30)
+
+    def _dummy_step_inputs(self, num_tokens: int, query_len: int) -> None:
+        """Harmless values in the static input buffers: num_tokens // query_len
+        requests of query_len tokens at positions 0.., every row pointing at
+        block 0 (the null block), and slot -1 everywhere (nothing is written)."""
+        num_reqs = num_tokens // query_len
+        self.input_ids[:num_tokens].zero_()
+        self.positions[:num_tokens].copy_(torch.arange(num_tokens, device=self.device) % query_len)
+        self.query_start_loc[:num_reqs + 1].copy_(
+            torch.arange(num_reqs + 1, device=self.device, dtype=torch.int32) * query_len)
+        self.seq_lens[:num_reqs].fill_(query_len)
+        self.input_batch.block_table.block_table[:num_reqs].zero_()
+        self.input_batch.block_table.slot_mapping[:num_tokens].fill_(-1)
+
+    def _dummy_attn_metadata(self, num_reqs: int, num_tokens: int, query_len: int) -> AttentionMetadata:
+        """Metadata over the static buffers (views: a graph reads them at replay)."""
+        bt = self.input_batch.block_table
+        return AttentionMetadata(
+            num_actual_tokens=num_tokens, num_reqs=num_reqs, max_query_len=query_len,
+            max_seq_len=query_len, query_start_loc=self.query_start_loc[:num_reqs + 1],
+            seq_lens=self.seq_lens[:num_reqs], block_table=bt.get_device_tensor(num_reqs),
+            slot_mapping=bt.slot_mapping[:num_tokens])
+
+    def _dummy_run_sampler(self, logits_rows: torch.Tensor) -> None:
+        logits = self.model.compute_logits(logits_rows)
+        n = logits.shape[0]
+        full = lambda v, dt: torch.full((n,), v, dtype=dt, device=self.device)  # noqa: E731
+        self.sampler(logits, SamplingMetadata(full(1.0, torch.float32), False, True,
+                                              full(0.9, torch.float32), full(20, torch.int32),
+                                              None, {}, 20))
 
     # -- one step: execute_model -------------------------------------------------------
     @torch.inference_mode()
@@ -183,9 +266,17 @@ class GPUModelRunner:
             timer.mark("prepare_inputs")       # the H2D copies of the step's inputs
             with self.recorder.span("GPUModelRunner._prepare_inputs"):
                 attn_metadata, logits_indices = self._prepare_inputs(scheduler_output)
-            timer.mark("model_forward")
-            with self.recorder.span("GPUModelRunner._model_forward"):
-                hidden_states = self._model_forward(num_tokens, attn_metadata)  # [T, H]
+            decision = self.cudagraph_decision
+            timer.mark("model_forward", **{"vllm_anatomy.cudagraph_mode": decision.mode,
+                                           "vllm_anatomy.num_padded_tokens": decision.num_padded_tokens})
+            with self.recorder.span("GPUModelRunner._model_forward", **{
+                    "vllm_anatomy.cudagraph_mode": decision.mode,
+                    "vllm_anatomy.num_padded_tokens": decision.num_padded_tokens,
+                    "vllm_anatomy.cudagraph_reason": decision.reason}):
+                if decision.mode == "FULL":
+                    hidden_states = self.cudagraph_runner.replay(decision.num_padded_tokens)  # [N, H]
+                else:
+                    hidden_states = self._model_forward(num_tokens, attn_metadata)        # [T, H]
             timer.mark("compute_logits")
             with self.recorder.span("GPUModelRunner.compute_logits"):
                 logits = self.model.compute_logits(hidden_states[logits_indices])  # [R, V]
@@ -268,6 +359,14 @@ class GPUModelRunner:
         num_scheduled = np.array([scheduler_output.num_scheduled_tokens[r] for r in batch.req_ids],
                                  dtype=np.int32)                               # [R]
         assert num_scheduled.sum() == total, "rows and num_scheduled_tokens disagree"
+        max_query_len = int(num_scheduled.max())
+        # The CUDA-graph decision comes first: a graph step pads the batch, and
+        # the padding must be written into the static buffers below.
+        self.cudagraph_decision = decision = self.cudagraph_dispatcher.dispatch(total, num_reqs, max_query_len)
+        padded = decision.num_padded_tokens
+        # NOTE: padding requests (one token each) have query_len 0 and seq_len
+        # 0: query_start_loc is padded with `total` and seq_lens with 0 below.
+        num_padded_reqs = num_reqs + (padded - total)
         req_indices = np.repeat(self.arange_np[:num_reqs], num_scheduled)     # [T] row of each token
         cu_num_tokens, arange = self._get_cumsum_and_arange(num_scheduled)    # [R], [T]
         positions_np = self.positions_np[:total]
@@ -284,20 +383,26 @@ class GPUModelRunner:
         self.seq_lens_np[num_reqs:] = 0
         # NOTE: on a GPU the slot mapping is computed there, by a Triton kernel
         # reading the block table and positions already copied over (vLLM does
-        # the same); on a CPU — and when a full trace wants the values on the
-        # host for its snapshot — numpy computes the same formula.
-        slot_mapping_on_device = self.device.type == "cuda" and not self.recorder.wants_snapshots
-        if not slot_mapping_on_device:
+        # the same); on a CPU numpy computes the same formula. A full trace on a
+        # GPU also computes it in numpy, only for the snapshot (the values the
+        # kernel writes are never read back: that would be a sync).
+        slot_mapping_on_device = self.device.type == "cuda"
+        if not slot_mapping_on_device or self.recorder.wants_snapshots:
             batch.block_table.compute_slot_mapping(req_indices, positions_np)
-            batch.block_table.commit_slot_mapping(total)
+        if not slot_mapping_on_device:
+            batch.block_table.commit_slot_mapping(padded)
 
         for cpu, dev, n in ((self.input_ids_cpu, self.input_ids, total),
                             (self.positions_cpu, self.positions, total),
-                            (self.query_start_loc_cpu, self.query_start_loc, num_reqs + 1),
-                            (self.seq_lens_cpu, self.seq_lens, num_reqs)):
+                            (self.query_start_loc_cpu, self.query_start_loc, num_padded_reqs + 1),
+                            (self.seq_lens_cpu, self.seq_lens, num_padded_reqs)):
             dev[:n].copy_(cpu[:n], non_blocking=True)
         if slot_mapping_on_device:
-            batch.block_table.compute_slot_mapping_device(num_reqs, self.query_start_loc, self.positions, total)
+            with self.device_timer.kernel("compute_slot_mapping", **{
+                    "vllm_anatomy.grid": [num_reqs + 1], "vllm_anatomy.num_tokens": total,
+                    "vllm_anatomy.bytes": total * 20 + num_reqs * 8}):
+                batch.block_table.compute_slot_mapping_device(num_reqs, self.query_start_loc,
+                                                              self.positions, padded)
 
         # NOTE: a partial prefill chunk ends before the request's last token, so
         # its "next token" would be a guess in the middle of the prompt. It is
@@ -306,12 +411,13 @@ class GPUModelRunner:
             self.seq_lens_np[:num_reqs] < batch.num_tokens_no_spec[:num_reqs])[0]
         attn_metadata = AttentionMetadata(
             num_actual_tokens=total, num_reqs=num_reqs,
-            max_query_len=int(num_scheduled.max()), max_seq_len=int(self.seq_lens_np[:num_reqs].max()),
+            max_query_len=max_query_len, max_seq_len=int(self.seq_lens_np[:num_reqs].max()),
             query_start_loc=self.query_start_loc[:num_reqs + 1], seq_lens=self.seq_lens[:num_reqs],
             block_table=batch.block_table.get_device_tensor(num_reqs),
             slot_mapping=batch.block_table.slot_mapping[:total],
             query_start_loc_cpu=self.query_start_loc_cpu[:num_reqs + 1],
-            seq_lens_cpu=self.seq_lens_cpu[:num_reqs])
+            seq_lens_cpu=self.seq_lens_cpu[:num_reqs],
+            kernel_timer=self.device_timer if self.device_timer.times_kernels else None)
         # The last scheduled token of each request: the only rows that need logits.
         logits_indices = self.query_start_loc[1:num_reqs + 1].long() - 1       # [R]
         if self.recorder.wants_snapshots:
@@ -324,7 +430,8 @@ class GPUModelRunner:
                 "seq_lens": self.seq_lens_np[:num_reqs].tolist(),
                 "slot_mapping": batch.block_table.slot_mapping_np[:total].tolist(),
                 "logits_indices": (cu_num_tokens - 1).tolist(),
-                "discard_request_indices": self.discard_request_indices.tolist()}
+                "discard_request_indices": self.discard_request_indices.tolist(),
+                "cudagraph": decision.to_dict()}
         return attn_metadata, logits_indices
 
     def _model_forward(self, num_tokens: int, attn_metadata: AttentionMetadata) -> torch.Tensor:
@@ -423,3 +530,9 @@ class GPUModelRunner:
             "kv_cache_shape": list(self.kv_caches[0].shape) if self.kv_caches else None,
             "num_kv_cache_layers": len(self.kv_caches),
         }
+
+
+def _progress(items: list, desc: str):
+    """A progress bar on stderr for start-up work (vLLM shows the same for graph capture)."""
+    from tqdm import tqdm
+    return tqdm(items, desc=desc, mininterval=1.0, leave=False)

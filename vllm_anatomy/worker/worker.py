@@ -9,10 +9,11 @@ argument entry point that delegates to the runner.
 Start-up order (EngineCore._initialize_kv_caches in vLLM):
     init_device -> load_model -> determine_num_available_blocks
     -> (the engine picks num_blocks, tells the scheduler) -> initialize_from_config(num_blocks)
+    -> compile_or_warm_up_model (JIT-compile the kernels, capture the CUDA graphs)
 Then every step: execute_model(scheduler_output) -> None, sample_tokens() -> ModelRunnerOutput.
 
 Simplified here: one worker per engine (no tensor / pipeline parallelism, no
-distributed init), no sleep mode, no profiler hooks, no CUDA-graph warm-up.
+distributed init), no sleep mode, no profiler hooks, no torch.compile.
 """
 from __future__ import annotations
 
@@ -60,6 +61,12 @@ class Worker:
         self.vllm_config.cache_config.num_gpu_blocks = num_blocks
         self.model_runner.initialize_kv_cache(num_blocks)
 
+    def compile_or_warm_up_model(self) -> None:
+        """vLLM's name; we compile nothing ahead of time: warm up, then capture graphs."""
+        with self.recorder.span("Worker.compile_or_warm_up_model"):
+            self.model_runner.warm_up()
+            self.model_runner.capture_model()
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:
         with self._span_from(scheduler_output.trace_headers, "Worker.execute_model"):
             return self.model_runner.execute_model(scheduler_output)
@@ -81,4 +88,12 @@ class Worker:
 
     def snapshot(self) -> dict:
         return self.model_runner.snapshot()
+
+    def shutdown(self) -> None:
+        """Give the device memory back (the KV cache takes most of it), so that
+        another engine in this process can size its own. Idempotent."""
+        if self.model_runner is not None and self.device.type == "cuda":
+            self.model_runner.kv_caches = []
+            self.model_runner.cudagraph_runner = None
+            torch.cuda.empty_cache()
 

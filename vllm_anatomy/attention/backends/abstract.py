@@ -14,6 +14,7 @@ i.e. kv_cache[:, slot // block_size, slot % block_size].
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -34,6 +35,9 @@ class AttentionMetadata:
     # (the torch reference backend). Never read by GPU kernels.
     query_start_loc_cpu: torch.Tensor | None = None
     seq_lens_cpu: torch.Tensor | None = None
+    # Set only when a full trace times each kernel launch (an eager step on a
+    # GPU): worker/device_timer.DeviceTimer. Never inside a CUDA graph.
+    kernel_timer: Any = None
 
 
 class AttentionImpl:
@@ -46,8 +50,11 @@ class AttentionImpl:
         self.scale = scale
 
     def do_kv_cache_update(self, key: torch.Tensor, value: torch.Tensor,
-                           kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """Scatter new K/V ([T, num_kv_heads, head_dim]) into the paged cache (skip slot -1)."""
+                           kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                           kernel_timer: Any = None) -> None:
+        """Scatter new K/V ([T, num_kv_heads, head_dim]) into the paged cache (skip slot -1).
+
+        kernel_timer: AttentionMetadata.kernel_timer, for backends that launch kernels."""
         raise NotImplementedError
 
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor,

@@ -1,0 +1,65 @@
+"""CUDA graphs for pure-decode batches: same greedy tokens as eager, replays
+recorded with their padded size, prefill steps eager."""
+import pytest
+import torch
+
+from vllm_anatomy.tracing.recorder import InMemoryRecorder
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+LENS = [3, 17, 40, 90, 1, 33, 64, 120, 7]       # 9 requests: decode batches 9, 8, ... pad to 16, 8, 8, 8, 4 ...
+
+
+def _run(model_dir, dtype, enforce_eager, recorder=None, max_tokens=24):
+    from vllm_anatomy import LLM, SamplingParams
+    llm = LLM(model_dir, device="cuda", dtype=dtype, max_model_len=512, max_num_batched_tokens=128,
+              max_num_seqs=16, enforce_eager=enforce_eager, recorder=recorder)
+    vocab = llm.llm_engine.vllm_config.model_config.hf_config["vocab_size"]
+    prompts = [{"prompt_token_ids": [(7 * i + 3 * j) % (vocab - 10) + 5 for j in range(n)]}
+               for i, n in enumerate(LENS)]
+    # Different lengths of output, so the decode batch shrinks through odd sizes.
+    params = [SamplingParams(temperature=0, max_tokens=max_tokens - 2 * i, ignore_eos=True)
+              for i in range(len(LENS))]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    cc = llm.llm_engine.vllm_config.compilation_config
+    llm.llm_engine.shutdown()
+    del llm
+    _free_gpu()
+    return cc, [o.outputs[0].token_ids for o in outs]
+
+
+def _free_gpu():
+    # NOTE: the KV cache takes most of the device: the next engine of this
+    # process sizes its own only after the previous one's is really gone.
+    import gc
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def test_graphs_match_eager_fp32(tiny_llama_dir):
+    rec = InMemoryRecorder("spans")
+    cc, graph_tokens = _run(tiny_llama_dir, "float32", False, rec)
+    assert cc.cudagraph_mode == "FULL_DECODE_ONLY"
+    _, eager_tokens = _run(tiny_llama_dir, "float32", True)
+    assert graph_tokens == eager_tokens
+    # Start-up: warm-up, then one capture per size, largest first.
+    (capture,) = rec.find("GPUModelRunner.capture_model")
+    sizes = [s.attrs["vllm_anatomy.cudagraph_size"] for s in rec.find("CUDAGraph.capture")]
+    assert sizes == sorted(cc.cudagraph_capture_sizes, reverse=True)
+    assert rec.find("GPUModelRunner.warm_up")
+    # Every step: graph replays only for pure decodes, padded to a capture size.
+    forwards = rec.find("GPUModelRunner._model_forward")
+    replays = [s for s in forwards if s.attrs["vllm_anatomy.cudagraph_mode"] == "FULL"]
+    assert replays and len(replays) < len(forwards)           # the prefill steps ran eager
+    padded = {s.attrs["vllm_anatomy.num_padded_tokens"] for s in replays}
+    assert padded <= set(cc.cudagraph_capture_sizes)
+    assert any("padded" in s.attrs["vllm_anatomy.cudagraph_reason"] for s in replays)
+    eager = [s for s in forwards if s.attrs["vllm_anatomy.cudagraph_mode"] == "NONE"]
+    assert all("prefill" in s.attrs["vllm_anatomy.cudagraph_reason"] for s in eager)
+
+
+def test_graphs_match_eager_qwen3_shape_bf16(qwen3_shape_dir):
+    """The throughput bench's model shape (3 of its layers), random bf16 weights."""
+    _, graph_tokens = _run(qwen3_shape_dir, "bfloat16", False, max_tokens=40)
+    _, eager_tokens = _run(qwen3_shape_dir, "bfloat16", True, max_tokens=40)
+    assert graph_tokens == eager_tokens

@@ -1,0 +1,47 @@
+"""Which steps replay a CUDA graph, padded to what: pure logic, no GPU needed."""
+import pytest
+
+from vllm_anatomy.config import CompilationConfig, default_capture_sizes
+from vllm_anatomy.engine.arg_utils import EngineArgs
+from vllm_anatomy.worker.cudagraph import CudagraphDispatcher
+
+
+def dispatcher(sizes=(1, 2, 4, 8, 16, 24)):
+    return CudagraphDispatcher(CompilationConfig("FULL_DECODE_ONLY", list(sizes), max(sizes)))
+
+
+def test_default_capture_sizes_follow_vllm():
+    assert default_capture_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert default_capture_sizes(3) == [1, 2, 3]
+    assert default_capture_sizes(20) == [1, 2, 4, 8, 16, 20]      # the max itself is always captured
+
+
+@pytest.mark.parametrize("n,padded", [(1, 1), (3, 4), (4, 4), (5, 8), (9, 16), (17, 24), (24, 24)])
+def test_pure_decode_pads_to_next_capture_size(n, padded):
+    d = dispatcher().dispatch(num_tokens=n, num_reqs=n, max_query_len=1)
+    assert (d.mode, d.num_tokens, d.num_padded_tokens) == ("FULL", n, padded)
+    assert ("padded" in d.reason) == (n != padded)
+
+
+def test_prefill_oversize_and_off_run_eager():
+    mixed = dispatcher().dispatch(num_tokens=20, num_reqs=3, max_query_len=15)
+    assert (mixed.mode, mixed.num_padded_tokens) == ("NONE", 20) and "prefill" in mixed.reason
+    big = dispatcher().dispatch(num_tokens=25, num_reqs=25, max_query_len=1)
+    assert (big.mode, big.num_padded_tokens) == ("NONE", 25) and "24" in big.reason
+    off = CudagraphDispatcher(CompilationConfig()).dispatch(4, 4, 1)
+    assert off.mode == "NONE" and "off" in off.reason
+    with pytest.raises(ValueError, match="cudagraph_mode"):
+        CudagraphDispatcher(CompilationConfig("PIECEWISE", [1], 1))
+
+
+def test_engine_args_resolve_compilation_config():
+    cpu = EngineArgs(device="cpu").create_engine_config().compilation_config
+    assert cpu.cudagraph_mode == "NONE" and cpu.cudagraph_capture_sizes == []
+    # Explicit sizes are validated and capped by max_num_seqs even where they would be ignored.
+    with pytest.raises(ValueError, match="positive"):
+        EngineArgs(device="cpu", cudagraph_capture_sizes=[0, 4]).create_engine_config()
+    args = EngineArgs(device="cpu", max_num_seqs=12)
+    assert args._compilation_config(True, 12, 2048).cudagraph_capture_sizes == [1, 2, 4, 8]
+    assert args._compilation_config(True, 300, 2048).max_cudagraph_capture_size == 296
+    eager = EngineArgs(device="cpu", enforce_eager=True)._compilation_config(True, 12, 2048)
+    assert eager.cudagraph_mode == "NONE"

@@ -1,0 +1,121 @@
+"""CUDA graphs for pure-decode batches: which steps replay a graph, padded to what size.
+
+Mirrors vllm/v1/cudagraph_dispatcher.py (CudagraphDispatcher) and the FULL
+graph path of vllm/compilation/cuda_graph.py (CUDAGraphWrapper), in the mode
+vLLM calls FULL_DECODE_ONLY.
+
+Why graphs: a decode step of a 28-layer model is ~400 small kernel launches.
+Each launch costs the CPU several microseconds (tens on a busy or sandboxed
+host) while the kernel itself may run for less; the GPU then waits for the
+CPU. A CUDA graph records the launches once and replays them all with one
+call, so the GPU runs back to back.
+
+What a graph cannot do: change shapes or host-side values. A graph captured
+for N tokens replays exactly the same kernels on exactly the same addresses.
+So:
+- inputs live in static buffers (GPUModelRunner's persistent input_ids,
+  positions, query_start_loc, seq_lens, block_table, slot_mapping): each step
+  writes new *values* into them and replays;
+- a batch of B decodes is padded up to the next capture size N >= B: the N - B
+  padding tokens have slot -1 (no KV write), query_len 0 and seq_len 0 (the
+  attention kernel's programs for them exit at once), and their hidden states
+  are never read (logits_indices point at the real rows only);
+- prefill chunks vary in query length: a batch with one runs eager.
+
+The decision and its reason go into the trace, so a learner sees per step why
+the GPU replayed a graph of 40 for 37 requests — or why it ran eager.
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from vllm_anatomy.config import CompilationConfig
+
+
+@dataclass(frozen=True)
+class CudagraphDecision:
+    """What the dispatcher decided for one step (plain data, recorded in the trace)."""
+    mode: str                # "FULL" (replay a graph) | "NONE" (eager)
+    num_tokens: int          # tokens scheduled
+    num_padded_tokens: int   # tokens the forward runs on (= num_tokens when eager)
+    reason: str
+
+    def to_dict(self) -> dict:
+        return {"mode": self.mode, "num_tokens": self.num_tokens,
+                "num_padded_tokens": self.num_padded_tokens, "reason": self.reason}
+
+
+class CudagraphDispatcher:
+    """Pure decision logic: no CUDA needed (tested on a CPU)."""
+
+    def __init__(self, compilation_config: CompilationConfig) -> None:
+        self.mode = compilation_config.cudagraph_mode
+        self.capture_sizes = sorted(compilation_config.cudagraph_capture_sizes)
+        self.max_size = self.capture_sizes[-1] if self.capture_sizes else 0
+        if self.mode not in ("NONE", "FULL_DECODE_ONLY"):
+            raise ValueError(f"cudagraph_mode must be NONE or FULL_DECODE_ONLY, got {self.mode!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "NONE" and bool(self.capture_sizes)
+
+    def padded_size(self, num_tokens: int) -> int | None:
+        """The smallest capture size >= num_tokens (None past the largest)."""
+        i = bisect.bisect_left(self.capture_sizes, num_tokens)
+        return self.capture_sizes[i] if i < len(self.capture_sizes) else None
+
+    def dispatch(self, num_tokens: int, num_reqs: int, max_query_len: int) -> CudagraphDecision:
+        # NOTE: "uniform decode" = every request has exactly one query token,
+        # so the batch's shape is fully described by its size: the only kind
+        # of batch one graph per size can serve.
+        if not self.enabled:
+            return CudagraphDecision("NONE", num_tokens, num_tokens, "CUDA graphs off (eager mode)")
+        if max_query_len != 1 or num_tokens != num_reqs:
+            return CudagraphDecision("NONE", num_tokens, num_tokens,
+                                     f"prefill in batch (max query_len {max_query_len}): eager")
+        padded = self.padded_size(num_tokens)
+        if padded is None:
+            return CudagraphDecision("NONE", num_tokens, num_tokens,
+                                     f"{num_tokens} decodes > largest graph ({self.max_size}): eager")
+        pad = f", padded {num_tokens} -> {padded}" if padded != num_tokens else ""
+        return CudagraphDecision("FULL", num_tokens, padded, f"pure decode{pad}")
+
+
+class CUDAGraphRunner:
+    """Captured graphs, one per size, sharing one memory pool; replay by size.
+
+    NOTE: sizes are captured largest first. Every graph allocates its
+    intermediates from the shared pool, so a smaller graph captured later
+    reuses the larger one's memory instead of adding its own. That is safe
+    because only one graph runs at a time, and its output (the hidden states)
+    is consumed (compute_logits) before the next replay overwrites it.
+    """
+
+    def __init__(self) -> None:
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.pool = None
+
+    def capture(self, size: int, forward: Callable[[], torch.Tensor]) -> None:
+        # A warm-up run first, outside capture: Triton compiles its kernels and
+        # cuBLAS picks its algorithms here (neither may happen inside a capture).
+        forward()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            output = forward()
+        if self.pool is None:
+            self.pool = graph.pool()
+        self.graphs[size] = graph
+        self.outputs[size] = output
+
+    def replay(self, size: int) -> torch.Tensor:
+        self.graphs[size].replay()
+        return self.outputs[size]
+
+    def __contains__(self, size: int) -> bool:
+        return size in self.graphs
