@@ -1,12 +1,17 @@
-"""Tracing overhead on the CPU: output tok/s at trace levels off / spans / full,
-same prompts, same run (three engines side by side, rounds interleaved so that
-a noisy neighbour hurts every level alike).
+"""Tracing overhead: output tok/s at trace levels off / spans / full, same prompts, same run.
 
     .venv/bin/python bench/tracing_overhead.py [--requests 16] [--max-tokens 32] [--rounds 3]
+    python bench/tracing_overhead.py --gpu       # the 256-sequence workload on a GPU
 
-Prints a table and writes bench/results/tracing_overhead_cpu.json. Targets:
-spans >= 0.95x and full >= 0.75x of off. "spans" and "full" write a run store
-(SQLite) in a temporary trace_dir, as a traced run would.
+CPU: the default model, three engines side by side, rounds interleaved so that
+a noisy neighbour hurts every level alike. GPU: bench/throughput.py's workload
+(256 sequences, lengths uniform in [100, 1024], Qwen3-0.6B shape, random bf16
+weights, CUDA graphs on); one engine at a time (each sizes its KV cache to the
+whole device), levels in the order off, spans, full.
+
+Prints a table and writes bench/results/tracing_overhead_{cpu,h200}.json.
+Targets: spans >= 0.95x and full >= 0.75x of off. "spans" and "full" write a
+run store (SQLite) in a temporary trace_dir, as a traced run would.
 """
 from __future__ import annotations
 
@@ -41,8 +46,14 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "tracing_overhead_cpu.json"))
+    ap.add_argument("--gpu", action="store_true")
+    ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    results_dir = os.path.join(os.path.dirname(__file__), "results")
+    if args.gpu:
+        args.out = args.out or os.path.join(results_dir, "tracing_overhead_h200.json")
+        return main_gpu(args)
+    args.out = args.out or os.path.join(results_dir, "tracing_overhead_cpu.json")
     from vllm_anatomy import LLM, SamplingParams
     from vllm_anatomy.model_executor.default_model import ensure_default_model
     model = str(ensure_default_model())
@@ -60,6 +71,35 @@ def main() -> None:
             rates[lvl].append(n / dt)
     for llm in llms.values():
         llm.llm_engine.shutdown()
+    report(args, rates, trace_dir)
+
+
+def main_gpu(args) -> None:
+    import gc
+    import sys
+
+    import torch
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from throughput import qwen3_06b_config, workload, write_random_model
+
+    from vllm_anatomy import LLM, SamplingParams
+    trace_dir = tempfile.mkdtemp(prefix="tracing_overhead_")
+    prompts, outs = workload(256, 100, 1024, qwen3_06b_config().vocab_size)
+    params = [SamplingParams(temperature=0.6, max_tokens=o, ignore_eos=True) for o in outs]
+    args.requests, args.max_tokens, args.rounds = len(prompts), "U[100, 1024]", 1
+    rates: dict[str, list[float]] = {}
+    with tempfile.TemporaryDirectory() as path:
+        write_random_model(path)
+        for lvl in LEVELS:
+            llm = LLM(path, max_model_len=4096, trace_level=lvl, trace_dir=None if lvl == "off" else trace_dir)
+            llm.generate([{"prompt_token_ids": prompts[0][:16]}], SamplingParams(max_tokens=4), use_tqdm=False)
+            n, dt = measure(llm, [{"prompt_token_ids": p} for p in prompts], params)
+            rates[lvl] = [n / dt]
+            print(f"{lvl}: {n / dt:.0f} tok/s ({dt:.1f} s)", flush=True)
+            llm.llm_engine.shutdown()
+            del llm
+            gc.collect()
+            torch.cuda.empty_cache()
     report(args, rates, trace_dir)
 
 

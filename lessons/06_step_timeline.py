@@ -10,8 +10,8 @@ What it teaches
     run store, checks their order, and finds the single span that carries a sync wait.
 
     On a CUDA machine it also reads the device lane (GPU.* spans from CUDA events), compares
-    how long the host took to *launch* the forward with how long the device took to *run*
-    it — the gap that CUDA graphs close by replaying the whole forward as one launch. On a
+    how long the host took to *launch* an eager forward with a CUDA graph replay of a decode
+    step (the whole forward as one launch), and shows why prefill steps stay eager. On a
     CPU there is no asynchronous device: the lesson says so and shows what the host spans
     mean there.
 
@@ -196,40 +196,49 @@ def main() -> None:
 
 
 def _cuda_part(steps, step_ids, shown, waits, device_spans) -> None:
-    """What only a GPU shows: the device lane, a real wait, the launch vs. run gap."""
-    per_step = {i: {s.name: s for s in steps[i] if s.attributes.get("vllm_anatomy.lane") == "device"}
-                for i in step_ids}
-    launch = [one(steps[i], "GPUModelRunner._model_forward").duration_ns for i in step_ids]
-    run_dev = [per_step[i]["GPU.model_forward"].duration_ns for i in step_ids if "GPU.model_forward" in per_step[i]]
+    """What only a GPU shows: the device lane, a real wait, launch vs. run, graph replays."""
+    per_step = {i: {s.name: s for s in steps[i] if s.name in DEVICE_ORDER} for i in step_ids}
+    forward = {i: one(steps[i], "GPUModelRunner._model_forward") for i in step_ids}
+    graph = [i for i in step_ids if forward[i].attributes.get("vllm_anatomy.cudagraph_mode") == "FULL"]
+    eager = [i for i in step_ids if i not in graph]
+
+    def mean_ms(xs):
+        return ms(sum(xs) / len(xs)) if xs else float("nan")
+    launch_graph = mean_ms([forward[i].duration_ns for i in graph])
+    launch_eager = mean_ms([forward[i].duration_ns for i in eager])
+    run_dev = mean_ms([per_step[i]["GPU.model_forward"].duration_ns for i in step_ids
+                       if "GPU.model_forward" in per_step[i]])
     exec_end_before_dev = sum(
         one(steps[i], "GPUModelRunner.execute_model").end_ns < per_step[i]["GPU.compute_logits"].end_ns
         for i in step_ids if "GPU.compute_logits" in per_step[i])
     busy = [sum(s.duration_ns for s in per_step[i].values()) / one(steps[i], "EngineCore.step").duration_ns
             for i in step_ids]
-    mean_launch, mean_dev = ms(sum(launch) / len(launch)), ms(sum(run_dev) / max(len(run_dev), 1))
-    bound = "launch-bound" if mean_launch > mean_dev else "device-bound"
     say(f"""On this GPU the step has a device lane (GPU.* spans from CUDA events, read after the
         sync). In {exec_end_before_dev} of {len(step_ids)} steps GPUModelRunner.execute_model
         returned before the device finished the logits: the CPU had only queued the work. The
         CPU then waited at _bookkeeping_sync for {sum(waits) / len(waits):.3f} ms per step on
-        average (max {max(waits):.3f} ms) — the device finishing what was queued. The host
-        took {mean_launch:.2f} ms to launch the forward's kernels; the device ran them in
-        {mean_dev:.2f} ms; the device was busy {sum(busy) / len(busy):.0%} of each step. This
-        forward is {bound}.""")
-    say(f"""CUDA graphs are what vLLM uses against the launch cost: a decode batch of a captured
-        size replays the whole forward as one graph launch, so those {mean_launch:.2f} ms of
-        per-kernel Python and launch overhead shrink to a few microseconds and the device no
-        longer waits between kernels. This engine does not capture CUDA graphs (yet), so the
-        lesson can only measure the cost a graph would remove, not show a replay.""")
+        average (max {max(waits):.3f} ms) — the device finishing what was queued. The device ran
+        the forward in {run_dev:.2f} ms per step and was busy {sum(busy) / len(busy):.0%} of
+        each step.""")
+    reasons = sorted({forward[i].attributes.get("vllm_anatomy.cudagraph_reason", "") for i in graph})
+    say(f"""CUDA graphs: {len(graph)} of {len(step_ids)} steps replayed a captured graph
+        ({'; '.join(reasons) or 'none'}), the other {len(eager)} ran eager because a prompt was
+        being prefilled. Launching the forward took the host {launch_eager:.2f} ms per eager step
+        (one Python call and one launch per kernel) vs. {launch_graph:.2f} ms for a graph
+        replay (one launch for the whole forward). The padding rows of a padded batch
+        write no KV (slot -1) and attend to nothing (query_len 0); their outputs are never read.
+        Eager steps also have a GPU.layer span per decoder layer on the device lane.""")
     check(all(w > 0 for w in waits), "on CUDA the CPU really waits at the sync in every step")
-    check(all(list(per_step[i]) == DEVICE_ORDER
-              for i in step_ids),
-          "every step has device-lane spans, in order: " + " -> ".join(DEVICE_ORDER))
+    check(all(list(per_step[i]) == DEVICE_ORDER for i in step_ids),
+          "every step has device-lane phase spans, in order: " + " -> ".join(DEVICE_ORDER))
     check(all(max(s.end_ns for s in per_step[i].values())
               <= one(steps[i], "GPUModelRunner._bookkeeping_sync").end_ns for i in step_ids),
           "the device lane ends before _bookkeeping_sync returns (the sync waited for all of it)")
     check(exec_end_before_dev > 0, "execute_model returned before the device finished its work "
                                    f"in {exec_end_before_dev} steps")
+    check(graph and eager and launch_graph < launch_eager,
+          f"decode steps replayed CUDA graphs ({len(graph)}), launching them took less host time "
+          f"({launch_graph:.2f} ms) than an eager forward ({launch_eager:.2f} ms)")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,325 @@
+"""The fused layer kernels (RMSNorm(+residual), RoPE, SiLU*mul) equal their torch references.
+
+On CPU they run in Triton's interpreter (fp32 and fp16, where the interpreter
+rounds exactly), on small shapes; on a GPU (marked `gpu`) the same cases run in
+bf16 too, at the Qwen3-0.6B decode shape, and whole tiny models compare the
+CUDA dispatch (forward_cuda, the kernels) with the torch path (forward_native).
+
+Inputs are built the way the model hands them over: q and k are column slices
+of one packed qkv output (row stride wider than the slice), the per-head norm
+sees them as [T, heads, head_dim] views, and the MLP activation a column slice
+of a wider tensor.
+"""
+import contextlib
+
+import pytest
+import torch
+import transformers
+
+from tests.kernels.kernel_utils import DEVICE, assert_close_ulp, rel_err, requires_cuda
+from tests.kernels.test_triton_backend import load, make_steps, run_steps, write_random_checkpoint
+from vllm_anatomy.kernels.rms_norm import rms_norm, rms_norm_ref
+from vllm_anatomy.kernels.rotary_embedding import rotary_embedding, rotary_embedding_ref
+from vllm_anatomy.kernels.silu_and_mul import silu_and_mul, silu_and_mul_ref
+from vllm_anatomy.model_executor.layers.activation import SiluAndMul
+from vllm_anatomy.model_executor.layers.layernorm import RMSNorm
+from vllm_anatomy.model_executor.layers.rotary_embedding import RotaryEmbedding
+
+CPU_DTYPES = [torch.float32, torch.float16]      # bf16 is wrong in the interpreter
+GPU_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+def randn(gen, *shape, dtype, device, scale=1.0):
+    return (scale * torch.randn(*shape, generator=gen)).to(dtype).to(device)
+
+
+def assert_matches(out, ref, ulps=2):
+    """fp32: a few fp32 ulps (sums in another order); fp16/bf16: `ulps` ulps
+    (a last-bit fp32 difference can round the other way, and the product with
+    the weight can double it when it crosses a binade)."""
+    assert out.is_contiguous()
+    assert_close_ulp(out, ref, ulps=8 if ref.dtype == torch.float32 else ulps, atol=1e-6)
+
+
+# ---------------------------------------------------------------- RMSNorm
+
+def rms_case(num_tokens, hidden, dtype, residual, strided, seed, device=DEVICE):
+    gen = torch.Generator().manual_seed(seed)
+    width = 3 * hidden if strided else hidden
+    x = randn(gen, num_tokens, width, dtype=dtype, device=device)[:, hidden:2 * hidden] \
+        if strided else randn(gen, num_tokens, hidden, dtype=dtype, device=device)
+    res = None
+    if residual:
+        res = randn(gen, num_tokens, width, dtype=dtype, device=device, scale=4.0)
+        res = res[:, :hidden] if strided else res
+    weight = randn(gen, hidden, dtype=dtype, device=device, scale=0.2) + 1
+    x_before = x.clone()
+    res_before = res.clone() if res is not None else None
+    out = rms_norm(x, weight, 1e-6, res)
+    ref = rms_norm_ref(x, weight, 1e-6, res)
+    assert torch.equal(x, x_before), "x was written"
+    if residual:
+        assert torch.equal(res, res_before), "residual was written"
+        (out, new_res), (ref, ref_res) = out, ref
+        assert new_res.dtype == ref_res.dtype and new_res.is_contiguous()
+        # The sum is one rounded add on both sides: bit-equal.
+        assert torch.equal(new_res, ref_res)
+    assert_matches(out, ref)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
+@pytest.mark.parametrize("num_tokens", [1, 37])
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+@pytest.mark.parametrize("strided", [False, True], ids=["contig", "slice"])
+def test_rms_norm_hidden(dtype, num_tokens, residual, strided):
+    rms_case(num_tokens, 96, dtype, residual, strided, seed=num_tokens)
+
+
+def per_head_case(num_tokens, num_heads, num_kv_heads, head_dim, dtype, seed, device=DEVICE):
+    """Qwen3's q/k norm: [T, heads, head_dim] views of the packed qkv output."""
+    gen = torch.Generator().manual_seed(seed)
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    qkv = randn(gen, num_tokens, q_size + 2 * kv_size, dtype=dtype, device=device, scale=3.0)
+    q, k, _ = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    for x, n in [(q, num_heads), (k, num_kv_heads)]:
+        view = x.view(num_tokens, n, head_dim)
+        assert not view.is_contiguous()
+        weight = randn(gen, head_dim, dtype=dtype, device=device, scale=0.2) + 1
+        out = rms_norm(view, weight, 1e-6)
+        assert out.shape == (num_tokens, n, head_dim)
+        assert_matches(out, rms_norm_ref(view, weight, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
+@pytest.mark.parametrize("num_tokens", [1, 37])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_rms_norm_per_head(dtype, num_tokens, head_dim):
+    per_head_case(num_tokens, 4, 2, head_dim, dtype, seed=head_dim)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
+def test_rms_norm_ref_is_the_layer(dtype):
+    """The reference is the torch layer, bit for bit (so the kernel tests test the layer)."""
+    gen = torch.Generator().manual_seed(0)
+    norm = RMSNorm(64, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.2 * torch.randn(64, generator=gen))
+    norm = norm.to(dtype)
+    x, res = randn(gen, 5, 64, dtype=dtype, device="cpu"), randn(gen, 5, 64, dtype=dtype, device="cpu")
+    with torch.no_grad():
+        assert torch.equal(norm(x), rms_norm_ref(x, norm.weight, 1e-5))
+        for a, b in zip(norm(x, res), rms_norm_ref(x, norm.weight, 1e-5, res)):
+            assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------- RoPE
+
+def rope_case(num_tokens, num_heads, num_kv_heads, head_dim, dtype, is_neox, seed,
+              rotary_dim=None, device=DEVICE):
+    gen = torch.Generator().manual_seed(seed)
+    rotary_dim = rotary_dim or head_dim
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    qkv = randn(gen, num_tokens, q_size + 2 * kv_size, dtype=dtype, device=device, scale=2.0)
+    q, k, _ = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    rope = RotaryEmbedding(head_dim, rotary_dim, 4096, 10000.0, is_neox).to(device)
+    positions = torch.randint(0, 4096, (num_tokens,), generator=gen).to(device)
+    qkv_before = qkv.clone()
+    q_out, k_out = rotary_embedding(positions, q, k, rope.cos_sin_cache, head_dim, is_neox)
+    q_ref, k_ref = rotary_embedding_ref(positions, q, k, rope.cos_sin_cache, head_dim, is_neox)
+    assert torch.equal(qkv, qkv_before), "q/k were written"
+    assert q_out.shape == (num_tokens, q_size) and k_out.shape == (num_tokens, kv_size)
+    assert_matches(q_out, q_ref, ulps=1)
+    assert_matches(k_out, k_ref, ulps=1)
+    if rotary_dim == head_dim:      # the reference is the torch layer, bit for bit
+        with torch.no_grad():
+            for a, b in zip(rope.forward_native(positions, q, k), (q_ref, k_ref)):
+                assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
+@pytest.mark.parametrize("num_tokens", [1, 37])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("is_neox", [True, False], ids=["neox", "gptj"])
+def test_rotary_embedding(dtype, num_tokens, head_dim, is_neox):
+    rope_case(num_tokens, 4, 2, head_dim, dtype, is_neox, seed=num_tokens + head_dim)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(6, 1), (3, 3)])
+def test_rotary_embedding_head_counts(num_heads, num_kv_heads):
+    """GQA 6:1 and MHA with a head count that is not a power of two."""
+    rope_case(5, num_heads, num_kv_heads, 64, torch.float32, True, seed=num_heads)
+
+
+@pytest.mark.parametrize("is_neox", [True, False], ids=["neox", "gptj"])
+def test_rotary_embedding_partial(is_neox):
+    """rotary_dim < head_size: the dims past rotary_dim are copied through."""
+    rope_case(7, 4, 2, 64, torch.float16, is_neox, seed=1, rotary_dim=32)
+
+
+# ---------------------------------------------------------------- SiLU * mul
+
+def silu_case(num_tokens, d, dtype, strided, seed, device=DEVICE):
+    gen = torch.Generator().manual_seed(seed)
+    width = 2 * d + (d if strided else 0)
+    x = randn(gen, num_tokens, width, dtype=dtype, device=device, scale=3.0)
+    x = x[:, d // 2:d // 2 + 2 * d] if strided else x
+    out = silu_and_mul(x)
+    assert out.shape == (num_tokens, d)
+    assert_matches(out, silu_and_mul_ref(x))
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
+@pytest.mark.parametrize("num_tokens", [1, 37])
+@pytest.mark.parametrize("strided", [False, True], ids=["contig", "slice"])
+def test_silu_and_mul(dtype, num_tokens, strided):
+    silu_case(num_tokens, 80, dtype, strided, seed=num_tokens)
+
+
+def test_silu_and_mul_wide():
+    """d > 1024: several column blocks per row."""
+    silu_case(3, 1100, torch.float32, True, seed=0)
+
+
+def test_empty_batch():
+    x = torch.empty(0, 64, device=DEVICE)
+    w = torch.ones(64, device=DEVICE)
+    assert rms_norm(x, w, 1e-6).shape == (0, 64)
+    assert silu_and_mul(x).shape == (0, 32)
+    q, k = rotary_embedding(torch.empty(0, dtype=torch.long, device=DEVICE), x, x[:, :32],
+                            torch.zeros(8, 32, device=DEVICE), 32)
+    assert q.shape == (0, 64) and k.shape == (0, 32)
+
+
+# ---------------------------------------------------------------- whole models
+
+@contextlib.contextmanager
+def layer_path(kind: str):
+    """Route RMSNorm / SiluAndMul / RotaryEmbedding through forward_<kind>."""
+    mp = pytest.MonkeyPatch()
+    for cls in (RMSNorm, SiluAndMul, RotaryEmbedding):
+        mp.setattr(cls, "forward", getattr(cls, f"forward_{kind}"))
+    try:
+        yield
+    finally:
+        mp.undo()
+
+
+TINY = {
+    # GQA 2:1, head_dim 32, Llama-3 RoPE scaling
+    "llama": lambda: transformers.LlamaConfig(
+        vocab_size=96, hidden_size=128, intermediate_size=160, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 64}),
+    # q/k norm, head_dim 64 != hidden / heads, GQA 4:1
+    "qwen3": lambda: transformers.Qwen3Config(
+        vocab_size=96, hidden_size=128, intermediate_size=160, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=64, rms_norm_eps=1e-6,
+        max_position_embeddings=1024, tie_word_embeddings=True),
+}
+
+
+@pytest.mark.parametrize("arch", list(TINY))
+def test_tiny_model_cuda_path_interpreter(arch, tmp_path):
+    """On CPU, the layers' CUDA dispatch (the kernels, interpreted) gives the
+    torch path's logits (fp32, two paged steps incl. a chunk and decodes)."""
+    hf_config = write_random_checkpoint(tmp_path, TINY[arch](), torch.float32, seed=1)
+    model = load(tmp_path, hf_config, "torch", torch.float32, "cpu")
+    steps = make_steps(96, (13, 9, 4), seed=2)[:2]
+    with layer_path("native"):
+        ref = run_steps(model, steps, 16, 8)
+    with layer_path("cuda"):
+        out = run_steps(model, steps, 16, 8)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+# ---------------------------------------------------------------- GPU
+
+# Qwen3-0.6B's decode shape: batch 256, hidden 1024, 16 / 8 heads of 128, MLP 3072.
+GPU_TOKENS = [1, 37, 256]
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+@pytest.mark.parametrize("num_tokens", GPU_TOKENS)
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+@pytest.mark.parametrize("strided", [False, True], ids=["contig", "slice"])
+def test_rms_norm_hidden_gpu(dtype, num_tokens, residual, strided):
+    rms_case(num_tokens, 1024, dtype, residual, strided, seed=num_tokens, device="cuda")
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+@pytest.mark.parametrize("num_tokens", GPU_TOKENS)
+@pytest.mark.parametrize("heads,head_dim", [((16, 8), 128), ((9, 3), 64)])
+def test_rms_norm_per_head_gpu(dtype, num_tokens, heads, head_dim):
+    per_head_case(num_tokens, *heads, head_dim, dtype, seed=num_tokens, device="cuda")
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+@pytest.mark.parametrize("num_tokens", GPU_TOKENS)
+@pytest.mark.parametrize("heads,head_dim", [((16, 8), 128), ((9, 3), 64)])
+@pytest.mark.parametrize("is_neox", [True, False], ids=["neox", "gptj"])
+def test_rotary_embedding_gpu(dtype, num_tokens, heads, head_dim, is_neox):
+    rope_case(num_tokens, *heads, head_dim, dtype, is_neox, seed=num_tokens, device="cuda")
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+def test_rotary_embedding_partial_gpu(dtype):
+    rope_case(37, 16, 8, 128, dtype, True, seed=0, rotary_dim=64, device="cuda")
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+@pytest.mark.parametrize("num_tokens", GPU_TOKENS)
+@pytest.mark.parametrize("d", [3072, 1536, 80])
+def test_silu_and_mul_gpu(dtype, num_tokens, d):
+    silu_case(num_tokens, d, dtype, True, seed=num_tokens, device="cuda")
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("arch", list(TINY))
+def test_tiny_model_gpu(arch, tmp_path):
+    """The layers on CUDA (kernels) vs the torch path on CUDA, same weights.
+    fp32: equal to 1e-5. bf16: the kernel path must be as close to the fp32
+    logits as the torch bf16 path is (both round the same intermediates)."""
+    hf_config = write_random_checkpoint(tmp_path, TINY[arch](), torch.float32, seed=1)
+    steps = make_steps(96, (40, 23, 9), seed=2)
+    logits = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        model = load(tmp_path, hf_config, "torch", dtype, "cuda")
+        for kind in ("native", "cuda"):
+            with layer_path(kind):
+                logits[kind, dtype] = run_steps(model, steps, 16, 16).float()
+    ref = logits["native", torch.float32]
+    torch.testing.assert_close(logits["cuda", torch.float32], ref, atol=1e-5, rtol=1e-5)
+    err_torch = rel_err(logits["native", torch.bfloat16], ref)
+    err_fused = rel_err(logits["cuda", torch.bfloat16], ref)
+    err_between = rel_err(logits["cuda", torch.bfloat16], logits["native", torch.bfloat16])
+    print(f"{arch}: rel err vs fp32: torch-bf16 {err_torch:.3e}, fused-bf16 {err_fused:.3e}; "
+          f"between {err_between:.3e}")
+    assert err_fused <= 1.5 * err_torch + 2e-3
+    assert err_between <= 3 * err_torch + 2e-3
+
+
+def test_layers_dispatch_on_device():
+    """CPU tensors take the torch path (no kernel module needed)."""
+    assert RMSNorm.forward is not RMSNorm.forward_native       # dispatching, not patched
+    x = torch.randn(3, 8)
+    norm = RMSNorm(8)
+    with torch.no_grad():
+        norm.weight.fill_(1.0)
+        assert torch.equal(norm(x), norm.forward_native(x))
+    assert torch.equal(SiluAndMul()(x), SiluAndMul().forward_native(x))
+
+
