@@ -138,6 +138,36 @@ def step_table(path: str, version: tuple) -> pd.DataFrame | RunError:
     return df
 
 
+_CG_SQL = """SELECT step_id, json_extract(data, '$.prepare_inputs.cudagraph.mode'),
+  json_extract(data, '$.prepare_inputs.cudagraph.num_tokens'),
+  json_extract(data, '$.prepare_inputs.cudagraph.num_padded_tokens'),
+  json_extract(data, '$.prepare_inputs.cudagraph.reason')
+  FROM snapshots WHERE kind = 'model_runner' ORDER BY step_id"""
+CG_COLUMNS = ["step", "mode", "num_tokens", "num_padded_tokens", "reason"]
+
+
+@st.cache_data(max_entries=32, show_spinner=False)
+def cudagraph_steps(path: str, version: tuple) -> pd.DataFrame | RunError:
+    """The CUDA-graph decision of every step (CudagraphDispatcher.dispatch, recorded in
+    prepare_inputs.cudagraph); empty for runs recorded before it was traced."""
+    try:
+        rows = _rows(path, _CG_SQL)
+    except sqlite3.Error as e:
+        return RunError(f"{path}: corrupt run store ({e})")
+    return pd.DataFrame([r for r in rows if r[1] is not None], columns=CG_COLUMNS)
+
+
+def first_graph_step(path: str) -> int | None:
+    """The first step that replayed a CUDA graph (padded, if any step was), else None."""
+    cg = cudagraph_steps(path, file_version(path))
+    if isinstance(cg, RunError) or cg.empty:
+        return None
+    full = cg[cg["mode"] == "FULL"]
+    padded = full[full["num_padded_tokens"] > full["num_tokens"]]
+    pick = padded if not padded.empty else full
+    return int(pick["step"].iloc[0]) if not pick.empty else None
+
+
 @st.cache_data(max_entries=32, show_spinner=False)
 def step_records(path: str, version: tuple) -> dict[int, dict] | RunError:
     """step id -> SchedulerStepRecord + finished ids (for the request journey)."""

@@ -5,6 +5,12 @@ root `EngineCore.step`, whose `vllm_anatomy.step_id` names the step. On a CPU
 run the device lane shows the host timings of the device work (`_model_forward`,
 `compute_logits`, `_sample`), as the Perfetto exporter does; spans recorded with
 `vllm_anatomy.lane="device"` go there directly.
+
+On a GPU the device lane has, per step, the phases `GPU.prepare_inputs`,
+`GPU.model_forward` (with the CUDA-graph decision), `GPU.compute_logits`,
+`GPU.sample`, `GPU.d2h`; on eager steps also one `GPU.layer` per decoder layer and,
+at level full, one `GPU.kernel.<name>` per kernel launch (grid, tokens, bytes).
+Each gets a `row` of the device lane: phases, layers or kernels.
 """
 from __future__ import annotations
 
@@ -18,6 +24,21 @@ from vllm_anatomy.tracing.reader import TraceStoreError, open_run
 
 DEVICE_WORK = ("GPUModelRunner._model_forward", "GPUModelRunner.compute_logits", "GPUModelRunner._sample")
 DEVICE_LANE = "device"
+# Span attributes kept as columns (None where a span does not have them).
+ATTR_COLUMNS = {"vllm_anatomy.cudagraph_mode": "cudagraph_mode", "vllm_anatomy.num_padded_tokens": "num_padded_tokens",
+                "vllm_anatomy.cudagraph_reason": "cudagraph_reason", "vllm_anatomy.layer": "layer",
+                "vllm_anatomy.grid": "grid", "vllm_anatomy.num_tokens": "num_tokens", "vllm_anatomy.bytes": "bytes",
+                "vllm_anatomy.cudagraph_size": "cudagraph_size"}
+DEVICE_ROWS = ("phases", "layers", "kernels")
+
+
+def device_row(name: str) -> str:
+    """The row of the device lane a device span is drawn on."""
+    if name == "GPU.layer":
+        return "layers"
+    if name.startswith("GPU.kernel."):
+        return "kernels"
+    return "phases"
 
 
 def _depths(spans) -> dict[str, int]:
@@ -41,13 +62,16 @@ def _span_rows(spans, host_device: bool) -> list[dict]:
                 "step_id": s.step_id if s.step_id is not None else step_of.get(s.trace_id),
                 "request_id": s.request_id, "depth": depth[s.span_id],
                 "sync_wait_ms": a.get("vllm_anatomy.sync_wait_ms"),
-                "lane": f"{s.process_kind} · pid {s.pid}", "host_timing": False}
+                "lane": f"{s.process_kind} · pid {s.pid}", "host_timing": False, "device_row": None,
+                **{col: a.get(key) for key, col in ATTR_COLUMNS.items()}}
+        if base["grid"] is not None:
+            base["grid"] = str(list(base["grid"]))
         if a.get("vllm_anatomy.lane") == "device":
-            rows.append({**base, "lane": DEVICE_LANE, "depth": 0})
+            rows.append({**base, "lane": DEVICE_LANE, "depth": 0, "device_row": device_row(s.name)})
             continue
         rows.append(base)
         if host_device and s.name in DEVICE_WORK:
-            rows.append({**base, "lane": DEVICE_LANE, "depth": 0, "host_timing": True})
+            rows.append({**base, "lane": DEVICE_LANE, "depth": 0, "host_timing": True, "device_row": "phases"})
     return rows
 
 
@@ -62,7 +86,30 @@ def span_table(path: str, version: tuple, device: str) -> pd.DataFrame | RunErro
     df = pd.DataFrame(_span_rows(spans, host_device=not has_device_spans))
     if not df.empty:
         df["dur_ms"] = (df["end_ns"] - df["start_ns"]) / 1e6
+        df["kernel_layer"] = kernel_layers(df)
     return df
+
+
+def kernel_layers(df: pd.DataFrame) -> pd.Series:
+    """The decoder layer each GPU.kernel.* span ran in: the GPU.layer span of the same
+    step whose interval holds the kernel's start (None outside every layer, e.g.
+    compute_slot_mapping, which runs before the forward)."""
+    out = pd.Series([None] * len(df), index=df.index, dtype=object)
+    dev = df[df["lane"] == DEVICE_LANE]
+    layers = dev[dev["name"] == "GPU.layer"]
+    kernels = dev[dev["device_row"] == "kernels"]
+    if layers.empty or kernels.empty:
+        return out
+    for step, ks in kernels.groupby("step_id"):
+        ls = layers[layers["step_id"] == step].sort_values("start_ns")
+        if ls.empty:
+            continue
+        starts, ends, idx = ls["start_ns"].to_numpy(), ls["end_ns"].to_numpy(), ls["layer"].to_numpy()
+        pos = starts.searchsorted(ks["start_ns"].to_numpy(), side="right") - 1
+        for i, p, t in zip(ks.index, pos, ks["start_ns"].to_numpy()):
+            if p >= 0 and t < ends[p]:
+                out[i] = int(idx[p])
+    return out
 
 
 def _request_row(s) -> dict:

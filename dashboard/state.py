@@ -15,6 +15,8 @@ from dashboard import data
 from vllm_anatomy.tracing.factory import DEFAULT_TRACE_DIR
 
 TRACE_DIR_ENV = "VLLM_ANATOMY_TRACE_DIR"
+SAMPLES_DIR_ENV = "VLLM_ANATOMY_SAMPLES_DIR"
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ss = st.session_state
 
 
@@ -22,11 +24,28 @@ def trace_dir() -> str:
     return os.environ.get(TRACE_DIR_ENV) or DEFAULT_TRACE_DIR
 
 
+def samples_dir() -> str:
+    """Run stores shipped with the repository (read-only examples, e.g. a run recorded on a GPU)."""
+    return os.environ.get(SAMPLES_DIR_ENV) or os.path.join(REPO_ROOT, "samples")
+
+
+def is_sample(path: str | None) -> bool:
+    return bool(path) and os.path.dirname(os.path.abspath(path)) == os.path.abspath(samples_dir())
+
+
 def resolve_run(name: str | None) -> str | None:
-    """A run named in the URL: a file name under trace_dir, or a path."""
+    """A run named in the URL: a file name under trace_dir (else under samples_dir), or a
+    path (relative paths are also tried from the repository root: `samples/x.sqlite`)."""
     if not name:
         return None
-    return name if os.path.sep in name else os.path.join(trace_dir(), name)
+    if os.path.sep in name:
+        if not os.path.isabs(name) and not os.path.exists(name) and \
+                os.path.exists(os.path.join(REPO_ROOT, name)):
+            return os.path.join(REPO_ROOT, name)
+        return name
+    recorded = os.path.join(trace_dir(), name)
+    sample = os.path.join(samples_dir(), name)
+    return sample if not os.path.exists(recorded) and os.path.exists(sample) else recorded
 
 
 def boot_from_query() -> None:

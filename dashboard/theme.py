@@ -33,7 +33,12 @@ EVENT_COLORS = {"allocate": "#2E9E5B", "free": "#8E8E8E", "hit": "#0072B2",
 
 SPAN_COLORS = {"EngineCore": "#4A6FA5", "Scheduler": "#E69F00", "Executor": "#8C564B",
                "GPUModelRunner": "#009E73", "Worker": "#56B4E9", "llm_request": "#CC79A7",
-               "device": "#D55E00"}
+               "device": "#D55E00",
+               # device lane, finer grain (full names first: see span_color)
+               "GPU.layer": "#F0A35E", "GPU.kernel.unified_attention": "#0072B2",
+               "GPU.kernel.reshape_and_cache": "#009E73", "GPU.kernel.compute_slot_mapping": "#CC79A7",
+               "GPU.kernel": "#7F7F7F"}
+CUDAGRAPH_COLORS = {"FULL": "#2E9E5B", "NONE": "#8E8E8E"}
 
 
 def request_color(req_id: str | None) -> str:
@@ -45,6 +50,10 @@ def request_color(req_id: str | None) -> str:
 
 
 def span_color(name: str) -> str:
+    if name in SPAN_COLORS:
+        return SPAN_COLORS[name]
+    if name.startswith("GPU.kernel."):
+        return SPAN_COLORS["GPU.kernel"]
     return SPAN_COLORS.get(name.split(".")[0], "#7F7F7F")
 
 

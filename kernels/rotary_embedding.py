@@ -133,7 +133,9 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
                      cos_sin_cache: torch.Tensor, head_size: int,
                      is_neox_style: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE of query [T, nh * head_size] and key [T, nkv * head_size] -> new (query, key)."""
+    assert positions.dim() == 1
     num_tokens = positions.shape[0]
+    positions = positions.contiguous()  # a slice of the runner's buffer: already is
     assert query.dim() == 2 and key.dim() == 2
     assert query.shape[0] == num_tokens and key.shape[0] == num_tokens
     assert query.shape[1] % head_size == 0 and key.shape[1] % head_size == 0

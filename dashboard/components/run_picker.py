@@ -1,4 +1,11 @@
-"""Sidebar: the trace directory, its recorded runs (newest first) and the live run's status."""
+"""Sidebar: the recorded runs of the trace directory (newest first), the sample runs
+shipped with the repository (samples/*.sqlite, e.g. a run recorded on an H200),
+and the live run's status.
+
+A sample is opened like any run (also by `?run=<file name>`). On a machine
+without a GPU the sample recorded on one is the only way to see CUDA graphs and
+the device lane, so a button offers it whenever another run (or none) is open.
+"""
 from __future__ import annotations
 
 import datetime
@@ -20,16 +27,64 @@ def _label(r: dict) -> str:
     return f"{when} · {r.get('run_id')} · {r.get('device')}{live}"
 
 
+def sample_hardware(r: dict) -> str:
+    """What a sample ran on: the first word of its file name when it names a chip
+    (`h200-smollm2-full.sqlite` → H200), else the run's device."""
+    first = os.path.basename(r["path"]).split("-")[0].split(".")[0]
+    if any(c.isdigit() for c in first) and any(c.isalpha() for c in first):
+        return first.upper()
+    return str(r.get("device") or "?").upper()
+
+
+def is_gpu(r: dict) -> bool:
+    return str(r.get("device") or "").startswith("cuda")
+
+
+def sample_label(r: dict) -> str:
+    name = os.path.basename(r["path"])
+    if r.get("error"):
+        return f"⚠ sample · {name} (unreadable)"
+    model = os.path.basename(str(r.get("model") or "?").rstrip("/"))
+    return f"sample · {sample_hardware(r)} · {model} · {name}"
+
+
+def gpu_sample(samples: list[dict]) -> dict | None:
+    """The first readable sample recorded on a GPU, if any."""
+    return next((r for r in samples if not r.get("error") and is_gpu(r)), None)
+
+
+def open_sample(path: str, page: str | None = "inspector") -> None:
+    """Callback: open a sample run at its first CUDA graph replay (the last step if none)."""
+    state.open_run(path, data.first_graph_step(path))
+    if page:
+        ss.goto_page = page
+
+
+def gpu_sample_button(samples: list[dict], key: str, **kw) -> bool:
+    """"No GPU here? Open the H200 sample run" (in the inspector, on a graph replay); False
+    when no sample was recorded on a GPU."""
+    gpu = gpu_sample(samples)
+    if gpu is None:
+        return False
+    st.button(f"No GPU here? Open the {sample_hardware(gpu)} sample run", key=key, icon=":material/memory:",
+              on_click=open_sample, args=(gpu["path"],),
+              help=f"{os.path.basename(gpu['path'])}: recorded on a GPU at trace level full — CUDA graph "
+                   "replays with padding, eager prefills, per-layer and per-kernel device spans.", **kw)
+    return True
+
+
 def _on_pick() -> None:
     state.open_run(ss.picked_run)
 
 
 def run_picker() -> None:
     tdir = state.trace_dir()
-    st.caption(f"Runs in `{os.path.abspath(tdir)}`")
+    st.caption(f"Runs in `{os.path.abspath(tdir)}`, then the sample runs shipped in `samples/`")
     runs = data.runs_in(tdir)
-    paths = [r["path"] for r in runs]
+    samples = data.runs_in(state.samples_dir())
+    paths = [r["path"] for r in runs] + [r["path"] for r in samples]
     labels = {r["path"]: _label(r) for r in runs}
+    labels.update({r["path"]: sample_label(r) for r in samples})
     cur = ss.get("run_path")
     if cur and cur not in labels:
         paths.insert(0, cur)
@@ -39,7 +94,10 @@ def run_picker() -> None:
     else:
         ss.picked_run = cur if cur in labels else None
         st.selectbox("Open a run", paths, key="picked_run", index=None, format_func=labels.get,
-                     placeholder="pick a recorded run", on_change=_on_pick)
+                     placeholder="pick a recorded or sample run", on_change=_on_pick)
+    gpu = gpu_sample(samples)
+    if gpu is not None and cur != gpu["path"]:
+        gpu_sample_button(samples, "open_gpu_sample")
     live = ss.get("live")
     if live is not None:
         s = live.status()

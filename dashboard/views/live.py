@@ -13,6 +13,7 @@ from dashboard.components.budget import budget
 from dashboard.components.code_ref import code_ref
 from dashboard.components.live_form import live_form
 from dashboard.components.queues import queues
+from dashboard.components.run_picker import gpu_sample, gpu_sample_button
 from dashboard.live import LiveRun
 from dashboard.theme import req_chip
 
@@ -100,6 +101,15 @@ def main() -> None:
     st.caption("SmolLM2-135M-Instruct (the default model) in a background engine process, traced at level "
                "\"full\": every step is committed to the run store and shown here as it lands.")
     code_ref("dashboard/live.py", "LiveRun.start → LLMEngine.add_request / LLMEngine.step")
+    samples = data.runs_in(state.samples_dir())
+    if gpu_sample(samples) is not None:
+        with st.container(border=True):
+            c1, c2 = st.columns([3, 2], vertical_alignment="center")
+            c1.markdown(":material/memory: **On a CPU every step runs eager**: no CUDA graphs, no device lane. "
+                        "A run recorded on a GPU ships with the repository: graph replays padded to a "
+                        "captured size, eager prefills, per-layer and per-kernel device timings.")
+            with c2:
+                gpu_sample_button(samples, "live_gpu_sample", type="primary")
     live = ss.get("live")
     running = live is not None and live.status()["state"] not in TERMINAL
     with st.expander("Start a run", expanded=not running):

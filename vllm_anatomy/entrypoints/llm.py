@@ -14,13 +14,14 @@ import itertools
 import time
 from typing import Sequence
 
+import msgspec
 from tqdm.auto import tqdm
 
 from vllm_anatomy.engine.arg_utils import EngineArgs
 from vllm_anatomy.engine.input_processor import PromptType
 from vllm_anatomy.engine.llm_engine import LLMEngine
 from vllm_anatomy.outputs import RequestOutput
-from vllm_anatomy.sampling_params import SamplingParams
+from vllm_anatomy.sampling_params import RequestOutputKind, SamplingParams
 from vllm_anatomy.tracing.recorder import Recorder
 
 
@@ -57,6 +58,10 @@ class LLM:
             if len(params_list) != len(prompts):
                 raise ValueError(f"The lengths of prompts ({len(prompts)}) and "
                                  f"sampling_params ({len(params_list)}) must be the same.")
+        # NOTE: generate() returns finished requests only, so (as vLLM's LLM does)
+        # ask for FINAL_ONLY outputs: the frontend then builds one RequestOutput per
+        # request, not one per request per step (each copying the whole text so far).
+        params_list = [_final_only(sp) for sp in params_list]
         # NOTE: tokenize and validate every prompt before adding any, so a bad one loses nothing.
         engine = self.llm_engine
         processed = [engine.process_inputs(str(next(self.request_counter)), p, sp)
@@ -99,3 +104,9 @@ class LLM:
             pbar.close()
         # Sort by request id (submission order), as vLLM does.
         return sorted(finished.values(), key=lambda o: int(o.request_id))
+
+
+def _final_only(params: SamplingParams) -> SamplingParams:
+    if params.output_kind == RequestOutputKind.FINAL_ONLY:
+        return params
+    return msgspec.structs.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)  # the caller's is untouched
