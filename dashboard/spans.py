@@ -87,6 +87,12 @@ def span_table(path: str, version: tuple, device: str) -> pd.DataFrame | RunErro
     if not df.empty:
         df["dur_ms"] = (df["end_ns"] - df["start_ns"]) / 1e6
         df["kernel_layer"] = kernel_layers(df)
+        # The device forward span has the mode and padded size; the reason (with the
+        # real token count) is on the host span of the same step.
+        host = df[(df["name"] == "GPUModelRunner._model_forward") & df["cudagraph_reason"].notna()]
+        reason = dict(zip(host["step_id"], host["cudagraph_reason"]))
+        fwd = (df["name"] == "GPU.model_forward") & df["cudagraph_reason"].isna()
+        df.loc[fwd, "cudagraph_reason"] = df.loc[fwd, "step_id"].map(reason)
     return df
 
 

@@ -1,25 +1,92 @@
-"""Sampled tokens of one step (token id and text per request) and how the forward
-pass ran: CUDA graph replay or eager ("eager (CPU)" on a CPU run)."""
+"""How the forward pass of one step ran — a CUDA graph replay (padded to a captured
+size) or eager, and why (CudagraphDispatcher.dispatch's decision, recorded per step
+in prepare_inputs.cudagraph) — and the tokens the step sampled (token id and text
+per request)."""
 from __future__ import annotations
 
 import streamlit as st
 
 from dashboard import data
 from dashboard.components.code_ref import code_ref
-from dashboard.theme import req_chip
+from dashboard.theme import CUDAGRAPH_COLORS, chip, req_chip
 
 
-def execution_mode(meta: dict) -> str:
+def _sizes(sizes: list[int]) -> str:
+    if len(sizes) <= 8:
+        return ", ".join(map(str, sizes))
+    return f"{', '.join(map(str, sizes[:5]))}, …, {sizes[-1]}; {len(sizes)} graphs"
+
+
+def _decodes(n: int) -> str:
+    return f"{n} decode{'s' if n != 1 else ''}"
+
+
+def execution_mode(meta: dict, cudagraph: dict | None = None) -> tuple[str, str]:
+    """(headline, why) for one step's forward pass.
+
+    With the step's decision (`prepare_inputs.cudagraph`: mode, num_tokens,
+    num_padded_tokens, reason): "CUDA graph replay · 5 decodes padded to 8 (captured
+    sizes …)" or "eager · <reason>". Runs recorded before the decision was traced
+    fall back to what the run's device and compilation config say.
+    """
     device = str(meta.get("device", "?"))
-    if device.startswith("cpu"):
-        return "eager (CPU) — no CUDA graphs without a GPU"
     cfg = (meta.get("config") or {}).get("compilation_config") or {}
-    return "CUDA graph replay" if cfg.get("cudagraph_mode") not in (None, "NONE", "none") else f"eager ({device})"
+    sizes = sorted(cfg.get("cudagraph_capture_sizes") or [])
+    if not cudagraph:
+        if device.startswith("cpu"):
+            return ("eager (CPU) — no CUDA graphs without a GPU",
+                    "This run predates the per-step CUDA-graph decision in the trace; on a CPU every step runs "
+                    "eager.")
+        mode = cfg.get("cudagraph_mode")
+        head = "CUDA graph replay" if mode not in (None, "NONE", "none") else f"eager ({device})"
+        return head, f"This run predates the per-step CUDA-graph decision in the trace (cudagraph_mode {mode})."
+    mode, reason = cudagraph.get("mode"), str(cudagraph.get("reason") or "")
+    n, padded = int(cudagraph.get("num_tokens") or 0), int(cudagraph.get("num_padded_tokens") or 0)
+    captured = f" (captured sizes {_sizes(sizes)})" if sizes else ""
+    if mode == "FULL":
+        if padded > n:
+            head = f"CUDA graph replay · {_decodes(n)} padded to {padded}{captured}"
+            why = (f"A graph replays exactly the kernels captured for {padded} tokens, on the same buffers: the "
+                   f"{padded - n} padding row{'s' if padded - n != 1 else ''} get slot -1 (no KV write), query_len "
+                   f"0 and seq_len 0, so attention skips them, and their logits are never read (logits_indices "
+                   f"point at the {n} real rows only).")
+        else:
+            head = f"CUDA graph replay · {_decodes(n)}, exactly a captured size{captured}"
+            why = (f"One call replays every kernel launch captured for {padded} tokens; the step's inputs are new "
+                   "values written into the same static buffers, and no padding row is needed this time.")
+        return head, why
+    short = reason[:-len(": eager")] if reason.endswith(": eager") else reason
+    head = f"eager · {short or 'no reason recorded'}"
+    if reason.startswith("prefill"):
+        why = ("A graph is captured for one fixed shape: one query token per request. A prefill chunk has another "
+               "query length, so this step launches its kernels one by one (and the device lane times each layer "
+               "and kernel).")
+    elif reason.startswith("CUDA graphs off"):
+        why = ("This run has cudagraph_mode NONE (always on a CPU, or enforce_eager on a GPU): every step launches "
+               "its kernels one by one." + (" On a CPU there are no kernel launches to save." if
+                                            device.startswith("cpu") else ""))
+    elif "largest graph" in reason:
+        why = ("More decodes than the largest captured graph: no graph fits, so this step runs eager "
+               "(max_cudagraph_capture_size bounds the sizes captured at start-up).")
+    else:
+        why = "This step launches its kernels one by one."
+    return head, why
+
+
+def execution_panel(meta: dict, mr: dict) -> None:
+    """The forward pass of this step: graph replay or eager, with the one-line why."""
+    cg = (mr.get("prepare_inputs") or {}).get("cudagraph")
+    head, why = execution_mode(meta, cg)
+    mode = (cg or {}).get("mode")
+    badge = chip("CUDA graph" if mode == "FULL" else "eager", CUDAGRAPH_COLORS.get(mode, "#8E8E8E")) if cg else ""
+    st.markdown(f"**Forward pass** {badge} **{head}**", unsafe_allow_html=True)
+    st.caption(why + (f" Dispatcher said: `{cg['reason']}`." if cg and cg.get("reason") else ""))
+    code_ref("vllm_anatomy/worker/cudagraph.py", "CudagraphDispatcher.dispatch → GPUModelRunner.execute_model")
 
 
 def sampled(meta: dict, step_id: int, tokens: dict, so: dict) -> None:
     picked = tokens["sampled"].get(step_id, {})
-    st.markdown(f"**Sampled tokens** · forward pass: **{execution_mode(meta)}**")
+    st.markdown("**Sampled tokens**")
     if not picked:
         st.caption("no request sampled in this step (only partial prefill chunks)")
     lines = []

@@ -1,29 +1,38 @@
 """The timeline figure: one lane per process plus the device lane, spans as bars
 (nested spans drawn thinner on top of their parents), sync points
-(GPUModelRunner._bookkeeping_sync) marked with their wait."""
+(GPUModelRunner._bookkeeping_sync) marked with their wait.
+
+The device lane has up to three rows: the step's phases (GPU.prepare_inputs,
+GPU.model_forward labelled eager or "CUDA graph, padded 5→8", ...), the decoder
+layers of eager steps (GPU.layer) and their kernel launches (GPU.kernel.*, one
+colour per kernel, grid / tokens / bytes / GB/s in the hover)."""
 from __future__ import annotations
 
 import pandas as pd
 import plotly.graph_objects as go
 
+from dashboard.components.device_lane import bar_label, family, hover_text
 from dashboard.theme import span_color
 
 SYNC = "GPUModelRunner._bookkeeping_sync"
 
 
 def timeline_figure(df: pd.DataFrame, t0_ns: int, cursor: int | None) -> go.Figure:
-    df = df.assign(start_ms=(df["start_ns"] - t0_ns) / 1e6,
-                   family=df["name"].str.split(".").str[0].where(df["lane"] != "device", "device"))
+    df = df.assign(start_ms=(df["start_ns"] - t0_ns) / 1e6, family=family(df))
     df["level"] = df["depth"].clip(upper=6).map(lambda d: f"depth {d}")
+    if "device_row" in df:
+        df["level"] = df["device_row"].where(df["lane"] == "device", df["level"]).fillna(df["level"])
+    # Categories in order of appearance: make the device rows come phases, layers, kernels.
+    order = {"phases": 0, "layers": 1, "kernels": 2}
+    df = df.assign(_o=df["level"].map(order).fillna(-1)).sort_values(["_o", "start_ns"], kind="stable")
     fig = go.Figure()
     for fam, g in df.groupby("family", sort=False):
-        label = g["name"] + g["host_timing"].map({True: " (host timing)", False: ""})
         fig.add_bar(y=[g["lane"].tolist(), g["level"].tolist()], x=g["dur_ms"], base=g["start_ms"],
                     orientation="h", name=fam, width=0.85, textposition="inside", insidetextanchor="start",
-                    marker=dict(color=span_color(fam if fam != "device" else "device"),
-                                line=dict(color="white", width=0.5)),
-                    customdata=g[["step_id"]].fillna(-1).astype(int), text=label,
-                    hovertemplate="%{text}<br>step %{customdata[0]}<br>%{x:.2f} ms<extra></extra>")
+                    marker=dict(color=span_color(fam), line=dict(color="white", width=0.5 if fam == "device" or
+                                                            not fam.startswith("GPU.") else 0)),
+                    customdata=g[["step_id"]].fillna(-1).astype(int), text=bar_label(g),
+                    hovertext=hover_text(g), hovertemplate="%{hovertext}<extra></extra>")
     sync = df[(df["name"] == SYNC) & (df["lane"] != "device")]
     if not sync.empty:
         fig.add_scatter(x=sync["start_ms"] + sync["dur_ms"], y=[sync["lane"].tolist(), sync["level"].tolist()], mode="markers", name="sync point",

@@ -1,6 +1,8 @@
 """Step inspector: one committed step of the open run, scrubbed, played or
 followed live. Every panel is drawn from the step's snapshots ("step" from
-EngineCore, "model_runner" from the worker) and the previous step's, for the diff."""
+EngineCore, "model_runner" from the worker) and the previous step's, for the diff;
+the Worker tab adds the step's forward-pass decision (CUDA graph or eager) and its
+device-lane spans (phases, layers, kernels)."""
 from __future__ import annotations
 
 import streamlit as st
@@ -9,11 +11,12 @@ from dashboard import data, spans, state
 from dashboard.components.block_pool import block_pool
 from dashboard.components.block_tables import block_tables
 from dashboard.components.budget import budget
+from dashboard.components.device_lane import device_lane
 from dashboard.components.diff import diff
 from dashboard.components.input_batch import input_batch
 from dashboard.components.prepare_inputs import prepare_inputs
 from dashboard.components.queues import queues, state_machine, transitions
-from dashboard.components.sampled import sampled
+from dashboard.components.sampled import execution_mode, execution_panel, sampled
 from dashboard.components.scrubber import scrubber
 from dashboard.components.sched_output import scheduler_output
 from dashboard.components.slot_mapping import slot_mapping
@@ -24,6 +27,13 @@ def finish_reasons(path: str, version: tuple) -> dict[str, str]:
     if isinstance(reqs, data.RunError):
         return {}
     return {r["request_id"]: (r["finish_reasons"] or [""])[0] for r in reqs}
+
+
+def step_spans(path: str, version: tuple, meta: dict, step_id: int):
+    df = spans.span_table(path, version, str(meta.get("device")))
+    if isinstance(df, data.RunError) or df.empty:
+        return None
+    return df[df["step_id"] == step_id]
 
 
 def main() -> None:
@@ -51,6 +61,8 @@ def main() -> None:
     with c2:
         state_machine(moves)
     kv = step["scheduler"]["kv_cache"]
+    head, _ = execution_mode(info["meta"], (mr.get("prepare_inputs") or {}).get("cudagraph"))
+    st.markdown(f":material/memory: Forward pass: **{head}** — why, and the device lane: *Worker* tab")
     t_sched, t_kv, t_worker = st.tabs(["Scheduler", "KV cache", "Worker (model runner)"])
     with t_sched:
         budget(step["scheduler"]["step_record"])
@@ -63,6 +75,8 @@ def main() -> None:
         if isinstance(tokens, data.RunError):
             state.show_error(tokens)
             tokens = {"sampled": {}, "tokens": {}}
+        execution_panel(info["meta"], mr)
+        device_lane(step_spans(path, version, info["meta"], step_id), str(info["meta"].get("device")), step_id)
         sampled(info["meta"], step_id, tokens, step["scheduler_output"])
         pi = mr.get("prepare_inputs")
         if pi:

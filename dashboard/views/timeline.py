@@ -1,7 +1,10 @@
 """Timeline: the spans of a window of steps, one lane per process plus the device
-lane; click a span (or pick a step) to open that step in the inspector."""
+lane (on a GPU: phases, then the layers and kernels of eager steps); click a span
+(or pick a step) to open that step in the inspector. Start-up spans (warm-up,
+CUDA graph capture) are listed below."""
 from __future__ import annotations
 
+import pandas as pd
 import streamlit as st
 
 from dashboard import data, spans, state
@@ -35,6 +38,27 @@ def window(steps: list[int]) -> tuple[int, int]:
     return a, b
 
 
+def startup(df: pd.DataFrame) -> None:
+    """Spans before the first step (engine start-up: load, KV cache, warm-up, CUDA graph capture)."""
+    steps = df[df["name"] == "EngineCore.step"]
+    first = steps["start_ns"].min() if not steps.empty else df["start_ns"].max() + 1
+    up = df[df["step_id"].isna() & df["request_id"].isna() & (df["start_ns"] < first) & (df["lane"] != "device")]
+    up = up[~up["name"].isin(["llm_request", "InputProcessor.process_inputs", "EngineCore.add_request"])]
+    if up.empty:
+        return
+    up = up.sort_values("start_ns")
+    caps = up[up["name"] == "CUDAGraph.capture"]
+    summary = (f" · {len(caps)} CUDA graphs captured (sizes {sorted(caps['cudagraph_size'].dropna().astype(int))}) "
+               f"in {caps['dur_ms'].sum():.0f} ms" if not caps.empty else "")
+    with st.expander(f"Start-up: {len(up)} spans before the first step{summary}"):
+        st.dataframe(pd.DataFrame({"span": ["· " * int(d) + n for d, n in zip(up["depth"], up["name"])],
+                                   "ms": up["dur_ms"].round(2),
+                                   "capture size": up["cudagraph_size"].astype("Int64")}),
+                     hide_index=True, width="stretch")
+        code_ref("vllm_anatomy/worker/gpu_model_runner.py", "GPUModelRunner.warm_up · capture_model → "
+                                                            "CUDAGraphRunner.capture")
+
+
 def main() -> None:
     st.title("Timeline")
     cur = state.current()
@@ -56,7 +80,14 @@ def main() -> None:
     st.plotly_chart(fig, width="stretch", key="timeline_chart", on_select=on_select,
                     selection_mode="points")
     sync = win[(win["name"] == "GPUModelRunner._bookkeeping_sync") & (win["lane"] != "device")]
-    device = "no GPU: the device lane shows host timings" if info["meta"].get("device") == "cpu" else "GPU"
+    dev = win[(win["lane"] == "device") & ~win["host_timing"]]
+    if dev.empty:
+        device = "no GPU: the device lane shows host timings"
+    else:
+        fwd = dev[dev["name"] == "GPU.model_forward"]
+        n_graph = int((fwd["cudagraph_mode"] == "FULL").sum())
+        device = (f"GPU: {n_graph} CUDA graph replays and {len(fwd) - n_graph} eager forwards; eager steps add a "
+                  f"row of decoder layers and one of kernel launches (hover one: grid, tokens, bytes, GB/s)")
     st.caption(f"{len(win)} spans in steps {a}–{b} · {len(sync)} sync points, total wait "
                f"{sync['sync_wait_ms'].fillna(0).sum():.2f} ms · {device}. Click a bar to open its step.")
     c1, c2 = st.columns([1, 3], vertical_alignment="bottom")
@@ -64,6 +95,7 @@ def main() -> None:
     c2.button("Open in the step inspector", key="tl_open", icon=":material/search:", on_click=state.goto, args=(pick, "inspector"))
     code_ref("vllm_anatomy/engine/core.py", "EngineCore.step → Scheduler.schedule, Executor.execute_model, "
                                             "GPUModelRunner.*")
+    startup(df)
 
 
 main()

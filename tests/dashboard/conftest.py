@@ -42,6 +42,23 @@ def recorded_run(tmp_path_factory):
 
 
 APP = os.path.join(ROOT, "dashboard", "app.py")
+# The GPU sample run the lead records on an H200 (shipped in the repository).
+H200_SAMPLE = os.path.join(ROOT, "samples", "h200-smollm2-full.sqlite")
+GPU_SAMPLE_NAME = "synthetic-gpu-full.sqlite"      # GPU-shaped copy of the fixture run (tests/dashboard/gpu_run.py)
+CPU_SAMPLE_NAME = "cpu-smollm2-full.sqlite"        # plain copy of the fixture run
+
+
+@pytest.fixture(scope="session")
+def samples(recorded_run, tmp_path_factory):
+    """A samples directory (VLLM_ANATOMY_SAMPLES_DIR) holding a copy of the fixture run and its
+    GPU-shaped copy: {"dir", "cpu", "gpu", "graph_step", "eager_step", "decisions"}."""
+    from tests.dashboard.gpu_run import copy_run, make_gpu_like_run, pick_steps
+    _, path = recorded_run
+    sdir = str(tmp_path_factory.mktemp("samples"))
+    cpu, gpu = os.path.join(sdir, CPU_SAMPLE_NAME), os.path.join(sdir, GPU_SAMPLE_NAME)
+    copy_run(path, cpu)
+    make_gpu_like_run(path, gpu)
+    return {"dir": sdir, "cpu": cpu, "gpu": gpu, **pick_steps(gpu)}
 
 
 @pytest.fixture(scope="session")
@@ -61,11 +78,13 @@ def run_facts(recorded_run):
 
 
 @pytest.fixture
-def make_app(recorded_run, monkeypatch):
-    """AppTest of the dashboard opened on the fixture run (page, step) through the URL."""
+def make_app(recorded_run, monkeypatch, tmp_path):
+    """AppTest of the dashboard opened on the fixture run (page, step) through the URL
+    (samples directory: an empty one, unless a test sets VLLM_ANATOMY_SAMPLES_DIR itself)."""
     from streamlit.testing.v1 import AppTest
     trace_dir, path = recorded_run
     monkeypatch.setenv("VLLM_ANATOMY_TRACE_DIR", trace_dir)
+    monkeypatch.setenv("VLLM_ANATOMY_SAMPLES_DIR", str(tmp_path / "no-samples"))
 
     def make(page: str, step: int | None = None, run: str | None = None) -> AppTest:
         at = AppTest.from_file(APP, default_timeout=60)

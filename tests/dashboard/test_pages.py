@@ -38,7 +38,7 @@ def test_inspector_shows_the_snapshot(make_app, run_facts):
     assert f"Admission stopped: **`{rec['admission_stop_reason']}`**" in text
     for req in rec["preempted_req_ids"]:
         assert f"req {req}: RUNNING → PREEMPTED" in text
-    assert "eager (CPU)" in text
+    assert "eager · CUDA graphs off (eager mode)" in text
 
 
 def test_scrubber_moves_the_panels(make_app, run_facts):

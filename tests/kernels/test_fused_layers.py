@@ -238,11 +238,11 @@ TINY = {
 
 
 @pytest.mark.parametrize("arch", list(TINY))
-def test_tiny_model_cuda_path_interpreter(arch, tmp_path):
-    """On CPU, the layers' CUDA dispatch (the kernels, interpreted) gives the
+def test_tiny_model_cuda_path(arch, tmp_path):
+    """The layers' CUDA dispatch (the kernels; interpreted on CPU) gives the
     torch path's logits (fp32, two paged steps incl. a chunk and decodes)."""
     hf_config = write_random_checkpoint(tmp_path, TINY[arch](), torch.float32, seed=1)
-    model = load(tmp_path, hf_config, "torch", torch.float32, "cpu")
+    model = load(tmp_path, hf_config, "torch", torch.float32, DEVICE)
     steps = make_steps(96, (13, 9, 4), seed=2)[:2]
     with layer_path("native"):
         ref = run_steps(model, steps, 16, 8)

@@ -1,0 +1,186 @@
+"""The device lane of one step: where the step's time went on the GPU.
+
+Phases back to back (GPU.prepare_inputs, GPU.model_forward, GPU.compute_logits,
+GPU.sample, GPU.d2h), from CUDA events read after the step's one sync point. An
+eager step also has one GPU.layer span per decoder layer and, at trace level
+full, one GPU.kernel.* span per kernel launch with its grid, token count and
+bytes moved, so the achieved bandwidth (bytes / duration) can be read off. A CUDA
+graph replay is a single GPU.model_forward span: events cannot be recorded
+between a graph's kernels.
+
+Also the formatting shared with the timeline figure (bar labels, hover text).
+"""
+from __future__ import annotations
+
+import re
+
+import pandas as pd
+import plotly.graph_objects as go
+import streamlit as st
+
+from dashboard.components.code_ref import code_ref
+from dashboard.theme import span_color
+
+PHASES = ["GPU.prepare_inputs", "GPU.model_forward", "GPU.compute_logits", "GPU.sample", "GPU.d2h"]
+PADDED = re.compile(r"padded (\d+) -> (\d+)")
+
+
+def gb_per_s(nbytes, dur_ms) -> float | None:
+    """Achieved bandwidth in GB/s (1e9 bytes per second)."""
+    if nbytes is None or pd.isna(nbytes) or not dur_ms or pd.isna(dur_ms) or dur_ms <= 0:
+        return None
+    return float(nbytes) / (float(dur_ms) * 1e-3) / 1e9
+
+
+def _get(r, key):
+    v = r.get(key) if hasattr(r, "get") else None
+    return None if v is None or (not isinstance(v, (list, str)) and pd.isna(v)) else v
+
+
+def forward_label(r) -> str:
+    """`GPU.model_forward · CUDA graph replay, padded 5→8` or `GPU.model_forward · eager`."""
+    mode, padded = _get(r, "cudagraph_mode"), _get(r, "num_padded_tokens")
+    if mode == "FULL":
+        m = PADDED.search(str(_get(r, "cudagraph_reason") or ""))
+        size = f"padded {m[1]}→{m[2]}" if m else f"{int(padded)} tokens" if padded is not None else ""
+        return f"{r['name']} · CUDA graph replay, {size}".rstrip(", ")
+    if mode is not None:
+        return f"{r['name']} · eager"
+    return r["name"]
+
+
+def family(df: pd.DataFrame) -> pd.Series:
+    """Legend group (and colour) of each span: process-side by class, device phases as
+    "device", layers as GPU.layer, kernels by kernel name."""
+    fam = df["name"].str.split(".").str[0]
+    if "device_row" not in df:
+        return fam.where(df["lane"] != "device", "device")
+    dev_fam = df["name"].where(df["device_row"] == "kernels", "GPU.layer").where(
+        df["device_row"] != "phases", "device")
+    return dev_fam.where(df["lane"] == "device", fam)
+
+
+def _one_label(r) -> str:
+    name = r["name"]
+    if r.get("host_timing"):
+        return f"{name} (host timing)"
+    if name == "GPU.layer" and _get(r, "layer") is not None:
+        return f"L{int(r['layer'])}"
+    if name.startswith("GPU.kernel."):
+        return name[len("GPU.kernel."):]
+    if name in ("GPU.model_forward", "GPUModelRunner._model_forward") and r.get("lane") == "device":
+        return forward_label(r)
+    return name
+
+
+def bar_label(g: pd.DataFrame) -> list[str]:
+    return [_one_label(r) for r in g.to_dict("records")]
+
+
+def _one_hover(r) -> str:
+    step = _get(r, "step_id")
+    lines = [_one_label(r) if r["name"] != "GPU.layer" else r["name"],
+             f"step {int(step) if step is not None else '—'} · {r['dur_ms']:.3f} ms"]
+    if _get(r, "cudagraph_mode") is not None:
+        lines.append(f"cudagraph_mode {r['cudagraph_mode']} · {_get(r, 'num_padded_tokens')} tokens run"
+                     + (f" · {r['cudagraph_reason']}" if _get(r, "cudagraph_reason") else ""))
+    if _get(r, "layer") is not None:
+        lines.append(f"decoder layer {int(r['layer'])}")
+    if r["name"].startswith("GPU.kernel."):
+        layer = _get(r, "kernel_layer")
+        rate = gb_per_s(_get(r, "bytes"), r["dur_ms"])
+        lines.append(f"layer {int(layer) if layer is not None else '—'} · grid {_get(r, 'grid')} · "
+                     f"{_get(r, 'num_tokens')} tokens")
+        if _get(r, "bytes") is not None:
+            lines.append(f"{r['bytes'] / 1e6:.3f} MB moved" + (f" · {rate:.0f} GB/s achieved" if rate else ""))
+    if _get(r, "sync_wait_ms") is not None:
+        lines.append(f"sync wait {r['sync_wait_ms']:.2f} ms")
+    return "<br>".join(lines)
+
+
+def hover_text(g: pd.DataFrame) -> list[str]:
+    return [_one_hover(r) for r in g.to_dict("records")]
+
+
+# -- the panel of the step inspector --------------------------------------------------------
+def kernel_table(dev: pd.DataFrame) -> pd.DataFrame:
+    """One row per kernel launch: layer, kernel, grid, tokens, bytes, µs, GB/s."""
+    k = dev[dev["device_row"] == "kernels"].sort_values("start_ns")
+    return pd.DataFrame({
+        "layer": [None if v is None or pd.isna(v) else int(v) for v in k["kernel_layer"]],
+        "kernel": k["name"].str.slice(len("GPU.kernel.")), "grid": k["grid"],
+        "tokens": k["num_tokens"], "bytes": k["bytes"], "µs": (k["dur_ms"] * 1e3).round(2),
+        "GB/s": [None if (r := gb_per_s(b, d)) is None else round(r, 1) for b, d in zip(k["bytes"], k["dur_ms"])],
+    })
+
+
+def kernel_summary(launches: pd.DataFrame) -> pd.DataFrame:
+    """Per kernel: launches, total and mean time, bytes, bandwidth over all its launches."""
+    rows = []
+    for name, g in launches.groupby("kernel", sort=False):
+        total_us = g["µs"].sum()
+        nbytes = g["bytes"].sum() if g["bytes"].notna().any() else None
+        rows.append({"kernel": name, "launches": len(g), "total µs": round(total_us, 1),
+                     "mean µs": round(total_us / len(g), 2),
+                     "MB": None if nbytes is None else round(nbytes / 1e6, 3),
+                     "GB/s": None if nbytes is None or total_us <= 0 else round(nbytes / (total_us * 1e-6) / 1e9, 1)})
+    return pd.DataFrame(rows)
+
+
+def step_figure(dev: pd.DataFrame) -> go.Figure:
+    """The step's device spans on three rows (phases, layers, kernels), µs since its first one."""
+    t0 = dev["start_ns"].min()
+    dev = dev.assign(start_us=(dev["start_ns"] - t0) / 1e3, dur_us=dev["dur_ms"] * 1e3, fam=family(dev))
+    fig = go.Figure()
+    for fam, g in dev.groupby("fam", sort=False):
+        fig.add_bar(y=g["device_row"], x=g["dur_us"], base=g["start_us"], orientation="h", name=fam,
+                    width=0.8, text=bar_label(g), textposition="inside", insidetextanchor="start",
+                    marker=dict(color=span_color(fam), line=dict(color="white", width=0.5)),
+                    hovertext=hover_text(g), hovertemplate="%{hovertext}<extra></extra>")
+    rows = [r for r in ("phases", "layers", "kernels") if r in set(dev["device_row"])]
+    fig.update_layout(barmode="overlay", height=90 + 40 * len(rows), margin=dict(l=10, r=10, t=10, b=36),
+                      plot_bgcolor="white", xaxis_title="µs since the step's first device span",
+                      yaxis=dict(categoryorder="array", categoryarray=rows[::-1]),
+                      uniformtext=dict(minsize=8, mode="hide"), showlegend=False)
+    return fig
+
+
+def device_lane(step_spans: pd.DataFrame | None, device: str, step_id: int) -> None:
+    """The Worker tab's device panel for one step (step_spans: that step's span_table rows)."""
+    dev = None if step_spans is None or step_spans.empty else step_spans[step_spans["lane"] == "device"]
+    if dev is None or dev.empty:
+        st.markdown("**Device lane** · no device span recorded for this step")
+        code_ref("vllm_anatomy/worker/device_timer.py", "DeviceTimer.mark / kernel / watch_layers → resolve")
+        return
+    if dev["host_timing"].all():
+        parts = " · ".join(f"`{r['name'].split('.')[-1]}` {r['dur_ms']:.2f} ms" for r in dev.to_dict("records"))
+        st.markdown(f"**Device lane** · no GPU ({device}): the host timings of the device work — {parts}")
+        st.caption("On a CPU every op runs synchronously on the host, so there is no separate device timeline, "
+                   "no CUDA graph and no per-kernel timing. Open the GPU sample run to see them.")
+        code_ref("vllm_anatomy/worker/device_timer.py", "DeviceTimer (CUDA only)")
+        return
+    dev = dev[~dev["host_timing"]]
+    n_layers = int((dev["name"] == "GPU.layer").sum())
+    launches = kernel_table(dev)
+    fwd = dev[dev["name"] == "GPU.model_forward"]
+    total = (dev["end_ns"].max() - dev["start_ns"].min()) / 1e6
+    head = f"**Device lane** · step {step_id} · {total:.3f} ms on the device"
+    if not fwd.empty:
+        f = fwd.iloc[0]
+        head += f" · forward {f['dur_ms']:.3f} ms ({forward_label(f).split(' · ', 1)[-1]})"
+    st.markdown(head + f" · {n_layers} layer spans · {len(launches)} kernel launches")
+    st.plotly_chart(step_figure(dev), width="stretch", key="device_step_fig", config={"displayModeBar": False})
+    if not fwd.empty and fwd.iloc[0].get("cudagraph_mode") == "FULL":
+        st.caption("A CUDA graph replay is one span: CUDA events cannot be recorded between a graph's kernels, "
+                   "so there is no per-layer or per-kernel timing inside it (an eager step has both).")
+    if n_layers:
+        lay = dev[dev["name"] == "GPU.layer"]["dur_ms"] * 1e3
+        st.caption(f"Decoder layers: {n_layers} spans, mean {lay.mean():.1f} µs (min {lay.min():.1f}, "
+                   f"max {lay.max():.1f}), {lay.sum() / 1e3:.3f} ms of the forward.")
+    if not launches.empty:
+        st.markdown("**Kernel launches** (this step) · achieved GB/s = bytes moved / duration — compare with the "
+                    "GPU's memory bandwidth (an H200's HBM3e: about 4,800 GB/s)")
+        st.dataframe(kernel_summary(launches), hide_index=True, width="stretch")
+        with st.expander(f"every launch ({len(launches)})"):
+            st.dataframe(launches, hide_index=True, width="stretch", height=min(400, 38 + 35 * len(launches)))
+    code_ref("vllm_anatomy/worker/device_timer.py", "DeviceTimer.mark / kernel / watch_layers → resolve")
