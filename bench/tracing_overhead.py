@@ -47,6 +47,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--gpu", action="store_true")
+    ap.add_argument("--levels", default=",".join(LEVELS), help="GPU: which levels to run (off first)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     results_dir = os.path.join(os.path.dirname(__file__), "results")
@@ -90,7 +91,7 @@ def main_gpu(args) -> None:
     rates: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory() as path:
         write_random_model(path)
-        for lvl in LEVELS:
+        for lvl in args.levels.split(","):
             llm = LLM(path, max_model_len=4096, trace_level=lvl, trace_dir=None if lvl == "off" else trace_dir)
             llm.generate([{"prompt_token_ids": prompts[0][:16]}], SamplingParams(max_tokens=4), use_tqdm=False)
             n, dt = measure(llm, [{"prompt_token_ids": p} for p in prompts], params)
@@ -111,7 +112,7 @@ def report(args, rates, trace_dir) -> None:
                            "loadavg_1m": os.getloadavg()[0]},
                "levels": {}}
     print(f"{'level':<6} {'tok/s (best)':>12} {'tok/s (median)':>15} {'x off':>7} {'target':>7}")
-    for lvl in LEVELS:
+    for lvl in [lv for lv in LEVELS if lv in rates]:
         ratio = best[lvl] / best["off"]
         target = TARGETS.get(lvl)
         results["levels"][lvl] = {"tok_per_s_rounds": rates[lvl], "tok_per_s_best": best[lvl],

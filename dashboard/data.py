@@ -45,7 +45,7 @@ def runs_in(trace_dir: str) -> list[dict]:
     if not os.path.isdir(trace_dir):
         return []
     return [{k: r.get(k) for k in ("path", "run_id", "model", "device", "start_time_ns",
-                                   "end_time_ns", "trace_level", "error")} for r in list_runs(trace_dir)]
+                                   "end_time_ns", "trace_level", "description", "error")} for r in list_runs(trace_dir)]
 
 
 @st.cache_data(max_entries=64, show_spinner=False)
@@ -124,6 +124,7 @@ def step_table(path: str, version: tuple) -> pd.DataFrame | RunError:
     try:
         rows = _rows(path, _STEP_SQL)
         mr_rows = {r[0]: r for r in _rows(path, _MR_SQL)}
+        cg_rows = {r[0]: r for r in _rows(path, _CG_SQL)}
     except sqlite3.Error as e:
         return RunError(f"{path}: corrupt run store ({e})")
     out = []
@@ -131,6 +132,9 @@ def step_table(path: str, version: tuple) -> pd.DataFrame | RunError:
         row = _step_row(step_id, t, _loads(rec) or {}, usage, _loads(finished), _loads(events))
         mr = mr_rows.get(step_id)
         row["condense_moves"] = (mr[2] or 0) if mr else 0
+        cg = cg_rows.get(step_id)
+        row["cudagraph_mode"] = cg[1] if cg else None
+        row["cudagraph_padding"] = (cg[3] or 0) - (cg[2] or 0) if cg and cg[1] is not None else 0
         out.append(row)
     df = pd.DataFrame(out)
     if not df.empty:

@@ -31,6 +31,16 @@ def _argmax(col: str) -> Callable[[pd.DataFrame], int | None]:
     return find
 
 
+def _graph_step(df: pd.DataFrame) -> int | None:
+    """The first padded CUDA graph replay, else the first replay (None on CPU runs)."""
+    if "cudagraph_mode" not in df:
+        return None
+    full = df[df["cudagraph_mode"] == "FULL"]
+    padded = full[full["cudagraph_padding"] > 0]
+    pick = padded if not padded.empty else full
+    return int(pick["step"].iloc[0]) if not pick.empty else None
+
+
 LESSONS = [
     Lesson("admit", "WAITING → RUNNING: the scheduler admits a request",
            "A new request waits in the FCFS queue until schedule() gives it tokens from the budget and "
@@ -77,6 +87,11 @@ LESSONS = [
            "prepare_inputs turns scheduled token counts and block tables into positions, query_start_loc "
            "and slot_mapping (slot = block_id × block_size + offset).", "the slot_mapping plot in the Worker tab",
            "inspector", _argmax("tokens")),
+    Lesson("cudagraph", "CUDA graphs: a pure-decode step replays a captured graph, padded",
+           "A batch of B one-token decodes is padded to the next captured size N ≥ B and replays that size's "
+           "graph in one call; padding rows have slot -1 and query_len 0. A step with a prefill chunk runs eager.",
+           "the forward-pass line and the device lane in the Worker tab (GPU runs only: open the GPU sample)",
+           "inspector", lambda d: _graph_step(d)),
     Lesson("sync", "Control plane and data plane: the sync point",
            "The CPU schedules and prepares inputs; the device runs the forward pass; _bookkeeping_sync is "
            "where the CPU waits for sampled tokens.", "the sync markers on the timeline", "timeline",

@@ -10,7 +10,8 @@ On a GPU the device lane has, per step, the phases `GPU.prepare_inputs`,
 `GPU.model_forward` (with the CUDA-graph decision), `GPU.compute_logits`,
 `GPU.sample`, `GPU.d2h`; on eager steps also one `GPU.layer` per decoder layer and,
 at level full, one `GPU.kernel.<name>` per kernel launch (grid, tokens, bytes).
-Each gets a `row` of the device lane: phases, layers or kernels.
+Each gets its row of the device lane (column `device_row`): phases, layers or kernels;
+kernels also the layer they ran in (`kernel_layer`).
 """
 from __future__ import annotations
 
@@ -29,7 +30,6 @@ ATTR_COLUMNS = {"vllm_anatomy.cudagraph_mode": "cudagraph_mode", "vllm_anatomy.n
                 "vllm_anatomy.cudagraph_reason": "cudagraph_reason", "vllm_anatomy.layer": "layer",
                 "vllm_anatomy.grid": "grid", "vllm_anatomy.num_tokens": "num_tokens", "vllm_anatomy.bytes": "bytes",
                 "vllm_anatomy.cudagraph_size": "cudagraph_size"}
-DEVICE_ROWS = ("phases", "layers", "kernels")
 
 
 def device_row(name: str) -> str:

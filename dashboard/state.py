@@ -1,5 +1,8 @@
 """Session state of the dashboard: which run is open, the step cursor, playing /
 following, and the URL query (run, page, step) that makes every view a deep link.
+Runs are found in the trace directory (VLLM_ANATOMY_TRACE_DIR) and in the samples
+directory (VLLM_ANATOMY_SAMPLES_DIR, default <repo>/samples: runs shipped with the
+repository, e.g. one recorded on an H200); `?run=<file name>` looks in both.
 
 Only the cursor lives in st.session_state; run data comes from the cached loaders
 in dashboard/data.py. Buttons change state in on_click callbacks (they run before
@@ -27,10 +30,6 @@ def trace_dir() -> str:
 def samples_dir() -> str:
     """Run stores shipped with the repository (read-only examples, e.g. a run recorded on a GPU)."""
     return os.environ.get(SAMPLES_DIR_ENV) or os.path.join(REPO_ROOT, "samples")
-
-
-def is_sample(path: str | None) -> bool:
-    return bool(path) and os.path.dirname(os.path.abspath(path)) == os.path.abspath(samples_dir())
 
 
 def resolve_run(name: str | None) -> str | None:

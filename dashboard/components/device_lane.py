@@ -34,7 +34,9 @@ def gb_per_s(nbytes, dur_ms) -> float | None:
 
 def _get(r, key):
     v = r.get(key) if hasattr(r, "get") else None
-    return None if v is None or (not isinstance(v, (list, str)) and pd.isna(v)) else v
+    if v is None or (not isinstance(v, (list, str)) and pd.isna(v)):
+        return None
+    return int(v) if isinstance(v, float) and v.is_integer() and key != "dur_ms" else v
 
 
 def forward_label(r) -> str:
@@ -110,7 +112,7 @@ def kernel_table(dev: pd.DataFrame) -> pd.DataFrame:
         "layer": [None if v is None or pd.isna(v) else int(v) for v in k["kernel_layer"]],
         "kernel": k["name"].str.slice(len("GPU.kernel.")), "grid": k["grid"],
         "tokens": k["num_tokens"], "bytes": k["bytes"], "µs": (k["dur_ms"] * 1e3).round(2),
-        "GB/s": [None if (r := gb_per_s(b, d)) is None else round(r, 1) for b, d in zip(k["bytes"], k["dur_ms"])],
+        "GB/s": [gb_per_s(b, d) for b, d in zip(k["bytes"], k["dur_ms"])],
     })
 
 
@@ -122,24 +124,27 @@ def kernel_summary(launches: pd.DataFrame) -> pd.DataFrame:
         nbytes = g["bytes"].sum() if g["bytes"].notna().any() else None
         rows.append({"kernel": name, "launches": len(g), "total µs": round(total_us, 1),
                      "mean µs": round(total_us / len(g), 2),
-                     "MB": None if nbytes is None else round(nbytes / 1e6, 3),
-                     "GB/s": None if nbytes is None or total_us <= 0 else round(nbytes / (total_us * 1e-6) / 1e9, 1)})
+                     "MB": None if nbytes is None else nbytes / 1e6,
+                     "GB/s": None if nbytes is None or total_us <= 0 else nbytes / (total_us * 1e-6) / 1e9})
     return pd.DataFrame(rows)
 
 
 def step_figure(dev: pd.DataFrame) -> go.Figure:
-    """The step's device spans on three rows (phases, layers, kernels), µs since its first one."""
+    """The step's device spans on three rows (phases, layers, kernels), in µs (ms past 5 ms)
+    since its first one."""
     t0 = dev["start_ns"].min()
-    dev = dev.assign(start_us=(dev["start_ns"] - t0) / 1e3, dur_us=dev["dur_ms"] * 1e3, fam=family(dev))
+    unit, per_ns = ("ms", 1e6) if dev["end_ns"].max() - t0 > 5e6 else ("µs", 1e3)
+    dev = dev.assign(start=(dev["start_ns"] - t0) / per_ns, dur=(dev["end_ns"] - dev["start_ns"]) / per_ns,
+                     fam=family(dev))
     fig = go.Figure()
     for fam, g in dev.groupby("fam", sort=False):
-        fig.add_bar(y=g["device_row"], x=g["dur_us"], base=g["start_us"], orientation="h", name=fam,
+        fig.add_bar(y=g["device_row"], x=g["dur"], base=g["start"], orientation="h", name=fam,
                     width=0.8, text=bar_label(g), textposition="inside", insidetextanchor="start",
                     marker=dict(color=span_color(fam), line=dict(color="white", width=0.5)),
                     hovertext=hover_text(g), hovertemplate="%{hovertext}<extra></extra>")
     rows = [r for r in ("phases", "layers", "kernels") if r in set(dev["device_row"])]
     fig.update_layout(barmode="overlay", height=90 + 40 * len(rows), margin=dict(l=10, r=10, t=10, b=36),
-                      plot_bgcolor="white", xaxis_title="µs since the step's first device span",
+                      plot_bgcolor="white", xaxis_title=f"{unit} since the step's first device span",
                       yaxis=dict(categoryorder="array", categoryarray=rows[::-1]),
                       uniformtext=dict(minsize=8, mode="hide"), showlegend=False)
     return fig
@@ -168,19 +173,30 @@ def device_lane(step_spans: pd.DataFrame | None, device: str, step_id: int) -> N
     if not fwd.empty:
         f = fwd.iloc[0]
         head += f" · forward {f['dur_ms']:.3f} ms ({forward_label(f).split(' · ', 1)[-1]})"
-    st.markdown(head + f" · {n_layers} layer spans · {len(launches)} kernel launches")
+    n_k = len(launches)
+    st.markdown(head + f" · {n_layers} layer span{'s' * (n_layers != 1)} · {n_k} kernel launch{'es' * (n_k != 1)}")
     st.plotly_chart(step_figure(dev), width="stretch", key="device_step_fig", config={"displayModeBar": False})
     if not fwd.empty and fwd.iloc[0].get("cudagraph_mode") == "FULL":
         st.caption("A CUDA graph replay is one span: CUDA events cannot be recorded between a graph's kernels, "
                    "so there is no per-layer or per-kernel timing inside it (an eager step has both).")
     if n_layers:
-        lay = dev[dev["name"] == "GPU.layer"]["dur_ms"] * 1e3
-        st.caption(f"Decoder layers: {n_layers} spans, mean {lay.mean():.1f} µs (min {lay.min():.1f}, "
-                   f"max {lay.max():.1f}), {lay.sum() / 1e3:.3f} ms of the forward.")
+        layers = dev[dev["name"] == "GPU.layer"]
+        lay = layers["dur_ms"] * 1e3
+        note = ""
+        slow = layers.loc[lay.idxmax()]
+        if lay.max() > 20 * lay.median() and lay.max() > 50e3:
+            note = (f" Layer {_get(slow, 'layer')} took {lay.max() / 1e3:.0f} ms, {lay.max() / lay.median():.0f}× the "
+                    "median: most likely the first launch of a new Triton kernel variant, compiled (JIT) on the "
+                    "spot; the layers after it reuse the compiled kernel.")
+        st.caption(f"Decoder layers: {n_layers} spans, median {lay.median():.1f} µs (min {lay.min():.1f}, "
+                   f"max {lay.max():.1f}), {lay.sum() / 1e3:.3f} ms of the forward.{note}")
     if not launches.empty:
         st.markdown("**Kernel launches** (this step) · achieved GB/s = bytes moved / duration — compare with the "
                     "GPU's memory bandwidth (an H200's HBM3e: about 4,800 GB/s)")
-        st.dataframe(kernel_summary(launches), hide_index=True, width="stretch")
+        rate = {"GB/s": st.column_config.NumberColumn(format="%.1f", help="bytes moved / duration"),
+                "MB": st.column_config.NumberColumn(format="%.4f")}
+        st.dataframe(kernel_summary(launches), hide_index=True, width="stretch", column_config=rate)
         with st.expander(f"every launch ({len(launches)})"):
-            st.dataframe(launches, hide_index=True, width="stretch", height=min(400, 38 + 35 * len(launches)))
+            st.dataframe(launches, hide_index=True, width="stretch", height=min(400, 38 + 35 * len(launches)),
+                         column_config=rate)
     code_ref("vllm_anatomy/worker/device_timer.py", "DeviceTimer.mark / kernel / watch_layers → resolve")

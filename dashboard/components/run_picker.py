@@ -41,11 +41,14 @@ def is_gpu(r: dict) -> bool:
 
 
 def sample_label(r: dict) -> str:
+    """`sample · H200 · smollm2-full` for samples/h200-smollm2-full.sqlite (short: the sidebar is narrow)."""
     name = os.path.basename(r["path"])
     if r.get("error"):
         return f"⚠ sample · {name} (unreadable)"
-    model = os.path.basename(str(r.get("model") or "?").rstrip("/"))
-    return f"sample · {sample_hardware(r)} · {model} · {name}"
+    hw, stem = sample_hardware(r), os.path.splitext(name)[0]
+    if stem.lower().startswith(hw.lower() + "-"):
+        stem = stem[len(hw) + 1:]
+    return f"sample · {hw} · {stem}"
 
 
 def gpu_sample(samples: list[dict]) -> dict | None:
@@ -68,8 +71,9 @@ def gpu_sample_button(samples: list[dict], key: str, **kw) -> bool:
         return False
     st.button(f"No GPU here? Open the {sample_hardware(gpu)} sample run", key=key, icon=":material/memory:",
               on_click=open_sample, args=(gpu["path"],),
-              help=f"{os.path.basename(gpu['path'])}: recorded on a GPU at trace level full — CUDA graph "
-                   "replays with padding, eager prefills, per-layer and per-kernel device spans.", **kw)
+              help=f"{os.path.basename(gpu['path'])}: " + (gpu.get("description") or "recorded on a GPU at trace "
+                   "level full") + " — CUDA graph replays with padding, eager prefills, per-layer and per-kernel "
+                   "device spans.", **kw)
     return True
 
 

@@ -11,7 +11,8 @@ from dashboard.components.code_ref import code_ref
 from dashboard.theme import CUDAGRAPH_COLORS, chip, req_chip
 
 
-def _sizes(sizes: list[int]) -> str:
+def sizes_text(sizes: list[int]) -> str:
+    """Capture sizes, abbreviated past 8: `1, 2, 4, 8, 16, …, 512; 67 graphs`."""
     if len(sizes) <= 8:
         return ", ".join(map(str, sizes))
     return f"{', '.join(map(str, sizes[:5]))}, …, {sizes[-1]}; {len(sizes)} graphs"
@@ -42,14 +43,14 @@ def execution_mode(meta: dict, cudagraph: dict | None = None) -> tuple[str, str]
         return head, f"This run predates the per-step CUDA-graph decision in the trace (cudagraph_mode {mode})."
     mode, reason = cudagraph.get("mode"), str(cudagraph.get("reason") or "")
     n, padded = int(cudagraph.get("num_tokens") or 0), int(cudagraph.get("num_padded_tokens") or 0)
-    captured = f" (captured sizes {_sizes(sizes)})" if sizes else ""
+    captured = f" (captured sizes {sizes_text(sizes)})" if sizes else ""
     if mode == "FULL":
         if padded > n:
             head = f"CUDA graph replay · {_decodes(n)} padded to {padded}{captured}"
+            pad = f"{padded - n} padding {'rows get' if padded - n != 1 else 'row gets'}"
             why = (f"A graph replays exactly the kernels captured for {padded} tokens, on the same buffers: the "
-                   f"{padded - n} padding row{'s' if padded - n != 1 else ''} get slot -1 (no KV write), query_len "
-                   f"0 and seq_len 0, so attention skips them, and their logits are never read (logits_indices "
-                   f"point at the {n} real rows only).")
+                   f"{pad} slot -1 (no KV write), query_len 0 and seq_len 0, so attention skips them, and their "
+                   f"logits are never read (logits_indices point at the {n} real rows only).")
         else:
             head = f"CUDA graph replay · {_decodes(n)}, exactly a captured size{captured}"
             why = (f"One call replays every kernel launch captured for {padded} tokens; the step's inputs are new "

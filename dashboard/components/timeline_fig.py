@@ -3,7 +3,7 @@
 (GPUModelRunner._bookkeeping_sync) marked with their wait.
 
 The device lane has up to three rows: the step's phases (GPU.prepare_inputs,
-GPU.model_forward labelled eager or "CUDA graph, padded 5→8", ...), the decoder
+GPU.model_forward labelled "eager" or "CUDA graph replay, padded 5→8", ...), the decoder
 layers of eager steps (GPU.layer) and their kernel launches (GPU.kernel.*, one
 colour per kernel, grid / tokens / bytes / GB/s in the hover)."""
 from __future__ import annotations

@@ -18,7 +18,8 @@ def lesson_card(lesson, step: int | None, run_name: str) -> None:
         c1, c2 = st.columns([5, 2], vertical_alignment="center")
         c1.markdown(f"**{lesson.title}**  \n{lesson.idea}  \n*Look at:* {lesson.look_at}")
         if step is None:
-            c2.caption("not in this run — try the matching scenario on the Live run page")
+            c2.caption("not in this run — needs a GPU: open the GPU sample run (sidebar)" if lesson.key == "cudagraph"
+                       else "not in this run — try the matching scenario on the Live run page")
             return
         c2.button(f"Open step {step} →", key=f"lesson_{lesson.key}", on_click=state.goto,
                   args=(step, lesson.page), type="primary")

@@ -9,6 +9,7 @@ import streamlit as st
 
 from dashboard import data, spans, state
 from dashboard.components.code_ref import code_ref
+from dashboard.components.sampled import sizes_text
 from dashboard.components.timeline_fig import step_duration_figure, timeline_figure
 
 ss = st.session_state
@@ -48,12 +49,13 @@ def startup(df: pd.DataFrame) -> None:
         return
     up = up.sort_values("start_ns")
     caps = up[up["name"] == "CUDAGraph.capture"]
-    summary = (f" · {len(caps)} CUDA graphs captured (sizes {sorted(caps['cudagraph_size'].dropna().astype(int))}) "
-               f"in {caps['dur_ms'].sum():.0f} ms" if not caps.empty else "")
+    sizes = sorted(caps["cudagraph_size"].dropna().astype(int))
+    summary = (f" · {len(caps)} CUDA graphs captured (sizes {sizes_text(sizes).split(';')[0]}) in "
+               f"{caps['dur_ms'].sum():.0f} ms" if not caps.empty else "")
     with st.expander(f"Start-up: {len(up)} spans before the first step{summary}"):
         st.dataframe(pd.DataFrame({"span": ["· " * int(d) + n for d, n in zip(up["depth"], up["name"])],
                                    "ms": up["dur_ms"].round(2),
-                                   "capture size": up["cudagraph_size"].astype("Int64")}),
+                                   "capture size": ["" if pd.isna(v) else str(int(v)) for v in up["cudagraph_size"]]}),
                      hide_index=True, width="stretch")
         code_ref("vllm_anatomy/worker/gpu_model_runner.py", "GPUModelRunner.warm_up · capture_model → "
                                                             "CUDAGraphRunner.capture")
@@ -86,8 +88,11 @@ def main() -> None:
     else:
         fwd = dev[dev["name"] == "GPU.model_forward"]
         n_graph = int((fwd["cudagraph_mode"] == "FULL").sum())
-        device = (f"GPU: {n_graph} CUDA graph replays and {len(fwd) - n_graph} eager forwards; eager steps add a "
-                  f"row of decoder layers and one of kernel launches (hover one: grid, tokens, bytes, GB/s)")
+        n_eager = len(fwd) - n_graph
+        device = (f"GPU: {n_graph} CUDA graph replay{'s' * (n_graph != 1)} and {n_eager} eager "
+                  f"forward{'s' * (n_eager != 1)}; eager steps add a row of decoder layers and one of kernel "
+                  f"launches (drag to zoom into a step; hover a kernel: grid, tokens, bytes, GB/s; one step's "
+                  f"device lane, larger: the inspector's Worker tab)")
     st.caption(f"{len(win)} spans in steps {a}–{b} · {len(sync)} sync points, total wait "
                f"{sync['sync_wait_ms'].fillna(0).sum():.2f} ms · {device}. Click a bar to open its step.")
     c1, c2 = st.columns([1, 3], vertical_alignment="bottom")

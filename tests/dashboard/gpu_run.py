@@ -16,12 +16,12 @@ the engine writes on a GPU with CUDA graphs on (docs/trace-format.md):
   GPU.kernel.compute_slot_mapping in prepare_inputs; start-up spans
   GPUModelRunner.warm_up and GPUModelRunner.capture_model > CUDAGraph.capture.
 
-Timings are invented (plausible, deterministic); everything else is the real run.
+Device timings are invented, proportional to the host forward of each step (so the
+device lane lines up with the host lanes); everything else is the real run.
 """
 from __future__ import annotations
 
 import json
-import os
 import sqlite3
 import uuid
 
@@ -67,7 +67,8 @@ def make_gpu_like_run(src: str, dst: str, num_layers: int = NUM_LAYERS) -> dict:
 
     decisions: dict[int, dict] = {}
     pis: dict[int, dict] = {}
-    for row_id, step_id, text in conn.execute("SELECT id, step_id, data FROM snapshots WHERE kind = 'model_runner'").fetchall():
+    mr_rows = conn.execute("SELECT id, step_id, data FROM snapshots WHERE kind = 'model_runner'").fetchall()
+    for row_id, step_id, text in mr_rows:
         mr = json.loads(text)
         pi = mr.get("prepare_inputs")
         if not pi:
@@ -89,8 +90,8 @@ def make_gpu_like_run(src: str, dst: str, num_layers: int = NUM_LAYERS) -> dict:
         if name == "GPUModelRunner._model_forward" and step in decisions:
             d = decisions[step]
             a = json.loads(attrs)
-            a.update({"vllm_anatomy.cudagraph_mode": d["mode"], "vllm_anatomy.num_padded_tokens": d["num_padded_tokens"],
-                      "vllm_anatomy.cudagraph_reason": d["reason"]})
+            a.update({"vllm_anatomy.cudagraph_mode": d["mode"], "vllm_anatomy.cudagraph_reason": d["reason"],
+                      "vllm_anatomy.num_padded_tokens": d["num_padded_tokens"]})
             conn.execute("UPDATE spans SET attributes = ? WHERE trace_id = ? AND span_id = ?",
                          (to_json(a), trace_id, span_id))
     conn.commit()
@@ -107,41 +108,44 @@ def make_gpu_like_run(src: str, dst: str, num_layers: int = NUM_LAYERS) -> dict:
 
     for step, d in sorted(decisions.items()):
         _, _, prep_start, _, _, service, kind, pid = host[("GPUModelRunner._prepare_inputs", step)]
+        _, _, f0, f1, *_ = host[("GPUModelRunner._model_forward", step)]
         where = (service, kind, pid)
         pi = pis[step]
         trace_id, num_reqs, tokens = _hex(32), len(pi["req_ids"]), d["num_tokens"]
         dev = {"vllm_anatomy.lane": "device", "vllm_anatomy.timing": "cuda_event"}
-        t = prep_start + 40 * US
-        span("GPU.prepare_inputs", t, t + 30 * US, step, trace_id, None, where, **dev)
+        # Proportional to the host forward, so the device lane lines up with the host lanes.
+        fwd = max(f1 - f0, num_layers * 100 * US)
+        t, prep = prep_start + fwd // 200, fwd // 50
+        span("GPU.prepare_inputs", t, t + prep, step, trace_id, None, where, **dev)
         if d["mode"] == "NONE":
-            span("GPU.kernel.compute_slot_mapping", t + 20 * US, t + 23 * US, step, trace_id, None, where, **dev,
-                 **{"vllm_anatomy.grid": [num_reqs + 1], "vllm_anatomy.num_tokens": tokens,
-                    "vllm_anatomy.bytes": tokens * 20 + num_reqs * 8})
-        t += 30 * US
+            span("GPU.kernel.compute_slot_mapping", t + prep // 2, t + prep // 2 + prep // 8, step, trace_id, None,
+                 where, **dev, **{"vllm_anatomy.grid": [num_reqs + 1], "vllm_anatomy.num_tokens": tokens,
+                                  "vllm_anatomy.bytes": tokens * 20 + num_reqs * 8})
+        t += prep
         fwd_start = t
         if d["mode"] == "FULL":
-            t += (150 + 2 * d["num_padded_tokens"]) * US
+            t += fwd * 2 // 5            # a replay: no launch gaps
         else:
             kv_read = sum(pi["seq_lens"]) * 2 * KV_BYTES_PER_TOKEN
+            layer_ns = fwd // num_layers
             for layer in range(num_layers):
                 l0 = t
-                layer_us = 28 + tokens // 2
-                span("GPU.layer", l0, l0 + layer_us * US, step, trace_id, None, where, **dev,
+                span("GPU.layer", l0, l0 + layer_ns, step, trace_id, None, where, **dev,
                      **{"vllm_anatomy.layer": layer})
-                k0 = l0 + 6 * US
-                span("GPU.kernel.reshape_and_cache", k0, k0 + 3 * US, step, trace_id, None, where, **dev,
+                k0 = l0 + layer_ns // 5
+                span("GPU.kernel.reshape_and_cache", k0, k0 + layer_ns // 20, step, trace_id, None, where, **dev,
                      **{"vllm_anatomy.grid": [tokens, 3], "vllm_anatomy.num_tokens": tokens,
                         "vllm_anatomy.bytes": 4 * tokens * KV_BYTES_PER_TOKEN // 2 + 8 * tokens})
-                k1 = k0 + 4 * US
-                span("GPU.kernel.unified_attention", k1, k1 + (8 + tokens // 4) * US, step, trace_id, None, where,
+                k1 = l0 + layer_ns * 3 // 10
+                span("GPU.kernel.unified_attention", k1, k1 + layer_ns // 5, step, trace_id, None, where,
                      **dev, **{"vllm_anatomy.grid": [num_reqs, 3], "vllm_anatomy.num_tokens": tokens,
                                "vllm_anatomy.bytes": kv_read + tokens * 576 * 2 * 2})
-                t = l0 + layer_us * US
+                t = l0 + layer_ns
         span("GPU.model_forward", fwd_start, t, step, trace_id, None, where, **dev,
              **{"vllm_anatomy.cudagraph_mode": d["mode"], "vllm_anatomy.num_padded_tokens": d["num_padded_tokens"]})
-        for phase, us in (("compute_logits", 60), ("sample", 40), ("d2h", 8)):
-            span(f"GPU.{phase}", t, t + us * US, step, trace_id, None, where, **dev)
-            t += us * US
+        for phase, share in (("compute_logits", 10), ("sample", 20), ("d2h", 100)):
+            span(f"GPU.{phase}", t, t + fwd // share, step, trace_id, None, where, **dev)
+            t += fwd // share
 
     # Start-up: warm-up, then one capture per size (largest first), inside compile_or_warm_up_model.
     trace_id, parent, start, end, _, service, kind, pid = host[("Worker.compile_or_warm_up_model", None)]
@@ -164,8 +168,8 @@ def make_gpu_like_run(src: str, dst: str, num_layers: int = NUM_LAYERS) -> dict:
 
 
 def pick_steps(path: str) -> dict:
-    """Steps worth showing in a GPU run: the first graph replay (padded if any is) and the
-    first eager step with layer spans; plus every step's decision."""
+    """Steps worth showing in a GPU run: the first graph replay (padded if any is) and an
+    eager step with layer spans (the second, if there are two); plus every step's decision."""
     from vllm_anatomy.tracing.reader import open_run
     with open_run(path) as run:
         decisions = {s.step_id: s.data["prepare_inputs"]["cudagraph"] for s in run.snapshots("model_runner")
@@ -174,5 +178,10 @@ def pick_steps(path: str) -> dict:
     full = [k for k, d in sorted(decisions.items()) if d["mode"] == "FULL"]
     padded = [k for k in full if decisions[k]["num_padded_tokens"] > decisions[k]["num_tokens"]]
     eager = [k for k in layer_steps if decisions.get(k, {}).get("mode") == "NONE"]
-    return {"decisions": decisions, "graph_step": (padded or full or [None])[0],
-            "eager_step": (eager or [None])[0]}
+    # NOTE: not the run's first eager step if there is another: its first kernel launches
+    # may include a JIT compile, which is not what a typical eager step looks like.
+    eager_step = (eager[1:] or eager or [None])[0]
+    # A step for the timeline: an eager step among graph replays, away from the run's start.
+    later = [k for k in eager if decisions and k > min(decisions) + 3]
+    return {"decisions": decisions, "graph_step": (padded or full or [None])[0], "eager_step": eager_step,
+            "timeline_step": (later or [eager_step])[0]}

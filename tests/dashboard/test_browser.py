@@ -1,7 +1,11 @@
 """The dashboard in a real browser (Debian's Chromium driven by Playwright): serve
 it on a free 127.0.0.1 port, open the recorded run, move the step scrubber with
 the keyboard, visit every page, then start a short live run on the default model
-and watch its steps arrive. Screenshots go to test-output/screenshots/."""
+and watch its steps arrive; open the GPU sample run from the "No GPU here?" button
+and look at a graph replay, an eager step's layers and kernels, and the device
+lane. Screenshots go to test-output/screenshots/ (the gpu-* ones from the real
+H200 sample when samples/h200-smollm2-full.sqlite exists, else from the
+GPU-shaped copy of the fixture run)."""
 import os
 import re
 import socket
@@ -12,7 +16,7 @@ import urllib.request
 
 import pytest
 
-from tests.dashboard.conftest import APP, ROOT
+from tests.dashboard.conftest import APP, GPU_SAMPLE_NAME, H200_SAMPLE, ROOT
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 CHROMIUM = "/usr/bin/chromium"
@@ -28,14 +32,27 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def server(recorded_run, tmp_path_factory):
+def browser_samples(samples, tmp_path_factory):
+    """The samples directory the server sees: the real H200 sample if it is there, else the
+    GPU-shaped fixture run. {"dir", "name", "graph_step", "eager_step"}"""
+    from tests.dashboard.gpu_run import copy_run, pick_steps
+    sdir = str(tmp_path_factory.mktemp("browser_samples"))
+    src = H200_SAMPLE if os.path.exists(H200_SAMPLE) else samples["gpu"]
+    name = os.path.basename(src) if src == H200_SAMPLE else GPU_SAMPLE_NAME
+    copy_run(src, os.path.join(sdir, name))
+    return {"dir": sdir, "name": name, **pick_steps(os.path.join(sdir, name))}
+
+
+@pytest.fixture(scope="module")
+def server(recorded_run, browser_samples, tmp_path_factory):
     trace_dir, path = recorded_run
     port = _free_port()
     log = open(tmp_path_factory.mktemp("server") / "streamlit.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "streamlit", "run", APP, "--server.headless", "true",
                              "--server.address", "127.0.0.1", "--server.port", str(port),
                              "--browser.gatherUsageStats", "false"],
-                            env={**os.environ, "VLLM_ANATOMY_TRACE_DIR": trace_dir}, stdout=log,
+                            env={**os.environ, "VLLM_ANATOMY_TRACE_DIR": trace_dir,
+                                 "VLLM_ANATOMY_SAMPLES_DIR": browser_samples["dir"]}, stdout=log,
                             stderr=subprocess.STDOUT, cwd=ROOT)
     base = f"http://127.0.0.1:{port}"
     for _ in range(120):
@@ -106,7 +123,7 @@ def test_live_run_streams_steps(server, page):
     _settle(page)
     page.get_by_label("Shared system prompt").fill("")
     page.locator("textarea").first.fill("What is 2 + 2?\n[+2] Name a colour.")
-    page.get_by_label("max_tokens").fill("4")
+    page.get_by_label("max_tokens").fill("10")   # enough steps to be seen arriving (1 s refresh)
     page.screenshot(path=os.path.join(SHOTS, "live-form.png"), full_page=True)
     page.get_by_role("button", name=re.compile("Start live run")).click()
     page.get_by_text(re.compile(r"Step \d+ of \d+ committed")).wait_for(timeout=240_000)
@@ -119,3 +136,56 @@ def test_live_run_streams_steps(server, page):
     last = int(re.search(r"of (\d+)", page.get_by_text(re.compile(r"Step \d+ of \d+ committed")).inner_text())[1])
     assert last > first >= 1
     page.screenshot(path=os.path.join(SHOTS, "live-run.png"), full_page=True)
+
+
+def _worker_tab(pg) -> None:
+    pg.get_by_role("tab", name="Worker (model runner)").click()
+    _settle(pg)
+
+
+def test_gpu_sample_from_a_cpu_machine(server, browser_samples, page):
+    base, _ = server
+    name = browser_samples["name"]
+    page.set_viewport_size({"width": 1500, "height": 2300})   # the Worker tab is long: shoot it whole
+    try:
+        _gpu_sample_pages(page, base, name, browser_samples)
+    finally:
+        page.set_viewport_size({"width": 1500, "height": 1000})
+
+
+def _gpu_sample_pages(page, base, name, browser_samples) -> None:
+    page.goto(f"{base}/")
+    page.get_by_role("heading", name="Live run").wait_for()
+    _settle(page)
+    page.screenshot(path=os.path.join(SHOTS, "live-gpu-sample-hint.png"), full_page=True)
+    page.get_by_role("button", name=re.compile(r"No GPU here\? Open the .* sample run")).last.click()
+    page.get_by_role("heading", name="Step inspector").wait_for()
+    page.get_by_text(re.compile(r"Forward pass: CUDA graph replay")).first.wait_for()
+    _settle(page)
+    assert f"step={browser_samples['graph_step']}" in page.url and f"run={name}" in page.url
+    _worker_tab(page)
+    page.get_by_text(re.compile(r"Device lane · step \d+")).wait_for()
+    assert page.locator("[data-testid='stException']").count() == 0
+    page.screenshot(path=os.path.join(SHOTS, "gpu-inspector-graph-replay.png"), full_page=True)
+
+    page.goto(f"{base}/inspector?run={name}&step={browser_samples['eager_step']}")
+    page.get_by_text(re.compile(r"Forward pass: eager")).first.wait_for()
+    _settle(page)
+    _worker_tab(page)
+    page.get_by_text(re.compile(r"Kernel launches")).wait_for()
+    assert page.locator("[data-testid='stException']").count() == 0
+    page.screenshot(path=os.path.join(SHOTS, "gpu-inspector-eager-kernels.png"), full_page=True)
+
+    page.goto(f"{base}/timeline?run={name}&step={browser_samples['timeline_step']}")
+    page.get_by_role("heading", name="Timeline").wait_for()
+    _settle(page)
+    page.get_by_text(re.compile(r"Start-up: \d+ spans")).click()
+    _settle(page)
+    assert page.locator("[data-testid='stException']").count() == 0
+    page.screenshot(path=os.path.join(SHOTS, "gpu-timeline-device-lane.png"), full_page=True)
+
+    page.set_viewport_size({"width": 1500, "height": 1000})
+    page.get_by_test_id("stSidebar").get_by_role("combobox").first.click()
+    page.get_by_role("option", name=re.compile(r"sample · ")).first.wait_for()
+    page.screenshot(path=os.path.join(SHOTS, "run-picker-samples.png"), full_page=False)
+    page.keyboard.press("Escape")

@@ -80,9 +80,9 @@ def test_samples_are_listed_and_deep_linkable(recorded_run, samples, monkeypatch
     assert at.session_state["run_path"] == samples["cpu"]          # ?run=<name> found in the samples dir
     picker = at.sidebar.selectbox(key="picked_run")
     assert picker.value == samples["cpu"]
-    assert not picker.options[0].startswith("sample · ")                   # recorded runs first, then samples
-    assert picker.options[1:] == [f"sample · CPU · SmolLM2-135M-Instruct · {CPU_SAMPLE_NAME}",
-                                  f"sample · CUDA · SmolLM2-135M-Instruct · {GPU_SAMPLE_NAME}"]
+    recorded = [o for o in picker.options if not o.startswith("sample · ")]
+    assert recorded and picker.options[:len(recorded)] == recorded          # recorded runs first, then samples
+    assert picker.options[len(recorded):] == ["sample · CPU · smollm2-full", "sample · CUDA · synthetic-gpu-full"]
     # The default samples directory is <repo>/samples; `samples/<name>` resolves from the repository root.
     from dashboard import state
     monkeypatch.delenv("VLLM_ANATOMY_SAMPLES_DIR")
@@ -145,6 +145,13 @@ def test_device_lane_of_a_graph_replay(recorded_run, samples, monkeypatch):
     text = _text(at)
     assert f"(CUDA graph replay, padded {d['num_tokens']}→{d['num_padded_tokens']}) · 0 layer spans" in text
     assert "CUDA events cannot be recorded between a graph's kernels" in text
+    # The lesson on CUDA graphs links to that step; a CPU run says it needs a GPU.
+    at = _app(monkeypatch, trace_dir, samples["dir"], "lessons", GPU_SAMPLE_NAME)
+    _ok(at)
+    assert at.button(key="lesson_cudagraph").label == f"Open step {step} →"
+    at = _app(monkeypatch, trace_dir, samples["dir"], "lessons", CPU_SAMPLE_NAME)
+    assert not any(b.key == "lesson_cudagraph" for b in at.button)
+    assert "needs a GPU: open the GPU sample run (sidebar)" in _text(at)
 
 
 @pytest.mark.model
@@ -154,7 +161,7 @@ def test_timeline_device_rows(recorded_run, samples, monkeypatch):
     _ok(at)
     spec = at.get("plotly_chart")[1].proto.spec
     for needle in ('"device"', '"phases"', '"layers"', '"kernels"', "GPU.kernel.unified_attention", "GPU.layer",
-                   "CUDA graph replay, padded", "GB/s achieved", "grid [", "GPUModelRunner._bookkeeping_sync"):
+                   "CUDA graph replay, padded", "MB moved", "achieved", "grid [", "GPUModelRunner._bookkeeping_sync"):
         assert needle in spec, needle
     text = _text(at)
     assert "CUDA graph replays and" in text and "row of decoder layers" in text
@@ -169,8 +176,6 @@ def test_timeline_device_rows(recorded_run, samples, monkeypatch):
 
 
 # -- the real H200 sample -------------------------------------------------------------------------
-# LEAD: remove skipif once the sample is committed
-@pytest.mark.skipif(not os.path.exists(H200_SAMPLE), reason="samples/h200-smollm2-full.sqlite is not recorded yet")
 def test_h200_sample(monkeypatch, tmp_path):
     from tests.dashboard.gpu_run import pick_steps
     picked = pick_steps(H200_SAMPLE)
@@ -182,7 +187,7 @@ def test_h200_sample(monkeypatch, tmp_path):
     _ok(at)
     assert os.path.samefile(at.session_state["run_path"], H200_SAMPLE)
     picker = at.sidebar.selectbox(key="picked_run")
-    assert any(o.startswith("sample · H200 · ") and o.endswith(os.path.basename(H200_SAMPLE)) for o in picker.options)
+    assert "sample · H200 · smollm2-full" in picker.options
     text = _text(at)
     assert "Forward pass: **CUDA graph replay · " in text
     assert "**Device lane** · step" in text

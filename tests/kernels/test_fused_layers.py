@@ -16,7 +16,7 @@ import pytest
 import torch
 import transformers
 
-from tests.kernels.kernel_utils import DEVICE, assert_close_ulp, rel_err, requires_cuda
+from tests.kernels.kernel_utils import DEVICE, assert_close_ulp, rel_err, requires_cuda, ulp
 from tests.kernels.test_triton_backend import load, make_steps, run_steps, write_random_checkpoint
 from vllm_anatomy.kernels.rms_norm import rms_norm, rms_norm_ref
 from vllm_anatomy.kernels.rotary_embedding import rotary_embedding, rotary_embedding_ref
@@ -131,8 +131,12 @@ def rope_case(num_tokens, num_heads, num_kv_heads, head_dim, dtype, is_neox, see
     q_ref, k_ref = rotary_embedding_ref(positions, q, k, rope.cos_sin_cache, head_dim, is_neox)
     assert torch.equal(qkv, qkv_before), "q/k were written"
     assert q_out.shape == (num_tokens, q_size) and k_out.shape == (num_tokens, kv_size)
-    assert_matches(q_out, q_ref, ulps=1)
-    assert_matches(k_out, k_ref, ulps=1)
+    # NOTE: x1*cos - x2*sin cancels: on a GPU the compiler may fuse one product
+    # into the subtraction (an FMA skips that product's rounding), so allow one
+    # ulp of the *inputs'* magnitude on top of one ulp of the output.
+    for out, ref, x in ((q_out, q_ref, q), (k_out, k_ref, k)):
+        atol = 1e-6 if x.dtype == torch.float32 else float(ulp(x.abs().max().float(), x.dtype))
+        assert_close_ulp(out, ref, ulps=1 if x.dtype != torch.float32 else 8, atol=atol)
     if rotary_dim == head_dim:      # the reference is the torch layer, bit for bit
         with torch.no_grad():
             for a, b in zip(rope.forward_native(positions, q, k), (q_ref, k_ref)):
