@@ -115,3 +115,24 @@ def test_real_shapes_bf16_gpu(shape, tmp_path):
           f"triton vs torch bf16 {err_between:.3e}")
     assert err_triton <= 1.5 * err_torch + 2e-3
     assert err_between <= 3 * err_torch + 2e-3
+
+
+def test_warm_up_shapes_run_through_the_triton_backend(tmp_path):
+    """The start-up warm-up (run on CUDA before the first request) drives every
+    shape through the real kernels without touching the KV cache (slot -1)."""
+    from vllm_anatomy.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm_anatomy.worker.gpu_model_runner import GPUModelRunner
+    config = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96,
+                                      num_hidden_layers=1, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=256,
+                                      tie_word_embeddings=True)
+    write_random_checkpoint(tmp_path, config, torch.float32, seed=0)
+    vc = VllmConfig(ModelConfig(model=str(tmp_path), max_model_len=128, device=DEVICE, attention_backend="triton"),
+                    CacheConfig(block_size=16, num_gpu_blocks_override=12),
+                    SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=128))
+    runner = GPUModelRunner(vc, DEVICE)
+    runner.load_model()
+    runner.initialize_kv_cache(12)
+    with torch.inference_mode():
+        runner._warm_up_shapes()
+    assert all(not kv.any() for kv in runner.kv_caches), "warm-up wrote into the KV cache"
