@@ -87,3 +87,24 @@ def test_bad_level():
         OTelRecorder("off")
     with pytest.raises(ValueError):
         InMemoryRecorder("verbose")
+
+
+def test_otel_step_keeps_a_link_per_request_beyond_the_sdk_default():
+    """OpenTelemetry's default keeps 128 links per span; a batch of 300 needs 300."""
+    exporter = InMemorySpanExporter()
+    rec = OTelRecorder("spans", exporters=[exporter])
+    requests = []
+    for i in range(300):
+        handle = rec.start_span("llm_request", **{"gen_ai.request.id": str(i)})
+        requests.append((handle, handle.trace_headers()))
+        handle.end()
+    for _ in range(2):                   # the second step reuses the parsed contexts
+        with rec.span("EngineCore.step") as step:
+            for _, headers in requests:
+                step.add_link(headers)
+    rec.shutdown()
+    steps = [s for s in exporter.get_finished_spans() if s.name == "EngineCore.step"]
+    expected = {h.span.get_span_context().span_id for h, _ in requests}
+    assert len(steps) == 2
+    for s in steps:
+        assert len(s.links) == 300 and {link.context.span_id for link in s.links} == expected

@@ -15,6 +15,7 @@ structured-output grammar bitmask) until sample_tokens needs the logits.
 """
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import queue
@@ -71,6 +72,13 @@ class EngineCore:
         if cache_config.enable_prefix_caching:
             init_none_hash(sha256)
             self.request_block_hasher = get_request_block_hasher(cache_config.block_size, sha256)
+        # NOTE: (vLLM does the same, "freeze_gc_heap") everything created so far
+        # (model, tokenizer, block pool: hundreds of thousands of objects) lives
+        # as long as the engine; moving it to the GC's permanent generation
+        # stops every full collection from re-scanning it. At batch 256 on the
+        # CPU that was ~25 % of the step time.
+        gc.collect()
+        gc.freeze()
 
     # -- requests ---------------------------------------------------------------
     def preprocess_add_request(self, request: EngineCoreRequest) -> Request:

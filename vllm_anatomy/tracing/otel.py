@@ -17,6 +17,7 @@ parent of the request spans, as in vLLM.
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import time
 from typing import Any, Sequence
@@ -26,7 +27,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import Span as SDKSpan
-from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace import SpanLimits, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
@@ -35,6 +36,8 @@ from vllm_anatomy.tracing.recorder import LEVELS, Recorder, SpanHandle
 from vllm_anatomy.tracing.store import RunStore, to_json
 
 _PROPAGATOR = TraceContextTextMapPropagator()
+# Links per span (a step links to every request of its batch: max_num_seqs of them).
+MAX_LINKS_PER_SPAN = 8192
 _KINDS = {"internal": SpanKind.INTERNAL, "server": SpanKind.SERVER, "client": SpanKind.CLIENT,
           "producer": SpanKind.PRODUCER, "consumer": SpanKind.CONSUMER}
 _SCALARS = (str, bool, int, float)
@@ -58,10 +61,25 @@ def extract_trace_context(headers: dict[str, str] | None) -> otel_context.Contex
 
 
 def _link(headers: dict | None, attrs: dict | None = None) -> Link | None:
-    ctx = extract_trace_context(headers)
-    if ctx is None:
+    if not headers:
         return None
-    return Link(trace.get_current_span(ctx).get_span_context(), attrs or None)
+    lowered = {k.lower(): v for k, v in headers.items()}
+    span_context = _remote_span_context(lowered.get("traceparent"), lowered.get("tracestate"))
+    return Link(span_context, attrs or None) if span_context is not None else None
+
+
+@functools.lru_cache(maxsize=16384)
+def _remote_span_context(traceparent: str | None, tracestate: str | None) -> trace.SpanContext | None:
+    """Parse W3C headers once per request, not once per step.
+
+    NOTE: a step links to every request it serves: at batch 256 that was 256
+    traceparent parses per step, the largest cost of tracing at level spans.
+    A request's headers never change, so the parsed context is memoised."""
+    if not traceparent:
+        return None
+    carrier = {"traceparent": traceparent, **({"tracestate": tracestate} if tracestate else {})}
+    span_context = trace.get_current_span(_PROPAGATOR.extract(carrier)).get_span_context()
+    return span_context if span_context.is_valid else None
 
 
 def _attrs(attrs: dict[str, Any]) -> dict[str, Any]:
@@ -193,7 +211,11 @@ class OTelRecorder(Recorder):
         resource = Resource.create({"service.name": service_name, "process.pid": os.getpid(),
                                     "vllm_anatomy.process.kind": process_kind,
                                     "vllm_anatomy.process.name": self.process_name})
-        self.provider = TracerProvider(resource=resource)
+        # NOTE: OpenTelemetry keeps at most 128 links per span by default and
+        # silently drops the rest; a step links to each request it serves, and
+        # a batch can be much larger than 128 (OTEL_SPAN_LINK_COUNT_LIMIT wins).
+        max_links = int(os.environ.get("OTEL_SPAN_LINK_COUNT_LIMIT", MAX_LINKS_PER_SPAN))
+        self.provider = TracerProvider(resource=resource, span_limits=SpanLimits(max_links=max_links))
         if store is not None:
             # NOTE: a short delay so the live dashboard (and a crash) lose little.
             self.provider.add_span_processor(BatchSpanProcessor(StoreSpanExporter(store),
