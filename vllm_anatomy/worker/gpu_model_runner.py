@@ -182,8 +182,8 @@ class GPUModelRunner:
         """Run the kernels before the first request, so their JIT compilation is
         not billed to a user's first token (Triton compiles a kernel variant on
         its first launch: ~0.5 s each on an H200 host)."""
-        # NOTE: only Triton compiles at first launch; the torch reference backend
-        # also needs the host copies of the metadata, which dummy runs do not have.
+        # NOTE: only Triton kernels compile at their first launch; the torch
+        # reference backend has nothing to warm up.
         if self.device.type != "cuda" or self.attn_backend_name != "triton":
             return
         with self.recorder.span("GPUModelRunner.warm_up"):
