@@ -63,9 +63,15 @@ def block_pool(kv: dict, events: list[dict], prev_kv: dict | None) -> None:
     cells = [_cell(b, free_pos, ev.get(b["block_id"], []),
                    bool(prev) and prev.get(b["block_id"]) != _signature(b)) for b in blocks[:MAX_CELLS]]
     n_cached = sum(1 for b in blocks if not b["owners"] and b["hash"] and not b["is_null"])
+    sparse = kv.get("sparse", False)
+    hashed = "" if sparse else f" (of which {n_cached} still hashed = prefix-cache hits until evicted)"
     st.markdown(f"**KV block pool** · {kv['num_gpu_blocks']} blocks × {kv['block_size']} tokens · usage "
-                f"**{kv['usage']:.0%}** · free {kv['num_free_blocks']} (of which {n_cached} still hashed = "
-                f"prefix-cache hits until evicted) · prefix caching {'on' if kv['enable_caching'] else 'off'}")
+                f"**{kv['usage']:.0%}** · free {kv['num_free_blocks']}{hashed} · "
+                f"prefix caching {'on' if kv['enable_caching'] else 'off'}")
+    if sparse:
+        st.caption(f"A GPU-sized pool: this step's snapshot lists only the {len(blocks)} blocks it touched, "
+                   f"the head of the free queue and the null block (KVCacheManager.snapshot, \"sparse\"); "
+                   f"the block tables below are complete.")
     st.markdown("<div style='display:flex;flex-wrap:wrap;gap:3px'>" + "".join(cells) + "</div>",
                 unsafe_allow_html=True)
     if len(blocks) > MAX_CELLS:

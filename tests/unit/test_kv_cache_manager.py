@@ -210,3 +210,30 @@ def test_allocate_zero_tokens_is_an_error():
     m = make_manager()
     with pytest.raises(ValueError):
         m.allocate_slots(make_request("a", [1]), 0)
+
+
+def test_snapshot_of_a_gpu_sized_pool_is_sparse_and_bounded():
+    """Past SNAPSHOT_DENSE_MAX_BLOCKS a snapshot lists only what this step touched,
+    the head of the free queue and the null block; block tables stay whole."""
+    from vllm_anatomy.core import kv_cache_manager as kcm
+    m = make_manager(num_blocks=kcm.SNAPSHOT_DENSE_MAX_BLOCKS + 1000, max_model_len=400)
+    old = make_request("old", list(range(1, 41)))
+    assert admit(m, old) is not None
+    m.take_events()                                   # an earlier step, already recorded
+    new = make_request("new", list(range(100, 121)))
+    assert admit(m, new) is not None
+    snap = m.snapshot()
+    assert snap["sparse"] is True
+    listed = {b["block_id"]: b for b in snap["blocks"]}
+    new_ids = snap["req_to_block_ids"]["new"]
+    assert set(new_ids) <= set(listed)                # allocated this step: listed
+    assert not set(snap["req_to_block_ids"]["old"]) & set(listed)   # untouched in-use blocks: not
+    assert listed[0]["is_null"] and all(listed[i]["owners"] == ["new"] for i in new_ids)
+    assert len(snap["free_queue"]) == kcm.SNAPSHOT_FREE_QUEUE_HEAD
+    assert snap["free_queue"] == [b.block_id for b in m.block_pool.free_block_queue.get_all_free_blocks()][
+        :kcm.SNAPSHOT_FREE_QUEUE_HEAD]
+    assert len(snap["blocks"]) <= 1 + len(new_ids) + kcm.SNAPSHOT_FREE_QUEUE_HEAD
+    assert snap["num_free_blocks"] == m.block_pool.get_num_free_blocks()
+    # A teaching-sized pool is listed whole.
+    small = make_manager()
+    assert small.snapshot()["sparse"] is False and len(small.snapshot()["blocks"]) == 11

@@ -46,6 +46,11 @@ class KVCacheBlocks:
         return KVCacheBlocks(tuple(() for _ in self.blocks))
 
 
+# Pools up to this size are snapshotted whole every step (see KVCacheManager.snapshot).
+SNAPSHOT_DENSE_MAX_BLOCKS = 4096
+SNAPSHOT_FREE_QUEUE_HEAD = 256
+
+
 class KVCacheManager:
     """Prefix-cache lookups, slot allocation and freeing for every request."""
 
@@ -187,23 +192,42 @@ class KVCacheManager:
         return self.block_pool.take_events()
 
     def snapshot(self) -> dict[str, Any]:
-        """Plain, JSON-able view of every block, the free queue and the block tables."""
+        """Plain, JSON-able view of the blocks, the free queue and the block tables.
+
+        NOTE: a pool of up to SNAPSHOT_DENSE_MAX_BLOCKS blocks (every CPU run,
+        the lessons) is listed whole, every step. A GPU-sized pool (70k blocks
+        on an H200) would make that O(pool) work per step, slower than the step
+        itself: such a snapshot is "sparse" — the blocks this step touched
+        (allocate / free / hit / evict / cache events still pending), the first
+        SNAPSHOT_FREE_QUEUE_HEAD of the free queue (the next to be taken) and
+        the null block; block tables stay whole (ints, O(blocks in use)).
+        """
+        pool = self.block_pool
+        dense = pool.num_gpu_blocks <= SNAPSHOT_DENSE_MAX_BLOCKS
+        free = pool.free_block_queue.get_all_free_blocks(None if dense else SNAPSHOT_FREE_QUEUE_HEAD)
+        if dense:
+            listed = pool.blocks
+        else:
+            ids = {0, *(b.block_id for b in free),
+                   *(i for ev in pool.kv_event_queue for i in ev.block_ids)}
+            listed = [pool.blocks[i] for i in sorted(ids)]
         owners: defaultdict[int, list[str]] = defaultdict(list)
         for req_id, blocks in self.manager.req_to_blocks.items():
             for blk in blocks:
                 owners[blk.block_id].append(req_id)
         return {
-            "num_gpu_blocks": self.block_pool.num_gpu_blocks,
+            "num_gpu_blocks": pool.num_gpu_blocks,
             "block_size": self.block_size,
             "enable_caching": self.enable_caching,
             "usage": self.usage,
-            "num_free_blocks": self.block_pool.get_num_free_blocks(),
+            "num_free_blocks": pool.get_num_free_blocks(),
+            "sparse": not dense,
             "blocks": [
                 {"block_id": blk.block_id, "ref_cnt": blk.ref_cnt, "hash": short_hash(blk.block_hash),
                  "owners": owners.get(blk.block_id, []), "is_null": blk.is_null}
-                for blk in self.block_pool.blocks
+                for blk in listed
             ],
-            "free_queue": [blk.block_id for blk in self.block_pool.free_block_queue.get_all_free_blocks()],
+            "free_queue": [blk.block_id for blk in free],
             "req_to_block_ids": {req_id: [blk.block_id for blk in blocks]
                                  for req_id, blocks in self.manager.req_to_blocks.items()},
             "num_cached_block": dict(self.manager.num_cached_block),

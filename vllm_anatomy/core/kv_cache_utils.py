@@ -229,11 +229,11 @@ class FreeKVCacheBlockQueue:
         first.prev_free_block = prev
         self.num_free_blocks += len(blocks)
 
-    def get_all_free_blocks(self) -> list[KVCacheBlock]:
-        """All free blocks, front (next to evict) to tail."""
+    def get_all_free_blocks(self, limit: int | None = None) -> list[KVCacheBlock]:
+        """Free blocks, front (next to evict) to tail; only the first `limit` if given."""
         ret = []
         block = self.fake_free_list_head.next_free_block
-        while block is not self.fake_free_list_tail:
+        while block is not self.fake_free_list_tail and (limit is None or len(ret) < limit):
             ret.append(block)
             block = block.next_free_block
         return ret
