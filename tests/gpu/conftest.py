@@ -1,5 +1,11 @@
 import pytest
 
+# NOTE: a tiny model's KV block is a few KB: sized from 92 % of an H200 the pool
+# would hold millions of blocks, i.e. millions of Python KVCacheBlock objects
+# per engine (seconds to build, and at trace level full each step's snapshot).
+# The tests' workloads need a few hundred.
+NUM_BLOCKS = 2048
+
 
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory):

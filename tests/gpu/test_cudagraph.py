@@ -5,6 +5,8 @@ import torch
 
 from vllm_anatomy.tracing.recorder import InMemoryRecorder
 
+from tests.gpu.conftest import NUM_BLOCKS
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 LENS = [3, 17, 40, 90, 1, 33, 64, 120, 7]       # 9 requests: decode batches 9, 8, ... pad to 16, 8, 8, 8, 4 ...
@@ -12,7 +14,7 @@ LENS = [3, 17, 40, 90, 1, 33, 64, 120, 7]       # 9 requests: decode batches 9, 
 
 def _run(model_dir, dtype, enforce_eager, recorder=None, max_tokens=24):
     from vllm_anatomy import LLM, SamplingParams
-    llm = LLM(model_dir, device="cuda", dtype=dtype, max_model_len=512, max_num_batched_tokens=128,
+    llm = LLM(model_dir, device="cuda", dtype=dtype, max_model_len=512, num_gpu_blocks_override=NUM_BLOCKS, max_num_batched_tokens=128,
               max_num_seqs=16, enforce_eager=enforce_eager, recorder=recorder)
     vocab = llm.llm_engine.vllm_config.model_config.hf_config["vocab_size"]
     prompts = [{"prompt_token_ids": [(7 * i + 3 * j) % (vocab - 10) + 5 for j in range(n)]}

@@ -4,6 +4,8 @@ import torch
 
 from vllm_anatomy.tracing.recorder import InMemoryRecorder
 
+from tests.gpu.conftest import NUM_BLOCKS
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 PHASES = ["GPU.prepare_inputs", "GPU.model_forward", "GPU.compute_logits", "GPU.sample", "GPU.d2h"]
@@ -13,6 +15,7 @@ def test_device_phases_per_step(tiny_llama_dir):
     from vllm_anatomy import LLM, SamplingParams
     rec = InMemoryRecorder("spans")
     llm = LLM(tiny_llama_dir, device="cuda", recorder=rec, max_model_len=256, enforce_eager=True,
+              num_gpu_blocks_override=NUM_BLOCKS,
               max_num_seqs=8)
     llm.generate([{"prompt_token_ids": list(range(1, 40))}] * 3,
                  SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
@@ -44,7 +47,8 @@ def test_layer_and_kernel_spans_eager_steps_only(tiny_llama_dir):
     level full each kernel launch too. Graph replays: one forward span, no finer ones."""
     from vllm_anatomy import LLM, SamplingParams
     rec = InMemoryRecorder("full")
-    llm = LLM(tiny_llama_dir, device="cuda", recorder=rec, max_model_len=256, max_num_seqs=8)
+    llm = LLM(tiny_llama_dir, device="cuda", recorder=rec, max_model_len=256, max_num_seqs=8,
+              num_gpu_blocks_override=NUM_BLOCKS)
     num_layers = llm.llm_engine.vllm_config.model_config.num_hidden_layers
     llm.generate([{"prompt_token_ids": list(range(1, 40 + i))} for i in range(3)],
                  SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)

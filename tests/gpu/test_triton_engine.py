@@ -4,12 +4,15 @@ mixed lengths with chunked prefill and decodes in the same steps."""
 import pytest
 import torch
 
+from tests.gpu.conftest import NUM_BLOCKS
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
 def _tokens(model_dir, backend, trace_level="off"):
     from vllm_anatomy import LLM, SamplingParams
     llm = LLM(model_dir, device="cuda", dtype="float32", attention_backend=backend, max_model_len=256,
+              num_gpu_blocks_override=NUM_BLOCKS,
               max_num_batched_tokens=64, max_num_seqs=16, trace_level=trace_level,
               **({"trace_dir": "/tmp/vllm_anatomy_gpu_traces"} if trace_level != "off" else {}))
     cfg = llm.llm_engine.vllm_config.model_config
