@@ -163,6 +163,9 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.model_executor.shutdown()
+        # NOTE: frozen objects are never collected; a process that builds
+        # another engine (tests, notebooks) must get this one's cycles back.
+        gc.unfreeze()
 
 
 # Internal input-queue markers (never on the wire).
