@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.setup-done
 
-.PHONY: setup run test download browser clean-venv
+.PHONY: setup run test gpu-test download browser clean-venv
 
 setup: $(STAMP) browser download
 
@@ -31,6 +31,12 @@ run: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+# Only the GPU tests (kernels compiled for the device, CUDA graphs, device timings).
+# Where there is no CUDA device they are all skipped, each with its reason.
+# NOTE: no `setup` here: on a GPU box torch usually comes with its CUDA build.
+gpu-test:
+	python3 -m pytest -q -m gpu -rs tests/gpu tests/kernels tests/unit/test_model_runner.py
 
 clean-venv:
 	rm -rf $(VENV)
