@@ -53,23 +53,25 @@ def inject_trace_headers(ctx: otel_context.Context | None = None) -> dict[str, s
 
 def extract_trace_context(headers: dict[str, str] | None) -> otel_context.Context | None:
     """The remote parent named by W3C headers; None when there is none."""
-    if not headers:
-        return None
-    lowered = {k.lower(): v for k, v in headers.items()}
-    ctx = _PROPAGATOR.extract(lowered)
-    return ctx if trace.get_current_span(ctx).get_span_context().is_valid else None
+    span_context = _remote_span_context(headers)
+    # (what TraceContextTextMapPropagator.extract builds from the same headers)
+    return trace.set_span_in_context(trace.NonRecordingSpan(span_context)) if span_context else None
 
 
 def _link(headers: dict | None, attrs: dict | None = None) -> Link | None:
+    span_context = _remote_span_context(headers)
+    return Link(span_context, attrs or None) if span_context else None
+
+
+def _remote_span_context(headers: dict[str, str] | None) -> trace.SpanContext | None:
     if not headers:
         return None
     lowered = {k.lower(): v for k, v in headers.items()}
-    span_context = _remote_span_context(lowered.get("traceparent"), lowered.get("tracestate"))
-    return Link(span_context, attrs or None) if span_context is not None else None
+    return _parse_w3c(lowered.get("traceparent"), lowered.get("tracestate"))
 
 
 @functools.lru_cache(maxsize=16384)
-def _remote_span_context(traceparent: str | None, tracestate: str | None) -> trace.SpanContext | None:
+def _parse_w3c(traceparent: str | None, tracestate: str | None) -> trace.SpanContext | None:
     """Parse W3C headers once per request, not once per step.
 
     NOTE: a step links to every request it serves: at batch 256 that was 256
