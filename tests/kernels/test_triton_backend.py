@@ -117,9 +117,11 @@ def test_real_shapes_bf16_gpu(shape, tmp_path):
     assert err_between <= 3 * err_torch + 2e-3
 
 
-def test_warm_up_shapes_run_through_the_triton_backend(tmp_path):
-    """The start-up warm-up (run on CUDA before the first request) drives every
-    shape through the real kernels without touching the KV cache (slot -1)."""
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_warm_up_shapes_run_through_each_backend(tmp_path, backend):
+    """The start-up warm-up (run on CUDA before the first request, with either
+    attention backend) drives every shape through the model without touching
+    the KV cache (slot -1)."""
     from vllm_anatomy.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
     from vllm_anatomy.worker.gpu_model_runner import GPUModelRunner
     config = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96,
@@ -127,7 +129,7 @@ def test_warm_up_shapes_run_through_the_triton_backend(tmp_path):
                                       num_key_value_heads=2, max_position_embeddings=256,
                                       tie_word_embeddings=True)
     write_random_checkpoint(tmp_path, config, torch.float32, seed=0)
-    vc = VllmConfig(ModelConfig(model=str(tmp_path), max_model_len=128, device=DEVICE, attention_backend="triton"),
+    vc = VllmConfig(ModelConfig(model=str(tmp_path), max_model_len=128, device=DEVICE, attention_backend=backend),
                     CacheConfig(block_size=16, num_gpu_blocks_override=12),
                     SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=128))
     runner = GPUModelRunner(vc, DEVICE)

@@ -166,7 +166,7 @@ class GPUModelRunner:
         input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         positions = torch.arange(num_tokens, device=self.device) % self.max_model_len
         hidden = self.model(input_ids, positions, [], None)                   # [T, H]
-        self._dummy_run_sampler(hidden[:min(self.max_num_reqs, num_tokens)])  # [R, V] logits
+        self._dummy_run_sampler(hidden[:min(self.max_num_reqs, num_tokens)])
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """One tensor per layer, [2, num_blocks, block_size, num_kv_heads, head_dim]."""
@@ -182,9 +182,10 @@ class GPUModelRunner:
         """Run the kernels before the first request, so their JIT compilation is
         not billed to a user's first token (Triton compiles a kernel variant on
         its first launch: ~0.5 s each on an H200 host)."""
-        # NOTE: only Triton kernels compile at their first launch; the torch
-        # reference backend has nothing to warm up.
-        if self.device.type != "cuda" or self.attn_backend_name != "triton":
+        # NOTE: with either attention backend: on CUDA the norms, RoPE and
+        # SiLU*mul are Triton kernels too (the torch backend reads the dummy
+        # metadata's device tensors where it has no host copies).
+        if self.device.type != "cuda":
             return
         with self.recorder.span("GPUModelRunner.warm_up"):
             self._warm_up_shapes()
@@ -254,8 +255,8 @@ class GPUModelRunner:
             seq_lens=self.seq_lens[:num_reqs], block_table=bt.get_device_tensor(num_reqs),
             slot_mapping=bt.slot_mapping[:num_tokens])
 
-    def _dummy_run_sampler(self, logits_rows: torch.Tensor) -> None:
-        logits = self.model.compute_logits(logits_rows)
+    def _dummy_run_sampler(self, hidden_rows: torch.Tensor) -> None:
+        logits = self.model.compute_logits(hidden_rows)                        # [R, V]
         n = logits.shape[0]
         full = lambda v, dt: torch.full((n,), v, dtype=dt, device=self.device)  # noqa: E731
         self.sampler(logits, SamplingMetadata(full(1.0, torch.float32), False, True,
