@@ -22,7 +22,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
+
+from vllm_anatomy.kernels.launch import check_launchable
 
 
 @triton.jit
@@ -95,9 +96,7 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
     assert slot_mapping.numel() >= num_tokens
     if num_tokens == 0:
         return
-    if key.device.type != "cuda" and not isinstance(_reshape_and_cache_kernel, InterpretedFunction):
-        raise RuntimeError("Triton kernels on CPU tensors need TRITON_INTERPRET=1 set before "
-                           "vllm_anatomy.kernels is first imported")
+    check_launchable(key, _reshape_and_cache_kernel)
     heads_padded = triton.next_power_of_2(num_kv_heads)
     head_dim_padded = triton.next_power_of_2(head_dim)
     block_t = _tokens_per_program(num_kv_heads, head_dim)

@@ -39,7 +39,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
+
+from vllm_anatomy.kernels.launch import check_launchable
 
 
 @triton.jit
@@ -127,9 +128,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
             residual = residual.contiguous()
     weight = weight.contiguous()
 
-    if x.device.type != "cuda" and not isinstance(_rms_norm_kernel, InterpretedFunction):
-        raise RuntimeError("Triton kernels on CPU tensors need TRITON_INTERPRET=1 set before "
-                           "vllm_anatomy.kernels is first imported")
+    check_launchable(x, _rms_norm_kernel)
     norm_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
     out = torch.empty(orig_shape, dtype=torch.promote_types(norm_dtype, weight.dtype),
                       device=x.device)

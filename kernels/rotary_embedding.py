@@ -40,7 +40,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
+
+from vllm_anatomy.kernels.launch import check_launchable
 
 
 @triton.jit
@@ -147,9 +148,7 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
     if key.stride(-1) != 1:
         key = key.contiguous()
     cos_sin_cache = cos_sin_cache.contiguous()
-    if query.device.type != "cuda" and not isinstance(_rotary_embedding_kernel, InterpretedFunction):
-        raise RuntimeError("Triton kernels on CPU tensors need TRITON_INTERPRET=1 set before "
-                           "vllm_anatomy.kernels is first imported")
+    check_launchable(query, _rotary_embedding_kernel)
     num_heads = query.shape[1] // head_size
     num_kv_heads = key.shape[1] // head_size
     q_out = torch.empty(query.shape, dtype=query.dtype, device=query.device)

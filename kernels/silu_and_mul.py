@@ -28,7 +28,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
+
+from vllm_anatomy.kernels.launch import check_launchable
 
 
 @triton.jit
@@ -74,9 +75,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         x = x.reshape(-1, 2 * d)
     if x.stride(-1) != 1:
         x = x.contiguous()             # NOTE: never the case for the model's inputs
-    if x.device.type != "cuda" and not isinstance(_silu_and_mul_kernel, InterpretedFunction):
-        raise RuntimeError("Triton kernels on CPU tensors need TRITON_INTERPRET=1 set before "
-                           "vllm_anatomy.kernels is first imported")
+    check_launchable(x, _silu_and_mul_kernel)
     out = torch.empty(out_shape, dtype=x.dtype, device=x.device)
     num_tokens = x.shape[0]
     if num_tokens == 0 or d == 0:

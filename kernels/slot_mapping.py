@@ -27,7 +27,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
+
+from vllm_anatomy.kernels.launch import check_launchable
 
 PAD_SLOT_ID = -1
 
@@ -85,10 +86,7 @@ def compute_slot_mapping(block_table: torch.Tensor, query_start_loc: torch.Tenso
         slot_mapping = torch.empty(pad_to, dtype=torch.int64, device=positions.device)
     assert slot_mapping.dtype == torch.int64 and slot_mapping.numel() >= pad_to
     assert block_table.stride(1) == 1, "block_table rows must be contiguous"
-    interpreted = isinstance(_compute_slot_mapping_kernel, InterpretedFunction)
-    if positions.device.type != "cuda" and not interpreted:
-        raise RuntimeError("Triton kernels on CPU tensors need TRITON_INTERPRET=1 set before "
-                           "vllm_anatomy.kernels is first imported")
+    check_launchable(positions, _compute_slot_mapping_kernel)
     # NOTE: 64 tokens per iteration: enough to keep loads in flight on a GPU,
     # and few iterations in the interpreter (which pays per program, not per element).
     _compute_slot_mapping_kernel[(num_reqs + 1,)](

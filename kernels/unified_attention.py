@@ -44,7 +44,8 @@ import math
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
+
+from vllm_anatomy.kernels.launch import check_launchable, is_interpreted
 
 LOG2E = 1.4426950408889634
 
@@ -265,10 +266,8 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     assert block_table.stride(1) == 1
     if num_tokens == 0 or num_seqs == 0:
         return out
-    interpreted = isinstance(_unified_attention_kernel, InterpretedFunction)
-    if q.device.type != "cuda" and not interpreted:
-        raise RuntimeError("Triton kernels on CPU tensors need TRITON_INTERPRET=1 set before "
-                           "vllm_anatomy.kernels is first imported")
+    check_launchable(q, _unified_attention_kernel)
+    interpreted = is_interpreted(_unified_attention_kernel)
     num_queries_per_kv = num_heads // num_kv_heads
     cfg = pick_config(max_seqlen_q, num_queries_per_kv, head_dim)
     block_m = block_m or cfg["block_m"]
