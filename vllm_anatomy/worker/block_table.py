@@ -15,9 +15,9 @@ the worker never sees KVCacheBlock objects. The scheduler owns *which* blocks a
 request has; this table only mirrors that, indexed by batch row.
 
 Simplified here: no context parallelism (DCP/PCP interleaving), no hybrid
-groups, no 128-token width rounding. vLLM computes slot_mapping with a Triton
-kernel on the GPU; here it is numpy on the CPU (`compute_slot_mapping`), the
-seam where a kernel can replace it.
+groups, no 128-token width rounding. As in vLLM, slot_mapping is computed
+on the GPU by a Triton kernel (`compute_slot_mapping_device`); on the CPU numpy
+computes the same formula (`compute_slot_mapping`).
 """
 from __future__ import annotations
 
