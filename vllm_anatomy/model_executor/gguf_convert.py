@@ -225,10 +225,12 @@ def _pre_tokenizer(pre: str):
 
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if pre == "smollm":
-        # NOTE: SmolLM's own tokenizer.json splits every digit off before the
-        # GPT-2 regex. Its merges contain no digit pairs, so plain GPT-2
-        # splitting would give the same ids -- the integration test checks
-        # that against transformers' GGUF tokenizer, which does the latter.
+        # NOTE: SmolLM's own tokenizer.json splits every numeric char off
+        # before the GPT-2 regex. Its merges contain no ASCII digit pairs, so
+        # for ASCII digits plain GPT-2 splitting gives the same ids; not for
+        # other numerics (" ¼" -> "Ġ", "Â¼" here, "ĠÂ", "¼" without the split).
+        # transformers' GGUF tokenizer does the plain split: the integration
+        # test compares against it piece by piece.
         return pre_tokenizers.Sequence(
             [pre_tokenizers.Digits(individual_digits=True), byte_level])
     if pre in ("gpt2", "default"):
