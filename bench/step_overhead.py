@@ -1,6 +1,7 @@
-"""Where a decode step's time goes at batch 256, with and without CUDA graphs (GPU).
+"""Where a decode step's time goes at batch 256: CUDA graphs with async scheduling,
+graphs with synchronous scheduling, and eager (GPU).
 
-    python bench/step_overhead.py [--num-seqs 256] [--decode-steps 48] [--out FILE]
+    python bench/step_overhead.py [--modes graphs_async,graphs,eager] [--num-seqs 256] [--out FILE]
 
 256 requests (prompts uniform in [100, 1024] random ids, seed 0; the Qwen3-0.6B
 shape with random bf16 weights, as bench/throughput.py) are prefilled, then
@@ -9,7 +10,9 @@ records the host time of each phase of the step — Scheduler.schedule,
 _update_states, _prepare_inputs, the forward launch (or graph replay), logits,
 sampler, the sync wait, _bookkeeping_sync, Scheduler.update_from_output and
 OutputProcessor.process_outputs — by wrapping those methods with a clock (this
-script only; the engine is unchanged).
+script only; the engine is unchanged). With async scheduling one engine step
+launches step N+1 and then finishes step N, so its phases belong to two
+different steps; per step they still add up to the same work.
 
 GPU idle: torch.profiler (CUPTI) records every kernel and copy of a window of
 decode steps; idle = 1 - (union of device activity) / (window length). The
@@ -70,6 +73,7 @@ def instrument(llm, clock: PhaseClock) -> None:
     clock.wrap(runner.model, "compute_logits", "compute_logits")
     clock.wrap(runner.sampler, "forward", "sample")
     clock.wrap(runner, "_bookkeeping_sync", "bookkeeping")
+    clock.wrap(runner, "_bookkeeping_async", "bookkeeping")
     clock.wrap(engine.output_processor, "process_outputs", "process_outputs")
     to_cpu = runner._to_cpu
 
@@ -78,6 +82,18 @@ def instrument(llm, clock: PhaseClock) -> None:
         clock.current["sync_wait"] = clock.current.get("sync_wait", 0.0) + wait
         return host, wait
     runner._to_cpu = to_cpu_timed
+    # Async scheduling: the wait happens in the output handle's get_output.
+    from vllm_anatomy.worker.async_output import AsyncGPUModelRunnerOutput
+    # (re-wrapped from the original for each mode's engine, never stacked)
+    cls = AsyncGPUModelRunnerOutput
+    get_output = cls.__dict__.get("_untimed_get_output", cls.get_output)
+    cls._untimed_get_output = get_output
+
+    def get_output_timed(self):
+        out = get_output(self)
+        clock.current["sync_wait"] = clock.current.get("sync_wait", 0.0) + self.sync_wait_s
+        return out
+    AsyncGPUModelRunnerOutput.get_output = get_output_timed
 
 
 def gpu_idle(trace_path: str) -> dict:
@@ -100,13 +116,16 @@ def gpu_idle(trace_path: str) -> dict:
     return {"busy_us": busy, "window_us": window, "idle_fraction": 1 - busy / window, "kernels": len(spans)}
 
 
-def run(path: str, args, enforce_eager: bool) -> dict:
+def run(path: str, args, mode: str) -> dict:
     from vllm_anatomy import LLM, SamplingParams
-    llm = LLM(path, max_model_len=4096, enforce_eager=enforce_eager)
+    from vllm_anatomy.sampling_params import RequestOutputKind
+    llm = LLM(path, max_model_len=4096, enforce_eager=mode == "eager", async_scheduling=mode.endswith("_async"))
     rng = random.Random(0)
     vocab = qwen3_06b_config().vocab_size
     prompts = [[rng.randint(0, vocab - 1) for _ in range(rng.randint(100, 1024))] for _ in range(args.num_seqs)]
-    sp = SamplingParams(temperature=0.6, max_tokens=args.decode_steps + 2, ignore_eos=True)
+    # NOTE: FINAL_ONLY, as LLM.generate asks (no per-step RequestOutput per request).
+    sp = SamplingParams(temperature=0.6, max_tokens=args.decode_steps + 2, ignore_eos=True,
+                        output_kind=RequestOutputKind.FINAL_ONLY)
     llm.generate([{"prompt_token_ids": prompts[0][:16]}], SamplingParams(max_tokens=4), use_tqdm=False)
     clock = PhaseClock()
     instrument(llm, clock)
@@ -135,6 +154,7 @@ def run(path: str, args, enforce_eager: bool) -> dict:
                 profiler.export_chrome_trace(trace_path)
                 profiler = None
     cc = engine.vllm_config.compilation_config
+    async_scheduling = engine.vllm_config.scheduler_config.async_scheduling
     engine.shutdown()
     # NOTE: free this engine's KV cache (most of the device) before the next
     # mode's engine sizes its own; the method wrappers above form cycles.
@@ -145,7 +165,8 @@ def run(path: str, args, enforce_eager: bool) -> dict:
     med = {p: 1e3 * statistics.median(r.get(p, 0.0) for r in decode) for p in PHASES + ["wall"]}
     cpu_ms = med["wall"] - med["sync_wait"]
     idle = gpu_idle(trace_path) if trace_path else None
-    return {"cudagraph_mode": cc.cudagraph_mode, "decode_steps_measured": len(decode),
+    return {"cudagraph_mode": cc.cudagraph_mode, "async_scheduling": async_scheduling,
+            "decode_steps_measured": len(decode),
             "median_ms": med, "host_busy_ms": cpu_ms, "gpu_idle": idle, "profiled_steps": profiled_steps}
 
 
@@ -154,7 +175,8 @@ def main() -> None:
     ap.add_argument("--num-seqs", type=int, default=256)
     ap.add_argument("--decode-steps", type=int, default=48)
     ap.add_argument("--profile-steps", type=int, default=16)
-    ap.add_argument("--modes", default="graphs,eager")
+    ap.add_argument("--modes", default="graphs_async,graphs,eager",
+                    help="graphs_async (the default engine on a GPU), graphs (sync scheduling), eager")
     ap.add_argument("--out", default="bench/results/step_overhead_h200.json")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -165,12 +187,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as path:
         write_random_model(path)
         for mode in args.modes.split(","):
-            results["modes"][mode] = run(path, args, enforce_eager=(mode == "eager"))
+            if mode not in ("graphs_async", "graphs", "eager", "eager_async"):
+                sys.exit(f"unknown mode {mode!r}")
+            results["modes"][mode] = run(path, args, mode)
     print(f"median per decode step at batch {args.num_seqs} (host ms):")
     modes = list(results["modes"])
     print(f"{'phase':<20}" + "".join(f"{m:>12}" for m in modes))
     for p in PHASES + ["wall"]:
         print(f"{p:<20}" + "".join(f"{results['modes'][m]['median_ms'][p]:>12.2f}" for m in modes))
+    print(f"{'step / s':<20}" + "".join(f"{1e3 / results['modes'][m]['median_ms']['wall']:>12.1f}"
+                                          for m in modes))
     for m in modes:
         idle = results["modes"][m]["gpu_idle"]
         if idle and idle["idle_fraction"] is not None:

@@ -59,6 +59,21 @@ class SchedulerConfig:
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
+    # Schedule step N+1 while step N runs on the device (AsyncScheduler +
+    # EngineCore.step_with_batch_queue). vLLM's default; ours only on a GPU.
+    async_scheduling: bool = False
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        """Steps in flight at once (vLLM: VllmConfig.max_concurrent_batches, no PP)."""
+        return 2 if self.async_scheduling else 1
+
+    def get_scheduler_cls(self) -> type:
+        if self.async_scheduling:
+            from vllm_anatomy.core.sched.async_scheduler import AsyncScheduler
+            return AsyncScheduler
+        from vllm_anatomy.core.sched.scheduler import Scheduler
+        return Scheduler
 
 
 @dataclass

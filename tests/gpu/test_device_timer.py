@@ -11,12 +11,12 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 PHASES = ["GPU.prepare_inputs", "GPU.model_forward", "GPU.compute_logits", "GPU.sample", "GPU.d2h"]
 
 
-def test_device_phases_per_step(tiny_llama_dir):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_device_phases_per_step(tiny_llama_dir, async_scheduling):
     from vllm_anatomy import LLM, SamplingParams
     rec = InMemoryRecorder("spans")
     llm = LLM(tiny_llama_dir, device="cuda", recorder=rec, max_model_len=256, enforce_eager=True,
-              num_gpu_blocks_override=NUM_BLOCKS,
-              max_num_seqs=8)
+              num_gpu_blocks_override=NUM_BLOCKS, max_num_seqs=8, async_scheduling=async_scheduling)
     llm.generate([{"prompt_token_ids": list(range(1, 40))}] * 3,
                  SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     steps = [s.attrs["vllm_anatomy.step_id"] for s in rec.find("EngineCore.step")]
@@ -27,13 +27,19 @@ def test_device_phases_per_step(tiny_llama_dir):
         assert all(s.attrs["vllm_anatomy.lane"] == "device" for s in device)
         assert all(a.end_ns == b.start_ns for a, b in zip(device, device[1:]))   # back to back
         assert device[1].duration_ns > 0                                         # the forward took time
-        # The device finished the step before the host's sync returned.
-        (sync,) = [s for s in rec.find("GPUModelRunner._bookkeeping_sync")
-                   if s.parent_id is not None and _step_of(rec, s) == step_id]
+        # The device finished the step before the host's sync returned (async
+        # scheduling: the sync is the output handle's get_output, a step later).
+        sync_name = "AsyncGPUModelRunnerOutput.get_output" if async_scheduling else "GPUModelRunner._bookkeeping_sync"
+        (sync,) = [s for s in rec.find(sync_name) if s.parent_id is not None and _step_of(rec, s) == step_id]
         assert device[-1].end_ns <= sync.end_ns
+        # ... and started after the host began to enqueue it.
+        (execute,) = [s for s in rec.find("GPUModelRunner.execute_model") if _step_of(rec, s) == step_id]
+        assert device[0].start_ns >= execute.start_ns
 
 
 def _step_of(rec, span):
+    if "vllm_anatomy.step_id" in span.attrs:
+        return span.attrs["vllm_anatomy.step_id"]
     by_id = {s.span_id: s for s in rec.spans}
     while span.parent_id in by_id:
         span = by_id[span.parent_id]

@@ -87,6 +87,30 @@ def test_concurrent_generate_matches_one_at_a_time(engine, loop):
     assert "Paris" in finals[0].outputs[0].text
 
 
+@pytest.mark.parametrize("multiprocess", [True, False], ids=["engine_proc", "inproc"])
+def test_async_scheduling_engine_matches(engine, loop, multiprocess):
+    """An engine with async scheduling (EngineCoreProc's busy loop, or the
+    in-process client, stepping with a batch queue) gives the same greedy
+    tokens, honours stop strings and aborts, and ends idle."""
+    args = engine_args()
+    args.async_scheduling = True
+    os.environ["OMP_NUM_THREADS"] = "1"
+    other = AsyncLLM.from_engine_args(args, multiprocess=multiprocess)
+    try:
+        async def main(e):
+            prompts = [chat(e, q) for q in QUESTIONS]
+            outs = await asyncio.gather(*(collect(e, p, greedy(max_tokens=12), f"a{i}")
+                                          for i, p in enumerate(prompts)))
+            stopped = await collect(e, prompts[0], greedy(max_tokens=12, stop=["Paris"]), "s")
+            return [o[-1].outputs[0].token_ids for o in outs], stopped[-1].outputs[0]
+        want, want_stop = run(loop, main(engine))
+        got, got_stop = run(loop, main(other))
+        assert got == want and got_stop.text == want_stop.text and got_stop.finish_reason == "stop"
+        run(loop, wait_until_idle(other))
+    finally:
+        other.shutdown()
+
+
 def test_delta_stream_concatenates_to_the_final_text(engine, loop):
     prompt = chat(engine, QUESTIONS[0])
     delta = run(loop, collect(engine, prompt, greedy(max_tokens=10, output_kind=RequestOutputKind.DELTA), "d"))

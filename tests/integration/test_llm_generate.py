@@ -95,8 +95,15 @@ def test_defaults(default_model_dir, hf_model, prompts):
     assert m["vllm:num_preemptions"] == 0
 
 
-def test_chunked_prefill(default_model_dir, hf_model, prompts):
-    llm = LLM(default_model_dir, max_num_batched_tokens=32)
+# NOTE: async scheduling is off by default on a CPU; these regimes are where
+# its bookkeeping (placeholders, stale outputs of preempted requests, blocks
+# cached a step late) could go wrong, so they run both ways.
+ASYNC = pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+
+
+@ASYNC
+def test_chunked_prefill(default_model_dir, hf_model, prompts, async_scheduling):
+    llm = LLM(default_model_dir, max_num_batched_tokens=32, async_scheduling=async_scheduling)
     got, _ = _engine_tokens(llm, prompts)
     _check_equal(hf_model, prompts, got)
     # Every prompt is longer than nothing; several chat prompts exceed 32 tokens, so
@@ -105,18 +112,20 @@ def test_chunked_prefill(default_model_dir, hf_model, prompts):
     assert llm.get_metrics()["vllm:engine_steps"] > MAX_TOKENS + max(len(p) for p in prompts) // 32
 
 
-def test_preemption(default_model_dir, hf_model, prompts):
+@ASYNC
+def test_preemption(default_model_dir, hf_model, prompts, async_scheduling):
     # 12 usable blocks of 16 tokens for 9 requests of ~30-60 tokens each: they
     # cannot all stay resident, so the scheduler must preempt (and recompute).
     llm = LLM(default_model_dir, num_gpu_blocks_override=13, max_model_len=192,
-              enable_prefix_caching=False)
+              enable_prefix_caching=False, async_scheduling=async_scheduling)
     got, _ = _engine_tokens(llm, prompts)
     _check_equal(hf_model, prompts, got)
     assert llm.get_metrics()["vllm:num_preemptions"] > 0
 
 
-def test_prefix_caching(default_model_dir, hf_model, shared_prefix_prompts):
-    llm = LLM(default_model_dir)
+@ASYNC
+def test_prefix_caching(default_model_dir, hf_model, shared_prefix_prompts, async_scheduling):
+    llm = LLM(default_model_dir, async_scheduling=async_scheduling)
     # First one alone fills the cache with the shared prefix; then the others hit it.
     got0, _ = _engine_tokens(llm, shared_prefix_prompts[:1])
     got1, outs = _engine_tokens(llm, shared_prefix_prompts[1:])

@@ -14,13 +14,16 @@ PREFIX = "You are a careful assistant for a museum of computing history. Answer 
 QUESTIONS = ["What is a CPU?", "Who built ENIAC?", "What is RAM?", "Name an old computer."]
 
 
-@pytest.fixture(scope="module")
-def recorded(default_model_dir, tmp_path_factory):
+# NOTE: both ways: with async scheduling a step's snapshots are taken as it is
+# launched (the scheduler has not seen the previous step's tokens yet), and
+# the invariants must hold there too.
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+def recorded(default_model_dir, tmp_path_factory, request):
     trace_dir = str(tmp_path_factory.mktemp("traces"))
     # 6 usable blocks of 16 tokens; four ~25-token prompts growing by 12 tokens
     # cannot all stay resident: preemption. A first request caches the prefix.
     llm = LLM(default_model_dir, trace_level="full", trace_dir=trace_dir, num_gpu_blocks_override=7,
-              max_model_len=64)
+              max_model_len=64, async_scheduling=request.param)
     tok = llm.get_tokenizer()
     prefix = tok.encode(PREFIX)
     prompts = [{"prompt_token_ids": prefix + tok.encode(" " + q)} for q in QUESTIONS]
@@ -72,6 +75,10 @@ def _check_queues(sched):
 def _check_slots(mr, step, bs):
     pi, rows = mr["prepare_inputs"], {r["index"]: r for r in mr["input_batch"]["rows"]}
     scheduled = step["scheduler_output"]["num_scheduled_tokens"]
+    if not scheduled:
+        # Nothing to compute (async: every running request's last token in flight).
+        assert pi is None and mr["sampled_token_ids"] == []
+        return
     assert dict(zip(pi["req_ids"], pi["num_scheduled_tokens"])) == scheduled
     assert len(pi["slot_mapping"]) == sum(scheduled.values()) == step["scheduler_output"]["total_num_scheduled_tokens"]
     for row, pos, slot in zip(pi["req_indices"], pi["positions"], pi["slot_mapping"]):
@@ -157,3 +164,35 @@ def test_kv_cache_manager_calls_inside_schedule(recorded):
                 # a new request's block table = prefix hits + the blocks allocate_slots just gave it
                 new = s.attributes["vllm_anatomy.new_block_ids"]
                 assert sent[rid][len(sent[rid]) - len(new):] == new
+
+
+def test_async_scheduling_in_the_trace(recorded):
+    """Async: consecutive step spans overlap, each step's tokens reach the host in
+    a get_output span under its own step, and a decode's input token is a -1
+    placeholder on the host exactly where the previous step sampled it on the
+    device. Sync: none of that."""
+    run, _ = recorded
+    is_async = run.meta["config"]["scheduler_config"]["async_scheduling"]
+    steps = {s.step_id: s for s in run.spans("EngineCore.step")}
+    gets = run.spans("AsyncGPUModelRunnerOutput.get_output")
+    placeholders = 0
+    for i in run.steps()[1:]:
+        pi, prev = run.snapshot(i, "model_runner")["prepare_inputs"], run.snapshot(i - 1, "model_runner")
+        if pi is None:
+            continue
+        sampled_prev = dict(zip([r["req_id"] for r in prev["input_batch"]["rows"]], prev["sampled_token_ids"]))
+        for req_id, end in zip(pi["req_ids"], pi["cu_num_tokens"]):
+            if pi["input_ids"][end - 1] == -1:
+                placeholders += 1
+                assert sampled_prev.get(req_id), f"step {i}: {req_id} waits on a token step {i - 1} did not sample"
+    if not is_async:
+        assert not gets and placeholders == 0
+        assert all(steps[i].start_ns >= steps[i - 1].end_ns for i in steps if i - 1 in steps)
+        return
+    assert placeholders > 0
+    assert any(steps[i].start_ns < steps[i - 1].end_ns for i in steps if i - 1 in steps)
+    nonempty = [i for i in run.steps() if run.snapshot(i)["scheduler_output"]["total_num_scheduled_tokens"]]
+    assert sorted(g.attributes["vllm_anatomy.step_id"] for g in gets) == nonempty
+    for g in gets:
+        assert g.parent_id == steps[g.attributes["vllm_anatomy.step_id"]].span_id
+        assert g.attributes["vllm_anatomy.sync_wait_ms"] >= 0

@@ -133,7 +133,7 @@ class KVCacheManager:
         """
         if num_new_tokens == 0:
             raise ValueError("num_new_tokens must be greater than 0")
-        new_computed_block_list = list(new_computed_blocks.blocks[0]) if new_computed_blocks else []
+        new_computed_block_list = list(new_computed_blocks.blocks[0]) if new_computed_blocks else ()
         request_id = request.request_id
         num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
         num_free_blocks = self.block_pool.get_num_free_blocks()
@@ -158,9 +158,11 @@ class KVCacheManager:
 
         if self.enable_caching:
             # NOTE: cache the blocks that are full once this step's tokens are
-            # computed. Hashing ahead of the forward pass is safe: the step runs
-            # before anyone else can schedule a lookup. Capped at num_tokens so
-            # lookahead slots (tokens not known yet) are never cached.
+            # computed. Hashing ahead of the forward pass is safe: any step that
+            # could hit these blocks is scheduled, and runs, after this one. Capped at num_tokens so
+            # lookahead slots (tokens not known yet) are never cached. With async
+            # scheduling a lookup may come while this step is still in flight:
+            # it is a later step, so the device runs it after this one's writes.
             self.manager.cache_blocks(request, min(num_computed_tokens + num_new_tokens, request.num_tokens))
         return KVCacheBlocks((new_blocks,))
 

@@ -24,3 +24,16 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
+
+
+class AsyncModelRunnerOutput:
+    """A step's output whose tokens are still on their way to the host (async scheduling).
+
+    Mirrors vllm/v1/outputs.py. The worker returns it from sample_tokens
+    without waiting; get_output() waits for the device-to-host copy (the
+    step's sync point, now one step later) and returns the ModelRunnerOutput.
+    NOTE: never crosses a process boundary: it wraps device tensors and events.
+    """
+
+    def get_output(self) -> ModelRunnerOutput:
+        raise NotImplementedError

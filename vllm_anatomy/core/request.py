@@ -5,8 +5,9 @@ process boundary; a Request is what the scheduler mutates step after step
 (status, num_computed_tokens, output tokens, block hashes).
 
 Simplified: no pooling, LoRA, multimodal, prompt embeds, structured output,
-KV transfer or streaming-input sessions; no async-scheduling placeholders
-(num_output_placeholders); FCFS only, so no __lt__ for a priority heap.
+KV transfer or streaming-input sessions; FCFS only, so no __lt__ for a
+priority heap. Async scheduling keeps vLLM's num_output_placeholders and
+num_stale_output_tokens (see core/sched/async_scheduler.py).
 """
 from __future__ import annotations
 
@@ -138,6 +139,12 @@ class Request:
         self.num_preemptions = 0
         # True when the last scheduled chunk ended before the prompt's end.
         self.is_prefill_chunk = False
+        # Async scheduling: tokens already scheduled whose values the scheduler
+        # has not seen yet (their steps are still in flight).
+        self.num_output_placeholders = 0
+        # Async scheduling: in-flight outputs to throw away, because the
+        # request was preempted while they ran (it will recompute them).
+        self.num_stale_output_tokens = 0
 
         self.block_hashes: list[BlockHash] = []
         self._block_hasher = block_hasher
@@ -212,6 +219,7 @@ class Request:
             "num_computed_tokens": self.num_computed_tokens,
             "num_prompt_tokens": self.num_prompt_tokens,
             "num_output_tokens": self.num_output_tokens,
+            "num_output_placeholders": self.num_output_placeholders,
             "num_preemptions": self.num_preemptions,
             "num_cached_tokens": self.num_cached_tokens,
             "block_ids": list(block_ids or []),

@@ -49,6 +49,8 @@ class SingleTypeKVCacheManager:
         # NOTE: .get, not [], so that asking (and being refused) leaves no trace.
         num_held_blocks = len(self.req_to_blocks.get(request_id, ()))
         num_new_blocks = max(num_required_blocks - len(new_computed_blocks) - num_held_blocks, 0)
+        if not new_computed_blocks:          # every running request, every step: keep it cheap
+            return num_new_blocks
         num_evictable_computed_blocks = sum(
             1 for blk in new_computed_blocks if blk.ref_cnt == 0 and not blk.is_null)
         return num_new_blocks + num_evictable_computed_blocks

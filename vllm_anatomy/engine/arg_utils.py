@@ -36,6 +36,9 @@ class EngineArgs:
     max_num_seqs: int | None = None
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
+    # None = on where it pays (a GPU, one in-process worker), as vLLM turns it
+    # on by default; on a CPU every op is synchronous, so nothing would overlap.
+    async_scheduling: bool | None = None
     distributed_executor_backend: str = "uni"   # uni | mp
     # NOTE: ranks all run the whole model for now (no sharding yet): this sets
     # how many worker processes the "mp" executor drives.
@@ -110,13 +113,14 @@ class EngineArgs:
                                    num_gpu_blocks_override=self.num_gpu_blocks_override,
                                    gpu_memory_utilization=self.gpu_memory_utilization,
                                    enable_prefix_caching=self.enable_prefix_caching)
-        scheduler_config = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
-                                           max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                                           enable_chunked_prefill=self.enable_chunked_prefill,
-                                           long_prefill_token_threshold=self.long_prefill_token_threshold)
         if self.distributed_executor_backend not in ("uni", "mp"):
             raise ValueError(f"distributed_executor_backend must be 'uni' or 'mp', "
                              f"got {self.distributed_executor_backend!r}")
+        scheduler_config = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
+                                           max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                                           enable_chunked_prefill=self.enable_chunked_prefill,
+                                           long_prefill_token_threshold=self.long_prefill_token_threshold,
+                                           async_scheduling=self._resolve_async_scheduling(on_gpu))
         if self.trace_level not in ("off", "spans", "full"):
             raise ValueError(f"trace_level must be one of off, spans, full; got {self.trace_level!r}")
         if self.tensor_parallel_size < 1:
@@ -130,6 +134,18 @@ class EngineArgs:
         compilation_config = self._compilation_config(on_gpu, max_num_seqs, max_num_batched_tokens)
         return VllmConfig(model_config, cache_config, scheduler_config, parallel_config, observability_config,
                           compilation_config)
+
+    def _resolve_async_scheduling(self, on_gpu: bool) -> bool:
+        uni = self.distributed_executor_backend == "uni"
+        if self.async_scheduling is None:
+            return on_gpu and uni
+        if self.async_scheduling and not uni:
+            # NOTE: the worker process would have to reply to sample_tokens
+            # before its tokens reach the host (vLLM: an async-output thread
+            # per worker); our MultiprocExecutor answers each call in turn.
+            raise ValueError("async_scheduling needs distributed_executor_backend='uni' "
+                             "(the mp executor has no async output thread here)")
+        return self.async_scheduling
 
     def _compilation_config(self, on_gpu: bool, max_num_seqs: int, max_num_batched_tokens: int) -> CompilationConfig:
         if self.cudagraph_capture_sizes is not None:
@@ -167,6 +183,8 @@ class EngineArgs:
         p("--max-num-seqs", type=int, default=None)
         p("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
         p("--long-prefill-token-threshold", type=int, default=0)
+        p("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+          help="schedule the next step while the device runs this one (default: on a GPU)")
         p("--distributed-executor-backend", choices=["uni", "mp"], default=d.distributed_executor_backend)
         p("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size)
         p("--enforce-eager", action="store_true", help="never use CUDA graphs")

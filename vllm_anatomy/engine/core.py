@@ -12,11 +12,18 @@ sockets; see its docstring). One `step()`:
 NOTE: execute_model returns None on purpose (as in vLLM): the forward is only
 enqueued on the device, and the CPU is free to do other work (in vLLM: the
 structured-output grammar bitmask) until sample_tokens needs the logits.
+
+With async scheduling (`async_scheduling`, on by default on a GPU) the engine
+steps with `step_with_batch_queue` instead: it schedules and launches step N+1
+before it waits for step N's tokens, so that the host's work overlaps the
+device's. sample_tokens then returns an AsyncModelRunnerOutput, whose
+get_output() is the sync point, one step later.
 """
 from __future__ import annotations
 
 import gc
 import logging
+from collections import deque
 import os
 import queue
 import signal
@@ -29,8 +36,9 @@ import zmq
 
 from vllm_anatomy.config import VllmConfig
 from vllm_anatomy.core.kv_cache_utils import get_request_block_hasher, init_none_hash, sha256
+from vllm_anatomy.core.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
 from vllm_anatomy.core.request import Request, RequestStatus
-from vllm_anatomy.core.sched.scheduler import Scheduler
+from vllm_anatomy.core.sched.output import SchedulerOutput
 from vllm_anatomy.engine.protocol import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest,
                                           FinishReason, SchedulerStats)
 from vllm_anatomy.engine.serial_utils import (EngineCoreOutputType, EngineCoreReadyResponse,
@@ -60,8 +68,9 @@ class EngineCore:
                 self.model_executor.initialize_from_config(num_gpu_blocks)
             # Block-pool events (allocate / free / hit / evict) are kept only when
             # snapshots are recorded: someone must drain them every step.
-            self.scheduler = Scheduler(vllm_config, num_gpu_blocks,
-                                       enable_kv_cache_events=self.recorder.wants_snapshots)
+            scheduler_cls = vllm_config.scheduler_config.get_scheduler_cls()
+            self.scheduler = scheduler_cls(vllm_config, num_gpu_blocks,
+                                           enable_kv_cache_events=self.recorder.wants_snapshots)
             if self.recorder.wants_snapshots:
                 trace_methods(self.scheduler.kv_cache_manager, self.recorder, "KVCacheManager",
                               ["get_computed_blocks", "allocate_slots"])
@@ -72,6 +81,13 @@ class EngineCore:
         if cache_config.enable_prefix_caching:
             init_none_hash(sha256)
             self.request_block_hasher = get_request_block_hasher(cache_config.block_size, sha256)
+        # Steps in flight: (output or its future, scheduler output, step span).
+        self.batch_queue_size = vllm_config.scheduler_config.max_concurrent_batches
+        self.batch_queue: deque[tuple[Any, SchedulerOutput, Any]] | None = None
+        self.step_fn = self.step
+        if self.batch_queue_size > 1:
+            self.batch_queue = deque(maxlen=self.batch_queue_size)
+            self.step_fn = self.step_with_batch_queue
         # NOTE: (vLLM does the same, "freeze_gc_heap") everything created so far
         # (model, tokenizer, block pool: hundreds of thousands of objects) lives
         # as long as the engine; moving it to the GC's permanent generation
@@ -108,6 +124,10 @@ class EngineCore:
     def has_requests(self) -> bool:
         return self.scheduler.has_requests()
 
+    def has_work(self) -> bool:
+        """Requests to schedule, or steps still in flight whose outputs are due."""
+        return self.scheduler.has_requests() or bool(self.batch_queue)
+
     # -- utility calls (the frontend reaches these through UTILITY messages) ------
     def get_scheduler_stats(self) -> SchedulerStats:
         """Queue lengths and KV-cache usage now (does not drain the per-step prefix stats)."""
@@ -130,24 +150,77 @@ class EngineCore:
         Returns (outputs per client index, whether the model ran this step)."""
         if not self.scheduler.has_requests():
             return {}, False
+        span, scheduler_output = self._schedule_and_launch()
+        with self.recorder.use_span(span):
+            model_output = self.model_executor.sample_tokens()
+            outputs = self._update_from_output(span, scheduler_output, model_output)
+        span.end()
+        return outputs, scheduler_output.total_num_scheduled_tokens > 0
+
+    def step_with_batch_queue(self) -> tuple[dict[int, EngineCoreOutputs], bool]:
+        """Async scheduling: launch a new step if there is room, then (only once
+        the queue is full, or nothing is left to launch) wait for the oldest.
+
+        NOTE: the first call launches step 1 and returns at once with no
+        outputs; every later call launches step N+1 and then waits for step N.
+        The wait therefore starts with step N+1 already queued behind step N
+        on the device, so the device never runs dry while the host turns step
+        N's tokens into outputs and schedules step N+2.
+        """
+        batch_queue = self.batch_queue
+        model_executed = False
+        if self.scheduler.has_requests():
+            span, scheduler_output = self._schedule_and_launch()
+            model_executed = scheduler_output.total_num_scheduled_tokens > 0
+            with self.recorder.use_span(span):
+                # Non-blocking: an AsyncModelRunnerOutput (its tokens are still on the device).
+                future = self.model_executor.sample_tokens()
+            batch_queue.appendleft((future, scheduler_output, span))
+            if model_executed and len(batch_queue) < self.batch_queue_size:
+                return {}, True
+        elif not batch_queue:
+            return {}, False
+        future, scheduler_output, span = batch_queue.pop()
+        with self.recorder.use_span(span):
+            model_output = future.get_output() if isinstance(future, AsyncModelRunnerOutput) else future
+            outputs = self._update_from_output(span, scheduler_output, model_output)
+        span.end()
+        return outputs, model_executed
+
+    def _schedule_and_launch(self) -> tuple[Any, SchedulerOutput]:
+        """Schedule a step and enqueue its forward; return (its open step span, its output).
+
+        NOTE: the EngineCore.step span is started here and ended by whoever
+        processes the step's output: with async scheduling that is the next
+        call, so consecutive step spans overlap, as the steps themselves do.
+        """
         rec = self.recorder
-        with rec.span("EngineCore.step") as span:
+        span = rec.start_span("EngineCore.step")
+        with rec.use_span(span):
             with rec.span("Scheduler.schedule"):
                 scheduler_output = self.scheduler.schedule()
             span.set_attribute("vllm_anatomy.step_id", scheduler_output.step_id)
+            span.set_attribute("vllm_anatomy.num_scheduled_tokens", scheduler_output.total_num_scheduled_tokens)
+            span.set_attribute("vllm_anatomy.num_reqs", len(scheduler_output.num_scheduled_tokens))
             if rec.enabled:
                 # A step serves many requests: it links to each (nesting would lie).
                 for req_id in scheduler_output.num_scheduled_tokens:
                     span.add_link(self.scheduler.requests[req_id].trace_headers)
-            self.model_executor.execute_model(scheduler_output)
-            model_output = self.model_executor.sample_tokens()
-            with rec.span("Scheduler.update_from_output"):
-                outputs = self.scheduler.update_from_output(scheduler_output, model_output)
-            span.set_attribute("vllm_anatomy.num_scheduled_tokens", scheduler_output.total_num_scheduled_tokens)
-            span.set_attribute("vllm_anatomy.num_reqs", len(scheduler_output.num_scheduled_tokens))
-            if rec.wants_snapshots:
+            if rec.wants_snapshots and self.batch_queue is not None:
+                # NOTE: async: snapshot as the step is launched; by the time its
+                # output is processed the scheduler has already planned the next.
                 self._record_snapshot(scheduler_output)
-        return outputs, scheduler_output.total_num_scheduled_tokens > 0
+            self.model_executor.execute_model(scheduler_output)
+        return span, scheduler_output
+
+    def _update_from_output(self, span, scheduler_output: SchedulerOutput,
+                            model_output: ModelRunnerOutput) -> dict[int, EngineCoreOutputs]:
+        with self.recorder.span("Scheduler.update_from_output",
+                                **{"vllm_anatomy.step_id": scheduler_output.step_id}):
+            outputs = self.scheduler.update_from_output(scheduler_output, model_output)
+        if self.recorder.wants_snapshots and self.batch_queue is None:
+            self._record_snapshot(scheduler_output)
+        return outputs
 
     def _record_snapshot(self, scheduler_output) -> None:
         step_id = scheduler_output.step_id
@@ -189,8 +262,8 @@ class EngineCoreProc(EngineCore):
     msgpack release the GIL, so I/O overlaps the step.
 
     Simplified: one frontend per engine (vLLM has one PUSH socket per client
-    index), no data-parallel coordinator, no eager aborts queue (our step does
-    not overlap the model run with the next schedule).
+    index), no data-parallel coordinator, no eager aborts queue (an abort
+    waits for the step in progress; its in-flight output is then skipped).
     """
 
     # NOTE: only these methods may be called through a UTILITY message; the
@@ -265,13 +338,13 @@ class EngineCoreProc(EngineCore):
 
     def _process_input_queue(self) -> None:
         # NOTE: with nothing to do, block on the queue: an idle engine uses no CPU.
-        while not self.scheduler.has_requests():
+        while not self.has_work():
             self._handle_client_request(*self.input_queue.get())
         while not self.input_queue.empty():
             self._handle_client_request(*self.input_queue.get_nowait())
 
     def _process_engine_step(self) -> None:
-        outputs, model_executed = self.step()
+        outputs, model_executed = self.step_fn()
         # NOTE: one frontend, so every client index's outputs go to the same socket.
         for engine_core_outputs in outputs.values():
             engine_core_outputs.engine_index = self.engine_index

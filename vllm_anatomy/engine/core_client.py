@@ -86,7 +86,7 @@ class InprocClient(EngineCoreClient):
         self.engine_core = EngineCore(vllm_config, recorder, executor_class)
 
     def get_output(self) -> EngineCoreOutputs:
-        outputs, _ = self.engine_core.step()
+        outputs, _ = self.engine_core.step_fn()
         return outputs.get(0) or EngineCoreOutputs()
 
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -137,10 +137,10 @@ class AsyncInprocClient(InprocClient):
         while True:
             # NOTE: clear, then look: an add landing in between sets the event again.
             self._new_work.clear()
-            if self.engine_core.has_requests():
+            if self.engine_core.has_work():
                 break
             await self._new_work.wait()
-        outputs, _ = await self._run(self.engine_core.step)
+        outputs, _ = await self._run(self.engine_core.step_fn)
         return outputs.get(0) or EngineCoreOutputs()
 
     async def add_request_async(self, request: EngineCoreRequest) -> None:

@@ -73,13 +73,17 @@ class LLMEngine:
         self.engine_core.abort_requests(known)
 
     def has_unfinished_requests(self) -> bool:
-        return self.output_processor.has_unfinished_requests()
+        # NOTE: with async scheduling a step may still be in flight after the
+        # last request finished (e.g. an empty one scheduled while the final
+        # tokens were on their way). vLLM's engine process drains it in its
+        # busy loop; in-process, stepping until it is processed does that.
+        return self.output_processor.has_unfinished_requests() or bool(self.engine_core.batch_queue)
 
     def get_num_unfinished_requests(self) -> int:
         return self.output_processor.get_num_unfinished_requests()
 
     def step(self) -> list[RequestOutput]:
-        outputs_by_client, _ = self.engine_core.step()
+        outputs_by_client, _ = self.engine_core.step_fn()
         request_outputs: list[RequestOutput] = []
         for outputs in outputs_by_client.values():
             if outputs.scheduler_stats is not None:

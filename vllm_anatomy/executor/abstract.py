@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from vllm_anatomy.config import VllmConfig
-from vllm_anatomy.core.outputs import ModelRunnerOutput
+from vllm_anatomy.core.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
 from vllm_anatomy.core.sched.output import SchedulerOutput
 from vllm_anatomy.tracing.recorder import NullRecorder, Recorder
 
@@ -55,7 +55,9 @@ class Executor:
                 scheduler_output.trace_headers = span.trace_headers()
             self._rpc_output_rank("execute_model", (scheduler_output,))
 
-    def sample_tokens(self) -> ModelRunnerOutput:
+    def sample_tokens(self) -> ModelRunnerOutput | AsyncModelRunnerOutput:
+        """The step's sampled tokens; with async scheduling, a handle on them
+        that does not wait for the device (call get_output() for the tokens)."""
         with self.recorder.span("Executor.sample_tokens") as span:
             headers = span.trace_headers() if self.recorder.enabled else None
             return self._rpc_output_rank("sample_tokens", (headers,))

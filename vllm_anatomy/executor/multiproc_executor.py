@@ -30,6 +30,7 @@ import shutil
 import tempfile
 import threading
 import traceback
+import types
 import typing
 import weakref
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ from typing import Any, Callable
 import msgspec
 
 from vllm_anatomy.config import VllmConfig
+from vllm_anatomy.core.outputs import AsyncModelRunnerOutput
 from vllm_anatomy.executor.abstract import Executor
 from vllm_anatomy.executor.shm_broadcast import Handle, MessageQueue, MessageQueueCancelled
 from vllm_anatomy.tracing.factory import make_recorder
@@ -87,7 +89,20 @@ def _worker_method_types(method: str) -> tuple[list[Any], dict[str, Any], Any]:
     hints = typing.get_type_hints(fn)
     params = list(inspect.signature(fn).parameters.values())[1:]     # drop self
     types = {p.name: hints.get(p.name, Any) for p in params}
-    return list(types.values()), types, hints.get("return", Any)
+    return list(types.values()), types, _wire_type(hints.get("return", Any))
+
+
+def _wire_type(tp: Any) -> Any:
+    """The part of a return annotation that can cross the queue.
+
+    NOTE: sample_tokens may return an AsyncModelRunnerOutput, but only to an
+    in-process caller with async scheduling (EngineArgs refuses async
+    scheduling with this executor): over the queue it is a ModelRunnerOutput.
+    """
+    members = [t for t in typing.get_args(tp) if t is not AsyncModelRunnerOutput]
+    if typing.get_origin(tp) in (typing.Union, types.UnionType) and len(members) == 1:
+        return members[0]
+    return tp
 
 
 @dataclass

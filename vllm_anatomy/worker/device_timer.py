@@ -3,8 +3,10 @@
 CUDA events are recorded between the step's device phases (H2D copies of the
 prepared inputs, the forward, logits, sampling, the D2H copy of the sampled
 ids). Reading an event's time needs the device to have reached it — so they are
-read only after the step's one existing sync point (`_bookkeeping_sync`), when
-all of them have. The spans go to the recorder with explicit timestamps on the
+read only after the step's one existing sync point (`_bookkeeping_sync`; with
+async scheduling AsyncGPUModelRunnerOutput.get_output, one step later), when
+all of them have: `take()` detaches a step's events at its end, `resolve()`
+turns them into spans after its sync. The spans go to the recorder with explicit timestamps on the
 "device" lane.
 
 Finer grain, where the step runs eager (not a CUDA graph replay):
@@ -25,7 +27,7 @@ the host spans (GPUModelRunner._model_forward, ...) are that timeline.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Iterator, NamedTuple
 
 import torch
 
@@ -44,6 +46,8 @@ class DeviceTimer:
         # (name, start event, end event, attributes) of layers and kernels.
         self.intervals: list[tuple[str, torch.cuda.Event, torch.cuda.Event, dict]] = []
         self._layer_start: torch.cuda.Event | None = None
+        # (event, host ns it completed at): links device and host clocks.
+        self._anchor: tuple[torch.cuda.Event, int] | None = None
 
     @property
     def active(self) -> bool:
@@ -93,20 +97,50 @@ class DeviceTimer:
                                    {"vllm_anatomy.layer": index}))
             self._layer_start = None
 
-    def resolve(self, step_id: int) -> None:
-        """After the sync point: turn the marks into device-lane spans."""
+    def take(self) -> "StepEvents | None":
+        """Hand over the finished step's events (call after its last mark);
+        the next step's marks start afresh. None when there is nothing to time."""
         if not self.enabled or len(self.marks) < 2:
             self.marks.clear()
             self.intervals.clear()
+            return None
+        events = StepEvents(self.marks, self.intervals)
+        self.marks, self.intervals = [], []
+        return events
+
+    def resolve(self, step_id: int, events: "StepEvents | None", waited_s: float) -> None:
+        """After the step's sync point: turn its events into device-lane spans.
+
+        NOTE: the anchor. When the host really waited at the sync (waited_s),
+        the step's last event completed just before the wait ended: that
+        instant links the two clocks. With async scheduling the wait is often
+        zero (the step finished while the host was busy elsewhere), and then
+        the newest good anchor — an event of an earlier step and its host
+        time — places this step's events instead, by event-to-event time.
+        """
+        if events is None:
             return
         t_sync = self.recorder.now_ns()
-        last = self.marks[-1][1]
-        at = lambda ev: t_sync - int(ev.elapsed_time(last) * 1e6)  # noqa: E731  (host ns of an event)
+        last = events.marks[-1][1]
+        if waited_s >= self.ANCHOR_MIN_WAIT_S or self._anchor is None:
+            self._anchor = (last, t_sync)
+            at = lambda ev: t_sync - int(ev.elapsed_time(last) * 1e6)  # noqa: E731  (host ns of an event)
+        else:
+            ref, ref_ns = self._anchor            # recorded before every event of this step
+            at = lambda ev: ref_ns + int(ref.elapsed_time(ev) * 1e6)  # noqa: E731
         common = {"vllm_anatomy.lane": "device", "vllm_anatomy.step_id": step_id,
                   "vllm_anatomy.timing": "cuda_event"}
-        for (phase, ev, attrs), (_, nxt, _) in zip(self.marks, self.marks[1:]):
+        for (phase, ev, attrs), (_, nxt, _) in zip(events.marks, events.marks[1:]):
             self.recorder.record_span(f"GPU.{phase}", at(ev), at(nxt), **common, **attrs)
-        for name, start, end, attrs in self.intervals:
+        for name, start, end, attrs in events.intervals:
             self.recorder.record_span(name, at(start), at(end), **common, **attrs)
-        self.marks.clear()
-        self.intervals.clear()
+
+    # A wait at least this long means the device was still busy when the host
+    # arrived, so the wait's end dates the step's last event.
+    ANCHOR_MIN_WAIT_S = 20e-6
+
+
+class StepEvents(NamedTuple):
+    """One step's CUDA events, kept until its sync point (one step later with async scheduling)."""
+    marks: list
+    intervals: list

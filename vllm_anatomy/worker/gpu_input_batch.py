@@ -103,6 +103,11 @@ class InputBatch:
         # req_id -> (min_tokens, stop token ids it must not sample before that).
         self.min_tokens: dict[str, tuple[int, list[int]]] = {}
         self.sampling_metadata: SamplingMetadata | None = None
+        # Async scheduling: last step's sampled ids, still on the device [R_prev],
+        # and the row each request had then (rows that sampled nothing are absent).
+        self.prev_sampled_token_ids: torch.Tensor | None = None
+        self.prev_req_id_to_index: dict[str, int] | None = None
+        self.prev_req_ids: list[str] | None = None     # when every row sampled: the fast path
 
         # Every per-row numpy array: they move together in condense/swap.
         self._row_arrays = (self.num_tokens_no_spec, self.num_prompt_tokens,

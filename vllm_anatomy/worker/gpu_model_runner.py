@@ -20,12 +20,19 @@ CUDA graphs (worker/cudagraph.py): a batch of pure decodes is padded to the
 next captured size and replays that size's graph instead of launching the
 forward kernel by kernel; anything with a prefill chunk runs eager.
 
+Async scheduling (`async_scheduling`): sample_tokens does not wait. It
+returns an AsyncGPUModelRunnerOutput (worker/async_output.py) whose
+get_output() the engine calls one step later, keeps the sampled ids on the
+device (`input_batch.prev_sampled_token_ids`), and the next step's
+_prepare_inputs splices them into input_ids there: the host only ever holds -1
+placeholders for them until the output arrives.
+
 Simplified here: no spec decode, LoRA, multimodal, pooling, pipeline
-parallelism, structured output, piecewise graphs or async scheduling; the
-scheduler runs synchronously, so sampled tokens come back every step.
+parallelism, structured output or piecewise graphs.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -36,13 +43,14 @@ import torch
 
 from vllm_anatomy.attention.backends.abstract import AttentionMetadata
 from vllm_anatomy.config import VllmConfig
-from vllm_anatomy.core.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+from vllm_anatomy.core.outputs import EMPTY_MODEL_RUNNER_OUTPUT, AsyncModelRunnerOutput, ModelRunnerOutput
 from vllm_anatomy.core.sched.output import SchedulerOutput
 from vllm_anatomy.engine.protocol import LogprobsLists
 from vllm_anatomy.model_executor.loader import get_model, load_hf_config
 from vllm_anatomy.model_executor.sampler import Sampler, SamplerOutput
 from vllm_anatomy.model_executor.sampling_metadata import SamplingMetadata
 from vllm_anatomy.tracing.recorder import NullRecorder, Recorder
+from vllm_anatomy.worker.async_output import AsyncGPUModelRunnerOutput, Placeholder
 from vllm_anatomy.worker.cudagraph import CUDAGraphRunner, CudagraphDecision, CudagraphDispatcher
 from vllm_anatomy.worker.device_timer import DeviceTimer
 from vllm_anatomy.worker.gpu_input_batch import CachedRequestState, InputBatch
@@ -100,6 +108,12 @@ class GPUModelRunner:
         self.sampled_token_ids_pinned_cpu = torch.zeros(self.max_num_reqs, dtype=torch.int64,
                                                         pin_memory=self.pin_memory)
         self.transfer_event = torch.cuda.Event() if self.device.type == "cuda" else None
+        # Async scheduling: (destination in input_ids, source row of
+        # prev_sampled_token_ids) for the splice, and the event that says this
+        # step's host-to-device copies are done (see synchronize_input_prep).
+        self.use_async_scheduling = sc.async_scheduling
+        self.splice_cpu, self.splice_np, self.splice = self._buffer(2 * self.max_num_reqs, torch.int64)
+        self.prepare_inputs_event = torch.cuda.Event() if self.device.type == "cuda" else None
         self.device_timer = DeviceTimer(self.device, recorder)
 
         # CUDA graphs: only on a GPU, and only with kernels that read nothing
@@ -272,16 +286,18 @@ class GPUModelRunner:
         with self.recorder.span("GPUModelRunner.execute_model", **{
                 "vllm_anatomy.step_id": scheduler_output.step_id,
                 "vllm_anatomy.num_scheduled_tokens": num_tokens}):
-            with self.recorder.span("GPUModelRunner._update_states"):
-                self._update_states(scheduler_output)
-            if not num_tokens:
-                # Nothing to run (e.g. every request finished): sample_tokens returns EMPTY.
-                self.execute_model_state = ExecuteModelState(scheduler_output, None, np.empty(0, np.int64))
-                return None
-            timer = self.device_timer
-            timer.mark("prepare_inputs")       # the H2D copies of the step's inputs
-            with self.recorder.span("GPUModelRunner._prepare_inputs"):
-                attn_metadata, logits_indices = self._prepare_inputs(scheduler_output)
+            with self.synchronize_input_prep():
+                with self.recorder.span("GPUModelRunner._update_states"):
+                    self._update_states(scheduler_output)
+                if not num_tokens:
+                    # Nothing to run (e.g. every request finished): sample_tokens returns EMPTY.
+                    self.last_prepare_inputs = None
+                    self.execute_model_state = ExecuteModelState(scheduler_output, None, np.empty(0, np.int64))
+                    return None
+                timer = self.device_timer
+                timer.mark("prepare_inputs")       # the H2D copies of the step's inputs
+                with self.recorder.span("GPUModelRunner._prepare_inputs"):
+                    attn_metadata, logits_indices = self._prepare_inputs(scheduler_output)
             decision = self.cudagraph_decision
             timer.mark("model_forward", **{"vllm_anatomy.cudagraph_mode": decision.mode,
                                            "vllm_anatomy.num_padded_tokens": decision.num_padded_tokens})
@@ -299,6 +315,28 @@ class GPUModelRunner:
             self.execute_model_state = ExecuteModelState(scheduler_output, logits,
                                                          self.discard_request_indices)
         return None
+
+    @contextlib.contextmanager
+    def synchronize_input_prep(self):
+        """Wait until the previous step's host-to-device copies have run, then
+        let this step rewrite the pinned host buffers they read.
+
+        NOTE: the copies are non_blocking from persistent pinned buffers
+        (input_ids_cpu, block_table, sampling parameters, ...). Synchronously,
+        the step's sync point came long after them. With async scheduling the
+        host prepares step N+1 while step N's copies may still wait in the
+        stream behind step N-1: overwriting the buffers then would hand step
+        N the inputs of N+1. The wait is short: step N-1's output was already
+        awaited, and its copies run right after it.
+        """
+        if self.prepare_inputs_event is None or not self.use_async_scheduling:
+            yield
+            return
+        self.prepare_inputs_event.synchronize()
+        try:
+            yield
+        finally:
+            self.prepare_inputs_event.record()
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         batch = self.input_batch
@@ -413,6 +451,8 @@ class GPUModelRunner:
                             (self.query_start_loc_cpu, self.query_start_loc, num_padded_reqs + 1),
                             (self.seq_lens_cpu, self.seq_lens, num_padded_reqs)):
             dev[:n].copy_(cpu[:n], non_blocking=True)
+        if batch.prev_sampled_token_ids is not None:
+            self._splice_prev_sampled(cu_num_tokens)
         if slot_mapping_on_device:
             with self.device_timer.kernel("compute_slot_mapping", **{
                     "vllm_anatomy.grid": [num_reqs + 1], "vllm_anatomy.num_tokens": total,
@@ -450,17 +490,45 @@ class GPUModelRunner:
                 "cudagraph": decision.to_dict()}
         return attn_metadata, logits_indices
 
+    def _splice_prev_sampled(self, cu_num_tokens: np.ndarray) -> None:
+        """Async scheduling: put last step's sampled ids, still on the device,
+        where the host only had -1 placeholders (a continuing request's last
+        input token). vLLM: _prepare_input_ids."""
+        batch = self.input_batch
+        last = cu_num_tokens - 1                                               # [R] each request's last token
+        rows = np.nonzero(self.input_ids_np[last] == -1)[0]                   # [P] rows waiting on a token
+        if len(rows) == 0:
+            return
+        req_ids = batch.req_ids
+        n = len(rows)
+        # NOTE: only a request that sampled in the previous step can have a -1
+        # here (the output of any earlier step has been written over it).
+        self.splice_np[:n] = last[rows]
+        if n == len(req_ids) and req_ids == batch.prev_req_ids:
+            # Steady decoding: same requests in the same rows as last step.
+            self.splice_np[n:2 * n] = rows
+        else:
+            prev = batch.prev_req_id_to_index
+            self.splice_np[n:2 * n] = [prev[req_ids[i]] for i in rows]
+        idx = self.splice[:2 * n]
+        idx.copy_(self.splice_cpu[:2 * n], non_blocking=True)
+        self.input_ids.index_copy_(0, idx[:n], batch.prev_sampled_token_ids.index_select(0, idx[n:]))
+
     def _model_forward(self, num_tokens: int, attn_metadata: AttentionMetadata) -> torch.Tensor:
         return self.model(self.input_ids[:num_tokens], self.positions[:num_tokens],
                           self.kv_caches, attn_metadata)
 
     # -- one step: sample_tokens --------------------------------------------------------
     @torch.inference_mode()
-    def sample_tokens(self) -> ModelRunnerOutput:
+    def sample_tokens(self) -> ModelRunnerOutput | AsyncModelRunnerOutput:
         state, self.execute_model_state = self.execute_model_state, None
         if state is None:
             raise RuntimeError("sample_tokens called without a preceding execute_model")
         if state.logits is None:
+            # NOTE: a step with nothing to compute (with async scheduling: every
+            # running request's last token already in flight) still gets its
+            # snapshot, so that every step of a run has both halves.
+            self._record_snapshot(state.scheduler_output.step_id, [])
             return EMPTY_MODEL_RUNNER_OUTPUT
         with self.recorder.span("GPUModelRunner.sample_tokens"):
             md = self.input_batch.sampling_metadata
@@ -471,13 +539,26 @@ class GPUModelRunner:
             with self.recorder.span("GPUModelRunner._sample"):
                 sampler_output = self.sampler(state.logits, md)
             with self.recorder.span("GPUModelRunner._bookkeeping_sync") as span:
-                output = self._bookkeeping_sync(state, sampler_output, saved, span)
+                self._rewind_generators(saved)
+                if self.use_async_scheduling:
+                    return self._bookkeeping_async(state, sampler_output)
+                output = self._bookkeeping_sync(state, sampler_output, span)
+        self._record_snapshot(state.scheduler_output.step_id, output.sampled_token_ids)
+        return output
+
+    def _record_snapshot(self, step_id: int, sampled_token_ids: list[list[int]]) -> None:
         if self.recorder.wants_snapshots:
             snap = self.snapshot()
             # What this step sampled, per batch row ([] for a partial prefill chunk).
-            snap["sampled_token_ids"] = output.sampled_token_ids
-            self.recorder.snapshot("model_runner", snap, step_id=state.scheduler_output.step_id)
-        return output
+            snap["sampled_token_ids"] = sampled_token_ids
+            self.recorder.snapshot("model_runner", snap, step_id=step_id)
+
+    def _rewind_generators(self, saved_generator_states: dict[int, torch.Tensor]) -> None:
+        # NOTE: rewind the seeded generator of a row whose sample is discarded,
+        # as if it had not sampled: a seeded request then gets the same tokens
+        # however its prompt was chunked. (vLLM rewinds the CUDA Philox offset by 4.)
+        for i, generator_state in saved_generator_states.items():
+            self.input_batch.generators[i].set_state(generator_state)
 
     def _to_cpu(self, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], float]:
         """Bring sampled ids (and logprobs) to the host; return them and the seconds waited."""
@@ -498,42 +579,102 @@ class GPUModelRunner:
         return host, time.perf_counter() - t0
 
     def _bookkeeping_sync(self, state: ExecuteModelState, sampler_output: SamplerOutput,
-                          saved_generator_states: dict[int, torch.Tensor], span) -> ModelRunnerOutput:
+                          span) -> ModelRunnerOutput:
         batch = self.input_batch
         lp = sampler_output.logprobs_tensors
         host, wait_s = self._to_cpu([sampler_output.sampled_token_ids, *(lp or ())])
-        self.device_timer.resolve(state.scheduler_output.step_id)   # events are all done now
+        self.device_timer.resolve(state.scheduler_output.step_id, self.device_timer.take(), wait_s)
         span.set_attribute("vllm_anatomy.sync_wait_ms", wait_s * 1e3)
         span.set_attribute("vllm_anatomy.device", self.device.type)
         valid_sampled_token_ids = [[t] for t in host[0].tolist()]
         for i in state.discard_request_indices.tolist():
             valid_sampled_token_ids[i] = []
-            if i in saved_generator_states:
-                # NOTE: rewind the seeded generator, as if this row had not sampled:
-                # a seeded request then gets the same tokens however its prompt
-                # was chunked. (vLLM rewinds the CUDA Philox offset by 4.)
-                batch.generators[i].set_state(saved_generator_states[i])
         req_ids = batch.req_ids
         for i, ids in enumerate(valid_sampled_token_ids):
-            if not ids:
-                continue
-            start = int(batch.num_tokens_no_spec[i])
-            end = start + len(ids)
-            assert end <= self.max_model_len, f"{req_ids[i]}: past max_model_len"
-            batch.token_ids_cpu[i, start:end] = ids
-            batch.num_tokens_no_spec[i] = end
-            self.requests[req_ids[i]].output_token_ids.extend(ids)
+            if ids:
+                self._append_output_tokens(i, req_ids[i], ids)
         logprobs = None
         if lp is not None:
-            ids_l, lps_l, ranks_l = (t.tolist() for t in host[1:])
-            logprobs = []
-            for i, req_id in enumerate(req_ids):
-                n = batch.num_logprobs.get(req_id)
-                ok = n is not None and valid_sampled_token_ids[i]
-                logprobs.append(LogprobsLists([ids_l[i][:n + 1]], [lps_l[i][:n + 1]], [ranks_l[i]])
-                                if ok else None)
+            logprobs = self.make_logprobs(req_ids, batch.num_logprobs, valid_sampled_token_ids,
+                                          [t.tolist() for t in host[1:]])
         return ModelRunnerOutput(req_ids=list(req_ids), req_id_to_index=dict(batch.req_id_to_index),
                                  sampled_token_ids=valid_sampled_token_ids, logprobs=logprobs)
+
+    def _bookkeeping_async(self, state: ExecuteModelState,
+                           sampler_output: SamplerOutput) -> AsyncGPUModelRunnerOutput:
+        """No sync: keep the ids on the device for the next step, -1 placeholders on the host."""
+        batch = self.input_batch
+        req_ids = list(batch.req_ids)
+        invalid = state.discard_request_indices.tolist()
+        invalid_set = set(invalid)
+        batch.prev_sampled_token_ids = sampler_output.sampled_token_ids          # [R] on the device
+        batch.prev_req_id_to_index = {r: i for i, r in enumerate(req_ids) if i not in invalid_set}
+        batch.prev_req_ids = req_ids if not invalid else None
+        # A -1 per row that sampled (vectorized: this runs for every row, every step).
+        rows = np.setdiff1d(self.arange_np[:len(req_ids)], state.discard_request_indices)   # [V]
+        ends = batch.num_tokens_no_spec[rows]                                               # [V]
+        assert not len(ends) or ends.max() < self.max_model_len, "past max_model_len"
+        batch.token_ids_cpu[rows, ends] = -1
+        batch.num_tokens_no_spec[rows] = ends + 1
+        placeholders: list[Placeholder | None] = [None] * len(req_ids)
+        requests = self.requests
+        for i in rows.tolist():
+            out = requests[req_ids[i]].output_token_ids
+            placeholders[i] = Placeholder(req_ids[i], len(out))
+            out.append(-1)
+        snapshot = self.snapshot() if self.recorder.wants_snapshots else None
+        self.device_timer.mark("d2h")
+        return AsyncGPUModelRunnerOutput(
+            self, state.scheduler_output.step_id, req_ids, sampler_output.sampled_token_ids,
+            sampler_output.logprobs_tensors, invalid, placeholders, dict(batch.num_logprobs), snapshot)
+
+    def _append_output_tokens(self, row: int, req_id: str, token_ids: list[int]) -> None:
+        """The runner caches each request's tokens itself (the scheduler does not resend them)."""
+        batch = self.input_batch
+        start = int(batch.num_tokens_no_spec[row])
+        end = start + len(token_ids)
+        assert end <= self.max_model_len, f"{req_id}: past max_model_len"
+        batch.token_ids_cpu[row, start:end] = token_ids
+        batch.num_tokens_no_spec[row] = end
+        self.requests[req_id].output_token_ids.extend(token_ids)
+
+    def fill_placeholders(self, placeholders: list[Placeholder | None], sampled: list[int]) -> None:
+        """Async scheduling: the real ids have arrived; write them over the -1s.
+
+        NOTE: by now the next step has run _update_states, so rows may have
+        moved (condense) or left the batch: look each request up afresh. A
+        request finished meanwhile is gone; one resumed after preemption got
+        its real tokens from the scheduler (no -1 left to replace).
+        """
+        batch = self.input_batch
+        requests, index = self.requests, batch.req_id_to_index
+        rows, cols, tokens = [], [], []
+        for ph, token in zip(placeholders, sampled):
+            if ph is None or (state := requests.get(ph.req_id)) is None:
+                continue
+            out = state.output_token_ids
+            if ph.output_index >= len(out) or out[ph.output_index] != -1:
+                continue
+            out[ph.output_index] = token
+            row = index.get(ph.req_id)
+            if row is not None:
+                rows.append(row)
+                cols.append(state.num_prompt_tokens + ph.output_index)
+                tokens.append(token)
+        batch.token_ids_cpu[rows, cols] = tokens
+
+    @staticmethod
+    def make_logprobs(req_ids: list[str], num_logprobs: dict[str, int], valid: list[list[int]],
+                      host: list[list]) -> list[LogprobsLists | None]:
+        """Per row: the sampled token's logprob and the top-n, for rows that asked."""
+        ids_l, lps_l, ranks_l = host
+        logprobs = []
+        for i, req_id in enumerate(req_ids):
+            n = num_logprobs.get(req_id)
+            ok = n is not None and valid[i]
+            logprobs.append(LogprobsLists([ids_l[i][:n + 1]], [lps_l[i][:n + 1]], [ranks_l[i]])
+                            if ok else None)
+        return logprobs
 
     def snapshot(self) -> dict:
         return {

@@ -10,7 +10,8 @@ Start-up order (EngineCore._initialize_kv_caches in vLLM):
     init_device -> load_model -> determine_num_available_blocks
     -> (the engine picks num_blocks, tells the scheduler) -> initialize_from_config(num_blocks)
     -> compile_or_warm_up_model (JIT-compile the kernels, capture the CUDA graphs)
-Then every step: execute_model(scheduler_output) -> None, sample_tokens() -> ModelRunnerOutput.
+Then every step: execute_model(scheduler_output) -> None, sample_tokens() -> ModelRunnerOutput
+(async scheduling: an AsyncModelRunnerOutput, resolved later by the engine).
 
 Simplified here: one worker per engine (no tensor / pipeline parallelism, no
 distributed init), no sleep mode, no profiler hooks, no torch.compile.
@@ -22,7 +23,7 @@ import contextlib
 import torch
 
 from vllm_anatomy.config import VllmConfig
-from vllm_anatomy.core.outputs import ModelRunnerOutput
+from vllm_anatomy.core.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
 from vllm_anatomy.core.sched.output import SchedulerOutput
 from vllm_anatomy.tracing.recorder import NullRecorder, Recorder
 from vllm_anatomy.worker.gpu_model_runner import GPUModelRunner
@@ -71,7 +72,8 @@ class Worker:
         with self._span_from(scheduler_output.trace_headers, "Worker.execute_model"):
             return self.model_runner.execute_model(scheduler_output)
 
-    def sample_tokens(self, trace_headers: dict[str, str] | None = None) -> ModelRunnerOutput:
+    def sample_tokens(self, trace_headers: dict[str, str] | None = None
+                      ) -> ModelRunnerOutput | AsyncModelRunnerOutput:
         with self._span_from(trace_headers, "Worker.sample_tokens"):
             return self.model_runner.sample_tokens()
 

@@ -76,7 +76,9 @@ def classify_chunk(num_computed_before: int, num_scheduled: int, num_tokens: int
 def make_scheduled_record(request: Request, num_scheduled: int, new_block_ids: list[int],
                           resumed: bool) -> ScheduledRequestRecord:
     """Record one scheduled request; call before num_computed_tokens is advanced."""
-    kind = classify_chunk(request.num_computed_tokens, num_scheduled, request.num_tokens,
-                          request.num_output_tokens, resumed)
+    # NOTE: placeholders (async scheduling) are tokens too, only not seen yet.
+    num_output_tokens = request.num_output_tokens + request.num_output_placeholders
+    kind = classify_chunk(request.num_computed_tokens, num_scheduled,
+                          request.num_tokens + request.num_output_placeholders, num_output_tokens, resumed)
     return ScheduledRequestRecord(request.request_id, num_scheduled, kind, request.num_computed_tokens,
                                   new_block_ids)

@@ -5,8 +5,10 @@ _update_after_schedule, update_from_output, finish_requests, make_stats).
 
 Simplified: FCFS policy only; one token budget (vLLM also has input_budget
 and draft slots for spec decode); no spec decode, KV connector, encoder cache,
-structured output, LoRA, pipeline parallelism, or async scheduling (no
-output placeholders). Teaching extras: `last_step_record` and `snapshot()`.
+structured output, LoRA or pipeline parallelism. Async scheduling (output
+placeholders) lives in async_scheduler.py; the few lines here that read
+num_output_placeholders / num_stale_output_tokens are no-ops without it.
+Teaching extras: `last_step_record` and `snapshot()`.
 """
 from __future__ import annotations
 
@@ -100,15 +102,24 @@ class Scheduler(SchedulerInterface):
         req_index = 0
         while req_index < len(self.running) and token_budget > 0:
             request = self.running[req_index]
-            num_new_tokens = request.num_tokens_with_spec - request.num_computed_tokens
+            if self._finishes_in_flight(request):
+                # NOTE: async scheduling: a step already in flight samples this
+                # request's last token; one more step would be thrown away.
+                req_index += 1
+                continue
+            # NOTE: placeholders (async scheduling) count as tokens to catch up
+            # on: their values are still on the device, but their positions are known.
+            num_new_tokens = (request.num_tokens_with_spec + request.num_output_placeholders
+                              - request.num_computed_tokens)
             if 0 < long_prefill_token_threshold < num_new_tokens:
                 num_new_tokens = long_prefill_token_threshold
             num_new_tokens = min(num_new_tokens, token_budget)
-            # NOTE: without async scheduling or drafts a running request always
-            # has its last sampled token (or the rest of its prompt) to compute,
-            # below max_model_len (check_stop ends it there). vLLM also caps by
-            # max_model_len and `continue`s past requests with nothing to do.
-            assert 0 < num_new_tokens and request.num_computed_tokens + num_new_tokens <= self.max_model_len
+            # Positions must stay below max_model_len.
+            num_new_tokens = min(num_new_tokens, self.max_model_len - request.num_computed_tokens)
+            if num_new_tokens <= 0:
+                # NOTE: `continue`, not `break` (as in vLLM): later requests may still run.
+                req_index += 1
+                continue
 
             while True:
                 new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
@@ -249,10 +260,25 @@ class Scheduler(SchedulerInterface):
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        # Async scheduling: the outputs still in flight belong to the KV just freed.
+        request.num_stale_output_tokens += request.num_output_placeholders
+        request.num_output_placeholders = 0
         request.num_preemptions += 1
         if self.log_stats:
             request.record_event(EngineCoreEventType.PREEMPTED)
         self.waiting.prepend_request(request)
+
+    def _finishes_in_flight(self, request: Request) -> bool:
+        """Async scheduling only: is the request's last token already being sampled?"""
+        if request.num_output_placeholders == 0:
+            return False
+        max_tokens = self.max_model_len - request.num_prompt_tokens
+        if request.max_tokens is not None:
+            max_tokens = min(max_tokens, request.max_tokens)
+        # NOTE: num_computed_tokens already counts the in-flight steps' inputs;
+        # + 1 is the token the latest in-flight step samples.
+        num_tokens_when_done = request.num_computed_tokens + 1
+        return num_tokens_when_done >= request.num_prompt_tokens + max_tokens
 
     def _update_after_schedule(self, scheduler_output: SchedulerOutput) -> None:
         # NOTE: advance num_computed_tokens now, before the step even runs
@@ -261,12 +287,16 @@ class Scheduler(SchedulerInterface):
         for req_id, num_scheduled_token in scheduler_output.num_scheduled_tokens.items():
             request = self.requests[req_id]
             request.num_computed_tokens += num_scheduled_token
-            request.is_prefill_chunk = request.num_computed_tokens < request.num_tokens
+            request.is_prefill_chunk = (request.num_computed_tokens
+                                        < request.num_tokens + request.num_output_placeholders)
         self.finished_req_ids = set()
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_runner_output: ModelRunnerOutput) -> dict[int, EngineCoreOutputs]:
         """Append sampled tokens, check stops, free finished requests, build outputs."""
+        # NOTE: may run one step late (async scheduling): by now the scheduler
+        # may have scheduled the next step, preempted or finished requests of
+        # this one. Outputs of requests gone meanwhile are skipped below.
         sampled_token_ids = model_runner_output.sampled_token_ids
         outputs: dict[int, list[EngineCoreOutput]] = defaultdict(list)
         stopped_running_reqs: set[Request] = set()
@@ -277,6 +307,11 @@ class Scheduler(SchedulerInterface):
             req_index = model_runner_output.req_id_to_index[req_id]
             # NOTE: a non-final prefill chunk samples nothing (empty list).
             new_token_ids = list(sampled_token_ids[req_index]) if sampled_token_ids else []
+            if new_token_ids and request.num_stale_output_tokens:
+                # Preempted while this step ran (async scheduling): its KV is
+                # gone, it will recompute from scratch; this token is dropped.
+                request.num_stale_output_tokens -= len(new_token_ids)
+                continue
             stopped = False
             if new_token_ids:
                 new_token_ids, stopped = self._update_request_with_output(request, new_token_ids)
