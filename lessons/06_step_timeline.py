@@ -91,7 +91,9 @@ def ms(ns: float) -> float:
 def main() -> None:
     title("Lesson 6 — one step's timeline: enqueue, enqueue, enqueue ... and one sync")
     # A small KV pool: the step snapshots list every block, and a GPU's default pool is huge.
-    llm = make_llm(num_gpu_blocks_override=256, max_model_len=1024, **_model_arg())
+    # NOTE: the article's synchronous step. On a GPU the engine (like vLLM) schedules
+    # asynchronously by default; the end of the lesson says what that changes.
+    llm = make_llm(num_gpu_blocks_override=256, max_model_len=1024, async_scheduling=False, **_model_arg())
 
     # Watch what the two worker calls return, on this very engine (no copy, no mock).
     executor = llm.llm_engine.engine_core.model_executor
@@ -192,6 +194,7 @@ def main() -> None:
         check(not device_spans, "on the CPU there are no device-lane (GPU.*) spans")
         check(fwd_share > 0.5, f"on the CPU the host-side forward is most of the step ({fwd_share:.0%})")
 
+    async_scheduling_note()
     dashboard_link(path, "timeline", shown)
 
 
@@ -239,6 +242,20 @@ def _cuda_part(steps, step_ids, shown, waits, device_spans) -> None:
     check(graph and eager and launch_graph < launch_eager,
           f"decode steps replayed CUDA graphs ({len(graph)}), launching them took less host time "
           f"({launch_graph:.2f} ms) than an eager forward ({launch_eager:.2f} ms)")
+
+
+
+def async_scheduling_note() -> None:
+    say("""What async scheduling (the default on a GPU, --async-scheduling elsewhere) changes in
+        this picture: the engine launches step N+1 before it waits for step N
+        (EngineCore.step_with_batch_queue). sample_tokens then returns at once, with a handle
+        (AsyncGPUModelRunnerOutput) whose get_output() is the sync point, one step later; the
+        decode's next input token never visits the host — the next step's _prepare_inputs
+        copies it from last step's sampled tensor on the device, where the host only has a -1
+        placeholder (AsyncScheduler counts it in num_output_placeholders). In the trace the
+        EngineCore.step spans overlap, the wait moves into a get_output span, and on a GPU
+        the device lane has no gaps between steps any more: schedule, prepare and bookkeeping
+        run while the previous step's forward does.""")
 
 
 if __name__ == "__main__":

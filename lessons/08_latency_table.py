@@ -221,8 +221,9 @@ def main() -> None:
         say("""On this GPU a decode step replays a CUDA graph (one launch for the whole forward),
             so what is left of the step is the device's work (weights and KV read from HBM) plus
             the Python around it: schedule, prepare_inputs, sampling launches, bookkeeping. At
-            batch 1 that Python, not HBM, is most of the step — the reason vLLM moves the
-            scheduler off the critical path (async scheduling) on top of graphs.""")
+            batch 1 that Python, not HBM, would be most of the step — which is why the engine,
+            like vLLM, schedules asynchronously on a GPU (on in this run): step N+1's Python runs
+            while step N's graph replays, so the step costs the larger of the two, not their sum.""")
 
     check(one["n_steps"] >= max_tokens - 2 and many["n_steps"] >= max_tokens - 2,
           f"measured {one['n_steps']} decode steps at batch 1 and {many['n_steps']} at batch {big}")

@@ -19,7 +19,10 @@ def test_device_phases_per_step(tiny_llama_dir, async_scheduling):
               num_gpu_blocks_override=NUM_BLOCKS, max_num_seqs=8, async_scheduling=async_scheduling)
     llm.generate([{"prompt_token_ids": list(range(1, 40))}] * 3,
                  SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
-    steps = [s.attrs["vllm_anatomy.step_id"] for s in rec.find("EngineCore.step")]
+    # (async scheduling may add a step that schedules nothing: no device work)
+    steps = [s.attrs["vllm_anatomy.step_id"] for s in rec.find("EngineCore.step")
+             if s.attrs["vllm_anatomy.num_scheduled_tokens"]]
+    assert len(steps) >= 5
     for step_id in steps:
         device = sorted((s for s in rec.spans if s.name in PHASES
                          and s.attrs["vllm_anatomy.step_id"] == step_id), key=lambda s: s.start_ns)

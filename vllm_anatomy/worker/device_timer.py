@@ -97,6 +97,15 @@ class DeviceTimer:
                                    {"vllm_anatomy.layer": index}))
             self._layer_start = None
 
+    def calibrate(self) -> None:
+        """A first anchor, taken at start-up while the device is idle: an event
+        and the host time its synchronize returned (no step waits for this)."""
+        if self.enabled:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            event.synchronize()
+            self._anchor = (event, self.recorder.now_ns())
+
     def take(self) -> "StepEvents | None":
         """Hand over the finished step's events (call after its last mark);
         the next step's marks start afresh. None when there is nothing to time."""
@@ -127,7 +136,10 @@ class DeviceTimer:
             at = lambda ev: t_sync - int(ev.elapsed_time(last) * 1e6)  # noqa: E731  (host ns of an event)
         else:
             ref, ref_ns = self._anchor            # recorded before every event of this step
-            at = lambda ev: ref_ns + int(ref.elapsed_time(ev) * 1e6)  # noqa: E731
+            # NOTE: whatever the anchor's error, the step's last event had
+            # completed by t_sync: never place it later than that.
+            shift = min(0, t_sync - (ref_ns + int(ref.elapsed_time(last) * 1e6)))
+            at = lambda ev: ref_ns + int(ref.elapsed_time(ev) * 1e6) + shift  # noqa: E731
         common = {"vllm_anatomy.lane": "device", "vllm_anatomy.step_id": step_id,
                   "vllm_anatomy.timing": "cuda_event"}
         for (phase, ev, attrs), (_, nxt, _) in zip(events.marks, events.marks[1:]):

@@ -67,6 +67,8 @@ class Worker:
         with self.recorder.span("Worker.compile_or_warm_up_model"):
             self.model_runner.warm_up()
             self.model_runner.capture_model()
+            # The device is idle now: link its clock to the host's for the device lane.
+            self.model_runner.device_timer.calibrate()
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:
         with self._span_from(scheduler_output.trace_headers, "Worker.execute_model"):
