@@ -213,10 +213,18 @@ class KVCacheManager:
             ids = {0, *(b.block_id for b in free),
                    *(i for ev in pool.kv_event_queue for i in ev.block_ids)}
             listed = [pool.blocks[i] for i in sorted(ids)]
+        tables = {req_id: [blk.block_id for blk in blocks]
+                  for req_id, blocks in self.manager.req_to_blocks.items()}
+        # Owners of the listed blocks. A free block has none; in a sparse
+        # snapshot only a few listed blocks are held, so most tables are
+        # skipped by one set test each.
+        held = {blk.block_id for blk in listed if blk.ref_cnt > 0}
         owners: defaultdict[int, list[str]] = defaultdict(list)
-        for req_id, blocks in self.manager.req_to_blocks.items():
-            for blk in blocks:
-                owners[blk.block_id].append(req_id)
+        for req_id, ids in tables.items():
+            if dense or not held.isdisjoint(ids):
+                for block_id in ids:
+                    if dense or block_id in held:
+                        owners[block_id].append(req_id)
         return {
             "num_gpu_blocks": pool.num_gpu_blocks,
             "block_size": self.block_size,
@@ -230,7 +238,6 @@ class KVCacheManager:
                 for blk in listed
             ],
             "free_queue": [blk.block_id for blk in free],
-            "req_to_block_ids": {req_id: [blk.block_id for blk in blocks]
-                                 for req_id, blocks in self.manager.req_to_blocks.items()},
+            "req_to_block_ids": tables,
             "num_cached_block": dict(self.manager.num_cached_block),
         }

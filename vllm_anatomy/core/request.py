@@ -222,7 +222,7 @@ class Request:
             "num_output_placeholders": self.num_output_placeholders,
             "num_preemptions": self.num_preemptions,
             "num_cached_tokens": self.num_cached_tokens,
-            "block_ids": list(block_ids or []),
+            "block_ids": block_ids if block_ids is not None else [],
         }
 
     def __repr__(self) -> str:

@@ -7,8 +7,10 @@ keeps the latest one as `scheduler.last_step_record`.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
+
+import msgspec
 
 if TYPE_CHECKING:
     from vllm_anatomy.core.request import Request
@@ -57,7 +59,9 @@ class SchedulerStepRecord:
     num_waiting: int = 0
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        # NOTE: msgspec walks dataclasses in C; dataclasses.asdict deep-copies
+        # in Python (at batch 256 that was ~13 ms a step at trace level full).
+        return msgspec.to_builtins(self)
 
 
 def classify_chunk(num_computed_before: int, num_scheduled: int, num_tokens: int,

@@ -438,13 +438,16 @@ class Scheduler(SchedulerInterface):
             num_scheduled_tokens=record.token_budget_start - record.token_budget_end if record else 0)
 
     def snapshot(self) -> dict[str, Any]:
-        kv = self.kv_cache_manager
+        kv_snapshot = self.kv_cache_manager.snapshot()
+        # NOTE: each request's block ids are its row of the KV manager's block
+        # tables: listed once there, shared here (the same list object).
+        tables = kv_snapshot["req_to_block_ids"]
         return {
             "step_id": self.current_step,
             "max_num_batched_tokens": self.max_num_scheduled_tokens,
             "max_num_seqs": self.max_num_running_reqs,
-            "waiting": [req.snapshot(kv.get_block_ids(req.request_id)[0]) for req in self.waiting],
-            "running": [req.snapshot(kv.get_block_ids(req.request_id)[0]) for req in self.running],
+            "waiting": [req.snapshot(tables.get(req.request_id, [])) for req in self.waiting],
+            "running": [req.snapshot(tables.get(req.request_id, [])) for req in self.running],
             "step_record": self.last_step_record.to_dict() if self.last_step_record else None,
-            "kv_cache": kv.snapshot(),
+            "kv_cache": kv_snapshot,
         }
