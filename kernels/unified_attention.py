@@ -20,10 +20,10 @@ computed together, so each K/V tile is loaded once for all of them. A program's
 BLOCK_M rows are BLOCK_Q query tokens x num_queries_per_kv heads
 (row m -> token m // num_queries_per_kv, head m % num_queries_per_kv).
 
-Grid: (T // BLOCK_Q + num_seqs, num_kv_heads). Axis 0 counts query blocks over
+Grid: (num_kv_heads, T // BLOCK_Q + num_seqs). Axis 1 counts query blocks over
 the whole batch; T // BLOCK_Q + num_seqs is an upper bound on
 sum_i cdiv(query_len_i, BLOCK_Q) that needs no device->host read. Program
-(b, h) finds its request by binary search over query_start_loc (request i's
+(h, b) finds its request by binary search over query_start_loc (request i's
 blocks start at query_start_loc[i] // BLOCK_Q + i), exits if the request has
 fewer query blocks, then walks the request's keys TILE_SIZE at a time through
 block_table, up to the last key its last query token may see, with an online
@@ -147,12 +147,14 @@ def _unified_attention_kernel(
     TILE_SIZE: tl.constexpr,                      # keys per loop iteration
     DOT_FP32: tl.constexpr,                       # compute the dots in fp32 (fp32 input, interpreter)
 ):
-    # NOTE: query blocks in reverse order: the GPU starts programs roughly in
-    # id order, and within a prefill the last query blocks see the most keys.
-    # Heaviest first keeps the multiprocessors busy to the end (longest
-    # processing time first); the sum of work is unchanged.
-    q_block_global = tl.num_programs(0) - 1 - tl.program_id(0)
-    kv_head = tl.program_id(1)
+    # NOTE: query blocks in reverse order, KV heads on the fastest grid axis:
+    # the GPU starts programs roughly in id order (axis 0 first), and within a
+    # prefill the last query blocks see the most keys. So the heaviest blocks
+    # of every head start first and the lightest come last, keeping the
+    # multiprocessors busy to the end (longest processing time first); the
+    # sum of work is unchanged.
+    q_block_global = tl.num_programs(1) - 1 - tl.program_id(1)
+    kv_head = tl.program_id(0)
 
     seq_idx = _find_seq_idx(query_start_loc_ptr, q_block_global, num_seqs, BLOCK_Q)
     q_start = tl.load(query_start_loc_ptr + seq_idx)
@@ -219,18 +221,19 @@ def pick_config(max_seqlen_q: int, num_queries_per_kv: int, head_dim: int) -> di
     """
     pow2 = triton.next_power_of_2(num_queries_per_kv)
     # NOTE: chosen from sweeps on an H200 (bench/kernels.py; Qwen3-0.6B heads,
-    # bf16). Decode 256 x 1024: this shape was the fastest in both runs.
-    # Prefill: 64 x 64 was the fastest for 4 x 4096 tokens and within 4 % of
-    # the fastest (128 rows, 128 keys, 8 warps) for 1 x 4096; the spread
-    # between runs is about that large.
+    # bf16). Decode 256 x 1024: this shape was the fastest in every run.
+    # Prefill: 64 x 64 was the fastest for 4 x 4096 tokens and within 7 % of
+    # the fastest for 1 x 4096 (which changes from run to run); since heads
+    # became the fastest grid axis (heaviest query blocks of all heads first)
+    # it reaches 43 % of the matmul rate at 1 x 4096, up from 34 %.
     if max_seqlen_q * num_queries_per_kv <= 16:
         return dict(block_m=max(16, pow2), tile_size=64, num_warps=4, num_stages=2)
     return dict(block_m=max(64, pow2), tile_size=64, num_warps=4, num_stages=2)
 
 
 def launch_grid(num_tokens: int, num_seqs: int, num_kv_heads: int, block_q: int) -> tuple[int, int]:
-    """(query blocks, an upper bound needing no device read; KV heads)."""
-    return (num_tokens // block_q + num_seqs, num_kv_heads)
+    """(KV heads; query blocks, an upper bound needing no device read)."""
+    return (num_kv_heads, num_tokens // block_q + num_seqs)
 
 
 def default_grid(num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads: int,
