@@ -204,8 +204,8 @@ class EngineCore:
             span.set_attribute("vllm_anatomy.num_reqs", len(scheduler_output.num_scheduled_tokens))
             if rec.enabled:
                 # A step serves many requests: it links to each (nesting would lie).
-                for req_id in scheduler_output.num_scheduled_tokens:
-                    span.add_link(self.scheduler.requests[req_id].trace_headers)
+                requests = self.scheduler.requests
+                span.add_links([requests[req_id].trace_headers for req_id in scheduler_output.num_scheduled_tokens])
             if rec.wants_snapshots and self.batch_queue is not None:
                 # NOTE: async: snapshot as the step is launched; by the time its
                 # output is processed the scheduler has already planned the next.

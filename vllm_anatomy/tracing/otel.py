@@ -1,8 +1,11 @@
 """OTelRecorder: the Recorder backed by the OpenTelemetry SDK.
 
-The only module (with the exporters) that imports OpenTelemetry. Each process
-of a run builds one recorder, hence one TracerProvider, whose resource names
-the service and the process (kind, name, pid). A BatchSpanProcessor feeds
+With local_span.py and the exporters, the only modules that import
+OpenTelemetry. Each process of a run builds one recorder, hence one
+TracerProvider, whose resource names the service and the process (kind,
+name, pid). Spans the SDK's default sampler would record are built by
+local_span.py (the SDK tracer's per-span work is most of level spans' host
+cost), the others by the provider's tracer. A BatchSpanProcessor feeds
     - the run store (tracing/store.py) when trace_dir is set, and
     - live OTLP (gRPC or HTTP/protobuf) when `otlp_traces_endpoint` is given
       (as vLLM's --otlp-traces-endpoint) or the standard OTEL_EXPORTER_OTLP_*
@@ -18,29 +21,39 @@ from __future__ import annotations
 
 import atexit
 import functools
+import operator
 import os
+import re
 import time
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 from urllib.parse import urlparse
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
+from opentelemetry.attributes import BoundedAttributes
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import Span as SDKSpan
 from opentelemetry.sdk.trace import SpanLimits, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.sdk.util import BoundedList
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from vllm_anatomy.tracing.local_span import LocalSpan, SpanSink
 from vllm_anatomy.tracing.recorder import LEVELS, Recorder, SpanHandle
 from vllm_anatomy.tracing.store import RunStore, to_json
 
 _PROPAGATOR = TraceContextTextMapPropagator()
+_TRACEPARENT = operator.itemgetter("traceparent")
+_CANONICAL_TRACEPARENT = re.compile(r"00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
 # Links per span (a step links to every request of its batch: max_num_seqs of them).
 MAX_LINKS_PER_SPAN = 8192
+TRACER_NAME = "vllm_anatomy"
 _KINDS = {"internal": SpanKind.INTERNAL, "server": SpanKind.SERVER, "client": SpanKind.CLIENT,
           "producer": SpanKind.PRODUCER, "consumer": SpanKind.CONSUMER}
 _SCALARS = (str, bool, int, float)
+_KIND_NAMES = {kind: kind.name.lower() for kind in SpanKind}
+_RESOURCE_FIELDS: dict[int, tuple] = {}
 
 
 # -- W3C trace context helpers (HTTP headers, EngineCoreRequest.trace_headers) ----------
@@ -59,29 +72,115 @@ def extract_trace_context(headers: dict[str, str] | None) -> otel_context.Contex
 
 
 def _link(headers: dict | None, attrs: dict | None = None) -> Link | None:
+    """A new Link to the span named by `headers` (carrying `attrs`)."""
     span_context = _remote_span_context(headers)
     return Link(span_context, attrs or None) if span_context else None
+
+
+def _w3c_fields(headers: dict[str, str]) -> tuple[str | None, str | None]:
+    """(traceparent, tracestate) of a header dict, whatever the keys' case."""
+    traceparent, tracestate = headers.get("traceparent"), headers.get("tracestate")
+    if traceparent is None or (tracestate is None and len(headers) > 1):
+        # NOTE: HTTP header names are case-insensitive; our own dicts are lowercase
+        # (one key, or both), so only foreign ones pay for lowering every key.
+        lowered = {k.lower(): v for k, v in headers.items()}
+        traceparent, tracestate = lowered.get("traceparent"), lowered.get("tracestate")
+    return traceparent, tracestate
 
 
 def _remote_span_context(headers: dict[str, str] | None) -> trace.SpanContext | None:
     if not headers:
         return None
-    lowered = {k.lower(): v for k, v in headers.items()}
-    return _parse_w3c(lowered.get("traceparent"), lowered.get("tracestate"))
+    return _parse_w3c(*_w3c_fields(headers))
 
 
 @functools.lru_cache(maxsize=16384)
 def _parse_w3c(traceparent: str | None, tracestate: str | None) -> trace.SpanContext | None:
     """Parse W3C headers once per request, not once per step.
 
-    NOTE: a step links to every request it serves: at batch 256 that was 256
-    traceparent parses per step, the largest cost of tracing at level spans.
-    A request's headers never change, so the parsed context is memoised."""
+    NOTE: a request's headers never change, and every step links to it (256
+    parses per step at batch 256 if each were parsed): memoised."""
     if not traceparent:
         return None
+    match = None if tracestate else _CANONICAL_TRACEPARENT.fullmatch(traceparent)
+    if match is not None:
+        # NOTE: the form every process of ours writes (version 00, no
+        # tracestate; each step's executor span is new, so this is no cache
+        # hit): the propagator would give this SpanContext, by a longer way.
+        trace_id, span_id = int(match[1], 16), int(match[2], 16)
+        if not (trace_id and span_id):
+            return None
+        return trace.SpanContext(trace_id, span_id, is_remote=True, trace_flags=trace.TraceFlags(int(match[3], 16)))
     carrier = {"traceparent": traceparent, **({"tracestate": tracestate} if tracestate else {})}
     span_context = trace.get_current_span(_PROPAGATOR.extract(carrier)).get_span_context()
     return span_context if span_context.is_valid else None
+
+
+def _shared_link(headers: dict[str, str] | None) -> _SharedLink | None:
+    """The shared Link to the span named by `headers` (None if they name none)."""
+    if not headers:
+        return None
+    traceparent = headers.get("traceparent")
+    if traceparent is None or len(headers) > 1:
+        traceparent, tracestate = _w3c_fields(headers)
+        if tracestate is not None:
+            return _link_for(traceparent, tracestate)
+    # NOTE: one argument: the cache keys on the string itself (no key tuple),
+    # and the common case (our own headers: a traceparent alone) costs one look-up.
+    return _link_for(traceparent)
+
+
+class _SharedLink(Link):
+    """A Link without attributes, shared by every span that links to its span
+    (see _link_for); `json` is its run-store text (see _links_json)."""
+
+    def __init__(self, context: trace.SpanContext) -> None:
+        super().__init__(context, BoundedAttributes(immutable=True))
+        self.json = to_json(_link_dict(self))
+
+
+@functools.lru_cache(maxsize=16384)
+def _link_for(traceparent: str | None, tracestate: str | None = None) -> _SharedLink | None:
+    """The one attribute-less Link to the span named by these W3C headers.
+
+    NOTE: built once per request and shared by every step span that links
+    to it. The SDK's add_link builds a Link, an attribute map and a lock per
+    call: 256 of each per step at batch 256, then the largest host cost of
+    level spans, and garbage that made the collector run several times as
+    often. Sharing is safe: a Link is immutable (its attributes are an
+    immutable, here empty, map) and exporters only read it."""
+    span_context = _parse_w3c(traceparent, tracestate)
+    return _SharedLink(span_context) if span_context is not None else None
+
+
+def _extend_links(span: trace.Span, links: list[Link]) -> None:
+    """span.add_link(...) for each of `links`, in one batch.
+
+    NOTE: the SDK span keeps its links in a BoundedList (`_links`), whose
+    extend counts what the limit drops as add_link would. An ended span, or
+    an SDK whose span keeps its links otherwise, takes the public path.
+    test_links_take_the_batch_path_on_sdk_spans pins that the installed SDK takes the fast one."""
+    if type(span) is LocalSpan:
+        span.extend_links(links)
+        return
+    bounded = getattr(span, "_links", None)
+    if type(bounded) is BoundedList and span.is_recording():
+        bounded.extend(links)
+    else:
+        for link in links:
+            span.add_link(link.context, link.attributes)
+
+
+def _headers_of(span_context: trace.SpanContext) -> dict[str, str]:
+    """W3C headers naming `span_context`: what TraceContextTextMapPropagator.inject
+    writes for it, without building a Context to inject from."""
+    if not span_context.is_valid:
+        return {}
+    headers = {"traceparent": f"00-{span_context.trace_id:032x}-{span_context.span_id:016x}-"
+                              f"{span_context.trace_flags:02x}"}
+    if span_context.trace_state:
+        headers["tracestate"] = span_context.trace_state.to_header()
+    return headers
 
 
 def _attrs(attrs: dict[str, Any]) -> dict[str, Any]:
@@ -102,49 +201,101 @@ def _attrs(attrs: dict[str, Any]) -> dict[str, Any]:
 
 
 class OTelSpan(SpanHandle):
-    """SpanHandle over an SDK span: what span() yields and start_span() returns."""
-    __slots__ = ("span",)
+    """SpanHandle over an OpenTelemetry span (a LocalSpan or the SDK's): what
+    span() yields and start_span() returns.
+
+    NOTE: links added without attributes wait in `_pending` and join the
+    span in one batch when the handle ends it (before the span is exported,
+    so the exported links, and their order, are what add_link was given).
+    After end `_pending` is None and add_link takes the SDK's path, which
+    ignores (and warns about) a link added to an ended span."""
+    __slots__ = ("span", "_pending")
 
     def __init__(self, span: trace.Span) -> None:
         self.span = span
+        self._pending: list[Link] | None = []
 
     def set_attribute(self, key: str, value: Any) -> None:
-        self.span.set_attributes(_attrs({key: value}))
+        if type(value) in _SCALARS:         # NOTE: exact types: a bool subclass or numpy scalar is converted
+            self.span.set_attribute(key, value)
+        else:
+            self.span.set_attributes(_attrs({key: value}))
 
     def add_event(self, name: str, time_ns: int | None = None, **attrs: Any) -> None:
         self.span.add_event(name, _attrs(attrs), timestamp=time_ns)
 
     def add_link(self, trace_headers: dict | None, **attrs: Any) -> None:
-        link = _link(trace_headers, _attrs(attrs))
+        pending = self._pending
+        if attrs or pending is None:        # a link of its own (its attributes are this call's), or ended
+            self.flush_links()
+            link = _link(trace_headers, _attrs(attrs))
+            if link is not None:
+                self.span.add_link(link.context, link.attributes)
+            return
+        # NOTE: called for every request of every step; our own headers (a
+        # traceparent alone) take the first branch, one cache look-up.
+        if trace_headers is not None and len(trace_headers) == 1 and "traceparent" in trace_headers:
+            link = _link_for(trace_headers["traceparent"])
+        else:
+            link = _shared_link(trace_headers)
         if link is not None:
-            self.span.add_link(link.context, link.attributes)
+            pending.append(link)
+
+    def add_links(self, headers: Iterable[dict | None]) -> None:
+        headers = headers if isinstance(headers, (list, tuple)) else list(headers)
+        pending = self._pending
+        if pending is not None:
+            try:
+                # NOTE: our own headers (a traceparent alone each): the batch goes
+                # through C-level passes (len, item, cache look-up), none in Python.
+                if set(map(len, headers)) <= {1}:
+                    links = list(map(_link_for, map(_TRACEPARENT, headers)))
+                    pending.extend([link for link in links if link is not None])
+                    return
+            except (KeyError, TypeError):     # another spelling or shape: one by one
+                pass
+        for trace_headers in headers:
+            self.add_link(trace_headers)
+
+    def flush_links(self) -> None:
+        """Hand the pending links to the span."""
+        if self._pending:
+            _extend_links(self.span, self._pending)
+            self._pending = []
 
     def trace_headers(self) -> dict[str, str]:
-        return inject_trace_headers(trace.set_span_in_context(self.span))
+        return _headers_of(self.span.get_span_context())
 
     def end(self, end_ns: int | None = None) -> None:
+        self.flush_links()
+        self._pending = None
         self.span.end(end_time=end_ns)
 
 
 class _Scope:
     """span(): start a span, make it current, end it on exit (faster than a generator)."""
-    __slots__ = ("tracer", "name", "attrs", "links", "span", "token")
+    __slots__ = ("recorder", "name", "attrs", "links", "handle", "token")
 
-    def __init__(self, tracer, name: str, attrs: dict, links: list | None) -> None:
-        self.tracer, self.name, self.attrs, self.links = tracer, name, attrs, links
+    def __init__(self, recorder: OTelRecorder, name: str, attrs: dict, links: list | None) -> None:
+        self.recorder, self.name, self.attrs, self.links = recorder, name, attrs, links
 
     def __enter__(self) -> OTelSpan:
-        links = [lk for lk in map(_link, self.links) if lk is not None] if self.links else None
-        self.span = self.tracer.start_span(self.name, attributes=_attrs(self.attrs), links=links)
-        self.token = otel_context.attach(trace.set_span_in_context(self.span))
-        return OTelSpan(self.span)
+        if self.links:
+            links = [lk for lk in map(_link, self.links) if lk is not None]
+            span = self.recorder.tracer.start_span(self.name, attributes=_attrs(self.attrs), links=links)
+        else:
+            span = self.recorder._new_span(self.name, None, _attrs(self.attrs))
+        self.token = otel_context.attach(trace.set_span_in_context(span))
+        self.handle = OTelSpan(span)
+        return self.handle
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        span = self.handle.span
         if exc is not None:
-            self.span.record_exception(exc)
-            self.span.set_status(Status(StatusCode.ERROR, f"{exc_type.__name__}: {exc}"))
+            span.record_exception(exc)
+            span.set_status(Status(StatusCode.ERROR, f"{exc_type.__name__}: {exc}"))
         otel_context.detach(self.token)
-        self.span.end()
+        self.handle.end()
 
 
 class StoreSpanExporter(SpanExporter):
@@ -162,18 +313,68 @@ class StoreSpanExporter(SpanExporter):
 
 
 def span_to_row(s) -> tuple:
-    ctx, res, attrs = s.context, s.resource.attributes, dict(s.attributes or {})
-    events = [{"name": e.name, "time_ns": e.timestamp, "attributes": dict(e.attributes or {})}
-              for e in s.events]
-    links = [{"trace_id": f"{lk.context.trace_id:032x}", "span_id": f"{lk.context.span_id:016x}",
-              "attributes": dict(lk.attributes or {})} for lk in s.links]
+    """A finished span as a run-store row (SPAN_COLUMNS' order).
+
+    NOTE: runs on the exporter's thread but holds the GIL, so the engine's
+    thread waits for it: every span of every step passes here once."""
+    ctx, parent, attrs, events, links = s.context, s.parent, _plain(s.attributes), s.events, s.links
+    service, process_kind, pid = _resource_fields(s.resource)
+    kind, status = s.kind, s.status.status_code
     request_id = attrs.get("vllm_anatomy.request_id")
-    return (f"{ctx.trace_id:032x}", f"{ctx.span_id:016x}",
-            f"{s.parent.span_id:016x}" if s.parent else None, s.name, s.kind.name.lower(),
-            s.start_time, s.end_time, to_json(attrs), to_json(events), to_json(links),
-            s.status.status_code.name, res.get("service.name", ""),
-            res.get("vllm_anatomy.process.kind", ""), res.get("process.pid", 0),
+    return (_trace_hex(ctx.trace_id), f"{ctx.span_id:016x}", f"{parent.span_id:016x}" if parent else None,
+            s.name, "internal" if kind is SpanKind.INTERNAL else _KIND_NAMES[kind], s.start_time, s.end_time,
+            to_json(attrs),
+            to_json([{"name": e.name, "time_ns": e.timestamp, "attributes": _plain(e.attributes)}
+                     for e in events]) if events else "[]",
+            _links_json(links) if links else "[]",
+            "UNSET" if status is StatusCode.UNSET else status.name, service, process_kind, pid,
             attrs.get("vllm_anatomy.step_id"), str(request_id) if request_id is not None else None)
+
+
+@functools.lru_cache(maxsize=1024)
+def _trace_hex(trace_id: int) -> str:
+    """NOTE: a step's spans share its trace id (and a request's, the request's): formatted once."""
+    return f"{trace_id:032x}"
+
+
+def _plain(attributes: Any) -> dict:
+    """A span's (or event's, link's) attributes as a plain dict.
+
+    NOTE: the SDK hands them out as a MappingProxyType over BoundedAttributes;
+    dict() of that calls back into Python for every key, the proxy's copy()
+    is BoundedAttributes.copy(): one C-level dict copy (the export thread
+    holds the GIL meanwhile, so the engine's thread waits for it)."""
+    if not attributes:
+        return {}
+    copy = getattr(attributes, "copy", None)
+    plain = copy() if copy is not None else None
+    return plain if type(plain) is dict else dict(attributes)
+
+
+def _resource_fields(resource: Resource) -> tuple[str, str, int]:
+    """(service, process kind, pid) of a resource (one per recorder)."""
+    hit = _RESOURCE_FIELDS.get(id(resource))
+    if hit is None or hit[0] is not resource:
+        # NOTE: keyed by id and checked by identity (a Resource hashes by a JSON dump of its attributes).
+        attrs = resource.attributes
+        hit = _RESOURCE_FIELDS[id(resource)] = (resource, (attrs.get("service.name", ""),
+                                                           attrs.get("vllm_anatomy.process.kind", ""),
+                                                           attrs.get("process.pid", 0)))
+    return hit[1]
+
+
+def _link_dict(link: Link) -> dict:
+    return {"trace_id": f"{link.context.trace_id:032x}", "span_id": f"{link.context.span_id:016x}",
+            "attributes": _plain(link.attributes)}
+
+
+def _links_json(links: Sequence[Link]) -> str:
+    """to_json([_link_dict(link) for link in links]), reusing the text of shared links.
+
+    NOTE: a step span lists every request it served (hundreds), and each of
+    those links is the same object step after step (_link_for): its text is
+    made once, with the link, not once per step."""
+    return "[" + ",".join([lk.json if type(lk) is _SharedLink else to_json(_link_dict(lk)) for lk in links]) + "]"
 
 
 def make_otlp_exporter(endpoint: str | None) -> SpanExporter | None:
@@ -217,29 +418,46 @@ class OTelRecorder(Recorder):
         # silently drops the rest; a step links to each request it serves, and
         # a batch can be much larger than 128 (OTEL_SPAN_LINK_COUNT_LIMIT wins).
         max_links = int(os.environ.get("OTEL_SPAN_LINK_COUNT_LIMIT", MAX_LINKS_PER_SPAN))
-        self.provider = TracerProvider(resource=resource, span_limits=SpanLimits(max_links=max_links))
+        limits = SpanLimits(max_links=max_links)
+        self.provider = TracerProvider(resource=resource, span_limits=limits)
+        self.tracer = self.provider.get_tracer(TRACER_NAME)
+        # NOTE: child spans of sampled parents skip the SDK's tracer (local_span.py);
+        # they reach the same processors through the sink.
+        self.sink = SpanSink(self.provider, limits, self.tracer, TRACER_NAME)
         if store is not None:
             # NOTE: a short delay so the live dashboard (and a crash) lose little.
-            self.provider.add_span_processor(BatchSpanProcessor(StoreSpanExporter(store),
-                                                                schedule_delay_millis=200))
+            self._add_processor(BatchSpanProcessor(StoreSpanExporter(store), schedule_delay_millis=200))
         live = make_otlp_exporter(otlp_traces_endpoint)
         for exporter in ([live] if live else []) + list(exporters):
-            self.provider.add_span_processor(BatchSpanProcessor(exporter))
-        self.tracer = self.provider.get_tracer("vllm_anatomy")
+            self._add_processor(BatchSpanProcessor(exporter))
         self._closed = False
         atexit.register(self.shutdown)
 
+    def _add_processor(self, processor: BatchSpanProcessor) -> None:
+        self.provider.add_span_processor(processor)
+        self.sink.add_processor(processor)
+
+    def _new_span(self, name: str, remote_parent: trace.SpanContext | None, attrs: dict,
+                  start_ns: int | None = None, kind: SpanKind = SpanKind.INTERNAL) -> trace.Span:
+        """A span, not made current, under `remote_parent` if given, else under the current span."""
+        parent = remote_parent if remote_parent is not None else trace.get_current_span().get_span_context()
+        span = self.sink.start(name, parent, kind, attrs, start_ns)
+        if span is None:                    # another sampler, an unsampled parent: the SDK decides
+            context = (trace.set_span_in_context(trace.NonRecordingSpan(remote_parent))
+                       if remote_parent is not None else None)
+            span = self.tracer.start_span(name, context=context, kind=kind, attributes=attrs, start_time=start_ns)
+        return span
+
     def span(self, name: str, links: list[dict] | None = None, **attrs: Any) -> _Scope:
-        return _Scope(self.tracer, name, attrs, links)
+        return _Scope(self, name, attrs, links)
 
     def record_span(self, name: str, start_ns: int, end_ns: int, **attrs: Any) -> None:
-        self.tracer.start_span(name, start_time=start_ns, attributes=_attrs(attrs)).end(end_time=end_ns)
+        self._new_span(name, None, _attrs(attrs), start_ns).end(end_time=end_ns)
 
     def start_span(self, name: str, trace_headers: dict | None = None, kind: str = "internal",
                    start_ns: int | None = None, **attrs: Any) -> OTelSpan:
-        return OTelSpan(self.tracer.start_span(name, context=extract_trace_context(trace_headers),
-                                               kind=_KINDS[kind], attributes=_attrs(attrs),
-                                               start_time=start_ns))
+        return OTelSpan(self._new_span(name, _remote_span_context(trace_headers), _attrs(attrs), start_ns,
+                                       _KINDS[kind]))
 
     def use_span(self, handle: OTelSpan):
         return trace.use_span(handle.span, end_on_exit=False)

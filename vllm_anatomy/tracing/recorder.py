@@ -14,7 +14,7 @@ One object is injected (a constructor argument, never a global). It offers
 `NullRecorder` is the default and costs one attribute lookup and a no-op call;
 `InMemoryRecorder` keeps everything in lists for tests and lessons. The
 OpenTelemetry-backed recorder lives in tracing/otel.py and is the only place
-that imports OpenTelemetry.
+that imports OpenTelemetry (with local_span.py).
 
 NOTE: the pure core (Scheduler, KVCacheManager, BlockPool, Request) never sees
 a Recorder. It returns records and exposes snapshot(); the orchestration layers
@@ -26,7 +26,7 @@ import contextlib
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 LEVELS = ("off", "spans", "full")
 
@@ -95,6 +95,11 @@ class SpanHandle:
     def add_link(self, trace_headers: dict | None, **attrs: Any) -> None:
         raise NotImplementedError
 
+    def add_links(self, headers: Iterable[dict | None]) -> None:
+        """add_link(h) for each h, in order (a step links to every request it serves)."""
+        for trace_headers in headers:
+            self.add_link(trace_headers)
+
     def trace_headers(self) -> dict[str, str]:
         raise NotImplementedError
 
@@ -118,6 +123,9 @@ class _NullSpan(SpanHandle):
         pass
 
     def add_link(self, trace_headers: dict | None, **attrs: Any) -> None:
+        pass
+
+    def add_links(self, headers: Iterable[dict | None]) -> None:
         pass
 
     def trace_headers(self) -> dict[str, str]:

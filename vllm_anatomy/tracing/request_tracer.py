@@ -70,20 +70,28 @@ class RequestTracer:
         return span
 
     def on_outputs(self, outputs: list[EngineCoreOutput]) -> None:
+        # NOTE: runs for every request of every step: the common case (a new
+        # token, no engine event, not finished) is one look-up and one add.
+        requests = self.requests
         for eco in outputs:
-            t = self.requests.get(eco.request_id)
+            t = requests.get(eco.request_id)
             if t is None:
                 continue
-            for ev in eco.events or ():
-                name = _ENGINE_EVENTS.get(ev.type)
-                if name is not None:
-                    t.span.add_event(name, time_ns=self._from_monotonic(ev.timestamp))
-            if eco.new_token_ids:
-                if t.num_output_tokens == 0:
+            if eco.events:
+                self._engine_events(t, eco.events)
+            new_token_ids = eco.new_token_ids
+            if new_token_ids:
+                if not t.num_output_tokens:
                     t.span.add_event("FIRST_TOKEN")
-                t.num_output_tokens += len(eco.new_token_ids)
+                t.num_output_tokens += len(new_token_ids)
             if eco.finish_reason is not None:
                 self.finish(eco.request_id, str(eco.finish_reason))
+
+    def _engine_events(self, t: _Traced, events) -> None:
+        for ev in events:
+            name = _ENGINE_EVENTS.get(ev.type)
+            if name is not None:
+                t.span.add_event(name, time_ns=self._from_monotonic(ev.timestamp))
 
     def finish(self, request_id: str, reason: str) -> None:
         t = self.requests.pop(request_id, None)

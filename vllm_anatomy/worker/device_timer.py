@@ -142,8 +142,11 @@ class DeviceTimer:
             at = lambda ev: ref_ns + int(ref.elapsed_time(ev) * 1e6) + shift  # noqa: E731
         common = {"vllm_anatomy.lane": "device", "vllm_anatomy.step_id": step_id,
                   "vllm_anatomy.timing": "cuda_event"}
-        for (phase, ev, attrs), (_, nxt, _) in zip(events.marks, events.marks[1:]):
-            self.recorder.record_span(f"GPU.{phase}", at(ev), at(nxt), **common, **attrs)
+        # NOTE: a phase ends at the next one's mark: each mark's time is read once
+        # (an elapsed_time call each), not once as an end and again as a start.
+        times = [at(ev) for _, ev, _ in events.marks]
+        for (phase, _, attrs), start, end in zip(events.marks, times, times[1:]):
+            self.recorder.record_span(f"GPU.{phase}", start, end, **common, **attrs)
         for name, start, end, attrs in events.intervals:
             self.recorder.record_span(name, at(start), at(end), **common, **attrs)
 
