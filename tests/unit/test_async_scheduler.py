@@ -215,3 +215,24 @@ def test_engine_args_resolve_async_scheduling(tiny_llama_dir):
     assert EngineArgs.from_cli_args(parser.parse_args(["--async-scheduling"])).async_scheduling is True
     assert EngineArgs.from_cli_args(parser.parse_args(["--no-async-scheduling"])).async_scheduling is False
     assert EngineArgs.from_cli_args(parser.parse_args([])).async_scheduling is None
+
+
+def test_engine_async_equals_sync_with_logprobs_and_seeds(tiny_llama_dir):
+    """The whole engine on a tiny random model: async scheduling returns the same
+    tokens and logprobs as sync, greedy and seeded-random, through chunked prefill."""
+    from vllm_anatomy import LLM, SamplingParams
+    prompts = [{"prompt_token_ids": [(5 * i + j) % 500 + 3 for j in range(n)]} for i, n in enumerate([3, 40, 17, 70])]
+    params = [SamplingParams(temperature=0, max_tokens=9, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=0.8, seed=7, max_tokens=6, ignore_eos=True, logprobs=1),
+              SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
+              SamplingParams(temperature=1.0, seed=3, max_tokens=12, ignore_eos=True)]
+
+    def run(async_scheduling):
+        llm = LLM(tiny_llama_dir, max_model_len=256, max_num_batched_tokens=32, async_scheduling=async_scheduling)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        llm.llm_engine.shutdown()
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+    sync, asynchronous = run(False), run(True)
+    assert [len(t) for t, _ in sync] == [9, 6, 1, 12]
+    assert asynchronous == sync
+    assert sync[0][1] is not None and len(sync[0][1]) == 9

@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import gc
 import logging
-from collections import deque
 import os
 import queue
 import signal
 import threading
 import time
+from collections import deque
 from typing import Any
 
 import msgspec
@@ -153,7 +153,7 @@ class EngineCore:
         span, scheduler_output = self._schedule_and_launch()
         with self.recorder.use_span(span):
             model_output = self.model_executor.sample_tokens()
-            outputs = self._update_from_output(span, scheduler_output, model_output)
+            outputs = self._update_from_output(scheduler_output, model_output)
         span.end()
         return outputs, scheduler_output.total_num_scheduled_tokens > 0
 
@@ -183,7 +183,7 @@ class EngineCore:
         future, scheduler_output, span = batch_queue.pop()
         with self.recorder.use_span(span):
             model_output = future.get_output() if isinstance(future, AsyncModelRunnerOutput) else future
-            outputs = self._update_from_output(span, scheduler_output, model_output)
+            outputs = self._update_from_output(scheduler_output, model_output)
         span.end()
         return outputs, model_executed
 
@@ -213,7 +213,7 @@ class EngineCore:
             self.model_executor.execute_model(scheduler_output)
         return span, scheduler_output
 
-    def _update_from_output(self, span, scheduler_output: SchedulerOutput,
+    def _update_from_output(self, scheduler_output: SchedulerOutput,
                             model_output: ModelRunnerOutput) -> dict[int, EngineCoreOutputs]:
         with self.recorder.span("Scheduler.update_from_output",
                                 **{"vllm_anatomy.step_id": scheduler_output.step_id}):

@@ -50,12 +50,13 @@ class AsyncGPUModelRunnerOutput(AsyncModelRunnerOutput):
         self._snapshot = snapshot
         # NOTE: enqueued behind the sampler on the same stream, so they copy
         # this step's values; non_blocking into pinned memory: no host wait.
+        runner.device_timer.mark("d2h")
         self._host = [t.to("cpu", non_blocking=True)
                       for t in (sampled_token_ids, *(logprobs_tensors or ()))]
         self._has_logprobs = logprobs_tensors is not None
         self._ready = None
         if sampled_token_ids.is_cuda:
-            runner.device_timer.mark("end")     # (the runner marked "d2h" before the copies)
+            runner.device_timer.mark("end")
             self._ready = torch.cuda.Event()
             self._ready.record()
         self._timer_events: StepEvents | None = runner.device_timer.take()
@@ -76,18 +77,10 @@ class AsyncGPUModelRunnerOutput(AsyncModelRunnerOutput):
             span.set_attribute("vllm_anatomy.sync_wait_ms", wait_s * 1e3)
             span.set_attribute("vllm_anatomy.device", runner.device.type)
             sampled = self._host[0].tolist()
-            valid = [[t] for t in sampled]
-            for i in self._invalid_req_indices:
-                valid[i] = []
             runner.fill_placeholders(self._placeholders, sampled)
-            logprobs = None
-            if self._has_logprobs:
-                logprobs = runner.make_logprobs(self._req_ids, self._num_logprobs, valid,
-                                                [t.tolist() for t in self._host[1:]])
-            self._output = ModelRunnerOutput(
-                req_ids=self._req_ids, req_id_to_index={r: i for i, r in enumerate(self._req_ids)},
-                sampled_token_ids=valid, logprobs=logprobs)
+            self._output = runner.make_model_runner_output(
+                self._req_ids, sampled, self._invalid_req_indices, self._num_logprobs,
+                [t.tolist() for t in self._host[1:]] if self._has_logprobs else None)
         if self._snapshot is not None:
-            self._snapshot["sampled_token_ids"] = valid
-            runner.recorder.snapshot("model_runner", self._snapshot, step_id=self._step_id)
+            runner._record_snapshot(self._step_id, self._output.sampled_token_ids, self._snapshot)
         return self._output

@@ -546,9 +546,11 @@ class GPUModelRunner:
         self._record_snapshot(state.scheduler_output.step_id, output.sampled_token_ids)
         return output
 
-    def _record_snapshot(self, step_id: int, sampled_token_ids: list[list[int]]) -> None:
+    def _record_snapshot(self, step_id: int, sampled_token_ids: list[list[int]], snap: dict | None = None) -> None:
+        """The worker's half of a step's snapshots (`snap`: taken earlier, e.g. at
+        launch under async scheduling; else now)."""
         if self.recorder.wants_snapshots:
-            snap = self.snapshot()
+            snap = snap if snap is not None else self.snapshot()
             # What this step sampled, per batch row ([] for a partial prefill chunk).
             snap["sampled_token_ids"] = sampled_token_ids
             self.recorder.snapshot("model_runner", snap, step_id=step_id)
@@ -580,25 +582,18 @@ class GPUModelRunner:
 
     def _bookkeeping_sync(self, state: ExecuteModelState, sampler_output: SamplerOutput,
                           span) -> ModelRunnerOutput:
-        batch = self.input_batch
         lp = sampler_output.logprobs_tensors
         host, wait_s = self._to_cpu([sampler_output.sampled_token_ids, *(lp or ())])
         self.device_timer.resolve(state.scheduler_output.step_id, self.device_timer.take(), wait_s)
         span.set_attribute("vllm_anatomy.sync_wait_ms", wait_s * 1e3)
         span.set_attribute("vllm_anatomy.device", self.device.type)
-        valid_sampled_token_ids = [[t] for t in host[0].tolist()]
-        for i in state.discard_request_indices.tolist():
-            valid_sampled_token_ids[i] = []
-        req_ids = batch.req_ids
-        for i, ids in enumerate(valid_sampled_token_ids):
-            if ids:
-                self._append_output_tokens(i, req_ids[i], ids)
-        logprobs = None
-        if lp is not None:
-            logprobs = self.make_logprobs(req_ids, batch.num_logprobs, valid_sampled_token_ids,
-                                          [t.tolist() for t in host[1:]])
-        return ModelRunnerOutput(req_ids=list(req_ids), req_id_to_index=dict(batch.req_id_to_index),
-                                 sampled_token_ids=valid_sampled_token_ids, logprobs=logprobs)
+        sampled = host[0].tolist()
+        req_ids = self.input_batch.req_ids
+        rows = self._sampling_rows(len(req_ids), state.discard_request_indices)
+        self._cache_sampled_tokens(req_ids, rows, [sampled[i] for i in rows.tolist()])
+        return self.make_model_runner_output(req_ids, sampled, state.discard_request_indices.tolist(),
+                                             self.input_batch.num_logprobs,
+                                             [t.tolist() for t in host[1:]] if lp is not None else None)
 
     def _bookkeeping_async(self, state: ExecuteModelState,
                            sampler_output: SamplerOutput) -> AsyncGPUModelRunnerOutput:
@@ -610,33 +605,37 @@ class GPUModelRunner:
         batch.prev_sampled_token_ids = sampler_output.sampled_token_ids          # [R] on the device
         batch.prev_req_id_to_index = {r: i for i, r in enumerate(req_ids) if i not in invalid_set}
         batch.prev_req_ids = req_ids if not invalid else None
-        # A -1 per row that sampled (vectorized: this runs for every row, every step).
-        rows = np.setdiff1d(self.arange_np[:len(req_ids)], state.discard_request_indices)   # [V]
-        ends = batch.num_tokens_no_spec[rows]                                               # [V]
-        assert not len(ends) or ends.max() < self.max_model_len, "past max_model_len"
-        batch.token_ids_cpu[rows, ends] = -1
-        batch.num_tokens_no_spec[rows] = ends + 1
+        rows = self._sampling_rows(len(req_ids), state.discard_request_indices)
+        output_indices = self._cache_sampled_tokens(req_ids, rows, [-1] * len(rows))
         placeholders: list[Placeholder | None] = [None] * len(req_ids)
-        requests = self.requests
-        for i in rows.tolist():
-            out = requests[req_ids[i]].output_token_ids
-            placeholders[i] = Placeholder(req_ids[i], len(out))
-            out.append(-1)
+        for i, output_index in zip(rows.tolist(), output_indices):
+            placeholders[i] = Placeholder(req_ids[i], output_index)
         snapshot = self.snapshot() if self.recorder.wants_snapshots else None
-        self.device_timer.mark("d2h")
         return AsyncGPUModelRunnerOutput(
             self, state.scheduler_output.step_id, req_ids, sampler_output.sampled_token_ids,
             sampler_output.logprobs_tensors, invalid, placeholders, dict(batch.num_logprobs), snapshot)
 
-    def _append_output_tokens(self, row: int, req_id: str, token_ids: list[int]) -> None:
-        """The runner caches each request's tokens itself (the scheduler does not resend them)."""
+    def _sampling_rows(self, num_reqs: int, discard_request_indices: np.ndarray) -> np.ndarray:
+        """Rows whose sampled token is kept (all but partial prefill chunks)."""
+        return np.setdiff1d(self.arange_np[:num_reqs], discard_request_indices)          # [V]
+
+    def _cache_sampled_tokens(self, req_ids: list[str], rows: np.ndarray, tokens: list[int]) -> list[int]:
+        """Append one token per row to the runner's own copy of each request's
+        tokens (the scheduler does not resend them): the sampled id, or a -1
+        placeholder under async scheduling. Returns each token's output index.
+        NOTE: vectorized on the token table: this runs for every row, every step."""
         batch = self.input_batch
-        start = int(batch.num_tokens_no_spec[row])
-        end = start + len(token_ids)
-        assert end <= self.max_model_len, f"{req_id}: past max_model_len"
-        batch.token_ids_cpu[row, start:end] = token_ids
-        batch.num_tokens_no_spec[row] = end
-        self.requests[req_id].output_token_ids.extend(token_ids)
+        ends = batch.num_tokens_no_spec[rows]                                               # [V]
+        assert not len(ends) or ends.max() < self.max_model_len, "past max_model_len"
+        batch.token_ids_cpu[rows, ends] = tokens
+        batch.num_tokens_no_spec[rows] = ends + 1
+        requests = self.requests
+        output_indices = []
+        for i, token in zip(rows.tolist(), tokens):
+            out = requests[req_ids[i]].output_token_ids
+            output_indices.append(len(out))
+            out.append(token)
+        return output_indices
 
     def fill_placeholders(self, placeholders: list[Placeholder | None], sampled: list[int]) -> None:
         """Async scheduling: the real ids have arrived; write them over the -1s.
@@ -664,17 +663,25 @@ class GPUModelRunner:
         batch.token_ids_cpu[rows, cols] = tokens
 
     @staticmethod
-    def make_logprobs(req_ids: list[str], num_logprobs: dict[str, int], valid: list[list[int]],
-                      host: list[list]) -> list[LogprobsLists | None]:
-        """Per row: the sampled token's logprob and the top-n, for rows that asked."""
-        ids_l, lps_l, ranks_l = host
-        logprobs = []
-        for i, req_id in enumerate(req_ids):
-            n = num_logprobs.get(req_id)
-            ok = n is not None and valid[i]
-            logprobs.append(LogprobsLists([ids_l[i][:n + 1]], [lps_l[i][:n + 1]], [ranks_l[i]])
-                            if ok else None)
-        return logprobs
+    def make_model_runner_output(req_ids: list[str], sampled: list[int], invalid_req_indices: list[int],
+                                 num_logprobs: dict[str, int], host_logprobs: list[list] | None
+                                 ) -> ModelRunnerOutput:
+        """One token per row ([] for a discarded row) and, for rows that asked,
+        the sampled token's logprob and the top-n."""
+        valid = [[t] for t in sampled]
+        for i in invalid_req_indices:
+            valid[i] = []
+        logprobs = None
+        if host_logprobs is not None:
+            ids_l, lps_l, ranks_l = host_logprobs
+            logprobs = []
+            for i, req_id in enumerate(req_ids):
+                n = num_logprobs.get(req_id)
+                ok = n is not None and valid[i]
+                logprobs.append(LogprobsLists([ids_l[i][:n + 1]], [lps_l[i][:n + 1]], [ranks_l[i]])
+                                if ok else None)
+        return ModelRunnerOutput(req_ids=list(req_ids), req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                                 sampled_token_ids=valid, logprobs=logprobs)
 
     def snapshot(self) -> dict:
         return {
