@@ -23,25 +23,14 @@ num_output_placeholders (0 without async scheduling).
 from __future__ import annotations
 
 from vllm_anatomy.core.request import Request, RequestStatus
-from vllm_anatomy.core.sched.output import SchedulerOutput
 from vllm_anatomy.core.sched.scheduler import Scheduler
 
 
 class AsyncScheduler(Scheduler):
 
-    def _update_after_schedule(self, scheduler_output: SchedulerOutput) -> None:
-        # The parent's loop plus the placeholder, in one pass (this runs for
-        # every scheduled request, every step).
-        requests = self.requests
-        for req_id, num_scheduled_token in scheduler_output.num_scheduled_tokens.items():
-            request = requests[req_id]
-            request.num_computed_tokens += num_scheduled_token
-            request.is_prefill_chunk = (request.num_computed_tokens
-                                        < request.num_tokens + request.num_output_placeholders)
-            # NOTE: a partial prefill chunk samples nothing worth keeping.
-            if not request.is_prefill_chunk:
-                request.num_output_placeholders += 1
-        self.finished_req_ids = set()
+    # _update_after_schedule: each step that will sample a request's token adds
+    # a placeholder for it (vLLM overrides the method; here it is one class attribute).
+    placeholders_per_sampling_step = 1
 
     def _update_request_with_output(self, request: Request, new_token_ids: list[int]) -> tuple[list[int], bool]:
         status_before_update = request.status

@@ -35,6 +35,10 @@ if TYPE_CHECKING:
 
 class Scheduler(SchedulerInterface):
 
+    # Output placeholders a step adds to each request it will sample for:
+    # none here (the tokens are known before the next schedule), 1 in AsyncScheduler.
+    placeholders_per_sampling_step = 0
+
     def __init__(self, vllm_config: VllmConfig, num_gpu_blocks: int, log_stats: bool = True,
                  enable_kv_cache_events: bool = False) -> None:
         self.vllm_config = vllm_config
@@ -284,11 +288,15 @@ class Scheduler(SchedulerInterface):
         # NOTE: advance num_computed_tokens now, before the step even runs
         # (optimistically), so that the next schedule() sees the chunk as done.
         # Sampled tokens are appended later, in update_from_output.
+        placeholders = self.placeholders_per_sampling_step
         for req_id, num_scheduled_token in scheduler_output.num_scheduled_tokens.items():
             request = self.requests[req_id]
             request.num_computed_tokens += num_scheduled_token
             request.is_prefill_chunk = (request.num_computed_tokens
                                         < request.num_tokens + request.num_output_placeholders)
+            # NOTE: a partial prefill chunk samples nothing worth keeping.
+            if not request.is_prefill_chunk:
+                request.num_output_placeholders += placeholders
         self.finished_req_ids = set()
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
