@@ -8,6 +8,7 @@ import pytest
 from vllm_anatomy import LLM, SamplingParams
 from vllm_anatomy.tracing.exporters import jaeger_json, otlp_json, perfetto
 from vllm_anatomy.tracing.reader import list_runs, open_run
+from vllm_anatomy.tracing.traced import QUIET_CALLS_ATTR
 
 pytestmark = pytest.mark.model
 PREFIX = "You are a careful assistant for a museum of computing history. Answer briefly and precisely."
@@ -142,28 +143,42 @@ def test_perfetto_export(recorded):
 
 
 def test_kv_cache_manager_calls_inside_schedule(recorded):
-    """At level full, every get_computed_blocks / allocate_slots call of a step is a
-    span under that step's Scheduler.schedule, naming its request and its result;
-    the block ids they report are the ones the step's SchedulerOutput carries."""
+    """At level full, every get_computed_blocks call, and every allocate_slots call
+    that allocated a block or was refused, is a span under that step's
+    Scheduler.schedule, naming its request and its result; the block ids they
+    report are the ones the step's SchedulerOutput carries. The allocate_slots
+    calls that allocated nothing are counted on the schedule span: with the
+    spans, one successful call per scheduled request."""
     run, _ = recorded
     spans = run.spans()
     by_id = {s.span_id: s for s in spans}
-    schedule_step = {s.span_id: by_id[s.parent_id].attributes["vllm_anatomy.step_id"]
-                     for s in spans if s.name == "Scheduler.schedule"}
+    schedules = {s.span_id: s for s in spans if s.name == "Scheduler.schedule"}
+    schedule_step = {sid: by_id[s.parent_id].attributes["vllm_anatomy.step_id"] for sid, s in schedules.items()}
     calls = [s for s in spans if s.name.startswith("KVCacheManager.")]
     assert {s.name for s in calls} == {"KVCacheManager.get_computed_blocks", "KVCacheManager.allocate_slots"}
     assert all(s.parent_id in schedule_step for s in calls)
+    assert all(s.start_ns <= s.end_ns and by_id[s.parent_id].start_ns <= s.start_ns
+               and s.end_ns <= by_id[s.parent_id].end_ns for s in calls)
     assert any(s.attributes.get("vllm_anatomy.result") == "None" for s in calls)        # the preemption
-    for step in run.steps():
+    allocs = [s for s in calls if s.name.endswith("allocate_slots")]
+    assert all(s.attributes.get("vllm_anatomy.new_block_ids") or s.attributes.get("vllm_anatomy.result") == "None"
+               for s in allocs), "a call that allocated nothing has no span"
+    quiet_total = 0
+    for sid, schedule in schedules.items():
+        step = schedule_step[sid]
         so = run.snapshot(step)["scheduler_output"]
+        granted = sum(1 for s in allocs if s.parent_id == sid and "vllm_anatomy.new_block_ids" in s.attributes)
+        quiet = schedule.attributes[QUIET_CALLS_ATTR]
+        quiet_total += quiet
+        assert granted + quiet == len(so["num_scheduled_tokens"]), step
         sent = {r["req_id"]: r["block_ids"][0] for r in so["scheduled_new_reqs"]}
-        for s in calls:
+        for s in allocs:
             rid = s.attributes["vllm_anatomy.request_id"]
-            if (schedule_step[s.parent_id] == step and s.name.endswith("allocate_slots")
-                    and rid in sent and "vllm_anatomy.new_block_ids" in s.attributes):
+            if s.parent_id == sid and rid in sent and "vllm_anatomy.new_block_ids" in s.attributes:
                 # a new request's block table = prefix hits + the blocks allocate_slots just gave it
                 new = s.attributes["vllm_anatomy.new_block_ids"]
                 assert sent[rid][len(sent[rid]) - len(new):] == new
+    assert quiet_total > 0, "decodes inside their last block allocate nothing"
 
 
 def test_async_scheduling_in_the_trace(recorded):

@@ -47,7 +47,7 @@ from vllm_anatomy.engine.serial_utils import (EngineCoreOutputType, EngineCoreRe
 from vllm_anatomy.executor.abstract import Executor
 from vllm_anatomy.tracing.factory import make_recorder
 from vllm_anatomy.tracing.recorder import NullRecorder, Recorder
-from vllm_anatomy.tracing.traced import trace_methods
+from vllm_anatomy.tracing.traced import QUIET_CALLS_ATTR, trace_methods
 
 logger = logging.getLogger(__name__)
 
@@ -71,9 +71,10 @@ class EngineCore:
             scheduler_cls = vllm_config.scheduler_config.get_scheduler_cls()
             self.scheduler = scheduler_cls(vllm_config, num_gpu_blocks,
                                            enable_kv_cache_events=self.recorder.wants_snapshots)
-            if self.recorder.wants_snapshots:
-                trace_methods(self.scheduler.kv_cache_manager, self.recorder, "KVCacheManager",
-                              ["get_computed_blocks", "allocate_slots"])
+            # At level full, the KV manager's calls get spans under Scheduler.schedule.
+            self.traced_kv_calls = (trace_methods(self.scheduler.kv_cache_manager, self.recorder, "KVCacheManager",
+                                                  ["get_computed_blocks", "allocate_slots"])
+                                    if self.recorder.wants_snapshots else None)
         # NOTE: the request computes its own block hashes (on arrival and on
         # every appended token); the hasher is created once, here, so every
         # request chains from the same NONE_HASH seed.
@@ -197,8 +198,10 @@ class EngineCore:
         rec = self.recorder
         span = rec.start_span("EngineCore.step")
         with rec.use_span(span):
-            with rec.span("Scheduler.schedule"):
+            with rec.span("Scheduler.schedule") as schedule_span:
                 scheduler_output = self.scheduler.schedule()
+                if self.traced_kv_calls is not None:
+                    schedule_span.set_attribute(QUIET_CALLS_ATTR, self.traced_kv_calls.take_quiet())
             span.set_attribute("vllm_anatomy.step_id", scheduler_output.step_id)
             span.set_attribute("vllm_anatomy.num_scheduled_tokens", scheduler_output.total_num_scheduled_tokens)
             span.set_attribute("vllm_anatomy.num_reqs", len(scheduler_output.num_scheduled_tokens))
