@@ -10,7 +10,8 @@ cost), the others by the provider's tracer. A BatchSpanProcessor feeds
     - live OTLP (gRPC or HTTP/protobuf) when `otlp_traces_endpoint` is given
       (as vLLM's --otlp-traces-endpoint) or the standard OTEL_EXPORTER_OTLP_*
       environment variables name an endpoint.
-Snapshots (level "full") go straight to the run store, one transaction each.
+Snapshots (level "full") are encoded on the caller's thread and queued for the
+run store's writer thread (store.py), as the exported spans are.
 
 NOTE: the TracerProvider is not installed globally (set_tracer_provider can be
 called once per process, and tests build several engines); but the *context*
@@ -481,6 +482,8 @@ class OTelRecorder(Recorder):
 
     def flush(self) -> None:
         self.provider.force_flush()
+        if self.store is not None:
+            self.store.flush()
 
     def shutdown(self) -> None:
         if self._closed:

@@ -11,13 +11,27 @@ Tables (schema documented in docs/trace-format.md, version SCHEMA_VERSION):
 NOTE: WAL mode lets readers (the live dashboard) read while writers write, and
 keeps every committed transaction after a crash of the writer. Writers from
 several processes serialise on SQLite's lock; busy_timeout makes them wait
-instead of failing, and each transaction is short (one batch of spans or one
-snapshot) so nobody waits long. synchronous=NORMAL skips the fsync per commit:
-a killed process loses nothing committed (only a power cut could).
+instead of failing. synchronous=NORMAL skips the fsync per commit: a killed
+process loses nothing committed (only a power cut could).
+
+NOTE: each process writes from one thread of its own (`RunStore-writer`): the
+engine's thread only encodes a snapshot (msgspec, a fraction of a ms) and
+queues it; the writer commits whatever has queued up, in order, as one
+transaction. The engine never waits for SQLite (another process's
+transaction, the disk, the span exporter's batch), and a busy moment costs
+one commit, not one per snapshot. Since the queue keeps order, a step's
+"step" snapshot is never committed before what its process queued earlier.
+A killed process loses what was still queued (`flush()` waits for it), as
+the span exporter loses its unexported batch.
 """
 from __future__ import annotations
 
+import atexit
+import collections
 import datetime
+import itertools
+import logging
+import operator
 import os
 import sqlite3
 import subprocess
@@ -27,6 +41,8 @@ import uuid
 from typing import Any, Iterable
 
 import msgspec
+
+logger = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
 BUSY_TIMEOUT_MS = 10_000
@@ -91,14 +107,24 @@ def connect(path: str) -> sqlite3.Connection:
 
 
 class RunStore:
-    """Writer side. `create` starts a run; `attach` joins one from another process."""
+    """Writer side. `create` starts a run; `attach` joins one from another process.
+
+    write_spans / write_snapshot / set_meta queue their rows for the writer
+    thread; flush() returns once everything queued so far is committed."""
 
     def __init__(self, path: str, conn: sqlite3.Connection) -> None:
         self.path = path
         self._conn = conn
-        # NOTE: one connection shared by the engine thread (snapshots) and the
-        # span exporter's thread: a lock keeps their transactions apart.
-        self._lock = threading.Lock()
+        self._queue: collections.deque[tuple[str, list[tuple]]] = collections.deque()
+        self._cond = threading.Condition()
+        self._queued = self._committed = 0      # items ever queued / ever committed
+        self._closing = False
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._writer_loop, name="RunStore-writer", daemon=True)
+        self._thread.start()
+        # NOTE: a process that never closes its store (a script, a test's
+        # child) still commits what it queued, at interpreter exit.
+        atexit.register(self.close)
 
     @classmethod
     def create(cls, trace_dir: str, meta: dict[str, Any]) -> "RunStore":
@@ -128,24 +154,65 @@ class RunStore:
         conn.execute("PRAGMA synchronous=NORMAL")
         return cls(path, conn)
 
-    def _write(self, sql: str, rows: Iterable[tuple]) -> None:
-        with self._lock:
-            if self._conn is None:
+    def _write(self, sql: str, rows: list[tuple]) -> None:
+        with self._cond:
+            if self._error is not None:
+                raise TraceStoreWriteError(f"run store {self.path}: an earlier write failed") from self._error
+            if self._closing:
                 return
-            self._conn.execute("BEGIN IMMEDIATE")
+            self._queue.append((sql, rows))
+            self._queued += 1
+            self._cond.notify_all()
+
+    def _writer_loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closing:
+                    self._cond.wait()
+                if not self._queue:
+                    return                          # closing, and nothing left
+                batch = list(self._queue)
+                self._queue.clear()
             try:
-                self._conn.executemany(sql, rows)
-            except BaseException:
-                self._conn.execute("ROLLBACK")
-                raise
-            self._conn.execute("COMMIT")
+                self._commit(batch)
+            except BaseException as exc:            # noqa: BLE001  (kept, raised to the next caller)
+                logger.exception("run store %s: write failed", self.path)
+                with self._cond:
+                    self._error = exc
+                    self._committed += len(batch)
+                    self._cond.notify_all()
+                return
+            with self._cond:
+                self._committed += len(batch)
+                self._cond.notify_all()
+
+    def _commit(self, batch: list[tuple[str, list[tuple]]]) -> None:
+        """One transaction for the whole batch; consecutive rows of one statement in one executemany."""
+        conn = self._conn
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            for sql, group in itertools.groupby(batch, key=operator.itemgetter(0)):
+                conn.executemany(sql, [row for _, rows in group for row in rows])
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        conn.execute("COMMIT")
+
+    def flush(self) -> None:
+        """Wait until everything queued so far is committed (raise if a write failed)."""
+        with self._cond:
+            target = self._queued
+            while self._committed < target and self._thread.is_alive():
+                self._cond.wait(0.5)
+            if self._error is not None:
+                raise TraceStoreWriteError(f"run store {self.path}: a write failed") from self._error
 
     def write_spans(self, rows: list[tuple]) -> None:
         marks = ", ".join("?" * len(SPAN_COLUMNS))
         self._write(f"INSERT OR REPLACE INTO spans ({', '.join(SPAN_COLUMNS)}) VALUES ({marks})", rows)
 
     def write_snapshot(self, step_id: int | None, kind: str, process: str, data: Any) -> None:
-        """One committed transaction per snapshot: a crash keeps every earlier step."""
+        """Encode `data` now (the state of this instant) and queue it."""
         row = (step_id, kind, process, time.time_ns(), to_json(data))
         self._write("INSERT INTO snapshots (step_id, kind, process, time_ns, data) VALUES (?, ?, ?, ?, ?)",
                     [row])
@@ -155,7 +222,21 @@ class RunStore:
                     [(key, to_json(value))])
 
     def close(self) -> None:
-        with self._lock:
-            if self._conn is not None:
-                self._conn.close()
-                self._conn = None
+        """Commit what is queued, stop the writer, close the file (idempotent)."""
+        with self._cond:
+            if self._conn is None:
+                return
+            self._closing = True
+            self._cond.notify_all()
+        self._thread.join()
+        with self._cond:
+            conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
+        atexit.unregister(self.close)
+        if self._error is not None:
+            raise TraceStoreWriteError(f"run store {self.path}: a write failed") from self._error
+
+
+class TraceStoreWriteError(RuntimeError):
+    """Writing the run store failed (the disk is full, the file was removed, ...)."""
