@@ -26,7 +26,7 @@ import triton.language as tl
 from vllm_anatomy.kernels.launch import check_launchable
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])   # per-step sizes: see launch.py
 def _reshape_and_cache_kernel(
     key_ptr, value_ptr,                   # [T, nkv, hd]
     key_cache_ptr, value_cache_ptr,       # [num_blocks, block_size, nkv, hd]

@@ -43,7 +43,7 @@ import triton.language as tl
 from vllm_anatomy.kernels.launch import check_launchable
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])   # per-step sizes: see launch.py
 def _rms_norm_kernel(
     x_ptr,                         # [T, H, D] strided, last dim contiguous
     residual_ptr,                  # [T, H, D] strided (unused without residual)

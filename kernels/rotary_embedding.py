@@ -81,7 +81,7 @@ def _rotate_heads(
         tl.store(dst + p, tl.load(src + p, mask=pmask), mask=pmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])   # per-step sizes: see launch.py
 def _rotary_embedding_kernel(
     positions_ptr,                     # [T]
     q_ptr, k_ptr,                      # [T, nh * hd], [T, nkv * hd]; row strides below

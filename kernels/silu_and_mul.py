@@ -32,7 +32,7 @@ import triton.language as tl
 from vllm_anatomy.kernels.launch import check_launchable
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])   # per-step sizes: see launch.py
 def _silu_and_mul_kernel(
     x_ptr,                 # [T, 2 * d], row stride stride_x_tok
     out_ptr,               # [T, d] contiguous

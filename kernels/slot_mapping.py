@@ -33,7 +33,7 @@ from vllm_anatomy.kernels.launch import check_launchable
 PAD_SLOT_ID = -1
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_reqs", "pad_to"])   # per-step sizes: see launch.py
 def _compute_slot_mapping_kernel(
     block_table_ptr,            # [max_num_reqs, max_num_blocks_per_req] int32
     block_table_stride,         # row stride of block_table, in elements

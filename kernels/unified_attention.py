@@ -127,7 +127,7 @@ def _attend_tile(acc, m_i, l_i, q, tile_start, num_keys, causal_limit,
     return acc, m_new, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs"])   # per-step sizes: see launch.py
 def _unified_attention_kernel(
     query_ptr, key_cache_ptr, value_cache_ptr, output_ptr,
     block_table_ptr, query_start_loc_ptr, seq_lens_ptr,
