@@ -16,8 +16,8 @@ process loses nothing committed (only a power cut could).
 
 NOTE: each process writes from one thread of its own (`RunStore-writer`): the
 engine's thread only encodes a snapshot (msgspec, a fraction of a ms) and
-queues it; the writer commits whatever has queued up, in order, as one
-transaction. The engine never waits for SQLite (another process's
+queues it; every 100 ms the writer commits whatever has queued up, in order,
+as one transaction. The engine never waits for SQLite (another process's
 transaction, the disk, the span exporter's batch), and a busy moment costs
 one commit, not one per snapshot. Since the queue keeps order, a step's
 "step" snapshot is never committed before what its process queued earlier.
@@ -112,6 +112,11 @@ class RunStore:
     write_spans / write_snapshot / set_meta queue their rows for the writer
     thread; flush() returns once everything queued so far is committed."""
 
+    # The writer commits this often (a live reader sees a step within it) ...
+    COMMIT_INTERVAL_S = 0.1
+    # ... or as soon as this many writes are queued.
+    MAX_QUEUED = 256
+
     def __init__(self, path: str, conn: sqlite3.Connection) -> None:
         self.path = path
         self._conn = conn
@@ -119,6 +124,7 @@ class RunStore:
         self._cond = threading.Condition()
         self._queued = self._committed = 0      # items ever queued / ever committed
         self._closing = False
+        self._flushing = 0                      # callers waiting in flush()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._writer_loop, name="RunStore-writer", daemon=True)
         self._thread.start()
@@ -162,15 +168,21 @@ class RunStore:
                 return
             self._queue.append((sql, rows))
             self._queued += 1
-            self._cond.notify_all()
+            if len(self._queue) >= self.MAX_QUEUED:
+                self._cond.notify_all()         # a burst: commit now rather than hold it all
 
     def _writer_loop(self) -> None:
         while True:
             with self._cond:
-                while not self._queue and not self._closing:
-                    self._cond.wait()
+                # NOTE: woken by flush/close/a burst, else every COMMIT_INTERVAL_S:
+                # one commit (and one hand-over of the GIL) per interval, not
+                # one per snapshot (two per engine step at level full).
+                self._cond.wait_for(lambda: self._closing or self._flushing or len(self._queue) >= self.MAX_QUEUED,
+                                    timeout=self.COMMIT_INTERVAL_S)
                 if not self._queue:
-                    return                          # closing, and nothing left
+                    if self._closing:
+                        return                      # closing, and nothing left
+                    continue
                 batch = list(self._queue)
                 self._queue.clear()
             try:
@@ -202,8 +214,13 @@ class RunStore:
         """Wait until everything queued so far is committed (raise if a write failed)."""
         with self._cond:
             target = self._queued
-            while self._committed < target and self._thread.is_alive():
-                self._cond.wait(0.5)
+            self._flushing += 1
+            self._cond.notify_all()
+            try:
+                while self._committed < target and self._thread.is_alive():
+                    self._cond.wait(0.5)
+            finally:
+                self._flushing -= 1
             if self._error is not None:
                 raise TraceStoreWriteError(f"run store {self.path}: a write failed") from self._error
 
