@@ -63,10 +63,35 @@ class BlockPool:
         self.null_block.is_null = True
         self.enable_kv_cache_events = enable_kv_cache_events
         self.kv_event_queue: list[BlockPoolEvent] = []
+        # Ids of the blocks whose ref_cnt or hash changed since the last
+        # take_touched_block_ids(); None until track_touched_blocks() (the KV
+        # manager's snapshot keeps its per-block rows up to date with it).
+        self.touched_block_ids: set[int] | None = None
 
     def _record(self, kind: str, blocks: list[KVCacheBlock], hashes: list[str] | None = None) -> None:
-        if self.enable_kv_cache_events and blocks:
-            self.kv_event_queue.append(BlockPoolEvent(kind, [b.block_id for b in blocks], hashes or []))
+        tracking = self.touched_block_ids is not None
+        if not blocks or not (tracking or self.enable_kv_cache_events):
+            return
+        block_ids = [b.block_id for b in blocks]
+        if tracking:
+            self.touched_block_ids.update(block_ids)
+        if self.enable_kv_cache_events:
+            self.kv_event_queue.append(BlockPoolEvent(kind, block_ids, hashes or []))
+
+    def track_touched_blocks(self) -> None:
+        """Start collecting touched_block_ids: every block that an allocate, hit,
+        free, cache, evict or reset changes.
+
+        NOTE: a set of its own, not the event queue: take_events() hands the
+        events to whoever asks, and the blocks they name would be lost to us.
+        """
+        if self.touched_block_ids is None:
+            self.touched_block_ids = set()
+
+    def take_touched_block_ids(self) -> set[int]:
+        """The blocks touched since the last call (needs track_touched_blocks())."""
+        touched, self.touched_block_ids = self.touched_block_ids, set()
+        return touched
 
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
         """A block whose content has this hash, or None (a prefix-cache miss)."""
@@ -172,6 +197,8 @@ class BlockPool:
         self.cached_block_hash_to_block = {}
         for block in self.blocks:
             block.reset_hash()
+        if self.touched_block_ids is not None:
+            self.touched_block_ids.update(range(self.num_gpu_blocks))
         if self.enable_kv_cache_events:
             self.kv_event_queue.append(BlockPoolEvent("reset", []))
         return True

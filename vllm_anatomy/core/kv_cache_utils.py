@@ -238,6 +238,16 @@ class FreeKVCacheBlockQueue:
             block = block.next_free_block
         return ret
 
+    def get_free_block_ids(self, limit: int | None = None) -> list[int]:
+        """The ids of get_all_free_blocks(limit), in one walk (snapshots list them every step)."""
+        n = self.num_free_blocks if limit is None else min(limit, self.num_free_blocks)
+        ids = []
+        block = self.fake_free_list_head.next_free_block
+        for _ in range(n):
+            ids.append(block.block_id)
+            block = block.next_free_block
+        return ids
+
 
 @dataclass
 class PrefixCacheStats:

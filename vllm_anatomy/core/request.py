@@ -211,14 +211,19 @@ class Request:
         return events
 
     def snapshot(self, block_ids: list[int] | None = None) -> dict[str, Any]:
-        """Plain data for the dashboard (teaching extra, not in vLLM)."""
+        """Plain data for the dashboard (teaching extra, not in vLLM).
+
+        NOTE: built for every queued request every step at trace level full,
+        hence `_name_` (a plain attribute; `.name` is a property) and len()
+        in place of the num_tokens / num_output_tokens properties.
+        """
         return {
             "request_id": self.request_id,
-            "status": self.status.name,
-            "num_tokens": self.num_tokens,
+            "status": self.status._name_,
+            "num_tokens": len(self._all_token_ids),
             "num_computed_tokens": self.num_computed_tokens,
             "num_prompt_tokens": self.num_prompt_tokens,
-            "num_output_tokens": self.num_output_tokens,
+            "num_output_tokens": len(self._output_token_ids),
             "num_output_placeholders": self.num_output_placeholders,
             "num_preemptions": self.num_preemptions,
             "num_cached_tokens": self.num_cached_tokens,

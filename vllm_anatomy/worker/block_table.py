@@ -138,13 +138,18 @@ class BlockTable:
     def get_device_tensor(self, num_reqs: int) -> torch.Tensor:
         return self.block_table[:num_reqs]                    # [R, max_num_blocks_per_req]
 
+    def row_lists(self, num_rows: int) -> list[list[int]]:
+        """The block ids of rows [0, num_rows), one list per row (for snapshots)."""
+        table = self.block_table_np
+        # NOTE: the row lengths as Python ints (one tolist): slicing with numpy
+        # scalars, one at a time, costs more than the slice itself.
+        return [table[row, :n].tolist() for row, n in enumerate(self.num_blocks_per_row[:num_rows].tolist())]
+
     def snapshot(self, num_reqs: int | None = None) -> dict:
         """Plain data: each row's block ids (rows [0, num_reqs), default all non-empty rows)."""
         if num_reqs is None:
             nonzero = np.nonzero(self.num_blocks_per_row)[0]
             num_reqs = int(nonzero[-1]) + 1 if len(nonzero) else 0
-        rows = [self.block_table_np[r, :self.num_blocks_per_row[r]].tolist()
-                for r in range(num_reqs)]
         return {"block_size": self.block_size,
                 "max_num_blocks_per_req": self.max_num_blocks_per_req,
-                "rows": rows}
+                "rows": self.row_lists(num_reqs)}

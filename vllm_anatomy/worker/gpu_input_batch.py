@@ -289,16 +289,20 @@ class InputBatch:
         return rows
 
     def snapshot(self) -> dict:
-        rows = []
-        for i, req_id in enumerate(self._req_ids):
-            if req_id is None:
-                continue
-            n = int(self.num_blocks(i))
-            rows.append({"index": i, "req_id": req_id,
-                         "num_tokens": int(self.num_tokens_no_spec[i]),
-                         "num_prompt_tokens": int(self.num_prompt_tokens[i]),
-                         "num_computed_tokens": int(self.num_computed_tokens_cpu[i]),
-                         "block_ids": self.block_table.block_table_np[i, :n].tolist()})
+        # NOTE: each per-row array is turned into a list once (tolist), not
+        # read element by element: a numpy scalar read and its int() cost more
+        # than the whole row's dict otherwise.
+        n = len(self._req_ids)
+        num_tokens = self.num_tokens_no_spec[:n].tolist()
+        num_prompt_tokens = self.num_prompt_tokens[:n].tolist()
+        num_computed_tokens = self.num_computed_tokens_cpu[:n].tolist()
+        block_ids = self.block_table.row_lists(n)
+        rows = [{"index": i, "req_id": req_id,
+                 "num_tokens": num_tokens[i],
+                 "num_prompt_tokens": num_prompt_tokens[i],
+                 "num_computed_tokens": num_computed_tokens[i],
+                 "block_ids": block_ids[i]}
+                for i, req_id in enumerate(self._req_ids) if req_id is not None]
         return {"num_reqs": self.num_reqs, "rows": rows,
                 "condense_moves": [list(m) for m in self.last_condense_moves]}
 

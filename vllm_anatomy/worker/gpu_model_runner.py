@@ -684,12 +684,13 @@ class GPUModelRunner:
                                  sampled_token_ids=valid, logprobs=logprobs)
 
     def snapshot(self) -> dict:
+        in_batch = self.input_batch.req_id_to_index
         return {
             "input_batch": self.input_batch.snapshot(),
             "prepare_inputs": self.last_prepare_inputs,
             "cached_requests": [{"req_id": r, "num_tokens": s.num_tokens,
                                  "num_computed_tokens": s.num_computed_tokens,
-                                 "in_batch": r in self.input_batch.req_id_to_index}
+                                 "in_batch": r in in_batch}
                                 for r, s in self.requests.items()],
             "kv_cache_shape": list(self.kv_caches[0].shape) if self.kv_caches else None,
             "num_kv_cache_layers": len(self.kv_caches),

@@ -448,14 +448,15 @@ class Scheduler(SchedulerInterface):
     def snapshot(self) -> dict[str, Any]:
         kv_snapshot = self.kv_cache_manager.snapshot()
         # NOTE: each request's block ids are its row of the KV manager's block
-        # tables: listed once there, shared here (the same list object).
+        # tables: listed once there, shared here (the same list object; a
+        # request holding no blocks gets [] from Request.snapshot).
         tables = kv_snapshot["req_to_block_ids"]
         return {
             "step_id": self.current_step,
             "max_num_batched_tokens": self.max_num_scheduled_tokens,
             "max_num_seqs": self.max_num_running_reqs,
-            "waiting": [req.snapshot(tables.get(req.request_id, [])) for req in self.waiting],
-            "running": [req.snapshot(tables.get(req.request_id, [])) for req in self.running],
+            "waiting": [req.snapshot(tables.get(req.request_id)) for req in self.waiting],
+            "running": [req.snapshot(tables.get(req.request_id)) for req in self.running],
             "step_record": self.last_step_record.to_dict() if self.last_step_record else None,
             "kv_cache": kv_snapshot,
         }
