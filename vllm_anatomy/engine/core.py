@@ -46,7 +46,7 @@ from vllm_anatomy.engine.serial_utils import (EngineCoreOutputType, EngineCoreRe
                                               UtilityOutput, UtilityRequest)
 from vllm_anatomy.executor.abstract import Executor
 from vllm_anatomy.tracing.factory import make_recorder
-from vllm_anatomy.tracing.recorder import NullRecorder, Recorder
+from vllm_anatomy.tracing.recorder import NullRecorder, Recorder, paused_gc
 from vllm_anatomy.tracing.traced import QUIET_CALLS_ATTR, trace_methods
 
 logger = logging.getLogger(__name__)
@@ -227,13 +227,14 @@ class EngineCore:
 
     def _record_snapshot(self, scheduler_output) -> None:
         step_id = scheduler_output.step_id
-        self.recorder.snapshot("step", {
-            "step_id": step_id,
-            "time": time.time(),
-            "scheduler_output": msgspec.to_builtins(scheduler_output),
-            "scheduler": self.scheduler.snapshot(),
-            "block_pool_events": msgspec.to_builtins(self.scheduler.kv_cache_manager.take_events()),
-        }, step_id=step_id)
+        with paused_gc():
+            self.recorder.snapshot("step", {
+                "step_id": step_id,
+                "time": time.time(),
+                "scheduler_output": msgspec.to_builtins(scheduler_output),
+                "scheduler": self.scheduler.snapshot(),
+                "block_pool_events": msgspec.to_builtins(self.scheduler.kv_cache_manager.take_events()),
+            }, step_id=step_id)
         # NOTE: the worker records its own half ("model_runner") where it runs:
         # in another process it could not be fetched without an extra round trip.
 

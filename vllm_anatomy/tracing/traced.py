@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
+from vllm_anatomy.core.kv_cache_manager import KVCacheBlocks
 from vllm_anatomy.tracing.recorder import Recorder
 
 # The Scheduler.schedule attribute that counts allocate_slots calls without a span.
@@ -59,24 +60,30 @@ def trace_methods(obj: Any, recorder: Recorder, class_name: str, methods: list[s
     span (explicit start and end, under the current span) when the call changed
     something, and counts it otherwise."""
     calls = TracedCalls()
+    now_ns = recorder.now_ns
     for name in methods:
         original: Callable = getattr(obj, name)
 
         @functools.wraps(original)
         def wrapper(request, *args, __original=original, __name=f"{class_name}.{name}", **kwargs):
-            start = recorder.now_ns()
+            start = now_ns()
             try:
                 result = __original(request, *args, **kwargs)
             except BaseException as exc:
-                recorder.record_span(__name, start, recorder.now_ns(),
+                recorder.record_span(__name, start, now_ns(),
                                      **{"vllm_anatomy.request_id": request.request_id,
                                         "vllm_anatomy.exception": f"{type(exc).__name__}: {exc}"})
                 raise
+            # NOTE: the common case first, in as few operations as possible: it
+            # runs for every running request of every step.
+            if type(result) is KVCacheBlocks and not any(result.blocks):
+                calls.quiet += 1
+                return result
             attrs = _describe_result(result)
             if attrs is None:
                 calls.quiet += 1
             else:
-                recorder.record_span(__name, start, recorder.now_ns(),
+                recorder.record_span(__name, start, now_ns(),
                                      **{"vllm_anatomy.request_id": request.request_id}, **attrs)
             return result
 

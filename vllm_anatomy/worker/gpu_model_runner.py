@@ -49,7 +49,7 @@ from vllm_anatomy.engine.protocol import LogprobsLists
 from vllm_anatomy.model_executor.loader import get_model, load_hf_config
 from vllm_anatomy.model_executor.sampler import Sampler, SamplerOutput
 from vllm_anatomy.model_executor.sampling_metadata import SamplingMetadata
-from vllm_anatomy.tracing.recorder import NullRecorder, Recorder
+from vllm_anatomy.tracing.recorder import NullRecorder, Recorder, paused_gc
 from vllm_anatomy.worker.async_output import AsyncGPUModelRunnerOutput, Placeholder
 from vllm_anatomy.worker.cudagraph import CUDAGraphRunner, CudagraphDecision, CudagraphDispatcher
 from vllm_anatomy.worker.device_timer import DeviceTimer
@@ -550,10 +550,11 @@ class GPUModelRunner:
         """The worker's half of a step's snapshots (`snap`: taken earlier, e.g. at
         launch under async scheduling; else now)."""
         if self.recorder.wants_snapshots:
-            snap = snap if snap is not None else self.snapshot()
-            # What this step sampled, per batch row ([] for a partial prefill chunk).
-            snap["sampled_token_ids"] = sampled_token_ids
-            self.recorder.snapshot("model_runner", snap, step_id=step_id)
+            with paused_gc():
+                snap = snap if snap is not None else self.snapshot()
+                # What this step sampled, per batch row ([] for a partial prefill chunk).
+                snap["sampled_token_ids"] = sampled_token_ids
+                self.recorder.snapshot("model_runner", snap, step_id=step_id)
 
     def _rewind_generators(self, saved_generator_states: dict[int, torch.Tensor]) -> None:
         # NOTE: rewind the seeded generator of a row whose sample is discarded,
@@ -610,7 +611,10 @@ class GPUModelRunner:
         placeholders: list[Placeholder | None] = [None] * len(req_ids)
         for i, output_index in zip(rows.tolist(), output_indices):
             placeholders[i] = Placeholder(req_ids[i], output_index)
-        snapshot = self.snapshot() if self.recorder.wants_snapshots else None
+        snapshot = None
+        if self.recorder.wants_snapshots:
+            with paused_gc():
+                snapshot = self.snapshot()
         return AsyncGPUModelRunnerOutput(
             self, state.scheduler_output.step_id, req_ids, sampler_output.sampled_token_ids,
             sampler_output.logprobs_tensors, invalid, placeholders, dict(batch.num_logprobs), snapshot)
