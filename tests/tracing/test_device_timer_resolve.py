@@ -38,3 +38,28 @@ def test_phases_back_to_back_one_read_per_mark():
     assert durations == [int(round((b - a) * 1e6)) for a, b in zip(times, times[1:])]
     assert spans[1].attrs["k"] == 1 and spans[0].attrs["vllm_anatomy.step_id"] == 7
     assert spans[5].duration_ns == 1_000_000 and spans[5].attrs["vllm_anatomy.lane"] == "device"
+
+
+def test_resolved_events_are_reused_but_never_the_anchor():
+    """After resolve, a step's events are spare for later marks, except the one
+    later steps still time against (the anchor); a replaced anchor is spare too."""
+    rec = InMemoryRecorder("spans")
+    timer = DeviceTimer(torch.device("cpu"), rec)
+
+    def step(t0: float) -> StepEvents:
+        marks = [(p, FakeEvent(t0 + i), {}) for i, p in enumerate(["model_forward", "sample", "end"])]
+        return StepEvents(marks, [("GPU.layer", FakeEvent(t0), FakeEvent(t0 + 0.5), {})])
+
+    first = step(0.0)
+    timer.resolve(1, first, waited_s=1.0)                     # waited: its last event is the anchor
+    anchor = timer._anchor[0]
+    assert anchor is first.marks[-1][1]
+    assert anchor not in timer._spare and len(timer._spare) == 4
+    second = step(10.0)
+    timer.resolve(2, second, waited_s=0.0)                    # no wait: timed against the anchor, kept
+    assert timer._anchor[0] is anchor and anchor not in timer._spare and len(timer._spare) == 9
+    third = step(20.0)
+    timer.resolve(3, third, waited_s=1.0)                     # a new anchor; the old one is spare now
+    assert timer._anchor[0] is third.marks[-1][1] and anchor in timer._spare
+    assert timer._anchor[0] not in timer._spare
+    assert len({id(e) for e in timer._spare}) == len(timer._spare)   # none twice

@@ -48,6 +48,8 @@ class DeviceTimer:
         self._layer_start: torch.cuda.Event | None = None
         # (event, host ns it completed at): links device and host clocks.
         self._anchor: tuple[torch.cuda.Event, int] | None = None
+        # Events of resolved steps, recorded again by later marks (see resolve).
+        self._spare: list[torch.cuda.Event] = []
 
     @property
     def active(self) -> bool:
@@ -58,7 +60,7 @@ class DeviceTimer:
         return self.active and self.recorder.wants_snapshots
 
     def _event(self) -> torch.cuda.Event:
-        event = torch.cuda.Event(enable_timing=True)
+        event = self._spare.pop() if self._spare else torch.cuda.Event(enable_timing=True)
         event.record()
         return event
 
@@ -132,6 +134,8 @@ class DeviceTimer:
         t_sync = self.recorder.now_ns()
         last = events.marks[-1][1]
         if waited_s >= self.ANCHOR_MIN_WAIT_S or self._anchor is None:
+            if self._anchor is not None:
+                self._spare.append(self._anchor[0])     # (read no more: a new anchor replaces it)
             self._anchor = (last, t_sync)
             at = lambda ev: t_sync - int(ev.elapsed_time(last) * 1e6)  # noqa: E731  (host ns of an event)
         else:
@@ -149,7 +153,28 @@ class DeviceTimer:
             self.recorder.record_span(f"GPU.{phase}", start, end, **common, **attrs)
         for name, start, end, attrs in events.intervals:
             self.recorder.record_span(name, at(start), at(end), **common, **attrs)
+        self._recycle(events)
 
+    def _recycle(self, events: "StepEvents") -> None:
+        """Keep a resolved step's events for later marks.
+
+        NOTE: every one of them has completed (this runs after the step's sync
+        point) and its time has been read, so recording it again is safe; the
+        anchor's event is the exception, as later steps still time against it.
+        A step's ~6 events are then one cudaEventRecord each, not a creation
+        and, once collected, a destruction too."""
+        anchor = self._anchor[0] if self._anchor is not None else None
+        spare = self._spare
+        for _, event, _ in events.marks:
+            if event is not anchor:
+                spare.append(event)
+        for _, start, end, _ in events.intervals:
+            spare.append(start)
+            spare.append(end)
+        del spare[self.MAX_SPARE_EVENTS:]
+
+    # Spare events kept for reuse (an eager prefill step times ~90 layers and kernels at level full).
+    MAX_SPARE_EVENTS = 512
     # A wait at least this long means the device was still busy when the host
     # arrived, so the wait's end dates the step's last event.
     ANCHOR_MIN_WAIT_S = 20e-6
