@@ -38,7 +38,7 @@ import subprocess
 import threading
 import time
 import uuid
-from typing import Any, Iterable
+from typing import Any
 
 import msgspec
 

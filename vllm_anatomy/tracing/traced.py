@@ -31,15 +31,16 @@ QUIET_CALLS_ATTR = "vllm_anatomy.allocate_slots_without_new_blocks"
 
 def _describe_result(result: Any) -> dict[str, Any] | None:
     """Span attributes for what a call returned; None if it changed nothing."""
+    # NOTE: the common case first, in as few operations as possible: it runs
+    # for every running request of every step.
+    if type(result) is KVCacheBlocks:       # allocate_slots: the newly allocated blocks, per group
+        if not any(result.blocks):
+            return None                     # room in the last block: nothing allocated
+        return {"vllm_anatomy.new_block_ids": list(result.get_block_ids()[0])}
     if result is None:                      # allocate_slots: no room -> preemption or stop admitting
         return {"vllm_anatomy.result": "None"}
     if isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], int):
         return {"vllm_anatomy.num_computed_tokens": result[1]}   # get_computed_blocks: (blocks, hit tokens)
-    groups = getattr(result, "blocks", None)
-    if groups is not None:                  # KVCacheBlocks: the newly allocated blocks, per group
-        if not any(groups):
-            return None                     # room in the last block: nothing allocated
-        return {"vllm_anatomy.new_block_ids": list(result.get_block_ids()[0])}
     return {}
 
 
@@ -74,11 +75,6 @@ def trace_methods(obj: Any, recorder: Recorder, class_name: str, methods: list[s
                                      **{"vllm_anatomy.request_id": request.request_id,
                                         "vllm_anatomy.exception": f"{type(exc).__name__}: {exc}"})
                 raise
-            # NOTE: the common case first, in as few operations as possible: it
-            # runs for every running request of every step.
-            if type(result) is KVCacheBlocks and not any(result.blocks):
-                calls.quiet += 1
-                return result
             attrs = _describe_result(result)
             if attrs is None:
                 calls.quiet += 1
