@@ -119,6 +119,17 @@ def test_free_blocks_hashed_to_tail_unhashed_to_front():
     assert blocks[0].block_hash == req.block_hashes[0]   # freeing keeps the hash
 
 
+def test_free_blocks_without_caching_all_go_to_the_tail():
+    # v0.27.1: with prefix caching off every freed block is appended (a FIFO
+    # free queue); only with caching on do unhashed blocks jump to the front.
+    pool = BlockPool(num_gpu_blocks=7, enable_caching=False)
+    blocks = pool.get_new_blocks(3)                   # ids 1, 2, 3
+    assert free_ids(pool) == [4, 5, 6]
+    pool.free_blocks(reversed(blocks))                # tail first, as the manager does
+    assert free_ids(pool) == [4, 5, 6, 3, 2, 1]
+    assert pool.get_new_blocks(1)[0].block_id == 4    # the oldest free block is reused first
+
+
 def test_shared_block_is_freed_only_at_ref_cnt_zero_and_touch_removes_from_queue():
     pool = BlockPool(num_gpu_blocks=4, enable_caching=True)
     req = make_request("a", list(range(4)))
@@ -202,9 +213,8 @@ def _independent_sha256(obj) -> bytes:
 
 
 def test_block_hash_equals_independent_recomputation():
-    seed = os.getenv("PYTHONHASHSEED") or "vllm-none-hash"
-    none_hash = _independent_sha256(seed)
-    assert kv_cache_utils.NONE_HASH == none_hash
+    none_hash = kv_cache_utils.NONE_HASH
+    assert isinstance(none_hash, bytes) and len(none_hash) == 32
     prompt = [11, 12, 13, 14, 15, 16, 17, 18, 19]    # two full blocks + one token
     req = make_request("a", prompt)
     h0 = _independent_sha256((none_hash, (11, 12, 13, 14), None))
@@ -236,14 +246,20 @@ def test_chained_hash_depends_on_prefix_and_salt_only_on_first_block():
     assert salted.block_hashes[1] == expected1
 
 
-def test_init_none_hash_uses_pythonhashseed(monkeypatch):
+def test_init_none_hash_is_random_unless_pythonhashseed(monkeypatch):
+    # v0.27.1: os.urandom(32) without PYTHONHASHSEED, hash_fn(seed) with it.
     try:
         monkeypatch.setenv("PYTHONHASHSEED", "123")
         init_none_hash(sha256)
         assert kv_cache_utils.NONE_HASH == _independent_sha256("123")
+        init_none_hash(sha256)
+        assert kv_cache_utils.NONE_HASH == _independent_sha256("123")   # reproducible
         monkeypatch.delenv("PYTHONHASHSEED")
         init_none_hash(sha256)
-        assert kv_cache_utils.NONE_HASH == _independent_sha256("vllm-none-hash")
+        first = kv_cache_utils.NONE_HASH
+        init_none_hash(sha256)
+        assert len(first) == 32 and kv_cache_utils.NONE_HASH != first
+        assert first != _independent_sha256("123")
     finally:
         monkeypatch.undo()
         init_none_hash(sha256)

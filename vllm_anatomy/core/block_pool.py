@@ -174,9 +174,12 @@ class BlockPool:
         Args:
             ordered_blocks: blocks in eviction priority (first = evicted first).
 
-        NOTE: hashed blocks go to the *tail* (they stay cached, LRU order);
-        unhashed ones to the *front*: they can never be a prefix hit, so reusing
-        them first keeps the cached ones alive longer.
+        NOTE: with prefix caching on, hashed blocks go to the *tail* (they stay
+        cached, LRU order) and unhashed ones to the *front*: they can never be a
+        prefix hit, so reusing them first keeps the cached ones alive longer.
+        With caching off nothing is hashed and v0.27.1 appends every freed
+        block to the tail, so the free queue is a plain FIFO (its comment
+        gives GPU cache locality as the reason).
         """
         blocks_list = list(ordered_blocks)
         blocks_with_hash: list[KVCacheBlock] = []
@@ -184,7 +187,10 @@ class BlockPool:
         for block in blocks_list:
             block.ref_cnt -= 1
             if block.ref_cnt == 0 and not block.is_null:
-                (blocks_without_hash if block.block_hash is None else blocks_with_hash).append(block)
+                if block.block_hash is None and self.enable_caching:
+                    blocks_without_hash.append(block)
+                else:
+                    blocks_with_hash.append(block)
         self.free_block_queue.prepend_n(blocks_without_hash)
         self.free_block_queue.append_n(blocks_with_hash)
         self._record("free", [b for b in blocks_list if not b.is_null])

@@ -44,13 +44,17 @@ NONE_HASH: BlockHash
 def init_none_hash(hash_fn: Callable[[Any], bytes]) -> None:
     """Set NONE_HASH, the seed of every hash chain (EngineCore.__init__ calls this).
 
-    NOTE: the seed is fixed ("vllm-none-hash") unless PYTHONHASHSEED is set, so
-    separate processes (and separate runs) agree on every block hash. vLLM uses
-    a random seed only for xxhash, which we do not offer.
+    NOTE: as in vLLM v0.27.1, the seed is 32 random bytes unless PYTHONHASHSEED
+    is set (then it is hash_fn(PYTHONHASHSEED)), the same rule as Python's own
+    hash(). Block hashes are only compared inside the engine core process that
+    computed them, so a random seed costs nothing there, and it keeps one
+    deployment's hashes from being predicted (or collided on purpose) by another.
+    Set PYTHONHASHSEED to get the same hashes in every run, or to share them
+    between processes (vLLM's advice for reproducible prefix-cache hashes).
     """
     global NONE_HASH
-    hash_seed = os.getenv("PYTHONHASHSEED") or "vllm-none-hash"
-    NONE_HASH = BlockHash(hash_fn(hash_seed))
+    hash_seed = os.getenv("PYTHONHASHSEED")
+    NONE_HASH = BlockHash(os.urandom(32) if hash_seed is None else hash_fn(hash_seed))
 
 
 # NOTE: vLLM leaves NONE_HASH unset until EngineCore starts; we set the SHA-256
