@@ -96,11 +96,9 @@ class Scheduler(SchedulerInterface):
         req_to_new_blocks: dict[str, KVCacheBlocks] = {}
         num_scheduled_tokens: dict[str, int] = {}
 
-        # NOTE: the threshold keeps one long prompt from starving the others;
-        # with a single eligible request there is nobody to starve.
-        num_eligible = len(self.running) + len(self.waiting)
-        long_prefill_token_threshold = (self.scheduler_config.long_prefill_token_threshold
-                                        if num_eligible > 1 else 0)
+        # NOTE: the threshold keeps one long prompt from taking a whole step's
+        # budget; v0.27.1 applies it to every chunk, even of a lone request.
+        long_prefill_token_threshold = self.scheduler_config.long_prefill_token_threshold
 
         # First, schedule the RUNNING requests.
         req_index = 0
@@ -436,14 +434,11 @@ class Scheduler(SchedulerInterface):
         if not self.log_stats:
             return None
         prefix_stats = self.kv_cache_manager.make_prefix_cache_stats()
-        record = self.last_step_record
         return SchedulerStats(
             num_running_reqs=len(self.running), num_waiting_reqs=len(self.waiting),
             step_counter=self.current_step, kv_cache_usage=self.kv_cache_manager.usage,
             prefix_cache_requests=prefix_stats.requests, prefix_cache_queries=prefix_stats.queries,
-            prefix_cache_hits=prefix_stats.hits,
-            num_preemptions=len(record.preempted_req_ids) if record else 0,
-            num_scheduled_tokens=record.token_budget_start - record.token_budget_end if record else 0)
+            prefix_cache_hits=prefix_stats.hits)
 
     def snapshot(self) -> dict[str, Any]:
         kv_snapshot = self.kv_cache_manager.snapshot()
