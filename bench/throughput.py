@@ -82,7 +82,7 @@ def run_engine(path, prompts, outs, async_scheduling: bool = True) -> dict:
     dt = time.perf_counter() - t
     n = sum(len(r.outputs[0].token_ids) for r in res)
     m = llm.get_metrics()
-    steps = int(m["vllm:engine_steps"])
+    steps = int(m["vllm_anatomy:engine_steps"])
     cfg = llm.llm_engine.vllm_config
     llm.llm_engine.shutdown()
     return {"seconds": dt, "output_tokens": n, "tok_per_s": n / dt, "engine_steps": steps,

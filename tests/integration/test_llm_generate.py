@@ -109,7 +109,7 @@ def test_chunked_prefill(default_model_dir, hf_model, prompts, async_scheduling)
     # Every prompt is longer than nothing; several chat prompts exceed 32 tokens, so
     # prefill must have been split over steps: more steps than the longest output.
     assert max(len(p) for p in prompts) > 32
-    assert llm.get_metrics()["vllm:engine_steps"] > MAX_TOKENS + max(len(p) for p in prompts) // 32
+    assert llm.get_metrics()["vllm_anatomy:engine_steps"] > MAX_TOKENS + max(len(p) for p in prompts) // 32
 
 
 @ASYNC

@@ -15,6 +15,7 @@ from vllm_anatomy.engine.core import EngineCore
 from vllm_anatomy.engine.input_processor import InputProcessor, PromptType
 from vllm_anatomy.engine.output_processor import OutputProcessor
 from vllm_anatomy.engine.protocol import EngineCoreRequest
+from vllm_anatomy.metrics.stats import IterationStats
 from vllm_anatomy.outputs import RequestOutput
 from vllm_anatomy.sampling_params import SamplingParams
 from vllm_anatomy.tracing.factory import make_recorder, run_meta
@@ -39,11 +40,12 @@ class LLMEngine:
         if self._owns_recorder:   # the config as resolved at start-up (num_gpu_blocks, ...)
             self.recorder.set_run_meta("config", run_meta(vllm_config)["config"])
         self.last_scheduler_stats = None
-        # Counters named after vLLM's Prometheus metrics (prefix-cache counts in tokens).
+        # Counters named after vLLM's Prometheus metrics (prefix-cache counts in
+        # tokens); what only this engine counts carries our own prefix.
         self.counters: dict[str, float] = {
             "vllm:num_preemptions": 0, "vllm:prefix_cache_queries": 0, "vllm:prefix_cache_hits": 0,
             "vllm:prompt_tokens": 0, "vllm:generation_tokens": 0, "vllm:request_success": 0,
-            "vllm:engine_steps": 0,
+            "vllm_anatomy:engine_steps": 0,
         }
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
@@ -93,9 +95,16 @@ class LLMEngine:
                 c["vllm:generation_tokens"] += len(eco.new_token_ids)
                 if eco.finished:
                     c["vllm:request_success"] += 1
+            iteration_stats = IterationStats()
             with self.recorder.span("OutputProcessor.process_outputs",
                                     **{"vllm_anatomy.num_outputs": len(outputs.outputs)}):
-                processed = self.output_processor.process_outputs(outputs.outputs)
+                processed = self.output_processor.process_outputs(outputs.outputs, outputs.timestamp,
+                                                                  iteration_stats)
+            # NOTE: as in v0.27.1, a preemption is counted when its PREEMPTED
+            # event reaches the frontend (with the request's next output), not
+            # by the step that scheduled it: under async scheduling the stats
+            # travel with the outputs of the step before.
+            c["vllm:num_preemptions"] += iteration_stats.num_preempted_reqs
             request_outputs.extend(processed.request_outputs)
             if self.request_tracer is not None:
                 self.request_tracer.on_outputs(outputs.outputs)
@@ -107,8 +116,7 @@ class LLMEngine:
     def _record_stats(self, stats) -> None:
         self.last_scheduler_stats = stats
         c = self.counters
-        c["vllm:engine_steps"] += 1
-        c["vllm:num_preemptions"] += stats.num_preemptions
+        c["vllm_anatomy:engine_steps"] += 1
         c["vllm:prefix_cache_queries"] += stats.prefix_cache_queries
         c["vllm:prefix_cache_hits"] += stats.prefix_cache_hits
 

@@ -95,8 +95,9 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True, gc=False):
     prefix_cache_requests: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
-    num_preemptions: int = 0            # preemptions in this step
-    num_scheduled_tokens: int = 0
+    # NOTE: no preemption count here (as in v0.27.1): preemptions are counted
+    # by the frontend from each request's PREEMPTED event (IterationStats), so
+    # they land with the outputs that carry them, whichever step scheduled them.
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

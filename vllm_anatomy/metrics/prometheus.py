@@ -107,11 +107,11 @@ class PrometheusStatLogger:
         self.gauge_scheduler_running.set(s.num_running_reqs)
         self.gauge_scheduler_waiting.set(s.num_waiting_reqs)
         self.gauge_kv_cache_usage.set(s.kv_cache_usage)
-        self.counter_num_preempted_reqs.inc(s.num_preemptions)
         self.counter_prefix_cache_queries.inc(s.prefix_cache_queries)
         self.counter_prefix_cache_hits.inc(s.prefix_cache_hits)
 
     def _record_iteration_stats(self, it) -> None:
+        self.counter_num_preempted_reqs.inc(it.num_preempted_reqs)
         self.counter_prompt_tokens.inc(it.num_prompt_tokens)
         self.counter_generation_tokens.inc(it.num_generation_tokens)
         for ttft in it.time_to_first_tokens_iter:

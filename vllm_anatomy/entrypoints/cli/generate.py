@@ -42,7 +42,7 @@ def _generate(args: argparse.Namespace) -> int:
         print(f"\n>>> {prompt}\n{c.text}\n    [{len(c.token_ids)} tokens, finish_reason={c.finish_reason}]")
     m = llm.get_metrics()
     print(f"\n[vllm-anatomy] {len(prompts)} requests, {n_out} output tokens in {elapsed:.2f}s "
-          f"({n_out / elapsed:.1f} tok/s); {int(m['vllm:engine_steps'])} engine steps, "
+          f"({n_out / elapsed:.1f} tok/s); {int(m['vllm_anatomy:engine_steps'])} engine steps, "
           f"prefix-cache hits {int(m['vllm:prefix_cache_hits'])}/{int(m['vllm:prefix_cache_queries'])} tokens, "
           f"{int(m['vllm:num_preemptions'])} preemptions", file=sys.stderr)
     return 0
