@@ -3,6 +3,12 @@
 Works while the run is still being written (WAL readers never block writers)
 and after a crash: what was committed is there. A step counts as committed
 once its "step" snapshot is: EngineCore records it last in the step.
+
+Reading never changes a run's files (store.connect_readonly: no checkpoint, no
+WAL recovery written back, no -shm created). A row whose JSON does not parse
+(a damaged file) is reported, not raised as a bare ValueError: `snapshot()`
+raises MalformedRowError (a TraceStoreError) naming the row; `spans()` and
+`snapshots()` skip it and list it in `run.bad_rows`.
 """
 from __future__ import annotations
 
@@ -13,11 +19,26 @@ import sqlite3
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-from vllm_anatomy.tracing.store import SCHEMA_VERSION, SPAN_COLUMNS, connect
+from vllm_anatomy.tracing.store import SCHEMA_VERSION, SPAN_COLUMNS, connect_readonly
 
 
 class TraceStoreError(Exception):
     """The file is not a readable vllm_anatomy run store."""
+
+
+class MalformedRowError(TraceStoreError):
+    """One row of the run store does not parse (its JSON is damaged)."""
+
+
+@dataclass
+class BadRow:
+    """A row skipped because its JSON does not parse: which one, and why."""
+    table: str          # "spans" | "snapshots"
+    where: str          # e.g. "step 12, 'step' snapshot (row id 345)"
+    error: str
+
+    def __str__(self) -> str:
+        return f"{self.table}: {self.where}: {self.error}"
 
 
 @dataclass
@@ -60,7 +81,11 @@ class Run:
         if not os.path.isfile(path):
             raise TraceStoreError(f"{path}: no such run store file")
         self.path = path
-        self._conn = connect(path)
+        self.bad_rows: list[BadRow] = []
+        try:
+            self._conn = connect_readonly(path)
+        except sqlite3.DatabaseError as e:   # "file is not a database", "unable to open"
+            raise TraceStoreError(f"{path}: not a vllm_anatomy run store ({e})") from e
         self.meta = self._read_meta()
 
     def _read_meta(self) -> dict[str, Any]:
@@ -90,22 +115,38 @@ class Run:
         return [r[0] for r in rows]
 
     def snapshot(self, step_id: int, kind: str = "step") -> Any | None:
-        rows = self._query("SELECT data FROM snapshots WHERE step_id = ? AND kind = ? ORDER BY id LIMIT 1",
+        rows = self._query("SELECT id, data FROM snapshots WHERE step_id = ? AND kind = ? ORDER BY id LIMIT 1",
                            (step_id, kind))
-        return json.loads(rows[0][0]) if rows else None
+        if not rows:
+            return None
+        try:
+            return json.loads(rows[0][1])
+        except (ValueError, TypeError) as e:
+            bad = _snapshot_bad_row(rows[0][0], step_id, kind, e)
+            raise MalformedRowError(f"{self.path}: {bad}") from e
 
     def snapshots(self, kind: str | None = None) -> Iterator[Snapshot]:
-        sql = "SELECT step_id, kind, process, time_ns, data FROM snapshots"
+        sql = "SELECT id, step_id, kind, process, time_ns, data FROM snapshots"
         rows = self._query(sql + (" WHERE kind = ?" if kind else "") + " ORDER BY id", (kind,) if kind else ())
-        for step_id, k, process, t, data in rows:
-            yield Snapshot(step_id, k, process, t, json.loads(data))
+        for row_id, step_id, k, process, t, data in rows:
+            try:
+                yield Snapshot(step_id, k, process, t, json.loads(data))
+            except (ValueError, TypeError) as e:
+                self.bad_rows.append(_snapshot_bad_row(row_id, step_id, k, e))
 
     # -- spans ----------------------------------------------------------------------
     def spans(self, name: str | None = None) -> list[SpanRow]:
         sql = f"SELECT {', '.join(SPAN_COLUMNS)} FROM spans"
         rows = self._query(sql + (" WHERE name = ?" if name else "") + " ORDER BY start_ns",
                            (name,) if name else ())
-        return [_span_row(r) for r in rows]
+        out = []
+        for r in rows:
+            try:
+                out.append(_span_row(r))
+            except (ValueError, TypeError) as e:
+                self.bad_rows.append(BadRow("spans", f"span {r[3]!r} {r[1]} of trace {r[0]}",
+                                            f"malformed JSON ({e})"))
+        return out
 
     def requests(self) -> list[SpanRow]:
         """Request-level spans (one per request, from add to finish)."""
@@ -130,10 +171,16 @@ def _maybe_json(value: str) -> Any:
         return value   # written by something else: shown as is, the version check decides
 
 
+def _snapshot_bad_row(row_id: int, step_id: int | None, kind: str, e: Exception) -> BadRow:
+    return BadRow("snapshots", f"step {step_id}, {kind!r} snapshot (row id {row_id})", f"malformed JSON ({e})")
+
+
 def _span_row(r: tuple) -> SpanRow:
     d = dict(zip(SPAN_COLUMNS, r))
-    for key in ("attributes", "events", "links"):
+    for key, kind in (("attributes", dict), ("events", list), ("links", list)):
         d[key] = json.loads(d[key])
+        if type(d[key]) is not kind:
+            raise TypeError(f"{key} is a {type(d[key]).__name__}, not a {kind.__name__}")
     return SpanRow(**d)
 
 

@@ -33,10 +33,13 @@ import itertools
 import logging
 import operator
 import os
+import shutil
 import sqlite3
 import subprocess
+import tempfile
 import threading
 import time
+import urllib.parse
 import uuid
 from typing import Any
 
@@ -103,6 +106,79 @@ def connect(path: str) -> sqlite3.Connection:
     conn = sqlite3.connect(path, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None,
                            check_same_thread=False)
     conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+    return conn
+
+
+def connect_readonly(path: str) -> sqlite3.Connection:
+    """A connection that reads a run store and never changes its files (the dashboard's,
+    the reader's). Missing files raise sqlite3.OperationalError ("unable to open").
+
+    NOTE: SQLite's `mode=ro` alone still writes the -shm file: a reader rebuilds
+    a crashed writer's WAL index there and marks its reads in it. With
+    `readonly_shm=1` the reader keeps what it needs in its own memory and reads
+    every committed transaction, the WAL's included. A run store without a -wal
+    is finished (the last writer checkpointed the WAL into the file and removed
+    it on close: no writer has it open): it is opened `immutable=1` (no locks;
+    no -wal or -shm looked for or created). A -wal without its -shm (a copy
+    made without it) cannot be read in place without creating one: the reader
+    gets a private copy of the two files, removed when the connection closes.
+    """
+    uri = "file:" + urllib.parse.quote(os.path.abspath(path))
+    if not os.path.exists(path + "-wal"):
+        try:
+            return _ro_connect(uri + "?immutable=1")
+        except sqlite3.OperationalError:
+            if not os.path.exists(path + "-wal"):
+                raise
+            # a writer opened it in between: read it as a live run
+    try:
+        return _ro_connect(uri + "?mode=ro&readonly_shm=1")
+    except sqlite3.OperationalError:
+        if not os.path.exists(path):
+            raise
+        if not os.path.exists(path + "-wal"):            # the writer closed in between: finished now
+            return _ro_connect(uri + "?immutable=1")
+        if os.path.exists(path + "-shm"):
+            raise
+    return _private_copy(path)
+
+
+def _ro_connect(uri: str, factory: type = sqlite3.Connection) -> sqlite3.Connection:
+    conn = sqlite3.connect(uri, uri=True, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None,
+                           check_same_thread=False, factory=factory)
+    try:
+        conn.execute("SELECT count(*) FROM sqlite_master").fetchone()   # opening is lazy: fail here
+    except sqlite3.Error:
+        conn.close()
+        raise
+    return conn
+
+
+class _CopyConnection(sqlite3.Connection):
+    """A connection to a private copy of a run store; closing it removes the copy."""
+    tmpdir: str | None = None
+
+    def close(self) -> None:
+        super().close()
+        if self.tmpdir:
+            shutil.rmtree(self.tmpdir, ignore_errors=True)
+            self.tmpdir = None
+
+    def __del__(self) -> None:
+        self.close()
+
+
+def _private_copy(path: str) -> sqlite3.Connection:
+    tmpdir = tempfile.mkdtemp(prefix="vllm_anatomy_ro_")
+    copy = os.path.join(tmpdir, "run.sqlite")
+    try:
+        shutil.copyfile(path, copy)                        # (no writer: a writer would have the -shm)
+        shutil.copyfile(path + "-wal", copy + "-wal")
+        conn = _ro_connect("file:" + urllib.parse.quote(copy), _CopyConnection)
+    except BaseException:
+        shutil.rmtree(tmpdir, ignore_errors=True)
+        raise
+    conn.tmpdir = tmpdir
     return conn
 
 
