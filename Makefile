@@ -26,8 +26,10 @@ browser:
 download: $(STAMP)
 	$(VENV)/bin/vllm-anatomy download
 
+# The port: $STREAMLIT_SERVER_PORT (Streamlit's own variable), else 8501; or pass CLI flags:
+#   STREAMLIT_SERVER_PORT=8600 make run      make run ARGS="--port 8600 --trace-dir /tmp/runs"
 run: setup
-	$(VENV)/bin/vllm-anatomy dashboard
+	$(VENV)/bin/vllm-anatomy dashboard $(ARGS)
 
 test: setup
 	$(PY) -m pytest -q

@@ -7,7 +7,11 @@ changes. Step tables are read with SQLite's json_extract, so a run of thousands
 of steps is summarised without decoding every block list in Python.
 
 Every loader returns plain data; errors come back as RunError (shown by
-`dashboard.state.show_error`), never as an exception in the page.
+`dashboard.state.show_error`), never as an exception in the page. Run files are
+opened read-only (tracing/store.py: connect_readonly): reading a live or crashed
+run never changes its files. A row whose JSON is damaged is skipped and named
+(`bad_rows_of(result)`, shown by `dashboard.state.show_bad_rows`); a step whose
+own snapshot is damaged gives a RunError naming that row.
 """
 from __future__ import annotations
 
@@ -19,13 +23,26 @@ from dataclasses import dataclass
 import pandas as pd
 import streamlit as st
 
-from vllm_anatomy.tracing.reader import TraceStoreError, list_runs, open_run
-from vllm_anatomy.tracing.store import connect
+from vllm_anatomy.tracing.reader import MalformedRowError, TraceStoreError, list_runs, open_run
+from vllm_anatomy.tracing.store import connect_readonly
 
 
 @dataclass
 class RunError:
     message: str
+
+
+class BadRows(list):
+    """The rows a loader skipped: "step 12, 'step' snapshot (row id 345): malformed JSON"."""
+
+
+def bad_rows_of(obj) -> list[str]:
+    """The damaged rows a loader's result skipped (a DataFrame's attrs, a dict's "bad_rows")."""
+    if isinstance(obj, pd.DataFrame):
+        return list(obj.attrs.get("bad_rows", []))
+    if isinstance(obj, dict):
+        return list(obj.get("bad_rows", []))
+    return []
 
 
 def file_version(path: str) -> tuple:
@@ -67,22 +84,49 @@ def run_info(path: str, version: tuple) -> dict | RunError:
 @st.cache_data(max_entries=512, show_spinner=False)
 def step_data(path: str, step_id: int) -> dict | RunError:
     """The "step" and "model_runner" snapshots of one committed step."""
+    name, bad = os.path.basename(path), []
     try:
         with open_run(path) as run:
-            step, mr = run.snapshot(step_id), run.snapshot(step_id, "model_runner")
+            step = run.snapshot(step_id)
+            try:
+                mr = run.snapshot(step_id, "model_runner")
+            except MalformedRowError as e:       # the step can still be shown, without the worker's side
+                mr, bad = None, [str(e).split(": ", 1)[-1]]
+    except MalformedRowError as e:
+        return RunError(f"{name}: step {step_id} cannot be shown: its {str(e).split(': ', 1)[-1]}")
     except (TraceStoreError, sqlite3.Error, OSError, ValueError) as e:
-        return RunError(f"{path}: cannot read step {step_id} ({e})")
+        return RunError(f"{name}: cannot read step {step_id} ({e})")
     if step is None:
-        return RunError(f"{path}: step {step_id} is not committed")
-    return {"step": step, "mr": mr or {}}
+        return RunError(f"{name}: step {step_id} is not committed")
+    if not isinstance(step, dict):
+        return RunError(f"{name}: step {step_id} cannot be shown: its 'step' snapshot is not an object")
+    return {"step": step, "mr": mr if isinstance(mr, dict) else {}, "bad_rows": bad}
 
 
-def _rows(path: str, sql: str) -> list[tuple]:
-    conn = connect(path)
+def _rows(path: str, sql: str, args: tuple = ()) -> list[tuple]:
+    conn = connect_readonly(path)
     try:
-        return conn.execute(sql).fetchall()
+        return conn.execute(sql, args).fetchall()
     finally:
         conn.close()
+
+
+def _guarded_rows(path: str, sql: str, what: str) -> tuple[list[tuple], list[str]]:
+    """Rows of `sql` (over `snapshots`, selecting json_extract of `data`), and the damaged rows.
+
+    NOTE: SQLite's json_extract fails the whole query on one malformed document.
+    The query runs as written first (the common case costs nothing more); only if
+    it fails on bad JSON is it run again over the valid rows, and the others named."""
+    try:
+        return _rows(path, sql), []
+    except sqlite3.OperationalError as e:
+        if "JSON" not in str(e):
+            raise
+    guarded = sql.replace("FROM snapshots WHERE", "FROM snapshots WHERE json_valid(data) AND")
+    bad = _rows(path, "SELECT id, step_id, kind FROM snapshots WHERE " + sql.split(" WHERE ", 1)[1].split(
+        " ORDER BY")[0] + " AND NOT json_valid(data) ORDER BY id")
+    return _rows(path, guarded), [f"step {s}, {k!r} snapshot (row id {i}): malformed JSON, skipped ({what})"
+                                  for i, s, k in bad]
 
 
 _STEP_SQL = """SELECT step_id, time_ns, json_extract(data, '$.scheduler.step_record'),
@@ -122,23 +166,30 @@ def _step_row(step_id, time_ns, rec, usage, finished, events) -> dict:
 def step_table(path: str, version: tuple) -> pd.DataFrame | RunError:
     """One row per committed step: what the metrics, lessons and journey pages need."""
     try:
-        rows = _rows(path, _STEP_SQL)
-        mr_rows = {r[0]: r for r in _rows(path, _MR_SQL)}
-        cg_rows = {r[0]: r for r in _rows(path, _CG_SQL)}
+        rows, bad = _guarded_rows(path, _STEP_SQL, "step table")
+        mr, bad_mr = _guarded_rows(path, _MR_SQL, "step table")
+        cg, bad_cg = _guarded_rows(path, _CG_SQL, "step table")
     except sqlite3.Error as e:
         return RunError(f"{path}: corrupt run store ({e})")
+    bad = BadRows(bad + [b for b in bad_mr if b not in bad_cg] + bad_cg)
+    mr_rows, cg_rows = {r[0]: r for r in mr}, {r[0]: r for r in cg}
     out = []
     for step_id, t, rec, usage, finished, events in rows:
-        row = _step_row(step_id, t, _loads(rec) or {}, usage, _loads(finished), _loads(events))
-        mr = mr_rows.get(step_id)
-        row["condense_moves"] = (mr[2] or 0) if mr else 0
-        cg = cg_rows.get(step_id)
-        row["cudagraph_mode"] = cg[1] if cg else None
-        row["cudagraph_padding"] = (cg[3] or 0) - (cg[2] or 0) if cg and cg[1] is not None else 0
+        try:
+            row = _step_row(step_id, t, _loads(rec) or {}, usage, _loads(finished), _loads(events))
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            bad.append(f"step {step_id}, 'step' snapshot: unexpected content ({type(e).__name__}: {e}), skipped")
+            continue
+        m = mr_rows.get(step_id)
+        row["condense_moves"] = (m[2] or 0) if m else 0
+        c = cg_rows.get(step_id)
+        row["cudagraph_mode"] = c[1] if c else None
+        row["cudagraph_padding"] = (c[3] or 0) - (c[2] or 0) if c and c[1] is not None else 0
         out.append(row)
     df = pd.DataFrame(out)
     if not df.empty:
         df["t_s"] = (df["time_ns"] - df["time_ns"].iloc[0]) / 1e9
+    df.attrs["bad_rows"] = bad
     return df
 
 
@@ -155,10 +206,12 @@ def cudagraph_steps(path: str, version: tuple) -> pd.DataFrame | RunError:
     """The CUDA-graph decision of every step (CudagraphDispatcher.dispatch, recorded in
     prepare_inputs.cudagraph); empty for runs recorded before it was traced."""
     try:
-        rows = _rows(path, _CG_SQL)
+        rows, bad = _guarded_rows(path, _CG_SQL, "CUDA-graph decisions")
     except sqlite3.Error as e:
         return RunError(f"{path}: corrupt run store ({e})")
-    return pd.DataFrame([r for r in rows if r[1] is not None], columns=CG_COLUMNS)
+    df = pd.DataFrame([r for r in rows if r[1] is not None], columns=CG_COLUMNS)
+    df.attrs["bad_rows"] = bad
+    return df
 
 
 def first_graph_step(path: str) -> int | None:
@@ -176,11 +229,15 @@ def first_graph_step(path: str) -> int | None:
 def step_records(path: str, version: tuple) -> dict[int, dict] | RunError:
     """step id -> SchedulerStepRecord + finished ids (for the request journey)."""
     try:
-        rows = _rows(path, _STEP_SQL)
+        rows, _ = _guarded_rows(path, _STEP_SQL, "step records")
     except sqlite3.Error as e:
         return RunError(f"{path}: corrupt run store ({e})")
-    return {r[0]: {**(_loads(r[2]) or {}), "finished_req_ids": _loads(r[4]) or [], "time_ns": r[1]}
-            for r in rows}
+    out = {}
+    for r in rows:
+        rec = _loads(r[2])
+        if isinstance(rec, dict):
+            out[r[0]] = {**rec, "finished_req_ids": _loads(r[4]) or [], "time_ns": r[1]}
+    return out
 
 
 @st.cache_data(max_entries=32, show_spinner=False)
@@ -192,9 +249,9 @@ def token_index(path: str, version: tuple) -> dict | RunError:
     or directly when the runner snapshot has `sampled_token_ids`.
     """
     try:
-        new_rows = _rows(path, "SELECT json_extract(data, '$.scheduler_output.scheduled_new_reqs') "
-                               "FROM snapshots WHERE kind = 'step'")
-        mr_rows = _rows(path, _MR_SQL)
+        new_rows, _ = _guarded_rows(path, "SELECT json_extract(data, '$.scheduler_output.scheduled_new_reqs') "
+                                          "FROM snapshots WHERE kind = 'step' ORDER BY step_id", "tokens")
+        mr_rows, _ = _guarded_rows(path, _MR_SQL, "tokens")
     except sqlite3.Error as e:
         return RunError(f"{path}: corrupt run store ({e})")
     tokens: dict[str, dict[int, int]] = {}
@@ -204,6 +261,8 @@ def token_index(path: str, version: tuple) -> dict | RunError:
     sampled: dict[int, dict[str, list]] = {}
     for step_id, pi, _, direct in mr_rows:
         pi = _loads(pi) or {}
+        if not isinstance(pi, dict):
+            continue
         req_ids = pi.get("req_ids", [])
         for row, pos, tok in zip(pi.get("req_indices", []), pi.get("positions", []), pi.get("input_ids", [])):
             tokens.setdefault(req_ids[row], {})[pos] = tok
@@ -233,3 +292,31 @@ def tokenizer_for(model_dir: str):
 def decode(meta: dict, ids: list[int]) -> str | None:
     tok = tokenizer_for(meta.get("model", ""))
     return tok.decode(ids, skip_special_tokens=False) if tok is not None else None
+
+
+def startup_marks(path: str, span_names: list[str]) -> dict[str, int]:
+    """When the start-up marks of a (live) run happened, in ns since the epoch: "store"
+    (the run store was created), each start-up span's end, "first_step" (the first
+    step's snapshot). Only what is committed so far; {} when the file cannot be read.
+    Not cached: called about once a second while a live engine starts."""
+    marks: dict[str, int] = {}
+    try:
+        conn = connect_readonly(path)
+    except sqlite3.Error:
+        return marks
+    try:
+        row = conn.execute("SELECT value FROM meta WHERE key = 'start_time_ns'").fetchone()
+        if row:
+            marks["store"] = int(json.loads(row[0]))
+        marks_sql = ", ".join("?" * len(span_names))
+        for name, end in conn.execute(f"SELECT name, max(end_ns) FROM spans WHERE name IN ({marks_sql}) "
+                                      "GROUP BY name", tuple(span_names)):
+            marks[name] = end
+        row = conn.execute("SELECT time_ns FROM snapshots WHERE kind = 'step' ORDER BY step_id LIMIT 1").fetchone()
+        if row:
+            marks["first_step"] = row[0]
+    except (sqlite3.Error, ValueError, TypeError):
+        pass
+    finally:
+        conn.close()
+    return marks

@@ -28,6 +28,42 @@ import uuid
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LIVE_DIR = ".live"   # under trace_dir: spec, status and log files of live runs
 
+# Start-up stages, each ended by what the run store (or the status file) records:
+# (name, what happens, the mark that ends it). Marks: "store" = the run store exists
+# (meta start_time_ns), a span name = that start-up span ended (its end_ns),
+# "first_step" = the first step's "step" snapshot is committed.
+STARTUP_STAGES = [
+    ("start process", "Python starts, imports torch and the engine, creates the run store", "store"),
+    ("load model", "tokenizer, Worker.init_device, GPUModelRunner.load_model: the weights into memory",
+     "GPUModelRunner.load_model"),
+    ("allocate KV cache", "GPUModelRunner.determine_num_available_blocks, then initialize_kv_cache",
+     "GPUModelRunner.initialize_kv_cache"),
+    ("warm up", "Worker.compile_or_warm_up_model (Triton JIT and CUDA-graph capture on a GPU; "
+                "nothing to compile on a CPU), the scheduler", "EngineCore.__init__"),
+    ("first step", "the first requests arrive, EngineCore.step runs and is committed", "first_step"),
+]
+STARTUP_SPANS = [mark for _, _, mark in STARTUP_STAGES if mark not in ("store", "first_step")]
+
+
+def startup_stages(t_start_ns: int, marks: dict[str, int], now_ns: int) -> list[dict]:
+    """Each stage: name, what, state (done | running | waiting) and seconds (taken, or
+    so far). A stage counts as done once its own mark or any later one is known."""
+    ends = [marks.get(mark) for _, _, mark in STARTUP_STAGES]
+    out, prev, running_seen = [], t_start_ns, False
+    for i, (name, what, _) in enumerate(STARTUP_STAGES):
+        end = ends[i]
+        if end is None and any(e is not None for e in ends[i + 1:]):
+            end = next(e for e in ends[i + 1:] if e is not None)
+        if end is not None:
+            out.append({"name": name, "what": what, "state": "done", "seconds": max(0.0, (end - prev) / 1e9)})
+            prev = end
+        elif not running_seen:
+            running_seen = True
+            out.append({"name": name, "what": what, "state": "running", "seconds": max(0.0, (now_ns - prev) / 1e9)})
+        else:
+            out.append({"name": name, "what": what, "state": "waiting", "seconds": None})
+    return out
+
 
 def _write_json(path: str, data: dict) -> None:
     tmp = f"{path}.tmp"
@@ -39,8 +75,10 @@ def _write_json(path: str, data: dict) -> None:
 class LiveRun:
     """Handle on one engine child process (kept in st.session_state)."""
 
-    def __init__(self, proc: subprocess.Popen, status_path: str, log_path: str, spec: dict) -> None:
+    def __init__(self, proc: subprocess.Popen, status_path: str, log_path: str, spec: dict,
+                 t_start_ns: int | None = None) -> None:
         self.proc, self.status_path, self.log_path, self.spec = proc, status_path, log_path, spec
+        self.t_start_ns = t_start_ns or time.time_ns()     # when Start was pressed (the process spawned)
 
     @classmethod
     def start(cls, spec: dict, trace_dir: str) -> "LiveRun":
@@ -53,11 +91,16 @@ class LiveRun:
         _write_json(spec_path, spec)
         _write_json(status_path, {"state": "starting"})
         env = {**os.environ, "PYTHONPATH": REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        # NOTE: one intra-op thread unless the user chose (as the lessons do): a live
+        # run's batches are small, and on a small CPU shared with the dashboard (and
+        # anything else) torch's spinning threads made the first step several times slower.
+        env.setdefault("OMP_NUM_THREADS", "1")
+        t_start_ns = time.time_ns()
         with open(log_path, "w") as log:
             proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), spec_path, status_path],
                                     stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT,
                                     start_new_session=True)
-        return cls(proc, status_path, log_path, spec)
+        return cls(proc, status_path, log_path, spec, t_start_ns)
 
     def status(self) -> dict:
         try:
@@ -71,6 +114,15 @@ class LiveRun:
             st["state"] = "crashed"
             st["error"] = f"the engine process exited with code {rc}.\n" + self.log_tail()
         return st
+
+    def startup(self, status: dict | None = None, marks: dict[str, int] | None = None) -> list[dict]:
+        """The start-up stages so far (startup_stages), from the run store's start-up spans."""
+        status = status if status is not None else self.status()
+        marks = dict(marks or {})
+        if status.get("t_imported_ns"):
+            marks.setdefault("store", status["t_imported_ns"])
+        end = None if status.get("returncode") is None else time.time_ns()
+        return startup_stages(self.t_start_ns, marks, end or time.time_ns())
 
     @property
     def alive(self) -> bool:
@@ -137,16 +189,38 @@ def drive(llm, spec: dict, on_step=None) -> dict[str, str]:
     return outputs
 
 
+class _Engine:
+    """What drive() needs of an `LLM`: its LLMEngine and tokenizer."""
+
+    def __init__(self, engine) -> None:
+        self.llm_engine = engine
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+
 def child_main(spec_path: str, status_path: str) -> int:
     signal.signal(signal.SIGTERM, _on_sigterm)
-    status = {"state": "loading", "pid": os.getpid()}
+    status = {"state": "loading", "pid": os.getpid(), "t_process_ns": time.time_ns()}
     _write_json(status_path, status)
+    recorder = None
     try:
         with open(spec_path) as f:
             spec = json.load(f)
-        from vllm_anatomy.entrypoints.llm import LLM
-        llm = LLM(spec.get("model"), trace_level="full", trace_dir=spec["trace_dir"], **spec["engine_args"])
-        status.update(state="running", run_path=llm.llm_engine.recorder.run_path)
+        from vllm_anatomy.engine.arg_utils import EngineArgs
+        from vllm_anatomy.engine.llm_engine import LLMEngine
+        from vllm_anatomy.tracing.factory import make_recorder, run_meta
+        config = EngineArgs(model=spec.get("model"), trace_level="full", trace_dir=spec["trace_dir"],
+                            **spec["engine_args"]).create_engine_config()
+        # NOTE: the recorder (and with it the run store) is made before the engine,
+        # as LLMEngine would make it, so the page can follow the start-up spans
+        # (load model, KV cache, warm-up) while the engine is still being built.
+        recorder = make_recorder(config, "frontend")
+        status.update(run_path=recorder.run_path, t_imported_ns=time.time_ns())
+        _write_json(status_path, status)
+        llm = _Engine(LLMEngine(config, recorder))
+        recorder.set_run_meta("config", run_meta(config)["config"])   # resolved at start-up (num_gpu_blocks)
+        status.update(state="running")
         _write_json(status_path, status)
 
         parent = os.getppid()
@@ -160,12 +234,15 @@ def child_main(spec_path: str, status_path: str) -> int:
 
         drive(llm, spec, on_step)
         llm.llm_engine.shutdown()
+        recorder.shutdown()
         status.update(state="stopped" if _stop_requested else "done")
         _write_json(status_path, status)
         return 0
     except BaseException as e:   # noqa: BLE001 - reported to the UI, then re-raised as an exit code
         status.update(state="error", error=f"{type(e).__name__}: {e}\n\n{traceback.format_exc()[-3000:]}")
         _write_json(status_path, status)
+        if recorder is not None:
+            recorder.shutdown()
         return 1
 
 

@@ -1,8 +1,32 @@
 """Session state of the dashboard: which run is open, the step cursor, playing /
-following, and the URL query (run, page, step) that makes every view a deep link.
-Runs are found in the trace directory (VLLM_ANATOMY_TRACE_DIR) and in the samples
-directory (VLLM_ANATOMY_SAMPLES_DIR, default <repo>/samples: runs shipped with the
-repository, e.g. one recorded on an H200); `?run=<file name>` looks in both.
+following, and the URL that makes every view a deep link.
+
+Runs are opened by *name* only (a file name such as `run-20250101-120000-ab12.sqlite`),
+looked up in the dashboard's run directories, in this order:
+    the trace directory    VLLM_ANATOMY_TRACE_DIR (default ./vllm_anatomy_traces)
+    its lessons folder     VLLM_ANATOMY_LESSON_TRACE_DIR (default <trace dir>/lessons)
+    the samples directory  VLLM_ANATOMY_SAMPLES_DIR (default <repo>/samples: runs shipped
+                           with the repository, e.g. one recorded on an H200)
+Anything else in `?run=` (a path elsewhere, `..`, a name that is no run store) is
+refused with one message that says nothing about the file system. A path that
+names a file directly inside one of these directories (links printed by older
+lessons) is read as its file name.
+
+Deep links. The URL carries
+    run      the open run's name
+    page     the page's url path (timeline, inspector, journey, metrics, lessons, ...)
+    step     the step cursor
+    tab      the tab a page opens on (the tab's label, as st.tabs(bind="query-params") writes it)
+    request  the request a page opens on (a request id)
+`?run=&page=&step=` links made before tab/request existed keep working.
+Helpers for pages:
+    link(page=, step=, tab=, request=, run=)  a relative URL ("inspector?run=...") that
+                                              lands there: for markdown links
+    goto(step, page=, tab=, request=)         on_click callback: open a step (page, tab, request)
+    wanted("tab") / wanted("request")         what the URL asked this page to open on (or None);
+                                              a page using st.tabs(key="tab", bind="query-params")
+                                              or a widget with key="request" and bind gets it itself
+    current() / current_step_table()          the open run, or a message saying why there is none
 
 Only the cursor lives in st.session_state; run data comes from the cached loaders
 in dashboard/data.py. Buttons change state in on_click callbacks (they run before
@@ -11,15 +35,24 @@ the rerun), so a click is never "one rerun late".
 from __future__ import annotations
 
 import os
+import re
+import urllib.parse
 
 import streamlit as st
+from streamlit.errors import StreamlitAPIException
 
 from dashboard import data
 from vllm_anatomy.tracing.factory import DEFAULT_TRACE_DIR
 
 TRACE_DIR_ENV = "VLLM_ANATOMY_TRACE_DIR"
+LESSON_DIR_ENV = "VLLM_ANATOMY_LESSON_TRACE_DIR"
 SAMPLES_DIR_ENV = "VLLM_ANATOMY_SAMPLES_DIR"
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+URL_KEYS = ("run", "page", "step", "tab", "request")   # the order they appear in a link
+# A run name: a plain file name ending in .sqlite (no separator, no leading dot).
+RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,199}\.sqlite")
+REFUSED = ("This run cannot be opened. The dashboard opens runs by name only, from its run list "
+           "(the trace directory and the shipped samples): pick one in the sidebar.")
 ss = st.session_state
 
 
@@ -27,55 +60,155 @@ def trace_dir() -> str:
     return os.environ.get(TRACE_DIR_ENV) or DEFAULT_TRACE_DIR
 
 
+def lessons_dir() -> str:
+    """Where the CLI lessons record (lessons/_common.py: LESSON_TRACE_DIR)."""
+    return os.environ.get(LESSON_DIR_ENV) or os.path.join(trace_dir(), "lessons")
+
+
 def samples_dir() -> str:
     """Run stores shipped with the repository (read-only examples, e.g. a run recorded on a GPU)."""
     return os.environ.get(SAMPLES_DIR_ENV) or os.path.join(REPO_ROOT, "samples")
 
 
-def resolve_run(name: str | None) -> str | None:
-    """A run named in the URL: a file name under trace_dir (else under samples_dir), or a
-    path (relative paths are also tried from the repository root: `samples/x.sqlite`)."""
+def run_dirs() -> list[str]:
+    """The directories runs are opened from, in lookup order (absolute, without repeats)."""
+    out: list[str] = []
+    for d in (trace_dir(), lessons_dir(), samples_dir()):
+        d = os.path.abspath(d)
+        if d not in out:
+            out.append(d)
+    return out
+
+
+def resolve_run(name: str | None) -> str | data.RunError | None:
+    """The path of the run named `name` (None for no name), or a RunError.
+
+    NOTE: the refusal is the same text whatever was asked (a path elsewhere,
+    a file that exists or not, a directory): the URL is an input anyone can
+    type, and its answer must not tell what is on this machine."""
     if not name:
         return None
-    if os.path.sep in name:
-        if not os.path.isabs(name) and not os.path.exists(name) and \
-                os.path.exists(os.path.join(REPO_ROOT, name)):
-            return os.path.join(REPO_ROOT, name)
-        return name
-    recorded = os.path.join(trace_dir(), name)
-    sample = os.path.join(samples_dir(), name)
-    return sample if not os.path.exists(recorded) and os.path.exists(sample) else recorded
+    if "/" in name or os.sep in name:
+        # A link printed by an older lesson: the absolute path of a run in one of our directories.
+        parent, base = os.path.split(os.path.normpath(name))
+        if not os.path.isabs(name) or os.path.abspath(parent) not in run_dirs():
+            return data.RunError(REFUSED)
+        name = base
+    if not RUN_NAME.fullmatch(name) or ".." in name:
+        return data.RunError(REFUSED)
+    for d in run_dirs():
+        path = os.path.join(d, name)
+        if os.path.isfile(path):
+            return path
+    return data.RunError(f"`{name}`: no such run store file in the run list (the trace directory, "
+                         "its lessons folder and the samples). It may have been deleted: pick a run in the sidebar.")
 
 
-def boot_from_query() -> None:
-    """First script run of a session: take run and step from the URL."""
-    qp = st.query_params
+def run_name(path: str | None) -> str | None:
+    return os.path.basename(path) if path else None
+
+
+# -- the URL ------------------------------------------------------------------------------------
+def _query() -> dict[str, str]:
+    return {k: st.query_params[k] for k in URL_KEYS if k in st.query_params}
+
+
+def apply_query() -> None:
+    """Take run, step, tab and request from the URL: at the first script run of a session,
+    and whenever a link inside the app (st.page_link, switch_page) changed run or step."""
+    qp = _query()
     if qp.get("run"):
-        ss.run_path = resolve_run(qp["run"])
+        resolved = resolve_run(qp["run"])
+        if isinstance(resolved, data.RunError):
+            ss.run_path, ss.run_error = None, resolved
+        else:
+            ss.run_path, ss.run_error = resolved, None
     step = qp.get("step", "")
-    if step.isdigit():
-        ss.cursor = int(step)
+    ss.cursor = int(step) if step.isdigit() else None
+    ss.playing = False
+    ss.wanted = {k: qp[k] for k in ("tab", "request") if qp.get(k)}
+    ss.wanted_page = qp.get("page")
+    ss.synced = _mine(qp)
+
+
+def boot_from_query() -> None:   # (the name app.py and older tests use)
+    apply_query()
+
+
+def _mine(qp: dict) -> dict:
+    return {k: qp[k] for k in ("run", "step") if k in qp}
+
+
+def query_changed() -> bool:
+    """Did run or step in the URL change since we last wrote them (an in-app link)? A URL
+    without either (the sidebar's page links drop the query) changes nothing."""
+    mine = _mine(_query())
+    return bool(mine) and mine != ss.get("synced", {})
 
 
 def sync_query(page: str) -> None:
-    """Write the current view into the URL (no rerun)."""
-    params = {"page": page}
+    """Write the current view into the URL (no rerun). Only run, page and step are ours;
+    tab and request stay as the page (or its bound widgets) left them, except that a
+    tab is dropped when another page opens without asking for one."""
+    want: dict[str, str | None] = {"page": page, "run": None, "step": None}
     if ss.get("run_path"):
-        params["run"] = os.path.basename(ss.run_path)
+        want["run"] = run_name(ss.run_path)
         if ss.get("cursor") is not None:
-            params["step"] = str(ss.cursor)
-    if dict(st.query_params) != params:
-        st.query_params.from_dict(params)
+            want["step"] = str(ss.cursor)
+    if ss.get("last_page") not in (None, page) and ss.get("wanted_page") != page:
+        want["tab"] = None            # a tab belongs to the page it was asked for
+        ss.wanted = {k: v for k, v in ss.get("wanted", {}).items() if k != "tab"}
+    ss.last_page = page
+    for k, v in want.items():
+        if v is None:
+            if k in st.query_params:
+                _set_param(k, None)
+        elif st.query_params.get(k) != v:
+            _set_param(k, v)
+    ss.synced = _mine(_query())
+
+
+def _set_param(key: str, value: str | None) -> bool:
+    """Set (or, for None, delete) one URL parameter; False when a widget owns it
+    (bind="query-params": Streamlit keeps that one in step with the widget)."""
+    try:
+        if value is None:
+            del st.query_params[key]
+        else:
+            st.query_params[key] = value
+        return True
+    except StreamlitAPIException:
+        return False
+
+
+def link(page: str | None = None, step: int | None = None, tab: str | None = None,
+         request: str | None = None, run: str | None = None) -> str:
+    """A relative URL that opens `page` of the run (default: the open one) at `step`, on
+    `tab` (a tab label), with `request` selected. Relative (`inspector?run=...`), so it
+    lands on the dashboard that serves the page, whatever its host, port or base path."""
+    query = {"run": run or run_name(ss.get("run_path")), "page": page,
+             "step": None if step is None else str(int(step)), "tab": tab,
+             "request": None if request is None else str(request)}
+    q = urllib.parse.urlencode({k: v for k, v in query.items() if v})
+    return f"{page or ''}?{q}" if q else (page or "./")
+
+
+def wanted(key: str) -> str | None:
+    """What the URL (or the last goto) asked the page to open on: "tab" or "request"."""
+    return ss.get("wanted", {}).get(key)
 
 
 def open_run(path: str | None, step: int | None = None) -> None:
     ss.run_path = path
+    ss.run_error = None
     ss.cursor = step
     ss.playing = False
 
 
 def current() -> tuple[str, dict] | None:
     """(path, run info) of the open run, or None after showing why there is none."""
+    if ss.get("run_error") is not None:
+        return None          # the refusal is shown above every page (app.py: run_header)
     path = ss.get("run_path")
     if not path:
         st.info("No run is open. Start a live run on the **Live run** page, or pick a recorded "
@@ -101,11 +234,20 @@ def current_step_table():
     if isinstance(df, data.RunError):
         show_error(df)
         return None
+    show_bad_rows(df)
     return path, info, df
 
 
 def show_error(err: data.RunError) -> None:
     st.error(err.message, icon=":material/warning:")
+
+
+def show_bad_rows(obj) -> None:
+    """A warning listing the rows a loader skipped because their JSON is damaged (if any)."""
+    bad = data.bad_rows_of(obj)
+    if bad:
+        with st.expander(f":material/warning: {len(bad)} damaged row(s) of this run store were skipped"):
+            st.markdown("\n".join(f"- {b}" for b in bad[:50]) + ("\n- …" if len(bad) > 50 else ""))
 
 
 # -- the step cursor ----------------------------------------------------------------------------
@@ -127,12 +269,23 @@ def move(steps: list[int], delta: int) -> None:
     ss.cursor = steps[max(0, min(idx, len(steps) - 1))]
 
 
-def goto(step: int, page: str | None = None) -> None:
-    """Callback: open a step (and a page) of the current run."""
+def goto(step: int, page: str | None = None, tab: str | None = None, request: str | None = None) -> None:
+    """Callback: open a step (and a page, a tab of it, a request) of the current run."""
     ss.cursor = int(step)
     ss.playing = False
+    asked = {k: str(v) for k, v in (("tab", tab), ("request", request)) if v is not None}
+    if asked:
+        ss.wanted = {**ss.get("wanted", {}), **asked}
     if page:
         ss.goto_page = page
+    if page or asked:
+        ss.wanted_page = page or ss.get("last_page")
+    for k, v in asked.items():
+        # NOTE: a widget keyed "tab" / "request" (st.tabs(key="tab", bind="query-params"))
+        # opens on its session-state value; the URL parameter is for pages that read it
+        # (wanted()), and cannot be set while a widget is bound to it.
+        ss[k] = v
+        _set_param(k, v)
 
 
 def on_scrub() -> None:

@@ -74,7 +74,7 @@ def live_form() -> dict | None:
             a.checkbox("enable_prefix_caching", key="lf_prefix")
             b.checkbox("ignore_eos", key="lf_ignore_eos", help="generate exactly max_tokens")
             st.slider("pause between steps (s), to watch it live", 0.0, 2.0, 0.0, 0.1, key="lf_delay")
-        start = st.form_submit_button(":material/play_arrow: Start live run", type="primary")
+        start = st.form_submit_button(":material/play_arrow: Start live run")
     if not start:
         return None
     prompts = parse_prompts(ss.lf_prompts, ss.lf_system.strip())

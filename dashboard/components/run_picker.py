@@ -83,11 +83,13 @@ def _on_pick() -> None:
 
 def run_picker() -> None:
     tdir = state.trace_dir()
-    st.caption(f"Runs in `{os.path.abspath(tdir)}`, then the sample runs shipped in `samples/`")
+    st.caption(f"Runs in `{os.path.abspath(tdir)}` (and its `lessons/`), then the sample runs shipped in `samples/`")
     runs = data.runs_in(tdir)
+    lessons = data.runs_in(state.lessons_dir()) if os.path.abspath(state.lessons_dir()) != os.path.abspath(tdir) else []
     samples = data.runs_in(state.samples_dir())
-    paths = [r["path"] for r in runs] + [r["path"] for r in samples]
+    paths = [r["path"] for r in runs] + [r["path"] for r in lessons] + [r["path"] for r in samples]
     labels = {r["path"]: _label(r) for r in runs}
+    labels.update({r["path"]: "lesson · " + _label(r) for r in lessons})
     labels.update({r["path"]: sample_label(r) for r in samples})
     cur = ss.get("run_path")
     if cur and cur not in labels:
@@ -102,7 +104,30 @@ def run_picker() -> None:
     gpu = gpu_sample(samples)
     if gpu is not None and cur != gpu["path"]:
         gpu_sample_button(samples, "open_gpu_sample")
+
+
+def _live_status_line() -> None:
     live = ss.get("live")
-    if live is not None:
-        s = live.status()
-        st.caption(f"Live engine: **{s['state']}** · step {s.get('step', 0)}")
+    if live is None:
+        return
+    s = live.status()
+    step = s.get("step") or 0
+    shown = ss.get("cursor") if ss.get("run_path") and ss.get("run_path") == s.get("run_path") else None
+    where = f"step {step}" + (f" · showing step {shown}" if shown is not None and shown != step else "")
+    if not step and s["state"] in ("starting", "loading", "running"):
+        from dashboard.live import STARTUP_SPANS
+        path = s.get("run_path")
+        marks = data.startup_marks(path, STARTUP_SPANS) if path and os.path.exists(path) else {}
+        stage = next((x for x in live.startup(s, marks) if x["state"] == "running"), None)
+        where = f"starting: {stage['name']} · {stage['seconds']:.0f} s" if stage else "starting"
+    st.caption(f"Live engine: **{s['state']}** · {where}")
+
+
+def live_status() -> None:
+    """The live engine's state and step in the sidebar, refreshed every second while it runs
+    (a fragment of its own: the page's fragment cannot redraw the sidebar)."""
+    live = ss.get("live")
+    if live is None:
+        return
+    running = live.status()["state"] not in ("done", "stopped", "error", "crashed")
+    st.fragment(_live_status_line, run_every=1.0 if running else None)()

@@ -1,9 +1,12 @@
-"""Live run: start the default model on a scenario or your own prompts in a
-background engine process (dashboard/live.py) and follow its steps as they are
-committed to the run store. Pause/resume following, stop the engine."""
+"""The landing page: what this is and three ways in (the start strip), then the
+live run: start the default model on a scenario or your own prompts in a
+background engine process (dashboard/live.py), watch its start-up stages (from
+the run store's start-up spans) and follow its steps as they are committed.
+Pause/resume following, stop the engine."""
 from __future__ import annotations
 
 import os
+import time
 
 import streamlit as st
 
@@ -14,11 +17,15 @@ from dashboard.components.code_ref import code_ref
 from dashboard.components.live_form import live_form
 from dashboard.components.queues import queues
 from dashboard.components.run_picker import gpu_sample, gpu_sample_button
-from dashboard.live import LiveRun
+from dashboard.live import STARTUP_SPANS, LiveRun
+from dashboard.scenarios import SCENARIOS, build_spec
 from dashboard.theme import req_chip
 
 ss = st.session_state
 TERMINAL = ("done", "stopped", "error", "crashed")
+# NOTE: the article's title is Chinese; shown as a tooltip, so a machine without CJK fonts shows no boxes.
+ARTICLE = ('<span title="vLLM 源码剖析 · 第 14 篇" style="border-bottom:1px dotted #4D4D4D"><b>vLLM Source '
+           'Anatomy, part 14</b></span> (on vLLM v0.27.1)')
 
 
 def start(spec: dict) -> None:
@@ -32,6 +39,54 @@ def start(spec: dict) -> None:
         return
     ss.following, ss.live_run_seen = True, None
     state.open_run(None)
+
+
+def start_tour() -> None:
+    """Callback of the start strip's primary button: the guided-tour scenario as it is."""
+    sc = SCENARIOS["tour"]
+    ss.pending_spec = build_spec("tour", sc["prompts"], sc["engine_args"], sc["max_tokens"], sc["ignore_eos"])
+
+
+def start_strip(samples: list[dict], compact: bool) -> None:
+    """One paragraph on what this is, and three ways in; one primary action."""
+    if compact:
+        with st.expander("What is this? · other ways in", expanded=False):
+            _strip_body(samples, primary=False)
+        return
+    _strip_body(samples, primary=True)
+
+
+def _strip_body(samples: list[dict], primary: bool) -> None:
+    if primary:
+        st.title("vllm_anatomy")
+    st.markdown(
+        "**A vLLM V1 engine you can watch, step by step.** `vllm_anatomy` re-implements vLLM's serving "
+        "engine with the same objects and call chain (`Scheduler`, `KVCacheManager`, `GPUModelRunner`, "
+        "`InputBatch`, …), runs a real model, and records every engine step (spans and state snapshots) "
+        f"so this dashboard can replay it. It brings to life the article {ARTICLE}: the token budget, "
+        "paged KV blocks and prefix hits, `slot_mapping`, the request state machine with preemption, and the "
+        "step's one CPU↔GPU sync point.", unsafe_allow_html=True)
+    c1, c2, c3 = st.columns(3)
+    gpu = gpu_sample(samples)
+    with c1.container(border=True, height="stretch"):
+        st.markdown("**1 · Watch a live run**  \nThe default model (SmolLM2-135M) on this machine, on a guided "
+                    "tour: prefix-cache hits, chunked prefill and a preemption in ~60 steps. Its start-up stages "
+                    "show below.")
+        st.button("Start the guided tour", key="strip_start", icon=":material/play_arrow:", on_click=start_tour,
+                  type="primary" if primary else "secondary", width="stretch")
+    with c2.container(border=True, height="stretch"):
+        if gpu is not None:
+            st.markdown("**2 · Open the GPU sample**  \nA run recorded on an NVIDIA GPU: CUDA-graph replays, "
+                        "eager prefills, per-layer and per-kernel timings on the device lane.")
+            gpu_sample_button(samples, "strip_gpu_sample", width="stretch")
+        else:
+            st.markdown("**2 · Open a recorded run**  \nPick any run of the trace directory in the sidebar "
+                        "(no GPU sample ships with this checkout).")
+    with c3.container(border=True, height="stretch"):
+        st.markdown("**3 · Follow the lessons, then the self-test**  \nLesson cards find each concept in the "
+                    "open run; the nine CLI lessons (`vllm-anatomy lesson 1` … `9`, the self-test) record their "
+                    "own runs and print links back here.")
+        st.page_link("views/lessons.py", label="Open the lesson cards", icon=":material/school:", width="stretch")
 
 
 def stop() -> None:
@@ -49,10 +104,36 @@ def controls(s: dict) -> None:
     c[3].markdown(f"engine **{s['state']}** · step {s.get('step', 0)} · pid {ss.live.proc.pid}")
 
 
+def startup_progress(s: dict, path: str | None) -> bool:
+    """The start-up stages with their times; True once the first step is committed."""
+    marks = data.startup_marks(path, STARTUP_SPANS) if path and os.path.exists(path) else {}
+    stages = ss.live.startup(s, marks)
+    done = sum(x["state"] == "done" for x in stages)
+    if done == len(stages) and ss.get("startup_seen"):
+        st.caption("Started in " + f"{sum(x['seconds'] for x in stages):.1f} s: " +
+                   " · ".join(f"{x['name']} {x['seconds']:.1f} s" for x in stages))
+        return True
+    total = sum(x["seconds"] or 0 for x in stages)
+    icon = {"done": ":material/check_circle:", "running": ":material/hourglass_top:",
+            "waiting": ":material/radio_button_unchecked:"}
+    lines = []
+    for x in stages:
+        secs = "" if x["seconds"] is None else f" · {x['seconds']:.1f} s" + ("…" if x["state"] == "running" else "")
+        lines.append(f"{icon[x['state']]} **{x['name']}**{secs} — <span style='color:#4D4D4D'>{x['what']}</span>")
+    with st.container(border=True):
+        st.markdown(f"**Start-up** · {total:.1f} s since Start" +
+                    (" · first step committed" if done == len(stages) else ""))
+        st.progress(done / len(stages))
+        st.markdown("  \n".join(lines), unsafe_allow_html=True)
+    if done == len(stages):
+        ss.startup_seen = True
+        ss.startup_summary = stages
+    return done == len(stages)
+
+
 def latest_step(path: str) -> None:
     info = data.run_info(path, data.file_version(path))
     if isinstance(info, data.RunError) or not info["steps"]:
-        st.caption("waiting for the first committed step …")
         return
     steps = info["steps"]
     if ss.get("following", True) or ss.get("cursor") not in steps:
@@ -87,41 +168,41 @@ def follow() -> None:
     path = s.get("run_path")
     if path and ss.get("live_run_seen") != path:
         ss.live_run_seen, ss.run_path = path, path
-        st.rerun()          # the sidebar and the URL learn the new run
+        ss.startup_seen = False
+        st.rerun()          # the sidebar, the run header and the URL learn the new run
     if s["state"] in TERMINAL and ss.get("live_final") != (path, s["state"]):
         ss.live_final = (path, s["state"])
         st.rerun()          # a last full render, then the fragment stops ticking
+    if s["state"] not in ("error", "crashed"):
+        startup_progress(s, path)
     if path and os.path.exists(path):
         latest_step(path)
         outputs(s)
 
 
 def main() -> None:
-    st.title("Live run")
-    st.caption("SmolLM2-135M-Instruct (the default model) in a background engine process, traced at level "
-               "\"full\": every step is committed to the run store and shown here as it lands.")
-    code_ref("dashboard/live.py", "LiveRun.start → LLMEngine.add_request / LLMEngine.step")
     samples = data.runs_in(state.samples_dir())
-    if gpu_sample(samples) is not None:
-        with st.container(border=True):
-            c1, c2 = st.columns([3, 2], vertical_alignment="center")
-            c1.markdown(":material/memory: **On a CPU every step runs eager**: no CUDA graphs, no device lane. "
-                        "A run recorded on a GPU ships with the repository: graph replays padded to a "
-                        "captured size, eager prefills, per-layer and per-kernel device timings.")
-            with c2:
-                gpu_sample_button(samples, "live_gpu_sample", type="primary")
     live = ss.get("live")
+    pending = ss.pop("pending_spec", None)
+    if pending is not None:
+        start(pending)
+        live = ss.live
     running = live is not None and live.status()["state"] not in TERMINAL
-    with st.expander("Start a run", expanded=not running):
+    start_strip(samples, compact=live is not None)
+    if live is not None:
+        st.subheader("Live run")
+        # NOTE: twice a second until the first step shows (the start-up stages move), then once.
+        st.fragment(follow, run_every=(1.0 if ss.get("startup_seen") else 0.5) if running else None)()
+    st.markdown("### Live run" if live is None else "#### Start another run")
+    st.caption("SmolLM2-135M-Instruct (the default model) in a background engine process, traced at level "
+               "\"full\": every step is committed to the run store and shown here as it lands. Pick a scenario "
+               "(each shows one mechanism) or type your own prompts.")
+    with st.expander("Scenario, prompts and engine arguments", expanded=live is None):
         spec = live_form()
     if spec is not None:
         start(spec)
-        live = ss.live
-    if live is None:
-        st.info("Pick a scenario and press **Start live run**, or open a recorded run in the sidebar.")
-        return
-    running = live.status()["state"] not in TERMINAL
-    st.fragment(follow, run_every=1.0 if running else None)()
+        st.rerun()
+    code_ref("dashboard/live.py", "LiveRun.start → LLMEngine.add_request / LLMEngine.step")
 
 
 main()

@@ -59,7 +59,7 @@ def test_cli_dashboard(monkeypatch, capsys, tmp_path):
     assert dashboard.url_for("127.0.0.1", 8501, "run-x.sqlite", 3, "inspector") == \
         "http://127.0.0.1:8501/inspector?run=run-x.sqlite&page=inspector&step=3"
     calls = []
-    monkeypatch.setattr(dashboard.subprocess, "call", lambda cmd, env, cwd: calls.append((cmd, env)) or 0)
+    monkeypatch.setattr(dashboard, "serve", lambda cmd, env, cwd: calls.append((cmd, env)) or 0)
     assert main(["dashboard", "--trace-dir", str(tmp_path), "--port", "8999"]) == 0
     cmd, env = calls[0]
     assert cmd[1:4] == ["-m", "streamlit", "run"] and "--server.headless" in cmd and "8999" in cmd

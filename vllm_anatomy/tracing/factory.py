@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import platform
 from typing import Any
 
 from vllm_anatomy.tracing.recorder import NullRecorder, Recorder
@@ -25,13 +26,46 @@ def _has_otlp_env() -> bool:
 
 
 def run_meta(vllm_config) -> dict[str, Any]:
-    """What the run store's meta table says about the run."""
+    """What the run store's meta table says about the run (docs/trace-format.md):
+    the model, the device (and its name), the trace level, the engine config, and
+    the bytes one KV-cache block takes (with config.cache_config.num_gpu_blocks:
+    the KV cache's size in MB)."""
     mc = vllm_config.model_config
     config = dataclasses.asdict(vllm_config)
     config["model_config"].pop("hf_config", None)
-    return {"model": mc.model, "device": mc.device,
+    return {"model": mc.model, "device": mc.device, "device_name": device_name(mc.device),
             "trace_level": vllm_config.observability_config.trace_level,
+            "kv_cache_bytes_per_block": kv_cache_bytes_per_block(vllm_config),
             "config": _plain(config)}
+
+
+def kv_cache_bytes_per_block(vllm_config) -> int | None:
+    """K and V of one block, all layers (all ranks together): 2 x layers x block_size x
+    num_kv_heads x head_dim x the dtype's size; None when the model config lacks a field."""
+    mc = vllm_config.model_config
+    try:
+        itemsize = mc.dtype.itemsize if hasattr(mc.dtype, "itemsize") else 4
+        return (2 * mc.num_hidden_layers * vllm_config.cache_config.block_size * mc.num_kv_heads * mc.head_dim
+                * itemsize)
+    except (KeyError, TypeError, AttributeError, ZeroDivisionError):
+        return None
+
+
+def device_name(device: str) -> str:
+    """"NVIDIA H200" for a CUDA device, else the CPU's model name and core count."""
+    if str(device).startswith("cuda"):
+        try:
+            import torch
+            return torch.cuda.get_device_name(torch.device(device))
+        except (RuntimeError, AssertionError, ValueError):
+            return str(device)
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
+    except OSError:
+        pass
+    return f"{name} ({os.cpu_count()} cores)"
 
 
 def _plain(obj: Any) -> Any:

@@ -5,16 +5,29 @@
 Runs `streamlit run dashboard/app.py` from the repository checkout this package is
 installed from (editable install: the dashboard is not part of the package), with
 VLLM_ANATOMY_TRACE_DIR set, and prints the URL (a deep link when --run is given).
+
+--port defaults to $STREAMLIT_SERVER_PORT (Streamlit's own variable), else 8501.
+--run takes a run's file name or path; the URL names it by file name (the dashboard
+opens runs by name only, from its trace directory, the lessons folder under it and
+the shipped samples). A path elsewhere becomes the trace directory when --trace-dir
+is not given.
+
+SIGTERM, SIGINT (Ctrl-C) and SIGHUP stop the Streamlit child too: it runs in a
+process group of its own, which gets SIGTERM, then SIGKILL after a grace period.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
 import urllib.parse
 
 from vllm_anatomy.tracing.factory import DEFAULT_TRACE_DIR
+
+PORT_ENV = "STREAMLIT_SERVER_PORT"
+STOP_GRACE_S = 5.0
 
 
 def dashboard_app() -> str:
@@ -28,12 +41,33 @@ def dashboard_app() -> str:
     return app
 
 
+def default_port() -> int:
+    try:
+        return int(os.environ.get(PORT_ENV, "") or 8501)
+    except ValueError:
+        return 8501
+
+
+def run_dirs(trace_dir: str) -> list[str]:
+    """Where the dashboard looks a run name up (dashboard/state.py: run_dirs)."""
+    root = os.path.dirname(os.path.dirname(dashboard_app()))
+    lessons = os.environ.get("VLLM_ANATOMY_LESSON_TRACE_DIR") or os.path.join(trace_dir, "lessons")
+    samples = os.environ.get("VLLM_ANATOMY_SAMPLES_DIR") or os.path.join(root, "samples")
+    return [os.path.abspath(d) for d in (trace_dir, lessons, samples)]
+
+
 def run_param(run: str | None, trace_dir: str) -> str | None:
-    """A run under trace_dir is named by its file name, any other by its absolute path."""
-    if not run or os.sep not in run:
+    """The run's name for the URL: its file name. A path must be in one of the dashboard's
+    run directories (ValueError otherwise: the dashboard would refuse it)."""
+    if not run:
+        return None
+    if os.sep not in run and "/" not in run:
         return run
     path = os.path.abspath(run)
-    return os.path.basename(path) if os.path.dirname(path) == trace_dir else path
+    if os.path.dirname(path) not in run_dirs(os.path.abspath(trace_dir)):
+        raise ValueError(f"{run} is not in the dashboard's run directories ({', '.join(run_dirs(trace_dir))}): "
+                         f"pass --trace-dir {os.path.dirname(path)}")
+    return os.path.basename(path)
 
 
 def url_for(host: str, port: int, run: str | None, step: int | None, page: str | None) -> str:
@@ -43,28 +77,74 @@ def url_for(host: str, port: int, run: str | None, step: int | None, page: str |
     return f"http://{host}:{port}{path}" + (f"?{urllib.parse.urlencode(query)}" if query else "")
 
 
+def streamlit_cmd(app: str, host: str, port: int) -> list[str]:
+    return [sys.executable, "-m", "streamlit", "run", app, "--server.headless", "true",
+            "--server.address", host, "--server.port", str(port),
+            "--browser.gatherUsageStats", "false", "--client.toolbarMode", "minimal"]
+
+
+def serve(cmd: list[str], env: dict, cwd: str) -> int:
+    """Run the Streamlit child until it exits or we are told to stop; never leave it behind."""
+    proc = subprocess.Popen(cmd, env=env, cwd=cwd, start_new_session=True)
+    stopping = []
+
+    def on_signal(signum, frame):
+        stopping.append(signum)
+        _stop(proc)
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    try:
+        rc = proc.wait()
+    finally:
+        _stop(proc)
+        for s, h in old.items():
+            signal.signal(s, h)
+    return 0 if stopping else rc
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM to the child's process group (Streamlit and anything it started), SIGKILL if it lingers."""
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    try:
+        proc.wait(STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+
+
 def _run(args: argparse.Namespace) -> int:
     app = dashboard_app()
-    trace_dir = os.path.abspath(args.trace_dir)
-    env = {**os.environ, "VLLM_ANATOMY_TRACE_DIR": trace_dir}
-    cmd = [sys.executable, "-m", "streamlit", "run", app, "--server.headless", "true",
-           "--server.address", args.host, "--server.port", str(args.port),
-           "--browser.gatherUsageStats", "false"]
-    page = args.page or ("inspector" if args.run else None)
-    print(f"[vllm-anatomy] dashboard on {url_for(args.host, args.port, run_param(args.run, trace_dir), args.step, page)} "
-          f"(runs from {trace_dir}; Ctrl-C stops it)", flush=True)
+    trace_dir = args.trace_dir
+    if args.run and (os.sep in args.run or "/" in args.run) and trace_dir is None:
+        trace_dir = os.path.dirname(os.path.abspath(args.run))   # open a run stored anywhere: list its folder
+    trace_dir = os.path.abspath(trace_dir or DEFAULT_TRACE_DIR)
     try:
-        return subprocess.call(cmd, env=env, cwd=os.path.dirname(os.path.dirname(app)))
-    except KeyboardInterrupt:
-        return 0
+        name = run_param(args.run, trace_dir)
+    except ValueError as e:
+        print(f"[vllm-anatomy] {e}", file=sys.stderr)
+        return 2
+    env = {**os.environ, "VLLM_ANATOMY_TRACE_DIR": trace_dir}
+    page = args.page or ("inspector" if args.run else None)
+    print(f"[vllm-anatomy] dashboard on {url_for(args.host, args.port, name, args.step, page)} "
+          f"(runs from {trace_dir}; Ctrl-C stops it)", flush=True)
+    return serve(streamlit_cmd(app, args.host, args.port), env, os.path.dirname(os.path.dirname(app)))
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("dashboard", help="the Streamlit dashboard (live runs and recorded runs)")
-    p.add_argument("--trace-dir", default=DEFAULT_TRACE_DIR, help="where run stores are (and live runs go)")
-    p.add_argument("--port", type=int, default=8501)
+    p.add_argument("--trace-dir", default=None,
+                   help=f"where run stores are (and live runs go); default {DEFAULT_TRACE_DIR}")
+    p.add_argument("--port", type=int, default=default_port(), help=f"default ${PORT_ENV}, else 8501")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--run", help="open this run (a file name under --trace-dir)")
+    p.add_argument("--run", help="open this run (a file name under --trace-dir, or a path)")
     p.add_argument("--step", type=int, help="open this step of --run")
     p.add_argument("--page", choices=["live", "timeline", "inspector", "journey", "metrics", "lessons"])
 
