@@ -412,3 +412,23 @@ def test_make_run_passes_the_port(tmp_path):
     line = [ln for ln in out.stdout.splitlines() if "vllm-anatomy dashboard" in ln][-1]
     assert line.endswith("dashboard --port 8777") and "8501" not in line
     assert shutil.which("make")
+
+
+@pytest.mark.model
+def test_the_faster_tokenizer_load_gives_the_same_tokenizer():
+    """get_tokenizer skips AutoTokenizer's AutoConfig detour (a start-up cut): same class,
+    same special tokens, same ids and chat template as AutoTokenizer."""
+    from transformers import AutoTokenizer
+
+    from vllm_anatomy.model_executor.default_model import ensure_default_model
+    from vllm_anatomy.transformers_utils.tokenizer import get_tokenizer
+    default_model_dir = str(ensure_default_model())
+    ours, auto = get_tokenizer(default_model_dir), AutoTokenizer.from_pretrained(default_model_dir,
+                                                                                 local_files_only=True)
+    assert type(ours) is type(auto) and ours.init_kwargs == auto.init_kwargs
+    assert ours.all_special_ids == auto.all_special_ids and ours.eos_token_id == auto.eos_token_id
+    for text in ("Hello world", "  spaces and\nnewlines\t", "中文 テキスト 😀", "<|im_start|>user\nhi<|im_end|>"):
+        assert ours.encode(text) == auto.encode(text)
+    conv = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a CPU?"}]
+    assert ours.apply_chat_template(conv, tokenize=True, add_generation_prompt=True, return_dict=False) == \
+        auto.apply_chat_template(conv, tokenize=True, add_generation_prompt=True, return_dict=False)

@@ -22,6 +22,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import urllib.parse
 
 from vllm_anatomy.tracing.factory import DEFAULT_TRACE_DIR
@@ -84,40 +85,44 @@ def streamlit_cmd(app: str, host: str, port: int) -> list[str]:
 
 
 def serve(cmd: list[str], env: dict, cwd: str) -> int:
-    """Run the Streamlit child until it exits or we are told to stop; never leave it behind."""
+    """Run the Streamlit child until it exits or we are told to stop; never leave it behind.
+
+    NOTE: the handler only signals the child's process group (SIGTERM; SIGKILL for a
+    second signal); the waiting is done here, with a timeout: a handler that waited on
+    the child itself would deadlock with the wait it interrupted."""
     proc = subprocess.Popen(cmd, env=env, cwd=cwd, start_new_session=True)
-    stopping = []
+    stopping: list[float] = []
 
     def on_signal(signum, frame):
-        stopping.append(signum)
-        _stop(proc)
+        _signal_group(proc, signal.SIGKILL if stopping else signal.SIGTERM)
+        stopping.append(time.monotonic())
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     try:
-        rc = proc.wait()
+        while True:
+            try:
+                rc = proc.wait(timeout=0.2)
+                break
+            except subprocess.TimeoutExpired:
+                if stopping and time.monotonic() - stopping[0] > STOP_GRACE_S:
+                    _signal_group(proc, signal.SIGKILL)
     finally:
-        _stop(proc)
+        if proc.poll() is None:          # an exception here: do not leave the child running
+            _signal_group(proc, signal.SIGKILL)
+            proc.wait()
         for s, h in old.items():
             signal.signal(s, h)
     return 0 if stopping else rc
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    """SIGTERM to the child's process group (Streamlit and anything it started), SIGKILL if it lingers."""
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    """Signal the child's process group (Streamlit and anything it started)."""
     if proc.poll() is not None:
         return
     try:
-        os.killpg(proc.pid, signal.SIGTERM)
+        os.killpg(proc.pid, sig)
     except ProcessLookupError:
-        return
-    try:
-        proc.wait(STOP_GRACE_S)
-    except subprocess.TimeoutExpired:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
+        pass
 
 
 def _run(args: argparse.Namespace) -> int:
