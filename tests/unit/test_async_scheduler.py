@@ -143,7 +143,10 @@ def test_eos_while_the_next_step_is_in_flight_drops_that_step():
     assert so4.finished_req_ids == {"r"}                # the worker drops its state
 
 
-def test_preempted_request_drops_its_in_flight_token_and_recomputes():
+def test_preempted_request_keeps_and_delivers_its_in_flight_token():
+    # v0.27.1: the token a step in flight samples for a request preempted
+    # meanwhile is a real sample; it is delivered (appended to the PREEMPTED
+    # request), and the request recomputes its KV, that token included.
     # 4 usable blocks of 4 tokens; two requests of 7 prompt tokens take 2 blocks each.
     s = create_scheduler(block_size=4, num_blocks=5, max_model_len=16)
     a = create_request("a", [1, 2, 3, 4, 5, 6, 7], block_size=4, max_tokens=4)
@@ -154,17 +157,77 @@ def test_preempted_request_drops_its_in_flight_token_and_recomputes():
     p.launch()                                          # both prefill (positions 0..6)
     so2 = p.launch()                                    # both decode position 7: still 2 blocks each
     assert set(so2.num_scheduled_tokens) == {"a", "b"} and b.num_output_placeholders == 2
+    assert b.num_in_flight_tokens == 8
     p.finish()
+    assert b.num_in_flight_tokens == 1
     so3 = p.launch()                                    # a needs a 3rd block: b is preempted
     assert so3.preempted_req_ids == {"b"} and b.status == RequestStatus.PREEMPTED
     assert b.num_output_placeholders == 0 and b.num_stale_output_tokens == 1
     assert b.num_output_tokens == 1                     # step 1's token was already in
-    p.finish()                                          # step 2 had b's second token: stale, dropped
-    assert b.num_output_tokens == 1 and b.num_stale_output_tokens == 0
+    p.finish()                                          # step 2 had b's second token: stale, delivered
+    assert b.num_output_tokens == 2 and b.num_stale_output_tokens == 0 and b.num_in_flight_tokens == 0
+    assert p.outputs["b"] == [101, 102] and b.status == RequestStatus.PREEMPTED
     p.run()
     assert len(p.outputs["a"]) == 4 and len(p.outputs["b"]) == 4
+    assert p.outputs["b"][:2] == [101, 102]             # nothing resampled
     assert p.finish_reasons == {"a": "length", "b": "length"}
     assert s.kv_cache_manager.block_pool.get_num_free_blocks() == 4
+
+
+def test_readmission_waits_for_stale_output_and_later_requests_go_first():
+    # A deeper pipeline than the engine's two steps: b is preempted while two
+    # steps of its are in flight, so a later schedule() finds its stale output
+    # still pending. v0.27.1 passes it over (skipped_waiting) and admits c.
+    s = create_scheduler(block_size=4, num_blocks=5, max_model_len=16)
+    a = create_request("a", [1, 2, 3, 4, 5, 6, 7], block_size=4, max_tokens=6)
+    b = create_request("b", [11, 12, 13, 14, 15, 16, 17], block_size=4, max_tokens=6)
+    s.add_request(a)
+    s.add_request(b)
+    p = Pipeline(s)
+    p.launch()                                          # step 1: both prefill
+    p.launch()                                          # step 2: both decode position 7
+    so3 = p.launch()                                    # step 3: a needs a 3rd block: b preempted
+    assert so3.preempted_req_ids == {"b"} and b.num_stale_output_tokens == 8
+    c = create_request("c", [21, 22, 23], block_size=4, max_tokens=2)
+    s.add_request(c)
+    p.finish()                                          # step 1: b's first token, stale, delivered
+    assert b.num_output_tokens == 1 and b.num_stale_output_tokens == 1
+    so4 = p.launch()                                    # b's step-2 token is still in flight
+    assert s.last_step_record.deferred_req_ids == ["b"]
+    assert "b" not in so4.num_scheduled_tokens and "c" in so4.num_scheduled_tokens
+    assert [r.request_id for r in s.skipped_waiting] == ["b"] and b.status == RequestStatus.PREEMPTED
+    assert s.get_request_counts() == (2, 1)
+    snap = s.snapshot()
+    assert [r["request_id"] for r in snap["skipped_waiting"]] == ["b"]
+    assert snap["skipped_waiting"][0]["num_stale_output_tokens"] == 1
+    p.finish()                                          # step 2: b's second token arrives
+    assert b.num_stale_output_tokens == 0 and p.outputs["b"] == [101, 102]
+    p.run()
+    assert p.finish_reasons == {"a": "length", "b": "length", "c": "length"}
+    assert p.outputs["b"][:2] == [101, 102] and len(p.outputs["b"]) == 6
+    assert not s.skipped_waiting and s.kv_cache_manager.block_pool.get_num_free_blocks() == 4
+
+
+def test_a_stale_token_can_finish_a_preempted_request():
+    s = create_scheduler(block_size=4, num_blocks=5, max_model_len=16)
+    a = create_request("a", [1, 2, 3, 4, 5, 6, 7], block_size=4, max_tokens=4)
+    b = create_request("b", [11, 12, 13, 14, 15, 16, 17], block_size=4, max_tokens=2)
+    s.add_request(a)
+    s.add_request(b)
+    p = Pipeline(s)
+    p.launch()
+    p.launch()                                          # b's second (last) token in flight
+    p.finish()
+    # b's last token is in flight: the scheduler skips b, and a's third block
+    # comes from the free pool. Force the preemption by hand, as a smaller pool would.
+    s.running.remove(b)
+    s._preempt_request(b)
+    assert b.num_stale_output_tokens == 1
+    p.finish()                                          # the stale token is b's last
+    assert p.finish_reasons["b"] == "length" and "b" not in s.requests
+    assert b not in s.waiting and b not in s.skipped_waiting
+    p.run()
+    assert p.finish_reasons == {"a": "length", "b": "length"} and p.outputs["b"] == [101, 102]
 
 
 def test_matches_the_synchronous_scheduler_token_for_token():

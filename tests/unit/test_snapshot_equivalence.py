@@ -62,6 +62,7 @@ def reference_request_snapshot(req: Request, block_ids: list[int]) -> dict:
     return {"request_id": req.request_id, "status": req.status.name, "num_tokens": req.num_tokens,
             "num_computed_tokens": req.num_computed_tokens, "num_prompt_tokens": req.num_prompt_tokens,
             "num_output_tokens": req.num_output_tokens, "num_output_placeholders": req.num_output_placeholders,
+            "num_stale_output_tokens": req.num_stale_output_tokens,
             "num_preemptions": req.num_preemptions, "num_cached_tokens": req.num_cached_tokens,
             "block_ids": block_ids}
 
@@ -73,6 +74,8 @@ def reference_scheduler_snapshot(s: Scheduler) -> dict:
             "max_num_seqs": s.max_num_running_reqs,
             "waiting": [reference_request_snapshot(r, tables.get(r.request_id, [])) for r in s.waiting],
             "running": [reference_request_snapshot(r, tables.get(r.request_id, [])) for r in s.running],
+            "skipped_waiting": [reference_request_snapshot(r, tables.get(r.request_id, []))
+                                for r in s.skipped_waiting],
             "step_record": s.last_step_record.to_dict() if s.last_step_record else None,
             "kv_cache": kv}
 

@@ -6,8 +6,8 @@ process boundary; a Request is what the scheduler mutates step after step
 
 Simplified: no pooling, LoRA, multimodal, prompt embeds, structured output,
 KV transfer or streaming-input sessions; FCFS only, so no __lt__ for a
-priority heap. Async scheduling keeps vLLM's num_output_placeholders and
-num_stale_output_tokens (see core/sched/async_scheduler.py).
+priority heap. Async scheduling keeps vLLM's num_output_placeholders,
+num_in_flight_tokens and num_stale_output_tokens (see core/sched/async_scheduler.py).
 """
 from __future__ import annotations
 
@@ -142,8 +142,13 @@ class Request:
         # Async scheduling: tokens already scheduled whose values the scheduler
         # has not seen yet (their steps are still in flight).
         self.num_output_placeholders = 0
-        # Async scheduling: in-flight outputs to throw away, because the
-        # request was preempted while they ran (it will recompute them).
+        # Tokens scheduled in steps whose output update_from_output has not
+        # processed yet (0 between steps without async scheduling).
+        self.num_in_flight_tokens = 0
+        # Async scheduling: the share of num_in_flight_tokens scheduled before
+        # the request was preempted. Their sampled tokens are still delivered
+        # (they are real samples), but must not touch the reset counters; the
+        # request is not readmitted until they have all arrived.
         self.num_stale_output_tokens = 0
 
         self.block_hashes: list[BlockHash] = []
@@ -225,6 +230,7 @@ class Request:
             "num_prompt_tokens": self.num_prompt_tokens,
             "num_output_tokens": len(self._output_token_ids),
             "num_output_placeholders": self.num_output_placeholders,
+            "num_stale_output_tokens": self.num_stale_output_tokens,
             "num_preemptions": self.num_preemptions,
             "num_cached_tokens": self.num_cached_tokens,
             "block_ids": block_ids if block_ids is not None else [],

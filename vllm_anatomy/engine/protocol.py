@@ -88,6 +88,7 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True, gc=False):
     """A snapshot of scheduler state after a step (v1/metrics/stats.py)."""
     num_running_reqs: int = 0
     num_waiting_reqs: int = 0
+    num_skipped_waiting_reqs: int = 0   # length of the "skipped waiting" queue
     step_counter: int = 0
     current_wave: int = 0
     kv_cache_usage: float = 0.0

@@ -105,7 +105,7 @@ class PrometheusStatLogger:
 
     def _record_scheduler_stats(self, s: SchedulerStats) -> None:
         self.gauge_scheduler_running.set(s.num_running_reqs)
-        self.gauge_scheduler_waiting.set(s.num_waiting_reqs)
+        self.gauge_scheduler_waiting.set(s.num_waiting_reqs + s.num_skipped_waiting_reqs)
         self.gauge_kv_cache_usage.set(s.kv_cache_usage)
         self.counter_prefix_cache_queries.inc(s.prefix_cache_queries)
         self.counter_prefix_cache_hits.inc(s.prefix_cache_hits)

@@ -32,12 +32,15 @@ class AsyncScheduler(Scheduler):
     # a placeholder for it (vLLM overrides the method; here it is one class attribute).
     placeholders_per_sampling_step = 1
 
-    def _update_request_with_output(self, request: Request, new_token_ids: list[int]) -> tuple[list[int], bool]:
+    def _update_request_with_output(self, request: Request, new_token_ids: list[int],
+                                    is_stale: bool = False) -> tuple[list[int], bool]:
         status_before_update = request.status
         new_token_ids, stopped = super()._update_request_with_output(request, new_token_ids)
-        # The placeholder has its value now.
-        request.num_output_placeholders -= len(new_token_ids)
-        assert request.num_output_placeholders >= 0
+        # The placeholder has its value now. NOTE: preemption zeroed the
+        # placeholders; a stale delivery has none left to fill.
+        if not is_stale:
+            request.num_output_placeholders -= len(new_token_ids)
+            assert request.num_output_placeholders >= 0
         if status_before_update == RequestStatus.RUNNING:
             # NOTE: allocate_slots only caches blocks whose tokens are all known;
             # under async scheduling the last one becomes known here, a step

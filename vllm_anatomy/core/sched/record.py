@@ -55,8 +55,10 @@ class SchedulerStepRecord:
     preempted_req_ids: list[str] = field(default_factory=list)
     admission_stop_reason: AdmissionStopReason | None = None
     prefix_hits: list[PrefixHitRecord] = field(default_factory=list)
+    # Preempted requests passed over this step: output of theirs still in flight.
+    deferred_req_ids: list[str] = field(default_factory=list)
     num_running: int = 0    # after this step's decisions
-    num_waiting: int = 0
+    num_waiting: int = 0    # waiting + skipped_waiting
 
     def to_dict(self) -> dict[str, Any]:
         # NOTE: msgspec walks dataclasses in C; dataclasses.asdict deep-copies

@@ -34,6 +34,9 @@ class RequestQueue(ABC):
     def prepend_request(self, request: Request) -> None: ...
 
     @abstractmethod
+    def prepend_requests(self, requests: RequestQueue) -> None: ...
+
+    @abstractmethod
     def remove_requests(self, requests: Iterable[Request]) -> None: ...
 
     @abstractmethod
@@ -61,6 +64,12 @@ class FCFSRequestQueue(deque, RequestQueue):
         """Put a request at the front. NOTE: preempted requests go here, so the
         oldest work resumes first and FCFS order is kept."""
         self.appendleft(request)
+
+    def prepend_requests(self, requests: RequestQueue) -> None:
+        """Put a queue's requests at the front. NOTE: the scheduler fills its
+        per-step skip queue with prepend_request, so it holds them newest first;
+        extendleft reverses that back into arrival order."""
+        self.extendleft(requests)
 
     def remove_request(self, request: Request) -> None:
         self.remove(request)

@@ -7,7 +7,8 @@ Simplified: FCFS policy only; one token budget (vLLM also has input_budget
 and draft slots for spec decode); no spec decode, KV connector, encoder cache,
 structured output, LoRA or pipeline parallelism. Async scheduling (output
 placeholders) lives in async_scheduler.py; the few lines here that read
-num_output_placeholders / num_stale_output_tokens are no-ops without it.
+num_output_placeholders / num_stale_output_tokens / skipped_waiting are
+no-ops without it.
 Teaching extras: `last_step_record` and `snapshot()`.
 """
 from __future__ import annotations
@@ -54,6 +55,9 @@ class Scheduler(SchedulerInterface):
         self.requests: dict[str, Request] = {}
         self.policy = SchedulingPolicy.FCFS
         self.waiting = create_request_queue(self.policy)
+        # Waiting requests passed over by an earlier step (here: preempted ones
+        # whose in-flight output had not arrived yet). FCFS looks here first.
+        self.skipped_waiting = create_request_queue(self.policy)
         self.running: list[Request] = []
         # Finished since the last schedule(): the workers drop their state for these.
         self.finished_req_ids: set[str] = set()
@@ -150,8 +154,10 @@ class Scheduler(SchedulerInterface):
         # Next, admit WAITING requests. NOTE: never in a step that preempted:
         # memory is short, and admitting now would just preempt again next step.
         stop_reason = "preempted_this_step" if preempted_reqs else None
+        step_skipped_waiting = create_request_queue(self.policy)
         while stop_reason is None:
-            if not self.waiting:
+            request_queue = self._select_waiting_queue_for_scheduling()
+            if request_queue is None:
                 stop_reason = "queue_empty"
                 break
             if token_budget <= 0:
@@ -160,7 +166,15 @@ class Scheduler(SchedulerInterface):
             if len(self.running) >= self.max_num_running_reqs:
                 stop_reason = "max_num_seqs"
                 break
-            request = self.waiting.peek_request()
+            request = request_queue.peek_request()
+            if request.num_stale_output_tokens > 0:
+                # NOTE: async scheduling: a step launched before this request
+                # was preempted is still sampling its next token. Resuming now
+                # would sample that position again; wait until it is delivered
+                # (within the pipeline depth) and let later requests go first.
+                request_queue.pop_request()
+                step_skipped_waiting.prepend_request(request)
+                continue
             # NOTE: a waiting request holds no blocks (new, or preempted and
             # freed), so it always gets a fresh prefix-cache lookup; a resumed
             # request usually finds its own freed blocks still cached.
@@ -188,7 +202,7 @@ class Scheduler(SchedulerInterface):
                 prefix_hits.append(PrefixHitRecord(
                     request.request_id, request.num_tokens, num_new_local_computed_tokens,
                     new_computed_blocks.get_block_ids()[0]))
-            self.waiting.pop_request()
+            request_queue.pop_request()
             self.running.append(request)
             if self.log_stats:
                 request.record_event(EngineCoreEventType.SCHEDULED)
@@ -204,6 +218,9 @@ class Scheduler(SchedulerInterface):
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_new_local_computed_tokens
 
+        if step_skipped_waiting:
+            # Back in front of skipped_waiting, in their original order.
+            self.skipped_waiting.prepend_requests(step_skipped_waiting)
         total_num_scheduled_tokens = sum(num_scheduled_tokens.values())
         assert total_num_scheduled_tokens <= self.max_num_scheduled_tokens and token_budget >= 0
         assert len(self.running) <= self.max_num_running_reqs
@@ -229,7 +246,8 @@ class Scheduler(SchedulerInterface):
                                              resumed=req in scheduled_resumed_reqs)
                        for req in itertools.chain(scheduled_running_reqs, scheduled_new_reqs, scheduled_resumed_reqs)],
             preempted_req_ids=[req.request_id for req in preempted_reqs], admission_stop_reason=stop_reason,
-            prefix_hits=prefix_hits, num_running=len(self.running), num_waiting=len(self.waiting))
+            prefix_hits=prefix_hits, deferred_req_ids=[req.request_id for req in step_skipped_waiting],
+            num_running=len(self.running), num_waiting=len(self.waiting) + len(self.skipped_waiting))
 
         self._update_after_schedule(scheduler_output)
         return scheduler_output
@@ -262,13 +280,22 @@ class Scheduler(SchedulerInterface):
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
-        # Async scheduling: the outputs still in flight belong to the KV just freed.
-        request.num_stale_output_tokens += request.num_output_placeholders
+        # NOTE: async scheduling: everything still in flight becomes stale. Its
+        # sampled tokens are still delivered (they are the model's real samples
+        # for positions the request had reached), but must not touch the reset
+        # counters; update_from_output drains the stale share step by step.
+        # num_in_flight_tokens already includes any undrained stale share, so
+        # this assigns rather than adds.
+        request.num_stale_output_tokens = request.num_in_flight_tokens
         request.num_output_placeholders = 0
         request.num_preemptions += 1
         if self.log_stats:
             request.record_event(EngineCoreEventType.PREEMPTED)
         self.waiting.prepend_request(request)
+
+    def _select_waiting_queue_for_scheduling(self):
+        """FCFS: requests skipped by an earlier step are older, so they go first."""
+        return self.skipped_waiting or self.waiting or None
 
     def _finishes_in_flight(self, request: Request) -> bool:
         """Async scheduling only: is the request's last token already being sampled?"""
@@ -290,6 +317,7 @@ class Scheduler(SchedulerInterface):
         for req_id, num_scheduled_token in scheduler_output.num_scheduled_tokens.items():
             request = self.requests[req_id]
             request.num_computed_tokens += num_scheduled_token
+            request.num_in_flight_tokens += num_scheduled_token
             request.is_prefill_chunk = (request.num_computed_tokens
                                         < request.num_tokens + request.num_output_placeholders)
             # NOTE: a partial prefill chunk samples nothing worth keeping.
@@ -306,38 +334,57 @@ class Scheduler(SchedulerInterface):
         sampled_token_ids = model_runner_output.sampled_token_ids
         outputs: dict[int, list[EngineCoreOutput]] = defaultdict(list)
         stopped_running_reqs: set[Request] = set()
-        for req_id in scheduler_output.num_scheduled_tokens:
+        stopped_preempted_reqs: set[Request] = set()
+        for req_id, num_tokens_scheduled in scheduler_output.num_scheduled_tokens.items():
             request = self.requests.get(req_id)
+            output_is_stale = False
+            if request is not None:
+                request.num_in_flight_tokens -= num_tokens_scheduled
+                # Drain the stale share (see _preempt_request) in lockstep.
+                if request.num_stale_output_tokens > 0:
+                    output_is_stale = True
+                    request.num_stale_output_tokens -= num_tokens_scheduled
+                    assert request.num_stale_output_tokens >= 0
             if request is None or request.is_finished():
                 continue  # aborted while the step was running
             req_index = model_runner_output.req_id_to_index[req_id]
             # NOTE: a non-final prefill chunk samples nothing (empty list).
             new_token_ids = list(sampled_token_ids[req_index]) if sampled_token_ids else []
-            if new_token_ids and request.num_stale_output_tokens:
-                # Preempted while this step ran (async scheduling): its KV is
-                # gone, it will recompute from scratch; this token is dropped.
-                request.num_stale_output_tokens -= len(new_token_ids)
-                continue
             stopped = False
+            status_before_stop = request.status
             if new_token_ids:
-                new_token_ids, stopped = self._update_request_with_output(request, new_token_ids)
+                # NOTE: a stale token (the request was preempted while this step
+                # ran) is delivered like any other: it is appended to a PREEMPTED
+                # request, which will recompute its KV on resumption, and may
+                # even finish it there.
+                new_token_ids, stopped = self._update_request_with_output(request, new_token_ids,
+                                                                          is_stale=output_is_stale)
             if stopped:
                 self._free_request(request)
-                stopped_running_reqs.add(request)
+                if status_before_stop == RequestStatus.RUNNING:
+                    stopped_running_reqs.add(request)
+                else:
+                    stopped_preempted_reqs.add(request)
             # NOTE: no output for a partial prefill: nothing new to say yet.
             if new_token_ids or stopped:
                 outputs[request.client_index].append(self._make_output(
                     request, new_token_ids, self._get_logprobs(model_runner_output, req_index, len(new_token_ids))))
         if stopped_running_reqs:
             self.running = [req for req in self.running if req not in stopped_running_reqs]
+        if stopped_preempted_reqs:
+            # Rare: a stale token finished a preempted request.
+            self.waiting.remove_requests(stopped_preempted_reqs)
+            self.skipped_waiting.remove_requests(stopped_preempted_reqs)
         for request in self._ignored_reqs:
             self._free_request(request)
             outputs[request.client_index].append(self._make_output(request, []))
         self._ignored_reqs = []
         return self._make_engine_core_outputs(outputs)
 
-    def _update_request_with_output(self, request: Request, new_token_ids: list[int]) -> tuple[list[int], bool]:
-        """Append tokens one at a time, checking for a stop after each one."""
+    def _update_request_with_output(self, request: Request, new_token_ids: list[int],
+                                    is_stale: bool = False) -> tuple[list[int], bool]:
+        """Append tokens one at a time, checking for a stop after each one.
+        (is_stale is only read by AsyncScheduler's override.)"""
         for num_new, output_token_id in enumerate(new_token_ids, 1):
             request.append_output_token_ids(output_token_id)
             if check_stop(request, self.max_model_len):
@@ -403,7 +450,9 @@ class Scheduler(SchedulerInterface):
         if running:
             self.running = [req for req in self.running if req not in running]
         if len(running) < len(valid_requests):
-            self.waiting.remove_requests([req for req in valid_requests if req not in running])
+            waiting = [req for req in valid_requests if req not in running]
+            self.waiting.remove_requests(waiting)
+            self.skipped_waiting.remove_requests(waiting)
         for request in valid_requests:
             request.status = finished_status
             self._free_request(request)
@@ -416,13 +465,13 @@ class Scheduler(SchedulerInterface):
         del self.requests[request.request_id]
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.skipped_waiting) + len(self.running)
 
     def has_finished_requests(self) -> bool:
         return len(self.finished_req_ids) > 0 or len(self._ignored_reqs) > 0
 
     def get_request_counts(self) -> tuple[int, int]:
-        return len(self.running), len(self.waiting)
+        return len(self.running), len(self.waiting) + len(self.skipped_waiting)
 
     def get_kv_cache_usage(self) -> float:
         return self.kv_cache_manager.usage
@@ -436,6 +485,7 @@ class Scheduler(SchedulerInterface):
         prefix_stats = self.kv_cache_manager.make_prefix_cache_stats()
         return SchedulerStats(
             num_running_reqs=len(self.running), num_waiting_reqs=len(self.waiting),
+            num_skipped_waiting_reqs=len(self.skipped_waiting),
             step_counter=self.current_step, kv_cache_usage=self.kv_cache_manager.usage,
             prefix_cache_requests=prefix_stats.requests, prefix_cache_queries=prefix_stats.queries,
             prefix_cache_hits=prefix_stats.hits)
@@ -452,6 +502,7 @@ class Scheduler(SchedulerInterface):
             "max_num_seqs": self.max_num_running_reqs,
             "waiting": [req.snapshot(tables.get(req.request_id)) for req in self.waiting],
             "running": [req.snapshot(tables.get(req.request_id)) for req in self.running],
+            "skipped_waiting": [req.snapshot(tables.get(req.request_id)) for req in self.skipped_waiting],
             "step_record": self.last_step_record.to_dict() if self.last_step_record else None,
             "kv_cache": kv_snapshot,
         }
