@@ -12,6 +12,7 @@ raises MalformedRowError (a TraceStoreError) naming the row; `spans()` and
 """
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import os
@@ -19,7 +20,13 @@ import sqlite3
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
+import msgspec
+
 from vllm_anatomy.tracing.store import SCHEMA_VERSION, SPAN_COLUMNS, connect_readonly
+
+# NOTE: msgspec's decoder, not json.loads: a big run has tens of thousands of span rows and
+# snapshots of hundreds of KB; it is many times faster and gives the same plain data.
+_decode = msgspec.json.Decoder().decode
 
 
 class TraceStoreError(Exception):
@@ -52,13 +59,19 @@ class SpanRow:
     end_ns: int
     attributes: dict[str, Any]
     events: list[dict[str, Any]]
-    links: list[dict[str, Any]]
-    status: str | None
-    service: str
-    process_kind: str
-    pid: int
+    links_json: str = field(repr=False)    # `links`, decoded when first read
+    status: str | None = None
+    service: str = ""
+    process_kind: str = ""
+    pid: int = 0
     step_id: int | None = None
     request_id: str | None = None
+
+    @functools.cached_property
+    def links(self) -> list[dict[str, Any]]:
+        """[{trace_id, span_id, attributes}]. NOTE: decoded on first use: a step span links
+        to every request it served (hundreds), and most readers never look."""
+        return _decode(self.links_json)
 
     @property
     def duration_ns(self) -> int:
@@ -120,7 +133,7 @@ class Run:
         if not rows:
             return None
         try:
-            return json.loads(rows[0][1])
+            return _decode(rows[0][1])
         except (ValueError, TypeError) as e:
             bad = _snapshot_bad_row(rows[0][0], step_id, kind, e)
             raise MalformedRowError(f"{self.path}: {bad}") from e
@@ -130,19 +143,25 @@ class Run:
         rows = self._query(sql + (" WHERE kind = ?" if kind else "") + " ORDER BY id", (kind,) if kind else ())
         for row_id, step_id, k, process, t, data in rows:
             try:
-                yield Snapshot(step_id, k, process, t, json.loads(data))
+                yield Snapshot(step_id, k, process, t, _decode(data))
             except (ValueError, TypeError) as e:
                 self.bad_rows.append(_snapshot_bad_row(row_id, step_id, k, e))
 
     # -- spans ----------------------------------------------------------------------
-    def spans(self, name: str | None = None) -> list[SpanRow]:
-        sql = f"SELECT {', '.join(SPAN_COLUMNS)} FROM spans"
-        rows = self._query(sql + (" WHERE name = ?" if name else "") + " ORDER BY start_ns",
-                           (name,) if name else ())
+    def spans(self, name: str | None = None, where: str = "", args: tuple = ()) -> list[SpanRow]:
+        """Finished spans in start order (all, those named `name`, or those matching the
+        SQL condition `where` over the spans table's columns, with `args`)."""
+        conds = (["name = ?"] if name else []) + ([f"({where})"] if where else [])
+        # NOTE: links are checked in SQLite (json_valid: no Python objects) and decoded
+        # only when read (SpanRow.links).
+        sql = (f"SELECT {', '.join(SPAN_COLUMNS)}, json_valid(links) AND json_type(links) = 'array' FROM spans"
+               + (" WHERE " + " AND ".join(conds) if conds else "") + " ORDER BY start_ns")
         out = []
-        for r in rows:
+        for r in self._query(sql, ((name,) if name else ()) + tuple(args)):
             try:
-                out.append(_span_row(r))
+                if not r[-1]:
+                    raise ValueError("links is not a JSON array")
+                out.append(_span_row(r[:-1]))
             except (ValueError, TypeError) as e:
                 self.bad_rows.append(BadRow("spans", f"span {r[3]!r} {r[1]} of trace {r[0]}",
                                             f"malformed JSON ({e})"))
@@ -150,7 +169,8 @@ class Run:
 
     def requests(self) -> list[SpanRow]:
         """Request-level spans (one per request, from add to finish)."""
-        return [s for s in self.spans() if s.attributes.get("vllm_anatomy.span_type") == "request"]
+        return self.spans(where="CASE WHEN json_valid(attributes) THEN "
+                                "json_extract(attributes, '$.\"vllm_anatomy.span_type\"') END = 'request'")
 
     def close(self) -> None:
         if self._conn is not None:
@@ -177,10 +197,11 @@ def _snapshot_bad_row(row_id: int, step_id: int | None, kind: str, e: Exception)
 
 def _span_row(r: tuple) -> SpanRow:
     d = dict(zip(SPAN_COLUMNS, r))
-    for key, kind in (("attributes", dict), ("events", list), ("links", list)):
-        d[key] = json.loads(d[key])
+    for key, kind in (("attributes", dict), ("events", list)):
+        d[key] = _decode(d[key])
         if type(d[key]) is not kind:
             raise TypeError(f"{key} is a {type(d[key]).__name__}, not a {kind.__name__}")
+    d["links_json"] = d.pop("links")
     return SpanRow(**d)
 
 
