@@ -23,7 +23,7 @@ if ROOT not in sys.path:
 import streamlit as st  # noqa: E402
 from streamlit.errors import StreamlitAPIException  # noqa: E402
 
-from dashboard import state  # noqa: E402
+from dashboard import data, state  # noqa: E402
 from dashboard.components.run_header import run_header  # noqa: E402
 from dashboard.components.run_picker import live_status, run_picker  # noqa: E402
 
@@ -91,6 +91,11 @@ def main() -> None:
     state.sync_query(page)
     if page not in NO_RUN_HEADER:
         run_header()
+    # A finished run's tables (one pass per snapshot kind) are built in the background
+    # while this page draws, so the next page switch finds them ready (data.prefetch).
+    path = ss.get("run_path")
+    if path and os.path.exists(path) and not os.path.exists(path + "-wal"):
+        data.prefetch(path)
     pg.run()
 
 

@@ -20,6 +20,7 @@ import os
 import sqlite3
 from dataclasses import dataclass
 
+import msgspec
 import pandas as pd
 import streamlit as st
 
@@ -103,42 +104,201 @@ def step_data(path: str, step_id: int) -> dict | RunError:
     return {"step": step, "mr": mr if isinstance(mr, dict) else {}, "bad_rows": bad}
 
 
-def _rows(path: str, sql: str, args: tuple = ()) -> list[tuple]:
+def _rows(path: str, sql: str, args: tuple = (), valid_only: bool = False) -> list[tuple]:
+    """Rows of `sql` on a read-only connection; valid_only: as if `snapshots` held only the rows
+    whose JSON parses (a temporary view of that name shadows the table for this connection)."""
     conn = connect_readonly(path)
     try:
+        if valid_only:
+            conn.execute("CREATE TEMP VIEW snapshots AS SELECT * FROM main.snapshots WHERE json_valid(data)")
         return conn.execute(sql, args).fetchall()
     finally:
         conn.close()
 
 
-def _guarded_rows(path: str, sql: str, what: str) -> tuple[list[tuple], list[str]]:
-    """Rows of `sql` (over `snapshots`, selecting json_extract of `data`), and the damaged rows.
+def _guarded_rows(path: str, sql: str, what: str, args: tuple = ()) -> tuple[list[tuple], list[str]]:
+    """Rows of `sql` (any query over `snapshots` using SQLite's JSON functions), and the
+    damaged rows it had to leave out.
 
     NOTE: SQLite's json_extract fails the whole query on one malformed document.
     The query runs as written first (the common case costs nothing more); only if
     it fails on bad JSON is it run again over the valid rows, and the others named."""
     try:
-        return _rows(path, sql), []
+        return _rows(path, sql, args), []
     except sqlite3.OperationalError as e:
         if "JSON" not in str(e):
             raise
-    guarded = sql.replace("FROM snapshots WHERE", "FROM snapshots WHERE json_valid(data) AND")
-    bad = _rows(path, "SELECT id, step_id, kind FROM snapshots WHERE " + sql.split(" WHERE ", 1)[1].split(
-        " ORDER BY")[0] + " AND NOT json_valid(data) ORDER BY id")
-    return _rows(path, guarded), [f"step {s}, {k!r} snapshot (row id {i}): malformed JSON, skipped ({what})"
-                                  for i, s, k in bad]
+    bad = _rows(path, "SELECT id, step_id, kind FROM snapshots WHERE NOT json_valid(data) ORDER BY id")
+    return _rows(path, sql, args, valid_only=True), [
+        f"step {s}, {k!r} snapshot (row id {i}): malformed JSON, skipped ({what})" for i, s, k in bad]
 
 
-_STEP_SQL = """SELECT step_id, time_ns, json_extract(data, '$.scheduler.step_record'),
-  json_extract(data, '$.scheduler.kv_cache.usage'), json_extract(data, '$.scheduler_output.finished_req_ids'),
-  json_extract(data, '$.block_pool_events') FROM snapshots WHERE kind = 'step' ORDER BY step_id"""
-_MR_SQL = """SELECT step_id, json_extract(data, '$.prepare_inputs'),
-  json_array_length(data, '$.input_batch.condense_moves'), json_extract(data, '$.sampled_token_ids')
-  FROM snapshots WHERE kind = 'model_runner' ORDER BY step_id"""
+_decode = msgspec.json.Decoder().decode
 
 
 def _loads(text):
-    return json.loads(text) if text else None
+    return _decode(text) if text else None
+
+
+# -- one pass over each snapshot kind -------------------------------------------------------------
+# NOTE: a 1,000-step run at batch 256 holds ~240 MB of snapshot JSON. Every per-run
+# table below comes from two passes (one per snapshot kind) that let SQLite pick
+# the few fields needed (json_extract runs in C; the Python side decodes ~7 %
+# of the bytes). The passes are kept per (run, version), shared by every session
+# and page, read-only (st.cache_resource: no copy per call); at most a few runs at
+# once, so memory stays bounded by the summaries, never every snapshot.
+_STEP_SCAN_SQL = """SELECT step_id, time_ns, json_extract(data, '$.scheduler.step_record'),
+  json_extract(data, '$.scheduler.kv_cache.usage'), json_extract(data, '$.scheduler_output.finished_req_ids'),
+  json_extract(data, '$.block_pool_events'), json_extract(data, '$.scheduler_output.scheduled_new_reqs')
+  FROM snapshots WHERE kind = 'step' ORDER BY step_id"""
+# NOTE: json_each over an extracted sub-array parses only that array (json_each(data, path)
+# would parse the whole snapshot again, once per queue).
+_QUEUE_SCAN_SQL = """SELECT step_id,
+  (SELECT json_group_array(json_array(json_extract(q.value, '$.request_id'), json_extract(q.value, '$.status')))
+     FROM json_each(json_extract(data, '$.scheduler.waiting')) q),
+  (SELECT json_group_array(json_array(json_extract(q.value, '$.request_id'), json_extract(q.value, '$.status')))
+     FROM json_each(json_extract(data, '$.scheduler.running')) q)
+  FROM snapshots WHERE kind = 'step' ORDER BY step_id"""
+_RUNNER_META_SQL = """SELECT step_id, json_array_length(data, '$.input_batch.condense_moves'),
+  json_extract(data, '$.prepare_inputs.cudagraph.mode'), json_extract(data, '$.prepare_inputs.cudagraph.num_tokens'),
+  json_extract(data, '$.prepare_inputs.cudagraph.num_padded_tokens'),
+  json_extract(data, '$.prepare_inputs.cudagraph.reason')
+  FROM snapshots WHERE kind = 'model_runner' ORDER BY step_id"""
+# NOTE: a step that recorded its sampled ids needs no input_ids (a prefill's can be 16k
+# tokens): the token a request sampled at a step sits at position seq_len. Older runs
+# (no sampled_token_ids) read the generated tokens back from the next steps' inputs.
+_RUNNER_TOKENS_SQL = """SELECT step_id, json_extract(data, '$.prepare_inputs.req_ids'),
+  json_extract(data, '$.prepare_inputs.seq_lens'), json_extract(data, '$.prepare_inputs.discard_request_indices'),
+  json_extract(data, '$.sampled_token_ids'),
+  CASE WHEN json_type(data, '$.sampled_token_ids') IS NULL
+       THEN json_extract(data, '$.prepare_inputs.req_indices') END,
+  CASE WHEN json_type(data, '$.sampled_token_ids') IS NULL THEN json_extract(data, '$.prepare_inputs.positions') END,
+  CASE WHEN json_type(data, '$.sampled_token_ids') IS NULL THEN json_extract(data, '$.prepare_inputs.input_ids') END
+  FROM snapshots WHERE kind = 'model_runner' ORDER BY step_id"""
+
+
+def _corrupt(path: str, e: Exception) -> RunError:
+    return RunError(f"{os.path.basename(path)}: corrupt run store ({e})")
+
+
+@st.cache_resource(max_entries=4, ttl=3600, show_spinner=False)
+def step_scan(path: str, version: tuple) -> dict | RunError:
+    """One pass over the "step" snapshots: per step (in step order) its time, step record,
+    KV usage, finished ids and block-pool events; the prompt of every request. Shared: do
+    not modify."""
+    try:
+        rows, bad = _guarded_rows(path, _STEP_SCAN_SQL, "step records")
+    except sqlite3.Error as e:
+        return _corrupt(path, e)
+    scan = {"steps": [], "time_ns": [], "records": [], "usage": [], "finished": [], "events": [],
+            "prompts": {}, "bad_rows": BadRows(bad)}
+    for step_id, t, rec, usage, finished, events, new in rows:
+        try:
+            rec, finished, events, new = _loads(rec), _loads(finished), _loads(events), _loads(new)
+            if not isinstance(rec, dict):
+                raise ValueError("no step record")
+            for r in new or []:
+                scan["prompts"][str(r["req_id"])] = r["prompt_token_ids"]
+        except (KeyError, TypeError, ValueError, AttributeError, msgspec.DecodeError) as e:
+            scan["bad_rows"].append(f"step {step_id}, 'step' snapshot: unexpected content "
+                                    f"({type(e).__name__}: {e}), skipped")
+            continue
+        scan["steps"].append(step_id)
+        scan["time_ns"].append(t)
+        scan["records"].append(rec)
+        scan["usage"].append(usage or 0.0)
+        scan["finished"].append(finished or [])
+        scan["events"].append(events or [])
+    return scan
+
+
+@st.cache_resource(max_entries=4, ttl=3600, show_spinner=False)
+def queue_statuses(path: str, version: tuple) -> dict[str, dict[int, str]] | RunError:
+    """request id -> {step id: status} for every step whose snapshot has the request in the
+    waiting or running queue (WAITING, RUNNING, or PREEMPTED while it waits to be
+    recomputed): one pass reading two fields of each queue entry. Shared: do not modify."""
+    try:
+        rows, _ = _guarded_rows(path, _QUEUE_SCAN_SQL, "request statuses")
+    except sqlite3.Error as e:
+        return _corrupt(path, e)
+    out: dict[str, dict[int, str]] = {}
+    for step_id, waiting, running in rows:
+        for q in (waiting, running):
+            for req, status in _loads(q) or []:
+                out.setdefault(str(req), {})[step_id] = status
+    return out
+
+
+@st.cache_resource(max_entries=4, ttl=3600, show_spinner=False)
+def runner_meta(path: str, version: tuple) -> dict | RunError:
+    """Per step, from the "model_runner" snapshots: condense moves and the CUDA-graph decision."""
+    try:
+        rows, bad = _guarded_rows(path, _RUNNER_META_SQL, "model runner")
+    except sqlite3.Error as e:
+        return _corrupt(path, e)
+    return {"condense": {r[0]: r[1] or 0 for r in rows},
+            "cudagraph": [(r[0], *r[2:]) for r in rows if r[2] is not None], "bad_rows": BadRows(bad)}
+
+
+@st.cache_resource(max_entries=4, ttl=3600, show_spinner=False)
+def runner_tokens(path: str, version: tuple) -> list[tuple] | RunError:
+    """Per step, the token fields of prepare_inputs: (step, req_ids, seq_lens,
+    discard_request_indices, sampled_token_ids or None, and only without sampled ids:
+    req_indices, positions, input_ids). Shared: do not modify."""
+    try:
+        rows, _ = _guarded_rows(path, _RUNNER_TOKENS_SQL, "tokens")
+    except sqlite3.Error as e:
+        return _corrupt(path, e)
+    out = []
+    for step_id, req_ids, seq_lens, discard, sampled, req_idx, pos, ids in rows:
+        if req_ids is None:
+            continue
+        try:
+            out.append((step_id, _loads(req_ids), _loads(seq_lens) or [], _loads(discard) or [], _loads(sampled),
+                        _loads(req_idx) or [], _loads(pos) or [], _loads(ids) or []))
+        except msgspec.DecodeError:
+            continue
+    return out
+
+
+def prefetch(path: str) -> None:
+    """Build a finished run's tables in two background threads (each table once: a page that
+    needs one waits for the thread that is building it instead of building it again).
+
+    NOTE: SQLite releases the GIL while it runs a query, so the two passes (and the page's
+    own work) use both cores of a small machine; a page switch after the first page of a
+    big run then finds its tables ready, or half built."""
+    version = file_version(path)
+    key = (path, version)
+    if key in _prefetched:
+        return
+    if len(_prefetched) > 64:
+        _prefetched.clear()
+    _prefetched.add(key)
+
+    def work(jobs) -> None:
+        from dashboard import spans      # (spans imports this module)
+        for fn, args in jobs(spans):
+            try:
+                fn(path, version, *args)
+            except Exception:   # noqa: BLE001 - a page that needs it reports the error itself
+                pass
+
+    info = run_info(path, version)
+    device = str(info["meta"].get("device")) if isinstance(info, dict) else "cpu"
+    lanes = (lambda spans: ((step_scan, ()), (step_table, ()), (queue_statuses, ()), (token_index, ())),
+             lambda spans: ((runner_meta, ()), (spans.request_table, ()), (runner_tokens, ()),
+                            (spans.span_table, (device,))))
+    import threading
+
+    from streamlit.runtime.scriptrunner import add_script_run_ctx
+    for jobs in lanes:
+        thread = threading.Thread(target=work, args=(jobs,), name="dashboard-prefetch", daemon=True)
+        add_script_run_ctx(thread)
+        thread.start()
+
+
+_prefetched: set = set()
 
 
 def _step_row(step_id, time_ns, rec, usage, finished, events) -> dict:
@@ -165,26 +325,24 @@ def _step_row(step_id, time_ns, rec, usage, finished, events) -> dict:
 @st.cache_data(max_entries=32, show_spinner=False)
 def step_table(path: str, version: tuple) -> pd.DataFrame | RunError:
     """One row per committed step: what the metrics, lessons and journey pages need."""
-    try:
-        rows, bad = _guarded_rows(path, _STEP_SQL, "step table")
-        mr, bad_mr = _guarded_rows(path, _MR_SQL, "step table")
-        cg, bad_cg = _guarded_rows(path, _CG_SQL, "step table")
-    except sqlite3.Error as e:
-        return RunError(f"{path}: corrupt run store ({e})")
-    bad = BadRows(bad + [b for b in bad_mr if b not in bad_cg] + bad_cg)
-    mr_rows, cg_rows = {r[0]: r for r in mr}, {r[0]: r for r in cg}
+    scan, runner = step_scan(path, version), runner_meta(path, version)
+    for x in (scan, runner):
+        if isinstance(x, RunError):
+            return x
+    bad = BadRows(scan["bad_rows"] + [b for b in runner["bad_rows"] if b not in scan["bad_rows"]])
+    cg_rows = {r[0]: r for r in runner["cudagraph"]}
     out = []
-    for step_id, t, rec, usage, finished, events in rows:
+    for step_id, t, rec, usage, finished, events in zip(scan["steps"], scan["time_ns"], scan["records"],
+                                                        scan["usage"], scan["finished"], scan["events"]):
         try:
-            row = _step_row(step_id, t, _loads(rec) or {}, usage, _loads(finished), _loads(events))
+            row = _step_row(step_id, t, rec, usage, finished, events)
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             bad.append(f"step {step_id}, 'step' snapshot: unexpected content ({type(e).__name__}: {e}), skipped")
             continue
-        m = mr_rows.get(step_id)
-        row["condense_moves"] = (m[2] or 0) if m else 0
+        row["condense_moves"] = runner["condense"].get(step_id, 0)
         c = cg_rows.get(step_id)
         row["cudagraph_mode"] = c[1] if c else None
-        row["cudagraph_padding"] = (c[3] or 0) - (c[2] or 0) if c and c[1] is not None else 0
+        row["cudagraph_padding"] = (c[3] or 0) - (c[2] or 0) if c else 0
         out.append(row)
     df = pd.DataFrame(out)
     if not df.empty:
@@ -193,11 +351,6 @@ def step_table(path: str, version: tuple) -> pd.DataFrame | RunError:
     return df
 
 
-_CG_SQL = """SELECT step_id, json_extract(data, '$.prepare_inputs.cudagraph.mode'),
-  json_extract(data, '$.prepare_inputs.cudagraph.num_tokens'),
-  json_extract(data, '$.prepare_inputs.cudagraph.num_padded_tokens'),
-  json_extract(data, '$.prepare_inputs.cudagraph.reason')
-  FROM snapshots WHERE kind = 'model_runner' ORDER BY step_id"""
 CG_COLUMNS = ["step", "mode", "num_tokens", "num_padded_tokens", "reason"]
 
 
@@ -205,12 +358,11 @@ CG_COLUMNS = ["step", "mode", "num_tokens", "num_padded_tokens", "reason"]
 def cudagraph_steps(path: str, version: tuple) -> pd.DataFrame | RunError:
     """The CUDA-graph decision of every step (CudagraphDispatcher.dispatch, recorded in
     prepare_inputs.cudagraph); empty for runs recorded before it was traced."""
-    try:
-        rows, bad = _guarded_rows(path, _CG_SQL, "CUDA-graph decisions")
-    except sqlite3.Error as e:
-        return RunError(f"{path}: corrupt run store ({e})")
-    df = pd.DataFrame([r for r in rows if r[1] is not None], columns=CG_COLUMNS)
-    df.attrs["bad_rows"] = bad
+    runner = runner_meta(path, version)
+    if isinstance(runner, RunError):
+        return runner
+    df = pd.DataFrame(runner["cudagraph"], columns=CG_COLUMNS)
+    df.attrs["bad_rows"] = runner["bad_rows"]
     return df
 
 
@@ -225,53 +377,43 @@ def first_graph_step(path: str) -> int | None:
     return int(pick["step"].iloc[0]) if not pick.empty else None
 
 
-@st.cache_data(max_entries=32, show_spinner=False)
+@st.cache_resource(max_entries=4, ttl=3600, show_spinner=False)
 def step_records(path: str, version: tuple) -> dict[int, dict] | RunError:
-    """step id -> SchedulerStepRecord + finished ids (for the request journey)."""
-    try:
-        rows, _ = _guarded_rows(path, _STEP_SQL, "step records")
-    except sqlite3.Error as e:
-        return RunError(f"{path}: corrupt run store ({e})")
-    out = {}
-    for r in rows:
-        rec = _loads(r[2])
-        if isinstance(rec, dict):
-            out[r[0]] = {**rec, "finished_req_ids": _loads(r[4]) or [], "time_ns": r[1]}
-    return out
+    """step id -> SchedulerStepRecord + finished ids + time_ns (for the request journey).
+    Shared between sessions: do not modify."""
+    scan = step_scan(path, version)
+    if isinstance(scan, RunError):
+        return scan
+    return {s: {**rec, "finished_req_ids": fin, "time_ns": t}
+            for s, t, rec, fin in zip(scan["steps"], scan["time_ns"], scan["records"], scan["finished"])}
 
 
-@st.cache_data(max_entries=32, show_spinner=False)
+@st.cache_resource(max_entries=4, ttl=3600, show_spinner=False)
 def token_index(path: str, version: tuple) -> dict | RunError:
     """Tokens by request and position, and the token each request sampled at each step.
+    Shared between sessions: do not modify.
 
     Prompt tokens come from SchedulerOutput.scheduled_new_reqs; a generated token is
     known once it is fed back as an input (prepare_inputs.input_ids at its position),
     or directly when the runner snapshot has `sampled_token_ids`.
     """
-    try:
-        new_rows, _ = _guarded_rows(path, "SELECT json_extract(data, '$.scheduler_output.scheduled_new_reqs') "
-                                          "FROM snapshots WHERE kind = 'step' ORDER BY step_id", "tokens")
-        mr_rows, _ = _guarded_rows(path, _MR_SQL, "tokens")
-    except sqlite3.Error as e:
-        return RunError(f"{path}: corrupt run store ({e})")
-    tokens: dict[str, dict[int, int]] = {}
-    for (new,) in new_rows:
-        for r in _loads(new) or []:
-            tokens.setdefault(r["req_id"], {}).update(enumerate(r["prompt_token_ids"]))
+    scan, runner = step_scan(path, version), runner_tokens(path, version)
+    for x in (scan, runner):
+        if isinstance(x, RunError):
+            return x
+    tokens: dict[str, dict[int, int]] = {req: dict(enumerate(ids)) for req, ids in scan["prompts"].items()}
     sampled: dict[int, dict[str, list]] = {}
-    for step_id, pi, _, direct in mr_rows:
-        pi = _loads(pi) or {}
-        if not isinstance(pi, dict):
-            continue
-        req_ids = pi.get("req_ids", [])
-        for row, pos, tok in zip(pi.get("req_indices", []), pi.get("positions", []), pi.get("input_ids", [])):
+    for step_id, req_ids, seq_lens, discard, direct, req_indices, positions, input_ids in runner:
+        for row, pos, tok in zip(req_indices, positions, input_ids):      # (runs without sampled ids)
             tokens.setdefault(req_ids[row], {})[pos] = tok
-        discard = set(pi.get("discard_request_indices", []))
-        direct = _loads(direct)
+        discard = set(discard)
         sampled[step_id] = {}
-        for i, (req, seq_len) in enumerate(zip(req_ids, pi.get("seq_lens", []))):
+        for i, (req, seq_len) in enumerate(zip(req_ids, seq_lens)):
             if i not in discard:
-                sampled[step_id][req] = [seq_len, direct[i][0] if direct and direct[i] else None]
+                tok = direct[i][0] if direct and i < len(direct) and direct[i] else None
+                sampled[step_id][req] = [seq_len, tok]
+                if tok is not None and tok >= 0:
+                    tokens.setdefault(req, {})[seq_len] = tok
     for step in sampled.values():
         for req, entry in step.items():
             if entry[1] is None:
