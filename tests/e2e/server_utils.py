@@ -51,12 +51,13 @@ def parse_metrics(text: str) -> dict[str, float]:
 
 class RemoteOpenAIServer:
 
-    def __init__(self, *serve_args: str, api_key: str | None = None, startup_timeout: float = 240) -> None:
+    def __init__(self, *serve_args: str, api_key: str | None = None, startup_timeout: float = 240,
+                 env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.api_key = api_key
         cmd = [sys.executable, "-c", _SERVE, "serve", "--port", str(self.port),
                *serve_args, *(["--api-key", api_key] if api_key else [])]
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=env)
         self._wait_healthy(startup_timeout)
 

@@ -69,6 +69,18 @@ class AsyncLLM:
             multiprocess_mode=multiprocess, asyncio_mode=True, vllm_config=vllm_config,
             recorder=self.recorder)
         self.output_handler: asyncio.Task | None = None
+        # Set once a shutdown began (drain): no new request is accepted.
+        self._shutdown_reason: str | None = None
+        # Set by the output handler / abort() when a drain waits and nothing is left in flight.
+        self._drained: asyncio.Event | None = None
+        # NOTE: (as vLLM) start the output handler now if a loop runs (the HTTP
+        # server's case): it reads ENGINE_CORE_DEAD, so a death is noticed even
+        # if no request ever came, and the server's watchdog waits on it.
+        try:
+            asyncio.get_running_loop()
+            self._run_output_handler()
+        except RuntimeError:
+            pass
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, *, multiprocess: bool = True,
@@ -82,11 +94,12 @@ class AsyncLLM:
 
     @property
     def errored(self) -> bool:
-        return self.engine_core.engine_dead or not self.is_running
+        """No new request can be served: the engine is dead, or shutting down."""
+        return self._shutdown_reason is not None or self.engine_core.engine_dead or not self.is_running
 
     @property
     def dead_error(self) -> BaseException:
-        return EngineDeadError()
+        return EngineDeadError(self._shutdown_reason) if self._shutdown_reason else EngineDeadError()
 
     async def check_health(self) -> None:
         if self.errored:
@@ -101,7 +114,7 @@ class AsyncLLM:
                           trace_headers: dict[str, str] | None = None) -> RequestOutputCollector:
         """Validate and send one request; returns the collector its outputs arrive in."""
         if self.errored:
-            raise EngineDeadError()
+            raise self.dead_error
         with self.recorder.span("AsyncLLM.add_request", **{"vllm_anatomy.request_id": request_id}):
             return await self._add_request(request_id, prompt, params, arrival_time, trace_headers)
 
@@ -166,6 +179,7 @@ class AsyncLLM:
         # NOTE: a dead engine holds no blocks any more: nothing to free there.
         if known and not self.engine_core.engine_dead:
             await self.engine_core.abort_requests_async(known)
+        self._notify_if_drained()
 
     # -- the output handler ------------------------------------------------------
     def _run_output_handler(self) -> None:
@@ -193,12 +207,15 @@ class AsyncLLM:
                     # Stop strings finished these here; the engine still runs them.
                     await engine_core.abort_requests_async(processed.reqs_to_abort)
                 self._record_stats(outputs.scheduler_stats, iteration_stats)
+                self._notify_if_drained()
         except asyncio.CancelledError:
             raise
+        except EngineDeadError as e:
+            logger.error("AsyncLLM output_handler: %s", e)   # the engine logged its own traceback
+            output_processor.propagate_error(e)
         except Exception as e:
             logger.exception("AsyncLLM output_handler failed.")
-            err = e if isinstance(e, EngineDeadError) else EngineDeadError(f"output handler failed: {e!r}")
-            output_processor.propagate_error(err)
+            output_processor.propagate_error(EngineDeadError(f"output handler failed: {e!r}"))
 
     def _record_stats(self, scheduler_stats: SchedulerStats | None,
                       iteration_stats: IterationStats) -> None:
@@ -216,10 +233,66 @@ class AsyncLLM:
     async def reset_prefix_cache(self) -> bool:
         return await self.engine_core.reset_prefix_cache_async()
 
-    def shutdown(self) -> None:
-        """Stop the output handler and the engine (process, sockets, temp dir)."""
+    # -- shutdown -------------------------------------------------------------------
+    async def drain(self, timeout: float, abort_now: asyncio.Event | None = None) -> list[str]:
+        """Graceful shutdown, the frontend's half: refuse new requests, let those in
+        flight finish for at most `timeout` s (or until `abort_now` is set), then fail
+        the rest with EngineDeadError (a stream ends with an error event, a plain
+        request gets 503). Returns the ids it failed. The engine still runs; shutdown() stops it.
+
+        NOTE: vLLM drains inside EngineCoreProc (`shutdown_state`; new requests
+        rejected) and its parent kills the engine after --shutdown-timeout. The
+        frontend waits here instead, so that what is left when time is up ends
+        with an error its client can read rather than a cut connection.
+        """
+        self._shutdown_reason = "The server is shutting down."
+        if timeout > 0:
+            await self._wait_for_requests_to_drain(timeout, abort_now)
+        return await self._fail_all_requests(
+            f"The server shut down before this request finished (--shutdown-timeout {timeout:g} s).")
+
+    async def _wait_for_requests_to_drain(self, timeout: float, abort_now: asyncio.Event | None) -> None:
+        """Until nothing is in flight, the engine is dead, `abort_now` is set, or `timeout` s."""
+        self._drained = asyncio.Event()
+        self._notify_if_drained()
+        events = [asyncio.ensure_future(e.wait()) for e in (self._drained, abort_now) if e is not None]
+        # NOTE: the output handler ends only when the engine dies: nothing would finish then.
+        handler = [self.output_handler] if self.output_handler is not None else []
+        try:
+            await asyncio.wait(events + handler, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiter in events:
+                waiter.cancel()
+
+    def _notify_if_drained(self) -> None:
+        if self._drained is not None and not self.output_processor.has_unfinished_requests():
+            self._drained.set()
+
+    async def _fail_all_requests(self, message: str) -> list[str]:
+        """End every request in flight with EngineDeadError(message); abort them in the engine."""
+        output_processor = self.output_processor
+        ids = list(output_processor.request_states)
+        if not ids:
+            return []
+        output_processor.propagate_error(EngineDeadError(message))
+        # NOTE: the error is already in each collector, and an exception there
+        # wins over the "abort" output that forgetting the request would add.
+        output_processor.abort_requests(ids)
+        if self.request_tracer is not None:
+            self.request_tracer.abort_all(ids, "error")
+        if not self.engine_core.engine_dead:
+            try:
+                await self.engine_core.abort_requests_async(ids)
+            except EngineDeadError:
+                pass        # died meanwhile: nothing left to free there
+        return ids
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Stop the output handler and the engine (process, sockets, temp dir).
+
+        `timeout`: seconds the engine process gets to exit after SIGTERM before SIGKILL."""
         cancel_task_threadsafe(self.output_handler)
-        self.engine_core.shutdown()
+        self.engine_core.shutdown(timeout)
         if self._owns_recorder:
             self.recorder.shutdown()
 

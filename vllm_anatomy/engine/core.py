@@ -36,10 +36,12 @@ import zmq
 
 from vllm_anatomy.config import VllmConfig
 from vllm_anatomy.core.kv_cache_utils import get_request_block_hasher, init_none_hash, sha256
+import functools
 from vllm_anatomy.core.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
 from vllm_anatomy.core.request import Request, RequestStatus
 from vllm_anatomy.core.sched.output import SchedulerOutput
 from vllm_anatomy.engine.protocol import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest,
+import shutil
                                           FinishReason, SchedulerStats)
 from vllm_anatomy.engine.serial_utils import (EngineCoreOutputType, EngineCoreReadyResponse,
                                               EngineCoreRequestType, MsgpackDecoder, MsgpackEncoder,
@@ -61,6 +63,7 @@ class EngineCore:
         cache_config = vllm_config.cache_config
         with self.recorder.span("EngineCore.__init__"):
             executor_class = executor_class or Executor.get_class(vllm_config)
+from vllm_anatomy.executor.shm_broadcast import unlink_shm_segments
             self.model_executor = executor_class(vllm_config, self.recorder)
             with self.recorder.span("EngineCore._initialize_kv_caches"):
                 num_gpu_blocks = self.model_executor.determine_num_available_blocks()
@@ -277,7 +280,7 @@ class EngineCoreProc(EngineCore):
 
     def __init__(self, vllm_config: VllmConfig, input_path: str, output_path: str,
                  engine_index: int = 0, recorder: Recorder | None = None,
-                 executor_class: type[Executor] | None = None) -> None:
+                 executor_class: type[Executor] | None = None, ipc_dir: str | None = None) -> None:
         self.input_queue: queue.Queue[tuple[Any, Any]] = queue.Queue()
         self.output_queue: queue.Queue[tuple[EngineCoreOutputType, Any] | None] = queue.Queue()
         super().__init__(vllm_config, recorder, executor_class)
@@ -306,12 +309,27 @@ class EngineCoreProc(EngineCore):
             nonlocal shutdown_requested
             # NOTE: SystemExit unwinds the busy loop (even from a blocking
             # queue.get()) into the finally below; only raise it once.
+# vLLM: EngineCoreRequestType.EXECUTOR_FAILED, put by the executor's failure callback.
+_EXECUTOR_FAILED = "EXECUTOR_FAILED"
             if not shutdown_requested:
                 shutdown_requested = True
                 raise SystemExit()
 
+def _remove_orphaned_ipc_dir(ipc_dir: str | None) -> None:
+    """The frontend died (SIGKILL) and cannot remove its socket directory: do it for it.
+
+    NOTE: normally the frontend owns the directory (it outlives this process
+    and removes it even if this one is killed); once it is gone, this process,
+    the last user of the directory, is the only one left to remove it."""
+    if ipc_dir:
+        unlink_shm_segments(ipc_dir)
+        shutil.rmtree(ipc_dir, ignore_errors=True)
+
+
         signal.signal(signal.SIGTERM, signal_handler)
-        signal.signal(signal.SIGINT, signal_handler)
+        # NOTE: Ctrl-C reaches every process of the terminal's group; only the
+        # frontend acts on it (drain, then SIGTERM here). Workers inherit this.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         engine_core = None
         # This process' own recorder, attached to the frontend's run store.
         recorder = make_recorder(kwargs["vllm_config"], "engine_core", run_path=kwargs.pop("run_path", None),
@@ -326,6 +344,13 @@ class EngineCoreProc(EngineCore):
                 logger.exception("EngineCore failed to start.")
             else:
                 logger.exception("EngineCore encountered a fatal error.")
+
+    Lifecycle: the frontend owns it. SIGTERM ends the process at once (vLLM's
+    shutdown_timeout=0 "abort" mode: the frontend has already drained or
+    failed the requests it cares about); SIGINT is ignored, since a terminal's
+    Ctrl-C reaches the whole process group and the frontend decides. A worker
+    that dies, even while the engine is idle, wakes the busy loop through the
+    executor's failure callback, and the engine exits with ENGINE_CORE_DEAD.
                 engine_core._send_engine_dead(e)
             raise
         finally:
@@ -338,7 +363,12 @@ class EngineCoreProc(EngineCore):
         """Core busy loop: take in requests, step, hand outputs to the output thread."""
         while True:
             self._process_input_queue()
+        # NOTE: the executor's sockets and shared memory go under the frontend's
+        # ipc_dir: if this process is SIGKILLed, the frontend still removes them.
+        executor_class = functools.partial(executor_class or Executor.get_class(vllm_config), ipc_dir=ipc_dir)
             self._process_engine_step()
+        # vLLM passes executor_fail_callback to EngineCore.__init__; same effect.
+        self.model_executor.register_failure_callback(self._executor_failed)
 
     def _process_input_queue(self) -> None:
         # NOTE: with nothing to do, block on the queue: an idle engine uses no CPU.
@@ -371,6 +401,7 @@ class EngineCoreProc(EngineCore):
         elif request_type == _INPUT_THREAD_FAILED:
             raise RuntimeError("EngineCore input thread failed") from request
 
+        parent_pid = os.getppid()
     def _call_utility(self, request: UtilityRequest) -> UtilityOutput:
         method = request.method_name
         try:
@@ -390,6 +421,8 @@ class EngineCoreProc(EngineCore):
 
     # -- the I/O threads ------------------------------------------------------------
     def process_input_sockets(self, input_path: str, ready: EngineCoreReadyResponse) -> None:
+            if os.getppid() != parent_pid:
+                _remove_orphaned_ipc_dir(kwargs.get("ipc_dir"))
         """Input thread: receive, decode and preprocess requests into input_queue."""
         decoders = {EngineCoreRequestType.ADD: MsgpackDecoder(EngineCoreRequest),
                     EngineCoreRequestType.ABORT: MsgpackDecoder(list[str]),
@@ -428,6 +461,15 @@ class EngineCoreProc(EngineCore):
                 # NOTE: finish it as an error, so the frontend does not wait forever.
                 logger.error("Request %s failed preprocessing: %r", request.request_id, e)
                 self.output_queue.put_nowait((EngineCoreOutputType.OUTPUTS, EngineCoreOutputs(
+        elif request_type == _EXECUTOR_FAILED:
+            # NOTE: raised here, the busy loop ends as for any fatal error:
+            # run_engine_core sends ENGINE_CORE_DEAD (with this reason), so
+            # the frontend learns of a worker's death even while idle.
+            raise RuntimeError(getattr(self.model_executor, "failure_message", None) or "Executor failed.")
+
+    def _executor_failed(self) -> None:
+        """The executor's failure callback (runs on its monitor thread): wake the busy loop."""
+        self.input_queue.put_nowait((_EXECUTOR_FAILED, None))
                     engine_index=self.engine_index, finished_requests={request.request_id},
                     outputs=[EngineCoreOutput(request.request_id, [], finish_reason=FinishReason.ERROR)])))
                 return

@@ -18,6 +18,12 @@ NOTE: engine death is detected two ways, so no caller ever waits forever:
 the engine says why it is exiting (ENGINE_CORE_DEAD message), and a monitor
 thread waits on the process sentinel (this also catches SIGKILL / OOM kills).
 Either way every pending and future call raises EngineDeadError.
+
+The client's process owns everything of the run that outlives a process: the
+socket directory (the engine's executor puts its sockets there too, and names
+its shared-memory segments after it) and the engine process itself. So when
+the engine dies, even by SIGKILL, this side reaps it (no zombie), unlinks the
+segments it left in /dev/shm and, at shutdown, removes the directory.
 """
 from __future__ import annotations
 
@@ -49,12 +55,16 @@ from vllm_anatomy.engine.serial_utils import (EngineCoreOutputType, EngineCoreRe
                                               EngineCoreRequestType, MsgpackDecoder, MsgpackEncoder,
                                               UtilityOutput, UtilityRequest)
 from vllm_anatomy.executor.abstract import Executor
+from vllm_anatomy.executor.shm_broadcast import unlink_shm_segments
 from vllm_anatomy.tracing.recorder import Recorder
 
 logger = logging.getLogger(__name__)
 
 # How long to wait for the engine's ready message (model loading included).
 VLLM_ENGINE_READY_TIMEOUT_S = float(os.environ.get("VLLM_ENGINE_READY_TIMEOUT_S", "600"))
+# How long shutdown waits for the engine to exit after SIGTERM before SIGKILL
+# (vLLM: VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS / the process manager's 5 s).
+ENGINE_SHUTDOWN_GRACE_S = 5.0
 
 
 class EngineCoreClient:
@@ -75,7 +85,8 @@ class EngineCoreClient:
 
     engine_dead: bool = False
 
-    def shutdown(self) -> None: ...
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Stop the engine; `timeout`: seconds to wait for an engine process before killing it."""
 
 
 class InprocClient(EngineCoreClient):
@@ -105,7 +116,7 @@ class InprocClient(EngineCoreClient):
     def reset_prefix_cache(self) -> bool:
         return self.engine_core.reset_prefix_cache()
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout: float | None = None) -> None:
         self.engine_core.shutdown()
 
 
@@ -160,7 +171,7 @@ class AsyncInprocClient(InprocClient):
     async def reset_prefix_cache_async(self) -> bool:
         return await self.call_utility_async("reset_prefix_cache")
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout: float | None = None) -> None:
         self._executor.shutdown(wait=True)
         super().shutdown()
 
@@ -197,16 +208,11 @@ class BackgroundResources:
     engine_dead: bool = False
     dead_reason: str | None = None
     shutting_down: bool = False
+    shutdown_grace_s: float = ENGINE_SHUTDOWN_GRACE_S
 
     def __call__(self) -> None:
         self.shutting_down = True
-        proc = self.engine_proc
-        if proc is not None and proc.is_alive():
-            proc.terminate()           # SIGTERM: EngineCoreProc shuts down cleanly
-            proc.join(5.0)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
+        self.stop_engine(self.shutdown_grace_s)
         cancel_task_threadsafe(self.output_task)
         if self.output_thread is not None and self.output_thread is not threading.current_thread():
             self.output_thread.join(1.0)
@@ -215,6 +221,36 @@ class BackgroundResources:
         if self.ctx is not None:
             self.ctx.term()
         shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+    def stop_engine(self, timeout: float) -> None:
+        """SIGTERM the engine, wait up to `timeout` s, then SIGKILL (at once if
+        timeout is 0); reap it; unlink its segments.
+
+        NOTE: (vLLM's process manager `shutdown(procs, timeout)`) EngineCoreProc
+        exits at once on SIGTERM and stops its workers (death pipes); the kill
+        is for an engine stuck in a step. Its workers, if it was killed, see
+        their death pipe close and exit on their own.
+        """
+        proc = self.engine_proc
+        if proc is not None and proc.is_alive() and timeout > 0:
+            proc.terminate()
+            proc.join(timeout)
+            if proc.is_alive():
+                logger.warning("EngineCore did not exit %.0f s after SIGTERM: SIGKILL.", timeout)
+        if proc is not None and proc.is_alive():
+            proc.kill()
+        self.reap_engine()
+
+    def reap_engine(self) -> None:
+        """Wait for the (ended or ending) engine process, then unlink what it could not.
+
+        NOTE: join() reaps: a dead child stays a zombie until its parent waits
+        for it. A killed engine never unlinked its shared memory; the segments
+        are named after our ipc_dir, so they are found here.
+        """
+        if self.engine_proc is not None:
+            self.engine_proc.join()
+        unlink_shm_segments(self.ipc_dir)
 
 
 class MPClient(EngineCoreClient):
@@ -255,7 +291,8 @@ class MPClient(EngineCoreClient):
         proc = multiprocessing.get_context("spawn").Process(
             target=EngineCoreProc.run_engine_core, name="EngineCore_0",
             kwargs=dict(vllm_config=vllm_config, input_path=input_path, output_path=output_path,
-                        engine_index=0, executor_class=executor_class, run_path=self.run_path))
+                        engine_index=0, executor_class=executor_class, run_path=self.run_path,
+                        ipc_dir=res.ipc_dir))
         proc.start()
         res.engine_proc = proc
         self.ready = self._wait_for_engine_startup(proc)
@@ -280,8 +317,11 @@ class MPClient(EngineCoreClient):
 
         def monitor_engine_cores() -> None:
             multiprocessing.connection.wait([proc.sentinel])
-            if res.shutting_down or res.engine_dead:
-                return   # our own shutdown, or the engine already said why it died
+            if res.shutting_down:
+                return   # our own shutdown reaps and cleans up
+            res.reap_engine()
+            if res.engine_dead:
+                return   # the engine already said why it died
             res.engine_dead = True
             res.dead_reason = f"EngineCore process died unexpectedly (exit code {proc.exitcode})."
             logger.error(res.dead_reason)
@@ -320,7 +360,11 @@ class MPClient(EngineCoreClient):
             return False
         return True
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Stop the engine (SIGTERM, then SIGKILL after `timeout` s, default
+        ENGINE_SHUTDOWN_GRACE_S), close the sockets, remove the socket directory."""
+        if timeout is not None:
+            self.resources.shutdown_grace_s = timeout
         self._finalizer()
 
 

@@ -26,9 +26,15 @@ class Executor:
         from vllm_anatomy.executor.uniproc_executor import UniProcExecutor
         return UniProcExecutor
 
-    def __init__(self, vllm_config: VllmConfig, recorder: Recorder | None = None) -> None:
+    def __init__(self, vllm_config: VllmConfig, recorder: Recorder | None = None, *,
+                 ipc_dir: str | None = None) -> None:
+        """`ipc_dir`: a directory owned by a parent process (the frontend's, handed
+        down by EngineCoreProc) where a multi-process executor puts its sockets
+        and after which it names its shared memory, so that parent can remove
+        them even if this process is SIGKILLed. None: the executor makes its own."""
         self.vllm_config = vllm_config
         self.recorder = recorder or NullRecorder()
+        self.ipc_dir_arg = ipc_dir
         self._init_executor()
 
     def _init_executor(self) -> None:
@@ -70,7 +76,7 @@ class Executor:
         return self.collective_rpc("snapshot")[0]
 
     def register_failure_callback(self, callback) -> None:
-        """Called when a worker dies. One in-process worker cannot die alone: no-op."""
+        """`callback()` is called when a worker dies. One in-process worker cannot die alone: no-op."""
 
     def shutdown(self) -> None:
         pass

@@ -27,8 +27,10 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import shutil
+import signal
 import tempfile
 import threading
+import time
 import traceback
 import types
 import typing
@@ -41,7 +43,8 @@ import msgspec
 from vllm_anatomy.config import VllmConfig
 from vllm_anatomy.core.outputs import AsyncModelRunnerOutput
 from vllm_anatomy.executor.abstract import Executor
-from vllm_anatomy.executor.shm_broadcast import Handle, MessageQueue, MessageQueueCancelled
+from vllm_anatomy.executor.shm_broadcast import (Handle, MessageQueue, MessageQueueCancelled,
+                                                 unlink_shm_segments)
 from vllm_anatomy.tracing.factory import make_recorder
 from vllm_anatomy.worker.worker import Worker
 
@@ -125,9 +128,13 @@ class BackgroundResources:
     """What shutdown must release, kept apart from the executor (as vLLM's core_client
     does) so a weakref.finalize can reach it without keeping the executor alive."""
 
-    def __init__(self) -> None:
-        # NOTE: every ipc socket file lives here: removed even if a worker was killed.
-        self.ipc_dir = tempfile.mkdtemp(prefix="vllm_anatomy_ipc_")
+    def __init__(self, ipc_dir: str | None) -> None:
+        # NOTE: every ipc socket file lives in one directory, and every segment
+        # is named after it: both are found and removed even if a worker was
+        # killed. A directory handed in belongs to the caller (the frontend
+        # process): it removes it, even if this process is SIGKILLed.
+        self.owns_ipc_dir = ipc_dir is None
+        self.ipc_dir = ipc_dir or tempfile.mkdtemp(prefix="vllm_anatomy_ipc_")
         self.rpc_broadcast_mq: MessageQueue | None = None
         self.unready: list[UnreadyWorkerProcHandle] = []
         self.workers: list[WorkerProcHandle] = []
@@ -140,21 +147,33 @@ class BackgroundResources:
         self.shutdown_event.set()        # NOTE: ends our own waits on the queues
         for conn in [u.death_writer for u in self.unready]:
             conn.close()                 # NOTE: EOF on the death pipe = "exit now" for the worker
-        for proc in [u.proc for u in self.unready]:
-            proc.join(SHUTDOWN_GRACE_S)
-            if proc.is_alive():
-                proc.terminate()
-                proc.join(1.0)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
+        _ensure_worker_termination([u.proc for u in self.unready], SHUTDOWN_GRACE_S)
         for w in self.workers:
             w.worker_response_mq.close()
-            # NOTE: a killed worker could not unlink the segment it created.
-            w.worker_response_mq.buffer.unlink()
         if self.rpc_broadcast_mq is not None:
             self.rpc_broadcast_mq.close()
-        shutil.rmtree(self.ipc_dir, ignore_errors=True)
+        # NOTE: a killed worker could not unlink the segment it created.
+        unlink_shm_segments(self.ipc_dir)
+        if self.owns_ipc_dir:
+            shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+
+def _ensure_worker_termination(procs: list[multiprocessing.process.BaseProcess], grace_s: float) -> None:
+    """Wait up to grace_s for the workers to exit, then SIGTERM (1 s), then SIGKILL; reap them all.
+
+    NOTE: join() is what reaps a child: one never joined stays a zombie in the
+    process table for as long as this process lives.
+    """
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(1.0)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
 
 
 class MultiprocExecutor(Executor):
@@ -167,7 +186,7 @@ class MultiprocExecutor(Executor):
         self.is_failed = False
         self.failure_message: str | None = None
         self.failure_callback: Callable[[], None] | None = None
-        self.resources = res = BackgroundResources()
+        self.resources = res = BackgroundResources(self.ipc_dir_arg)
         self.ipc_dir, self.shutdown_event = res.ipc_dir, res.shutdown_event
         # NOTE: runs at interpreter exit at the latest, or when the executor is collected.
         self._finalizer = weakref.finalize(self, res)
@@ -189,7 +208,12 @@ class MultiprocExecutor(Executor):
         self.start_worker_monitor()
 
     def start_worker_monitor(self) -> None:
-        """A thread that waits on the workers' process sentinels (readable when a process ends)."""
+        """A thread that waits on the workers' process sentinels (readable when a process ends).
+
+        NOTE: this is what notices a worker that dies while the engine is idle:
+        no RPC is waiting, so only the sentinel can tell. The failure callback
+        (EngineCoreProc's) then wakes the engine's busy loop.
+        """
         workers, self_ref, res = list(self.workers), weakref.ref(self), self.resources
 
         def monitor_workers() -> None:
@@ -199,15 +223,17 @@ class MultiprocExecutor(Executor):
                 return
             executor._fail(next(w for w in workers if w.proc.sentinel in died))
             # NOTE: as in vLLM, one dead worker takes the executor down: the others
-            # are stopped now; shared memory is reclaimed by shutdown().
+            # are stopped (and reaped) now; shared memory is reclaimed by shutdown().
             for w in workers:
                 if w.proc.is_alive():
                     w.proc.terminate()
+            _ensure_worker_termination([w.proc for w in workers], SHUTDOWN_GRACE_S)
 
         threading.Thread(target=monitor_workers, daemon=True, name="MultiprocWorkerMonitor").start()
 
     def register_failure_callback(self, callback: Callable[[], None]) -> None:
-        """Called (from the monitor thread) when a worker dies, e.g. to report an idle engine dead."""
+        """`callback()` is called once, from the monitor thread, when a worker dies
+        (at once if one already has). EngineCoreProc registers one that wakes its busy loop."""
         if self.is_failed:
             callback()
         else:
@@ -272,6 +298,23 @@ class MultiprocExecutor(Executor):
     def shutdown(self) -> None:
         """Stop the workers, unlink all shared memory. Idempotent (a finalizer runs once)."""
         self._finalizer()
+
+
+def _install_worker_signal_handlers(shutdown_requested: threading.Event) -> None:
+    """SIGTERM: leave through `finally` (close the queues, flush spans), as vLLM's worker_main.
+
+    NOTE: SIGINT is ignored: Ctrl-C in a terminal reaches the whole process
+    group, and the worker's lifetime belongs to its executor (death pipe,
+    then SIGTERM, then SIGKILL), so that the frontend can drain in-flight
+    requests before anything below it stops.
+    """
+    def signal_handler(signum, frame) -> None:
+        if not shutdown_requested.is_set():      # NOTE: raise once, or `finally` itself is interrupted
+            shutdown_requested.set()
+            raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, signal_handler)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 _response_decoder = msgspec.msgpack.Decoder(RPCResponse)
@@ -340,6 +383,7 @@ class WorkerProc:
     def worker_main(vllm_config: VllmConfig, local_rank: int, rank: int, handle_bytes: bytes, ipc_dir: str,
                     ready_pipe, death_pipe, run_path: str | None = None) -> None:
         shutdown_requested = threading.Event()
+        _install_worker_signal_handlers(shutdown_requested)
 
         def monitor_parent_death() -> None:
             # NOTE: EOF arrives when the executor closes its end (shutdown) or its

@@ -48,6 +48,7 @@ VLLM_RINGBUFFER_WARNING_INTERVAL = 60.0   # seconds between "still waiting" log 
 SPIN_S = 1e-3          # busy-spin (sched_yield) this long before sleeping
 MAX_SLEEP_S = 1e-3     # back-off sleeps grow up to this
 SHM_PREFIX = "vllm_anatomy_mq_"
+SHM_DIR = "/dev/shm"      # where Linux lists POSIX shared-memory segments (a tmpfs)
 _HEADER = struct.Struct("<?3xI")          # overflow flag, pad, payload length
 _READY = b"READY"
 _default_decoder = msgspec.msgpack.Decoder()
@@ -64,6 +65,44 @@ def memory_fence() -> None:
     be observed before the data stores that precede them (same trick as vLLM)."""
     with _memory_fence_lock:
         pass
+
+
+def shm_name_prefix(ipc_dir: str | None) -> str:
+    """The name prefix of every segment whose queue sockets live in `ipc_dir`.
+
+    NOTE: a segment's name carries its run's socket directory (made by the
+    process that owns the run, e.g. the API server), so that owner can find
+    and unlink the segments of a child it outlived, even one SIGKILLed before
+    it could unlink its own (see unlink_shm_segments)."""
+    return SHM_PREFIX + (os.path.basename(os.path.normpath(ipc_dir)) + "_" if ipc_dir else "")
+
+
+def unlink_shm_segments(ipc_dir: str) -> list[str]:
+    """Unlink every segment named after `ipc_dir` (shm_name_prefix); returns their names.
+
+    For the owner of a run's directory, whose children may have died without
+    cleaning up.
+    Safe while a child still runs: unlinking only removes the name (mappings
+    stay valid; the memory is freed when the last process unmaps it).
+    NOTE: exactly one shm_unlink of a name succeeds, and only that caller
+    tells the resource tracker, which the whole process tree shares
+    (spawn passes it on), so the tracker neither warns about the segment
+    at exit nor hears of it twice. Linux only: elsewhere it finds nothing.
+    """
+    prefix = shm_name_prefix(ipc_dir)
+    if not os.path.isdir(SHM_DIR):
+        return []
+    removed = []
+    for name in sorted(os.listdir(SHM_DIR)):
+        if not name.startswith(prefix):
+            continue
+        try:
+            os.unlink(os.path.join(SHM_DIR, name))     # glibc's shm_unlink is exactly this
+        except FileNotFoundError:
+            continue                                   # its creator unlinked it meanwhile
+        resource_tracker.unregister("/" + name, "shared_memory")
+        removed.append(name)
+    return removed
 
 
 class MessageQueueCancelled(RuntimeError):
@@ -119,7 +158,8 @@ class ShmRingBufferHandle(msgspec.Struct, frozen=True):
 
 class ShmRingBuffer:
 
-    def __init__(self, n_reader: int, max_chunk_bytes: int, max_chunks: int, name: str | None = None) -> None:
+    def __init__(self, n_reader: int, max_chunk_bytes: int, max_chunks: int, name: str | None = None,
+                 name_prefix: str = SHM_PREFIX) -> None:
         if max_chunk_bytes <= _HEADER.size or max_chunks < 1 or n_reader < 1:
             raise ValueError("need n_reader >= 1, max_chunks >= 1 and room for the chunk header")
         self.n_reader, self.max_chunk_bytes, self.max_chunks = n_reader, max_chunk_bytes, max_chunks
@@ -131,7 +171,7 @@ class ShmRingBuffer:
         if self.is_creator:
             # NOTE: a new POSIX segment is zero-filled: every chunk starts in
             # state 0??? (never written), which is writable.
-            self.shared_memory = SharedMemory(name=SHM_PREFIX + uuid.uuid4().hex[:16], create=True,
+            self.shared_memory = SharedMemory(name=name_prefix + uuid.uuid4().hex[:16], create=True,
                                               size=self.total_bytes_of_buffer)
         elif sys.version_info >= (3, 13):
             self.shared_memory = SharedMemory(name=name, track=False)
@@ -203,9 +243,14 @@ class MessageQueue:
 
     def __init__(self, n_reader: int, max_chunk_bytes: int = 1 << 20, max_chunks: int = 10,
                  ipc_dir: str | None = None) -> None:
-        """Create the queue; the creating process is its single writer."""
+        """Create the queue; the creating process is its single writer.
+
+        `ipc_dir`: where the spill socket goes (default: the temp dir); it also
+        names the segment (shm_name_prefix), so whoever owns the directory can
+        unlink the segment if this process dies without doing so."""
         self.n_reader = n_reader
-        self.buffer = ShmRingBuffer(n_reader, max_chunk_bytes, max_chunks)
+        prefix = shm_name_prefix(ipc_dir)
+        self.buffer = ShmRingBuffer(n_reader, max_chunk_bytes, max_chunks, name_prefix=prefix)
         self._is_writer, self.local_reader_rank = True, -1
         self.current_idx = 0
         self._closed = False
@@ -217,7 +262,10 @@ class MessageQueue:
         self.local_socket.setsockopt(zmq.XPUB_VERBOSE, True)
         # NOTE: on close, give spilled frames up to 1 s to reach live readers.
         self.local_socket.setsockopt(zmq.LINGER, 1000)
-        path = os.path.join(ipc_dir or tempfile.gettempdir(), f"{self.buffer.name}.sock")
+        # NOTE: the socket file is named by the segment's random part only: a
+        # Unix socket path must stay under 108 bytes.
+        unique = self.buffer.name[len(prefix):]
+        path = os.path.join(ipc_dir or tempfile.gettempdir(), f"{SHM_PREFIX}{unique}.sock")
         self.local_subscribe_addr = f"ipc://{path}"
         self.local_socket.bind(self.local_subscribe_addr)
         os.chmod(path, 0o600)     # NOTE: like the segment itself: only this user may connect

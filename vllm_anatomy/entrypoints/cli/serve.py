@@ -23,5 +23,4 @@ def run(args: argparse.Namespace) -> int:
     from vllm_anatomy.entrypoints.openai.cli_args import validate_parsed_serve_args
 
     validate_parsed_serve_args(args)
-    asyncio.run(run_server(args))
-    return 0
+    return asyncio.run(run_server(args))

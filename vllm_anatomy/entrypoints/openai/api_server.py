@@ -8,9 +8,16 @@ Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models,
 GET /health (503 when the engine is dead), GET /version, GET /metrics.
 Every error is an OpenAI error body {"error": {"message", "type", "param", "code"}}.
 
-NOTE: vLLM terminates the server when the engine dies (unless
-VLLM_KEEP_ALIVE_ON_ENGINE_DEATH). Here the server stays up and answers 503, so
-a learner can watch what a dead engine looks like from outside.
+Lifecycle (run_server), as vLLM's launcher.serve_http:
+  * SIGTERM / SIGINT: new requests and /health get 503; those in flight may
+    finish for at most --shutdown-timeout s (vLLM's flag; default 0: none),
+    then each ends with an error (a stream: an error event, then [DONE]);
+    the engine is stopped and the process exits 0. A second signal skips
+    the wait: exit now.
+  * The engine dies (or one of its workers, even while idle): /health and
+    new requests get 503 at once, in-flight requests end with an error, and
+    the server exits with status 1 (vLLM's watchdog) so a supervisor can
+    restart it; VLLM_KEEP_ALIVE_ON_ENGINE_DEATH=1 keeps it up answering 503.
 """
 from __future__ import annotations
 
@@ -26,14 +33,18 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
+import contextlib
 
 import vllm_anatomy
 from vllm_anatomy.engine.exceptions import EngineDeadError
+import os
 from vllm_anatomy.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse
 from vllm_anatomy.entrypoints.openai.serving_chat import OpenAIServingChat
 from vllm_anatomy.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from vllm_anatomy.entrypoints.openai.serving_engine import (OpenAIError, create_error_response,
                                                             engine_dead_error)
+import uvicorn
+
 from vllm_anatomy.entrypoints.openai.serving_models import BaseModelPath, OpenAIServingModels
 from vllm_anatomy.metrics.prometheus import PrometheusStatLogger
 
@@ -236,13 +247,25 @@ def maybe_instrument_app(app: FastAPI, tracer_provider=None) -> bool:
     return True
 
 
-def _exit_on_signal(signum, frame) -> None:
-    raise SystemExit(128 + signum)
+# A backstop for uvicorn's own wait for open connections at exit: every request
+# has ended (drained or failed) by then, so only a stuck client is cut off.
+UVICORN_GRACEFUL_SHUTDOWN_S = 5
 
 
-async def run_server(args: argparse.Namespace, **uvicorn_kwargs) -> None:
-    """Start AsyncLLM (EngineCore in its own process), then serve until SIGINT/SIGTERM."""
-    import uvicorn
+def _keep_alive_on_engine_death() -> bool:
+    return os.environ.get("VLLM_KEEP_ALIVE_ON_ENGINE_DEATH", "0") not in ("", "0")
+
+
+class UvicornServer(uvicorn.Server):
+    """uvicorn.Server without its own signal handling: serve_http's handlers decide.
+
+    NOTE: uvicorn's handler waits, on SIGTERM, for every open connection to
+    end (a long stream: for as long as it runs) and ignores a second SIGTERM.
+    """
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
 
     from vllm_anatomy.engine.arg_utils import EngineArgs
     from vllm_anatomy.engine.async_llm import AsyncLLM
@@ -251,15 +274,85 @@ async def run_server(args: argparse.Namespace, **uvicorn_kwargs) -> None:
     try:
         app = build_app(engine_client, args)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                                access_log=not args.disable_uvicorn_access_log, **uvicorn_kwargs)
-        server = uvicorn.Server(config)
-        # NOTE: uvicorn shuts down gracefully on SIGTERM, then re-raises the
-        # signal to the handler it found. With the default one the process
-        # would die right there, before the `finally` below stops the engine
-        # and flushes this process' spans; this handler turns it into SystemExit.
-        signal.signal(signal.SIGTERM, _exit_on_signal)
+                                access_log=not args.disable_uvicorn_access_log,
+                                timeout_graceful_shutdown=UVICORN_GRACEFUL_SHUTDOWN_S, **uvicorn_kwargs)
+        server = UvicornServer(config)
         logger.warning("vllm_anatomy OpenAI server on http://%s:%d (model %s)", args.host, args.port,
                        app.state.openai_serving_models.model_name)
         await server.serve()
     finally:
-        engine_client.shutdown()
+        for task in tasks:
+            task.cancel()
+    return force_exit.is_set()
+
+
+async def handle_shutdown(server: uvicorn.Server, engine_client, timeout: float,
+                          shutdown_requested: asyncio.Event, force_exit: asyncio.Event) -> None:
+    """On the first signal: drain (bounded), fail what is left, then stop the HTTP server."""
+    await shutdown_requested.wait()
+    failed = await engine_client.drain(timeout, abort_now=force_exit)
+    if failed:
+        logger.warning("Shutdown: %d request(s) still running were ended with an error.", len(failed))
+    server.should_exit = True
+
+
+async def watchdog_loop(server: uvicorn.Server, engine_client) -> None:
+    """Stop the server once the engine is dead (vLLM's watchdog_loop).
+
+    NOTE: vLLM looks at `engine.errored` every 5 s. AsyncLLM's output handler
+    ends exactly when the engine dies (it hands EngineDeadError to every
+    request, then returns), so waiting for that task is enough: no polling.
+    """
+    if engine_client.output_handler is not None:
+        await asyncio.wait({engine_client.output_handler})
+    terminate_if_errored(server, engine_client)
+
+
+def terminate_if_errored(server: uvicorn.Server, engine_client) -> None:
+    if not (engine_client.errored and not engine_client.is_running) or server.should_exit:
+        return
+    if _keep_alive_on_engine_death():
+        logger.error("EngineCore is dead; the server stays up and answers 503 (VLLM_KEEP_ALIVE_ON_ENGINE_DEATH).")
+        return
+    logger.error("EngineCore is dead: stopping the server (exit status 1). "
+                 "Set VLLM_KEEP_ALIVE_ON_ENGINE_DEATH=1 to keep it up, answering 503.")
+    server.should_exit = True
+
+async def run_server(args: argparse.Namespace, **uvicorn_kwargs) -> int:
+    """Start AsyncLLM (EngineCore in its own process), serve until a signal or the
+    engine's death, stop the engine. Returns the exit status: 1 if the engine died."""
+    force_exit = False
+        force_exit = await serve_http(server, engine_client, args.shutdown_timeout)
+        return 1 if engine_client.engine_core.engine_dead else 0
+    finally:
+        # NOTE: after a second signal the engine is killed at once; otherwise it
+        # gets SIGTERM and a few seconds. Either way its process is reaped and
+        # its socket directory and shared memory are removed here.
+        engine_client.shutdown(timeout=0 if force_exit else None)
+
+
+async def serve_http(server: uvicorn.Server, engine_client, shutdown_timeout: float) -> bool:
+    """Serve until a signal (then drain) or the engine's death; True if a second signal forced the exit."""
+    loop = asyncio.get_running_loop()
+    shutdown_requested, force_exit = asyncio.Event(), asyncio.Event()
+
+    def signal_handler(signum: int) -> None:
+        name = signal.Signals(signum).name
+        if shutdown_requested.is_set():
+            # NOTE: ends the drain at once; every request then ends with an error,
+            # so uvicorn's wait for open connections is short (and bounded anyway).
+            logger.warning("%s again: exiting now.", name)
+            force_exit.set()
+            return
+        logger.warning("%s: shutting down; requests in flight get at most %g s (--shutdown-timeout). "
+                       "Send it again to exit now.", name, shutdown_timeout)
+        shutdown_requested.set()
+
+    # NOTE: loop.add_signal_handler runs the handler as a loop callback, where
+    # setting asyncio events is safe (a plain signal.signal handler is not).
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, signal_handler, sig)
+    tasks = [loop.create_task(watchdog_loop(server, engine_client)),
+             loop.create_task(handle_shutdown(server, engine_client, shutdown_timeout,
+                                              shutdown_requested, force_exit))]
+    try:
