@@ -112,8 +112,7 @@ def _live_status_line() -> None:
         return
     s = live.status()
     step = s.get("step") or 0
-    shown = ss.get("cursor") if ss.get("run_path") and ss.get("run_path") == s.get("run_path") else None
-    where = f"step {step}" + (f" · showing step {shown}" if shown is not None and shown != step else "")
+    where = f"step {step}" + ("" if ss.get("following", True) else " · following paused")
     if not step and s["state"] in ("starting", "loading", "running"):
         from dashboard.live import STARTUP_SPANS
         path = s.get("run_path")

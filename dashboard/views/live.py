@@ -94,7 +94,7 @@ def stop() -> None:
 
 
 def controls(s: dict) -> None:
-    c = st.columns([2, 2, 2, 6], vertical_alignment="center")
+    c = st.columns([2, 2, 3, 5], vertical_alignment="center")
     alive = s["state"] not in TERMINAL
     c[0].button(":material/pause: Pause following" if ss.get("following", True) else ":material/play_arrow: Resume following", key="follow_btn",
                 on_click=state.toggle, args=("following",), disabled=not alive)
@@ -174,7 +174,9 @@ def follow() -> None:
         ss.live_final = (path, s["state"])
         st.rerun()          # a last full render, then the fragment stops ticking
     if s["state"] not in ("error", "crashed"):
-        startup_progress(s, path)
+        was_seen = ss.get("startup_seen")
+        if startup_progress(s, path) and not was_seen:
+            st.rerun()      # the first step: the run header (num_gpu_blocks is known now) and the sidebar
     if path and os.path.exists(path):
         latest_step(path)
         outputs(s)

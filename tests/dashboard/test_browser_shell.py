@@ -1,0 +1,200 @@
+"""The dashboard's shell in a real browser (Debian's Chromium driven by Playwright):
+nothing is requested from another host on any page (the test fails on the first
+such request), no Deploy button, the run header on every page, the landing page's
+one primary action above the fold at 1440x900, deep links that land (run, page,
+step, tab) and a refused path, and a live run from the start strip: its start-up
+stages, then its first step, with the sidebar on the same step.
+
+Uses the GPU sample shipped in samples/ (no recording needed) and, for the live
+run, the default model. Screenshots: test-output/screenshots/shell-*.png.
+"""
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+
+import pytest
+
+from tests.dashboard.conftest import APP, H200_SAMPLE, ROOT
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not os.path.exists(H200_SAMPLE), reason="samples/h200-smollm2-full.sqlite not shipped")]
+CHROMIUM = "/usr/bin/chromium"
+ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+        "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic"]
+SHOTS = os.path.join(ROOT, "test-output", "screenshots")
+SAMPLE = os.path.basename(H200_SAMPLE)
+LOCAL = ("127.0.0.1", "localhost", "[::1]", "::1")
+PAGES = [("live", None), ("timeline", "Timeline"), ("inspector", "Step inspector"), ("journey", "Request journey"),
+         ("metrics", "Metrics over time"), ("lessons", "Lessons"), ("mapping", None)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    import shutil
+    samples = tmp_path_factory.mktemp("shell_samples")
+    shutil.copy(H200_SAMPLE, samples / SAMPLE)
+    trace = tmp_path_factory.mktemp("shell_traces")
+    port = _free_port()
+    log = open(tmp_path_factory.mktemp("shell_server") / "streamlit.log", "w")
+    # started the way `vllm-anatomy dashboard` starts it (the repository's .streamlit/config.toml applies)
+    proc = subprocess.Popen([sys.executable, "-m", "streamlit", "run", APP, "--server.headless", "true",
+                             "--server.address", "127.0.0.1", "--server.port", str(port),
+                             "--browser.gatherUsageStats", "false"],
+                            env={**os.environ, "VLLM_ANATOMY_TRACE_DIR": str(trace),
+                                 "VLLM_ANATOMY_SAMPLES_DIR": str(samples)},
+                            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(240):
+            try:
+                if urllib.request.urlopen(base + "/_stcore/health", timeout=1).read() == b"ok":
+                    break
+            except OSError:
+                time.sleep(0.5)
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not os.path.exists(CHROMIUM):
+        pytest.skip("Debian chromium is not installed at /usr/bin/chromium")
+    from playwright.sync_api import sync_playwright
+    os.makedirs(SHOTS, exist_ok=True)
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        try:
+            yield b
+        finally:
+            b.close()
+
+
+@pytest.fixture
+def page(browser):
+    """A page at 1440x900 that refuses (and records) every request to another host."""
+    ctx = browser.new_context(viewport={"width": 1440, "height": 900})
+    pg = ctx.new_page()
+    pg.set_default_timeout(90_000)
+    pg.external = []
+
+    def route(r):
+        host = urllib.parse.urlsplit(r.request.url).hostname or ""
+        if r.request.url.startswith(("data:", "blob:")) or host in LOCAL:
+            r.continue_()
+        else:
+            pg.external.append(r.request.url)
+            r.abort()
+    ctx.route("**/*", route)
+    yield pg
+    ctx.close()
+
+
+def _settle(pg) -> None:
+    pg.wait_for_timeout(600)
+    pg.wait_for_function("!document.querySelector('[data-testid=\"stStatusWidget\"]')", timeout=90_000)
+    pg.wait_for_timeout(600)
+
+
+def test_every_page_is_offline_with_a_run_header_and_no_deploy_button(server, page):
+    for name, title in PAGES:
+        page.goto(f"{server}/{name}?run={SAMPLE}&page={name}&step=40")
+        if title:
+            page.get_by_role("heading", name=title).first.wait_for()
+        _settle(page)
+        assert page.locator("[data-testid='stException']").count() == 0, name
+        if name != "mapping":
+            header = page.get_by_test_id("va-run-header")
+            header.wait_for()
+            text = header.inner_text()
+            for needle in (f"run {SAMPLE}", "model SmolLM2-135M-Instruct", "device cuda", "dtype bfloat16",
+                           "CUDA graphs FULL_DECODE_ONLY", "block size 16 tokens", "KV blocks 24",
+                           "token budget 128 / step", "max_num_seqs 8", "trace full", "async scheduling not recorded"):
+                assert needle in " ".join(text.split()), (name, needle, text)
+        assert page.get_by_test_id("stAppDeployButton").count() == 0
+        assert page.get_by_role("button", name="Deploy").count() == 0
+        page.screenshot(path=os.path.join(SHOTS, f"shell-{name}-1440.png"), full_page=False)
+    assert page.external == [], page.external
+
+
+def test_landing_has_one_primary_action_above_the_fold(server, page):
+    for width, height in ((1440, 900), (1920, 1080)):
+        page.set_viewport_size({"width": width, "height": height})
+        page.goto(f"{server}/")
+        page.get_by_role("button", name="Start the guided tour").wait_for()
+        _settle(page)
+        primary = page.locator("[data-testid='stBaseButton-primary']:visible, "
+                               "[data-testid='stBaseButton-primaryFormSubmit']:visible")
+        assert primary.count() == 1, [primary.nth(i).inner_text() for i in range(primary.count())]
+        box = primary.first.bounding_box()
+        assert box["y"] + box["height"] <= height, box
+        assert primary.first.inner_text().strip().endswith("Start the guided tour")
+        for way in ("Watch a live run", "Open the GPU sample", "Follow the lessons"):
+            assert page.get_by_text(re.compile(way)).first.is_visible()
+        page.screenshot(path=os.path.join(SHOTS, f"shell-landing-{width}.png"), full_page=False)
+    assert page.external == [], page.external
+
+
+def test_deep_links_land_and_paths_are_refused(server, page):
+    page.goto(f"{server}/inspector?run={SAMPLE}&page=inspector&step=25&tab=KV+cache")
+    page.get_by_text(re.compile(r"step 25 · 25 of \d+ committed")).first.wait_for()
+    _settle(page)
+    assert page.get_by_role("tab", name="KV cache").get_attribute("aria-selected") == "true"
+    q = urllib.parse.parse_qs(urllib.parse.urlsplit(page.url).query)
+    assert q["run"] == [SAMPLE] and q["step"] == ["25"] and q["tab"] == ["KV cache"]
+    page.screenshot(path=os.path.join(SHOTS, "shell-deep-link-kv-tab.png"), full_page=False)
+    for asked in ("/etc/passwd", H200_SAMPLE, "../samples/" + SAMPLE):
+        page.goto(f"{server}/inspector?" + urllib.parse.urlencode({"run": asked, "page": "inspector"}))
+        page.get_by_text("This run cannot be opened").first.wait_for()
+        _settle(page)
+        body = page.locator("body").inner_text()
+        assert "passwd" not in body and "no such" not in body.lower()
+        assert page.locator("[data-testid='stException']").count() == 0
+    page.screenshot(path=os.path.join(SHOTS, "shell-refused-path.png"), full_page=False)
+    assert page.external == [], page.external
+
+
+@pytest.mark.model
+def test_live_run_shows_start_up_stages_then_its_first_step(server, page):
+    page.goto(f"{server}/")
+    start = page.get_by_role("button", name="Start the guided tour")
+    start.wait_for()
+    _settle(page)
+    t0 = time.monotonic()
+    start.click()
+    page.get_by_text("Start-up").first.wait_for()
+    page.get_by_text("start process").first.wait_for()
+    page.screenshot(path=os.path.join(SHOTS, "shell-live-starting.png"), full_page=False)
+    first = page.get_by_text(re.compile(r"Step \d+ of \d+ committed")).first
+    first.wait_for(timeout=240_000)
+    seconds = time.monotonic() - t0
+    page.get_by_text(re.compile(r"Started in [\d.]+ s: start process")).first.wait_for()
+    # the sidebar follows the live step (it said "step 0" while the page moved on)
+    page.wait_for_timeout(2500)
+    shown = int(re.search(r"Step (\d+) of", first.inner_text())[1])
+    side = page.get_by_test_id("stSidebar").get_by_text(re.compile(r"Live engine: .*step \d+")).first.inner_text()
+    assert int(re.search(r"step (\d+)", side)[1]) >= shown >= 1, (side, shown)
+    header = " ".join(page.get_by_test_id("va-run-header").inner_text().split())
+    assert "KV blocks 9 (" in header and "device cpu ·" in header and "async scheduling off" in header, header
+    page.screenshot(path=os.path.join(SHOTS, "shell-live-first-step.png"), full_page=False)
+    page.get_by_role("button", name=re.compile("Stop engine")).click()
+    page.get_by_text(re.compile(r"engine (stopped|done)")).first.wait_for(timeout=60_000)
+    print(f"click -> first step shown: {seconds:.1f} s")
+    assert page.external == [], page.external
