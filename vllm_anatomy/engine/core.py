@@ -21,10 +21,12 @@ get_output() is the sync point, one step later.
 """
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import os
 import queue
+import shutil
 import signal
 import threading
 import time
@@ -36,17 +38,16 @@ import zmq
 
 from vllm_anatomy.config import VllmConfig
 from vllm_anatomy.core.kv_cache_utils import get_request_block_hasher, init_none_hash, sha256
-import functools
 from vllm_anatomy.core.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
 from vllm_anatomy.core.request import Request, RequestStatus
 from vllm_anatomy.core.sched.output import SchedulerOutput
 from vllm_anatomy.engine.protocol import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest,
-import shutil
                                           FinishReason, SchedulerStats)
 from vllm_anatomy.engine.serial_utils import (EngineCoreOutputType, EngineCoreReadyResponse,
                                               EngineCoreRequestType, MsgpackDecoder, MsgpackEncoder,
                                               UtilityOutput, UtilityRequest)
 from vllm_anatomy.executor.abstract import Executor
+from vllm_anatomy.executor.shm_broadcast import unlink_shm_segments
 from vllm_anatomy.tracing.factory import make_recorder
 from vllm_anatomy.tracing.recorder import NullRecorder, Recorder, paused_gc
 from vllm_anatomy.tracing.traced import QUIET_CALLS_ATTR, trace_methods
@@ -63,7 +64,6 @@ class EngineCore:
         cache_config = vllm_config.cache_config
         with self.recorder.span("EngineCore.__init__"):
             executor_class = executor_class or Executor.get_class(vllm_config)
-from vllm_anatomy.executor.shm_broadcast import unlink_shm_segments
             self.model_executor = executor_class(vllm_config, self.recorder)
             with self.recorder.span("EngineCore._initialize_kv_caches"):
                 num_gpu_blocks = self.model_executor.determine_num_available_blocks()
@@ -251,8 +251,21 @@ from vllm_anatomy.executor.shm_broadcast import unlink_shm_segments
 # Internal input-queue markers (never on the wire).
 _SHUTDOWN = "SHUTDOWN"                       # the parent process is gone
 _INPUT_THREAD_FAILED = "INPUT_THREAD_FAILED"
+# vLLM: EngineCoreRequestType.EXECUTOR_FAILED, put by the executor's failure callback.
+_EXECUTOR_FAILED = "EXECUTOR_FAILED"
 # How often the input thread wakes up to check for shutdown / a dead parent.
 _POLL_TIMEOUT_MS = 200
+
+
+def _remove_orphaned_ipc_dir(ipc_dir: str | None) -> None:
+    """The frontend died (SIGKILL) and cannot remove its socket directory: do it for it.
+
+    NOTE: normally the frontend owns the directory (it outlives this process
+    and removes it even if this one is killed); once it is gone, this process,
+    the last user of the directory, is the only one left to remove it."""
+    if ipc_dir:
+        unlink_shm_segments(ipc_dir)
+        shutil.rmtree(ipc_dir, ignore_errors=True)
 
 
 class EngineCoreProc(EngineCore):
@@ -271,6 +284,13 @@ class EngineCoreProc(EngineCore):
     Simplified: one frontend per engine (vLLM has one PUSH socket per client
     index), no data-parallel coordinator, no eager aborts queue (an abort
     waits for the step in progress; its in-flight output is then skipped).
+
+    Lifecycle: the frontend owns it. SIGTERM ends the process at once (vLLM's
+    shutdown_timeout=0 "abort" mode: the frontend has already drained or
+    failed the requests it cares about); SIGINT is ignored, since a terminal's
+    Ctrl-C reaches the whole process group and the frontend decides. A worker
+    that dies, even while the engine is idle, wakes the busy loop through the
+    executor's failure callback, and the engine exits with ENGINE_CORE_DEAD.
     """
 
     # NOTE: only these methods may be called through a UTILITY message; the
@@ -283,7 +303,12 @@ class EngineCoreProc(EngineCore):
                  executor_class: type[Executor] | None = None, ipc_dir: str | None = None) -> None:
         self.input_queue: queue.Queue[tuple[Any, Any]] = queue.Queue()
         self.output_queue: queue.Queue[tuple[EngineCoreOutputType, Any] | None] = queue.Queue()
+        # NOTE: the executor's sockets and shared memory go under the frontend's
+        # ipc_dir: if this process is SIGKILLed, the frontend still removes them.
+        executor_class = functools.partial(executor_class or Executor.get_class(vllm_config), ipc_dir=ipc_dir)
         super().__init__(vllm_config, recorder, executor_class)
+        # vLLM passes executor_fail_callback to EngineCore.__init__; same effect.
+        self.model_executor.register_failure_callback(self._executor_failed)
         self.engine_index = engine_index
         self._parent_pid = os.getppid()
         self._shutdown_event = threading.Event()
@@ -309,28 +334,16 @@ class EngineCoreProc(EngineCore):
             nonlocal shutdown_requested
             # NOTE: SystemExit unwinds the busy loop (even from a blocking
             # queue.get()) into the finally below; only raise it once.
-# vLLM: EngineCoreRequestType.EXECUTOR_FAILED, put by the executor's failure callback.
-_EXECUTOR_FAILED = "EXECUTOR_FAILED"
             if not shutdown_requested:
                 shutdown_requested = True
                 raise SystemExit()
-
-def _remove_orphaned_ipc_dir(ipc_dir: str | None) -> None:
-    """The frontend died (SIGKILL) and cannot remove its socket directory: do it for it.
-
-    NOTE: normally the frontend owns the directory (it outlives this process
-    and removes it even if this one is killed); once it is gone, this process,
-    the last user of the directory, is the only one left to remove it."""
-    if ipc_dir:
-        unlink_shm_segments(ipc_dir)
-        shutil.rmtree(ipc_dir, ignore_errors=True)
-
 
         signal.signal(signal.SIGTERM, signal_handler)
         # NOTE: Ctrl-C reaches every process of the terminal's group; only the
         # frontend acts on it (drain, then SIGTERM here). Workers inherit this.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         engine_core = None
+        parent_pid = os.getppid()
         # This process' own recorder, attached to the frontend's run store.
         recorder = make_recorder(kwargs["vllm_config"], "engine_core", run_path=kwargs.pop("run_path", None),
                                  process_name="EngineCore_0")
@@ -344,31 +357,21 @@ def _remove_orphaned_ipc_dir(ipc_dir: str | None) -> None:
                 logger.exception("EngineCore failed to start.")
             else:
                 logger.exception("EngineCore encountered a fatal error.")
-
-    Lifecycle: the frontend owns it. SIGTERM ends the process at once (vLLM's
-    shutdown_timeout=0 "abort" mode: the frontend has already drained or
-    failed the requests it cares about); SIGINT is ignored, since a terminal's
-    Ctrl-C reaches the whole process group and the frontend decides. A worker
-    that dies, even while the engine is idle, wakes the busy loop through the
-    executor's failure callback, and the engine exits with ENGINE_CORE_DEAD.
                 engine_core._send_engine_dead(e)
             raise
         finally:
             if engine_core is not None:
                 engine_core.shutdown()
             recorder.shutdown()          # flush this process' spans into the store
+            if os.getppid() != parent_pid:
+                _remove_orphaned_ipc_dir(kwargs.get("ipc_dir"))
 
     # -- the busy loop (main thread) --------------------------------------------------
     def run_busy_loop(self) -> None:
         """Core busy loop: take in requests, step, hand outputs to the output thread."""
         while True:
             self._process_input_queue()
-        # NOTE: the executor's sockets and shared memory go under the frontend's
-        # ipc_dir: if this process is SIGKILLed, the frontend still removes them.
-        executor_class = functools.partial(executor_class or Executor.get_class(vllm_config), ipc_dir=ipc_dir)
             self._process_engine_step()
-        # vLLM passes executor_fail_callback to EngineCore.__init__; same effect.
-        self.model_executor.register_failure_callback(self._executor_failed)
 
     def _process_input_queue(self) -> None:
         # NOTE: with nothing to do, block on the queue: an idle engine uses no CPU.
@@ -400,8 +403,16 @@ def _remove_orphaned_ipc_dir(ipc_dir: str | None) -> None:
             raise SystemExit("parent process exited")
         elif request_type == _INPUT_THREAD_FAILED:
             raise RuntimeError("EngineCore input thread failed") from request
+        elif request_type == _EXECUTOR_FAILED:
+            # NOTE: raised here, the busy loop ends as for any fatal error:
+            # run_engine_core sends ENGINE_CORE_DEAD (with this reason), so
+            # the frontend learns of a worker's death even while idle.
+            raise RuntimeError(getattr(self.model_executor, "failure_message", None) or "Executor failed.")
 
-        parent_pid = os.getppid()
+    def _executor_failed(self) -> None:
+        """The executor's failure callback (runs on its monitor thread): wake the busy loop."""
+        self.input_queue.put_nowait((_EXECUTOR_FAILED, None))
+
     def _call_utility(self, request: UtilityRequest) -> UtilityOutput:
         method = request.method_name
         try:
@@ -421,8 +432,6 @@ def _remove_orphaned_ipc_dir(ipc_dir: str | None) -> None:
 
     # -- the I/O threads ------------------------------------------------------------
     def process_input_sockets(self, input_path: str, ready: EngineCoreReadyResponse) -> None:
-            if os.getppid() != parent_pid:
-                _remove_orphaned_ipc_dir(kwargs.get("ipc_dir"))
         """Input thread: receive, decode and preprocess requests into input_queue."""
         decoders = {EngineCoreRequestType.ADD: MsgpackDecoder(EngineCoreRequest),
                     EngineCoreRequestType.ABORT: MsgpackDecoder(list[str]),
@@ -461,15 +470,6 @@ def _remove_orphaned_ipc_dir(ipc_dir: str | None) -> None:
                 # NOTE: finish it as an error, so the frontend does not wait forever.
                 logger.error("Request %s failed preprocessing: %r", request.request_id, e)
                 self.output_queue.put_nowait((EngineCoreOutputType.OUTPUTS, EngineCoreOutputs(
-        elif request_type == _EXECUTOR_FAILED:
-            # NOTE: raised here, the busy loop ends as for any fatal error:
-            # run_engine_core sends ENGINE_CORE_DEAD (with this reason), so
-            # the frontend learns of a worker's death even while idle.
-            raise RuntimeError(getattr(self.model_executor, "failure_message", None) or "Executor failed.")
-
-    def _executor_failed(self) -> None:
-        """The executor's failure callback (runs on its monitor thread): wake the busy loop."""
-        self.input_queue.put_nowait((_EXECUTOR_FAILED, None))
                     engine_index=self.engine_index, finished_requests={request.request_id},
                     outputs=[EngineCoreOutput(request.request_id, [], finish_reason=FinishReason.ERROR)])))
                 return

@@ -23,28 +23,28 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import functools
 import logging
+import os
 import signal
 from http import HTTPStatus
+
+import uvicorn
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
-import contextlib
 
 import vllm_anatomy
 from vllm_anatomy.engine.exceptions import EngineDeadError
-import os
 from vllm_anatomy.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse
 from vllm_anatomy.entrypoints.openai.serving_chat import OpenAIServingChat
 from vllm_anatomy.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from vllm_anatomy.entrypoints.openai.serving_engine import (OpenAIError, create_error_response,
                                                             engine_dead_error)
-import uvicorn
-
 from vllm_anatomy.entrypoints.openai.serving_models import BaseModelPath, OpenAIServingModels
 from vllm_anatomy.metrics.prometheus import PrometheusStatLogger
 
@@ -267,10 +267,15 @@ class UvicornServer(uvicorn.Server):
     def capture_signals(self):
         yield
 
+
+async def run_server(args: argparse.Namespace, **uvicorn_kwargs) -> int:
+    """Start AsyncLLM (EngineCore in its own process), serve until a signal or the
+    engine's death, stop the engine. Returns the exit status: 1 if the engine died."""
     from vllm_anatomy.engine.arg_utils import EngineArgs
     from vllm_anatomy.engine.async_llm import AsyncLLM
 
     engine_client = AsyncLLM.from_engine_args(EngineArgs.from_cli_args(args), multiprocess=True)
+    force_exit = False
     try:
         app = build_app(engine_client, args)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
@@ -279,6 +284,40 @@ class UvicornServer(uvicorn.Server):
         server = UvicornServer(config)
         logger.warning("vllm_anatomy OpenAI server on http://%s:%d (model %s)", args.host, args.port,
                        app.state.openai_serving_models.model_name)
+        force_exit = await serve_http(server, engine_client, args.shutdown_timeout)
+        return 1 if engine_client.engine_core.engine_dead else 0
+    finally:
+        # NOTE: after a second signal the engine is killed at once; otherwise it
+        # gets SIGTERM and a few seconds. Either way its process is reaped and
+        # its socket directory and shared memory are removed here.
+        engine_client.shutdown(timeout=0 if force_exit else None)
+
+
+async def serve_http(server: uvicorn.Server, engine_client, shutdown_timeout: float) -> bool:
+    """Serve until a signal (then drain) or the engine's death; True if a second signal forced the exit."""
+    loop = asyncio.get_running_loop()
+    shutdown_requested, force_exit = asyncio.Event(), asyncio.Event()
+
+    def signal_handler(signum: int) -> None:
+        name = signal.Signals(signum).name
+        if shutdown_requested.is_set():
+            # NOTE: ends the drain at once; every request then ends with an error,
+            # so uvicorn's wait for open connections is short (and bounded anyway).
+            logger.warning("%s again: exiting now.", name)
+            force_exit.set()
+            return
+        logger.warning("%s: shutting down; requests in flight get at most %g s (--shutdown-timeout). "
+                       "Send it again to exit now.", name, shutdown_timeout)
+        shutdown_requested.set()
+
+    # NOTE: loop.add_signal_handler runs the handler as a loop callback, where
+    # setting asyncio events is safe (a plain signal.signal handler is not).
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, signal_handler, sig)
+    tasks = [loop.create_task(watchdog_loop(server, engine_client)),
+             loop.create_task(handle_shutdown(server, engine_client, shutdown_timeout,
+                                              shutdown_requested, force_exit))]
+    try:
         await server.serve()
     finally:
         for task in tasks:
@@ -317,42 +356,3 @@ def terminate_if_errored(server: uvicorn.Server, engine_client) -> None:
     logger.error("EngineCore is dead: stopping the server (exit status 1). "
                  "Set VLLM_KEEP_ALIVE_ON_ENGINE_DEATH=1 to keep it up, answering 503.")
     server.should_exit = True
-
-async def run_server(args: argparse.Namespace, **uvicorn_kwargs) -> int:
-    """Start AsyncLLM (EngineCore in its own process), serve until a signal or the
-    engine's death, stop the engine. Returns the exit status: 1 if the engine died."""
-    force_exit = False
-        force_exit = await serve_http(server, engine_client, args.shutdown_timeout)
-        return 1 if engine_client.engine_core.engine_dead else 0
-    finally:
-        # NOTE: after a second signal the engine is killed at once; otherwise it
-        # gets SIGTERM and a few seconds. Either way its process is reaped and
-        # its socket directory and shared memory are removed here.
-        engine_client.shutdown(timeout=0 if force_exit else None)
-
-
-async def serve_http(server: uvicorn.Server, engine_client, shutdown_timeout: float) -> bool:
-    """Serve until a signal (then drain) or the engine's death; True if a second signal forced the exit."""
-    loop = asyncio.get_running_loop()
-    shutdown_requested, force_exit = asyncio.Event(), asyncio.Event()
-
-    def signal_handler(signum: int) -> None:
-        name = signal.Signals(signum).name
-        if shutdown_requested.is_set():
-            # NOTE: ends the drain at once; every request then ends with an error,
-            # so uvicorn's wait for open connections is short (and bounded anyway).
-            logger.warning("%s again: exiting now.", name)
-            force_exit.set()
-            return
-        logger.warning("%s: shutting down; requests in flight get at most %g s (--shutdown-timeout). "
-                       "Send it again to exit now.", name, shutdown_timeout)
-        shutdown_requested.set()
-
-    # NOTE: loop.add_signal_handler runs the handler as a loop callback, where
-    # setting asyncio events is safe (a plain signal.signal handler is not).
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, signal_handler, sig)
-    tasks = [loop.create_task(watchdog_loop(server, engine_client)),
-             loop.create_task(handle_shutdown(server, engine_client, shutdown_timeout,
-                                              shutdown_requested, force_exit))]
-    try:

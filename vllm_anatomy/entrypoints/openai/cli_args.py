@@ -23,17 +23,17 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p("--uvicorn-log-level", default="warning",
       choices=["critical", "error", "warning", "info", "debug", "trace"])
     p("--disable-uvicorn-access-log", action="store_true")
+    p("--shutdown-timeout", type=int, default=0,
+      help="on SIGTERM/SIGINT, seconds requests in flight may still run before they are ended "
+           "with an error (vLLM's flag and default: 0 = end them at once); a second signal exits now")
     EngineArgs.add_cli_args(parser)
     return parser
 
 
 def validate_parsed_serve_args(args: argparse.Namespace) -> None:
-    p("--shutdown-timeout", type=int, default=0,
-      help="on SIGTERM/SIGINT, seconds requests in flight may still run before they are ended "
-           "with an error (vLLM's flag and default: 0 = end them at once); a second signal exits now")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
-    if args.api_key is not None and not args.api_key:
-        raise ValueError("--api-key must not be empty")
     if args.shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    if args.api_key is not None and not args.api_key:
+        raise ValueError("--api-key must not be empty")
