@@ -90,8 +90,8 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
         """The cached blocks of the request's longest cached prefix, and its length in tokens.
 
-        Simplified: vLLM 0.33 also returns a shared_prefix_boundary used only by
-        hybrid (Mamba / sliding-window) models.
+        Simplified: v0.27.1 also returns a third value, shared_prefix_boundary,
+        used only by hybrid (Mamba / sliding-window) models.
         """
         if not self.enable_caching:
             return self.empty_kv_cache_blocks, 0

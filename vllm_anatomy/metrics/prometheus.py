@@ -24,6 +24,8 @@ TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
 ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                10.0, 20.0, 40.0, 80.0]
+TPOT_BUCKETS = ITL_BUCKETS
+ITERATION_TOKENS_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
                            50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
 
@@ -76,8 +78,13 @@ class PrometheusStatLogger:
             "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
         # -- per-iteration token counts and per-request latencies
         self.counter_prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.counter_prompt_tokens_cached = counter("vllm:prompt_tokens_cached",
+                                                    "Number of cached prompt tokens (local + external).")
         self.counter_generation_tokens = counter("vllm:generation_tokens",
                                                  "Number of generation tokens processed.")
+        self.histogram_iteration_tokens = histogram(
+            "vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+            ITERATION_TOKENS_BUCKETS)
         self.counter_request_success_base = request_success = Counter("vllm:request_success", "Count of successfully processed requests.",
                                   labelnames + ["finished_reason"], registry=r)
         # NOTE: one child per finish reason up front, so every series exists at 0
@@ -88,8 +95,24 @@ class PrometheusStatLogger:
             "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS)
         self.histogram_inter_token_latency = histogram(
             "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS)
+        self.histogram_request_time_per_output_token = histogram(
+            "vllm:request_time_per_output_token_seconds",
+            "Histogram of time_per_output_token_seconds per request.", TPOT_BUCKETS)
         self.histogram_e2e_time_request = histogram(
             "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+            REQUEST_LATENCY_BUCKETS)
+        # The four phases of a request, from its engine-side events (seconds).
+        self.histogram_queue_time_request = histogram(
+            "vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.",
+            REQUEST_LATENCY_BUCKETS)
+        self.histogram_inference_time_request = histogram(
+            "vllm:request_inference_time_seconds", "Histogram of time spent in RUNNING phase for request.",
+            REQUEST_LATENCY_BUCKETS)
+        self.histogram_prefill_time_request = histogram(
+            "vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.",
+            REQUEST_LATENCY_BUCKETS)
+        self.histogram_decode_time_request = histogram(
+            "vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.",
             REQUEST_LATENCY_BUCKETS)
         token_buckets = build_1_2_5_buckets(max_model_len)
         self.histogram_num_prompt_tokens_request = histogram(
@@ -113,7 +136,12 @@ class PrometheusStatLogger:
     def _record_iteration_stats(self, it) -> None:
         self.counter_num_preempted_reqs.inc(it.num_preempted_reqs)
         self.counter_prompt_tokens.inc(it.num_prompt_tokens)
+        self.counter_prompt_tokens_cached.inc(it.num_cached_prompt_tokens)
         self.counter_generation_tokens.inc(it.num_generation_tokens)
+        # NOTE: as v0.27.1, "tokens per engine step" counts prompt tokens when
+        # their request's first token arrives (computed ones only) plus the
+        # step's generated tokens; a step of pure prefill chunks observes 0.
+        self.histogram_iteration_tokens.observe(it.num_computed_prompt_tokens + it.num_generation_tokens)
         for ttft in it.time_to_first_tokens_iter:
             self.histogram_time_to_first_token.observe(ttft)
         for itl in it.inter_token_latencies_iter:
@@ -125,6 +153,11 @@ class PrometheusStatLogger:
                 child = self.counter_request_success_base.labels(*self.labelvalues, reason)
             child.inc()
             self.histogram_e2e_time_request.observe(finished.e2e_latency)
+            self.histogram_queue_time_request.observe(finished.queued_time)
+            self.histogram_prefill_time_request.observe(finished.prefill_time)
+            self.histogram_inference_time_request.observe(finished.inference_time)
+            self.histogram_decode_time_request.observe(finished.decode_time)
+            self.histogram_request_time_per_output_token.observe(finished.mean_time_per_output_token)
             self.histogram_num_prompt_tokens_request.observe(finished.num_prompt_tokens)
             self.histogram_num_generation_tokens_request.observe(finished.num_generation_tokens)
 

@@ -67,6 +67,9 @@ class IterationStats:
     iteration_timestamp: float = field(default_factory=time.time)
     num_generation_tokens: int = 0      # new tokens in this batch
     num_prompt_tokens: int = 0          # prompts of requests that got their first token
+    # Of those prompt tokens, the ones found in the prefix cache (vLLM:
+    # prompt_token_stats.cached_tokens); the rest were computed.
+    num_cached_prompt_tokens: int = 0
     num_preempted_reqs: int = 0         # PREEMPTED events seen in this batch
     finished_requests: list[FinishedRequestStats] = field(default_factory=list)
     time_to_first_tokens_iter: list[float] = field(default_factory=list)
@@ -75,12 +78,18 @@ class IterationStats:
     def _time_since(self, start: float) -> float:
         return self.iteration_timestamp - start
 
+    @property
+    def num_computed_prompt_tokens(self) -> int:
+        """Prompt tokens prefilled by computing them (vLLM: prompt_token_stats.computed)."""
+        return self.num_prompt_tokens - self.num_cached_prompt_tokens
+
     def update_from_output(self, output: EngineCoreOutput, engine_core_timestamp: float,
                            is_prefilling: bool, prompt_len: int, req_stats: RequestStateStats) -> None:
         num_new = len(output.new_token_ids)
         self.num_generation_tokens += num_new
         if is_prefilling:
             self.num_prompt_tokens += prompt_len
+            self.num_cached_prompt_tokens += min(output.num_cached_tokens, prompt_len)
             ttft = self._time_since(req_stats.arrival_time)
             self.time_to_first_tokens_iter.append(ttft)
             req_stats.first_token_latency = ttft

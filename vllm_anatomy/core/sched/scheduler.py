@@ -3,8 +3,8 @@
 Mirrors vllm/v1/core/sched/scheduler.py (Scheduler.schedule, _preempt_request,
 _update_after_schedule, update_from_output, finish_requests, make_stats).
 
-Simplified: FCFS policy only; one token budget (vLLM also has input_budget
-and draft slots for spec decode); no spec decode, KV connector, encoder cache,
+Simplified: FCFS policy only; one token budget (v0.27.1 also keeps an
+encoder compute budget for multimodal inputs); no spec decode, KV connector, encoder cache,
 structured output, LoRA or pipeline parallelism. Async scheduling (output
 placeholders) lives in async_scheduler.py; the few lines here that read
 num_output_placeholders / num_stale_output_tokens / skipped_waiting are
