@@ -81,6 +81,17 @@ class DeviceTimer:
         yield
         self.intervals.append((f"GPU.kernel.{name}", start, self._event(), attrs))
 
+    @contextlib.contextmanager
+    def interval(self, span_name: str, **attrs: Any) -> Iterator[None]:
+        """Time the device work enqueued inside as `span_name` (level full, eager
+        steps only): a collective (tracing/collectives.py), when kernel() is not the word."""
+        if not self.times_kernels:
+            yield
+            return
+        start = self._event()
+        yield
+        self.intervals.append((span_name, start, self._event(), attrs))
+
     def watch_layers(self, layers: torch.nn.ModuleList) -> None:
         """Per-layer spans through forward hooks (cheap no-ops when tracing is off)."""
         if not self.enabled:
