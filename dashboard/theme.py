@@ -1,18 +1,27 @@
-"""Colours shared by every panel: one colour per request (stable across pages and
-steps), status colours for the request state machine, colours for chunk kinds,
-block states and span families."""
+"""Colours and type shared by every panel: one colour per request (stable across pages
+and steps), status colours for the request state machine, colours for chunk kinds,
+block states and span families; the text colour that reads on each of them; the
+font sizes every chart uses (no chart text under 12 px)."""
 from __future__ import annotations
+
+import html
+
+# Chart type: nothing a learner must read is drawn under MIN_FONT_PX.
+MIN_FONT_PX = 12
+FONT_PX = 13
+INK = "#1F1F1F"        # dark text on light fills
+MUTED_INK = "#4D4D4D"  # secondary text that must still be read (never lighter than this on white)
 
 # Okabe-Ito-like qualitative palette, then Tableau: readable on white, colour-blind friendly first.
 REQUEST_PALETTE = [
-    "#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#D55E00", "#F0E442", "#8C564B",
-    "#9467BD", "#17BECF", "#BCBD22", "#7F7F7F", "#1F77B4", "#FF7F0E", "#2CA02C", "#D62728",
+    "#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#E66E1E", "#F0E442", "#8C564B",
+    "#845AB0", "#17BECF", "#BCBD22", "#939393", "#1F77B4", "#FF7F0E", "#2CA02C", "#D62728",
 ]
 
 STATUS_COLORS = {
     "WAITING": "#F2C14E",
     "RUNNING": "#2E9E5B",
-    "PREEMPTED": "#D1495B",
+    "PREEMPTED": "#C8404F",
     "FINISHED_STOPPED": "#4A6FA5",
     "FINISHED_LENGTH_CAPPED": "#6C8EBF",
     "FINISHED_ABORTED": "#8E8E8E",
@@ -29,7 +38,7 @@ BLOCK_CACHED = "#D9D2E9"    # free but hashed: a prefix-cache candidate (evictab
 BLOCK_NULL = "#BDBDBD"      # the null block (block 0)
 
 EVENT_COLORS = {"allocate": "#2E9E5B", "free": "#8E8E8E", "hit": "#0072B2",
-                "evict": "#D1495B", "cache": "#7E6BA6"}
+                "evict": "#C8404F", "cache": "#7E6BA6"}
 
 SPAN_COLORS = {"EngineCore": "#4A6FA5", "Scheduler": "#E69F00", "Executor": "#8C564B",
                "GPUModelRunner": "#009E73", "Worker": "#56B4E9", "llm_request": "#CC79A7",
@@ -57,11 +66,53 @@ def span_color(name: str) -> str:
     return SPAN_COLORS.get(name.split(".")[0], "#7F7F7F")
 
 
-def chip(text: str, color: str, fg: str = "white") -> str:
-    """An inline coloured label (HTML, for st.markdown(unsafe_allow_html=True))."""
-    return (f"<span style='background:{color};color:{fg};border-radius:4px;padding:1px 6px;"
-            f"margin:1px;font-size:0.82em;font-family:monospace;white-space:nowrap'>{text}</span>")
+def _luminance(color: str) -> float:
+    """WCAG relative luminance of a #RRGGBB colour."""
+    h = color.lstrip("#")
+    if len(h) == 3:
+        h = "".join(c * 2 for c in h)
+    rgb = [int(h[i:i + 2], 16) / 255 for i in (0, 2, 4)]
+    lin = [c / 12.92 if c <= 0.03928 else ((c + 0.055) / 1.055) ** 2.4 for c in rgb]
+    return 0.2126 * lin[0] + 0.7152 * lin[1] + 0.0722 * lin[2]
+
+
+def contrast(a: str, b: str) -> float:
+    """WCAG contrast ratio of two #RRGGBB colours (1 to 21; body text wants 4.5)."""
+    la, lb = sorted((_luminance(a), _luminance(b)), reverse=True)
+    return (la + 0.05) / (lb + 0.05)
+
+
+def text_on(background: str) -> str:
+    """The text colour that reads best on a #RRGGBB background: white or near-black,
+    whichever has the higher contrast (white on yellow would not)."""
+    if not background.startswith("#"):
+        return INK
+    return "white" if contrast("#FFFFFF", background) >= contrast(INK, background) else INK
+
+
+def chip(text: str, color: str, fg: str | None = None, title: str | None = None) -> str:
+    """An inline coloured label (HTML, for st.markdown(unsafe_allow_html=True)); the text
+    colour is chosen for the fill unless given; `title` becomes its tooltip."""
+    fg = fg or text_on(color)
+    tip = f" title='{html.escape(title, quote=True)}'" if title else ""
+    return (f"<span{tip} style='background:{color};color:{fg};border-radius:4px;padding:1px 6px;"
+            f"margin:1px;font-size:0.85em;font-family:monospace;white-space:nowrap'>{text}</span>")
 
 
 def req_chip(req_id: str, extra: str = "") -> str:
     return chip(f"req {req_id}{extra}", request_color(req_id))
+
+
+def style_figure(fig, *, legend_top: bool = False):
+    """The chart type every Plotly figure shares: text at FONT_PX (never under
+    MIN_FONT_PX, also inside bars, where a label that does not fit is hidden rather
+    than shrunk), dark ink. legend_top puts a horizontal legend above the plot, clear
+    of the x-axis title."""
+    fig.update_layout(font=dict(size=FONT_PX, color=INK), hoverlabel=dict(font_size=FONT_PX),
+                      uniformtext=dict(minsize=MIN_FONT_PX, mode="hide"),
+                      legend=dict(font=dict(size=MIN_FONT_PX)))
+    fig.update_xaxes(tickfont=dict(size=MIN_FONT_PX), title_font=dict(size=FONT_PX))
+    fig.update_yaxes(tickfont=dict(size=MIN_FONT_PX), title_font=dict(size=FONT_PX))
+    if legend_top:
+        fig.update_layout(legend=dict(orientation="h", yanchor="bottom", y=1.02, xanchor="left", x=0))
+    return fig

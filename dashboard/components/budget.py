@@ -7,7 +7,7 @@ import plotly.graph_objects as go
 import streamlit as st
 
 from dashboard.components.code_ref import code_ref
-from dashboard.theme import KIND_COLORS, request_color
+from dashboard.theme import KIND_COLORS, chip, request_color, style_figure, text_on
 
 STOP_REASONS = {
     "queue_empty": "nobody was waiting",
@@ -18,14 +18,21 @@ STOP_REASONS = {
     "chunked_prefill_disabled": "the head's prompt does not fit the remaining budget whole",
 }
 PATTERNS = {"prefill_chunk": "/", "final_prefill_chunk": "\\", "decode": "", "resumed": "x"}
+PATTERN_LEGEND = [("╱", "prefill_chunk", "a chunk of a prompt that does not end it: no token is sampled"),
+                  ("╲", "final_prefill_chunk", "the prompt's last chunk: the step samples its first token"),
+                  ("plain", "decode", "one new token of a running request"),
+                  ("✕", "resumed", "a preempted request coming back: its tokens are recomputed")]
 
 
 def budget_figure(rec: dict) -> go.Figure:
     fig = go.Figure()
     for s in rec["scheduled"]:
+        color = request_color(s["request_id"])
         fig.add_bar(y=["budget"], x=[s["num_tokens"]], orientation="h", name=f"req {s['request_id']}",
-                    marker=dict(color=request_color(s["request_id"]), pattern=dict(shape=PATTERNS.get(s["kind"], ""), fillmode="overlay", fgcolor="white"),
+                    marker=dict(color=color, pattern=dict(shape=PATTERNS.get(s["kind"], ""), fillmode="overlay",
+                                                          fgcolor="white", fgopacity=0.6),
                                 line=dict(color="white", width=1)),
+                    textfont=dict(color=text_on(color)),
                     text=f"req {s['request_id']} · {s['kind'].replace('_', ' ')} · {s['num_tokens']}",
                     textposition="inside", insidetextanchor="middle",
                     hovertemplate=f"req {s['request_id']}<br>{s['kind']}<br>{s['num_tokens']} tokens from "
@@ -38,15 +45,18 @@ def budget_figure(rec: dict) -> go.Figure:
     fig.update_layout(barmode="stack", height=110, margin=dict(l=0, r=0, t=4, b=4), showlegend=False,
                       xaxis=dict(range=[0, rec["token_budget_start"]], title=None),
                       yaxis=dict(visible=False), plot_bgcolor="white")
+    style_figure(fig)
     return fig
 
 
 def budget(rec: dict) -> None:
     used = rec["token_budget_start"] - rec["token_budget_end"]
+    legend = " ".join(chip(f"{mark} {kind}", "#F0F0F0", title=why) for mark, kind, why in PATTERN_LEGEND)
     st.markdown(f"**Token budget** {used} / {rec['token_budget_start']} tokens used "
-                f"(max_num_batched_tokens) · pattern: ╱ prefill chunk, ╲ last prefill chunk, plain decode, ✕ resumed")
+                f"(max_num_batched_tokens) · hatching: {legend}", unsafe_allow_html=True)
     st.plotly_chart(budget_figure(rec), width="stretch", key="budget_bar",
                     config={"displayModeBar": False})
+    st.caption(" · ".join(f"{mark} `{kind}`: {why}" for mark, kind, why in PATTERN_LEGEND))
     reason = rec.get("admission_stop_reason")
     st.markdown(f"Admission stopped: **`{reason}`** — {STOP_REASONS.get(reason, 'not recorded')}")
     code_ref("vllm_anatomy/core/sched/scheduler.py", "Scheduler.schedule → SchedulerStepRecord")

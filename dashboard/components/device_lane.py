@@ -19,7 +19,7 @@ import plotly.graph_objects as go
 import streamlit as st
 
 from dashboard.components.code_ref import code_ref
-from dashboard.theme import span_color
+from dashboard.theme import span_color, style_figure
 
 PHASES = ["GPU.prepare_inputs", "GPU.model_forward", "GPU.compute_logits", "GPU.sample", "GPU.d2h"]
 PADDED = re.compile(r"padded (\d+) -> (\d+)")
@@ -129,6 +129,25 @@ def kernel_summary(launches: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+PEAK_GBPS = 4800.0       # an H200's HBM3e
+LAUNCH_BOUND = 0.05      # below 5 % of it, the kernels' bandwidth says little about the memory
+
+
+def launch_bound_note(launches: pd.DataFrame) -> str | None:
+    """The caveat for tiny kernels: at a few KB to a few MB per launch, a kernel's time is mostly its
+    fixed launch and scheduling cost, so bytes / time is far below the memory's bandwidth."""
+    rates = [r for r in launches.get("GB/s", []) if r is not None and pd.notna(r)]
+    if not rates or max(rates) >= LAUNCH_BOUND * PEAK_GBPS:
+        return None
+    mb_per = launches["bytes"].dropna()
+    size = (f"{mb_per.median() / 1e6:.2f} MB per launch (median)" if not mb_per.empty else "little data per launch")
+    return (f"Launch-bound, not bandwidth-bound: this small model's kernels move {size}, so each launch's fixed cost "
+            f"(a few µs to start a grid and drain it) dominates its time, and the achieved rate ({min(rates):.1f}–"
+            f"{max(rates):.1f} GB/s here) says nothing about the GPU's ~{PEAK_GBPS:,.0f} GB/s. Large models and "
+            f"batches move MBs to GBs per kernel and approach it; `bench/kernels.py` measures the same kernels at "
+            f"those sizes. CUDA graphs exist for this: one replay pays the launch cost once for the whole forward.")
+
+
 def step_figure(dev: pd.DataFrame) -> go.Figure:
     """The step's device spans on three rows (phases, layers, kernels), in µs (ms past 5 ms)
     since its first one."""
@@ -146,7 +165,8 @@ def step_figure(dev: pd.DataFrame) -> go.Figure:
     fig.update_layout(barmode="overlay", height=90 + 40 * len(rows), margin=dict(l=10, r=10, t=10, b=36),
                       plot_bgcolor="white", xaxis_title=f"{unit} since the step's first device span",
                       yaxis=dict(categoryorder="array", categoryarray=rows[::-1]),
-                      uniformtext=dict(minsize=8, mode="hide"), showlegend=False)
+                      showlegend=False)
+    style_figure(fig)
     return fig
 
 
@@ -193,6 +213,9 @@ def device_lane(step_spans: pd.DataFrame | None, device: str, step_id: int) -> N
     if not launches.empty:
         st.markdown("**Kernel launches** (this step) · achieved GB/s = bytes moved / duration — compare with the "
                     "GPU's memory bandwidth (an H200's HBM3e: about 4,800 GB/s)")
+        note = launch_bound_note(launches)
+        if note:
+            st.info(note, icon=":material/info:")
         rate = {"GB/s": st.column_config.NumberColumn(format="%.1f", help="bytes moved / duration"),
                 "MB": st.column_config.NumberColumn(format="%.4f")}
         st.dataframe(kernel_summary(launches), hide_index=True, width="stretch", column_config=rate)

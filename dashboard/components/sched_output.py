@@ -10,11 +10,30 @@ from dashboard.components.code_ref import code_ref
 from dashboard.theme import req_chip
 
 
+# Key columns first (req, its blocks, its tokens), so they show without scrolling sideways.
+HELP = {"req": st.column_config.TextColumn("req", help="request id", width="small"),
+        "block_ids": st.column_config.TextColumn("block_ids", help="NewRequestData.block_ids: every KV block the "
+                                                 "request holds (the worker copies them into its block table)",
+                                                 width="medium"),
+        "new_block_ids": st.column_config.TextColumn("new_block_ids", help="CachedRequestData.new_block_ids: "
+                                                     "blocks allocated this step, appended to the worker's block "
+                                                     "table ([] when the last block still has room)", width="medium"),
+        "scheduled tokens": st.column_config.NumberColumn("scheduled tokens", help="num_scheduled_tokens[req]: "
+                                                          "tokens it gets from this step's budget"),
+        "prompt tokens": st.column_config.NumberColumn("prompt tokens", help="len(prompt_token_ids)"),
+        "prefix-cached": st.column_config.NumberColumn("prefix-cached", help="num_computed_tokens on arrival: "
+                                                       "tokens found in the prefix cache, not recomputed"),
+        "num_computed_tokens": st.column_config.NumberColumn("num_computed_tokens", help="tokens already in the "
+                                                             "KV cache before this step"),
+        "num_output_tokens": st.column_config.NumberColumn("num_output_tokens", help="tokens generated so far"),
+        "resumed": st.column_config.CheckboxColumn("resumed", help="back from PREEMPTED: the worker gets its whole "
+                                                   "token list again (resumed_req_token_ids)")}
+
+
 def _new_table(new: list[dict], n_sched: dict) -> pd.DataFrame:
-    return pd.DataFrame([{"req": r["req_id"], "prompt tokens": len(r["prompt_token_ids"]),
-                          "prefix-cached (num_computed_tokens)": r["num_computed_tokens"],
-                          "scheduled tokens": n_sched.get(r["req_id"], 0),
-                          "block_ids": str(r["block_ids"][0] if r["block_ids"] else [])} for r in new])
+    return pd.DataFrame([{"req": r["req_id"], "block_ids": str(r["block_ids"][0] if r["block_ids"] else []),
+                          "scheduled tokens": n_sched.get(r["req_id"], 0), "prompt tokens": len(r["prompt_token_ids"]),
+                          "prefix-cached": r["num_computed_tokens"]} for r in new])
 
 
 def _cached_table(c: dict, n_sched: dict) -> pd.DataFrame:
@@ -22,9 +41,9 @@ def _cached_table(c: dict, n_sched: dict) -> pd.DataFrame:
     rows = []
     for i, req in enumerate(c["req_ids"]):
         nb = c["new_block_ids"][i]
-        rows.append({"req": req, "resumed": req in resumed, "num_computed_tokens": c["num_computed_tokens"][i],
-                     "num_output_tokens": c["num_output_tokens"][i], "scheduled tokens": n_sched.get(req, 0),
-                     "new_block_ids": str(nb[0] if nb else [])})
+        rows.append({"req": req, "new_block_ids": str(nb[0] if nb else []), "scheduled tokens": n_sched.get(req, 0),
+                     "num_computed_tokens": c["num_computed_tokens"][i],
+                     "num_output_tokens": c["num_output_tokens"][i], "resumed": req in resumed})
     return pd.DataFrame(rows)
 
 
@@ -32,16 +51,16 @@ def scheduler_output(so: dict, rec: dict) -> None:
     n_sched = so["num_scheduled_tokens"]
     st.markdown(f"**SchedulerOutput** · step {so.get('step_id')} · total_num_scheduled_tokens "
                 f"**{so['total_num_scheduled_tokens']}** over {len(n_sched)} requests")
-    c1, c2 = st.columns(2)
-    with c1:
-        st.markdown(f"scheduled_new_reqs ({len(so['scheduled_new_reqs'])})")
-        if so["scheduled_new_reqs"]:
-            st.dataframe(_new_table(so["scheduled_new_reqs"], n_sched), hide_index=True, width="stretch")
-    with c2:
-        st.markdown(f"scheduled_cached_reqs ({len(so['scheduled_cached_reqs']['req_ids'])})")
-        if so["scheduled_cached_reqs"]["req_ids"]:
-            st.dataframe(_cached_table(so["scheduled_cached_reqs"], n_sched), hide_index=True,
-                         width="stretch")
+    st.markdown(f"`scheduled_new_reqs` ({len(so['scheduled_new_reqs'])}) — first time on the worker: the whole "
+                f"request (prompt, sampling params, block_ids)")
+    if so["scheduled_new_reqs"]:
+        st.dataframe(_new_table(so["scheduled_new_reqs"], n_sched), hide_index=True, width="stretch",
+                     column_config=HELP, key="sched_new")
+    st.markdown(f"`scheduled_cached_reqs` ({len(so['scheduled_cached_reqs']['req_ids'])}) — already on the worker: "
+                f"only what changed")
+    if so["scheduled_cached_reqs"]["req_ids"]:
+        st.dataframe(_cached_table(so["scheduled_cached_reqs"], n_sched), hide_index=True, width="stretch",
+                     column_config=HELP, key="sched_cached")
     pre = " ".join(req_chip(r) for r in rec.get("preempted_req_ids", [])) or "none"
     fin = " ".join(req_chip(r) for r in so.get("finished_req_ids", [])) or "none"
     st.markdown(f"preempted this step: {pre} &nbsp; · &nbsp; finished_req_ids (freed on the worker): {fin}",

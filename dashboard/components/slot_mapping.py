@@ -1,5 +1,12 @@
-"""slot_mapping drawn: every token of the batch → its KV slot = block_id × block_size
-+ offset, coloured by request, over the physical blocks it lands in."""
+"""slot_mapping drawn: every token of the batch lands in one KV slot,
+
+    slot = block_id × block_size + offset
+
+so the figure is the physical blocks this step writes (one row each, in the order the
+batch first reaches them) by the offsets inside a block (columns 0 … block_size-1);
+each token is a square in its (block_id, offset) cell, coloured by its request and
+labelled with its position in that request. Padding slots (-1: CUDA-graph padding
+rows) write nothing and are counted below."""
 from __future__ import annotations
 
 import pandas as pd
@@ -7,7 +14,10 @@ import plotly.graph_objects as go
 import streamlit as st
 
 from dashboard.components.code_ref import code_ref
-from dashboard.theme import request_color
+from dashboard.theme import request_color, style_figure, text_on
+
+MAX_BLOCKS = 40
+ROW_PX = 26
 
 
 def slot_rows(pi: dict, block_size: int) -> pd.DataFrame:
@@ -15,36 +25,53 @@ def slot_rows(pi: dict, block_size: int) -> pd.DataFrame:
     rows = []
     for i, (row, pos, slot, tok) in enumerate(zip(pi["req_indices"], pi["positions"], pi["slot_mapping"],
                                                   pi["input_ids"])):
-        rows.append({"token": i, "req": req_ids[row], "position": pos, "input_id": tok, "slot": slot,
-                     "block": slot // block_size, "offset": slot % block_size})
+        pad = slot is None or slot < 0
+        rows.append({"token": i, "req": req_ids[row] if row < len(req_ids) else "pad", "position": pos,
+                     "input_id": tok, "slot": slot, "block": -1 if pad else slot // block_size,
+                     "offset": -1 if pad else slot % block_size})
     return pd.DataFrame(rows)
 
 
 def slot_figure(df: pd.DataFrame, block_size: int) -> go.Figure:
+    real = df[df["block"] >= 0]
+    blocks = list(dict.fromkeys(real["block"].tolist()))[:MAX_BLOCKS]
+    real = real[real["block"].isin(blocks)]
     fig = go.Figure()
-    for req, g in df.groupby("req", sort=False):
-        fig.add_scatter(x=g["token"], y=g["slot"], mode="markers", name=f"req {req}",
-                        marker=dict(color=request_color(req), size=7, symbol="square"),
-                        customdata=g[["position", "block", "offset", "input_id"]],
-                        hovertemplate="batch token %{x} · position %{customdata[0]}<br>slot %{y} = block "
-                                      "%{customdata[1]} × " + str(block_size) + " + %{customdata[2]}"
-                                      "<br>input_id %{customdata[3]}<extra>req " + str(req) + "</extra>")
-    for b in sorted(df["block"].unique()):
-        fig.add_hrect(y0=b * block_size - 0.5, y1=(b + 1) * block_size - 0.5, line_width=0,
-                      fillcolor="#EEEEEE", opacity=0.5, layer="below")
-        fig.add_annotation(x=-0.5, y=b * block_size + block_size / 2, text=f"block {b}", showarrow=False,
-                           xanchor="right", font=dict(size=9, color="#666"))
-    fig.update_layout(height=260, margin=dict(l=60, r=0, t=4, b=30), plot_bgcolor="white",
-                      xaxis_title="token in the flattened batch", yaxis_title="KV slot",
-                      legend=dict(orientation="h", y=1.1))
+    many = real["req"].nunique() > 16
+    for req, g in real.groupby("req", sort=False):
+        color = request_color(req)
+        fig.add_scatter(x=g["offset"].tolist(), y=[f"block {b}" for b in g["block"]], mode="markers+text",
+                        name=f"req {req}", showlegend=not many,
+                        marker=dict(color=color, size=22, symbol="square", line=dict(color="white", width=1)),
+                        text=[str(p) for p in g["position"]], textposition="middle center",
+                        textfont=dict(color=text_on(color), size=12),
+                        customdata=g[["token", "position", "block", "offset", "input_id", "slot"]].values.tolist(),
+                        hovertemplate="batch token %{customdata[0]} · req " + str(req) + " position %{customdata[1]}"
+                                      "<br>slot %{customdata[5]} = block %{customdata[2]} × " + str(block_size) +
+                                      " + offset %{customdata[3]}<br>input_id %{customdata[4]}<extra></extra>")
+    fig.update_layout(height=90 + ROW_PX * max(1, len(blocks)), margin=dict(l=10, r=10, t=36, b=50),
+                      plot_bgcolor="#F7F7F7",
+                      xaxis=dict(title="offset in the block (slot % block_size)", range=[-0.6, block_size - 0.4],
+                                 dtick=1, side="bottom", showgrid=False, zeroline=False),
+                      yaxis=dict(title="block_id (slot // block_size)", categoryorder="array",
+                                 categoryarray=[f"block {b}" for b in blocks], autorange="reversed"))
+    style_figure(fig, legend_top=True)
     return fig
 
 
 def slot_mapping(pi: dict, block_size: int) -> None:
     df = slot_rows(pi, block_size)
-    st.markdown(f"**slot_mapping** · {len(df)} tokens → KV slots (slot = block_id × {block_size} + offset)")
+    st.markdown(f"**slot_mapping** · {len(df)} tokens → KV slots: slot = block_id × {block_size} + offset")
     if df.empty:
         st.caption("no token scheduled")
         return
-    st.plotly_chart(slot_figure(df, block_size), width="stretch", key="slot_fig")
+    st.plotly_chart(slot_figure(df, block_size), width="stretch", key="slot_fig", config={"displayModeBar": False})
+    n_blocks = df.loc[df["block"] >= 0, "block"].nunique()
+    pad = int((df["block"] < 0).sum())
+    st.caption("Each square is one token of this step, in the KV slot it writes: its row is the physical block "
+               "(block_id = slot // block_size), its column the offset in it (slot % block_size); the number is the "
+               "token's position in its request. A prefill chunk fills a run of offsets; a decode writes one slot "
+               "after the request's last token."
+               + (f" First {MAX_BLOCKS} of {n_blocks} blocks shown." if n_blocks > MAX_BLOCKS else "")
+               + (f" {pad} padding slot{'s' * (pad != 1)} (-1) write nothing." if pad else ""))
     code_ref("vllm_anatomy/worker/block_table.py", "BlockTable.compute_slot_mapping")

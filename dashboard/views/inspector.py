@@ -2,7 +2,10 @@
 followed live. Every panel is drawn from the step's snapshots ("step" from
 EngineCore, "model_runner" from the worker) and the previous step's, for the diff;
 the Worker tab adds the step's forward-pass decision (CUDA graph or eager) and its
-device-lane spans (phases, layers, kernels)."""
+device-lane spans (phases, layers, kernels).
+
+The tabs are bound to the URL's `tab` (a link can open the KV tab) and only the open
+tab's panels are computed."""
 from __future__ import annotations
 
 import streamlit as st
@@ -14,6 +17,8 @@ from dashboard.components.budget import budget
 from dashboard.components.device_lane import device_lane
 from dashboard.components.diff import diff
 from dashboard.components.input_batch import input_batch
+from dashboard.components.kv_memory import block_bytes
+from dashboard.components.nav import TAB_KEY, TABS
 from dashboard.components.prepare_inputs import prepare_inputs
 from dashboard.components.queues import queues, state_machine, transitions
 from dashboard.components.sampled import execution_mode, execution_panel, sampled
@@ -54,35 +59,40 @@ def main() -> None:
     prev = p["step"] if isinstance(p, dict) else None
     step, mr = d["step"], d["mr"]
     moves = transitions(prev, step, finish_reasons(path, version))
+    kv = step["scheduler"]["kv_cache"]
+    per_block = block_bytes(info["meta"], mr, kv.get("block_size"))
     c1, c2 = st.columns([2, 3])
     with c1:
         diff(prev, step, moves)
-        queues(step)
+        queues(step, per_block)
     with c2:
         state_machine(moves)
-    kv = step["scheduler"]["kv_cache"]
     head, _ = execution_mode(info["meta"], (mr.get("prepare_inputs") or {}).get("cudagraph"))
     st.markdown(f":material/memory: Forward pass: **{head}** — why, and the device lane: *Worker* tab")
-    t_sched, t_kv, t_worker = st.tabs(["Scheduler", "KV cache", "Worker (model runner)"])
-    with t_sched:
-        budget(step["scheduler"]["step_record"])
-        scheduler_output(step["scheduler_output"], step["scheduler"]["step_record"])
-    with t_kv:
-        block_pool(kv, step.get("block_pool_events", []), prev["scheduler"]["kv_cache"] if prev else None)
-        block_tables(kv)
-    with t_worker:
-        tokens = data.token_index(path, version)
-        if isinstance(tokens, data.RunError):
-            state.show_error(tokens)
-            tokens = {"sampled": {}, "tokens": {}}
-        execution_panel(info["meta"], mr)
-        device_lane(step_spans(path, version, info["meta"], step_id), str(info["meta"].get("device")), step_id)
-        sampled(info["meta"], step_id, tokens, step["scheduler_output"])
-        pi = mr.get("prepare_inputs")
-        if pi:
-            slot_mapping(pi, kv["block_size"])
-        prepare_inputs(pi)
-        input_batch(mr)
+    t_sched, t_kv, t_worker = st.tabs(list(TABS.values()), key=TAB_KEY, bind="query-params")
+    if t_sched.open is not False:
+        with t_sched:
+            budget(step["scheduler"]["step_record"])
+            scheduler_output(step["scheduler_output"], step["scheduler"]["step_record"])
+    if t_kv.open is not False:
+        with t_kv:
+            block_pool(kv, step.get("block_pool_events", []), prev["scheduler"]["kv_cache"] if prev else None,
+                       per_block)
+            block_tables(kv, per_block)
+    if t_worker.open is not False:
+        with t_worker:
+            tokens = data.token_index(path, version)
+            if isinstance(tokens, data.RunError):
+                state.show_error(tokens)
+                tokens = {"sampled": {}, "tokens": {}}
+            execution_panel(info["meta"], mr)
+            device_lane(step_spans(path, version, info["meta"], step_id), str(info["meta"].get("device")), step_id)
+            sampled(info["meta"], step_id, tokens, step["scheduler_output"])
+            pi = mr.get("prepare_inputs")
+            if pi:
+                slot_mapping(pi, kv["block_size"])
+            prepare_inputs(pi, kv["block_size"])
+            input_batch(mr, per_block)
 
 
 main()
