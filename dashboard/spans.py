@@ -151,3 +151,77 @@ def request_table(path: str, version: tuple) -> list[dict] | RunError:
     return sorted(rows, key=lambda r: (not str(r["request_id"]).isdigit(),
                                        int(r["request_id"]) if str(r["request_id"]).isdigit() else 0,
                                        str(r["request_id"])))
+
+
+# -- outliers on the timeline -------------------------------------------------------------------
+OUTLIER_X = 5.0          # a step this many times the median step is flagged
+JIT_X, JIT_MIN_MS = 20.0, 1.0
+
+
+def step_flags(df: pd.DataFrame) -> dict[int, str]:
+    """Steps that are not representative of the run, with why (span_table rows in, step id ->
+    reason out): a step over OUTLIER_X times the median step, explained as a Triton JIT compile
+    when one of its device spans took JIT_X times that span's median (the first launch of a
+    kernel variant compiles it), else as the run's first step (first launches, warm caches),
+    an eager forward among graph replays, or just "slow". The timeline opens away from them.
+    (Device phases are not compared: an eager forward is legitimately many times a replay.)"""
+    steps = df[df["name"] == "EngineCore.step"].dropna(subset=["step_id"])
+    if len(steps) < 3:
+        return {}
+    med = float(steps["dur_ms"].median())
+    slow = steps[steps["dur_ms"] > OUTLIER_X * med]
+    if slow.empty:
+        return {}
+    first = int(steps["step_id"].min())
+    dev = df[(df["lane"] == DEVICE_LANE) & ~df["host_timing"].astype(bool) & df["step_id"].notna()
+             & df["device_row"].isin(["layers", "kernels"])]
+    dev_med = dev.groupby("name")["dur_ms"].transform("median") if not dev.empty else None
+    fwd = df[(df["name"] == "GPU.model_forward") & df["cudagraph_mode"].notna()]
+    mode = dict(zip(fwd["step_id"].astype(int), fwd["cudagraph_mode"]))
+    graphs = sum(m == "FULL" for m in mode.values())
+    out = {}
+    for step, dur in zip(slow["step_id"].astype(int), slow["dur_ms"]):
+        times = f"{dur:.0f} ms, {dur / med:.0f}× the median step"
+        jit = None
+        if dev_med is not None:
+            d = dev[dev["step_id"] == step]
+            ratio = d["dur_ms"] / dev_med.loc[d.index]
+            hot = d[(ratio > JIT_X) & (d["dur_ms"] > JIT_MIN_MS)]
+            if not hot.empty:     # name the kernel, else the layer it ran in
+                pick = hot[hot["device_row"] == "kernels"] if (hot["device_row"] == "kernels").any() else hot
+                jit = pick.loc[pick["dur_ms"].idxmax()]
+        if jit is not None:
+            name = jit["name"].removeprefix("GPU.kernel.")
+            if jit["name"] == "GPU.layer" and jit.get("layer") is not None and pd.notna(jit.get("layer")):
+                name = f"decoder layer {int(jit['layer'])}"
+            out[step] = (f"{times}: likely a Triton JIT compile — the first launch of a kernel variant "
+                         f"compiles it ({name} took {jit['dur_ms']:.1f} ms, "
+                         f"{jit['dur_ms'] / dev_med.loc[jit.name]:.0f}× its median)")
+        elif step == first:
+            out[step] = f"{times}: the run's first step (first launches, cold caches)"
+        elif mode.get(step) == "NONE" and graphs:
+            out[step] = f"{times}: eager forward (a prefill chunk) among CUDA graph replays"
+        else:
+            out[step] = f"{times}: slow step"
+    return out
+
+
+def representative_window(steps: list[int], flags: dict[int, str], cursor: int | None,
+                          size: int = 5) -> tuple[int, int]:
+    """`size` consecutive steps: around the cursor, shifted so that no flagged step but the cursor
+    itself is in it when possible; with no cursor, the first such window of the run."""
+    n = len(steps)
+    size = min(size, n)
+    starts = range(0, n - size + 1)
+
+    def bad(i: int, keep: int | None) -> int:
+        return sum(1 for s in steps[i:i + size] if s in flags and s != keep)
+    if cursor in steps:
+        c = steps.index(cursor)
+        cands = [i for i in starts if i <= c < i + size]
+        best = min(cands, key=lambda i: (bad(i, cursor), abs(i + size // 2 - c)))
+    else:
+        clean = [i for i in starts if bad(i, None) == 0]
+        best = clean[0] if clean else 0
+    return steps[best], steps[best + size - 1]
+

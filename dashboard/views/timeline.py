@@ -1,7 +1,9 @@
 """Timeline: the spans of a window of steps, one lane per process plus the device
 lane (on a GPU: phases, then the layers and kernels of eager steps); click a span
-(or pick a step) to open that step in the inspector. Start-up spans (warm-up,
-CUDA graph capture) are listed below."""
+to open that step in the inspector. Above it, every step's duration: steps that are
+not representative (the first step's Triton JIT compile, eager outliers) are
+flagged, and the window opens away from them. Start-up spans (warm-up, CUDA graph
+capture) are listed below."""
 from __future__ import annotations
 
 import pandas as pd
@@ -9,34 +11,84 @@ import streamlit as st
 
 from dashboard import data, spans, state
 from dashboard.components.code_ref import code_ref
+from dashboard.components.nav import on_click_open, open_view
 from dashboard.components.sampled import sizes_text
-from dashboard.components.timeline_fig import step_duration_figure, timeline_figure
+from dashboard.components.timeline_fig import MAIN_SPANS, step_duration_figure, timeline_figure
 
 ss = st.session_state
 MAX_WINDOW = 60
+WINDOW = 5
 
 
-def on_select() -> None:
-    sel = ss.get("timeline_chart")
-    points = (sel or {}).get("selection", {}).get("points", []) if isinstance(sel, dict) else \
-        getattr(getattr(sel, "selection", None), "points", [])
-    for p in points:
-        step = (p.get("customdata") or [-1])[0]
-        if step is not None and step >= 0:
-            state.goto(step, "inspector")
-            return
+def _set_window(steps: list[int], flags: dict[int, str]) -> None:
+    """(Re)centre the window when the cursor moved since it was last placed (or never was)."""
+    cur = ss.get("cursor")
+    if cur not in steps:
+        a, b = spans.representative_window(steps, flags, None, WINDOW)
+        cur = steps[(steps.index(a) + steps.index(b)) // 2]
+        ss.cursor = cur
+    if ss.get("_tl_for") != (cur, tuple(steps[:1] + steps[-1:])) or "tl_window" not in ss:
+        ss.tl_window = spans.representative_window(steps, flags, cur, WINDOW)
+        ss._tl_for = (cur, tuple(steps[:1] + steps[-1:]))
 
 
-def window(steps: list[int]) -> tuple[int, int]:
-    idx = state.cursor_index(steps)
-    lo, hi = max(0, idx - 3), min(len(steps) - 1, idx + 3)
+def _window_value() -> tuple[int, int] | None:
+    """The window slider's value as (first, last) (a range slider's state can come back as a list, or as one
+    value where both ends are equal)."""
+    w = ss.get("tl_window")
+    if isinstance(w, (list, tuple)) and len(w) == 2:
+        return int(w[0]), int(w[1])
+    if isinstance(w, (int, float)):
+        return int(w), int(w)
+    return None
+
+
+def window(steps: list[int], flags: dict[int, str]) -> tuple[int, int]:
+    _set_window(steps, flags)
     if len(steps) == 1:
         return steps[0], steps[0]
-    a, b = st.select_slider("Steps shown", options=steps, value=(steps[lo], steps[hi]), key="tl_window")
+    value = st.select_slider("Steps shown", options=steps, key="tl_window",
+                             help="the steps drawn below; the window follows the cursor (click the strip above)")
+    a, b = value if isinstance(value, (list, tuple)) else (value, value)
     if steps.index(b) - steps.index(a) >= MAX_WINDOW:
         st.caption(f"window capped at {MAX_WINDOW} steps")
         b = steps[steps.index(a) + MAX_WINDOW - 1]
     return a, b
+
+
+def show_step_here(step: int) -> None:
+    """Callback: centre the window on `step` (the cursor moves there; the page stays)."""
+    state.goto(step)
+
+
+def _forward_modes(win: pd.DataFrame) -> dict[int, str]:
+    fwd = win[(win["name"].isin(["GPU.model_forward", "GPUModelRunner._model_forward"]))
+              & win["cudagraph_mode"].notna() & win["step_id"].notna()]
+    return dict(zip(fwd["step_id"].astype(int), fwd["cudagraph_mode"]))
+
+
+def eager_vs_graph(win: pd.DataFrame) -> str | None:
+    """One line on why eager steps look synchronous and graph replays do not, with this
+    window's numbers; None unless the window has both."""
+    modes = _forward_modes(win)
+    eager = [s for s, m in modes.items() if m != "FULL"]
+    graph = [s for s, m in modes.items() if m == "FULL"]
+    if not eager or not graph:
+        return None
+
+    def mean(name: str, steps: list[int], lane_device: bool, col: str = "dur_ms") -> float:
+        rows = win[(win["name"] == name) & win["step_id"].isin(steps) & ((win["lane"] == "device") == lane_device)]
+        return float(rows[col].fillna(0).mean()) if not rows.empty else 0.0
+    host_e, dev_e = mean("GPUModelRunner._model_forward", eager, False), mean("GPU.model_forward", eager, True)
+    host_g, dev_g = mean("GPUModelRunner._model_forward", graph, False), mean("GPU.model_forward", graph, True)
+    wait_e = mean("GPUModelRunner._bookkeeping_sync", eager, False, "sync_wait_ms")
+    wait_g = mean("GPUModelRunner._bookkeeping_sync", graph, False, "sync_wait_ms")
+    return (f"**Eager vs CUDA graph replay:** an eager step (here {', '.join(map(str, eager))}: a prefill chunk in "
+            f"the batch) launches every kernel from Python, layer by layer, so the CPU's `_model_forward` lasts as "
+            f"long as the GPU's forward ({host_e:.2f} vs {dev_e:.2f} ms) and the sync point waits {wait_e:.2f} ms: it "
+            f"looks synchronous; a graph replay (pure decodes) launches the whole forward in one call "
+            f"({host_g:.3f} ms on the CPU for {dev_g:.2f} ms on the GPU), so the CPU runs ahead and waits at "
+            f"`_bookkeeping_sync` ({wait_g:.2f} ms).")
 
 
 def startup(df: pd.DataFrame) -> None:
@@ -61,6 +113,21 @@ def startup(df: pd.DataFrame) -> None:
                                                             "CUDAGraphRunner.capture")
 
 
+def flagged(flags: dict[int, str], cursor: int | None, steps: list[int]) -> None:
+    if not flags:
+        return
+    if cursor in flags and "eager forward" not in flags[cursor]:     # an eager step is explained below
+        c1, c2 = st.columns([4, 1], vertical_alignment="center")
+        c1.warning(f"Step {cursor} is flagged — {flags[cursor]}. The other steps of the window are squeezed "
+                   "beside it.", icon=":material/warning:")
+        a, b = spans.representative_window(steps, flags, None, WINDOW)
+        mid = steps[(steps.index(a) + steps.index(b)) // 2]
+        c2.button("Show typical steps", key="tl_typical", on_click=show_step_here, args=(mid,))
+    with st.expander(f"{len(flags)} flagged step{'s' * (len(flags) != 1)} (✕ above): not representative, "
+                     "the window opens away from them"):
+        st.markdown("\n".join(f"- **step {s}** · {why}" for s, why in sorted(flags.items())))
+
+
 def main() -> None:
     st.title("Timeline")
     cur = state.current()
@@ -74,30 +141,56 @@ def main() -> None:
     if df.empty or df["step_id"].isna().all():
         st.info("No step spans recorded yet (spans arrive in batches every 200 ms).")
         return
+    steps = [s for s in info["steps"]]
+    flags = spans.step_flags(df)
     steps_df = df[df["name"] == "EngineCore.step"].sort_values("step_id")
-    st.plotly_chart(step_duration_figure(steps_df), width="stretch", key="step_durations")
-    a, b = window(info["steps"])
+    _set_window(steps, flags)
+    st.caption("Every step's duration (red ✕: flagged, see below). Click a point to show that step in the "
+               "timeline below.")
+    st.plotly_chart(step_duration_figure(steps_df, flags, _window_value()), width="stretch",
+                    key="step_durations", on_select=on_click_open("step_durations", None), selection_mode="points",
+                    config={"displayModeBar": False})
+    flagged(flags, ss.get("cursor"), steps)
+    a, b = window(steps, flags)
     win = df[df["step_id"].between(a, b)]
+    st.caption("One row per nesting depth of each process's spans; the six spans of a step ("
+               + ", ".join(f"`{v}`" for v in MAIN_SPANS.values()) + ") have a colour each and are labelled in the "
+               "highlighted step. **Click a bar to open its step in the Step inspector**; drag to zoom, double-click "
+               "to zoom out.")
     fig = timeline_figure(win, int(win["start_ns"].min()), ss.get("cursor"))
-    st.plotly_chart(fig, width="stretch", key="timeline_chart", on_select=on_select,
+    st.plotly_chart(fig, width="stretch", key="timeline_chart", on_select=on_click_open("timeline_chart", "inspector"),
                     selection_mode="points")
     sync = win[(win["name"] == "GPUModelRunner._bookkeeping_sync") & (win["lane"] != "device")]
     dev = win[(win["lane"] == "device") & ~win["host_timing"]]
     if dev.empty:
-        device = "no GPU: the device lane shows host timings"
+        device = ("no GPU: the device lane shows the host's own timings of the device work — every step is eager "
+                  "and synchronous, nothing runs ahead of the CPU")
     else:
-        fwd = dev[dev["name"] == "GPU.model_forward"]
-        n_graph = int((fwd["cudagraph_mode"] == "FULL").sum())
-        n_eager = len(fwd) - n_graph
+        modes = _forward_modes(win)
+        n_graph = sum(m == "FULL" for m in modes.values())
+        n_eager = len(modes) - n_graph
         device = (f"GPU: {n_graph} CUDA graph replay{'s' * (n_graph != 1)} and {n_eager} eager "
                   f"forward{'s' * (n_eager != 1)}; eager steps add a row of decoder layers and one of kernel "
-                  f"launches (drag to zoom into a step; hover a kernel: grid, tokens, bytes, GB/s; one step's "
-                  f"device lane, larger: the inspector's Worker tab)")
+                  f"launches (hover a kernel: grid, tokens, bytes, GB/s; one step's device lane, larger: the "
+                  f"inspector's Worker tab)")
     st.caption(f"{len(win)} spans in steps {a}–{b} · {len(sync)} sync points, total wait "
-               f"{sync['sync_wait_ms'].fillna(0).sum():.2f} ms · {device}. Click a bar to open its step.")
+               f"{sync['sync_wait_ms'].fillna(0).sum():.2f} ms · {device}.")
+    line = eager_vs_graph(win)
+    if line:
+        st.markdown(line)
+    else:
+        modes = _forward_modes(df)
+        if "FULL" in modes.values() and any(m != "FULL" for m in modes.values()):
+            dur = dict(zip(steps_df["step_id"].astype(int), steps_df["dur_ms"]))
+            eager = sorted((s for s, m in modes.items() if m != "FULL" and "JIT" not in flags.get(s, "")),
+                           key=lambda s: dur.get(s, 0.0))
+            if eager:
+                st.button(f"Show an eager step (step {eager[0]}) beside CUDA graph replays", key="tl_eager",
+                          icon=":material/compare:", on_click=show_step_here, args=(eager[0],))
     c1, c2 = st.columns([1, 3], vertical_alignment="bottom")
-    pick = c1.selectbox("Open step", info["steps"], index=state.cursor_index(info["steps"]), key="tl_pick")
-    c2.button("Open in the step inspector", key="tl_open", icon=":material/search:", on_click=state.goto, args=(pick, "inspector"))
+    pick = c1.selectbox("Open step", steps, index=state.cursor_index(steps), key="tl_pick")
+    c2.button("Open in the step inspector", key="tl_open", icon=":material/search:", on_click=open_view,
+              args=("inspector", pick))
     code_ref("vllm_anatomy/engine/core.py", "EngineCore.step → Scheduler.schedule, Executor.execute_model, "
                                             "GPUModelRunner.*")
     startup(df)
