@@ -1,15 +1,18 @@
 """Metrics over time, one point per committed step (downsampled past 2000 steps):
-batch tokens (prefill vs decode), running / waiting, KV cache usage, prefix-cache
-hit rate, preemptions and throughput."""
+batch tokens (prefill vs decode), running / waiting, KV cache usage (and MB),
+prefix-cache hit rate, preemptions and throughput. Click a point (or bar) of any
+chart to open that step in the step inspector."""
 from __future__ import annotations
 
 import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
-from dashboard import state
+from dashboard import data, state
 from dashboard.components.code_ref import code_ref
-from dashboard.theme import KIND_COLORS, STATUS_COLORS
+from dashboard.components.kv_memory import block_bytes, mb
+from dashboard.components.nav import on_click_open
+from dashboard.theme import KIND_COLORS, STATUS_COLORS, style_figure
 
 MAX_POINTS = 2000
 
@@ -37,36 +40,70 @@ def derive(df: pd.DataFrame) -> pd.DataFrame:
     return df
 
 
-def _fig(title: str, height: int = 220) -> go.Figure:
+def _fig(title: str, height: int = 250) -> go.Figure:
+    """A metric chart: title above a one-line legend, both clear of the plot; the x-axis title below."""
     fig = go.Figure()
-    fig.update_layout(title=dict(text=title, font=dict(size=13)), height=height, plot_bgcolor="white",
-                      margin=dict(l=10, r=10, t=30, b=30), legend=dict(orientation="h", y=-0.3),
-                      xaxis_title="step", hovermode="x unified")
+    fig.update_layout(title=dict(text=title, font=dict(size=14), x=0, xanchor="left", y=0.98, yanchor="top"),
+                      height=height, plot_bgcolor="white", margin=dict(l=10, r=10, t=64, b=40),
+                      xaxis_title="step", hovermode="closest", clickmode="event+select")
     return fig
 
 
-def figures(d: pd.DataFrame, cursor: int | None) -> list[tuple[str, go.Figure]]:
+def _steps(d: pd.DataFrame) -> list[list[int]]:
+    return [[int(s)] for s in d["step"]]
+
+
+def _hover(fmt: str = "%{y}") -> str:
+    return "step %{x}: " + fmt + "<extra>%{fullData.name} · click: open this step</extra>"
+
+
+def figures(d: pd.DataFrame, cursor: int | None, pool_bytes: int | None = None) -> list[tuple[str, go.Figure]]:
     tok = _fig("Batch tokens per step")
-    tok.add_bar(x=d["step"], y=d["prefill_tokens"], name="prefill", marker_color=KIND_COLORS["final_prefill_chunk"])
-    tok.add_bar(x=d["step"], y=d["decode_tokens"], name="decode", marker_color=KIND_COLORS["decode"])
+    cd = _steps(d)
+    tok.add_bar(x=d["step"], y=d["prefill_tokens"], name="prefill", marker_color=KIND_COLORS["final_prefill_chunk"],
+                customdata=cd, hovertemplate=_hover("%{y:.0f} tokens"))
+    tok.add_bar(x=d["step"], y=d["decode_tokens"], name="decode", marker_color=KIND_COLORS["decode"], customdata=cd,
+                hovertemplate=_hover("%{y:.0f} tokens"))
     tok.update_layout(barmode="stack")
     q = _fig("Running / waiting requests")
-    q.add_scatter(x=d["step"], y=d["running"], name="running", line=dict(color=STATUS_COLORS["RUNNING"], shape="hv"))
-    q.add_scatter(x=d["step"], y=d["waiting"], name="waiting", line=dict(color=STATUS_COLORS["WAITING"], shape="hv"))
-    kv = _fig("KV cache usage and prefix-cache hit rate")
-    kv.add_scatter(x=d["step"], y=d["kv_usage"], name="KV usage", fill="tozeroy", line=dict(color="#4A6FA5"))
-    kv.add_scatter(x=d["step"], y=d["hit_rate"], name="prefix hit rate (cumulative)", line=dict(color="#0072B2", dash="dot"))
+    q.add_scatter(x=d["step"], y=d["running"], name="running", line=dict(color=STATUS_COLORS["RUNNING"], shape="hv"),
+                  customdata=cd, mode="lines+markers", marker=dict(size=5), hovertemplate=_hover())
+    q.add_scatter(x=d["step"], y=d["waiting"], name="waiting", line=dict(color=STATUS_COLORS["WAITING"], shape="hv"),
+                  customdata=cd, mode="lines+markers", marker=dict(size=5), hovertemplate=_hover())
+    kv = _fig("KV cache usage and prefix-cache hit rate" + (f" (pool: {mb(pool_bytes)})" if pool_bytes else ""))
+    usage_mb = [mb(u * pool_bytes) for u in d["kv_usage"]] if pool_bytes else [""] * len(d)
+    kv.add_scatter(x=d["step"], y=d["kv_usage"], name="KV usage", fill="tozeroy", line=dict(color="#4A6FA5"),
+                   customdata=[[c[0], m] for c, m in zip(cd, usage_mb)], mode="lines+markers", marker=dict(size=4),
+                   hovertemplate=_hover("%{y:.0%} of the blocks %{customdata[1]}"))
+    kv.add_scatter(x=d["step"], y=d["hit_rate"], name="prefix hit rate (cumulative)", line=dict(color="#0072B2", dash="dot"),
+                   customdata=cd, mode="lines+markers", marker=dict(size=4), hovertemplate=_hover("%{y:.0%}"))
     kv.update_yaxes(tickformat=".0%", range=[0, 1.05])
     pre = _fig("Preemptions")
-    pre.add_bar(x=d["step"], y=d["preempted"], name="this step", marker_color=STATUS_COLORS["PREEMPTED"])
-    pre.add_scatter(x=d["step"], y=d["cum_preempted"], name="cumulative", line=dict(color="#5B5B5B", shape="hv"))
+    pre.add_bar(x=d["step"], y=d["preempted"], name="this step", marker_color=STATUS_COLORS["PREEMPTED"], customdata=cd,
+                hovertemplate=_hover("%{y:.0f} preempted"))
+    pre.add_scatter(x=d["step"], y=d["cum_preempted"], name="cumulative", line=dict(color="#5B5B5B", shape="hv"),
+                    customdata=cd, mode="lines+markers", marker=dict(size=4), hovertemplate=_hover("%{y:.0f} so far"))
     thr = _fig("Throughput (scheduled tokens / s, 8-step window)")
-    thr.add_scatter(x=d["step"], y=d["throughput"], name="tokens/s", line=dict(color="#009E73"))
+    thr.add_scatter(x=d["step"], y=d["throughput"], name="tokens/s", line=dict(color="#009E73"), customdata=cd,
+                    mode="lines+markers", marker=dict(size=4), hovertemplate=_hover("%{y:,.0f} tokens/s"))
     out = [("tokens", tok), ("queues", q), ("kv", kv), ("preemptions", pre), ("throughput", thr)]
-    if cursor is not None:
-        for _, f in out:
+    for _, f in out:
+        if cursor is not None:
             f.add_vline(x=cursor, line=dict(color="#E69F00", dash="dash"))
+        style_figure(f, legend_top=True)
+        f.update_layout(legend=dict(y=1.0, yanchor="bottom"))
     return out
+
+
+def _pool_bytes(path: str, info: dict) -> int | None:
+    """Bytes of the whole KV pool (blocks × bytes per block), if the run tells the block size in bytes."""
+    steps = info["steps"]
+    d = data.step_data(path, steps[0]) if steps else None
+    if not isinstance(d, dict):
+        return None
+    kv = d["step"]["scheduler"]["kv_cache"]
+    per = block_bytes(info["meta"], d["mr"], kv.get("block_size"))
+    return per * kv["num_gpu_blocks"] if per else None
 
 
 def main() -> None:
@@ -74,22 +111,33 @@ def main() -> None:
     cur = state.current_step_table()
     if cur is None:
         return
-    _, _, df = cur
+    path, info, df = cur
     d = derive(df)
     last = d.iloc[-1]
+    pool_bytes = _pool_bytes(path, info)
     c = st.columns(5)
     c[0].metric("steps", len(d))
-    c[1].metric("tokens scheduled", int(d["tokens"].sum()))
-    c[2].metric("peak KV usage", f"{d['kv_usage'].max():.0%}")
-    c[3].metric("prefix-cache hit rate", f"{last['hit_rate']:.0%}")
-    c[4].metric("preemptions", int(last["cum_preempted"]))
+    c[1].metric("tokens scheduled", int(d["tokens"].sum()), help="prompt and generated tokens run through the "
+                                                                 "model, summed over the steps")
+    peak = d["kv_usage"].max()
+    c[2].metric("peak KV usage" + (f" ({mb(peak * pool_bytes)})" if pool_bytes else ""), f"{peak:.0%}",
+                help="the most KV blocks held at once, as a share of the pool" +
+                     (f" ({mb(pool_bytes)})" if pool_bytes else ""))
+    c[3].metric("prefix-cache hit rate", f"{last['hit_rate']:.0%}", help="prompt tokens found in the prefix cache "
+                                                                        "/ prompt tokens looked up (cumulative)")
+    c[4].metric("preemptions", int(last["cum_preempted"]), help="RUNNING → PREEMPTED transitions: a request lost its "
+                                                               "KV blocks and will be recomputed")
     shown = downsample(d)
     if len(shown) < len(d):
         st.caption(f"{len(d)} steps downsampled to {len(shown)} points (max for levels, sums for counts)")
-    figs = figures(shown, st.session_state.get("cursor"))
+    st.caption("One point per step; the dashed line is the cursor. **Click a point or bar to open that step in the "
+               "Step inspector.**")
+    figs = figures(shown, st.session_state.get("cursor"), pool_bytes)
     cols = st.columns(2)
     for i, (key, fig) in enumerate(figs):
-        cols[i % 2].plotly_chart(fig, width="stretch", key=f"metric_{key}")
+        cols[i % 2].plotly_chart(fig, width="stretch", key=f"metric_{key}", selection_mode="points",
+                                 on_select=on_click_open(f"metric_{key}", "inspector"),
+                                 config={"displayModeBar": False})
     code_ref("vllm_anatomy/core/sched/scheduler.py", "Scheduler.make_stats · SchedulerStepRecord (per step)")
 
 
