@@ -16,11 +16,13 @@ with arrivals spread over time so continuous batching is visible).
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import traceback
 import uuid
@@ -33,7 +35,8 @@ LIVE_DIR = ".live"   # under trace_dir: spec, status and log files of live runs
 # (meta start_time_ns), a span name = that start-up span ended (its end_ns),
 # "first_step" = the first step's "step" snapshot is committed.
 STARTUP_STAGES = [
-    ("start process", "Python starts, imports torch and the engine, creates the run store", "store"),
+    ("start process", "Python starts, imports torch and the engine (ahead of time, while the landing page "
+                      "was open, when it could), creates the run store", "store"),
     ("load model", "tokenizer, Worker.init_device, GPUModelRunner.load_model: the weights into memory",
      "GPUModelRunner.load_model"),
     ("allocate KV cache", "GPUModelRunner.determine_num_available_blocks, then initialize_kv_cache",
@@ -72,6 +75,91 @@ def _write_json(path: str, data: dict) -> None:
     os.replace(tmp, path)   # readers never see a half-written file
 
 
+def _child_env() -> dict:
+    env = {**os.environ, "PYTHONPATH": REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    # NOTE: one intra-op thread unless the user chose (as the lessons do): a live
+    # run's batches are small, and on a small CPU shared with the dashboard (and
+    # anything else) torch's spinning threads made the first step several times slower.
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def _spawn(trace_dir: str, wait: bool) -> tuple[subprocess.Popen, str, str, str]:
+    """An engine child: (process, spec path, status path, log path). With wait, it imports
+    torch and the engine, then waits for its spec file (prewarm)."""
+    live_dir = os.path.join(trace_dir, LIVE_DIR)
+    os.makedirs(live_dir, exist_ok=True)
+    token = uuid.uuid4().hex[:8]
+    spec_path, status_path, log_path = (os.path.join(live_dir, f"{token}.{ext}")
+                                        for ext in ("spec.json", "status.json", "log"))
+    _write_json(status_path, {"state": "starting"})
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), spec_path, status_path]
+                                + (["--wait", str(os.getpid())] if wait else []),
+                                stdout=log, stderr=subprocess.STDOUT, env=_child_env(), cwd=REPO_ROOT,
+                                start_new_session=True)
+    return proc, spec_path, status_path, log_path
+
+
+# -- a pre-started engine process ----------------------------------------------------------------
+# NOTE: importing torch and the engine is most of a live run's start-up on a small CPU
+# (the "start process" stage). While the landing page is open, one engine process per
+# dashboard server does that ahead of time and waits for a spec; Start hands it one.
+# It exits by itself when the dashboard goes away (its parent changes), after WARM_MAX_S
+# without a spec, or at the dashboard's exit.
+WARM_MAX_S = 600.0
+PREWARM_ENV = "VLLM_ANATOMY_PREWARM"       # "0": never pre-start an engine process
+_warm: dict | None = None
+_warm_lock = threading.Lock()
+
+
+def prewarm(trace_dir: str) -> None:
+    """Pre-start an engine process for the next live run (one per dashboard process)."""
+    global _warm
+    if os.environ.get(PREWARM_ENV, "1") == "0":
+        return
+    trace_dir = os.path.abspath(trace_dir)
+    with _warm_lock:
+        if _warm is not None and _warm["proc"].poll() is None and _warm["trace_dir"] == trace_dir:
+            return
+        _discard_warm()
+        proc, spec_path, status_path, log_path = _spawn(trace_dir, wait=True)
+        _warm = {"proc": proc, "spec_path": spec_path, "status_path": status_path, "log_path": log_path,
+                 "trace_dir": trace_dir}
+
+
+def _take_warm(trace_dir: str) -> dict | None:
+    global _warm
+    with _warm_lock:
+        w, _warm = _warm, None
+    if w is None or w["proc"].poll() is not None or w["trace_dir"] != os.path.abspath(trace_dir):
+        if w is not None:
+            _stop_proc(w["proc"])
+        return None
+    return w
+
+
+def _discard_warm() -> None:
+    global _warm
+    w, _warm = _warm, None
+    if w is not None:
+        _stop_proc(w["proc"])
+
+
+def _stop_proc(proc: subprocess.Popen, timeout: float = 5.0) -> None:
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+atexit.register(lambda: _discard_warm())
+
+
 class LiveRun:
     """Handle on one engine child process (kept in st.session_state)."""
 
@@ -82,24 +170,15 @@ class LiveRun:
 
     @classmethod
     def start(cls, spec: dict, trace_dir: str) -> "LiveRun":
-        live_dir = os.path.join(trace_dir, LIVE_DIR)
-        os.makedirs(live_dir, exist_ok=True)
-        token = uuid.uuid4().hex[:8]
+        """Run `spec` in the pre-started engine process if there is one, else in a new one."""
         spec = {**spec, "trace_dir": os.path.abspath(trace_dir)}
-        spec_path, status_path, log_path = (os.path.join(live_dir, f"{token}.{ext}")
-                                            for ext in ("spec.json", "status.json", "log"))
-        _write_json(spec_path, spec)
-        _write_json(status_path, {"state": "starting"})
-        env = {**os.environ, "PYTHONPATH": REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-        # NOTE: one intra-op thread unless the user chose (as the lessons do): a live
-        # run's batches are small, and on a small CPU shared with the dashboard (and
-        # anything else) torch's spinning threads made the first step several times slower.
-        env.setdefault("OMP_NUM_THREADS", "1")
         t_start_ns = time.time_ns()
-        with open(log_path, "w") as log:
-            proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), spec_path, status_path],
-                                    stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT,
-                                    start_new_session=True)
+        warm = _take_warm(trace_dir)
+        if warm is not None:
+            _write_json(warm["spec_path"], spec)          # atomic: the child sees all of it or nothing
+            return cls(warm["proc"], warm["status_path"], warm["log_path"], spec, t_start_ns)
+        proc, spec_path, status_path, log_path = _spawn(trace_dir, wait=False)
+        _write_json(spec_path, spec)
         return cls(proc, status_path, log_path, spec, t_start_ns)
 
     def status(self) -> dict:
@@ -110,7 +189,7 @@ class LiveRun:
             st = {"state": "starting"}
         rc = self.proc.poll()
         st["returncode"] = rc
-        if rc is not None and st["state"] in ("starting", "loading", "running"):
+        if rc is not None and st["state"] in ("starting", "warm", "loading", "running"):
             st["state"] = "crashed"
             st["error"] = f"the engine process exited with code {rc}.\n" + self.log_tail()
         return st
@@ -199,9 +278,32 @@ class _Engine:
         return self.llm_engine.tokenizer
 
 
-def child_main(spec_path: str, status_path: str) -> int:
+def _wait_for_spec(spec_path: str, status_path: str, parent: int) -> bool:
+    """Pre-started: import what the engine needs, then wait for the spec file (True when it
+    came; False when the dashboard (pid `parent`) went away or nothing came for WARM_MAX_S)."""
+    import torch  # noqa: F401
+    import vllm_anatomy.engine.llm_engine  # noqa: F401
+    import vllm_anatomy.tracing.otel  # noqa: F401
+    from transformers import PreTrainedTokenizerFast  # noqa: F401
+    _write_json(status_path, {"state": "warm", "pid": os.getpid(), "t_warm_ns": time.time_ns()})
+    deadline = time.monotonic() + WARM_MAX_S
+    while not os.path.exists(spec_path):
+        # NOTE: the dashboard's pid comes on the command line: if it died during our
+        # imports, os.getppid() would already name our new parent.
+        if _stop_requested or os.getppid() != parent or time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def child_main(spec_path: str, status_path: str, wait_for: int | None = None) -> int:
     signal.signal(signal.SIGTERM, _on_sigterm)
-    status = {"state": "loading", "pid": os.getpid(), "t_process_ns": time.time_ns()}
+    wait = wait_for is not None
+    parent = wait_for if wait else os.getppid()     # the dashboard: if it goes, so do we
+    if wait and not _wait_for_spec(spec_path, status_path, wait_for):
+        _write_json(status_path, {"state": "stopped", "pid": os.getpid()})
+        return 0
+    status = {"state": "loading", "pid": os.getpid(), "t_process_ns": time.time_ns(), "prestarted": wait}
     _write_json(status_path, status)
     recorder = None
     try:
@@ -222,8 +324,6 @@ def child_main(spec_path: str, status_path: str) -> int:
         recorder.set_run_meta("config", run_meta(config)["config"])   # resolved at start-up (num_gpu_blocks)
         status.update(state="running")
         _write_json(status_path, status)
-
-        parent = os.getppid()
 
         def on_step(step, outputs):
             global _stop_requested
@@ -248,4 +348,4 @@ def child_main(spec_path: str, status_path: str) -> int:
 
 if __name__ == "__main__":
     sys.path.insert(0, REPO_ROOT)
-    sys.exit(child_main(sys.argv[1], sys.argv[2]))
+    sys.exit(child_main(sys.argv[1], sys.argv[2], int(sys.argv[4]) if sys.argv[3:4] == ["--wait"] else None))

@@ -17,6 +17,7 @@ from dashboard.components.code_ref import code_ref
 from dashboard.components.live_form import live_form
 from dashboard.components.queues import queues
 from dashboard.components.run_picker import gpu_sample, gpu_sample_button
+from dashboard import live as live_mod
 from dashboard.live import STARTUP_SPANS, LiveRun
 from dashboard.scenarios import SCENARIOS, build_spec
 from dashboard.theme import req_chip
@@ -190,6 +191,9 @@ def main() -> None:
         start(pending)
         live = ss.live
     running = live is not None and live.status()["state"] not in TERMINAL
+    if not running and st.context.headers:
+        # a browser is looking at the landing page: get the next engine process's imports done now
+        live_mod.prewarm(state.trace_dir())
     start_strip(samples, compact=live is not None)
     if live is not None:
         st.subheader("Live run")

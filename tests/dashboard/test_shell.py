@@ -432,3 +432,54 @@ def test_the_faster_tokenizer_load_gives_the_same_tokenizer():
     conv = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a CPU?"}]
     assert ours.apply_chat_template(conv, tokenize=True, add_generation_prompt=True, return_dict=False) == \
         auto.apply_chat_template(conv, tokenize=True, add_generation_prompt=True, return_dict=False)
+
+
+# -- the pre-started engine process -------------------------------------------------------------
+def _wait(pred, timeout=120.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.2)
+    return False
+
+
+@pytest.mark.model
+def test_a_prestarted_engine_process_takes_the_next_run(tmp_path):
+    from dashboard import live
+    from tests.dashboard.conftest import FIXTURE_SPEC
+    live.prewarm(str(tmp_path))
+    warm = live._warm
+    try:
+        assert _wait(lambda: json.load(open(warm["status_path"])).get("state") == "warm"), \
+            open(warm["log_path"]).read()
+        run = live.LiveRun.start({**FIXTURE_SPEC, "max_tokens": 2}, str(tmp_path))
+        assert run.proc is warm["proc"] and live._warm is None
+        assert _wait(lambda: run.status()["state"] in ("done", "error", "crashed")), run.log_tail()
+        s = run.status()
+        assert s["state"] == "done" and s["prestarted"] and s.get("step", 0) >= 1, s
+        stages = run.startup(s)
+        assert [x["state"] for x in stages][:1] == ["done"]
+    finally:
+        live._discard_warm()
+        if "run" in locals():
+            run.stop()
+
+
+def test_a_prestarted_engine_process_leaves_with_its_dashboard(tmp_path):
+    """The dashboard process dies without cleaning up: its waiting engine process exits."""
+    psutil = pytest.importorskip("psutil")
+    code = ("import os, sys, time; sys.path.insert(0, sys.argv[2]); from dashboard import live; "
+            "live.prewarm(sys.argv[1]); print(live._warm['proc'].pid, flush=True); time.sleep(1); os._exit(0)")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path), ROOT], capture_output=True, text=True,
+                         timeout=60, cwd=ROOT)
+    pid = int(out.stdout.split()[0])
+    try:
+        proc = psutil.Process(pid)
+    except psutil.NoSuchProcess:
+        return                     # already gone
+    try:
+        proc.wait(120)             # it notices once its imports are done (its parent changed)
+    except psutil.TimeoutExpired:
+        proc.kill()
+        raise AssertionError("the pre-started engine process outlived its dashboard")
