@@ -5,7 +5,8 @@
 
 Read from the run store's meta (tracing/factory.py: run_meta; docs/trace-format.md):
 model, device, dtype, async scheduling, CUDA-graph mode, tensor-parallel size, block
-size, KV blocks (and MB: kv_cache_bytes_per_block x num_gpu_blocks), the token budget
+size, KV blocks (and MB: kv_cache_bytes_per_block x num_gpu_blocks; for older runs the
+block size from a worker snapshot's kv_cache_shape, as the pages compute it), the token budget
 per step, max_num_seqs and the trace level. Runs recorded before a field was added
 show "not recorded" for it.
 """
@@ -17,6 +18,7 @@ import os
 import streamlit as st
 
 from dashboard import data
+from dashboard.components.kv_memory import block_bytes, mb
 
 ss = st.session_state
 NOT_RECORDED = "not recorded"
@@ -31,12 +33,10 @@ def _get(meta: dict, *keys):
     return cur
 
 
-def _mb(n_bytes: float) -> str:
-    return f"{n_bytes / 2**20:,.1f} MB"
-
-
-def header_fields(meta: dict, name: str | None = None) -> list[tuple[str, str | None, str]]:
-    """(label, value or None when the run did not record it, tooltip) for the header."""
+def header_fields(meta: dict, name: str | None = None, mr: dict | None = None) -> list[tuple[str, str | None, str]]:
+    """(label, value or None when the run did not record it, tooltip) for the header. `mr`:
+    a "model_runner" snapshot of the run, for the KV block size of runs recorded before the
+    meta had it (its kv_cache_shape; components/kv_memory.py: block_bytes)."""
     cfg = meta.get("config") if isinstance(meta.get("config"), dict) else {}
     model = meta.get("model")
     device = meta.get("device")
@@ -48,12 +48,14 @@ def header_fields(meta: dict, name: str | None = None) -> list[tuple[str, str | 
     sizes = _get(cfg, "compilation_config", "cudagraph_capture_sizes")
     if graphs and graphs != "NONE" and sizes:
         graphs = f"{graphs} (sizes {sizes[0]}–{sizes[-1]})"
-    tp = _get(cfg, "parallel_config", "world_size")
+    tp = _get(cfg, "parallel_config", "tensor_parallel_size")
+    if tp is None:
+        tp = _get(cfg, "parallel_config", "world_size")      # runs recorded before tensor_parallel_size
     blocks = _get(cfg, "cache_config", "num_gpu_blocks")
-    per_block = meta.get("kv_cache_bytes_per_block")
+    per_block = block_bytes(meta, mr)
     kv = None
     if blocks is not None:
-        kv = f"{blocks:,}" + (f" ({_mb(blocks * per_block)})" if per_block else f" (MB {NOT_RECORDED})")
+        kv = f"{blocks:,}" + (f" ({mb(blocks * per_block)})" if per_block else f" (MB {NOT_RECORDED})")
     budget = _get(cfg, "scheduler_config", "max_num_batched_tokens")
     rows = [
         ("run", name, "the run store's file name (its name in the URL)"),
@@ -64,7 +66,7 @@ def header_fields(meta: dict, name: str | None = None) -> list[tuple[str, str | 
          "scheduler_config.async_scheduling: step N+1 is scheduled while step N runs on the device"),
         ("CUDA graphs", graphs, "compilation_config.cudagraph_mode: FULL_DECODE_ONLY replays a captured graph for "
                                 "pure-decode batches (padded to a capture size); NONE = always eager (every CPU run)"),
-        ("TP", None if tp is None else str(tp), "tensor-parallel size (parallel_config.world_size)"),
+        ("TP", None if tp is None else str(tp), "tensor-parallel size (parallel_config.tensor_parallel_size)"),
         ("block size", None if _get(cfg, "cache_config", "block_size") is None
          else f"{_get(cfg, 'cache_config', 'block_size')} tokens", "tokens per KV-cache block (cache_config.block_size)"),
         ("KV blocks", kv, "cache_config.num_gpu_blocks, and their size: K and V of every layer"),
@@ -110,4 +112,8 @@ def run_header(path: str | None = None) -> None:
     info = data.run_info(path, data.file_version(path))
     if isinstance(info, data.RunError):
         return
-    st.markdown(render(header_fields(info["meta"], os.path.basename(path))), unsafe_allow_html=True)
+    mr = None
+    if not info["meta"].get("kv_cache_bytes_per_block") and info["steps"]:
+        first = data.step_data(path, info["steps"][0])      # an older run: its block size from a snapshot
+        mr = first.get("mr") if isinstance(first, dict) else None
+    st.markdown(render(header_fields(info["meta"], os.path.basename(path), mr)), unsafe_allow_html=True)

@@ -277,10 +277,10 @@ def test_run_header_shows_the_run_meta(dirs):
         conn.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (k, to_json(v)))
     conn.commit()
     conn.close()
-    mb = 700 * meta["kv_cache_bytes_per_block"] / 2**20
+    from dashboard.components.kv_memory import mb
     want = {"run": "run-meta.sqlite", "model": "SmolLM2-135M-Instruct", "device": f"cpu · {meta['device_name']}",
             "dtype": str(config.model_config.dtype).replace("torch.", ""), "async scheduling": "off",
-            "CUDA graphs": "NONE", "TP": "1", "block size": "32 tokens", "KV blocks": f"700 ({mb:,.1f} MB)",
+            "CUDA graphs": "NONE", "TP": "1", "block size": "32 tokens", "KV blocks": f"700 ({mb(700 * meta['kv_cache_bytes_per_block'])})",
             "token budget": "96 / step", "max_num_seqs": "6", "trace": "full"}
     assert {label: value for label, value, _ in header_fields(meta, "run-meta.sqlite")} == want
     for page in ("inspector", "live", "timeline"):
@@ -289,8 +289,14 @@ def test_run_header_shows_the_run_meta(dirs):
         header = next(m.value for m in at.markdown if "va-run-header" in m.value)
         for label, value in want.items():
             assert f">{label}</span> <span class=\"v\">{value}</span>" in header, (page, label, value)
-    old = {label: value for label, value, _ in header_fields(json.loads(json.dumps(_meta(H200_SAMPLE))))}
+    old_meta = {**_meta(H200_SAMPLE), "model": "/nowhere/SmolLM2-135M-Instruct"}   # no config.json to fall back on
+    old = {label: value for label, value, _ in header_fields(old_meta)}
     assert old["async scheduling"] is None and old["KV blocks"] == f"24 (MB {NOT_RECORDED})"
+    from vllm_anatomy.tracing.reader import open_run
+    with open_run(H200_SAMPLE) as run:     # an older run: the block size from its worker snapshot
+        mr = run.snapshot(run.steps()[0], "model_runner")
+    kv = dict((label, value) for label, value, _ in header_fields(old_meta, None, mr))["KV blocks"]
+    assert kv == "24 (8.44 MB)"            # 2 x 30 layers x 3 heads x 64 x 16 tokens x 2 bytes x 24
     assert old["CUDA graphs"] == "FULL_DECODE_ONLY (sizes 1–8)" and old["token budget"] == "128 / step"
 
 
@@ -311,10 +317,11 @@ def test_run_meta_records_what_the_header_needs():
     assert meta["device_name"] and "cores" in meta["device_name"]
     cfg = meta["config"]
     for section, key in (("scheduler_config", "async_scheduling"), ("compilation_config", "cudagraph_mode"),
-                         ("parallel_config", "world_size"), ("cache_config", "block_size"),
+                         ("cache_config", "block_size"),
                          ("scheduler_config", "max_num_batched_tokens"), ("scheduler_config", "max_num_seqs"),
                          ("model_config", "dtype")):
         assert key in cfg[section], (section, key)
+    assert "tensor_parallel_size" in cfg["parallel_config"] or "world_size" in cfg["parallel_config"]
 
 
 # -- start-up stages --------------------------------------------------------------------------
