@@ -1,7 +1,7 @@
 """reshape_and_cache: scatter the step's new keys and values into the paged KV cache.
 
 Mirrors vLLM's reshape_and_cache_flash (csrc/cache_kernels.cu) and its Triton
-twin triton_reshape_and_cache_flash (vllm/attention/ops/), which the
+twin triton_reshape_and_cache_flash (in vllm/v1/attention/ops/), which the
 FlashAttention and Triton backends call in do_kv_cache_update before attention.
 
 Memory layout:

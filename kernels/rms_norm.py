@@ -1,7 +1,8 @@
 """rms_norm: RMSNorm, optionally fused with the residual add, in one launch.
 
 Mirrors vLLM's rms_norm / fused_add_rms_norm (csrc/layernorm_kernels.cu), which
-RMSNorm.forward_cuda calls, with the numerics of our torch layer
+v0.27.1's RMSNorm reaches through its vllm/ir op (vllm/kernels/vllm_c.py), with
+the numerics of our torch layer
 (vllm_anatomy/model_executor/layers/layernorm.py, RMSNorm.forward_native):
 
     s      = x + residual              rounded to x.dtype   (only with a residual)

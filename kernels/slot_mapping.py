@@ -1,7 +1,8 @@
 """compute_slot_mapping: where each scheduled token's K/V goes in the paged cache.
 
 Mirrors the Triton kernel behind vllm/v1/worker/block_table.py
-(BlockTable.compute_slot_mapping, "ComputeSlotMappingKernel"); the worker here
+(BlockTable.compute_slot_mapping launches _compute_slot_mapping_kernel); the
+worker here
 computes the same thing in numpy on the CPU (vllm_anatomy/worker/block_table.py).
 
 For token t of request r, at position p (its index in the whole sequence):

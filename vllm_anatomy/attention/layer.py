@@ -1,7 +1,8 @@
 """The Attention layer a model calls: write K/V into the paged cache, then attend.
 
-Mirrors vllm/attention/layer.py (Attention) and the unified_attention custom
-op behind it. The model hands over flat [T, heads * head_dim] projections;
+Mirrors vllm/model_executor/layers/attention/attention.py (Attention) and the
+custom ops behind it (unified_kv_cache_update, unified_attention_with_output).
+The model hands over flat [T, heads * head_dim] projections;
 this layer reshapes them to [T, heads, head_dim], lets the backend scatter
 the new K/V into the cache at `slot_mapping` (do_kv_cache_update), and then
 runs the backend's attention, which reads K/V back *from the cache*.

@@ -1,6 +1,6 @@
 """Pick an attention backend by name.
 
-Mirrors vllm/attention/selector.py (get_attn_backend). vLLM chooses among
+Mirrors vllm/v1/attention/selector.py (get_attn_backend). vLLM chooses among
 FLASH_ATTN, FLASHINFER, TRITON_ATTN, ... from the platform, dtype and head
 size (see vllm/platforms/cuda.py); here the caller names the backend:
 "torch" — the plain-torch reference (CPU default, the oracle);

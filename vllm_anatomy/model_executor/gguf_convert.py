@@ -1,8 +1,8 @@
 """Convert a llama.cpp GGUF checkpoint into an HF-style directory.
 
-vLLM reads GGUF through its own loader (vllm/model_executor/model_loader/
-gguf_loader.py) and keeps the weights quantized. This project only needs one
-small GGUF (the default model), so it does the simplest honest thing instead:
+vLLM v0.27.1 has no GGUF loader (nothing under vllm/model_executor/model_loader/
+reads the format). This project only needs one small GGUF (the default model),
+so it does the simplest honest thing:
 dequantize every tensor once, write a float32 `model.safetensors` with Hugging
 Face names and layout, and rebuild `config.json`, `tokenizer.json`,
 `tokenizer_config.json` and `generation_config.json` from the GGUF metadata.

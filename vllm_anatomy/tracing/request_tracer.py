@@ -1,6 +1,7 @@
 """RequestTracer: one span per request on the frontend, from add to finish.
 
-The span is named `llm_request` (vLLM's name, vllm/tracing.py), kind SERVER,
+The span is named `llm_request` (vLLM's name: OutputProcessor.do_tracing in
+vllm/v1/engine/output_processor.py; keys in vllm/tracing/utils.py), kind SERVER,
 and carries OpenTelemetry GenAI attributes for request-level facts:
     gen_ai.operation.name, gen_ai.provider.name, gen_ai.request.model,
     gen_ai.request.max_tokens / temperature / top_p,

@@ -1,7 +1,8 @@
 """Load the tokenizer of a local model directory.
 
-Mirrors vllm/transformers_utils/tokenizer.py (get_tokenizer). vLLM adds
-tokenizer modes (slow, mistral, custom) and remote-code options; here it is
+Mirrors vllm/tokenizers/registry.py (get_tokenizer). vLLM adds
+tokenizer modes (slow, mistral, model-specific ones) and remote-code options;
+here it is
 the directory's tokenizer.json through transformers, with its chat template.
 """
 from __future__ import annotations

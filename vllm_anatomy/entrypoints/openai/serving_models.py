@@ -1,7 +1,8 @@
 """OpenAIServingModels: which model names this server answers to.
 
-Mirrors vllm/entrypoints/openai/serving_models.py (BaseModelPath and the
-model list). A request's `model` must be a served model name or the model
+Mirrors vllm/entrypoints/openai/models/serving.py (OpenAIServingModels) and
+models/protocol.py beside it (BaseModelPath). A request's `model` must be a
+served model name or the model
 path; anything else is a 404 `model_not_found`, as OpenAI answers. A request
 without `model` means the first served name (vLLM accepts that too).
 No LoRA adapters here, so the list is the base model(s) only.
