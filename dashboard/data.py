@@ -286,9 +286,11 @@ def prefetch(path: str) -> None:
 
     info = run_info(path, version)
     device = str(info["meta"].get("device")) if isinstance(info, dict) else "cpu"
-    lanes = (lambda spans: ((step_scan, ()), (step_table, ()), (queue_statuses, ()), (token_index, ())),
-             lambda spans: ((runner_meta, ()), (spans.request_table, ()), (runner_tokens, ()),
-                            (spans.span_table, (device,))))
+    # NOTE: the timeline (the first page after the inspector in the sidebar) needs the spans,
+    # metrics and lessons the step table, the journey everything.
+    lanes = (lambda spans: ((step_scan, ()), (runner_meta, ()), (step_table, ()), (queue_statuses, ())),
+             lambda spans: ((spans.request_table, ()), (spans.span_table, (device,)), (runner_tokens, ()),
+                            (token_index, ())))
     import threading
 
     from streamlit.runtime.scriptrunner import add_script_run_ctx
