@@ -186,9 +186,9 @@ def main() -> None:
     check(span_ids == sched_ids == worker_ids == {o.request_id for o in outputs},
           f"request_id is the one key shared by the frontend span, the scheduler and the worker: {sorted(span_ids)}")
 
-    say("""Open the step inspector at step 1: the scheduler's blocks (with ref_cnt and hashes) on one
-        side, the worker's block-table rows (bare ids) on the other.""")
-    dashboard_link(path, "inspector", steps[0])
+    say("""Open the step inspector at step 1: its KV cache tab shows the scheduler's blocks (with ref_cnt
+        and hashes); its Worker tab, the worker's block-table rows (bare ids).""")
+    dashboard_link(path, "inspector", steps[0], tab="kv")
     run.close()
 
 

@@ -204,9 +204,10 @@ def main() -> None:
     check(not final["running"] and not final["waiting"] and not final["kv_cache"]["req_to_block_ids"],
           "every request reached a FINISHED_* state and every block was returned")
 
-    say("""The request-journey page shows each request's lane with its QUEUED / SCHEDULED /
-         PREEMPTED / FINISHED events; it opens at the preemption step.""")
-    dashboard_link(path, "journey", p_step)
+    say(f"""The request-journey page shows a request's QUEUED / SCHEDULED / PREEMPTED / FINISHED
+         events and every step of its life, waiting ones included; the link opens it on {victim}
+         at step {p_step}, the step it was preempted.""")
+    dashboard_link(path, "journey", p_step, request=victim)
     run.close()
 
 

@@ -200,9 +200,9 @@ def main() -> None:
     check(invariant, f"at every one of {len(steps)} steps, each block's ref_cnt equals the number of requests holding it")
 
     print()
-    say(f"""The step inspector at step {s2} shows the block grid with the three shared blocks at
-         ref_cnt 2 and the free queue beside it.""")
-    dashboard_link(path, "inspector", s2)
+    say(f"""The step inspector's KV cache tab at step {s2} shows the block grid with the three shared
+         blocks at ref_cnt 2 (rc2) and the free queue below it.""")
+    dashboard_link(path, "inspector", s2, tab="kv")
     run.close()
 
 

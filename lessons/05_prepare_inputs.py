@@ -168,7 +168,9 @@ def main() -> None:
           and mrs[cstep]["input_batch"]["num_reqs"] == len(prev_rows) - 1,
           f"condense() moved row {src} ({moved}) into r1's hole at row {dst}, its block-table row with it")
 
-    dashboard_link(path, "inspector", cstep)
+    say(f"""The step inspector's Worker tab at step {cstep} shows the condense move under the InputBatch,
+         and every tensor of prepare_inputs with slot_mapping split into block_id and offset.""")
+    dashboard_link(path, "inspector", cstep, tab="worker")
     run.close()
 
 

@@ -5,7 +5,7 @@ What it teaches
     the API server (FastAPI + AsyncLLM: tokenize, detokenize), EngineCoreProc (the scheduler
     loop, reached over ZMQ) and a worker process (the model runner, reached over a
     shared-memory ring buffer). No Python frame spans two of them: each hop is a message.
-    The lesson starts such a server on a free port with tracing at level "spans", sends one
+    The lesson starts such a server on a free port with tracing at level "full", sends one
     chat request carrying a W3C `traceparent`, stops the server (and every child), exports
     the run store with the export CLI to Jaeger JSON and Perfetto JSON, and walks the chain
     in the exported files:
@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import socket
 import subprocess
 import sys
@@ -64,7 +65,7 @@ class Server:
     def __init__(self, trace_dir: str) -> None:
         self.port = free_port()
         cmd = [sys.executable, "-c", _CLI, "serve", "--port", str(self.port), "--max-model-len", "512",
-               "--trace-level", "spans", "--trace-dir", trace_dir, "--distributed-executor-backend", "mp",
+               "--trace-level", "full", "--trace-dir", trace_dir, "--distributed-executor-backend", "mp",
                "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning"]
         # NOTE: three processes share the machine's cores: one intra-op thread each.
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
@@ -259,7 +260,17 @@ def main() -> None:
             worker's own thread. On a CUDA machine that span would only measure kernel launches.""")
     say(f"""Open {jaeger_path} in Jaeger (Search -> JSON File) to see both trees, or
         {perfetto_path} in ui.perfetto.dev to see the three processes as lanes on one time axis.""")
-    dashboard_link(run_path, "journey")
+    # The dashboard opens runs by name from the lessons folder: the run store moves there
+    # (the exports stay beside the server's own trace directory).
+    with open_run(run_path) as run:
+        req_ids = [s.request_id for s in run.requests()]
+    shown = os.path.join(LESSON_TRACE_DIR, os.path.basename(run_path))
+    for suffix in ("", "-wal", "-shm"):
+        if os.path.exists(run_path + suffix):
+            shutil.move(run_path + suffix, shown + suffix)
+    say("""The request-journey page shows the same request from the dashboard: its llm_request span,
+        its events, and every engine step that served it.""")
+    dashboard_link(shown, "journey", request=req_ids[0] if req_ids else None)
 
 
 if __name__ == "__main__":

@@ -77,7 +77,7 @@ def main() -> None:
     q3(steps, snap, mr, bs)
     q4(run, steps, snap, a)
     q5(run, steps, snap, mr, b[0].request_id, weight_bytes)
-    dashboard_link(path, "inspector", shown2)
+    dashboard_link(path, "inspector", shown2, tab="worker")
 
 
 # -- 1 ---------------------------------------------------------------------------------------

@@ -1,29 +1,46 @@
 """Lessons: the article's concepts, each with a deep link to the step of the open
-run that shows it (computed from the run, see dashboard/lessons.py)."""
+run that shows it — the page, the inspector tab and the request its text names
+(computed from the run, see dashboard/lessons.py) — and the CLI lessons
+(lessons/NN_*.py) that provoke the same idea on purpose."""
 from __future__ import annotations
-
-import os
 
 import streamlit as st
 
-from dashboard import state
+from dashboard import data, spans, state
 from dashboard.components.code_ref import code_ref
-from dashboard.lessons import LESSONS
+from dashboard.components.nav import TABS, link, open_view
+from dashboard.lessons import CLI_LESSONS, LESSONS, Facts
 
 ss = st.session_state
 
 
-def lesson_card(lesson, step: int | None, run_name: str) -> None:
-    with st.container(border=True):
+def _where(lesson, step: int, request: str | None) -> str:
+    page = {"inspector": "Step inspector", "timeline": "Timeline", "journey": "Request journey"}.get(lesson.page,
+                                                                                                 lesson.page)
+    tab = f", {TABS[lesson.tab]} tab" if lesson.tab else ""
+    req = f", req {request}" if request else ""
+    return f"{page}{tab}, step {step}{req}"
+
+
+def _cli(lesson) -> str:
+    if not lesson.cli:
+        return ""
+    runs = " · ".join(f"`vllm-anatomy lesson {n}` ({CLI_LESSONS[n][1]})" for n in lesson.cli if n in CLI_LESSONS)
+    return f"  \n:material/terminal: *Provoke it yourself:* {runs}"
+
+
+def lesson_card(lesson, found: tuple[int | None, str | None]) -> None:
+    step, request = found
+    with st.container(border=True, key=f"card_{lesson.key}"):
         c1, c2 = st.columns([5, 2], vertical_alignment="center")
-        c1.markdown(f"**{lesson.title}**  \n{lesson.idea}  \n*Look at:* {lesson.look_at}")
+        c1.markdown(f"**{lesson.title}**  \n{lesson.idea}  \n*Look at:* {lesson.look_at}{_cli(lesson)}")
         if step is None:
             c2.caption("not in this run — needs a GPU: open the GPU sample run (sidebar)" if lesson.key == "cudagraph"
-                       else "not in this run — try the matching scenario on the Live run page")
+                       else "not in this run — try the matching scenario on the Live run page, or the CLI lesson")
             return
-        c2.button(f"Open step {step} →", key=f"lesson_{lesson.key}", on_click=state.goto,
-                  args=(step, lesson.page), type="primary")
-        c2.markdown(f"[link](/{lesson.page}?run={run_name}&page={lesson.page}&step={step})")
+        c2.button(f"Open step {step} →", key=f"lesson_{lesson.key}", on_click=open_view,
+                  args=(lesson.page, step, lesson.tab, request), type="secondary", help=_where(lesson, step, request))
+        c2.markdown(f"[{_where(lesson, step, request)}]({link(lesson.page, step, lesson.tab, request)})")
 
 
 def main() -> None:
@@ -32,12 +49,21 @@ def main() -> None:
     if cur is None:
         return
     path, _, df = cur
-    found = [(lesson, lesson.find(df)) for lesson in LESSONS]
-    n = sum(step is not None for _, step in found)
-    st.caption(f"{n} of {len(found)} concepts appear in this run ({len(df)} steps).")
-    for lesson, step in found:
-        lesson_card(lesson, step, os.path.basename(path))
-    code_ref("dashboard/lessons.py", "LESSONS (finders over the per-step table)")
+    version = data.file_version(path)
+    records, statuses = data.step_records(path, version), data.queue_statuses(path, version)
+    reqs = spans.request_table(path, version)
+    reasons = {} if isinstance(reqs, data.RunError) else {
+        str(r["request_id"]): (r["finish_reasons"] or [""])[0] for r in reqs}
+    facts = Facts(df, records if isinstance(records, dict) else {}, statuses if isinstance(statuses, dict) else {},
+                  reasons)
+    found = [(lesson, lesson.find(facts)) for lesson in LESSONS]
+    n = sum(f[0] is not None for _, f in found)
+    st.caption(f"{n} of {len(found)} concepts appear in this run ({len(df)} steps). Each card opens the step, tab "
+               "and request its text names. The CLI lessons (`vllm-anatomy lesson --list`) provoke each idea on "
+               "purpose, check it, and print a link back to this dashboard.")
+    for lesson, f in found:
+        lesson_card(lesson, f)
+    code_ref("dashboard/lessons.py", "LESSONS (finders over the per-step table, the step records and the queues)")
 
 
 main()

@@ -1,5 +1,9 @@
 """`vllm-anatomy lesson N` runs lessons/NN_*.py; `vllm-anatomy lesson --list` lists them.
 
+A lesson ends with a link to the dashboard that shows what it taught: on
+$STREAMLIT_SERVER_PORT (the port `make run` and `vllm-anatomy dashboard` use), else 8501;
+--port sets it for one lesson. --trace-dir sets where the lesson records its run.
+
 The lessons are scripts in the repository's lessons/ folder, not part of the
 installed package: they are found next to the package of an editable install
 (the repository root), else in a lessons/ folder in the current directory or
@@ -24,8 +28,10 @@ def add_parser(sub) -> None:
     p.add_argument("number", nargs="?", help="the lesson number (1, 01, ...)")
     p.add_argument("--list", action="store_true", help="list the lessons and exit")
     p.add_argument("--trace-dir", default=None,
-                   help="where the lesson records its run (default: $VLLM_ANATOMY_LESSON_TRACE_DIR "
-                        "or ./vllm_anatomy_traces/lessons)")
+                   help="where the lesson records its run (default: $VLLM_ANATOMY_LESSON_TRACE_DIR, else the "
+                        "lessons folder of the dashboard's trace directory: ./vllm_anatomy_traces/lessons)")
+    p.add_argument("--port", type=int, default=None,
+                   help="the port of the dashboard the lesson links to (default: $STREAMLIT_SERVER_PORT, else 8501)")
 
 
 def _is_lessons_dir(path: Path) -> bool:
@@ -95,6 +101,8 @@ def run(args: argparse.Namespace) -> int:
     env = dict(os.environ)
     if args.trace_dir:
         env["VLLM_ANATOMY_LESSON_TRACE_DIR"] = args.trace_dir
+    if getattr(args, "port", None):
+        env["STREAMLIT_SERVER_PORT"] = str(args.port)     # Streamlit's variable: lessons/_common.py reads it
     # NOTE: a child process, as `python lessons/NN_*.py` would run it: a lesson may
     # start worker processes (spawn re-imports its __main__), and its exit status
     # is the lesson's verdict.
