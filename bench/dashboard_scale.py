@@ -170,7 +170,9 @@ def main() -> None:
     ap.add_argument("--num-seqs", type=int, default=256)
     ap.add_argument("--min-len", type=int, default=100)
     ap.add_argument("--max-len", type=int, default=1024)
-    ap.add_argument("--store", default=os.path.join(ROOT, ".bench-cache", "dashboard_scale"))
+    ap.add_argument("--store", default=os.path.join(os.path.expanduser("~"), ".cache", "vllm_anatomy", "bench",
+                                                    "dashboard_scale"),
+                    help="where the recorded run (~270 MB) and its tiny model are kept and reused")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--record-only", action="store_true")
     ap.add_argument("--think", type=float, default=0.0,
