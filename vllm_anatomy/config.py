@@ -38,6 +38,25 @@ class ModelConfig:
         c = self.hf_config
         return c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
 
+    def verify_with_parallel_config(self, parallel_config: "ParallelConfig") -> None:
+        """Refuse a tensor_parallel_size the model cannot be split by, before
+        any process starts (vLLM checks the heads here; its layers would fail
+        on the rest later, in every rank: we say it once, up front)."""
+        tp = parallel_config.tensor_parallel_size
+        c = self.hf_config
+        heads, kv_heads = c["num_attention_heads"], self.num_kv_heads
+        if heads % tp:
+            raise ValueError(f"Total number of attention heads ({heads}) must be divisible by "
+                             f"tensor parallel size ({tp}).")
+        # NOTE: fewer KV heads than ranks is fine when each KV head can be
+        # replicated on a whole number of ranks (QKVParallelLinear).
+        if (kv_heads % tp) if kv_heads >= tp else (tp % kv_heads):
+            raise ValueError(f"Total number of KV heads ({kv_heads}) must be divisible by tensor parallel "
+                             f"size ({tp}), or tensor parallel size by it (KV heads are then replicated).")
+        for key, what in (("intermediate_size", "MLP intermediate size"), ("vocab_size", "Vocabulary size")):
+            if c[key] % tp:
+                raise ValueError(f"{what} ({c[key]}) must be divisible by tensor parallel size ({tp}).")
+
 
 @dataclass
 class CacheConfig:
@@ -81,7 +100,27 @@ class ParallelConfig:
     # "uni": one worker in the engine process (UniProcExecutor, a plain call);
     # "mp": worker processes behind a shared-memory ring buffer (MultiprocExecutor).
     distributed_executor_backend: str = "uni"
-    world_size: int = 1
+    tensor_parallel_size: int = 1
+    # Ranks in all (vLLM: pipeline x tensor parallel size; no pipeline here).
+    world_size: int = field(init=False)
+    # The torch.distributed backend: None = the device's (nccl on CUDA, gloo
+    # on CPU). Not a vLLM argument (vLLM takes the platform's dist_backend).
+    distributed_backend: str | None = None
+    # Several hosts (vLLM's names): node 0 runs the engine and local_world_size
+    # ranks; every other node runs local_world_size headless ranks. The ranks
+    # meet at master_addr:master_port (rank 0's torch.distributed store).
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29501
+
+    def __post_init__(self) -> None:
+        self.world_size = self.tensor_parallel_size
+
+    @property
+    def local_world_size(self) -> int:
+        """Ranks on this host."""
+        return self.world_size // self.nnodes
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """MultiprocExecutor on the real default model: worker processes behind shared memory.
 
-Greedy tokens through worker processes (world_size 1 and 2) equal the
-in-process UniProcExecutor's; worker errors come back with their traceback; a
+Greedy tokens through worker processes (one rank, and three tensor-parallel
+ranks that each hold 3 of the 9 heads) equal the in-process UniProcExecutor's; worker errors come back with their traceback; a
 SIGKILLed worker turns the next step into a clear error, not a hang; shutdown
 leaves no process, no /dev/shm segment and no socket directory behind.
 """
@@ -67,8 +67,8 @@ def _assert_released(pids, shm_names, ipc_dir) -> None:
 
 @pytest.fixture(scope="module")
 def mp2_engine():
-    config = EngineArgs(distributed_executor_backend="mp", **ENGINE_ARGS).create_engine_config()
-    config.parallel_config.world_size = 2
+    # NOTE: 3 ranks, not 2: the default model's 9 heads and 3 KV heads split by 3.
+    config = EngineArgs(tensor_parallel_size=3, **ENGINE_ARGS).create_engine_config()
     engine = LLMEngine(config)
     yield engine
     engine.shutdown()
@@ -90,9 +90,9 @@ def test_llm_mp_backend_matches_uniproc(uni_token_ids):
 def test_world_size_2_matches_uniproc(mp2_engine, uni_token_ids):
     assert _generate(mp2_engine, PROMPTS, PARAMS) == uni_token_ids
     executor = mp2_engine.engine_core.model_executor
-    # Both ranks ran every step (only rank 0 replied): their runners agree.
+    # Every rank ran every step (only rank 0 replied): their runners agree.
     snapshots = executor.collective_rpc("snapshot")
-    assert len(snapshots) == 2 and snapshots[0] == snapshots[1]
+    assert len(snapshots) == 3 and snapshots[0] == snapshots[1] == snapshots[2]
     assert snapshots[0]["kv_cache_shape"][1] == 64
 
 
@@ -106,7 +106,7 @@ def test_worker_error_comes_back_with_its_traceback(mp2_engine, uni_token_ids):
     with pytest.raises(RuntimeError, match="no RPC method"):
         executor.collective_rpc("_init_executor")
     # Both workers are still serving, and the queues are still aligned.
-    assert executor.collective_rpc("determine_num_available_blocks") == [64, 64]
+    assert executor.collective_rpc("determine_num_available_blocks") == [64, 64, 64]
     assert _generate(mp2_engine, PROMPTS[:1], PARAMS, first_id=100) == uni_token_ids[:1]
 
 

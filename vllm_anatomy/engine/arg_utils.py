@@ -14,6 +14,7 @@ import torch
 
 from vllm_anatomy.config import (CacheConfig, CompilationConfig, ModelConfig, ObservabilityConfig,
                                  ParallelConfig, SchedulerConfig, VllmConfig, default_capture_sizes)
+from vllm_anatomy.distributed.parallel_state import resolve_backend
 from vllm_anatomy.model_executor.default_model import resolve_model
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -39,10 +40,16 @@ class EngineArgs:
     # None = on where it pays (a GPU, one in-process worker), as vLLM turns it
     # on by default; on a CPU every op is synchronous, so nothing would overlap.
     async_scheduling: bool | None = None
-    distributed_executor_backend: str = "uni"   # uni | mp
-    # NOTE: ranks all run the whole model for now (no sharding yet): this sets
-    # how many worker processes the "mp" executor drives.
+    distributed_executor_backend: str | None = None   # uni | mp; None = uni for one rank, else mp
+    # Ranks that split every layer (worker processes of the "mp" executor).
     tensor_parallel_size: int = 1
+    distributed_backend: str | None = None      # nccl | gloo; None = nccl on CUDA, gloo on CPU
+    # Several hosts (vLLM's flags): the ranks are spread evenly over nnodes;
+    # node 0 runs the engine, the others `vllm-anatomy serve --headless`.
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29501
     # CUDA graphs for pure-decode batches (vLLM's names); ignored on a CPU.
     enforce_eager: bool = False
     max_cudagraph_capture_size: int | None = None   # None = min(2 * max_num_seqs, 512), as vLLM
@@ -113,9 +120,8 @@ class EngineArgs:
                                    num_gpu_blocks_override=self.num_gpu_blocks_override,
                                    gpu_memory_utilization=self.gpu_memory_utilization,
                                    enable_prefix_caching=self.enable_prefix_caching)
-        if self.distributed_executor_backend not in ("uni", "mp"):
-            raise ValueError(f"distributed_executor_backend must be 'uni' or 'mp', "
-                             f"got {self.distributed_executor_backend!r}")
+        parallel_config = self._parallel_config(device)
+        model_config.verify_with_parallel_config(parallel_config)
         scheduler_config = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
                                            max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                                            enable_chunked_prefill=self.enable_chunked_prefill,
@@ -123,20 +129,51 @@ class EngineArgs:
                                            async_scheduling=self._resolve_async_scheduling(on_gpu))
         if self.trace_level not in ("off", "spans", "full"):
             raise ValueError(f"trace_level must be one of off, spans, full; got {self.trace_level!r}")
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
-        if self.tensor_parallel_size > 1 and self.distributed_executor_backend != "mp":
-            raise ValueError("tensor_parallel_size > 1 needs distributed_executor_backend='mp'")
-        parallel_config = ParallelConfig(distributed_executor_backend=self.distributed_executor_backend,
-                                         world_size=self.tensor_parallel_size)
         observability_config = ObservabilityConfig(trace_level=self.trace_level, trace_dir=self.trace_dir,
                                                    otlp_traces_endpoint=self.otlp_traces_endpoint)
         compilation_config = self._compilation_config(on_gpu, max_num_seqs, max_num_batched_tokens)
         return VllmConfig(model_config, cache_config, scheduler_config, parallel_config, observability_config,
                           compilation_config)
 
+    def _resolve_executor_backend(self) -> str:
+        """vLLM's rule: one rank in-process, several ranks in worker processes."""
+        backend = self.distributed_executor_backend
+        if backend is None:
+            return "mp" if self.tensor_parallel_size > 1 or self.nnodes > 1 else "uni"
+        if backend not in ("uni", "mp"):
+            raise ValueError(f"distributed_executor_backend must be 'uni' or 'mp', got {backend!r}")
+        if backend == "uni" and self.tensor_parallel_size > 1:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} needs worker processes: "
+                             "distributed_executor_backend='mp' (the default for more than one rank)")
+        return backend
+
+    def _parallel_config(self, device: str) -> ParallelConfig:
+        """The ranks, checked before any process starts."""
+        tp, nnodes = self.tensor_parallel_size, self.nnodes
+        if tp < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1, got {tp}")
+        if nnodes < 1 or not 0 <= self.node_rank < nnodes:
+            raise ValueError(f"need nnodes >= 1 and 0 <= node_rank < nnodes; got nnodes={nnodes}, "
+                             f"node_rank={self.node_rank}")
+        if tp % nnodes:
+            raise ValueError(f"tensor_parallel_size ({tp}) must be divisible by nnodes ({nnodes}): "
+                             "every node runs the same number of ranks")
+        executor_backend = self._resolve_executor_backend()
+        if nnodes > 1 and executor_backend != "mp":
+            raise ValueError("nnodes > 1 needs distributed_executor_backend='mp'")
+        # NOTE: resolved even for one rank, so that asking for NCCL on a CPU
+        # is an error whatever the rank count, not silently ignored.
+        backend = resolve_backend(self.distributed_backend, device) if (tp > 1 or self.distributed_backend) \
+            else None
+        if device.startswith("cuda") and tp // nnodes > torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size={tp} puts {tp // nnodes} ranks on this host, one per GPU, "
+                             f"but it has {torch.cuda.device_count()} GPU(s)")
+        return ParallelConfig(distributed_executor_backend=executor_backend, tensor_parallel_size=tp,
+                              distributed_backend=backend, nnodes=nnodes, node_rank=self.node_rank,
+                              master_addr=self.master_addr, master_port=self.master_port)
+
     def _resolve_async_scheduling(self, on_gpu: bool) -> bool:
-        uni = self.distributed_executor_backend == "uni"
+        uni = self._resolve_executor_backend() == "uni"
         if self.async_scheduling is None:
             return on_gpu and uni
         if self.async_scheduling and not uni:
@@ -185,8 +222,16 @@ class EngineArgs:
         p("--long-prefill-token-threshold", type=int, default=0)
         p("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
           help="schedule the next step while the device runs this one (default: on a GPU)")
-        p("--distributed-executor-backend", choices=["uni", "mp"], default=d.distributed_executor_backend)
-        p("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size)
+        p("--distributed-executor-backend", choices=["uni", "mp"], default=None,
+          help="uni: one in-process worker; mp: worker processes (default: mp for more than one rank)")
+        p("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
+          help="ranks that split every layer (one worker process each; gloo on CPU, nccl on CUDA)")
+        p("--distributed-backend", choices=["nccl", "gloo"], default=None,
+          help="torch.distributed backend (default: nccl on CUDA, gloo on CPU)")
+        p("--nnodes", type=int, default=d.nnodes, help="hosts the ranks are spread over")
+        p("--node-rank", type=int, default=d.node_rank, help="this host's index (0 runs the engine)")
+        p("--master-addr", default=d.master_addr, help="address of node 0 (where the ranks meet)")
+        p("--master-port", type=int, default=d.master_port, help="port of rank 0's torch.distributed store")
         p("--enforce-eager", action="store_true", help="never use CUDA graphs")
         p("--max-cudagraph-capture-size", type=int, default=None)
         p("--cudagraph-capture-sizes", type=int, nargs="+", default=None)

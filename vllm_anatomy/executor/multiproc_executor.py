@@ -16,8 +16,22 @@ and also accepts a cloudpickled function as the "method": we accept names only.
 The VllmConfig reaches a worker once, as a spawn argument (multiprocessing
 pickles those at start-up, as in vLLM); nothing is pickled after that.
 
-Simplified: no torch.distributed init (each rank runs the full model: a stand-in
-until tensor parallelism splits it), no async-output thread, no non_block futures.
+Tensor parallelism: the workers are the ranks. Each joins torch.distributed
+(worker.py: init_worker_distributed_environment) at `distributed_init_method`
+and loads its slice of the model; every rank runs every step it reads from
+rpc_broadcast_mq, and only `output_rank` (0) replies to execute_model and
+sample_tokens. A rank that fails a step it does not reply to exits: its peers
+would otherwise wait in the next collective for a rank that will never come.
+
+Several hosts (nnodes > 1): node 0 runs the engine, this executor and
+local_world_size ranks; every other node runs `vllm-anatomy serve --headless`,
+an executor with no queue of its own whose ranks join the same world at
+master_addr:master_port. rpc_broadcast_mq then has remote readers (TCP); rank
+0 hands its handle to the others over the world group, gathers their reply
+queues' handles and pids, and sends them here with its READY message.
+
+Simplified: no async-output thread, no non_block futures, no pipeline or
+data parallelism.
 """
 from __future__ import annotations
 
@@ -26,8 +40,10 @@ import inspect
 import logging
 import multiprocessing
 import multiprocessing.connection
+import os
 import shutil
 import signal
+import socket
 import tempfile
 import threading
 import time
@@ -40,12 +56,17 @@ from typing import Any, Callable
 
 import msgspec
 
-from vllm_anatomy.config import VllmConfig
+from vllm_anatomy.config import ParallelConfig, VllmConfig
 from vllm_anatomy.core.outputs import AsyncModelRunnerOutput
+from vllm_anatomy.distributed.parallel_state import (destroy_distributed_environment, destroy_model_parallel,
+                                                     get_world_group)
 from vllm_anatomy.executor.abstract import Executor
 from vllm_anatomy.executor.shm_broadcast import (Handle, MessageQueue, MessageQueueCancelled,
                                                  unlink_shm_segments)
 from vllm_anatomy.tracing.factory import make_recorder
+from vllm_anatomy.tracing.recorder import NullRecorder
+from vllm_anatomy.utils.network_utils import (get_distributed_init_method, get_ip, get_loopback_ip,
+                                              get_open_port)
 from vllm_anatomy.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -70,10 +91,21 @@ class RPCResponse(msgspec.Struct, array_like=True):
     error: str | None = None         # the worker's traceback text
 
 
+class PeerInfo(msgspec.Struct, array_like=True):
+    """A rank as the others learn of it at start-up (several nodes)."""
+    rank: int
+    pid: int
+    host: str
+    response_handle: Handle
+
+
 class WorkerReady(msgspec.Struct):
     status: str                      # "READY" | "FAILED"
     response_handle: Handle | None = None
     error: str | None = None
+    # From rank 0 with several nodes: every rank, so the executor can reach
+    # the reply queues of ranks on other hosts (and record their pids).
+    peers: list[PeerInfo] | None = None
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -120,8 +152,9 @@ class UnreadyWorkerProcHandle:
 class WorkerProcHandle:
     proc: multiprocessing.process.BaseProcess
     rank: int
-    worker_response_mq: MessageQueue
+    worker_response_mq: MessageQueue | None      # None on a headless node (node 0 reads it)
     death_writer: multiprocessing.connection.Connection
+    peers: list[PeerInfo] | None = None
 
 
 class BackgroundResources:
@@ -138,6 +171,7 @@ class BackgroundResources:
         self.rpc_broadcast_mq: MessageQueue | None = None
         self.unready: list[UnreadyWorkerProcHandle] = []
         self.workers: list[WorkerProcHandle] = []
+        self.remote_response_mqs: list[MessageQueue] = []     # reply queues of ranks on other nodes
         self.shutdown_event = threading.Event()
         self.shutting_down = False
 
@@ -148,8 +182,9 @@ class BackgroundResources:
         for conn in [u.death_writer for u in self.unready]:
             conn.close()                 # NOTE: EOF on the death pipe = "exit now" for the worker
         _ensure_worker_termination([u.proc for u in self.unready], SHUTDOWN_GRACE_S)
-        for w in self.workers:
-            w.worker_response_mq.close()
+        for mq in [w.worker_response_mq for w in self.workers] + self.remote_response_mqs:
+            if mq is not None:
+                mq.close()
         if self.rpc_broadcast_mq is not None:
             self.rpc_broadcast_mq.close()
         # NOTE: a killed worker could not unlink the segment it created.
@@ -179,7 +214,10 @@ def _ensure_worker_termination(procs: list[multiprocessing.process.BaseProcess],
 class MultiprocExecutor(Executor):
 
     def _init_executor(self) -> None:
-        self.world_size = self.vllm_config.parallel_config.world_size
+        pc = self.vllm_config.parallel_config
+        self.world_size, self.local_world_size = pc.world_size, pc.local_world_size
+        # A node other than 0 runs ranks only: the engine and the queues are on node 0.
+        self.is_headless = pc.node_rank > 0
         # NOTE: vLLM replies from world_size - tp_size * pcp_size (first TP rank of
         # the last pipeline stage); with every rank in one stage that is rank 0.
         self.output_rank = 0
@@ -188,31 +226,74 @@ class MultiprocExecutor(Executor):
         self.failure_callback: Callable[[], None] | None = None
         self.resources = res = BackgroundResources(self.ipc_dir_arg)
         self.ipc_dir, self.shutdown_event = res.ipc_dir, res.shutdown_event
+        self.rpc_broadcast_mq: MessageQueue | None = None
+        self.response_mqs: list[MessageQueue] = []          # one per rank, by rank
         # NOTE: runs at interpreter exit at the latest, or when the executor is collected.
         self._finalizer = weakref.finalize(self, res)
         try:
-            self.rpc_broadcast_mq = res.rpc_broadcast_mq = MessageQueue(self.world_size, MAX_CHUNK_BYTES,
-                                                                        ipc_dir=self.ipc_dir)
-            handle = self.rpc_broadcast_mq.export_handle()
-            run_path = getattr(self.recorder, "run_path", None)
-            res.unready = [WorkerProc.make_worker_process(self.vllm_config, rank, rank, handle, self.ipc_dir,
-                                                          run_path)
-                           for rank in range(self.world_size)]
-            self.workers = res.workers = WorkerProc.wait_for_ready(res.unready)
-            self.rpc_broadcast_mq.wait_until_ready(timeout=WORKER_READY_TIMEOUT_S)
-            for w in self.workers:
-                w.worker_response_mq.wait_until_ready(timeout=WORKER_READY_TIMEOUT_S)
+            self._start_workers(pc)
         except BaseException:
             self.shutdown()
             raise
-        self.start_worker_monitor()
+        self._record_ranks()
+        if not self.is_headless:
+            self.start_worker_monitor()
 
-    def start_worker_monitor(self) -> None:
+    def _start_workers(self, pc: ParallelConfig) -> None:
+        res = self.resources
+        handle = None
+        if not self.is_headless:
+            # NOTE: readers 0 .. local_world_size - 1 (this host's ranks) read the
+            # shared memory; the ranks of other nodes subscribe over TCP.
+            connect_ip = get_ip(pc.master_addr) if pc.nnodes > 1 else None
+            self.rpc_broadcast_mq = res.rpc_broadcast_mq = MessageQueue(
+                self.world_size, MAX_CHUNK_BYTES, ipc_dir=self.ipc_dir,
+                n_local_reader=self.local_world_size, connect_ip=connect_ip)
+            handle = self.rpc_broadcast_mq.export_handle()
+        run_path = getattr(self.recorder, "run_path", None)
+        init_method = _distributed_init_method(pc)
+        first_rank = self.local_world_size * pc.node_rank
+        res.unready = [WorkerProc.make_worker_process(self.vllm_config, local_rank, first_rank + local_rank,
+                                                      init_method, handle, self.ipc_dir, run_path)
+                       for local_rank in range(self.local_world_size)]
+        self.workers = res.workers = WorkerProc.wait_for_ready(res.unready, attach=not self.is_headless)
+        if self.is_headless:
+            return
+        self.response_mqs = [w.worker_response_mq for w in self.workers] + self._attach_remote_response_mqs()
+        self.rpc_broadcast_mq.wait_until_ready(timeout=WORKER_READY_TIMEOUT_S)
+        for mq in self.response_mqs:
+            mq.wait_until_ready(timeout=WORKER_READY_TIMEOUT_S)
+
+    def _attach_remote_response_mqs(self) -> list[MessageQueue]:
+        """The reply queues of the ranks on other nodes (rank 0 sent their handles)."""
+        peers = sorted(self.workers[0].peers or [], key=lambda p: p.rank)
+        remote = [MessageQueue.create_from_handle(p.response_handle, 0) for p in peers
+                  if p.rank >= self.local_world_size]
+        self.resources.remote_response_mqs = remote
+        return remote
+
+    def _record_ranks(self) -> None:
+        """Every rank's pid and host in the run store's meta (docs/trace-format.md)."""
+        host = socket.gethostname()
+        ranks = {w.rank: {"rank": w.rank, "pid": w.proc.pid, "host": host,
+                          "local_rank": w.rank - self.local_world_size * self.vllm_config.parallel_config.node_rank}
+                 for w in self.workers}
+        for peer in (self.workers[0].peers or []) if self.workers else []:
+            ranks.setdefault(peer.rank, {"rank": peer.rank, "pid": peer.pid, "host": peer.host,
+                                         "local_rank": peer.rank % self.local_world_size})
+        self.rank_info = [ranks[r] for r in sorted(ranks)]
+        self.recorder.set_run_meta("tensor_parallel_size", self.vllm_config.parallel_config.tensor_parallel_size)
+        self.recorder.set_run_meta("ranks", self.rank_info)
+
+    def start_worker_monitor(self, inline: bool = False) -> None:
         """A thread that waits on the workers' process sentinels (readable when a process ends).
 
         NOTE: this is what notices a worker that dies while the engine is idle:
         no RPC is waiting, so only the sentinel can tell. The failure callback
         (EngineCoreProc's) then wakes the engine's busy loop.
+        inline (a headless node, vLLM's name): wait here instead, in the caller's
+        thread, until a rank ends (the engine on node 0 shut down, or a rank died);
+        then stop the others.
         """
         workers, self_ref, res = list(self.workers), weakref.ref(self), self.resources
 
@@ -229,6 +310,9 @@ class MultiprocExecutor(Executor):
                     w.proc.terminate()
             _ensure_worker_termination([w.proc for w in workers], SHUTDOWN_GRACE_S)
 
+        if inline:
+            monitor_workers()
+            return
         threading.Thread(target=monitor_workers, daemon=True, name="MultiprocWorkerMonitor").start()
 
     def register_failure_callback(self, callback: Callable[[], None]) -> None:
@@ -274,10 +358,14 @@ class MultiprocExecutor(Executor):
             ranks = [unique_reply_rank] if unique_reply_rank is not None else range(self.world_size)
             # NOTE: read every reply before raising any error: one left in a queue
             # would be taken as the answer to the next call.
-            responses = [self.workers[r].worker_response_mq.dequeue(timeout, self.shutdown_event,
-                                                                    decoder=_response_decoder)
+            responses = [self.response_mqs[r].dequeue(timeout, self.shutdown_event, decoder=_response_decoder)
                          for r in ranks]
-        except MessageQueueCancelled:
+        except MessageQueueCancelled as e:
+            if self.failure_message is None and not self.resources.shutting_down:
+                # NOTE: not the monitor (it sees local processes only): the
+                # reply queue of a rank on another node lost its connection.
+                self.is_failed = True
+                self.failure_message = f"A rank on another node is gone ({e}); the executor cannot continue."
             raise RuntimeError(self.failure_message or "MultiprocExecutor has been shut down.") from None
         except TimeoutError:
             # NOTE: a late reply would be read as the answer to the next call.
@@ -298,6 +386,14 @@ class MultiprocExecutor(Executor):
     def shutdown(self) -> None:
         """Stop the workers, unlink all shared memory. Idempotent (a finalizer runs once)."""
         self._finalizer()
+
+
+def _distributed_init_method(pc: ParallelConfig) -> str:
+    """Where the ranks meet: a free local port on one host; node 0's master_addr:master_port
+    (the same on every node, given on each command line) with several."""
+    if pc.nnodes == 1:
+        return get_distributed_init_method(get_loopback_ip(), get_open_port())
+    return get_distributed_init_method(pc.master_addr, pc.master_port)
 
 
 def _install_worker_signal_handlers(shutdown_requested: threading.Event) -> None:
@@ -324,31 +420,56 @@ _request_decoder = msgspec.msgpack.Decoder(RPCRequest)
 class WorkerProc:
     """One worker process: a Worker plus the two queues (mirrors vLLM's WorkerProc)."""
 
-    def __init__(self, vllm_config: VllmConfig, local_rank: int, rank: int, input_shm_handle: Handle,
-                 ipc_dir: str, run_path: str | None = None) -> None:
+    def __init__(self, vllm_config: VllmConfig, local_rank: int, rank: int, distributed_init_method: str,
+                 input_shm_handle: Handle | None, ipc_dir: str, run_path: str | None = None) -> None:
         self.rank = rank
-        self.rpc_broadcast_mq = MessageQueue.create_from_handle(input_shm_handle, rank)
-        self.worker_response_mq = MessageQueue(1, MAX_CHUNK_BYTES, ipc_dir=ipc_dir)
+        pc = vllm_config.parallel_config
         device = vllm_config.model_config.device
         if device.startswith("cuda"):
             device = f"cuda:{local_rank}"
         # NOTE: each process has its own recorder, attached to the run's store
         # (run_path); the engine's context arrives with each message, so the
-        # worker's spans join the engine's trace.
-        self.recorder = make_recorder(vllm_config, "worker", run_path=run_path, process_name=f"worker-{rank}")
-        self.worker = Worker(vllm_config, device=device, recorder=self.recorder)
+        # worker's spans join the engine's trace. A headless node's ranks
+        # record nothing: the store is a file on node 0.
+        self.recorder = make_recorder(vllm_config, "worker", run_path=run_path, process_name=f"worker-{rank}") \
+            if pc.node_rank == 0 else NullRecorder()
+        self.worker = Worker(vllm_config, device=device, recorder=self.recorder, local_rank=local_rank,
+                             rank=rank, distributed_init_method=distributed_init_method)
         self.worker.init_device()
         self.worker.load_model()
+        self.peers: list[PeerInfo] | None = None
+        # NOTE: after init_device: with several nodes the queues are set up over the world group.
+        self._init_message_queues(pc, input_shm_handle, ipc_dir)
+
+    def _init_message_queues(self, pc: ParallelConfig, input_shm_handle: Handle | None, ipc_dir: str) -> None:
+        if pc.nnodes == 1:
+            self.rpc_broadcast_mq = MessageQueue.create_from_handle(input_shm_handle, self.rank)
+            self.worker_response_mq = MessageQueue(1, MAX_CHUNK_BYTES, ipc_dir=ipc_dir)
+            return
+        world = get_world_group()
+        # Only rank 0 (node 0) was handed the executor's queue: it tells the others.
+        encoded = world.broadcast_bytes(_encoder.encode(input_shm_handle) if self.rank == 0 else None)
+        self.rpc_broadcast_mq = MessageQueue.create_from_handle(msgspec.msgpack.decode(encoded, type=Handle),
+                                                                self.rank)
+        # NOTE: a reply queue's reader is the executor: on node 0 it reads the
+        # shared memory; from another node it subscribes over TCP.
+        remote = dict(n_local_reader=0, connect_ip=get_ip(pc.master_addr)) if pc.node_rank > 0 else {}
+        self.worker_response_mq = MessageQueue(1, MAX_CHUNK_BYTES, ipc_dir=ipc_dir, **remote)
+        me = PeerInfo(self.rank, os.getpid(), socket.gethostname(), self.worker_response_mq.export_handle())
+        peers = [msgspec.msgpack.decode(b, type=PeerInfo) for b in world.all_gather_bytes(_encoder.encode(me))]
+        self.peers = peers if self.rank == 0 else None
 
     @staticmethod
-    def make_worker_process(vllm_config: VllmConfig, local_rank: int, rank: int, input_shm_handle: Handle,
-                            ipc_dir: str, run_path: str | None = None) -> UnreadyWorkerProcHandle:
+    def make_worker_process(vllm_config: VllmConfig, local_rank: int, rank: int, distributed_init_method: str,
+                            input_shm_handle: Handle | None, ipc_dir: str,
+                            run_path: str | None = None) -> UnreadyWorkerProcHandle:
         context = multiprocessing.get_context("spawn")     # NOTE: never fork a process holding threads
         ready_reader, ready_writer = context.Pipe(duplex=False)
         death_reader, death_writer = context.Pipe(duplex=False)
         proc = context.Process(target=WorkerProc.worker_main, name=f"VllmWorker-{rank}", daemon=True,
-                               args=(vllm_config, local_rank, rank, _encoder.encode(input_shm_handle),
-                                     ipc_dir, ready_writer, death_reader, run_path))
+                               args=(vllm_config, local_rank, rank, distributed_init_method,
+                                     _encoder.encode(input_shm_handle), ipc_dir, ready_writer, death_reader,
+                                     run_path))
         proc.start()
         # NOTE: close our copies, so EOF on these pipes means "that process is gone".
         ready_writer.close()
@@ -356,7 +477,8 @@ class WorkerProc:
         return UnreadyWorkerProcHandle(proc, rank, ready_reader, death_writer)
 
     @staticmethod
-    def wait_for_ready(unready: list[UnreadyWorkerProcHandle]) -> list[WorkerProcHandle]:
+    def wait_for_ready(unready: list[UnreadyWorkerProcHandle], attach: bool = True) -> list[WorkerProcHandle]:
+        """The started workers, by rank; attach: read their reply queues (not on a headless node)."""
         pending = {u.ready_pipe: u for u in unready}
         ready: dict[int, WorkerProcHandle] = {}
         while pending:
@@ -375,13 +497,13 @@ class WorkerProc:
                     conn.close()
                 if msg.status != "READY":
                     raise RuntimeError(f"WorkerProc rank {u.rank} failed to start:\n{msg.error}")
-                mq = MessageQueue.create_from_handle(msg.response_handle, 0)
-                ready[u.rank] = WorkerProcHandle(u.proc, u.rank, mq, u.death_writer)
+                mq = MessageQueue.create_from_handle(msg.response_handle, 0) if attach else None
+                ready[u.rank] = WorkerProcHandle(u.proc, u.rank, mq, u.death_writer, msg.peers)
         return [ready[rank] for rank in sorted(ready)]
 
     @staticmethod
-    def worker_main(vllm_config: VllmConfig, local_rank: int, rank: int, handle_bytes: bytes, ipc_dir: str,
-                    ready_pipe, death_pipe, run_path: str | None = None) -> None:
+    def worker_main(vllm_config: VllmConfig, local_rank: int, rank: int, distributed_init_method: str,
+                    handle_bytes: bytes, ipc_dir: str, ready_pipe, death_pipe, run_path: str | None = None) -> None:
         shutdown_requested = threading.Event()
         _install_worker_signal_handlers(shutdown_requested)
 
@@ -397,9 +519,10 @@ class WorkerProc:
         threading.Thread(target=monitor_parent_death, daemon=True, name="WorkerDeathMonitor").start()
         proc: WorkerProc | None = None
         try:
-            proc = WorkerProc(vllm_config, local_rank, rank,
-                              msgspec.msgpack.decode(handle_bytes, type=Handle), ipc_dir, run_path)
-            ready_pipe.send_bytes(_encoder.encode(WorkerReady("READY", proc.worker_response_mq.export_handle())))
+            proc = WorkerProc(vllm_config, local_rank, rank, distributed_init_method,
+                              msgspec.msgpack.decode(handle_bytes, type=Handle | None), ipc_dir, run_path)
+            ready_pipe.send_bytes(_encoder.encode(WorkerReady("READY", proc.worker_response_mq.export_handle(),
+                                                              peers=proc.peers)))
             ready_pipe.close()
             proc.rpc_broadcast_mq.wait_until_ready(cancel=shutdown_requested)
             proc.worker_response_mq.wait_until_ready(cancel=shutdown_requested)
@@ -415,6 +538,8 @@ class WorkerProc:
                 proc.rpc_broadcast_mq.close()
                 proc.worker_response_mq.close()
                 proc.recorder.shutdown()          # flush this process' spans into the store
+            destroy_model_parallel()
+            destroy_distributed_environment()
 
     def worker_busy_loop(self, cancel: threading.Event) -> None:
         while True:
@@ -434,5 +559,9 @@ class WorkerProc:
             if replies:
                 self.worker_response_mq.enqueue(response, cancel=cancel)
             elif response.status != "SUCCESS":
-                # NOTE: as in vLLM, a non-replying rank's error is only logged here.
+                # NOTE: vLLM only logs a non-replying rank's error. Here the rank
+                # also exits: its peers already ran the step, and would wait in
+                # the next collective for a rank that skipped it; the executor's
+                # monitor sees the exit and fails the engine with this rank's name.
                 logger.error("Worker rank %d failed in %s:\n%s", self.rank, request.method, response.error)
+                raise SystemExit(1)

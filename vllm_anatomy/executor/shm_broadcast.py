@@ -19,9 +19,15 @@ A chunk holds [overflow: 1 byte, 3 pad, length: u32] + a msgpack payload. A
 message larger than a chunk "spills": the chunk only carries overflow=1 and the
 bytes go over a ZMQ XPUB/SUB ipc socket, as in vLLM.
 
+Readers on other hosts (several nodes, vLLM's n_local_reader < n_reader):
+readers 0 .. n_local_reader - 1 read the shared memory; the others subscribe
+to a second XPUB socket over TCP (`remote_subscribe_addr`), and the writer
+sends every message there too. A remote reader stops waiting when the writer
+closes the queue (a close frame) or its connection drops (the writer's
+process is gone: a ZMQ socket monitor reports the disconnect).
+
 Simplified: msgspec msgpack instead of pickle with out-of-band buffers (never
-pickle here); local readers only (vLLM also serves readers on other nodes over
-TCP); waiting readers spin then sleep with back-off instead of blocking on
+pickle here); waiting readers spin then sleep with back-off instead of blocking on
 vLLM's ZMQ notify socket (SpinCondition).
 """
 from __future__ import annotations
@@ -51,6 +57,8 @@ SHM_PREFIX = "vllm_anatomy_mq_"
 SHM_DIR = "/dev/shm"      # where Linux lists POSIX shared-memory segments (a tmpfs)
 _HEADER = struct.Struct("<?3xI")          # overflow flag, pad, payload length
 _READY = b"READY"
+# Frames on the remote (TCP) socket: a message, or "the writer closed the queue".
+_REMOTE_MESSAGE, _REMOTE_CLOSED = b"M", b"C"
 _default_decoder = msgspec.msgpack.Decoder()
 
 _memory_fence_lock = threading.Lock()
@@ -234,28 +242,61 @@ class ShmRingBuffer:
 
 
 class Handle(msgspec.Struct, frozen=True):
-    """Everything a reader in another process needs to attach (msgspec, never pickle)."""
-    buffer_handle: ShmRingBufferHandle
-    local_subscribe_addr: str
+    """Everything a reader in another process needs to attach (msgspec, never pickle).
+
+    Readers 0 .. n_local_reader - 1 attach to the shared memory (same host);
+    the rest, on other hosts, subscribe to remote_subscribe_addr (TCP)."""
+    buffer_handle: ShmRingBufferHandle | None
+    local_subscribe_addr: str | None
+    n_reader: int = 1
+    n_local_reader: int = 1
+    remote_subscribe_addr: str | None = None
 
 
 class MessageQueue:
 
     def __init__(self, n_reader: int, max_chunk_bytes: int = 1 << 20, max_chunks: int = 10,
-                 ipc_dir: str | None = None) -> None:
+                 ipc_dir: str | None = None, n_local_reader: int | None = None,
+                 connect_ip: str | None = None) -> None:
         """Create the queue; the creating process is its single writer.
 
         `ipc_dir`: where the spill socket goes (default: the temp dir); it also
         names the segment (shm_name_prefix), so whoever owns the directory can
-        unlink the segment if this process dies without doing so."""
+        unlink the segment if this process dies without doing so.
+        `n_local_reader` (default: all) read the shared memory; the other
+        readers connect over TCP to `connect_ip`, this host's address as they see it."""
         self.n_reader = n_reader
-        prefix = shm_name_prefix(ipc_dir)
-        self.buffer = ShmRingBuffer(n_reader, max_chunk_bytes, max_chunks, name_prefix=prefix)
+        self.n_local_reader = n_reader if n_local_reader is None else n_local_reader
         self._is_writer, self.local_reader_rank = True, -1
         self.current_idx = 0
         self._closed = False
         self.encoder = msgspec.msgpack.Encoder()
         self.context = zmq.Context()
+        self.remote_socket = self.remote_monitor = None
+        self.remote_subscribe_addr = None
+        if self.n_local_reader < n_reader:
+            self._bind_remote(connect_ip)
+        self.buffer = self.local_socket = self.local_subscribe_addr = None
+        if self.n_local_reader > 0:
+            self._bind_local(max_chunk_bytes, max_chunks, ipc_dir)
+
+    def _bind_remote(self, connect_ip: str | None) -> None:
+        if connect_ip is None:
+            raise ValueError("a queue with remote readers needs connect_ip (this host's address)")
+        self.remote_socket = self.context.socket(zmq.XPUB)
+        self.remote_socket.setsockopt(zmq.XPUB_VERBOSE, True)
+        self.remote_socket.setsockopt(zmq.LINGER, 1000)
+        host = f"[{connect_ip}]" if ":" in connect_ip else connect_ip
+        if ":" in connect_ip:
+            self.remote_socket.setsockopt(zmq.IPV6, 1)
+        # NOTE: no authentication on this socket, as in vLLM: the nodes of a
+        # run are expected to share a private network.
+        port = self.remote_socket.bind_to_random_port(f"tcp://{host}")
+        self.remote_subscribe_addr = f"tcp://{host}:{port}"
+
+    def _bind_local(self, max_chunk_bytes: int, max_chunks: int, ipc_dir: str | None) -> None:
+        prefix = shm_name_prefix(ipc_dir)
+        self.buffer = ShmRingBuffer(self.n_local_reader, max_chunk_bytes, max_chunks, name_prefix=prefix)
         self.local_socket = self.context.socket(zmq.XPUB)
         # NOTE: pass every subscription up to us (not only the first per
         # topic): wait_until_ready counts them, one per reader.
@@ -271,28 +312,50 @@ class MessageQueue:
         os.chmod(path, 0o600)     # NOTE: like the segment itself: only this user may connect
 
     def export_handle(self) -> Handle:
-        return Handle(self.buffer.handle(), self.local_subscribe_addr)
+        return Handle(self.buffer.handle() if self.buffer is not None else None, self.local_subscribe_addr,
+                      self.n_reader, self.n_local_reader, self.remote_subscribe_addr)
 
     @classmethod
     def create_from_handle(cls, handle: Handle, rank: int) -> "MessageQueue":
-        """Attach as reader `rank` (0 <= rank < n_reader), e.g. in another process."""
-        bh = handle.buffer_handle
-        if not 0 <= rank < bh.n_reader:
-            raise ValueError(f"reader rank {rank} out of range for {bh.n_reader} readers")
+        """Attach as reader `rank` (0 <= rank < n_reader), e.g. in another process
+        (ranks from n_local_reader on: on another host, over TCP)."""
+        if not 0 <= rank < handle.n_reader:
+            raise ValueError(f"reader rank {rank} out of range for {handle.n_reader} readers")
         self = cls.__new__(cls)
-        self.n_reader = bh.n_reader
-        self.buffer = ShmRingBuffer(bh.n_reader, bh.max_chunk_bytes, bh.max_chunks, name=bh.name)
+        self.n_reader, self.n_local_reader = handle.n_reader, handle.n_local_reader
         self._is_writer, self.local_reader_rank = False, rank
         self.current_idx = 0
         self._closed = False
         self.encoder = msgspec.msgpack.Encoder()
         self.context = zmq.Context()
+        self.buffer = self.local_socket = self.remote_socket = self.remote_monitor = None
+        self.local_subscribe_addr, self.remote_subscribe_addr = handle.local_subscribe_addr, None
+        if rank >= handle.n_local_reader:
+            self._connect_remote(handle.remote_subscribe_addr)
+            return self
+        bh = handle.buffer_handle
+        self.buffer = ShmRingBuffer(bh.n_reader, bh.max_chunk_bytes, bh.max_chunks, name=bh.name)
         self.local_socket = self.context.socket(zmq.SUB)
         self.local_socket.setsockopt(zmq.SUBSCRIBE, b"")
         self.local_socket.setsockopt(zmq.LINGER, 0)
-        self.local_subscribe_addr = handle.local_subscribe_addr
         self.local_socket.connect(self.local_subscribe_addr)
         return self
+
+    def _connect_remote(self, address: str) -> None:
+        self.remote_subscribe_addr = address
+        self.remote_socket = self.context.socket(zmq.SUB)
+        self.remote_socket.setsockopt(zmq.SUBSCRIBE, b"")
+        self.remote_socket.setsockopt(zmq.LINGER, 0)
+        if address.startswith("tcp://["):
+            self.remote_socket.setsockopt(zmq.IPV6, 1)
+        # NOTE: tells us when the TCP connection to the writer drops: its
+        # process is gone (a close would have sent _REMOTE_CLOSED first).
+        self.remote_monitor = self.remote_socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.remote_socket.connect(address)
+
+    @property
+    def is_remote_reader(self) -> bool:
+        return not self._is_writer and self.remote_socket is not None
 
     def wait_until_ready(self, timeout: float | None = None, cancel: threading.Event | None = None) -> None:
         """Handshake over the spill socket; both sides call it once before use.
@@ -303,17 +366,23 @@ class MessageQueue:
         after that, no spilled frame can be lost."""
         waiter = _Waiter("MessageQueue.wait_until_ready", timeout, cancel)
         if self._is_writer:
-            subscribed = 0
-            while subscribed < self.n_reader:
-                subscribed += self._recv(waiter)[:1] == b"\x01"     # b"\x00": an unsubscribe
-            self.local_socket.send(_READY)
-        elif self._recv(waiter) != _READY:
+            for socket, n in ((self.local_socket, self.n_local_reader),
+                              (self.remote_socket, self.n_reader - self.n_local_reader)):
+                subscribed = 0
+                while subscribed < n:
+                    subscribed += self._recv(waiter, socket)[:1] == b"\x01"     # b"\x00": an unsubscribe
+                if socket is not None:
+                    socket.send(_READY)
+        elif self._recv(waiter, self.remote_socket or self.local_socket) != _READY:
             raise RuntimeError("MessageQueue: unexpected first frame on the spill socket")
 
-    def _recv(self, waiter: _Waiter) -> bytes:
-        while not self.local_socket.poll(timeout=10):
+    def _recv(self, waiter: _Waiter, socket: zmq.Socket | None = None) -> bytes:
+        socket = socket or self.local_socket
+        while not socket.poll(timeout=10):
             waiter.check()
-        return self.local_socket.recv()
+            if self.remote_monitor is not None and self.remote_monitor.poll(timeout=0):
+                raise MessageQueueCancelled("MessageQueue: the writer's connection dropped (its process is gone)")
+        return socket.recv()
 
     # -- writer ---------------------------------------------------------------------
     @contextlib.contextmanager
@@ -322,7 +391,7 @@ class MessageQueue:
         assert self._is_writer, "only the writer can enqueue"
         buffer, idx = self.buffer, self.current_idx
         waiter = _Waiter("MessageQueue.acquire_write", timeout, cancel)
-        while buffer.get_written(idx) and buffer.num_read(idx) != self.n_reader:
+        while buffer.get_written(idx) and buffer.num_read(idx) != buffer.n_reader:
             waiter.wait()      # some reader has not read this chunk yet: the ring is full
         # NOTE: mark unwritten first, so the chunk is never "written and unread"
         # while its bytes change.
@@ -342,6 +411,14 @@ class MessageQueue:
 
     def enqueue(self, obj, timeout: float | None = None, cancel: threading.Event | None = None) -> None:
         data = self.encoder.encode(obj)
+        if self.remote_socket is not None:
+            # NOTE: remote readers get every message over TCP, whatever its size;
+            # sent first, so a host that reads it does not wait on the local ring.
+            self.remote_socket.send_multipart((_REMOTE_MESSAGE, data), copy=False)
+        if self.buffer is not None:
+            self._enqueue_local(data, timeout, cancel)
+
+    def _enqueue_local(self, data: bytes, timeout: float | None, cancel: threading.Event | None) -> None:
         overflow = _HEADER.size + len(data) > self.buffer.max_chunk_bytes
         with self.acquire_write(timeout, cancel) as chunk:
             if overflow:
@@ -377,6 +454,8 @@ class MessageQueue:
     def dequeue(self, timeout: float | None = None, cancel: threading.Event | None = None,
                 decoder: msgspec.msgpack.Decoder | None = None):
         """Next message for this reader; decoded with `decoder` (default: builtins)."""
+        if self.is_remote_reader:
+            return (decoder or _default_decoder).decode(self._dequeue_remote(timeout, cancel))
         with self.acquire_read(timeout, cancel) as (chunk, waiter):
             overflow, length = _HEADER.unpack_from(chunk, 0)
             # NOTE: copy out and release the chunk before decoding: a message
@@ -384,20 +463,38 @@ class MessageQueue:
             data = self._recv(waiter) if overflow else chunk[_HEADER.size:_HEADER.size + length].tobytes()
         return (decoder or _default_decoder).decode(data)
 
+    def _dequeue_remote(self, timeout: float | None, cancel: threading.Event | None) -> bytes:
+        waiter = _Waiter("MessageQueue.dequeue (remote)", timeout, cancel)
+        while not self.remote_socket.poll(timeout=10):
+            waiter.check()
+            if self.remote_monitor.poll(timeout=0):
+                raise MessageQueueCancelled("MessageQueue: the writer's connection dropped (its process is gone)")
+        kind, *data = self.remote_socket.recv_multipart()
+        if kind == _REMOTE_CLOSED:
+            raise MessageQueueCancelled("MessageQueue.dequeue: the writer closed the queue")
+        return data[0]
+
     # -- teardown -------------------------------------------------------------------
     def close(self) -> None:
         """Writer: mark closed (readers stop waiting), unlink. Reader: detach. Idempotent."""
         if self._closed:
             return
         self._closed = True
-        if self._is_writer:
+        if self._is_writer and self.buffer is not None:
             self.buffer.mark_writer_closed()
-        self.local_socket.close()
+        if self._is_writer and self.remote_socket is not None:
+            self.remote_socket.send(_REMOTE_CLOSED)      # NOTE: lingers up to 1 s to reach them
+        if self.remote_monitor is not None:
+            self.remote_socket.disable_monitor()
+        for socket in (self.local_socket, self.remote_monitor, self.remote_socket):
+            if socket is not None:
+                socket.close()
         self.context.term()
-        if self._is_writer:
+        if self._is_writer and self.local_subscribe_addr is not None:
             # NOTE: libzmq leaves the ipc socket file behind; connected readers keep working.
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.local_subscribe_addr[len("ipc://"):])
-        self.buffer.close()
-        if self.buffer.is_creator:
-            self.buffer.unlink()
+        if self.buffer is not None:
+            self.buffer.close()
+            if self.buffer.is_creator:
+                self.buffer.unlink()

@@ -1,13 +1,16 @@
 """Load a model from a local HF-style directory: config.json + *.safetensors.
 
 Mirrors vllm/model_executor/model_loader/ (get_model, DefaultModelLoader,
-utils.set_default_torch_dtype, weight_utils.safetensors_weights_iterator).
+weight_utils.safetensors_weights_iterator) and vllm/utils/torch_utils.py
+(set_default_torch_dtype).
 The order is vLLM's:
   1. read config.json and pick the model class from `architectures`;
   2. build the model *directly* on the target device and dtype, with empty
      (uninitialised) parameters — no random init, no fp32 copy on the host;
   3. stream the checkpoint tensors, shard by shard, into model.load_weights,
-     which packs q/k/v and gate/up as they arrive;
+     which packs q/k/v and gate/up as they arrive; with tensor parallelism
+     each tensor comes as a safetensors slice, and each rank's weight_loader
+     reads only its own rows or columns of it (layers/linear.py);
   4. check that every parameter was loaded, then eval().
 Nothing is downloaded: the directory must exist (see default_model.py for the
 default SmolLM2 model, converted once from its GGUF).
@@ -17,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -25,6 +28,7 @@ from torch import nn
 
 from vllm_anatomy.attention.selector import get_attn_backend
 from vllm_anatomy.config import ModelConfig
+from vllm_anatomy.distributed.parallel_state import get_tensor_model_parallel_world_size
 from vllm_anatomy.model_executor.models.llama import resolve_model_cls
 
 
@@ -44,7 +48,10 @@ def get_model(model_config: ModelConfig, backend: str = "torch") -> nn.Module:
     dtype = _resolve_dtype(model_config.dtype)
     with set_default_torch_dtype(dtype), torch.device(model_config.device):
         model = model_cls(hf_config, attn_backend)
-    weights = safetensors_weights_iterator(get_safetensors_files(model_dir))
+    # NOTE: one rank reads the whole of every tensor (get_tensor, as before);
+    # N ranks each read slices, ~1/N of the split matrices (get_slice).
+    sharded = get_tensor_model_parallel_world_size() > 1
+    weights = safetensors_weights_iterator(get_safetensors_files(model_dir), as_slices=sharded)
     with torch.no_grad():
         loaded = model.load_weights(weights)
     missing = {name for name, _ in model.named_parameters()} - loaded
@@ -74,13 +81,15 @@ def get_safetensors_files(model_dir: str | Path) -> list[Path]:
     return files
 
 
-def safetensors_weights_iterator(files: Iterable[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+def safetensors_weights_iterator(files: Iterable[Path], as_slices: bool = False) -> Iterator[tuple[str, Any]]:
+    """(name, tensor) pairs; with as_slices, (name, safetensors slice): nothing is
+    read until a weight_loader indexes the slice (valid until the next pair)."""
     # NOTE: one tensor at a time, so peak host memory is one shard's mmap plus
     # one tensor, never a second full copy of the model.
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                yield name, (f.get_slice(name) if as_slices else f.get_tensor(name))
 
 
 @contextlib.contextmanager

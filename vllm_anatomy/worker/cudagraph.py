@@ -99,6 +99,10 @@ class CUDAGraphRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
+        # With tensor parallelism (set by the Worker): the rank's CollectiveTracer,
+        # and per size the collectives its graph captured, counted again at each replay.
+        self.collective_tracer = None
+        self.collectives: dict[int, dict[str, tuple[int, int]]] = {}
 
     def capture(self, size: int, forward: Callable[[], torch.Tensor]) -> None:
         # A warm-up run first, outside capture: Triton compiles its kernels and
@@ -106,8 +110,13 @@ class CUDAGraphRunner:
         forward()
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
+        tracer = self.collective_tracer
+        before = tracer.snapshot_counts() if tracer is not None else {}
         with torch.cuda.graph(graph, pool=self.pool):
             output = forward()
+        if tracer is not None:
+            after = tracer.snapshot_counts()
+            self.collectives[size] = {op: (after[op][0] - n, after[op][1] - b) for op, (n, b) in before.items()}
         if self.pool is None:
             self.pool = graph.pool()
         self.graphs[size] = graph
@@ -115,6 +124,8 @@ class CUDAGraphRunner:
 
     def replay(self, size: int) -> torch.Tensor:
         self.graphs[size].replay()
+        if self.collective_tracer is not None:
+            self.collective_tracer.add_replayed(self.collectives[size])
         return self.outputs[size]
 
     def __contains__(self, size: int) -> bool:

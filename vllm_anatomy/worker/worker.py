@@ -13,8 +13,14 @@ Start-up order (EngineCore._initialize_kv_caches in vLLM):
 Then every step: execute_model(scheduler_output) -> None, sample_tokens() -> ModelRunnerOutput
 (async scheduling: an AsyncModelRunnerOutput, resolved later by the engine).
 
-Simplified here: one worker per engine (no tensor / pipeline parallelism, no
-distributed init), no sleep mode, no profiler hooks, no torch.compile.
+Tensor parallelism: with N ranks each worker process runs one Worker, and
+init_device joins the ranks' torch.distributed world first
+(init_worker_distributed_environment: nccl on CUDA, gloo on CPU) so that the
+model it then builds holds this rank's slice of every layer. Every rank runs
+every step; the collectives inside the forward keep them in lockstep.
+
+Simplified here: no pipeline parallelism, no sleep mode, no profiler hooks,
+no torch.compile.
 """
 from __future__ import annotations
 
@@ -25,6 +31,9 @@ import torch
 from vllm_anatomy.config import VllmConfig
 from vllm_anatomy.core.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
 from vllm_anatomy.core.sched.output import SchedulerOutput
+from vllm_anatomy.distributed.parallel_state import (ensure_model_parallel_initialized, get_tp_group,
+                                                     init_distributed_environment, resolve_backend)
+from vllm_anatomy.tracing.collectives import CollectiveTracer
 from vllm_anatomy.tracing.recorder import NullRecorder, Recorder
 from vllm_anatomy.worker.gpu_model_runner import GPUModelRunner
 
@@ -32,12 +41,19 @@ from vllm_anatomy.worker.gpu_model_runner import GPUModelRunner
 class Worker:
 
     def __init__(self, vllm_config: VllmConfig, device: str = "cpu",
-                 recorder: Recorder = NullRecorder(), attn_backend: str | None = None) -> None:
+                 recorder: Recorder = NullRecorder(), attn_backend: str | None = None, *,
+                 local_rank: int = 0, rank: int = 0, distributed_init_method: str | None = None) -> None:
+        """rank: this worker's global rank; local_rank: its device on this host;
+        distributed_init_method: where the ranks meet (tcp://host:port), None for one rank."""
         self.vllm_config = vllm_config
         self.device = torch.device(device)
         self.recorder = recorder
         self.attn_backend = attn_backend
+        self.local_rank, self.rank = local_rank, rank
+        self.distributed_init_method = distributed_init_method
         self.model_runner: GPUModelRunner | None = None
+        # Counts this rank's collectives per step (None with one rank: no group).
+        self.collective_tracer: CollectiveTracer | None = None
 
     def init_device(self) -> None:
         with self.recorder.span("Worker.init_device", device=str(self.device)):
@@ -46,11 +62,24 @@ class Worker:
                     self.device = torch.device("cuda", torch.cuda.current_device())
                 torch.cuda.set_device(self.device)
                 torch.cuda.empty_cache()
+            init_worker_distributed_environment(self.vllm_config, self.rank, self.distributed_init_method,
+                                                self.local_rank)
             # NOTE: seeds the *global* RNG (unseeded requests); seeded requests
-            # use their own generators and do not depend on this.
+            # use their own generators and do not depend on this. Every rank
+            # seeds the same way, so every rank samples the same tokens.
             torch.manual_seed(self.vllm_config.model_config.seed)
             self.model_runner = GPUModelRunner(self.vllm_config, self.device, self.recorder,
                                                self.attn_backend)
+            if self.vllm_config.parallel_config.world_size > 1:
+                self._trace_collectives(get_tp_group())
+
+    def _trace_collectives(self, tp_group) -> None:
+        """Count the TP group's collectives on this worker's spans (and time them at level full)."""
+        self.collective_tracer = tp_group.tracer = CollectiveTracer(self.recorder, self.model_runner.device_timer)
+        if self.model_runner.cudagraph_runner is not None:
+            # NOTE: a graph replays its collectives without Python: it adds
+            # what its capture counted (worker/cudagraph.py).
+            self.model_runner.cudagraph_runner.collective_tracer = self.collective_tracer
 
     def load_model(self) -> None:
         self.model_runner.load_model()
@@ -71,8 +100,16 @@ class Worker:
             self.model_runner.device_timer.calibrate()
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:
-        with self._span_from(scheduler_output.trace_headers, "Worker.execute_model"):
-            return self.model_runner.execute_model(scheduler_output)
+        with self._span_from(scheduler_output.trace_headers, "Worker.execute_model") as span:
+            tracer = self.collective_tracer
+            if tracer is None:
+                return self.model_runner.execute_model(scheduler_output)
+            tracer.reset()                  # drop start-up collectives (profiling, warm-up, capture)
+            output = self.model_runner.execute_model(scheduler_output)
+            # The step's communication account: vllm_anatomy.num_all_reduce, ..._bytes, ...
+            for key, value in tracer.take_step_counts().items():
+                span.set_attribute(key, value)
+            return output
 
     def sample_tokens(self, trace_headers: dict[str, str] | None = None
                       ) -> ModelRunnerOutput | AsyncModelRunnerOutput:
@@ -101,3 +138,19 @@ class Worker:
             self.model_runner.cudagraph_runner = None
             torch.cuda.empty_cache()
 
+
+
+def init_worker_distributed_environment(vllm_config: VllmConfig, rank: int,
+                                        distributed_init_method: str | None, local_rank: int) -> None:
+    """Join the ranks' world and make the TP group (vLLM: gpu_worker.py, same name).
+
+    NOTE: nothing at all with one rank: the single-process engine (tp = 1)
+    creates no process group, and its layers see tp_size 1."""
+    parallel_config = vllm_config.parallel_config
+    if parallel_config.world_size == 1:
+        return
+    if distributed_init_method is None:
+        raise ValueError(f"world_size {parallel_config.world_size} needs a distributed_init_method")
+    backend = resolve_backend(parallel_config.distributed_backend, vllm_config.model_config.device)
+    init_distributed_environment(parallel_config.world_size, rank, distributed_init_method, local_rank, backend)
+    ensure_model_parallel_initialized(parallel_config.tensor_parallel_size, backend)

@@ -12,8 +12,12 @@ What makes this a *serving* model rather than a transformers one:
   attn_metadata (slot_mapping, block_table, query_start_loc, seq_lens);
 - checkpoint tensors are packed at load time: q/k/v into `qkv_proj` and
   gate/up into `gate_up_proj` (vLLM's `stacked_params_mapping`), so each
-  layer runs 4 GEMMs instead of 7.
-Simplified away: tensor/pipeline parallelism, quantization, LoRA, sliding window.
+  layer runs 4 GEMMs instead of 7;
+- with tensor parallelism (N ranks, layers/linear.py) each rank holds nh/N
+  query heads, their KV heads and I/N MLP features; a forward then costs
+  2 all-reduces per layer (after o_proj and down_proj), one for the
+  embedding lookup and one all-gather of the logits.
+Simplified away: pipeline parallelism, quantization, LoRA, sliding window.
 """
 from __future__ import annotations
 
@@ -26,6 +30,9 @@ from torch import nn
 from vllm_anatomy.attention.backends.abstract import AttentionBackend, AttentionMetadata
 from vllm_anatomy.attention.backends.torch_ref import TorchReferenceBackend
 from vllm_anatomy.attention.layer import Attention
+from vllm_anatomy.distributed.communication_op import tensor_model_parallel_all_gather
+from vllm_anatomy.distributed.parallel_state import get_tensor_model_parallel_world_size
+from vllm_anatomy.distributed.utils import divide
 from vllm_anatomy.model_executor.layers.activation import SiluAndMul
 from vllm_anatomy.model_executor.layers.layernorm import RMSNorm
 from vllm_anatomy.model_executor.layers.linear import (
@@ -50,9 +57,9 @@ class LlamaMLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)            # [T, 2 * I]
-        x = self.act_fn(gate_up)                  # [T, I]
-        return self.down_proj(x)                  # [T, H]
+        gate_up = self.gate_up_proj(x)            # [T, 2 * I / N]   (N = tp_size)
+        x = self.act_fn(gate_up)                  # [T, I / N]
+        return self.down_proj(x)                  # [T, H], summed over the ranks
 
 
 class LlamaAttention(nn.Module):
@@ -61,18 +68,23 @@ class LlamaAttention(nn.Module):
                  o_bias: bool, qk_norm: bool, prefix: str = "") -> None:
         super().__init__()
         hidden_size = config["hidden_size"]
-        self.num_heads = config["num_attention_heads"]
-        self.num_kv_heads = config.get("num_key_value_heads") or self.num_heads
+        tp_size = get_tensor_model_parallel_world_size()
+        self.total_num_heads = config["num_attention_heads"]
+        self.total_num_kv_heads = config.get("num_key_value_heads") or self.total_num_heads
+        # This rank's heads: nh / N query heads, and the KV heads they use
+        # (at least one: replicated when N > nkv, see QKVParallelLinear).
+        self.num_heads = divide(self.total_num_heads, tp_size)
+        self.num_kv_heads = max(1, self.total_num_kv_heads // tp_size)
         # NOTE: head_dim is not always hidden_size / num_heads (Qwen3: 128 with
         # hidden 1024 and 16 heads), so read it when the config has it.
-        self.head_dim = config.get("head_dim") or hidden_size // self.num_heads
+        self.head_dim = config.get("head_dim") or hidden_size // self.total_num_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scaling = self.head_dim ** -0.5
 
-        self.qkv_proj = QKVParallelLinear(hidden_size, self.head_dim, self.num_heads,
-                                          self.num_kv_heads, bias=qkv_bias)
-        self.o_proj = RowParallelLinear(self.q_size, hidden_size, bias=o_bias)
+        self.qkv_proj = QKVParallelLinear(hidden_size, self.head_dim, self.total_num_heads,
+                                          self.total_num_kv_heads, bias=qkv_bias)
+        self.o_proj = RowParallelLinear(self.total_num_heads * self.head_dim, hidden_size, bias=o_bias)
         self.qk_norm = qk_norm
         if qk_norm:  # Qwen3: RMSNorm over each head's head_dim values, before RoPE
             self.q_norm = RMSNorm(self.head_dim, eps=config["rms_norm_eps"])
@@ -85,13 +97,13 @@ class LlamaAttention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
                 kv_cache: torch.Tensor | None,
                 attn_metadata: AttentionMetadata | None) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden_states)        # [T, q_size + 2 * kv_size]
+        qkv = self.qkv_proj(hidden_states)        # [T, q_size + 2 * kv_size] (this rank's heads)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.qk_norm:
             q, k = self._qk_norm(q, k)
         q, k = self.rotary_emb(positions, q, k)
         attn_output = self.attn(q, k, v, kv_cache, attn_metadata)   # [T, q_size]
-        return self.o_proj(attn_output)           # [T, H]
+        return self.o_proj(attn_output)           # [T, H], summed over the ranks
 
     def _qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         num_tokens = q.shape[0]
@@ -195,14 +207,22 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, attn_metadata)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """hidden_states [N, H] -> logits [N, V] float32.
+        """hidden_states [R, H] -> logits [R, V] float32, on every rank.
 
         vLLM: LogitsProcessor (model_executor/layers/logits_processor.py). The
         runner passes only the rows at logits_indices (each request's last
         scheduled token): the [T, V] matmul for every token would dwarf the rest
         of a long prefill (V = 49152 here, 150k+ for Qwen).
+        NOTE: all-gather, not a gather to rank 0, as v0.27.1 does on every
+        platform (Platform.use_all_gather): every rank then samples the same
+        token from the same logits (same seeds), so each rank's copy of the
+        batch (token_ids_cpu, the next step's input_ids) stays identical with
+        no broadcast of the sampled ids. Only the output rank reports them.
         """
-        return F.linear(hidden_states, self.lm_head.weight).float()
+        logits = F.linear(hidden_states, self.lm_head.weight)      # [R, V / N]
+        if self.lm_head.tp_size > 1:
+            logits = tensor_model_parallel_all_gather(logits)      # [R, V], rank-ordered columns
+        return logits.float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load (checkpoint name, tensor) pairs; returns the parameter names fully loaded."""

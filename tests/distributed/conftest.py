@@ -1,0 +1,54 @@
+"""Tiny random Llama / Qwen2 / Qwen3 checkpoints whose shapes divide by 2 and 4.
+
+4 query heads and 2 KV heads: TP=2 splits both, TP=4 replicates each KV head
+on two ranks. Random biases (Qwen2's q/k/v), random norm weights (Qwen3's
+per-head q/k norms) and an untied LM head (Qwen2) so that every sharded or
+replicated weight matters; a large init scale so greedy tokens vary.
+"""
+import json
+import os
+
+import pytest
+
+ARCHS = ("llama", "qwen2", "qwen3")
+
+
+def make_tiny_model(path: str, arch: str) -> str:
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    common = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  initializer_range=0.2)
+    if arch == "llama":
+        config, cls = transformers.LlamaConfig(tie_word_embeddings=True, **common), transformers.LlamaForCausalLM
+    elif arch == "qwen2":
+        config, cls = transformers.Qwen2Config(tie_word_embeddings=False, **common), transformers.Qwen2ForCausalLM
+    else:
+        config, cls = (transformers.Qwen3Config(head_dim=48, tie_word_embeddings=True, **common),
+                       transformers.Qwen3ForCausalLM)
+    torch.manual_seed(0)
+    model = cls(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                param.normal_(1.0 if "norm" in name else 0.0, 0.2)
+    model.save_pretrained(path)
+    vocab = {f"t{i}": i for i in range(512)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(os.path.join(path, "tokenizer.json"))
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "t2", "unk_token": "t0"}, f)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_tp_models(tmp_path_factory) -> dict[str, str]:
+    return {arch: make_tiny_model(str(tmp_path_factory.mktemp(f"tiny_{arch}")), arch) for arch in ARCHS}
+
+
+@pytest.fixture(autouse=True)
+def one_thread_per_rank(monkeypatch):
+    # Spawned ranks inherit the environment: one torch thread each on these 2 cores.
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
