@@ -3,7 +3,7 @@
 Mirrors vllm/v1/executor/abstract.py. EngineCore never calls a Worker
 directly: it calls the executor, which forwards a method name + arguments to
 every worker (`collective_rpc`) — a plain call in the same process
-(UniProcExecutor) or a message over shared memory (MultiprocExecutor, later).
+(UniProcExecutor) or a message over shared memory (MultiprocExecutor).
 """
 from __future__ import annotations
 
@@ -46,6 +46,11 @@ class Executor:
     def determine_num_available_blocks(self) -> int:
         # NOTE: with several workers each reports what fits on its device;
         # the scheduler must plan for the smallest.
+        # NOTE: one block table for all ranks (vLLM: one KVCacheConfig for every
+        # worker). With tensor parallelism each rank's cache holds only its own
+        # KV heads, but block b holds the same tokens on every rank: the
+        # scheduler's block accounting, the slot_mapping and the block table
+        # are computed once and broadcast, exactly as with one rank.
         return min(self.collective_rpc("determine_num_available_blocks"))
 
     def initialize_from_config(self, num_gpu_blocks: int) -> None:
