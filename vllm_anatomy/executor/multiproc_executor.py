@@ -302,7 +302,12 @@ class MultiprocExecutor(Executor):
             executor = self_ref()
             if executor is None or res.shutting_down:
                 return
-            executor._fail(next(w for w in workers if w.proc.sentinel in died))
+            dead = next(w for w in workers if w.proc.sentinel in died)
+            if inline and dead.proc.exitcode == 0:
+                # A headless node: the engine closed the queue; the others end on their own.
+                _ensure_worker_termination([w.proc for w in workers], SHUTDOWN_GRACE_S)
+                return
+            executor._fail(dead)
             # NOTE: as in vLLM, one dead worker takes the executor down: the others
             # are stopped (and reaped) now; shared memory is reclaimed by shutdown().
             for w in workers:
