@@ -107,6 +107,7 @@ class Worker:
             tracer.reset()                  # drop start-up collectives (profiling, warm-up, capture)
             output = self.model_runner.execute_model(scheduler_output)
             # The step's communication account: vllm_anatomy.num_all_reduce, ..._bytes, ...
+            span.set_attribute("vllm_anatomy.step_id", scheduler_output.step_id)
             for key, value in tracer.take_step_counts().items():
                 span.set_attribute(key, value)
             return output
