@@ -1,11 +1,11 @@
 """The dashboard in a real browser (Debian's Chromium driven by Playwright): serve
-it on a free 127.0.0.1 port, open the recorded run, move the step scrubber with
-the keyboard, visit every page, then start a short live run on the default model
-and watch its steps arrive; open the GPU sample run from the "No GPU here?" button
-and look at a graph replay, an eager step's layers and kernels, and the device
-lane. Screenshots go to test-output/screenshots/ (the gpu-* ones from the real
+it on a free 127.0.0.1 port, open the recorded run and move the step scrubber with
+the keyboard; open the GPU sample run from the "No GPU here?" button and look at a
+graph replay, an eager step's layers and kernels, and the device lane. (A live run
+from the start strip: test_browser_shell.py.) Screenshots go to test-output/screenshots/ (the gpu-* ones from the real
 H200 sample when samples/h200-smollm2-full.sqlite exists, else from the
-GPU-shaped copy of the fixture run)."""
+GPU-shaped copy of the fixture run). Every page at 1440x900 and 1920x1080, clicks on
+every chart, lesson links and the readability checks: test_browser_pages.py."""
 import os
 import re
 import socket
@@ -105,39 +105,6 @@ def test_scrubber_moves_the_inspector(server, page):
     page.screenshot(path=os.path.join(SHOTS, "inspector-step2.png"), full_page=True)
 
 
-@pytest.mark.parametrize("name,title", [("timeline", "Timeline"), ("journey", "Request journey"),
-                                        ("metrics", "Metrics over time"), ("lessons", "Lessons")])
-def test_pages_render(server, page, name, title):
-    base, run = server
-    page.goto(f"{base}/{name}?run={run}&step=5")
-    page.get_by_role("heading", name=title).wait_for()
-    _settle(page)
-    assert page.locator("[data-testid='stException']").count() == 0
-    page.screenshot(path=os.path.join(SHOTS, f"{name}.png"), full_page=True)
-
-
-def test_live_run_streams_steps(server, page):
-    base, _ = server
-    page.goto(f"{base}/")   # the default page lives at /
-    page.get_by_role("heading", name="Live run").wait_for()
-    _settle(page)
-    page.get_by_label("Shared system prompt").fill("")
-    page.locator("textarea").first.fill("What is 2 + 2?\n[+2] Name a colour.")
-    page.get_by_label("max_tokens").fill("10")   # enough steps to be seen arriving (1 s refresh)
-    page.screenshot(path=os.path.join(SHOTS, "live-form.png"), full_page=True)
-    page.get_by_role("button", name=re.compile("Start live run")).click()
-    page.get_by_text(re.compile(r"Step \d+ of \d+ committed")).wait_for(timeout=240_000)
-    first = int(re.search(r"of (\d+)", page.get_by_text(re.compile(r"Step \d+ of \d+ committed")).inner_text())[1])
-    try:
-        page.get_by_text(re.compile(r"engine done")).wait_for(timeout=240_000)
-    finally:
-        page.screenshot(path=os.path.join(SHOTS, "live-run.png"), full_page=True)
-    _settle(page)
-    last = int(re.search(r"of (\d+)", page.get_by_text(re.compile(r"Step \d+ of \d+ committed")).inner_text())[1])
-    assert last > first >= 1
-    page.screenshot(path=os.path.join(SHOTS, "live-run.png"), full_page=True)
-
-
 def _worker_tab(pg) -> None:
     pg.get_by_role("tab", name="Worker (model runner)").click()
     _settle(pg)
@@ -155,10 +122,11 @@ def test_gpu_sample_from_a_cpu_machine(server, browser_samples, page):
 
 def _gpu_sample_pages(page, base, name, browser_samples) -> None:
     page.goto(f"{base}/")
-    page.get_by_role("heading", name="Live run").wait_for()
+    button = page.get_by_role("button", name=re.compile(r"No GPU here\? Open the .* sample run")).last
+    button.wait_for()
     _settle(page)
     page.screenshot(path=os.path.join(SHOTS, "live-gpu-sample-hint.png"), full_page=True)
-    page.get_by_role("button", name=re.compile(r"No GPU here\? Open the .* sample run")).last.click()
+    button.click()
     page.get_by_role("heading", name="Step inspector").wait_for()
     page.get_by_text(re.compile(r"Forward pass: CUDA graph replay")).first.wait_for()
     _settle(page)

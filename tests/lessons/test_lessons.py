@@ -2,8 +2,9 @@
 
 A lesson passes when it exits 0 (its check(...) calls raise on a false fact),
 printed its checks, and ended with a dashboard link to a run it recorded in the
-trace dir we gave it. Also: the `vllm-anatomy lesson` command, on a fake lessons
-folder (no model needed).
+trace dir we gave it, asking for a step, tab and request that exist in that run (lesson
+2: the preempted request at its preemption step, on the port of the running dashboard).
+Also: the `vllm-anatomy lesson` command, on a fake lessons folder (no model needed).
 """
 from __future__ import annotations
 
@@ -53,16 +54,100 @@ def test_lesson_runs_and_checks_its_facts(lesson, tmp_path, default_model_dir):
     assert proc.returncode == 0, f"exit code {proc.returncode}{tail}"
     checks = [line for line in proc.stdout.splitlines() if line.lstrip().startswith(CHECK_MARK)]
     assert checks, f"the lesson printed no checked facts{tail}"
-    urls = URL.findall(proc.stdout)
-    assert urls, f"the lesson printed no dashboard link{tail}"
-    query = urllib.parse.parse_qs(urls[-1])
-    assert query.get("page", [None])[0] in PAGES, f"dashboard link without a known page: {urls[-1]}"
-    if "step" in query:
-        assert query["step"][0].isdigit(), f"dashboard link with a bad step: {urls[-1]}"
-    run_path = query["run"][0]
-    assert os.path.isfile(run_path), f"the linked run store {run_path} does not exist{tail}"
-    assert os.path.commonpath([run_path, str(tmp_path)]) == str(tmp_path), \
-        f"the run was not recorded under VLLM_ANATOMY_LESSON_TRACE_DIR={tmp_path}: {run_path}"
+    query = _deep_link(proc.stdout, tail)
+    assert query.get("page") in PAGES, f"dashboard link without a known page: {query}"
+    run_path = os.path.join(str(tmp_path), query["run"])
+    assert os.path.sep not in query["run"] and os.path.isfile(run_path), \
+        f"the linked run {query['run']} is not a run store in VLLM_ANATOMY_LESSON_TRACE_DIR={tmp_path}{tail}"
+    _check_landing(run_path, query)
+
+
+def _deep_link(stdout: str, tail: str) -> dict[str, str]:
+    """The query of the link printed under "See it in the dashboard:"."""
+    lines = stdout.splitlines()
+    at = [i for i, line in enumerate(lines) if line.strip() == "See it in the dashboard:"]
+    assert at, f"the lesson printed no dashboard link{tail}"
+    urls = URL.findall(lines[at[-1] + 1])
+    assert urls, f"no link under 'See it in the dashboard:'{tail}"
+    return {k: v[0] for k, v in urllib.parse.parse_qs(urls[0]).items()}
+
+
+def _check_landing(run_path: str, query: dict[str, str]) -> None:
+    """What the link asks for exists in the run: the step is committed, the tab is one of the
+    inspector's, and the request takes part in that step (scheduled, preempted or queued)."""
+    from dashboard.components.tabs import TABS
+    from vllm_anatomy.tracing.reader import open_run
+    with open_run(run_path) as run:
+        steps = run.steps()
+        if "step" in query:
+            step = int(query["step"])
+            assert step in steps, f"step {step} is not a committed step of the run"
+        if "tab" in query:
+            assert query["page"] == "inspector" and query["tab"] in TABS.values(), query
+        if "request" in query:
+            assert query["request"] in {s.request_id for s in run.requests()}, query
+            if "step" in query:
+                snap = run.snapshot(step)
+                rec, sched = snap["scheduler"]["step_record"], snap["scheduler"]
+                there = ({x["request_id"] for x in rec["scheduled"]} | set(rec["preempted_req_ids"])
+                         | {r["request_id"] for r in sched["waiting"] + sched["running"]})
+                assert query["request"] in there, f"request {query['request']} is not in step {step}"
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_lesson_2_links_the_preempted_request_at_its_preemption(tmp_path, default_model_dir):
+    """The link lesson 2 prints opens the journey on the request it preempted, at that step."""
+    lesson = os.path.join(ROOT, "lessons", "02_state_machine.py")
+    env = dict(os.environ, VLLM_ANATOMY_LESSON_TRACE_DIR=str(tmp_path), PYTHONUNBUFFERED="1",
+               STREAMLIT_SERVER_PORT="8765")
+    env.pop("VLLM_ANATOMY_DASHBOARD_URL", None)
+    proc = subprocess.run([sys.executable, lesson], cwd=str(tmp_path), env=env, capture_output=True, text=True,
+                          timeout=TIME_LIMIT_S)
+    tail = f"\n--- stdout ---\n{proc.stdout[-3000:]}\n--- stderr ---\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, tail
+    lines = proc.stdout.splitlines()
+    link = lines[lines.index("See it in the dashboard:") + 1].strip()
+    assert link.startswith("http://127.0.0.1:8765/journey?"), link       # the port of the running dashboard
+    query = {k: v[0] for k, v in urllib.parse.parse_qs(link.split("?", 1)[1]).items()}
+    from vllm_anatomy.tracing.reader import open_run
+    with open_run(os.path.join(str(tmp_path), query["run"])) as run:
+        first = next(s for s in run.steps() if run.snapshot(s)["scheduler"]["step_record"]["preempted_req_ids"])
+        victim = run.snapshot(first)["scheduler"]["step_record"]["preempted_req_ids"][0]
+    assert (query["page"], query["step"], query["request"]) == ("journey", str(first), victim)
+    assert "The dashboard's lesson cards on the same idea" in proc.stdout
+    assert "Preemption: RUNNING → PREEMPTED → WAITING" in proc.stdout
+
+
+def test_links_follow_the_running_dashboard(monkeypatch, capsys, tmp_path):
+    """The link's port is $STREAMLIT_SERVER_PORT (what `make run` serves on), else 8501; the start
+    command names the trace directory that lists the run; the lesson's cards are named."""
+    sys.path.insert(0, os.path.join(ROOT, "lessons"))
+    try:
+        import _common
+    finally:
+        sys.path.remove(os.path.join(ROOT, "lessons"))
+    run = tmp_path / "traces" / "lessons" / "run-x.sqlite"
+    monkeypatch.delenv("VLLM_ANATOMY_DASHBOARD_URL", raising=False)
+    monkeypatch.setattr(sys, "argv", ["04_prefix_caching.py"])
+    monkeypatch.setenv("STREAMLIT_SERVER_PORT", str(_free_port()))      # nothing answers there
+    url = _common.dashboard_link(str(run), "inspector", 7, tab="kv", request="P2")
+    out = capsys.readouterr().out
+    port = os.environ["STREAMLIT_SERVER_PORT"]
+    assert url == (f"http://127.0.0.1:{port}/inspector?run=run-x.sqlite&page=inspector&step=7"
+                   f"&tab=KV+cache&request=P2") and url in out
+    assert f"no dashboard answers at http://127.0.0.1:{port}" in out
+    assert f"vllm-anatomy dashboard --trace-dir {tmp_path / 'traces'} --port {port}" in out
+    assert "Prefix caching: full blocks found by hash" in out and f"http://127.0.0.1:{port}/lessons?run=run-x.sqlite" in out
+    monkeypatch.delenv("STREAMLIT_SERVER_PORT")
+    assert _common.dashboard_link(str(run), "timeline").startswith("http://127.0.0.1:8501/timeline?")
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 # -- the `vllm-anatomy lesson` command -----------------------------------------------------
@@ -98,6 +183,13 @@ def test_cli_runs_a_lesson_and_passes_its_exit_code(fake_lessons, tmp_path):
     listing = _cli("--list", env=env)
     assert "01_hello.py" in listing.stdout and "Lesson 2: fails on purpose." in listing.stdout
     assert "notes.py" not in listing.stdout
+
+
+def test_cli_port_reaches_the_lesson(fake_lessons):
+    (fake_lessons / "03_port.py").write_text('import os\nprint("port", os.environ.get("STREAMLIT_SERVER_PORT"))\n')
+    env = dict(os.environ, VLLM_ANATOMY_LESSONS_DIR=str(fake_lessons))
+    proc = _cli("3", "--port", "8612", env=env)
+    assert proc.returncode == 0 and proc.stdout.strip() == "port 8612", proc.stderr
 
 
 def test_cli_errors_are_clear(fake_lessons, tmp_path):
