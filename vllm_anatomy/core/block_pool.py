@@ -29,6 +29,14 @@ class BlockPoolEvent:
     block_ids: list[int]
     # Short hex of each block's hash, for "cache" and "evict".
     block_hashes: list[str] = field(default_factory=list)
+    # Which request and which KVCacheManager call ("allocate_slots", "free",
+    # "cache_blocks") caused it; None outside such a call (a reset).
+    request_id: str | None = None
+    call: str | None = None
+    # "free" only: each block's ref_cnt after the call, and the end of the free
+    # queue it joined ("front" | "tail"; None: still held by another request).
+    ref_cnts: list[int] | None = None
+    queue_ends: list[str | None] | None = None
 
 
 def short_hash(block_hash: BlockHash | None) -> str | None:
@@ -63,12 +71,16 @@ class BlockPool:
         self.null_block.is_null = True
         self.enable_kv_cache_events = enable_kv_cache_events
         self.kv_event_queue: list[BlockPoolEvent] = []
+        # (request id, KVCacheManager method) of the call in progress, stamped on
+        # the events it causes; set by the KV manager only while events are on.
+        self.event_context: tuple[str, str] | None = None
         # Ids of the blocks whose ref_cnt or hash changed since the last
         # take_touched_block_ids(); None until track_touched_blocks() (the KV
         # manager's snapshot keeps its per-block rows up to date with it).
         self.touched_block_ids: set[int] | None = None
 
-    def _record(self, kind: str, blocks: list[KVCacheBlock], hashes: list[str] | None = None) -> None:
+    def _record(self, kind: str, blocks: list[KVCacheBlock], hashes: list[str] | None = None,
+                queue_ends: list[str | None] | None = None) -> None:
         tracking = self.touched_block_ids is not None
         if not blocks or not (tracking or self.enable_kv_cache_events):
             return
@@ -76,7 +88,10 @@ class BlockPool:
         if tracking:
             self.touched_block_ids.update(block_ids)
         if self.enable_kv_cache_events:
-            self.kv_event_queue.append(BlockPoolEvent(kind, block_ids, hashes or []))
+            request_id, call = self.event_context or (None, None)
+            self.kv_event_queue.append(BlockPoolEvent(
+                kind, block_ids, hashes or [], request_id, call,
+                ref_cnts=[b.ref_cnt for b in blocks] if queue_ends is not None else None, queue_ends=queue_ends))
 
     def track_touched_blocks(self) -> None:
         """Start collecting touched_block_ids: every block that an allocate, hit,
@@ -193,7 +208,13 @@ class BlockPool:
                     blocks_with_hash.append(block)
         self.free_block_queue.prepend_n(blocks_without_hash)
         self.free_block_queue.append_n(blocks_with_hash)
-        self._record("free", [b for b in blocks_list if not b.is_null])
+        if self.enable_kv_cache_events:
+            front = {id(b) for b in blocks_without_hash}
+            freed = [b for b in blocks_list if not b.is_null]
+            self._record("free", freed, queue_ends=[None if b.ref_cnt else "front" if id(b) in front else "tail"
+                                                    for b in freed])
+        else:
+            self._record("free", [b for b in blocks_list if not b.is_null])
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash. Only allowed when no request holds a block."""

@@ -133,6 +133,7 @@ class KVCacheManager:
         """
         if num_new_tokens == 0:
             raise ValueError("num_new_tokens must be greater than 0")
+        self._event_context(request, "allocate_slots")
         new_computed_block_list = list(new_computed_blocks.blocks[0]) if new_computed_blocks else ()
         request_id = request.request_id
         num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
@@ -168,12 +169,20 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         """Free the request's blocks in reverse order (tail blocks evicted first)."""
+        self._event_context(request, "free")
         self.manager.free(request.request_id)
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Cache the request's full blocks within its first num_computed_tokens tokens."""
         if self.enable_caching:
+            self._event_context(request, "cache_blocks")
             self.manager.cache_blocks(request, num_computed_tokens)
+
+    def _event_context(self, request: Request, call: str) -> None:
+        """Stamp the block-pool events of this call with its request and method (teaching
+        extra: the dashboard answers "which request, which call" from them)."""
+        if self.block_pool.enable_kv_cache_events:
+            self.block_pool.event_context = (request.request_id, call)
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached hashes (only possible when no request holds blocks)."""

@@ -56,7 +56,7 @@ from vllm_anatomy.engine.serial_utils import (EngineCoreOutputType, EngineCoreRe
                                               UtilityOutput, UtilityRequest)
 from vllm_anatomy.executor.abstract import Executor
 from vllm_anatomy.executor.shm_broadcast import unlink_shm_segments
-from vllm_anatomy.tracing.recorder import Recorder
+from vllm_anatomy.tracing.recorder import NullRecorder, Recorder
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,8 @@ class EngineCoreClient:
         # run store (run_path), so all processes of a run write one file.
         if multiprocess_mode:
             cls = AsyncMPClient if asyncio_mode else SyncMPClient
-            return cls(vllm_config, executor_class, run_path=getattr(recorder, "run_path", None))
+            return cls(vllm_config, executor_class, run_path=getattr(recorder, "run_path", None),
+                       recorder=recorder)
         cls = AsyncInprocClient if asyncio_mode else InprocClient
         return cls(vllm_config, executor_class, recorder)
 
@@ -257,9 +258,12 @@ class MPClient(EngineCoreClient):
     """Starts EngineCoreProc in a child process and owns the two sockets."""
 
     def __init__(self, asyncio_mode: bool, vllm_config: VllmConfig,
-                 executor_class: type[Executor] | None = None, run_path: str | None = None) -> None:
+                 executor_class: type[Executor] | None = None, run_path: str | None = None,
+                 recorder: Recorder | None = None) -> None:
         self.vllm_config = vllm_config
         self.run_path = run_path
+        # This (frontend) process' recorder: the ZMQ hops get a span each, with their size.
+        self.recorder = recorder or NullRecorder()
         self.encoder = MsgpackEncoder()
         self.outputs_decoder = MsgpackDecoder(EngineCoreOutputs)
         self.utility_decoder = MsgpackDecoder(UtilityOutput)
@@ -340,10 +344,14 @@ class MPClient(EngineCoreClient):
         if self.resources.engine_dead:
             raise self.dead_error()
         msg = (self.engine_identity, request_type.value, self.encoder.encode(payload))
-        try:
-            self.input_socket.send_multipart(msg)
-        except zmq.ZMQError as e:   # EHOSTUNREACH: the engine's socket is gone
-            raise EngineDeadError(f"Cannot reach EngineCore: {e}") from e
+        with self.recorder.span("MPClient._send_input", **{
+                "vllm_anatomy.hop": "zmq", "vllm_anatomy.message_type": request_type.name,
+                "vllm_anatomy.message_bytes": len(msg[2]),
+                "vllm_anatomy.request_id": getattr(payload, "request_id", None) or ""}):
+            try:
+                self.input_socket.send_multipart(msg)
+            except zmq.ZMQError as e:   # EHOSTUNREACH: the engine's socket is gone
+                raise EngineDeadError(f"Cannot reach EngineCore: {e}") from e
 
     def _decode_output(self, frames: list[bytes], put_outputs: Callable[[Any], None],
                        resolve_utility: Callable[[UtilityOutput], None]) -> bool:
@@ -351,7 +359,12 @@ class MPClient(EngineCoreClient):
         kind, payload = frames
         kind = EngineCoreOutputType(kind)
         if kind == EngineCoreOutputType.OUTPUTS:
-            put_outputs(self.outputs_decoder.decode(payload))
+            with self.recorder.span("MPClient._decode_output", **{
+                    "vllm_anatomy.hop": "zmq", "vllm_anatomy.message_type": kind.name,
+                    "vllm_anatomy.message_bytes": len(payload)}) as span:
+                outputs = self.outputs_decoder.decode(payload)
+                span.set_attribute("vllm_anatomy.num_outputs", len(outputs.outputs))
+            put_outputs(outputs)
         elif kind == EngineCoreOutputType.UTILITY:
             resolve_utility(self.utility_decoder.decode(payload))
         else:
@@ -378,8 +391,8 @@ class SyncMPClient(MPClient):
     """Blocking client: a thread decodes the output socket into a queue.Queue."""
 
     def __init__(self, vllm_config: VllmConfig, executor_class: type[Executor] | None = None,
-                 run_path: str | None = None) -> None:
-        super().__init__(False, vllm_config, executor_class, run_path)
+                 run_path: str | None = None, recorder: Recorder | None = None) -> None:
+        super().__init__(False, vllm_config, executor_class, run_path, recorder)
         self.outputs_queue: queue.Queue[EngineCoreOutputs | Exception] = queue.Queue()
         self.utility_results: dict[int, concurrent.futures.Future] = {}
         self._lock = threading.Lock()
@@ -456,8 +469,8 @@ class AsyncMPClient(MPClient):
     """
 
     def __init__(self, vllm_config: VllmConfig, executor_class: type[Executor] | None = None,
-                 run_path: str | None = None) -> None:
-        super().__init__(True, vllm_config, executor_class, run_path)
+                 run_path: str | None = None, recorder: Recorder | None = None) -> None:
+        super().__init__(True, vllm_config, executor_class, run_path, recorder)
         self.outputs_queue: asyncio.Queue[EngineCoreOutputs | Exception] = asyncio.Queue()
         self.utility_results: dict[int, asyncio.Future] = {}
         self.loop: asyncio.AbstractEventLoop | None = None
