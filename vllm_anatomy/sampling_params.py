@@ -2,16 +2,32 @@
 
 Mirrors vllm/sampling_params.py (the subset this project implements). What is
 not supported is refused with a clear error rather than silently ignored.
+
+Validation has two halves, as in vLLM: `_verify_args` (run on construction,
+and again when the engine process decodes the struct) checks each field's type
+and range; `verify(vocab_size)` checks what depends on the model — every token
+id inside the vocabulary. The InputProcessor and EngineCore.add_request call
+both, so a bad value is refused before any per-request state is built from it.
 """
 from __future__ import annotations
 
 import copy
+import math
 from enum import IntEnum
+from typing import Any
 
 import msgspec
 
+from vllm_anatomy.exceptions import VLLMValidationError
+
 # NOTE: vLLM treats temperature below this as greedy (avoids dividing by ~0).
 _SAMPLING_EPS = 1e-5
+# The most top logprobs a request may ask for (vLLM's default max_logprobs).
+MAX_LOGPROBS = 20
+# NOTE: every integer crosses the process boundary as msgpack and lands in
+# int64 tensors (token ids, torch.Generator seeds): one outside 64 bits would
+# fail deep inside the engine. vLLM's protocol bounds seeds the same way.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 class RequestOutputKind(IntEnum):
@@ -24,14 +40,14 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     """Sampling parameters, field names as in vLLM.
 
     Not supported here (a ValueError says so): n > 1, best_of, beam search,
-    penalties, logit_bias, structured output, prompt_logprobs.
+    penalties, allowed_token_ids, bad_words, structured output, prompt_logprobs.
     """
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0              # 0 (or -1) = disabled
     min_p: float = 0.0
-    seed: int | None = None
+    seed: int | None = None     # -1 = no seed, as in vLLM
     max_tokens: int | None = 16
     min_tokens: int = 0
     stop: list[str] | None = None
@@ -41,6 +57,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     logprobs: int | None = None     # number of top logprobs besides the sampled token
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # token id -> bias added to its logit before sampling (OpenAI's logit_bias).
+    logit_bias: dict[int, float] | None = None
     # Filled by the InputProcessor from the tokenizer / generation config;
     # None when ignore_eos (the scheduler's check_stop then never sees EOS).
     eos_token_id: int | None = None
@@ -50,46 +68,66 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        if self.top_k == -1:
+        if _is_int(self.top_k) and self.top_k == -1:
             self.top_k = 0
+        if _is_int(self.seed) and self.seed == -1:
+            self.seed = None
         self._verify_args()
 
+    # -- field by field (type and range) -----------------------------------------
     def _verify_args(self) -> None:
-        def need(cond: bool, field: str, msg: str) -> None:
-            if not cond:
-                raise ValueError(f"{field} {msg}")
-        for field, typ in (("n", int), ("top_k", int), ("min_tokens", int)):
-            v = getattr(self, field)
-            need(isinstance(v, int) and not isinstance(v, bool), field, f"must be an integer, got {v!r}.")
+        for field in ("n", "top_k", "min_tokens", "max_tokens", "seed", "logprobs", "eos_token_id"):
+            _check_int(field, getattr(self, field), optional=field in _OPTIONAL)
         for field in ("temperature", "top_p", "min_p"):
-            v = getattr(self, field)
-            need(isinstance(v, (int, float)) and not isinstance(v, bool), field, f"must be a number, got {v!r}.")
-        need(self.n == 1, "n", f"must be 1: this engine does not implement parallel sampling (got {self.n}).")
-        need(self.temperature >= 0.0, "temperature", f"must be non-negative, got {self.temperature}.")
-        need(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}.")
-        need(self.top_k >= 0, "top_k", f"must be 0 or -1 (disabled) or at least 1, got {self.top_k}.")
-        need(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}.")
+            _check_float(field, getattr(self, field))
+        _need(self.n == 1, "n", f"must be 1: this engine does not implement parallel sampling (got {self.n}).")
+        _need(0.0 <= self.temperature <= 2.0, "temperature", f"must be in [0, 2], got {self.temperature}.")
+        _need(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}.")
+        _need(self.top_k >= 0, "top_k", f"must be 0 or -1 (disabled) or at least 1, got {self.top_k}.")
+        _need(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}.")
         if self.max_tokens is not None:
-            need(isinstance(self.max_tokens, int) and not isinstance(self.max_tokens, bool),
-                 "max_tokens", f"must be an integer, got {self.max_tokens!r}.")
-            need(self.max_tokens >= 1, "max_tokens", f"must be at least 1, got {self.max_tokens}.")
-        need(self.min_tokens >= 0, "min_tokens", f"must be non-negative, got {self.min_tokens}.")
+            _need(self.max_tokens >= 1, "max_tokens", f"must be at least 1, got {self.max_tokens}.")
+        _need(self.min_tokens >= 0, "min_tokens", f"must be non-negative, got {self.min_tokens}.")
         if self.max_tokens is not None:
-            need(self.min_tokens <= self.max_tokens, "min_tokens",
-                 f"must be less than or equal to max_tokens={self.max_tokens}, got {self.min_tokens}.")
-        if self.seed is not None:
-            need(isinstance(self.seed, int) and not isinstance(self.seed, bool), "seed",
-                 f"must be an integer, got {self.seed!r}.")
+            _need(self.min_tokens <= self.max_tokens, "min_tokens",
+                  f"must be less than or equal to max_tokens={self.max_tokens}, got {self.min_tokens}.")
         if self.logprobs is not None:
-            need(isinstance(self.logprobs, int) and self.logprobs >= 0, "logprobs",
-                 f"must be a non-negative integer, got {self.logprobs!r}.")
-            need(self.logprobs <= 20, "logprobs", f"must be at most 20, got {self.logprobs}.")
+            _need(0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
+                  f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}.")
         if self.stop is not None:
-            need(all(isinstance(s, str) for s in self.stop), "stop", "must be a string or a list of strings.")
-            need(all(len(s) > 0 for s in self.stop), "stop", "must not contain empty strings.")
-        if self.stop_token_ids is not None:
-            need(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
-                 "must be a list of non-negative integers.")
+            _need(isinstance(self.stop, list) and all(isinstance(s, str) for s in self.stop), "stop",
+                  "must be a string or a list of strings.")
+            _need(all(len(s) > 0 for s in self.stop), "stop", "must not contain empty strings.")
+        for field in ("stop_token_ids", "all_stop_token_ids"):
+            _check_token_id_list(field, getattr(self, field))
+        self._verify_logit_bias()
+
+    def _verify_logit_bias(self) -> None:
+        if self.logit_bias is None:
+            return
+        _need(isinstance(self.logit_bias, dict), "logit_bias", "must map token ids to biases.")
+        for token_id, bias in self.logit_bias.items():
+            _check_int("logit_bias", token_id)
+            _check_float("logit_bias", bias)
+
+    # -- against the model -----------------------------------------------------------
+    def verify(self, vocab_size: int) -> None:
+        """Every token id inside [0, vocab_size) (vLLM: SamplingParams.verify).
+
+        NOTE: vLLM 0.27.1 checks logit_bias and allowed_token_ids but not
+        stop_token_ids; with min_tokens an out-of-vocabulary stop id indexes
+        past the logits row (issue 14's crash). Here every id is checked.
+        """
+        for field in ("stop_token_ids", "logit_bias", "all_stop_token_ids"):
+            ids = getattr(self, field) or ()
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            if bad:
+                raise VLLMValidationError(
+                    f"{field} contains token id(s) outside the vocabulary [0, {vocab_size}): "
+                    f"{bad[:5]}{' ...' if len(bad) > 5 else ''}.", parameter=field, value=bad)
+        if self.eos_token_id is not None and not 0 <= self.eos_token_id < vocab_size:
+            raise VLLMValidationError(f"eos_token_id {self.eos_token_id} is outside the vocabulary.",
+                                      parameter="eos_token_id")
 
     @property
     def sampling_type_greedy(self) -> bool:
@@ -97,3 +135,46 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
 
     def clone(self) -> "SamplingParams":
         return copy.deepcopy(self)
+
+
+_OPTIONAL = frozenset({"max_tokens", "seed", "logprobs", "eos_token_id"})
+
+
+def _need(cond: bool, field: str, msg: str) -> None:
+    if not cond:
+        raise VLLMValidationError(f"{field} {msg}", parameter=field)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _short(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 40 else f"{text[:37]}..."
+
+
+def _check_int(field: str, v: Any, optional: bool = False) -> None:
+    if v is None and optional:
+        return
+    _need(_is_int(v), field, f"must be an integer, got {_short(v)}.")
+    _need(INT64_MIN <= v <= INT64_MAX, field, f"must fit in a signed 64-bit integer, got {_short(v)}.")
+
+
+def _check_float(field: str, v: Any) -> None:
+    _need(isinstance(v, (int, float)) and not isinstance(v, bool), field, f"must be a number, got {_short(v)}.")
+    _need(_is_finite(v), field, f"must be a finite number, got {_short(v)}.")
+
+
+def _is_finite(v: int | float) -> bool:
+    try:
+        return math.isfinite(v)
+    except OverflowError:      # an int too large for a float
+        return False
+
+
+def _check_token_id_list(field: str, ids: Any) -> None:
+    if ids is None:
+        return
+    _need(isinstance(ids, list) and all(_is_int(t) and 0 <= t <= INT64_MAX for t in ids), field,
+          "must be a list of non-negative 64-bit integers.")

@@ -50,7 +50,8 @@ def test_traceparent_reaches_engine():
             llm.shutdown()
 
     seen = asyncio.run(run())
-    headers = seen["cmpl-traced"]
+    # The engine's id is the response id plus a random suffix (InputProcessor.assign_request_id).
+    (headers,) = [h for rid, h in seen.items() if rid.startswith("cmpl-traced-")]
     # NOTE: with tracing on, the frontend may replace the parent span id with its own
     # `llm_request` span; the trace id must survive either way.
     assert headers["traceparent"].split("-")[1] == TRACE_ID

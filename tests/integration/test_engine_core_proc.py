@@ -1,7 +1,8 @@
 """EngineCoreProc in a real child process with the real default model, driven
 through SyncMPClient: same greedy tokens as the in-process EngineCore, aborts
-free blocks, utility calls, a private socket directory, and engine death
-(a fatal step error, SIGKILL) reaching every caller as EngineDeadError."""
+free blocks, utility calls, a private socket directory, a bad request failing
+alone, and engine death (a fatal step error, SIGKILL) reaching every caller as
+EngineDeadError."""
 import os
 import signal
 import stat
@@ -12,7 +13,8 @@ import pytest
 
 from vllm_anatomy.engine.core_client import EngineCoreClient, InprocClient, SyncMPClient
 from vllm_anatomy.engine.exceptions import EngineDeadError
-from vllm_anatomy.engine.protocol import EngineCoreRequest
+from vllm_anatomy.engine.protocol import EngineCoreRequest, FinishReason
+from vllm_anatomy.executor.uniproc_executor import UniProcExecutor
 from vllm_anatomy.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.model
@@ -27,11 +29,21 @@ def vllm_config():
     return EngineArgs(max_model_len=256, num_gpu_blocks_override=64).create_engine_config()
 
 
-def start_client(vllm_config) -> SyncMPClient:
+class FailingForwardExecutor(UniProcExecutor):
+    """A batch-level failure, what still kills the engine: every step with tokens raises
+    (as a forward that fails for the whole batch would). Imported by the spawned engine."""
+
+    def execute_model(self, scheduler_output):
+        if scheduler_output.total_num_scheduled_tokens:
+            raise IndexError("injected: the batch's forward failed")
+        return super().execute_model(scheduler_output)
+
+
+def start_client(vllm_config, executor_class=None) -> SyncMPClient:
     # NOTE: the spawned engine inherits the environment: one OpenMP thread (shared CPUs).
     os.environ["OMP_NUM_THREADS"] = "1"
     client = EngineCoreClient.make_client(multiprocess_mode=True, asyncio_mode=False,
-                                          vllm_config=vllm_config)
+                                          vllm_config=vllm_config, executor_class=executor_class)
     assert isinstance(client, SyncMPClient)
     return client
 
@@ -141,12 +153,30 @@ def test_socket_files_are_owner_only(client):
         assert stat.S_IMODE(st.st_mode) & 0o077 == 0
 
 
+def test_bad_request_bypassing_the_frontend_fails_alone(client):
+    """Issue 14: ids outside the vocabulary sent straight to the engine (no
+    InputProcessor) used to kill it in the embedding or the sampler. EngineCore
+    re-checks in its input thread: that request is finished with ERROR, the
+    engine serves the next ones."""
+    vocab = 49152
+    c = client
+    c.add_request(request("bad-prompt", [10**7], temperature=0.0, max_tokens=2))
+    c.add_request(request("bad-stop", PROMPTS[0], temperature=0.0, max_tokens=4, min_tokens=2,
+                          stop_token_ids=[vocab]))
+    outs = {}
+    deadline = time.monotonic() + 30
+    while len(outs) < 2 and time.monotonic() < deadline:
+        outs.update({o.request_id: o for o in c.get_output().outputs if o.request_id.startswith("bad-")})
+    assert {rid: o.finish_reason for rid, o in outs.items()} == {
+        "bad-prompt": FinishReason.ERROR, "bad-stop": FinishReason.ERROR}
+    tokens = run_to_completion(c, [request("after-bad", PROMPTS[1], **GREEDY)])
+    assert 0 < len(tokens["after-bad"]) <= GREEDY["max_tokens"]
+
+
 def test_fatal_step_error_is_reported_as_engine_dead(vllm_config):
-    c = start_client(vllm_config)
+    c = start_client(vllm_config, FailingForwardExecutor)
     try:
-        # A token id outside the vocabulary: the frontend refuses it, but this
-        # request bypasses the InputProcessor, so the model's embedding fails.
-        c.add_request(request("bad", [10**7], temperature=0.0, max_tokens=2))
+        c.add_request(request("bad", PROMPTS[0], temperature=0.0, max_tokens=2))
         t0 = time.monotonic()
         with pytest.raises(EngineDeadError, match="EngineCore died: IndexError"):
             while True:

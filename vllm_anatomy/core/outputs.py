@@ -21,6 +21,10 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     # (each LogprobsLists holds one row per generated token); None when no
     # request in the batch asked for logprobs.
     logprobs: list[LogprobsLists | None] | None = None
+    # Requests that failed in the worker this step (e.g. while joining the
+    # persistent batch): not in req_ids; EngineCore finishes them with
+    # FINISHED_ERROR. None (the usual case) when every request ran.
+    error_req_ids: list[str] | None = None
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])

@@ -13,10 +13,12 @@ and one background task for everybody:
                     (detokenize, stop strings, put into the collectors)
                     -> abort stop-string finishes in the engine -> stat loggers
 
-Simplified: no n > 1 (ParentRequest fan-out), no LoRA / multimodal, no
-renderer thread pool (tokenization runs on the event loop: the fast tokenizer
-is Rust), and request ids are used as given (vLLM appends a random suffix to
-make the internal id unique; here a duplicate id is refused).
+Simplified: no n > 1 (ParentRequest fan-out), no LoRA / multimodal. As in
+vLLM, the engine's request id is the caller's id plus a random suffix
+(InputProcessor.assign_request_id), so two callers may use the same id; the
+RequestOutputs carry the caller's id. The HTTP server tokenizes in its own
+thread pool and passes token ids; a text prompt given here is tokenized on
+the caller's thread.
 """
 from __future__ import annotations
 
@@ -124,6 +126,7 @@ class AsyncLLM:
         with self.recorder.span("InputProcessor.process_inputs"):
             prompt_text, request = self.input_processor.process_inputs(
                 request_id, prompt, params, arrival_time, trace_headers=trace_headers)
+            self.input_processor.assign_request_id(request)
         queue = RequestOutputCollector(params.output_kind, request.request_id)
         # NOTE: register with the OutputProcessor *before* the engine can answer.
         self.output_processor.add_request(request, prompt_text, queue)

@@ -18,6 +18,21 @@ steps with `step_with_batch_queue` instead: it schedules and launches step N+1
 before it waits for step N's tokens, so that the host's work overlaps the
 device's. sample_tokens then returns an AsyncModelRunnerOutput, whose
 get_output() is the sync point, one step later.
+
+Errors. A bad request fails alone; the engine stays up:
+  * add_request re-checks what the engine relies on (prompt ids and every
+    token id of its SamplingParams inside the vocabulary, types and ranges)
+    with the frontend's own functions, and raises for that request only
+    (EngineCoreProc runs the check in its input thread and answers
+    FinishReason.ERROR, as vLLM's _handle_request_preproc_error does);
+  * a request that fails in the worker while joining the batch comes back
+    in ModelRunnerOutput.error_req_ids and is finished with FINISHED_ERROR,
+    its blocks freed, while the rest of the batch goes on.
+NOTE: what runs for the whole batch at once (the forward, the sampler, the
+scheduler's own bookkeeping) cannot be pinned on one request. An exception
+there may leave the KV cache, the persistent batch or the device (CUDA
+errors are sticky) in an unknown state, so it is the engine's death, as in
+vLLM: EngineCoreProc reports it and the server answers 503.
 """
 from __future__ import annotations
 
@@ -41,6 +56,7 @@ from vllm_anatomy.core.kv_cache_utils import get_request_block_hasher, init_none
 from vllm_anatomy.core.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
 from vllm_anatomy.core.request import Request, RequestStatus
 from vllm_anatomy.core.sched.output import SchedulerOutput
+from vllm_anatomy.engine.input_processor import validate_params, validate_prompt_token_ids
 from vllm_anatomy.engine.protocol import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest,
                                           FinishReason, SchedulerStats)
 from vllm_anatomy.engine.serial_utils import (EngineCoreOutputType, EngineCoreReadyResponse,
@@ -78,6 +94,9 @@ class EngineCore:
             self.traced_kv_calls = (trace_methods(self.scheduler.kv_cache_manager, self.recorder, "KVCacheManager",
                                                   ["get_computed_blocks", "allocate_slots"])
                                     if self.recorder.wants_snapshots else None)
+        # The model's vocabulary, which every token id of a request must index
+        # (read after the executor: an in-process worker fills hf_config).
+        self.vocab_size: int | None = (vllm_config.model_config.hf_config or {}).get("vocab_size")
         # NOTE: the request computes its own block hashes (on arrival and on
         # every appended token); the hasher is created once, here, so every
         # request chains from the same NONE_HASH seed.
@@ -106,8 +125,23 @@ class EngineCore:
 
         NOTE: in EngineCoreProc this runs in the input thread, so hashing a long
         prompt overlaps the busy loop's step instead of delaying it (as in vLLM).
+        Raises ValueError / TypeError for a request the engine must not run.
         """
+        self._validate_request(request)
         return Request.from_engine_core_request(request, self.request_block_hasher)
+
+    def _validate_request(self, request: EngineCoreRequest) -> None:
+        """Re-check what the engine relies on: the frontend checked the same,
+        but EngineCore is also driven directly (tests, lessons, other clients)."""
+        if not isinstance(request.request_id, str):
+            raise TypeError(f"request_id must be a string, got {type(request.request_id).__name__}")
+        if self.vocab_size is None:      # a model config without hf_config (unit tests)
+            return
+        validate_params(request.sampling_params, self.vocab_size)
+        # NOTE: not the length: a prompt that can never fit is the scheduler's
+        # to finish (FINISHED_IGNORED), as in vLLM; a token id past the
+        # vocabulary would index past the embedding table for the whole batch.
+        validate_prompt_token_ids(request.prompt_token_ids, self.vocab_size, max_model_len=None)
 
     def add_request(self, request: EngineCoreRequest | Request) -> None:
         """Queue a request (an EngineCoreRequest, or a Request already preprocessed)."""
@@ -223,10 +257,34 @@ class EngineCore:
                             model_output: ModelRunnerOutput) -> dict[int, EngineCoreOutputs]:
         with self.recorder.span("Scheduler.update_from_output",
                                 **{"vllm_anatomy.step_id": scheduler_output.step_id}):
+            errors = self._finish_error_requests(model_output.error_req_ids)
             outputs = self.scheduler.update_from_output(scheduler_output, model_output)
+            for client_index, output in errors:
+                outputs.setdefault(client_index, EngineCoreOutputs()).outputs.append(output)
         if self.recorder.wants_snapshots and self.batch_queue is None:
             self._record_snapshot(scheduler_output)
         return outputs
+
+    def _finish_error_requests(self, error_req_ids: list[str] | None) -> list[tuple[int, EngineCoreOutput]]:
+        """Finish the requests the worker could not run with FINISHED_ERROR; their outputs.
+
+        NOTE: vLLM finishes its error_req_ids (e.g. a failed KV load) inside
+        Scheduler.update_from_output; here it happens just before that call,
+        through the scheduler's finish_requests (blocks freed, the workers told
+        next step), so update_from_output then skips them like aborted ones.
+        """
+        if not error_req_ids:
+            return []
+        requests = [req for req_id in error_req_ids
+                    if (req := self.scheduler.requests.get(req_id)) is not None and not req.is_finished()]
+        self.scheduler.finish_requests([req.request_id for req in requests], RequestStatus.FINISHED_ERROR)
+        for req in requests:
+            logger.warning("Request %s failed in the worker: finished with FINISHED_ERROR; "
+                           "the other requests continue.", req.request_id)
+        return [(req.client_index, EngineCoreOutput(
+                    request_id=req.request_id, new_token_ids=[], finish_reason=FinishReason.ERROR,
+                    events=req.take_events(), trace_headers=req.trace_headers))
+                for req in requests]
 
     def _record_snapshot(self, scheduler_output) -> None:
         step_id = scheduler_output.step_id

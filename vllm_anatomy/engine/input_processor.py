@@ -1,19 +1,23 @@
 """InputProcessor: prompt + SamplingParams -> EngineCoreRequest.
 
 Mirrors vllm/v1/engine/input_processor.py. Tokenizes (or accepts token ids),
-validates, fills the defaults that depend on the model (max_tokens, EOS), and
-builds the record that crosses into the engine. Everything that can be refused
-is refused here, before the engine ever sees it.
+validates against the model, fills the defaults that depend on the model
+(max_tokens, EOS), and builds the record that crosses into the engine.
+Everything that can be refused is refused here, before the engine ever sees
+it; EngineCore.preprocess_add_request re-checks what the engine relies on
+(validate_prompt_token_ids, SamplingParams.verify) with the same functions.
 """
 from __future__ import annotations
 
 import json
 import os
 import time
+import uuid
 from typing import Any, Union
 
 from vllm_anatomy.config import ModelConfig
 from vllm_anatomy.engine.protocol import EngineCoreRequest
+from vllm_anatomy.exceptions import VLLMValidationError
 from vllm_anatomy.sampling_params import SamplingParams
 
 # A prompt is text, a list of token ids, or vLLM's dict forms.
@@ -29,6 +33,52 @@ def load_generation_config(model_dir: str) -> dict:
         return json.load(f)
 
 
+def validate_text(text: str, parameter: str) -> str:
+    """Refuse text that has no UTF-8 encoding (a lone surrogate such as "\\ud800").
+
+    NOTE: JSON may carry "\\ud800" and Python decodes it into a str, but the
+    tokenizer (Rust) and every encoder after it cannot represent it: refused
+    here, it is a 400 naming the field instead of a crash further in.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise VLLMValidationError(
+            f"{parameter} contains text that cannot be encoded as UTF-8 "
+            f"(a lone surrogate at character {e.start}).", parameter=parameter) from None
+    return text
+
+
+def validate_prompt_token_ids(ids: list[int], vocab_size: int, max_model_len: int | None) -> None:
+    """A non-empty list of in-vocabulary ints that leaves room for one output token
+    (the length is not checked when max_model_len is None)."""
+    if len(ids) == 0:
+        raise VLLMValidationError("The decoder prompt cannot be empty.", parameter="prompt")
+    # NOTE: C-speed scans (map/set, min/max): this runs for every request, up
+    # to three times (frontend, EngineCore, the worker's InputBatch).
+    if not set(map(type, ids)) <= {int}:          # bool is not int here
+        raise VLLMValidationError("prompt_token_ids must be a list of integers.", parameter="prompt")
+    lo, hi = min(ids), max(ids)
+    if lo < 0 or hi >= vocab_size:
+        bad = lo if lo < 0 else hi
+        raise VLLMValidationError(f"Token id {bad} is out of vocabulary (vocab_size={vocab_size}).",
+                                  parameter="prompt")
+    # NOTE: at least one token must still fit after the prompt, so a prompt
+    # of exactly max_model_len tokens is refused too (as vLLM does).
+    if max_model_len is not None and len(ids) >= max_model_len:
+        raise VLLMValidationError(
+            f"The decoder prompt (length {len(ids)}) is longer than the maximum model "
+            f"length of {max_model_len}. Make sure that `max_model_len` is no smaller "
+            f"than the number of text tokens plus one.", parameter="prompt")
+
+
+def validate_params(params: Any, vocab_size: int) -> None:
+    """SamplingParams, valid for this model (vLLM: InputProcessor._validate_params)."""
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+    params.verify(vocab_size)
+
+
 class InputProcessor:
 
     def __init__(self, model_config: ModelConfig, tokenizer, generation_config: dict | None = None) -> None:
@@ -40,10 +90,13 @@ class InputProcessor:
         self.eos_token_id: int | None = eos_list[0] if eos_list and eos_list[0] is not None else tokenizer.eos_token_id
         # Extra EOS ids from generation_config also stop generation (hidden from the user).
         self.extra_eos_ids = [t for t in eos_list[1:] if t is not None]
+        # NOTE: the model's vocabulary (rows of the embedding and of the logits),
+        # which every token id must index; the tokenizer's may differ.
         self.vocab_size = model_config.hf_config.get("vocab_size", len(tokenizer))
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
+            validate_text(prompt, "prompt")
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
@@ -55,13 +108,18 @@ class InputProcessor:
             return None, list(prompt)
         raise TypeError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
 
+    def validate_inputs(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Everything process_inputs refuses, for callers that tokenized already
+        (the HTTP server checks before it answers 200 to a stream)."""
+        validate_params(params, self.vocab_size)
+        validate_prompt_token_ids(prompt_token_ids, self.vocab_size, self.model_config.max_model_len)
+
     def process_inputs(self, request_id: str, prompt: PromptType, params: SamplingParams,
                        arrival_time: float | None = None,
                        trace_headers: dict[str, str] | None = None) -> tuple[str | None, EngineCoreRequest]:
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        validate_params(params, self.vocab_size)
         prompt_text, prompt_token_ids = self.tokenize(prompt)
-        self._validate_prompt(prompt_token_ids)
+        validate_prompt_token_ids(prompt_token_ids, self.vocab_size, self.model_config.max_model_len)
         params = params.clone()
         max_model_len = self.model_config.max_model_len
         if params.max_tokens is None:
@@ -75,23 +133,19 @@ class InputProcessor:
             sampling_params=params,
             arrival_time=time.time() if arrival_time is None else arrival_time,
             trace_headers=trace_headers,
-            external_req_id=request_id,
         )
         return prompt_text, req
 
-    def _validate_prompt(self, ids: list[int]) -> None:
-        if len(ids) == 0:
-            raise ValueError("The decoder prompt cannot be empty.")
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise TypeError("prompt_token_ids must be a list of integers.")
-        bad = [t for t in ids if t < 0 or t >= self.vocab_size]
-        if bad:
-            raise ValueError(f"Token id {bad[0]} is out of vocabulary (vocab_size={self.vocab_size}).")
-        max_model_len = self.model_config.max_model_len
-        # NOTE: at least one token must still fit after the prompt, so a prompt
-        # of exactly max_model_len tokens is refused too (as vLLM does).
-        if len(ids) >= max_model_len:
-            raise ValueError(
-                f"The decoder prompt (length {len(ids)}) is longer than the maximum model "
-                f"length of {max_model_len}. Make sure that `max_model_len` is no smaller "
-                f"than the number of text tokens plus one.")
+    @staticmethod
+    def assign_request_id(request: EngineCoreRequest) -> None:
+        """Make the engine's id unique: the caller's id plus 8 random characters (as vLLM).
+
+        NOTE: two HTTP clients may send the same X-Request-Id; both must run.
+        `external_req_id` keeps the caller's id: RequestOutputs report it, and
+        AsyncLLM.abort accepts it. The offline LLMEngine does not call this: its
+        caller (LLM) numbers requests itself and looks outputs up by that id.
+        """
+        if request.external_req_id is not None:
+            raise ValueError("external_req_id must not be set before assign_request_id.")
+        request.external_req_id = request.request_id
+        request.request_id = f"{request.request_id}-{uuid.uuid4().hex[:8]}"

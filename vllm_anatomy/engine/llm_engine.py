@@ -60,7 +60,18 @@ class LLMEngine:
 
     def add_processed_request(self, prompt_text: str | None, request: EngineCoreRequest) -> None:
         self.output_processor.add_request(request, prompt_text)
+        try:
+            self._add_to_engine_core(request)
+        except BaseException:
+            # NOTE: refused by EngineCore's own checks: forget it here too, or
+            # has_unfinished_requests() would wait for it forever.
+            self.output_processor.abort_requests([request.request_id])
+            if self.request_tracer is not None:
+                self.request_tracer.abort_all([request.request_id], "error")
+            raise
         self.counters["vllm:prompt_tokens"] += len(request.prompt_token_ids)
+
+    def _add_to_engine_core(self, request: EngineCoreRequest) -> None:
         if self.request_tracer is None:
             self.engine_core.add_request(request)
             return

@@ -121,6 +121,8 @@ class OutputProcessor:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self.request_states: dict[str, RequestState] = {}
+        # The caller's id -> the engine's ids made from it (InputProcessor.assign_request_id).
+        self.external_req_ids: dict[str, list[str]] = {}
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.request_states)
@@ -133,9 +135,11 @@ class OutputProcessor:
         if request.request_id in self.request_states:
             raise ValueError(f"Request id {request.request_id} already running.")
         params = request.sampling_params
+        external_req_id = request.external_req_id or request.request_id
+        self.external_req_ids.setdefault(external_req_id, []).append(request.request_id)
         self.request_states[request.request_id] = RequestState(
             request_id=request.request_id,
-            external_req_id=request.external_req_id or request.request_id,
+            external_req_id=external_req_id,
             prompt=prompt,
             prompt_token_ids=request.prompt_token_ids,
             output_kind=params.output_kind,
@@ -148,14 +152,16 @@ class OutputProcessor:
         )
 
     def abort_requests(self, request_ids: list[str]) -> list[str]:
-        """Forget these requests; returns the ids that were known.
+        """Forget these requests; returns the engine ids that were known.
 
+        An id is the engine's (internal) id, or the caller's (external) one,
+        which aborts every request made from it (vLLM: `internal=False`).
         NOTE: a request with a collector gets a last output, finish_reason
         "abort", so that a generate() waiting on it ends instead of hanging.
         """
         aborted = []
-        for rid in request_ids:
-            state = self.request_states.pop(rid, None)
+        for rid in self._internal_ids(request_ids):
+            state = self._pop_state(rid)
             if state is None:
                 continue
             aborted.append(rid)
@@ -165,6 +171,22 @@ class OutputProcessor:
                 if (out := self._make_request_output(state)) is not None:
                     state.queue.put(out)
         return aborted
+
+    def _internal_ids(self, request_ids: list[str]) -> list[str]:
+        ids: list[str] = []
+        for rid in request_ids:
+            ids.extend([rid] if rid in self.request_states else self.external_req_ids.get(rid, ()))
+        return ids
+
+    def _pop_state(self, request_id: str) -> RequestState | None:
+        state = self.request_states.pop(request_id, None)
+        if state is not None:
+            siblings = self.external_req_ids.get(state.external_req_id, [])
+            if request_id in siblings:
+                siblings.remove(request_id)
+            if not siblings:
+                self.external_req_ids.pop(state.external_req_id, None)
+        return state
 
     def propagate_error(self, e: Exception) -> None:
         """Hand an error (e.g. EngineDeadError) to every waiting generate()."""
@@ -206,7 +228,7 @@ class OutputProcessor:
                 state.finish_reason = str(finish_reason)
                 state.stop_reason = stop_reason
                 state.metrics.finished_time = now
-                del self.request_states[eco.request_id]
+                self._pop_state(eco.request_id)
                 if not eco.finished:  # finished here (stop string), engine still runs it
                     reqs_to_abort.append(eco.request_id)
                 if iteration_stats is not None:

@@ -5,7 +5,8 @@ vllm/v1/sample/ops/topk_topp_sampler.py. The order of operations is vLLM's:
 
     1. raw logprobs, if any row asked for logprobs (before anything changes the logits)
     2. logits -> float32
-    2b. min_tokens: stop tokens masked for rows that may not stop yet
+    2b. logits processors: min_tokens (stop tokens masked for rows that may
+        not stop yet) and logit_bias (added to the biased tokens' logits)
     3. greedy rows: argmax; if every row is greedy, done
     4. temperature
     5. min-p
@@ -13,8 +14,8 @@ vllm/v1/sample/ops/topk_topp_sampler.py. The order of operations is vLLM's:
     7. sample (seeded rows with their own generator)
     8. gather the logprobs of the sampled token and of the top-n tokens, with its rank
 
-Simplified here: no penalties, logit bias, allowed/bad words, logits
-processors, structured-output bitmask, or spec-decode rejection sampler.
+Simplified here: no penalties, allowed/bad words, custom logits processors,
+structured-output bitmask, or spec-decode rejection sampler.
 """
 from __future__ import annotations
 
@@ -50,6 +51,8 @@ class Sampler(nn.Module):
         logits = logits.to(torch.float32)
         if sampling_metadata.min_tokens:
             logits = apply_min_tokens(logits, sampling_metadata.min_tokens)
+        if sampling_metadata.logit_bias is not None:
+            logits = apply_logit_bias(logits, sampling_metadata.logit_bias)
         sampled = self.sample(logits, sampling_metadata)
         logprobs_tensors = None
         if raw_logprobs is not None:
@@ -119,10 +122,14 @@ def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None,
         sorted_logits = sorted_logits.masked_fill(col >= k.unsqueeze(1).long(), float("-inf"))
     if p is not None:
         probs = sorted_logits.softmax(dim=-1)
-        # Mass of the tokens ranked *before* each one. NOTE: the top token has
-        # 0 there, so at least one token always survives (p > 0).
+        # Mass of the tokens ranked *before* each one (0 for the top token).
         mass_before = probs.cumsum(dim=-1) - probs
-        sorted_logits = sorted_logits.masked_fill(mass_before >= p.unsqueeze(1), float("-inf"))
+        top_p_mask = mass_before >= p.unsqueeze(1)
+        # NOTE: keep at least the top token, whatever p is (vLLM: "at least
+        # one"). A tiny top_p (1e-50) is 0.0 in float32, which would mask
+        # every token; softmax of an all -inf row is NaN, and the sample garbage.
+        top_p_mask[:, 0] = False
+        sorted_logits = sorted_logits.masked_fill(top_p_mask, float("-inf"))
     # Undo the sort: put every (possibly -inf) logit back at its token id.
     return torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
 
@@ -155,3 +162,13 @@ def apply_min_tokens(logits: torch.Tensor, rows: dict[int, list[int]]) -> torch.
     for row, stop_ids in rows.items():
         logits[row, stop_ids] = float("-inf")
     return logits
+
+
+def apply_logit_bias(logits: torch.Tensor, logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+                     ) -> torch.Tensor:
+    """Add each request's biases to its tokens' logits (vLLM: LogitBiasLogitsProcessor).
+
+    logit_bias: (rows [B], token ids [B], biases [B]), one entry per biased token.
+    """
+    rows, token_ids, biases = logit_bias
+    return logits.index_put((rows, token_ids), biases, accumulate=True)

@@ -7,9 +7,14 @@ NOTE: a tensor is None when no row of the batch uses that feature ("all
 default"), so the Sampler can skip the whole operation instead of running it
 with neutral values (top_p = 1.0 everywhere still costs a full sort).
 
-Simplified here: no penalties, logit bias, allowed/bad words, logits
-processors, or prompt logprobs. min_p and min_tokens are fields (as in older
+Simplified here: no penalties, allowed/bad words, custom logits processors,
+or prompt logprobs. min_p, min_tokens and logit_bias are fields (as in older
 vLLM), not logits processors.
+
+NOTE: every token id held here was checked against the vocabulary when its
+request joined the batch (InputBatch._check_request): the Sampler indexes
+logits with them for the whole batch at once, so one bad id would fail every
+request in it.
 """
 from __future__ import annotations
 
@@ -37,3 +42,6 @@ class SamplingMetadata:
     # row -> stop token ids (EOS, stop_token_ids) it may not sample yet because
     # it has fewer than min_tokens outputs. Empty for most batches.
     min_tokens: dict[int, list[int]] = field(default_factory=dict)
+    # (rows [B], token ids [B], biases [B]) for every biased (row, token) of
+    # the batch; None when no request asked for logit_bias.
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None

@@ -40,8 +40,10 @@ class AsyncGPUModelRunnerOutput(AsyncModelRunnerOutput):
     def __init__(self, runner: GPUModelRunner, step_id: int, req_ids: list[str],
                  sampled_token_ids: torch.Tensor, logprobs_tensors: tuple | None,
                  invalid_req_indices: list[int], placeholders: list[Placeholder | None],
-                 num_logprobs: dict[str, int], snapshot: dict | None) -> None:
+                 num_logprobs: dict[str, int], snapshot: dict | None,
+                 error_req_ids: list[str] | None = None) -> None:
         self._runner = runner
+        self._error_req_ids = error_req_ids
         self._step_id = step_id
         self._req_ids = req_ids
         self._invalid_req_indices = invalid_req_indices
@@ -80,7 +82,8 @@ class AsyncGPUModelRunnerOutput(AsyncModelRunnerOutput):
             runner.fill_placeholders(self._placeholders, sampled)
             self._output = runner.make_model_runner_output(
                 self._req_ids, sampled, self._invalid_req_indices, self._num_logprobs,
-                [t.tolist() for t in self._host[1:]] if self._has_logprobs else None)
+                [t.tolist() for t in self._host[1:]] if self._has_logprobs else None,
+                self._error_req_ids)
         if self._snapshot is not None:
             runner._record_snapshot(self._step_id, self._output.sampled_token_ids, self._snapshot)
         return self._output

@@ -14,7 +14,7 @@ sampling arrays, generators) is indexed by row, so whenever a request changes
 row they must all move together — that is what condense() and swap_states() do.
 
 Simplified here: no speculative decoding (num_tokens == num_tokens_no_spec), no
-penalties / logit bias / bad words, no LoRA, no multimodal, no pooling.
+penalties / allowed token ids / bad words, no LoRA, no multimodal, no pooling.
 """
 from __future__ import annotations
 
@@ -102,6 +102,11 @@ class InputBatch:
         self.num_logprobs: dict[str, int] = {}
         # req_id -> (min_tokens, stop token ids it must not sample before that).
         self.min_tokens: dict[str, tuple[int, list[int]]] = {}
+        # req_id -> {token id: bias} (vLLM: LogitBiasLogitsProcessor's state).
+        self.logit_bias: dict[str, dict[int, float]] = {}
+        # The last (rows, token ids, biases) tensors, and the (req_id, row) pairs they were built for.
+        self._logit_bias_key: tuple = ()
+        self._logit_bias_tensors_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.sampling_metadata: SamplingMetadata | None = None
         # Async scheduling: last step's sampled ids, still on the device [R_prev],
         # and the row each request had then (rows that sampled nothing are absent).
@@ -129,10 +134,16 @@ class InputBatch:
 
     # -- add / remove -----------------------------------------------------------
     def add_request(self, request: CachedRequestState) -> int:
-        """Put a request in the lowest free row (or a new row at the end)."""
-        req_index = heapq.heappop(self._removed) if self._removed else len(self._req_ids)
-        if req_index >= self.max_num_reqs:
+        """Put a request in the lowest free row (or a new row at the end).
+
+        NOTE: everything that can be wrong with the request is checked first,
+        so a refused request (ValueError) leaves the batch untouched; the
+        runner then fails that request alone (GPUModelRunner._per_request).
+        """
+        self._check_request(request)
+        if not self._removed and len(self._req_ids) >= self.max_num_reqs:
             raise ValueError(f"InputBatch is full ({self.max_num_reqs} rows)")
+        req_index = heapq.heappop(self._removed) if self._removed else len(self._req_ids)
         req_id = request.req_id
         if req_index == len(self._req_ids):
             self._req_ids.append(req_id)
@@ -142,8 +153,6 @@ class InputBatch:
 
         num_prompt = request.num_prompt_tokens
         end = num_prompt + len(request.output_token_ids)
-        if end > self.max_model_len:
-            raise ValueError(f"{req_id}: {end} tokens exceed max_model_len={self.max_model_len}")
         self.token_ids_cpu[req_index, :num_prompt] = request.prompt_token_ids
         self.token_ids_cpu[req_index, num_prompt:end] = request.output_token_ids
         self.num_prompt_tokens[req_index] = num_prompt
@@ -154,6 +163,24 @@ class InputBatch:
         if request.generator is not None:
             self.generators[req_index] = request.generator
         return req_index
+
+    def _check_request(self, request: CachedRequestState) -> None:
+        """Raise ValueError if this request's rows could not be built safely.
+
+        NOTE: the frontend and EngineCore already refused such requests; this
+        is the last line, where the ids become indices into [*, vocab_size]
+        tensors (a stop id past the vocabulary would crash the whole batch's
+        min-tokens masking, not just this request).
+        """
+        if request.req_id in self.req_id_to_index:
+            raise ValueError(f"{request.req_id} is already in the batch")
+        num_tokens = request.num_prompt_tokens + len(request.output_token_ids)
+        if num_tokens > self.max_model_len:
+            raise ValueError(f"{request.req_id}: {num_tokens} tokens exceed max_model_len={self.max_model_len}")
+        ids = request.prompt_token_ids
+        if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
+            raise ValueError(f"{request.req_id}: a prompt token id is outside the vocabulary")
+        request.sampling_params.verify(self.vocab_size)
 
     def _add_sampling_params(self, req_id: str, i: int, sp: SamplingParams) -> None:
         if sp.temperature < _SAMPLING_EPS:
@@ -179,6 +206,8 @@ class InputBatch:
                     if t is not None]
         if sp.min_tokens > 0 and stop_ids:
             self.min_tokens[req_id] = (sp.min_tokens, stop_ids)
+        if sp.logit_bias:
+            self.logit_bias[req_id] = dict(sp.logit_bias)
 
     def remove_request(self, req_id: str) -> int | None:
         """Free a request's row. Leaves a hole: call condense() before running a step."""
@@ -192,6 +221,7 @@ class InputBatch:
         self.generators.pop(req_index, None)
         self.num_logprobs.pop(req_id, None)
         self.min_tokens.pop(req_id, None)
+        self.logit_bias.pop(req_id, None)
         self.block_table.clear_row(req_index)
         return req_index
 
@@ -277,8 +307,36 @@ class InputBatch:
             generators=dict(self.generators),
             max_num_logprobs=max(self.num_logprobs.values()) if self.num_logprobs else None,
             min_tokens=self._rows_below_min_tokens(),
+            logit_bias=self._logit_bias_tensors(),
         )
         return self.sampling_metadata
+
+    def _logit_bias_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(rows [B], token ids [B], biases [B]) over every biased (row, token); None if none.
+
+        NOTE: rebuilt only when a biased request joined, left or moved row: a
+        bias may list thousands of tokens, and most steps change nothing.
+        """
+        if not self.logit_bias:
+            return None
+        key = tuple((req_id, self.req_id_to_index[req_id]) for req_id in self.logit_bias)
+        if key != self._logit_bias_key:
+            self._logit_bias_key = key
+            self._logit_bias_tensors_cache = self._build_logit_bias_tensors()
+        return self._logit_bias_tensors_cache
+
+    def _build_logit_bias_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        rows: list[int] = []
+        token_ids: list[int] = []
+        biases: list[float] = []
+        for req_id, bias in self.logit_bias.items():
+            rows.extend([self.req_id_to_index[req_id]] * len(bias))
+            token_ids.extend(bias)
+            biases.extend(bias.values())
+        dev = self.device
+        return (torch.tensor(rows, dtype=torch.long).to(dev, non_blocking=True),
+                torch.tensor(token_ids, dtype=torch.long).to(dev, non_blocking=True),
+                torch.tensor(biases, dtype=torch.float32).to(dev, non_blocking=True))
 
     def _rows_below_min_tokens(self) -> dict[int, list[int]]:
         rows = {}

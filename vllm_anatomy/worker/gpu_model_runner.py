@@ -27,6 +27,13 @@ device (`input_batch.prev_sampled_token_ids`), and the next step's
 _prepare_inputs splices them into input_ids there: the host only ever holds -1
 placeholders for them until the output arrives.
 
+A request that fails while joining the batch (building its CachedRequestState,
+its generator, its InputBatch row and sampling state) fails alone: it leaves
+the batch, the step runs for the others, and ModelRunnerOutput.error_req_ids
+tells EngineCore to finish it with FINISHED_ERROR (see _update_states). What
+runs for the whole batch at once (prepare_inputs, the forward, the sampler)
+cannot say which request broke it: an error there is the engine's.
+
 Simplified here: no spec decode, LoRA, multimodal, pooling, pipeline
 parallelism, structured output or piecewise graphs.
 """
@@ -63,6 +70,7 @@ class ExecuteModelState(NamedTuple):
     scheduler_output: SchedulerOutput
     logits: torch.Tensor | None          # [R, V] float32; None for a step with no tokens
     discard_request_indices: np.ndarray  # rows whose sampled token is thrown away
+    error_req_ids: list[str] | None = None  # requests that failed to join the batch this step
 
 
 class GPUModelRunner:
@@ -87,6 +95,11 @@ class GPUModelRunner:
             mc.hf_config = load_hf_config(mc.model)
 
         self.requests: dict[str, CachedRequestState] = {}
+        # Requests that failed in this runner -> why; kept until the scheduler
+        # lists them as finished (with async scheduling it may schedule them
+        # once more before it hears of the failure).
+        self.failed_req_ids: dict[str, str] = {}
+        self._step_error_req_ids: list[str] = []
         self.input_batch = InputBatch(self.max_num_reqs, self.max_model_len, self.max_num_tokens,
                                       self.device, self.pin_memory, mc.hf_config["vocab_size"],
                                       self.block_size)
@@ -289,10 +302,12 @@ class GPUModelRunner:
             with self.synchronize_input_prep():
                 with self.recorder.span("GPUModelRunner._update_states"):
                     self._update_states(scheduler_output)
-                if not num_tokens:
+                error_req_ids = self._take_step_errors()
+                if not self.input_batch.num_reqs:
                     # Nothing to run (e.g. every request finished): sample_tokens returns EMPTY.
                     self.last_prepare_inputs = None
-                    self.execute_model_state = ExecuteModelState(scheduler_output, None, np.empty(0, np.int64))
+                    self.execute_model_state = ExecuteModelState(scheduler_output, None, np.empty(0, np.int64),
+                                                                 error_req_ids)
                     return None
                 timer = self.device_timer
                 timer.mark("prepare_inputs")       # the H2D copies of the step's inputs
@@ -308,12 +323,12 @@ class GPUModelRunner:
                 if decision.mode == "FULL":
                     hidden_states = self.cudagraph_runner.replay(decision.num_padded_tokens)  # [N, H]
                 else:
-                    hidden_states = self._model_forward(num_tokens, attn_metadata)        # [T, H]
+                    hidden_states = self._model_forward(attn_metadata.num_actual_tokens, attn_metadata)  # [T, H]
             timer.mark("compute_logits")
             with self.recorder.span("GPUModelRunner.compute_logits"):
                 logits = self.model.compute_logits(hidden_states[logits_indices])  # [R, V]
             self.execute_model_state = ExecuteModelState(scheduler_output, logits,
-                                                         self.discard_request_indices)
+                                                         self.discard_request_indices, error_req_ids)
         return None
 
     @contextlib.contextmanager
@@ -339,10 +354,17 @@ class GPUModelRunner:
             self.prepare_inputs_event.record()
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
+        """Mirror the scheduler's decisions into the CachedRequestStates and the InputBatch.
+
+        NOTE: each request's own work runs through _per_request: if it raises,
+        that request alone leaves the batch and is reported in
+        ModelRunnerOutput.error_req_ids; the step goes on for the others.
+        """
         batch = self.input_batch
         # 1. Finished requests: forget them entirely.
         for req_id in scheduler_output.finished_req_ids:
             self.requests.pop(req_id, None)
+            self.failed_req_ids.pop(req_id, None)
             batch.remove_request(req_id)
         # 3. Rows not scheduled this step (preempted, or skipped for lack of
         # budget) leave the batch, but their CachedRequestState stays: they
@@ -353,48 +375,87 @@ class GPUModelRunner:
         # 4. New requests.
         reqs_to_add: list[CachedRequestState] = []
         for new_req in scheduler_output.scheduled_new_reqs:
-            sp = new_req.sampling_params
-            generator = None
-            if sp.seed is not None and not sp.sampling_type_greedy:
-                generator = torch.Generator(device=self.device)
-                generator.manual_seed(sp.seed)
-            # NOTE: copy the block-id lists: we extend them in place later, and
-            # in-process (UniProcExecutor) they may be the scheduler's own lists.
-            state = CachedRequestState(new_req.req_id, new_req.prompt_token_ids, sp, generator,
-                                       tuple(list(ids) for ids in new_req.block_ids),
-                                       new_req.num_computed_tokens)
-            self.requests[new_req.req_id] = state
-            reqs_to_add.append(state)
+            state = self._per_request(new_req.req_id, self._new_request_state, new_req)
+            if state is not None:
+                self.requests[new_req.req_id] = state
+                reqs_to_add.append(state)
         # 5. Requests we already know: a diff.
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
+            if req_id in self.failed_req_ids:
+                continue                         # failed in an earlier step; not finished yet
             state = self.requests[req_id]
-            state.num_computed_tokens = cached.num_computed_tokens[i]
-            new_block_ids = cached.new_block_ids[i]
-            resumed = req_id in cached.resumed_req_ids
-            if resumed:
-                # NOTE: preemption freed all its blocks; the new ones *replace* them.
-                state.block_ids = tuple(list(ids) for ids in new_block_ids)
-                token_ids = cached.resumed_req_token_ids[i]
-                if token_ids is not None:
-                    state.output_token_ids = list(token_ids[state.num_prompt_tokens:])
-            elif new_block_ids is not None:
-                for ids, new_ids in zip(state.block_ids, new_block_ids):
-                    ids.extend(new_ids)
-            row = batch.req_id_to_index.get(req_id)
-            if row is None:                      # was evicted from the batch: re-add whole
-                reqs_to_add.append(state)
-                continue
-            batch.num_computed_tokens_cpu[row] = state.num_computed_tokens
-            if resumed:
-                batch.block_table.add_row(state.block_ids[0], row)
-            elif new_block_ids is not None:
-                batch.block_table.append_row(new_block_ids[0], row)
+            if self._per_request(req_id, self._update_cached_request, state, cached, i):
+                reqs_to_add.append(state)        # was evicted from the batch: re-add whole
         # 6. Fill the holes (lowest first), close the rest, refresh sampling tensors.
         for state in reqs_to_add:
-            batch.add_request(state)
+            self._per_request(state.req_id, batch.add_request, state)
         batch.condense()
         batch.refresh_metadata()
+
+    def _new_request_state(self, new_req) -> CachedRequestState:
+        sp = new_req.sampling_params
+        generator = None
+        if sp.seed is not None and not sp.sampling_type_greedy:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(sp.seed)
+        # NOTE: copy the block-id lists: we extend them in place later, and
+        # in-process (UniProcExecutor) they may be the scheduler's own lists.
+        return CachedRequestState(new_req.req_id, new_req.prompt_token_ids, sp, generator,
+                                  tuple(list(ids) for ids in new_req.block_ids),
+                                  new_req.num_computed_tokens)
+
+    def _update_cached_request(self, state: CachedRequestState, cached, i: int) -> bool:
+        """Apply the scheduler's diff for one known request; True if it must be re-added to the batch."""
+        batch = self.input_batch
+        req_id = state.req_id
+        state.num_computed_tokens = cached.num_computed_tokens[i]
+        new_block_ids = cached.new_block_ids[i]
+        resumed = req_id in cached.resumed_req_ids
+        if resumed:
+            # NOTE: preemption freed all its blocks; the new ones *replace* them.
+            state.block_ids = tuple(list(ids) for ids in new_block_ids)
+            token_ids = cached.resumed_req_token_ids[i]
+            if token_ids is not None:
+                state.output_token_ids = list(token_ids[state.num_prompt_tokens:])
+        elif new_block_ids is not None:
+            for ids, new_ids in zip(state.block_ids, new_block_ids):
+                ids.extend(new_ids)
+        row = batch.req_id_to_index.get(req_id)
+        if row is None:
+            return True
+        batch.num_computed_tokens_cpu[row] = state.num_computed_tokens
+        if resumed:
+            batch.block_table.add_row(state.block_ids[0], row)
+        elif new_block_ids is not None:
+            batch.block_table.append_row(new_block_ids[0], row)
+        return False
+
+    def _per_request(self, req_id: str, fn, *args):
+        """fn(*args), one request's own work; if it raises, that request fails alone.
+
+        NOTE: this is what makes a per-request error attributable: the request
+        leaves the batch (its row, generator and sampling state with it) and is
+        reported to the scheduler, which finishes it with FINISHED_ERROR and
+        frees its blocks. vLLM validates at the edge and lets any error in the
+        worker take the engine down; the edge here validates the same things,
+        this is the last line behind it. Every TP rank runs the same checks on
+        the same inputs, so all ranks drop the same requests.
+        """
+        try:
+            return fn(*args)
+        except Exception as e:
+            logger.exception("Request %s failed while joining the batch; it alone is finished "
+                             "with FINISHED_ERROR.", req_id)
+            self.requests.pop(req_id, None)
+            self.input_batch.remove_request(req_id)
+            self.failed_req_ids[req_id] = f"{type(e).__name__}: {e}"
+            self._step_error_req_ids.append(req_id)
+            return None
+
+    def _take_step_errors(self) -> list[str] | None:
+        errors, self._step_error_req_ids = self._step_error_req_ids, []
+        return errors or None
 
     def _get_cumsum_and_arange(self, num_tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """[2, 5, 3] -> cu_num_tokens [2, 7, 10], arange [0, 1, 0, 1, 2, 3, 4, 0, 1, 2]."""
@@ -406,13 +467,16 @@ class GPUModelRunner:
         """Flatten the batch into the model's inputs; return (attn_metadata, logits_indices)."""
         batch = self.input_batch
         num_reqs = batch.num_reqs
-        total = scheduler_output.total_num_scheduled_tokens
         # NOTE: first, so this host-to-device copy overlaps the numpy work below.
         batch.block_table.commit_block_table(num_reqs)
 
-        num_scheduled = np.array([scheduler_output.num_scheduled_tokens[r] for r in batch.req_ids],
-                                 dtype=np.int32)                               # [R]
-        assert num_scheduled.sum() == total, "rows and num_scheduled_tokens disagree"
+        scheduled = scheduler_output.num_scheduled_tokens
+        num_scheduled = np.array([scheduled[r] for r in batch.req_ids], dtype=np.int32)   # [R]
+        total = int(num_scheduled.sum())
+        # Requests that failed to join the batch are scheduled but not run.
+        num_failed = sum(scheduled[r] for r in self.failed_req_ids if r in scheduled)
+        assert total + num_failed == scheduler_output.total_num_scheduled_tokens, \
+            "rows and num_scheduled_tokens disagree"
         max_query_len = int(num_scheduled.max())
         # The CUDA-graph decision comes first: a graph step pads the batch, and
         # the padding must be written into the static buffers below.
@@ -529,6 +593,9 @@ class GPUModelRunner:
             # running request's last token already in flight) still gets its
             # snapshot, so that every step of a run has both halves.
             self._record_snapshot(state.scheduler_output.step_id, [])
+            if state.error_req_ids:
+                return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[],
+                                         error_req_ids=state.error_req_ids)
             return EMPTY_MODEL_RUNNER_OUTPUT
         with self.recorder.span("GPUModelRunner.sample_tokens"):
             md = self.input_batch.sampling_metadata
@@ -594,7 +661,8 @@ class GPUModelRunner:
         self._cache_sampled_tokens(req_ids, rows, [sampled[i] for i in rows.tolist()])
         return self.make_model_runner_output(req_ids, sampled, state.discard_request_indices.tolist(),
                                              self.input_batch.num_logprobs,
-                                             [t.tolist() for t in host[1:]] if lp is not None else None)
+                                             [t.tolist() for t in host[1:]] if lp is not None else None,
+                                             state.error_req_ids)
 
     def _bookkeeping_async(self, state: ExecuteModelState,
                            sampler_output: SamplerOutput) -> AsyncGPUModelRunnerOutput:
@@ -617,7 +685,8 @@ class GPUModelRunner:
                 snapshot = self.snapshot()
         return AsyncGPUModelRunnerOutput(
             self, state.scheduler_output.step_id, req_ids, sampler_output.sampled_token_ids,
-            sampler_output.logprobs_tensors, invalid, placeholders, dict(batch.num_logprobs), snapshot)
+            sampler_output.logprobs_tensors, invalid, placeholders, dict(batch.num_logprobs), snapshot,
+            state.error_req_ids)
 
     def _sampling_rows(self, num_reqs: int, discard_request_indices: np.ndarray) -> np.ndarray:
         """Rows whose sampled token is kept (all but partial prefill chunks)."""
@@ -668,8 +737,8 @@ class GPUModelRunner:
 
     @staticmethod
     def make_model_runner_output(req_ids: list[str], sampled: list[int], invalid_req_indices: list[int],
-                                 num_logprobs: dict[str, int], host_logprobs: list[list] | None
-                                 ) -> ModelRunnerOutput:
+                                 num_logprobs: dict[str, int], host_logprobs: list[list] | None,
+                                 error_req_ids: list[str] | None = None) -> ModelRunnerOutput:
         """One token per row ([] for a discarded row) and, for rows that asked,
         the sampled token's logprob and the top-n."""
         valid = [[t] for t in sampled]
@@ -685,7 +754,7 @@ class GPUModelRunner:
                 logprobs.append(LogprobsLists([ids_l[i][:n + 1]], [lps_l[i][:n + 1]], [ranks_l[i]])
                                 if ok else None)
         return ModelRunnerOutput(req_ids=list(req_ids), req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                                 sampled_token_ids=valid, logprobs=logprobs)
+                                 sampled_token_ids=valid, logprobs=logprobs, error_req_ids=error_req_ids)
 
     def snapshot(self) -> dict:
         in_batch = self.input_batch.req_id_to_index
