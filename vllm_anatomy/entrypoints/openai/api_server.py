@@ -6,7 +6,10 @@ Mirrors vllm/entrypoints/openai/api_server.py. Run it with
 
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models,
 GET /health (503 when the engine is dead), GET /version, GET /metrics.
-Every error is an OpenAI error body {"error": {"message", "type", "param", "code"}}.
+Every error is an OpenAI error body {"error": {"message", "type", "param", "code"}}:
+a bad field is a 400 naming it, a body over --max-request-body-bytes a 413
+(counted while it is read, so a huge body is never buffered first), and even
+an unexpected server error is a 500 in that shape, never a bare text page.
 
 Lifecycle (run_server), as vLLM's launcher.serve_http:
   * SIGTERM / SIGINT: new requests and /health get 503; those in flight may
@@ -25,15 +28,19 @@ import argparse
 import asyncio
 import contextlib
 import functools
+import hashlib
 import logging
 import os
+import secrets
 import signal
+from concurrent.futures import ThreadPoolExecutor
 from http import HTTPStatus
 
 import uvicorn
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -43,9 +50,11 @@ from vllm_anatomy.engine.exceptions import EngineDeadError
 from vllm_anatomy.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse
 from vllm_anatomy.entrypoints.openai.serving_chat import OpenAIServingChat
 from vllm_anatomy.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from vllm_anatomy.entrypoints.openai.cli_args import DEFAULT_MAX_REQUEST_BODY_BYTES
 from vllm_anatomy.entrypoints.openai.serving_engine import (OpenAIError, create_error_response,
-                                                            engine_dead_error)
+                                                            engine_dead_error, validation_error)
 from vllm_anatomy.entrypoints.openai.serving_models import BaseModelPath, OpenAIServingModels
+from vllm_anatomy.exceptions import VLLMValidationError
 from vllm_anatomy.metrics.prometheus import PrometheusStatLogger
 
 logger = logging.getLogger("vllm_anatomy.api_server")
@@ -53,7 +62,7 @@ logger = logging.getLogger("vllm_anatomy.api_server")
 _ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
                 405: "MethodNotAllowedError", 413: "RequestTooLargeError"}
 # Documented error responses, so the OpenAPI schema (and schemathesis) know them.
-_ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 503)}
+_ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 500, 503)}
 
 
 def error_json(e: OpenAIError) -> JSONResponse:
@@ -111,12 +120,20 @@ def _respond(result):
 
 
 def build_app(engine_client, args: argparse.Namespace) -> FastAPI:
-    """The FastAPI app serving `engine_client` (an AsyncLLM)."""
+    """The FastAPI app serving `engine_client` (an AsyncLLM).
+
+    Middleware, outermost first: CORS (only with --allowed-origins), the API
+    key, the request-body limit; then FastAPI's routing.
+    """
+    max_body = getattr(args, "max_request_body_bytes", DEFAULT_MAX_REQUEST_BODY_BYTES)
     app = FastAPI(title="vllm_anatomy OpenAI-compatible server", version=vllm_anatomy.__version__)
+    app.state.max_request_body_bytes = max_body
     init_app_state(engine_client, app.state, args)
     _add_exception_handlers(app)
+    app.add_middleware(RequestSizeLimitMiddleware, max_body_bytes=max_body)
     if getattr(args, "api_key", None):
         app.add_middleware(AuthenticationMiddleware, api_key=args.api_key)
+    _add_cors(app, args)
     _add_routes(app)
     maybe_instrument_app(app, getattr(getattr(engine_client, "recorder", None), "provider", None))
     return app
@@ -128,8 +145,10 @@ def init_app_state(engine_client, state, args: argparse.Namespace) -> None:
     base_model_paths = [BaseModelPath(name=name, model_path=model_config.model) for name in names]
     state.engine_client = engine_client
     state.openai_serving_models = models = OpenAIServingModels(base_model_paths, model_config.max_model_len)
-    state.openai_serving_chat = OpenAIServingChat(engine_client, models)
-    state.openai_serving_completion = OpenAIServingCompletion(engine_client, models)
+    # One tokenizer thread for both handlers (vLLM: the renderer's executor).
+    state.tokenizer_executor = executor = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
+    state.openai_serving_chat = OpenAIServingChat(engine_client, models, executor)
+    state.openai_serving_completion = OpenAIServingCompletion(engine_client, models, executor)
     state.stat_logger = PrometheusStatLogger(models.model_name, model_config.max_model_len)
     # NOTE: AsyncLLM calls every logger in `stat_loggers` after each output batch.
     engine_client.stat_loggers.append(state.stat_logger)
@@ -149,11 +168,23 @@ def _add_exception_handlers(app: FastAPI) -> None:
     async def engine_dead_handler(_: Request, exc: EngineDeadError):
         return error_json(engine_dead_error(exc))
 
+    @app.exception_handler(VLLMValidationError)
+    async def vllm_validation_handler(_: Request, exc: VLLMValidationError):
+        return error_json(validation_error(exc))
+
+    @app.exception_handler(Exception)
+    async def unexpected_error_handler(_: Request, exc: Exception):
+        # NOTE: a bug, not the client's fault: still an OpenAI error body (the
+        # default is a text/plain "Internal Server Error"). Starlette re-raises
+        # the exception afterwards, so uvicorn logs its traceback.
+        return error_json(OpenAIError(f"Internal server error: {type(exc).__name__}.", "InternalServerError",
+                                      HTTPStatus.INTERNAL_SERVER_ERROR))
+
     @app.exception_handler(RequestValidationError)
     async def validation_exception_handler(_: Request, exc: RequestValidationError):
         # NOTE: FastAPI answers 422 with its own body; OpenAI clients expect 400
         # and an error object. The first error names the field (`param`).
-        errors = exc.errors()
+        errors = _relevant_errors(exc.errors())
         if errors and errors[0].get("type") == "json_invalid":
             ctx = errors[0].get("ctx") or {}
             return error_json(OpenAIError(f"The request body is not valid JSON: {ctx.get('error', 'decode error')}."))
@@ -167,22 +198,79 @@ def _add_exception_handlers(app: FastAPI) -> None:
         return JSONResponse(err.model_dump(), status_code=exc.status_code, headers=exc.headers)
 
 
+class RequestSizeLimitMiddleware:
+    """413 (an OpenAI error object) for a request body over `max_body_bytes`.
+
+    NOTE: a declared Content-Length over the limit is refused before a byte of
+    the body is read; otherwise (chunked bodies too) the bytes are counted as
+    they arrive and reading stops at the limit, so a huge body is never
+    buffered. The count raises an HTTPException(413) from `receive`, which
+    FastAPI passes on to the exception handler above. (FastAPI's own
+    max_body_size does the same, but answers a declared oversize body with a
+    text/plain 413 that replaces any other response.)
+    """
+
+    def __init__(self, app, max_body_bytes: int) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+
+    def _too_large(self) -> StarletteHTTPException:
+        return StarletteHTTPException(
+            HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+            f"The request body is larger than this server accepts ({self.max_body_bytes} bytes, "
+            f"--max-request-body-bytes).")
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or []).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_body_bytes:
+            exc = self._too_large()
+            await error_json(OpenAIError(exc.detail, _ERROR_TYPES[exc.status_code], exc.status_code))(
+                scope, receive, send)
+            return
+        received = 0
+
+        async def receive_with_limit():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_body_bytes:
+                    raise self._too_large()
+            return message
+
+        await self.app(scope, receive_with_limit, send)
+
+
 class AuthenticationMiddleware:
     """Pure ASGI middleware checking `Authorization: Bearer <api_key>` (vLLM's class of that name).
 
     NOTE: only the /v1 API is protected; /health, /metrics and /version stay
-    open for probes and scrapers, as in vLLM. A pure ASGI middleware (rather
-    than @app.middleware("http")) leaves streaming and disconnects untouched.
+    open for probes and scrapers, and OPTIONS (a browser's CORS preflight,
+    which never carries credentials) passes, as in vLLM. The scheme is
+    case-insensitive (RFC 9110), and the key is compared as SHA-256 digests
+    with secrets.compare_digest: constant time, whatever the lengths. A pure
+    ASGI middleware (rather than @app.middleware("http")) leaves streaming and
+    disconnects untouched.
     """
 
     def __init__(self, app, api_key: str) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.api_key_digest = hashlib.sha256(api_key.encode()).digest()
+
+    def verify_token(self, authorization: bytes | None) -> bool:
+        scheme, _, token = (authorization or b"").decode("latin-1").partition(" ")
+        token_digest = hashlib.sha256(token.strip().encode("latin-1")).digest()
+        # NOTE: compare even for a wrong scheme, so both take the same time.
+        return secrets.compare_digest(token_digest, self.api_key_digest) and scheme.lower() == "bearer"
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if (scope["type"] == "http" and scope.get("method") != "OPTIONS"
+                and scope["path"].startswith("/v1")):
             headers = dict(scope.get("headers") or [])
-            if headers.get(b"authorization") != self.expected:
+            if not self.verify_token(headers.get(b"authorization")):
                 response = error_json(OpenAIError("Incorrect API key provided.", "AuthenticationError",
                                                   HTTPStatus.UNAUTHORIZED, code="invalid_api_key"))
                 await response(scope, receive, send)
@@ -190,9 +278,41 @@ class AuthenticationMiddleware:
         await self.app(scope, receive, send)
 
 
+def _add_cors(app: FastAPI, args: argparse.Namespace) -> None:
+    """CORS headers for browsers, only for the origins given with --allowed-origins.
+
+    NOTE: vLLM allows every origin ("*") by default. Here the default is none:
+    any web page the user opens could otherwise call this local server.
+    Added after the API-key middleware, so it is the outer one: its preflight
+    answers and its headers on errors (401 included) reach the browser.
+    """
+    origins = getattr(args, "allowed_origins", None)
+    if origins:
+        app.add_middleware(CORSMiddleware, allow_origins=origins,
+                           allow_credentials=getattr(args, "allow_credentials", False),
+                           allow_methods=getattr(args, "allowed_methods", ["*"]),
+                           allow_headers=getattr(args, "allowed_headers", ["*"]))
+
+
+def _relevant_errors(errors: list[dict]) -> list[dict]:
+    """The errors worth reporting: for a union field ("prompt": str | list[int] | ...)
+    pydantic reports one error per member; when the value had a member's type and
+    failed its constraint (a lone surrogate, an int past 64 bits), only that one."""
+    specific = [e for e in errors if not str(e.get("type", "")).endswith("_type")]
+    return specific or errors
+
+
 def _loc(error: dict) -> str | None:
-    """'messages.0.content' from pydantic's ('body', 'messages', 0, 'content')."""
-    return ".".join(str(x) for x in error.get("loc", ()) if x != "body") or None
+    """'messages.0.content' from pydantic's ('body', 'messages', 0, 'content', 'str').
+
+    Union members are tagged in `loc` ('str', 'list[int]', 'function-after[...]'):
+    dropped, so `param` is the field's name."""
+    parts = [str(x) for x in error.get("loc", ()) if x != "body" and not _is_union_tag(x)]
+    return ".".join(parts) or None
+
+
+def _is_union_tag(x) -> bool:
+    return isinstance(x, str) and ("[" in x or x in {"str", "int", "float", "bool", "constrained-int"})
 
 
 def _add_routes(app: FastAPI) -> None:

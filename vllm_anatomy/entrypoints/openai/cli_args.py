@@ -9,6 +9,11 @@ import argparse
 
 from vllm_anatomy.engine.arg_utils import EngineArgs
 
+# NOTE: vLLM sets no limit. A prompt of max_model_len tokens is well under
+# 1 MB of JSON for the models this project serves; 8 MiB leaves room for long
+# contexts and escaped text while keeping one request from pinning gigabytes.
+DEFAULT_MAX_REQUEST_BODY_BYTES = 8 * 1024 * 1024
+
 
 def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p = parser.add_argument
@@ -26,6 +31,15 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p("--shutdown-timeout", type=int, default=0,
       help="on SIGTERM/SIGINT, seconds requests in flight may still run before they are ended "
            "with an error (vLLM's flag and default: 0 = end them at once); a second signal exits now")
+    p("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+      help="largest request body accepted; a larger one gets 413, counted while it is read "
+           f"(default {DEFAULT_MAX_REQUEST_BODY_BYTES} = 8 MiB)")
+    # CORS, vLLM's flags (vLLM allows every origin by default; here none unless given).
+    p("--allowed-origins", nargs="+", default=None,
+      help="origins a browser may call the API from (CORS), e.g. http://localhost:3000 or '*'")
+    p("--allowed-methods", nargs="+", default=["*"], help="CORS allowed methods (with --allowed-origins)")
+    p("--allowed-headers", nargs="+", default=["*"], help="CORS allowed headers (with --allowed-origins)")
+    p("--allow-credentials", action="store_true", help="CORS: allow credentials (with --allowed-origins)")
     EngineArgs.add_cli_args(parser)
     return parser
 
@@ -37,3 +51,5 @@ def validate_parsed_serve_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     if args.api_key is not None and not args.api_key:
         raise ValueError("--api-key must not be empty")
+    if args.max_request_body_bytes < 1:
+        raise ValueError(f"--max-request-body-bytes must be at least 1, got {args.max_request_body_bytes}")

@@ -1,32 +1,71 @@
 """Pydantic models of the OpenAI-compatible API (requests, responses, stream chunks).
 
-Mirrors vllm/entrypoints/openai/protocol.py, names verbatim, for the subset this
-engine serves: chat completions, completions, models, errors.
+Mirrors vllm/entrypoints/openai/chat_completion/protocol.py, completion/protocol.py,
+engine/protocol.py (errors, usage, model cards) and models/protocol.py, names
+verbatim, for the subset this engine serves: chat completions, completions,
+models, errors.
 
 NOTE: models are `strict`: a wrong JSON type ("temperature": "hot", "n": true)
 is refused with a 400 instead of being coerced, as the OpenAI API does. vLLM
-uses pydantic's lax mode; we prefer the clearer error. Unknown fields are
-accepted and ignored (as vLLM does), so newer clients keep working.
-Not supported (refused with a 400 naming the field): n > 1, best_of > 1,
-penalties, logit_bias, suffix, tools / response_format, batched prompts.
+uses pydantic's lax mode; we prefer the clearer error. Every float must be
+finite (JSON's NaN / Infinity literals are refused), every integer must fit in
+64 bits (Int64, TokenId: vLLM bounds seeds the same way), and every text must
+be encodable as UTF-8 (Text: a lone surrogate "\ud800" is refused). Ranges
+that depend on the model (token ids inside the vocabulary) are checked by the
+serving layer, with the engine's own functions.
+Unknown fields are accepted and ignored (as vLLM does), so newer clients keep
+working, except the ones in UNSUPPORTED_FIELDS, which would change the
+answer: those are refused with a 400 naming the field, never silently ignored.
+Not supported either: n > 1, best_of > 1, penalties, suffix, batched prompts.
 """
 from __future__ import annotations
 
+import re
 import time
 import uuid
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_serializer
+from pydantic_core import PydanticCustomError
 
-from vllm_anatomy.sampling_params import RequestOutputKind, SamplingParams
+from vllm_anatomy.exceptions import VLLMValidationError
+from vllm_anatomy.sampling_params import INT64_MAX, INT64_MIN, RequestOutputKind, SamplingParams
 
 
 def random_uuid() -> str:
     return uuid.uuid4().hex
 
 
+def _encodable(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise PydanticCustomError("unicode_encode", "contains text that cannot be encoded as UTF-8 "
+                                  "(a lone surrogate at character {position})", {"position": e.start}) from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_encodable)]
+Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
+# NOTE: OpenAI documents logit_bias values in [-100, 100]; vLLM clamps to that.
+_LOGIT_BIAS_LIMIT = 100.0
+
+# Fields of the OpenAI / vLLM APIs this engine does not implement -> the values
+# that mean "not used". Anything else is refused (400), never silently ignored.
+UNSUPPORTED_FIELDS: dict[str, tuple] = {
+    "tools": (None, []), "functions": (None, []),
+    "tool_choice": (None, "none"), "function_call": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+    "allowed_token_ids": (None,), "bad_words": (None, []), "prompt_logprobs": (None,),
+    "logprob_token_ids": (None,), "use_beam_search": (None, False), "structured_outputs": (None,),
+    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+    "truncate_prompt_tokens": (None,), "prompt_embeds": (None,),
+}
+
+
 class OpenAIBaseModel(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow")
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
 
 
 # -- errors ---------------------------------------------------------------------
@@ -80,39 +119,57 @@ class UsageInfo(OpenAIBaseModel):
 
 class _SamplingRequest(OpenAIBaseModel):
     """Fields that chat and completions share, and their SamplingParams mapping."""
-    model: str | None = None
-    max_tokens: int | None = None
+    model: Text | None = None
+    max_tokens: Int64 | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: Int64 | None = None
     min_p: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    n: int = 1
+    seed: Int64 | None = None
+    stop: Text | list[Text] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    n: Int64 = 1
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    min_tokens: int = 0
+    min_tokens: Int64 = 0
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     frequency_penalty: float | None = 0.0
     presence_penalty: float | None = 0.0
     repetition_penalty: float | None = None
+    # Token id (a decimal string, as JSON keys are) -> bias added to its logit.
     logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    user: Text | None = None
 
     def check_unsupported(self) -> None:
-        """Raise ValueError("<field> ...") for what this engine does not implement."""
+        """Raise VLLMValidationError naming the first field this engine does not implement."""
         for name in ("frequency_penalty", "presence_penalty"):
             if getattr(self, name):
-                raise ValueError(f"{name} is not supported by this engine (leave it at 0).")
+                raise VLLMValidationError(f"{name} is not supported by this engine (leave it at 0).",
+                                          parameter=name)
         if self.repetition_penalty not in (None, 1.0):
-            raise ValueError("repetition_penalty is not supported by this engine (leave it at 1).")
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported by this engine.")
+            raise VLLMValidationError("repetition_penalty is not supported by this engine (leave it at 1).",
+                                      parameter="repetition_penalty")
         if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options can only be set when stream is true.")
+            raise VLLMValidationError("stream_options can only be set when stream is true.",
+                                      parameter="stream_options")
+        for name, value in (self.model_extra or {}).items():
+            if name in UNSUPPORTED_FIELDS and value not in UNSUPPORTED_FIELDS[name]:
+                raise VLLMValidationError(f"{name} is not supported by this engine (it would be ignored, "
+                                          f"so the request is refused).", parameter=name)
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        """{"50256": -100} -> {50256: -100.0}, each bias clamped to [-100, 100] (as vLLM)."""
+        if not self.logit_bias:
+            return None
+        out: dict[int, float] = {}
+        for key, bias in self.logit_bias.items():
+            if not re.fullmatch(r"-?[0-9]{1,20}", key):
+                raise VLLMValidationError(f"logit_bias keys must be token ids (decimal integers), got {key[:40]!r}.",
+                                          parameter="logit_bias")
+            out[int(key)] = min(_LOGIT_BIAS_LIMIT, max(-_LOGIT_BIAS_LIMIT, bias))
+        return out
 
     def _sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         # NOTE: None means "the OpenAI default": temperature 1, top_p 1, top-k off.
@@ -123,7 +180,7 @@ class _SamplingRequest(OpenAIBaseModel):
             top_k=0 if self.top_k is None else self.top_k,
             min_p=0.0 if self.min_p is None else self.min_p,
             seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens,
-            stop=self.stop, stop_token_ids=self.stop_token_ids,
+            stop=self.stop, stop_token_ids=self.stop_token_ids, logit_bias=self._logit_bias(),
             include_stop_str_in_output=self.include_stop_str_in_output,
             ignore_eos=self.ignore_eos, logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
@@ -134,13 +191,13 @@ class _SamplingRequest(OpenAIBaseModel):
 # -- chat completions -----------------------------------------------------------------
 class ChatCompletionContentPartTextParam(OpenAIBaseModel):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatCompletionMessageParam(OpenAIBaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ChatCompletionContentPartTextParam] | None = None
-    name: str | None = None
+    content: Text | list[ChatCompletionContentPartTextParam] | None = None
+    name: Text | None = None
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -152,15 +209,15 @@ class ChatCompletionRequest(_SamplingRequest):
     # Ordered like the OpenAI API reference: https://platform.openai.com/docs/api-reference/chat
     messages: list[ChatCompletionMessageParam] = Field(min_length=1)
     logprobs: bool | None = False
-    top_logprobs: int | None = 0
-    max_completion_tokens: int | None = None
+    top_logprobs: Int64 | None = 0
+    max_completion_tokens: Int64 | None = None
     # vLLM extras
     add_generation_prompt: bool = True
 
     def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
         self.check_unsupported()
         if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs to be true.")
+            raise VLLMValidationError("top_logprobs needs logprobs to be true.", parameter="top_logprobs")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else (
             self.max_tokens if self.max_tokens is not None else default_max_tokens)
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
@@ -233,33 +290,36 @@ class ChatCompletionStreamResponse(OpenAIBaseModel):
 # -- completions ---------------------------------------------------------------------
 class CompletionRequest(_SamplingRequest):
     # https://platform.openai.com/docs/api-reference/completions/create
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    prompt: Text | list[TokenId] | list[Text] | list[list[TokenId]]
+    max_tokens: Int64 | None = 16
+    logprobs: Int64 | None = None
     echo: bool | None = False
-    suffix: str | None = None
-    best_of: int | None = None
+    suffix: Text | None = None
+    best_of: Int64 | None = None
 
     def get_single_prompt(self) -> str | list[int]:
         """The one prompt of this request; a batch of several is refused."""
         p = self.prompt
         if isinstance(p, list) and p and isinstance(p[0], (str, list)):
             if len(p) != 1:
-                raise ValueError("prompt: batched prompts (a list of several prompts) are not "
-                                 "supported by this server; send one request per prompt.")
+                raise VLLMValidationError("prompt: batched prompts (a list of several prompts) are not "
+                                          "supported by this server; send one request per prompt.",
+                                          parameter="prompt")
             p = p[0]
         if len(p) == 0:
-            raise ValueError("prompt must not be empty.")
+            raise VLLMValidationError("prompt must not be empty.", parameter="prompt")
         return p
 
     def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
         self.check_unsupported()
         if self.suffix is not None:
-            raise ValueError("suffix is not supported by this engine.")
+            raise VLLMValidationError("suffix is not supported by this engine.", parameter="suffix")
         if self.best_of not in (None, 1):
-            raise ValueError("best_of must be 1: beam search / best_of is not supported.")
+            raise VLLMValidationError("best_of must be 1: beam search / best_of is not supported.",
+                                      parameter="best_of")
         if self.echo and self.logprobs is not None:
-            raise ValueError("echo with logprobs needs prompt logprobs, which are not supported.")
+            raise VLLMValidationError("echo with logprobs needs prompt logprobs, which are not supported.",
+                                      parameter="echo")
         max_tokens = default_max_tokens if self.max_tokens is None else self.max_tokens
         return self._sampling_params(max_tokens, self.logprobs)
 

@@ -1,6 +1,6 @@
 """OpenAIServingChat: POST /v1/chat/completions.
 
-Mirrors vllm/entrypoints/openai/serving_chat.py: render the conversation with
+Mirrors vllm/entrypoints/openai/chat_completion/serving.py: render the conversation with
 the tokenizer's chat template, tokenize, validate, hand the prompt token ids to
 the engine, and turn RequestOutputs into a ChatCompletionResponse or a stream
 of `chat.completion.chunk` server-sent events ending with `data: [DONE]`.
@@ -23,8 +23,7 @@ from vllm_anatomy.entrypoints.openai.protocol import (ChatCompletionLogProb, Cha
                                                       ChatCompletionResponseStreamChoice,
                                                       ChatCompletionStreamResponse, ChatMessage, DeltaMessage,
                                                       UsageInfo)
-from vllm_anatomy.entrypoints.openai.serving_engine import (OpenAIError, OpenAIServing,
-                                                            bad_request_from_value_error, sse)
+from vllm_anatomy.entrypoints.openai.serving_engine import OpenAIError, OpenAIServing, raise_if_error, sse
 from vllm_anatomy.outputs import CompletionOutput, Logprob, RequestOutput
 
 
@@ -34,16 +33,16 @@ class OpenAIServingChat(OpenAIServing):
 
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request | None = None
                                      ) -> ChatCompletionResponse | AsyncGenerator[str, None]:
+        """Validate everything (VLLMValidationError / OpenAIError -> 4xx), then answer or stream."""
         self._check_model(request.model)
-        prompt_text, prompt_ids = self._render_chat(request)
-        self._validate_prompt_ids(prompt_ids)
-        try:
-            params = request.to_sampling_params(self._default_max_tokens(prompt_ids))
-        except ValueError as e:
-            raise bad_request_from_value_error(e) from e
-        name = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
-        self._check_max_tokens(params, prompt_ids, name)
         request_id = f"chatcmpl-{self._base_request_id(raw_request)}"
+        request.check_unsupported()
+        self._check_text_len(sum(len(m.text()) for m in request.messages), "messages")
+        prompt_text, prompt_ids = await self._run_in_tokenizer_thread(self._render_chat, request)
+        self._validate_prompt_ids(prompt_ids)
+        params = request.to_sampling_params(self._default_max_tokens(prompt_ids))
+        name = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
+        self._validate_inputs(prompt_ids, params, name)
         model_name = self.models.model_name_for(request.model)
         generator = self._generate({"prompt_token_ids": prompt_ids, "prompt": prompt_text},
                                    params, request_id, raw_request)
@@ -54,6 +53,7 @@ class OpenAIServingChat(OpenAIServing):
         return await self.chat_completion_full_generator(generator, request_id, model_name, num_top)
 
     def _render_chat(self, request: ChatCompletionRequest) -> tuple[str, list[int]]:
+        """Template, then tokenize (runs in the tokenizer thread)."""
         conversation = [{"role": m.role, "content": m.text()} for m in request.messages]
         try:
             text = self.tokenizer.apply_chat_template(conversation, tokenize=False,
@@ -63,12 +63,13 @@ class OpenAIServingChat(OpenAIServing):
                               param="messages") from e
         # NOTE: the template already wrote the special tokens (<|im_start|> ...),
         # so tokenizing must not add a BOS of its own.
+        self._check_text_len(len(text), "messages")
         return text, self.tokenizer.encode(text, add_special_tokens=False)
 
     async def chat_completion_full_generator(self, result_generator: AsyncIterator[RequestOutput],
                                              request_id: str, model_name: str,
                                              num_top: int) -> ChatCompletionResponse:
-        final = await self._final_output(result_generator)
+        final = await self._final_output(result_generator, request_id)
         output = final.outputs[0]
         choice = ChatCompletionResponseChoice(
             index=0, message=ChatMessage(role=self.response_role, content=output.text),
@@ -102,6 +103,7 @@ class OpenAIServingChat(OpenAIServing):
             index=0, delta=DeltaMessage(role=self.response_role, content=""))])
         async for res in result_generator:
             output = res.outputs[0]
+            raise_if_error(output.finish_reason, request_id)
             num_prompt_tokens = len(res.prompt_token_ids)
             num_generated += len(output.token_ids)
             want_logprobs = output.logprobs is not None

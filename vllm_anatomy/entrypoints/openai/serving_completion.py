@@ -1,6 +1,6 @@
 """OpenAIServingCompletion: POST /v1/completions (raw text or token-id prompt, no template).
 
-Mirrors vllm/entrypoints/openai/serving_completion.py, for one prompt per
+Mirrors vllm/entrypoints/openai/completion/serving.py, for one prompt per
 request (vLLM also takes batches; here a batch of more than one is a 400).
 Non-streaming answers one `text_completion`; streaming sends
 `text_completion` chunks as server-sent events, then `data: [DONE]`.
@@ -15,8 +15,7 @@ from starlette.requests import Request
 from vllm_anatomy.entrypoints.openai.protocol import (CompletionLogProbs, CompletionRequest, CompletionResponse,
                                                       CompletionResponseChoice, CompletionResponseStreamChoice,
                                                       CompletionStreamResponse, UsageInfo)
-from vllm_anatomy.entrypoints.openai.serving_engine import (OpenAIServing,
-                                                            bad_request_from_value_error, sse)
+from vllm_anatomy.entrypoints.openai.serving_engine import OpenAIServing, raise_if_error, sse
 from vllm_anatomy.outputs import CompletionOutput, RequestOutput
 
 
@@ -24,31 +23,28 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def create_completion(self, request: CompletionRequest, raw_request: Request | None = None
                                 ) -> CompletionResponse | AsyncGenerator[str, None]:
+        """Validate everything (VLLMValidationError / OpenAIError -> 4xx), then answer or stream."""
         self._check_model(request.model)
-        try:
-            prompt = request.get_single_prompt()
-        except ValueError as e:
-            raise bad_request_from_value_error(e) from e
+        request_id = f"cmpl-{self._base_request_id(raw_request)}"
+        request.check_unsupported()
+        prompt = request.get_single_prompt()
         if isinstance(prompt, str):
             # Same tokenization as the InputProcessor would do (special tokens added).
-            prompt_text, prompt_ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+            prompt_text, prompt_ids = prompt, await self._tokenize(prompt, add_special_tokens=True)
         else:
             prompt_text, prompt_ids = None, list(prompt)
         self._validate_prompt_ids(prompt_ids)
-        try:
-            params = request.to_sampling_params(self._default_max_tokens(prompt_ids))
-        except ValueError as e:
-            raise bad_request_from_value_error(e) from e
-        self._check_max_tokens(params, prompt_ids, "max_tokens")
-        request_id = f"cmpl-{self._base_request_id(raw_request)}"
+        params = request.to_sampling_params(self._default_max_tokens(prompt_ids))
+        self._validate_inputs(prompt_ids, params, "max_tokens")
         model_name = self.models.model_name_for(request.model)
         engine_prompt = {"prompt_token_ids": prompt_ids}
         if prompt_text is not None:
             engine_prompt["prompt"] = prompt_text
-        generator = self._generate(engine_prompt, params, request_id, raw_request)
         echo_text = None
         if request.echo:
-            echo_text = prompt_text if prompt_text is not None else self.tokenizer.decode(prompt_ids)
+            echo_text = prompt_text if prompt_text is not None else \
+                await self._run_in_tokenizer_thread(self.tokenizer.decode, prompt_ids)
+        generator = self._generate(engine_prompt, params, request_id, raw_request)
         if request.stream:
             return self._sse_stream(self.completion_stream_generator(
                 request, generator, request_id, model_name, echo_text), generator)
@@ -57,7 +53,7 @@ class OpenAIServingCompletion(OpenAIServing):
     async def completion_full_generator(self, request: CompletionRequest,
                                         result_generator: AsyncIterator[RequestOutput], request_id: str,
                                         model_name: str, echo_text: str | None) -> CompletionResponse:
-        final = await self._final_output(result_generator)
+        final = await self._final_output(result_generator, request_id)
         output = final.outputs[0]
         prefix = echo_text or ""
         choice = CompletionResponseChoice(
@@ -90,6 +86,7 @@ class OpenAIServingCompletion(OpenAIServing):
 
         async for res in result_generator:
             output = res.outputs[0]
+            raise_if_error(output.finish_reason, request_id)
             num_prompt_tokens = len(res.prompt_token_ids)
             num_generated += len(output.token_ids)
             text = output.text
