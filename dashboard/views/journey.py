@@ -54,15 +54,20 @@ def life_steps(records: dict[int, dict], statuses: dict[int, str], req: str, tok
             status = "finished"         # served, then gone from the queues: it finished in this step
         rows.append({"step": step_id, "time_ns": rec.get("time_ns"), "status": status or "—", "kind": kind,
                      "tokens": n, "from position": frm, "new blocks": blocks, "sampled": tok, "preempted": pre})
-    return pd.DataFrame(rows, columns=["step", "time_ns", "status", "kind", "tokens", "from position", "new blocks",
-                                       "sampled", "preempted"])
+    df = pd.DataFrame(rows, columns=["step", "time_ns", "status", "kind", "tokens", "from position", "new blocks",
+                                     "sampled", "preempted"])
+    for col in ("from position", "sampled"):      # integers with gaps (waiting steps), not floats
+        df[col] = df[col].astype("Int64")
+    return df
 
 
-def _thin(xs: list[float], min_gap: float) -> list[bool]:
-    """Which of the (sorted) x positions keep a text label so that kept labels are min_gap apart."""
+def _thin(xs: list[float], min_gap: float, first: int | None = None) -> list[bool]:
+    """Which of the (sorted) x positions keep a text label so that kept labels are min_gap apart;
+    the one at index `first` (the cursor's) is kept in any case, its neighbours give way."""
+    fx = xs[first] if first is not None and 0 <= first < len(xs) else None
     keep, last = [], None
-    for x in xs:
-        ok = last is None or x - last >= min_gap
+    for i, x in enumerate(xs):
+        ok = i == first or ((last is None or x - last >= min_gap) and (fx is None or abs(x - fx) >= min_gap))
         keep.append(ok)
         if ok:
             last = x
@@ -95,7 +100,8 @@ def journey_figure(req: dict | None, life: pd.DataFrame, req_id: str, cursor: in
             if part.empty:
                 continue
             px = ((part["time_ns"] - t0) / 1e6).tolist()
-            keep = _thin(px, rng * 0.035)
+            steps_here = part["step"].tolist()
+            keep = _thin(px, rng * 0.035, steps_here.index(cursor) if cursor in steps_here else None)
             colors = [KIND_COLORS.get(k, WAIT_COLORS.get(s, STATUS_COLORS["PREEMPTED"])) for k, s in
                       zip(part["kind"], part["status"])]
             fig.add_scatter(x=px, y=[lane] * len(part), mode="markers+text",
