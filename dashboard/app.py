@@ -35,7 +35,9 @@ PAGES = [  # (file under views/, title, icon, url_path, section)
     ("inspector", "Step inspector", ":material/search:", "inspector", "Explore"),
     ("journey", "Request journey", ":material/route:", "journey", "Explore"),
     ("metrics", "Metrics over time", ":material/monitoring:", "metrics", "Explore"),
+    ("processes", "Processes", ":material/lan:", "processes", "Explore"),
     ("lessons", "Lessons", ":material/school:", "lessons", "Learn"),
+    ("selftest", "Self-test", ":material/quiz:", "selftest", "Learn"),
     ("mapping", "Code map", ":material/map:", "mapping", "Learn"),
 ]
 NO_RUN_HEADER = ("mapping",)    # pages about the code, not about a run

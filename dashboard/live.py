@@ -13,6 +13,13 @@ store, which is committed step by step.
 Child side: `drive(llm, spec)` adds each prompt at its arrival step and calls
 `LLMEngine.step()` until all requests finish (the offline LLM.generate loop,
 with arrivals spread over time so continuous batching is visible).
+
+Three processes (`spec["processes"] == 3`): the child starts the engine the way
+`vllm-anatomy serve` does — the OpenAI API server (FastAPI + AsyncLLM, in the
+child, on 127.0.0.1 and a free port), EngineCoreProc in its own process, the
+worker behind the shared-memory ring (distributed_executor_backend="mp") — and
+sends each prompt as an HTTP chat completion once the engine has committed
+`arrive_step` steps (`drive_http`). All three processes write the same run store.
 """
 from __future__ import annotations
 
@@ -268,6 +275,98 @@ def drive(llm, spec: dict, on_step=None) -> dict[str, str]:
     return outputs
 
 
+def _committed_steps(run_path: str) -> int:
+    """Steps committed to the run store so far (read-only; 0 while it cannot be read)."""
+    import sqlite3
+
+    from vllm_anatomy.tracing.store import connect_readonly
+    try:
+        conn = connect_readonly(run_path)
+    except sqlite3.Error:
+        return 0
+    try:
+        return conn.execute("SELECT count(*) FROM snapshots WHERE kind = 'step'").fetchone()[0]
+    except sqlite3.Error:
+        return 0
+    finally:
+        conn.close()
+
+
+def drive_http(config, recorder, spec: dict, on_step=None) -> dict[str, str]:
+    """Serve the engine as `vllm-anatomy serve` does and send the spec's prompts over HTTP;
+    return request index -> text. Runs its own event loop."""
+    import argparse
+    import asyncio
+    import socket
+
+    import httpx
+    import uvicorn
+
+    from vllm_anatomy.engine.async_llm import AsyncLLM
+    from vllm_anatomy.entrypoints.openai.api_server import UvicornServer, build_app
+    from vllm_anatomy.entrypoints.openai.cli_args import make_arg_parser
+
+    async def main() -> dict[str, str]:
+        engine = AsyncLLM(config, multiprocess=True, recorder=recorder)
+        recorder.set_run_meta("config", run_meta_config(config))   # num_gpu_blocks, resolved by the engine
+        args = make_arg_parser(argparse.ArgumentParser()).parse_args(["--model", config.model_config.model])
+        args.served_model_name = ["live"]
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        server = UvicornServer(uvicorn.Config(build_app(engine, args), host="127.0.0.1", port=port,
+                                              log_level="warning", access_log=False))
+        serving = asyncio.create_task(server.serve())
+        outputs: dict[str, str] = {}
+        try:
+            while not server.started:
+                await asyncio.sleep(0.02)
+            pending = sorted(enumerate(spec["prompts"]), key=lambda ip: (ip[1]["arrive_step"], ip[0]))
+
+            async def send(client: httpx.AsyncClient, i: int, p: dict) -> None:
+                conv = ([{"role": "system", "content": p["system"]}] if p.get("system") else []) + \
+                       [{"role": "user", "content": p["text"]}]
+                r = await client.post("/v1/chat/completions", json={
+                    "model": "live", "messages": conv, "max_tokens": spec["max_tokens"], "temperature": 0,
+                    "ignore_eos": spec["ignore_eos"]})
+                r.raise_for_status()
+                outputs[str(i)] = r.json()["choices"][0]["message"]["content"]
+
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=600) as client:
+                tasks = []
+                while pending and not _stop_requested:
+                    steps = _committed_steps(recorder.run_path)
+                    while pending and pending[0][1]["arrive_step"] <= steps:
+                        i, p = pending.pop(0)
+                        tasks.append(asyncio.create_task(send(client, i, p)))
+                    if on_step:
+                        on_step(steps, outputs)
+                    # Nothing running: the next arrival comes now (as drive() jumps ahead).
+                    if pending and (not tasks or all(t.done() for t in tasks)):
+                        i, p = pending.pop(0)
+                        tasks.append(asyncio.create_task(send(client, i, p)))
+                    await asyncio.sleep(0.05)
+                while tasks and not all(t.done() for t in tasks) and not _stop_requested:
+                    if on_step:
+                        on_step(_committed_steps(recorder.run_path), outputs)
+                    await asyncio.sleep(0.1)
+                for t in tasks:
+                    if t.done() and t.exception() is not None:
+                        raise t.exception()
+        finally:
+            server.should_exit = True
+            await serving
+            engine.shutdown()
+        return outputs
+
+    return asyncio.run(main())
+
+
+def run_meta_config(config) -> dict:
+    from vllm_anatomy.tracing.factory import run_meta
+    return run_meta(config)["config"]
+
+
 class _Engine:
     """What drive() needs of an `LLM`: its LLMEngine and tokenizer."""
 
@@ -312,14 +411,29 @@ def child_main(spec_path: str, status_path: str, wait_for: int | None = None) ->
         from vllm_anatomy.engine.arg_utils import EngineArgs
         from vllm_anatomy.engine.llm_engine import LLMEngine
         from vllm_anatomy.tracing.factory import make_recorder, run_meta
+        three = spec.get("processes") == 3
+        engine_args = {**spec["engine_args"], **({"distributed_executor_backend": "mp"} if three else {})}
         config = EngineArgs(model=spec.get("model"), trace_level="full", trace_dir=spec["trace_dir"],
-                            **spec["engine_args"]).create_engine_config()
+                            **engine_args).create_engine_config()
         # NOTE: the recorder (and with it the run store) is made before the engine,
         # as LLMEngine would make it, so the page can follow the start-up spans
         # (load model, KV cache, warm-up) while the engine is still being built.
         recorder = make_recorder(config, "frontend")
         status.update(run_path=recorder.run_path, t_imported_ns=time.time_ns())
         _write_json(status_path, status)
+        if three:
+            def on_http_step(step, outputs):
+                global _stop_requested
+                if os.getppid() != parent:
+                    _stop_requested = True
+                status.update(state="running", step=step, outputs=outputs)
+                _write_json(status_path, status)
+            outputs = drive_http(config, recorder, spec, on_http_step)
+            recorder.shutdown()
+            status.update(state="stopped" if _stop_requested else "done", outputs=outputs,
+                          step=_committed_steps(recorder.run_path))
+            _write_json(status_path, status)
+            return 0
         llm = _Engine(LLMEngine(config, recorder))
         recorder.set_run_meta("config", run_meta(config)["config"])   # resolved at start-up (num_gpu_blocks)
         status.update(state="running")

@@ -13,6 +13,8 @@ import streamlit as st
 from dashboard.scenarios import SCENARIOS, build_spec
 
 ss = st.session_state
+PROCESSES = {1: "one process (LLMEngine in-process)",
+             3: "three processes, as `vllm-anatomy serve` (API server → EngineCoreProc → worker)"}
 LINE = re.compile(r"^\[\+(\d+)( nosys)?\]\s*(.*)$")
 ARG_FIELDS = [("max_num_batched_tokens", "max_num_batched_tokens", 0, 8192, "token budget per step (0 = default)"),
               ("num_gpu_blocks_override", "num_gpu_blocks_override", 0, 100000, "KV blocks (0 = from memory)"),
@@ -74,6 +76,11 @@ def live_form() -> dict | None:
             a.checkbox("enable_prefix_caching", key="lf_prefix")
             b.checkbox("ignore_eos", key="lf_ignore_eos", help="generate exactly max_tokens")
             st.slider("pause between steps (s), to watch it live", 0.0, 2.0, 0.0, 0.1, key="lf_delay")
+        st.radio("Processes", [1, 3], key="lf_processes", horizontal=True, format_func=PROCESSES.get,
+                 help="three: the engine starts as `vllm-anatomy serve` starts it — the OpenAI API server (this "
+                      "run's frontend), EngineCoreProc in its own process, the worker behind the shared-memory "
+                      "ring (--distributed-executor-backend mp); prompts arrive as HTTP requests. The Processes "
+                      "page draws the hops between them.")
         start = st.form_submit_button(":material/play_arrow: Start live run")
     if not start:
         return None
@@ -83,4 +90,7 @@ def live_form() -> dict | None:
         return None
     args = {key: ss[f"lf_{key}"] for key, *_ in ARG_FIELDS}
     args.update(block_size=ss.lf_block_size, enable_prefix_caching=ss.lf_prefix)
-    return build_spec(ss.lf_scenario, prompts, args, ss.lf_max_tokens, ss.lf_ignore_eos, ss.lf_delay)
+    spec = build_spec(ss.lf_scenario, prompts, args, ss.lf_max_tokens, ss.lf_ignore_eos, ss.lf_delay)
+    if ss.get("lf_processes") == 3:
+        spec["processes"] = 3           # dashboard/live.py: drive_http
+    return spec

@@ -1,0 +1,37 @@
+"""The shape of an answer: what the Self-test page shows and the tests check."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class ShowMe:
+    """A deep link: `page` of the open run at `step`, on inspector tab `tab` (a key of
+    components/tabs.TABS), with `request` selected."""
+    label: str
+    page: str
+    step: int | None
+    tab: str | None = None
+    request: str | None = None
+
+
+@dataclass
+class Answer:
+    ok: bool                                     # False: this run cannot answer (why_not says why)
+    why_not: str = ""
+    subject: str = ""                            # "request 3 at step 14"
+    summary: str = ""                            # markdown, with the run's values
+    chain: list[dict] = field(default_factory=list)     # rows: {"①": .., "call": .., "what happened here": ..}
+    tables: dict[str, list[dict]] = field(default_factory=dict)
+    show_me: list[ShowMe] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)      # where a value comes from, what is derived
+    facts: dict[str, Any] = field(default_factory=dict)  # machine-readable: what the tests compare
+
+
+def cannot(why: str) -> Answer:
+    return Answer(ok=False, why_not=why)
+
+
+def ids(xs) -> str:
+    return "[" + ", ".join(str(x) for x in xs) + "]"

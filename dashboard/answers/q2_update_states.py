@@ -1,0 +1,160 @@
+"""Q2 — what GPUModelRunner._update_states did in one step, and why the batch persists.
+
+_update_states (v0.27.1 vllm/v1/worker/gpu_model_runner.py) applies the step's
+SchedulerOutput to the worker's mirror: finished requests leave (their
+CachedRequestState is dropped, their InputBatch row freed), rows not scheduled
+(preempted or skipped) leave the batch but keep their state, new requests get a
+CachedRequestState and a row, cached requests get their num_computed_tokens
+and appended block ids, and condense() moves tail rows into the holes.
+
+Read from: SchedulerOutput (the step snapshot), the InputBatch rows of this step
+and of the previous one (model_runner snapshots: rows, condense_moves), the
+worker's CachedRequestStates and the scheduler's Requests of the same step.
+"""
+from __future__ import annotations
+
+from dashboard.answers.common import Answer, ShowMe, cannot, ids
+from dashboard.answers.source import RunSource
+
+
+def _rows(mr: dict) -> dict[int, dict]:
+    return {r["index"]: r for r in (mr.get("input_batch") or {}).get("rows", [])}
+
+
+def candidate_steps(src: RunSource) -> list[int]:
+    """Steps with a model_runner snapshot and a previous step to diff against."""
+    return [s for s in src.steps[1:] if (src.mr(s).get("input_batch") is not None)]
+
+
+def default_step(src: RunSource) -> int | None:
+    """A step that shows the most: rows removed and added and condense moves, else any two of them."""
+    best, best_score = None, (-1,)
+    for s in candidate_steps(src):
+        mr, prev = src.mr(s), src.mr(src.prev_step(s))
+        before = {r["req_id"] for r in _rows(prev).values()}
+        after = {r["req_id"] for r in _rows(mr).values()}
+        moves = (mr.get("input_batch") or {}).get("condense_moves") or []
+        so = (src.snap(s) or {}).get("scheduler_output", {})
+        appended = sum(1 for x in so.get("scheduled_cached_reqs", {}).get("new_block_ids", []) if x)
+        score = (bool(before - after) + bool(after - before) + bool(moves), bool(appended), -s)
+        if score > best_score:
+            best, best_score = s, score
+    return best
+
+
+def answer(src: RunSource, step: int | None = None) -> Answer:
+    steps = candidate_steps(src)
+    if not steps:
+        return cannot("This run has no two consecutive steps with the worker's InputBatch recorded "
+                      "(model_runner snapshots), so there is nothing to diff.")
+    if step not in steps:
+        step = default_step(src)
+    prev = src.prev_step(step)
+    snap = src.snap(step) or {}
+    so = snap.get("scheduler_output", {})
+    mr, mr_prev = src.mr(step), src.mr(prev)
+    before, after = _rows(mr_prev), _rows(mr)
+    b_req = {r["req_id"]: i for i, r in before.items()}
+    a_req = {r["req_id"]: i for i, r in after.items()}
+    finished = [str(r) for r in so.get("finished_req_ids", [])]
+    scheduled = {str(k) for k in so.get("num_scheduled_tokens", {})}
+    new_ids = [str(r["req_id"]) for r in so.get("scheduled_new_reqs", [])]
+    cached = so.get("scheduled_cached_reqs", {})
+    resumed = {str(r) for r in cached.get("resumed_req_ids", [])}
+    moves = (mr.get("input_batch") or {}).get("condense_moves") or []
+    removed = []
+    for req, row in sorted(b_req.items(), key=lambda x: x[1]):
+        if req not in a_req:
+            why = ("finished (in finished_req_ids: its CachedRequestState is dropped too)" if req in finished
+                   else "not scheduled this step (preempted or out of budget): the row goes, its "
+                        "CachedRequestState stays")
+            removed.append({"row": row, "request": req, "why": why})
+    added = []
+    for req, row in sorted(a_req.items(), key=lambda x: x[1]):
+        if req not in b_req:
+            why = ("new: NewRequestData → a new CachedRequestState and a row" if req in new_ids else
+                   "resumed after preemption: its block ids replace the old ones" if req in resumed else
+                   "back in the batch (its CachedRequestState was kept)")
+            added.append({"row": row, "request": req, "why": why, "block_ids": ids(after[row]["block_ids"])})
+    appended = []
+    for i, req in enumerate(cached.get("req_ids", [])):
+        nb = (cached.get("new_block_ids") or [None] * (i + 1))[i]
+        if nb and str(req) not in resumed:
+            appended.append({"request": str(req), "block ids appended": ids(nb[0]),
+                             "row": a_req.get(str(req))})
+    # num_computed_tokens: what the scheduler sent for each cached request.
+    nct = [{"request": str(r), "num_computed_tokens": n, "row": a_req.get(str(r))}
+           for r, n in zip(cached.get("req_ids", []), cached.get("num_computed_tokens", []))]
+    move_rows = []
+    for src_row, dst_row in moves:
+        req = after.get(dst_row, {}).get("req_id")
+        move_rows.append({"from row": src_row, "to row": dst_row, "request": req})
+    # Rows that changed structurally vs rows kept: kept = same request at the same row, no block appended.
+    app_set = {a["request"] for a in appended}
+    touched = {a["request"] for a in added} | {m["request"] for m in move_rows} | app_set
+    kept = [req for req, row in a_req.items() if b_req.get(req) == row and req not in touched]
+    # The mirror: CachedRequestState (worker) beside Request (scheduler), same step.
+    sched = snap.get("scheduler", {})
+    reqs = {str(r["request_id"]): r for r in sched.get("running", []) + sched.get("waiting", [])}
+    r2b = sched.get("kv_cache", {}).get("req_to_block_ids", {})
+    n_sched = {str(k): v for k, v in so.get("num_scheduled_tokens", {}).items()}
+    mirror = []
+    for c in mr.get("cached_requests", []):
+        rid = str(c["req_id"])
+        r = reqs.get(rid)
+        row = after.get(a_req[rid]) if rid in a_req else None
+        if r is None:
+            continue
+        n = n_sched.get(rid, 0)
+        blocks_w = row["block_ids"] if row else None
+        blocks_s = r2b.get(rid, r.get("block_ids"))
+        agree_nct = c["num_computed_tokens"] + n == r["num_computed_tokens"] or c["num_computed_tokens"] == r["num_computed_tokens"]
+        mirror.append({"request": rid, "Request.num_computed_tokens (scheduler)": r["num_computed_tokens"],
+                       "CachedRequestState.num_computed_tokens (worker)": c["num_computed_tokens"],
+                       "scheduled this step": n,
+                       "Request.num_tokens": r["num_tokens"], "CachedRequestState.num_tokens": c["num_tokens"],
+                       "Request block ids": ids(blocks_s or []), "worker row's block ids": ids(blocks_w) if blocks_w is not None else "— (not in batch)",
+                       "agree": ("stale by design: not in the batch this step (e.g. preempted); a resume "
+                                 "sends its blocks and tokens again" if row is None and n == 0 else
+                                 "yes" if agree_nct and (blocks_w is None or list(blocks_w) == list(blocks_s or []))
+                                 else "no")})
+    n_rows = len(after)
+    summary = (f"In **step {step}**, `_update_states` turned the {len(before)} rows of step {prev} into {n_rows} rows "
+               f"by a diff: **{len(removed)} removed** {ids([r['request'] for r in removed])}, "
+               f"**{len(added)} added** {ids([a['request'] for a in added])}, block ids appended to "
+               f"{len(appended)} request(s), `num_computed_tokens` written for {len(nct)} cached request(s), "
+               f"**{len(moves)} condense move(s)** {ids([f'{a}→{b}' for a, b in moves])}. "
+               f"{len(kept)} of {n_rows} rows were **kept as they were** (same row, same token ids and block table: "
+               f"only their num_computed_tokens scalar written) — the InputBatch persists across steps; nothing is rebuilt.")
+    agree_all = all(m["agree"] != "no" for m in mirror)
+    notes = ["CachedRequestState is the worker's read-only mirror of the scheduler's Request: it is updated only "
+             "from CachedRequestData, never written back. The step snapshot is taken after "
+             + ("schedule() (async scheduling)" if src.async_scheduling else "update_from_output")
+             + ", the worker's after sampling: the scheduler advanced num_computed_tokens by this step's tokens "
+               "when it scheduled them (optimistically), the worker holds the value it was sent — so they agree "
+               "as worker + scheduled = scheduler."]
+    return Answer(
+        ok=True, subject=f"step {step}", summary=summary,
+        chain=[{"#": "1", "call": "finished_req_ids → requests.pop, remove_request", "what happened here":
+                ids([r["request"] for r in removed if r["request"] in finished]) or "none"},
+               {"#": "2", "call": "rows not scheduled → remove_request (state kept)", "what happened here":
+                ids([r["request"] for r in removed if r["request"] not in finished]) or "none"},
+               {"#": "3", "call": "scheduled_new_reqs → CachedRequestState, add_request", "what happened here":
+                ids(new_ids) or "none"},
+               {"#": "4", "call": "scheduled_cached_reqs → num_computed_tokens, block_ids.extend", "what happened here":
+                f"{len(nct)} updated, blocks appended to {ids([a['request'] for a in appended])}"},
+               {"#": "5", "call": "InputBatch.condense()", "what happened here":
+                ", ".join(f"row {a} → {b}" for a, b in moves) or "no hole left: no move"}],
+        tables={"rows removed": removed, "rows added": added, "block ids appended": appended,
+                "condense moves": move_rows, "CachedRequestState (worker) beside Request (scheduler)": mirror,
+                "InputBatch rows before (step %d)" % prev: [{"row": i, "request": r["req_id"], "block_ids": ids(r["block_ids"])}
+                                                         for i, r in sorted(before.items())],
+                "InputBatch rows after (step %d)" % step: [{"row": i, "request": r["req_id"], "block_ids": ids(r["block_ids"])}
+                                                        for i, r in sorted(after.items())]},
+        notes=notes,
+        show_me=[ShowMe(f"step {step}, Worker tab (InputBatch rows and condense moves)", "inspector", step, "worker")],
+        facts={"step": step, "prev": prev, "removed": [r["request"] for r in removed],
+               "added": [a["request"] for a in added], "moves": [list(m) for m in moves],
+               "appended": {a["request"]: a["block ids appended"] for a in appended},
+               "kept": sorted(kept), "rows_after": n_rows, "mirror_agrees": agree_all,
+               "candidates": steps})

@@ -1,0 +1,126 @@
+"""Q3 — how the block table reaches the attention kernel, and what a decode does with it.
+
+_prepare_inputs (v0.27.1) hands the attention backend, per step: block_table
+[num_reqs, max_num_blocks_per_req] (each InputBatch row's physical block ids,
+zero-padded: block 0 is the null block), seq_lens (tokens of K/V each request's
+query attends to, this step's included), query_start_loc (where each request's
+query tokens start in the flat batch) and slot_mapping (per token:
+block_id × block_size + offset, the slot reshape_and_cache writes its new K and V
+to; -1 for padding). A decode's kernel walks the first ⌈seq_len / block_size⌉
+entries of its row, in order, reading K and V block by block.
+
+Read from: the model_runner snapshot of the step (InputBatch rows, prepare_inputs).
+"""
+from __future__ import annotations
+
+import math
+
+from dashboard.answers.common import Answer, ShowMe, cannot, ids
+from dashboard.answers.source import RunSource
+
+
+SHOW_TOKENS = 40
+
+
+def _decodes(src: RunSource, step: int) -> list[tuple[int, str]]:
+    """(row, request) of the one-token queries of a step whose table spans more than one block."""
+    pi = src.mr(step).get("prepare_inputs") or {}
+    out = []
+    for i, (req, n) in enumerate(zip(pi.get("req_ids", []), pi.get("num_scheduled_tokens", []))):
+        if n == 1 and i < len(pi.get("seq_lens", [])) and pi["seq_lens"][i] > src.block_size:
+            out.append((i, str(req)))
+    return out
+
+
+def candidates(src: RunSource) -> list[int]:
+    return [s for s in src.steps if _decodes(src, s)]
+
+
+def default_step(src: RunSource, cands: list[int]) -> int | None:
+    """A step that mixes a decode with a prefill chunk (both kinds of query rows), else a decode step
+    with the most rows."""
+    def score(s):
+        pi = src.mr(s).get("prepare_inputs") or {}
+        n = pi.get("num_scheduled_tokens", [])
+        return (any(x > 1 for x in n) and any(x == 1 for x in n), len(n), -s)
+    return max(cands, key=score) if cands else None
+
+
+def answer(src: RunSource, step: int | None = None, req: str | None = None) -> Answer:
+    # Cheap first: the sample's 116 steps, a big run's thousands. Only look at steps with snapshots.
+    cands = candidates(src)
+    if not cands:
+        return cannot("No step of this run has a decoding request whose KV spans more than one block "
+                      "(or the worker's prepare_inputs was not recorded).")
+    if step not in cands:
+        step = default_step(src, cands)
+    mr = src.mr(step)
+    pi = mr["prepare_inputs"]
+    bs = src.block_size
+    decs = _decodes(src, step)
+    if req is None or str(req) not in [r for _, r in decs]:
+        req = max(decs, key=lambda d: pi["seq_lens"][d[0]])[1]
+    req = str(req)
+    rows = {r["index"]: r for r in mr["input_batch"]["rows"]}
+    req_ids = [str(r) for r in pi["req_ids"]]
+    ri = req_ids.index(req)
+    row = next(r for r in rows.values() if str(r["req_id"]) == req)
+    seq_len = pi["seq_lens"][ri]
+    n_walk = math.ceil(seq_len / bs)
+    walked = row["block_ids"][:n_walk]
+    qsl = pi["query_start_loc"]
+    tok = qsl[ri]                                  # its one query token's index in the flat batch
+    slot = pi["slot_mapping"][tok]
+    pos = pi["positions"][tok]
+    width = max(len(r["block_ids"]) for r in rows.values())
+    max_blocks = math.ceil(src.max_model_len / bs) if src.max_model_len else None
+    table = []
+    for i, rid in enumerate(req_ids):
+        r = next((x for x in rows.values() if str(x["req_id"]) == rid), None)
+        b = list(r["block_ids"]) if r else []
+        table.append({"row": i, "request": rid, **{f"[{j}]": (b[j] if j < len(b) else 0) for j in range(width)},
+                      "…": f"0 × {max_blocks - width}" if max_blocks and max_blocks > width else ""})
+    slots = pi["slot_mapping"]
+    # At most SHOW_TOKENS columns (a prefill can be thousands of tokens): the first ones and this request's.
+    shown = sorted(set(range(min(len(slots), SHOW_TOKENS))) | {tok})
+    slot_rows = [{"": "token", **{f"t{t}": t for t in shown}},
+                 {"": "request", **{f"t{t}": req_ids[pi["req_indices"][t]] if t < len(pi["req_indices"]) else "pad"
+                                    for t in shown}},
+                 {"": "slot_mapping", **{f"t{t}": slots[t] for t in shown}},
+                 {"": "block_id = slot // %d" % bs, **{f"t{t}": (slots[t] // bs if slots[t] >= 0 else "pad") for t in shown}},
+                 {"": "offset = slot %% %d" % bs, **{f"t{t}": (slots[t] % bs if slots[t] >= 0 else "pad") for t in shown}}]
+    per_req = [{"row": i, "request": rid, "query_start_loc": qsl[i], "query tokens": qsl[i + 1] - qsl[i],
+                "seq_len": pi["seq_lens"][i], "blocks walked ⌈seq_len/%d⌉" % bs: math.ceil(pi["seq_lens"][i] / bs)}
+               for i, rid in enumerate(req_ids)]
+    walk = [{"block #": j, "physical block": b, "tokens": f"{j * bs}–{min((j + 1) * bs, seq_len) - 1}",
+             "K/V read": min(bs, seq_len - j * bs)} for j, b in enumerate(walked)]
+    cg = pi.get("cudagraph") or {}
+    padded = cg.get("num_padded_tokens") and cg.get("num_tokens") and cg["num_padded_tokens"] > cg["num_tokens"]
+    slot_ok = slot == walked[pos // bs] * bs + pos % bs if pos // bs < len(walked) else False
+    summary = (f"In **step {step}** the attention backend got a `block_table` of {len(req_ids)} rows × "
+               f"{max_blocks or width} columns (zero-padded), `seq_lens` {ids(pi['seq_lens'])}, `query_start_loc` "
+               f"{ids(qsl)} and a `slot_mapping` of {len(slots)} slots. Request **{req}** decodes one token at "
+               f"position {pos}: `seq_len` = {seq_len}, so the kernel walks ⌈{seq_len} / {bs}⌉ = **{n_walk} blocks** "
+               f"{ids(walked)} in order (the last holds {seq_len - (n_walk - 1) * bs} of {bs} tokens), and its new K/V "
+               f"goes to **slot {slot}** = block {slot // bs} × {bs} + offset {slot % bs}."
+               + (f" The graph replay was padded {cg['num_tokens']} → {cg['num_padded_tokens']} tokens: padding "
+                  "slots are -1 (nothing written)." if padded else ""))
+    return Answer(
+        ok=True, subject=f"request {req} at step {step}", summary=summary,
+        chain=[{"#": "1", "call": "SchedulerOutput block ids → _update_states", "what happened here":
+                f"request {req}'s InputBatch row {row['index']} holds {ids(row['block_ids'])}"},
+               {"#": "2", "call": "BlockTable.commit_block_table (H2D)", "what happened here":
+                f"block_table[:{len(req_ids)}] copied to the device, rows zero-padded"},
+               {"#": "3", "call": "_prepare_inputs", "what happened here":
+                f"positions → slot_mapping (block_table[pos // {bs}] × {bs} + pos % {bs}), seq_lens, query_start_loc"},
+               {"#": "4", "call": "reshape_and_cache", "what happened here":
+                f"request {req}'s new K/V written to slot {slot} (block {slot // bs}, offset {slot % bs})"},
+               {"#": "5", "call": "unified_attention (decode)", "what happened here":
+                f"reads K/V of blocks {ids(walked)} ({seq_len} tokens) for its one query"}],
+        tables={"block_table as the kernel receives it": table, "per request": per_req,
+                "slot_mapping, split": slot_rows, f"blocks request {req} walks": walk},
+        show_me=[ShowMe(f"step {step}, Worker tab (slot_mapping, block tables)", "inspector", step, "worker", req)],
+        facts={"step": step, "request": req, "seq_len": seq_len, "walked": walked, "slot": slot, "position": pos,
+               "slot_ok": slot_ok, "block_table": {rid: list(next(x for x in rows.values() if str(x['req_id']) == rid)["block_ids"])
+                                                   for rid in req_ids if any(str(x['req_id']) == rid for x in rows.values())},
+               "seq_lens": list(pi["seq_lens"]), "query_start_loc": list(qsl), "candidates": cands})

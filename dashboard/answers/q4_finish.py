@@ -1,0 +1,196 @@
+"""Q4 — a request finishes: what the Scheduler and KVCacheManager.free did, and whether
+its blocks could be used at once.
+
+Scheduler.update_from_output (v0.27.1) sees the stop condition (EOS, stop token,
+max_tokens, max_model_len), takes the request out of `running`, adds its id to
+`finished_req_ids` (sent to the workers with the next SchedulerOutput, so they drop
+its CachedRequestState and row) and returns its output with a finish reason; it
+then calls KVCacheManager.free → BlockPool.free_blocks with the request's blocks
+in reverse order: each ref_cnt drops by one, a block reaching 0 joins the free
+queue (hashed: at the tail, still a prefix-cache entry; unhashed: at the front, to
+be reused first), a block another request still holds (a shared prefix) is not
+freed. Those blocks are then taken by a later prefix hit (the same content) or a
+fresh allocation (which pops the queue's head and evicts the hash).
+
+Read from: the queues of every step (when the request left them), the "free"
+event of that step (stamped with request and call in newer runs; else matched
+against the request's blocks), the pool of the steps before and after (ref_cnt,
+hash, free-queue order), SchedulerOutput.finished_req_ids of the next step, the
+request's llm_request span (finish reason), and every later event on the blocks.
+"""
+from __future__ import annotations
+
+from dashboard.answers.common import Answer, ShowMe, cannot, ids
+from dashboard.answers.source import PoolReplay, RunSource
+
+
+def finishes(src: RunSource) -> list[tuple[int, str]]:
+    """(step, request) for every request that left the queues after being in them: update_from_output
+    of that step finished it (as dashboard/lessons.py reads it)."""
+    nxt = dict(zip(src.steps, src.steps[1:]))
+    out = []
+    for req, seen in src.statuses.items():
+        last = max(seen)
+        if last in nxt:
+            out.append((nxt[last], req))
+    return sorted(out)
+
+
+def _free_event(src: RunSource, step: int, req: str, held: list[int]) -> tuple[int, dict] | None:
+    """(step, event) of KVCacheManager.free for this request: in its finish step, or (async scheduling:
+    events are drained with the next step's snapshot) the step after."""
+    for s in (step, src.next_step(step)):
+        if s is None:
+            continue
+        for e in src.events(s):
+            if e["kind"] != "free":
+                continue
+            if "call" in e:
+                if e.get("request_id") == req and e.get("call") == "free":
+                    return s, e
+            elif held and set(held) <= set(e["block_ids"]) and e["block_ids"][-1] == held[0]:
+                return s, e
+    return None
+
+
+def _reason(src: RunSource, req: str) -> str | None:
+    span = src.requests.get(req)
+    if span is None:
+        return None
+    r = span.attributes.get("gen_ai.response.finish_reasons")
+    return r[0] if isinstance(r, list) and r else r
+
+
+def default_pick(src: RunSource, done: list[tuple[int, str]]) -> tuple[int, str] | None:
+    """A request that finished on its own (stop / length), best one with a shared block and a later reuse."""
+    def score(d):
+        a = _facts(src, *d)
+        return (_reason(src, d[1]) in ("stop", "length"), bool(a and a["shared"]), bool(a and a["reused"]), -d[0])
+    return max(done, key=score) if done else None
+
+
+def _facts(src: RunSource, step: int, req: str) -> dict | None:
+    prev = src.prev_step(step)
+    held = src.blocks_of(prev, req) if prev is not None else []
+    found = _free_event(src, step, req, held)
+    if found is None:
+        return None
+    fstep, ev = found
+    # ref_cnt before / after and the end each block joined: recorded, else replayed from the pool before.
+    replay = PoolReplay(src.kv(src.prev_step(fstep)) if src.prev_step(fstep) is not None else {}, src.enable_caching)
+    did = {}
+    for e in src.events(fstep):
+        d = replay.apply(e)
+        if e is ev:
+            did = d
+            break
+    after = ev.get("ref_cnts") or did.get("ref_after") or []
+    before = [a + 1 for a in after] if ev.get("ref_cnts") is not None else did.get("ref_before", [])
+    ends = ev.get("queue_ends") if ev.get("queue_ends") is not None else did.get("ends", [])
+    hashes = did.get("hashes") or [None] * len(ev["block_ids"])
+    kv = src.kv(fstep)
+    fq = kv.get("free_queue", [])
+    owners = {b["block_id"]: b.get("owners", []) for b in kv.get("blocks", [])}
+    rows = []
+    for i, b in enumerate(ev["block_ids"]):
+        end = ends[i] if i < len(ends) else None
+        rows.append({"block": b, "ref_cnt before → after": f"{before[i] if i < len(before) else '?'} → "
+                                                             f"{after[i] if i < len(after) else '?'}",
+                     "hash": hashes[i] or "—",
+                     "free queue": (f"{end} (position {fq.index(b)} of {len(fq)} after step {fstep})" if end and b in fq
+                                    else end or "not freed: still held by " + (", ".join(map(str, owners.get(b, []))) or "another request")),
+                     "hash kept": "yes" if hashes[i] and end else "—"})
+    freed = [r["block"] for r, e in zip(rows, ends) if e]
+    shared = [r["block"] for r, e in zip(rows, ends) if not e]
+    # Later: the first hit / allocate touching each freed block.
+    reused = {}
+    for s in src.steps:
+        if s <= fstep:
+            continue
+        for e in src.events(s):
+            if e["kind"] in ("hit", "allocate"):
+                for b in e["block_ids"]:
+                    if b in freed and b not in reused:
+                        reused[b] = {"step": s, "how": "prefix hit (BlockPool.touch): same content, reused as is"
+                                     if e["kind"] == "hit" else "fresh allocation (get_new_blocks)"
+                                     + (": its hash evicted" if any(x["kind"] == "evict" and b in x["block_ids"]
+                                                                   for x in src.events(s)) else ""),
+                                     "by": e.get("request_id") or _who(src, s, b)}
+        if len(reused) == len(freed):
+            break
+    return {"fstep": fstep, "event": ev, "rows": rows, "freed": freed, "shared": shared, "reused": reused,
+            "held": held, "replay_ok": replay.ok, "replay_problem": replay.problem}
+
+
+def _who(src: RunSource, step: int, block: int) -> str:
+    for s in src.record(step).get("scheduled", []):
+        if block in (s.get("new_block_ids") or []):
+            return str(s["request_id"])
+    for h in src.record(step).get("prefix_hits", []):
+        if block in h.get("hit_block_ids", []):
+            return str(h["request_id"])
+    return "?"
+
+
+def answer(src: RunSource, step: int | None = None, req: str | None = None) -> Answer:
+    done = finishes(src)
+    if not done:
+        return cannot("No request finished in this run's recorded steps (each one was still queued or "
+                      "running at its last step), so there is no finish to show.")
+    if step is None or req is None or (step, str(req)) not in done:
+        step, req = default_pick(src, done)
+    req = str(req)
+    f = _facts(src, step, req)
+    if f is None:
+        return cannot(f"Request {req} left the queues at step {step}, but no free event of its blocks was "
+                      "recorded (block-pool events are kept at trace level full only).")
+    nxt = src.next_step(step)
+    so_next = (src.snap(nxt) or {}).get("scheduler_output", {}) if nxt is not None else {}
+    told = req in [str(x) for x in so_next.get("finished_req_ids", [])]
+    reason = _reason(src, req)
+    fstep = f["fstep"]
+    reuse_rows = [{"block": b, "step": r["step"], "by request": r["by"], "how": r["how"]}
+                  for b, r in sorted(f["reused"].items(), key=lambda x: x[1]["step"])]
+    first_reuse = min((r["step"] for r in f["reused"].values()), default=None)
+    summary = (f"Request **{req}** finished in **step {step}** ({reason or 'reason not recorded'}): "
+               f"`Scheduler.update_from_output` took it out of `running` and returned its last output; "
+               + (f"step {nxt}'s `SchedulerOutput.finished_req_ids` told the worker. " if told else "")
+               + f"`KVCacheManager.free` handed `BlockPool.free_blocks` its blocks in reverse order "
+               f"{ids(f['event']['block_ids'])}: "
+               + (f"**{ids(f['freed'])}** reached ref_cnt 0 and joined the free queue" if f["freed"] else "none reached 0")
+               + (f"; **{ids(f['shared'])}** stayed held (shared with another request)" if f["shared"] else "")
+               + ". "
+               + (f"They could be used at once — and were: first in **step {first_reuse}** ({reuse_rows[0]['how']})."
+                  if first_reuse is not None else "None of them was reused before the run ended."))
+    notes = []
+    if "call" not in f["event"]:
+        notes.append("This run's free event does not carry ref_cnt and queue ends (recorded before that was added): "
+                     "they are replayed from the previous step's pool.")
+    if not f["replay_ok"]:
+        notes.append(f"The replay disagrees with the run ({f['replay_problem']}).")
+    if src.async_scheduling:
+        notes.append("Async scheduling: a step's snapshot is taken after schedule(), so the free made by step "
+                     f"{step}'s update_from_output is listed with step {fstep}'s events.")
+    show = [ShowMe(f"step {step}, KV cache tab, request {req} (its F events and the free queue)", "inspector",
+                   step, "kv", req)]
+    if first_reuse is not None:
+        by = reuse_rows[0]["by request"]
+        show.append(ShowMe(f"step {first_reuse}, KV cache tab: block {reuse_rows[0]['block']} reused"
+                           + (f" by request {by}" if by and by != "?" else ""), "inspector", first_reuse, "kv",
+                           by if by and by != "?" else None))
+    return Answer(
+        ok=True, subject=f"request {req}, finished at step {step}", summary=summary,
+        chain=[{"#": "1", "call": "Scheduler.update_from_output", "what happened here":
+                f"stop check → {reason or '?'}; request {req} out of running; its output returned"},
+               {"#": "2", "call": "Scheduler._free_request → KVCacheManager.free", "what happened here":
+                f"blocks {ids(f['held'] or list(reversed(f['event']['block_ids'])))} handed back, tail first"},
+               {"#": "3", "call": "BlockPool.free_blocks", "what happened here":
+                f"ref_cnt −1 each; {ids(f['freed'])} to the free queue, {ids(f['shared']) if f['shared'] else 'none'} kept"},
+               {"#": "4", "call": "SchedulerOutput.finished_req_ids (next step)", "what happened here":
+                (f"step {nxt}: the worker drops its CachedRequestState and row" if told else
+                 "not seen in a recorded step")}],
+        tables={"KVCacheManager.free, block by block": f["rows"], "later use of the freed blocks": reuse_rows},
+        notes=notes, show_me=show,
+        facts={"step": step, "request": req, "free_step": fstep, "freed_order": list(f["event"]["block_ids"]),
+               "freed": f["freed"], "shared": f["shared"], "reused": {b: r["step"] for b, r in f["reused"].items()},
+               "told_next_step": told, "finishes": done})

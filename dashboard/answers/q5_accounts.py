@@ -1,0 +1,233 @@
+"""Q5 — the five accounts of one request, from the run store, and why no single number
+tells its story.
+
+    time           queue, prefill, decode (ms), TTFT and ITL: the request's llm_request
+                   span events (QUEUED, SCHEDULED, FIRST_TOKEN, FINISHED) and the end of
+                   every step that gave it a token
+    memory         its KV blocks at their peak, in MB (components/kv_memory.block_bytes),
+                   against the whole pool and the model's weights (per rank)
+    communication  collectives on the steps that served it (Worker.execute_model's
+                   vllm_anatomy.num_all_reduce / all_reduce_bytes, when the run has them)
+                   and the messages that crossed a process boundary (ZMQ, shared memory)
+    CPU            host ms of Scheduler.schedule, GPUModelRunner._update_states and
+                   _prepare_inputs, Scheduler.update_from_output on its steps, and its
+                   share (by its scheduled tokens in each step)
+    request        its status path with step numbers (the queues of every step)
+"""
+from __future__ import annotations
+
+from dashboard.answers.common import Answer, ShowMe, cannot, ids
+from dashboard.answers.source import RunSource
+
+CPU_SPANS = {"Scheduler.schedule": "schedule", "GPUModelRunner._update_states": "_update_states",
+             "GPUModelRunner._prepare_inputs": "_prepare_inputs", "Scheduler.update_from_output": "update_from_output"}
+COLLECTIVES = ("all_reduce", "all_gather", "broadcast")
+
+
+def _events(span) -> dict[str, list[int]]:
+    ev: dict[str, list[int]] = {}
+    for e in span.events:
+        ev.setdefault(e["name"], []).append(e["time_ns"])
+    return ev
+
+
+def candidates(src: RunSource) -> list[str]:
+    """Requests with a finished llm_request span (a span is written when it ends)."""
+    return sorted(src.requests, key=lambda r: (not r.isdigit(), int(r) if r.isdigit() else 0, r))
+
+
+def default_request(src: RunSource, reqs: list[str]) -> str | None:
+    """A preempted request if any (its accounts disagree the most), else the one with the most tokens out."""
+    def score(r):
+        sp = src.requests[r]
+        return (len(_events(sp).get("PREEMPTED", [])), sp.attributes.get("gen_ai.usage.output_tokens") or 0)
+    return max(reqs, key=score) if reqs else None
+
+
+def _steps_of(src: RunSource, req: str) -> dict[int, dict]:
+    """step -> its scheduled entry for this request."""
+    out = {}
+    for s in src.steps:
+        for e in src.record(s).get("scheduled", []):
+            if str(e["request_id"]) == req:
+                out[s] = {**e, "step_tokens": sum(x["num_tokens"] for x in src.record(s)["scheduled"])}
+    return out
+
+
+def _status_path(src: RunSource, req: str, finish_step: int | None, reason: str | None) -> list[dict]:
+    seen = src.statuses.get(req, {})
+    path: list[dict] = []
+    for s in sorted(seen):
+        st = seen[s]
+        if path and path[-1]["status"] == st:
+            path[-1]["to step"] = s
+        else:
+            path.append({"status": st, "from step": s, "to step": s})
+    if finish_step is not None:
+        path.append({"status": f"FINISHED ({reason})" if reason else "FINISHED", "from step": finish_step,
+                     "to step": finish_step})
+    return path
+
+
+def answer(src: RunSource, req: str | None = None) -> Answer:
+    reqs = candidates(src)
+    if not reqs:
+        return cannot("No request of this run has finished (llm_request spans are written when a request ends).")
+    if req is None or str(req) not in reqs:
+        req = default_request(src, reqs)
+    req = str(req)
+    span = src.requests[req]
+    ev = _events(span)
+    a = span.attributes
+    n_in, n_out = a.get("gen_ai.usage.input_tokens"), a.get("gen_ai.usage.output_tokens") or 0
+    reason = (a.get("gen_ai.response.finish_reasons") or [None])[0]
+    ms = lambda ns: ns / 1e6  # noqa: E731
+    queued = ev.get("QUEUED", [span.start_ns])[0]
+    sched = ev.get("SCHEDULED", [None])[0]
+    first = ev.get("FIRST_TOKEN", [None])[0]
+    fin = ev.get("FINISHED", [span.end_ns])[0]
+    mine = _steps_of(src, req)
+    # Token times: the end of each step that gave it a token (decode, or the chunk that ends its prompt).
+    token_steps = [s for s, e in mine.items() if e["kind"] in ("decode", "final_prefill_chunk")
+                   or (e["kind"] == "resumed" and e.get("num_computed_tokens_before", 0) + e["num_tokens"]
+                       >= (n_in or 0))]
+    ends = [src.step_spans[s].end_ns for s in token_steps if s in src.step_spans]
+    gaps = [ms(b - x) for x, b in zip(ends, ends[1:])]
+    time = {"queue ms": ms(sched - queued) if sched else None,
+            "prefill ms": ms(first - sched) if first and sched else None,
+            "decode ms": ms(fin - first) if first else None,
+            "TTFT ms": ms(first - queued) if first else None,
+            "ITL mean ms": ms(fin - first) / (n_out - 1) if first and n_out > 1 else None,
+            "ITL max ms (step ends)": max(gaps) if gaps else None,
+            "e2e ms": ms(span.end_ns - span.start_ns)}
+    # Memory.
+    from dashboard.components.kv_memory import MB, block_bytes
+    per_block = block_bytes(src.meta, src.mr(src.steps[0]), src.block_size)
+    peak_blocks, peak_step = 0, None
+    for s in src.steps:
+        n = len(src.blocks_of(s, req))
+        if n > peak_blocks:
+            peak_blocks, peak_step = n, s
+    pool = (src.kv(src.steps[0]).get("num_gpu_blocks") or 0) - 1
+    weights, weights_from = src.weight_bytes()
+    mem = {"peak KV blocks": peak_blocks, "at step": peak_step,
+           "KV MB": peak_blocks * per_block / MB if per_block else None,
+           "pool MB": pool * per_block / MB if per_block else None, "pool blocks": pool,
+           "weights MB": weights / MB if weights else None}
+    # Communication.
+    coll = {op: [0, 0] for op in COLLECTIVES}
+    have_counts = False
+    served_traces = {src.step_spans[s].trace_id for s in mine if s in src.step_spans}
+    for w in src.spans("Worker.execute_model"):
+        if w.trace_id in served_traces:
+            for op in COLLECTIVES:
+                if f"vllm_anatomy.num_{op}" in w.attributes:
+                    have_counts = True
+                    coll[op][0] += int(w.attributes.get(f"vllm_anatomy.num_{op}") or 0)
+                    coll[op][1] += int(w.attributes.get(f"vllm_anatomy.{op}_bytes") or 0)
+    n_steps = len(mine)
+    kinds = set(src.pids)
+    three = "engine_core" in kinds
+    workers_out = "worker" in kinds
+    ipc = {"ZMQ messages (EngineCoreRequest in + EngineCoreOutputs out)": (1 + len(token_steps)) if three else 0,
+           "shared-memory messages (execute_model, sample_tokens and their replies)":
+               4 * n_steps if workers_out or src.backend == "mp" else 0}
+    if have_counts:
+        comm_why = (f"{coll['all_reduce'][0]} all-reduce(s) ({coll['all_reduce'][1] / MB:.2f} MB handed to them) over "
+                    f"the {n_steps} steps that served it: {coll['all_reduce'][0] / max(n_steps, 1):.0f} per step "
+                    f"(TP {src.tp}); the steps serve its neighbours too, so this is the traffic it shared.")
+    else:
+        comm_why = (f"0 collectives: tensor-parallel size {src.tp} — the model's weights live on one device, so every "
+                    "layer's output is already whole there and nothing needs to be all-reduced. (The article's "
+                    "160 all-reduces per step come from a model split across GPUs: 2 per layer.)")
+    ipc_why = (("Three processes: its request crossed ZMQ once in, its outputs crossed it once per token step; "
+                if three else "One frontend/engine process: no ZMQ hop; ")
+               + ("each step crossed the shared-memory queue twice down and twice up." if (workers_out or src.backend == "mp")
+                  else "the worker is called in-process (UniProcExecutor): no shared-memory hop."))
+    # CPU.
+    step_of = {sp.trace_id: s for s, sp in src.step_spans.items()}
+    cpu_rows = {}
+    for name, short in CPU_SPANS.items():
+        total = share = 0.0
+        for sp in src.spans(name):
+            s = step_of.get(sp.trace_id)
+            if s is None and sp.step_id is not None:
+                s = sp.step_id
+            if s in mine:
+                d = ms(sp.end_ns - sp.start_ns)
+                total += d
+                share += d * mine[s]["num_tokens"] / max(mine[s]["step_tokens"], 1)
+        cpu_rows[short] = (total, share)
+    cpu_total = sum(t for t, _ in cpu_rows.values())
+    cpu_share = sum(s for _, s in cpu_rows.values())
+    step_ms = sum(ms(src.step_spans[s].end_ns - src.step_spans[s].start_ns) for s in mine if s in src.step_spans)
+    # Request.
+    finish_step = next((s for s, r in _finish_steps(src) if r == req), None)
+    path = _status_path(src, req, finish_step, reason)
+    engine_events = [{"event": e["name"], "ms since arrival": round(ms(e["time_ns"] - queued), 2)} for e in span.events]
+    # Why no single number: the run's own contrasts.
+    why = []
+    if time["TTFT ms"] and time["queue ms"] is not None:
+        why.append(f"Its TTFT is {time['TTFT ms']:.1f} ms, of which {time['queue ms']:.1f} ms "
+                   f"({100 * time['queue ms'] / time['TTFT ms']:.0f} %) was waiting in the queue, not computing: "
+                   "the time account alone cannot say whether the GPU was slow or the pool was full.")
+    if mem["KV MB"] is not None and mem["weights MB"]:
+        why.append(f"Its KV peaked at {mem['KV MB']:.2f} MB — {100 * peak_blocks / max(pool, 1):.0f} % of the pool but "
+                   f"{100 * mem['KV MB'] / mem['weights MB']:.2f} % of the {mem['weights MB']:.0f} MB of weights: "
+                   "tiny next to the model, yet the scarce resource that decides who runs.")
+    if cpu_total:
+        why.append(f"The host spent {cpu_total:.2f} ms scheduling and preparing the {n_steps} steps it was in "
+                   f"({cpu_share:.2f} ms its share by tokens) out of {step_ms:.1f} ms of step time: cheap per request, "
+                   "but paid again every step for every request.")
+    pre = len(ev.get("PREEMPTED", []))
+    if pre:
+        why.append(f"It was preempted {pre} time(s): its decode time includes recomputing its prompt, a memory "
+                   "decision that shows up only in the time account.")
+    rows = [{"account": "time", "value": (f"queue {_f(time['queue ms'])} · prefill {_f(time['prefill ms'])} · decode "
+                                          f"{_f(time['decode ms'])} ms; TTFT {_f(time['TTFT ms'])} ms; ITL mean "
+                                          f"{_f(time['ITL mean ms'])} ms, max {_f(time['ITL max ms (step ends)'])} ms")},
+            {"account": "memory", "value": (f"{peak_blocks} KV blocks at step {peak_step} = {_f(mem['KV MB'], 2)} MB, "
+                                            f"pool {pool} blocks = {_f(mem['pool MB'], 1)} MB, weights "
+                                            f"{_f(mem['weights MB'], 0)} MB")},
+            {"account": "communication", "value": comm_why + " " + ipc_why},
+            {"account": "CPU", "value": ", ".join(f"{k} {t:.2f} ms" for k, (t, _) in cpu_rows.items())
+             + f" — {cpu_total:.2f} ms over its {n_steps} steps, its share {cpu_share:.2f} ms"},
+            {"account": "request", "value": " → ".join(
+                f"{p['status']}@{p['from step']}" + (f"–{p['to step']}" if p["to step"] != p["from step"] else "")
+                for p in path)}]
+    summary = (f"Request **{req}** ({n_in} prompt tokens, {n_out} generated, {reason or '?'}): "
+               + "; ".join(f"**{r['account']}** — {r['value']}" for r in rows[:2]) + ".")
+    show = [ShowMe(f"request {req}'s journey", "journey", first_step_of(mine), None, req)]
+    if peak_step is not None:
+        show.append(ShowMe(f"step {peak_step}, KV cache tab: its blocks at their peak", "inspector", peak_step, "kv", req))
+    if three:
+        show.append(ShowMe(f"the three processes at step {first_step_of(mine)}", "processes", first_step_of(mine), None, req))
+    notes = [f"Weights: {weights_from}."]
+    if not have_counts:
+        notes.append("Collective counts (vllm_anatomy.num_all_reduce on Worker.execute_model) are not in this run.")
+    return Answer(
+        ok=True, subject=f"request {req}", summary=summary,
+        tables={"the five accounts": rows,
+                "CPU, per span (ms)": [{"span": k, "total on its steps": round(t, 3), "its share": round(s, 3)}
+                                       for k, (t, s) in cpu_rows.items()],
+                "status path": path, "engine events": engine_events,
+                "communication": [{"what": k, "count": v} for k, v in ipc.items()]
+                + [{"what": f"{op} (count, MB)", "count": f"{c} ({b / MB:.2f} MB)"} for op, (c, b) in coll.items()]},
+        chain=[{"#": "why", "call": "no single number", "what happened here": w} for w in why],
+        notes=notes, show_me=show,
+        facts={"request": req, "time": time, "memory": mem, "collectives": coll, "have_counts": have_counts,
+               "ipc": ipc, "cpu": cpu_rows, "cpu_total": cpu_total, "cpu_share": cpu_share, "steps": sorted(mine),
+               "path": path, "candidates": reqs, "why": why, "per_block": per_block})
+
+
+def first_step_of(mine: dict) -> int | None:
+    return min(mine) if mine else None
+
+
+def _finish_steps(src: RunSource) -> list[tuple[int, str]]:
+    from dashboard.answers.q4_finish import finishes
+    return finishes(src)
+
+
+def _f(x, nd: int = 1) -> str:
+    return "—" if x is None else f"{x:,.{nd}f}"

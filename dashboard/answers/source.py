@@ -1,0 +1,242 @@
+"""What the self-test answers read: one run store, through tracing/reader.py.
+
+`RunSource(path)` opens nothing until asked; every read goes through `open_run`
+(read-only) and is kept for the life of the object (the page keeps one per run
+version in st.cache_resource). The dashboard may hand it the tables it has
+already built (data.step_scan, data.queue_statuses); without them it builds the
+same from the snapshots itself (tests, small runs).
+"""
+from __future__ import annotations
+
+import functools
+import math
+import os
+from typing import Any
+
+from vllm_anatomy.tracing.reader import open_run
+
+# Where an event came from, by kind (BlockPool methods; v0.27.1 names).
+EVENT_METHOD = {"hit": "BlockPool.touch", "evict": "BlockPool._maybe_evict_cached_block",
+                "allocate": "BlockPool.get_new_blocks", "cache": "BlockPool.cache_full_blocks",
+                "free": "BlockPool.free_blocks", "reset": "BlockPool.reset_prefix_cache"}
+
+
+class RunSource:
+    def __init__(self, path: str, scan: dict | None = None, statuses: dict | None = None) -> None:
+        self.path = path
+        with open_run(path) as run:
+            self.meta = run.meta
+            self.steps: list[int] = run.steps()
+        self._scan = scan if isinstance(scan, dict) else None
+        self._statuses = statuses if isinstance(statuses, dict) else None
+        cfg = self.meta.get("config") or {}
+        self.block_size = int((cfg.get("cache_config") or {}).get("block_size") or 16)
+        self.enable_caching = bool((cfg.get("cache_config") or {}).get("enable_prefix_caching", True))
+        sc = cfg.get("scheduler_config") or {}
+        self.async_scheduling = bool(sc.get("async_scheduling"))
+        self.max_model_len = int(sc.get("max_model_len") or (cfg.get("model_config") or {}).get("max_model_len") or 0)
+        pc = cfg.get("parallel_config") or {}
+        self.backend = pc.get("distributed_executor_backend") or "uni"
+        self.tp = int(pc.get("tensor_parallel_size") or pc.get("world_size") or 1)
+
+    # -- snapshots --------------------------------------------------------------------------
+    @functools.lru_cache(maxsize=256)
+    def snap(self, step: int) -> dict | None:
+        with open_run(self.path) as run:
+            return run.snapshot(step)
+
+    @functools.lru_cache(maxsize=256)
+    def mr(self, step: int) -> dict:
+        with open_run(self.path) as run:
+            return run.snapshot(step, "model_runner") or {}
+
+    def prev_step(self, step: int) -> int | None:
+        i = self.steps.index(step)
+        return self.steps[i - 1] if i > 0 else None
+
+    def next_step(self, step: int) -> int | None:
+        i = self.steps.index(step)
+        return self.steps[i + 1] if i + 1 < len(self.steps) else None
+
+    def record(self, step: int) -> dict:
+        if self._scan is not None and step in self._scan_index:
+            return self._scan["records"][self._scan_index[step]]
+        return (self.snap(step) or {}).get("scheduler", {}).get("step_record", {})
+
+    def events(self, step: int) -> list[dict]:
+        if self._scan is not None and step in self._scan_index:
+            return self._scan["events"][self._scan_index[step]]
+        return (self.snap(step) or {}).get("block_pool_events") or []
+
+    @functools.cached_property
+    def _scan_index(self) -> dict[int, int]:
+        return {s: i for i, s in enumerate(self._scan["steps"])} if self._scan else {}
+
+    @functools.cached_property
+    def statuses(self) -> dict[str, dict[int, str]]:
+        """request id -> {step: status while in a queue} (as data.queue_statuses)."""
+        if self._statuses is not None:
+            return self._statuses
+        out: dict[str, dict[int, str]] = {}
+        for step in self.steps:
+            sched = (self.snap(step) or {}).get("scheduler", {})
+            for r in sched.get("waiting", []) + sched.get("running", []):
+                out.setdefault(str(r["request_id"]), {})[step] = r["status"]
+        return out
+
+    @functools.cached_property
+    def attributed(self) -> bool:
+        """Does this run stamp block-pool events with their request and call?"""
+        for step in self.steps:
+            for e in self.events(step):
+                return "call" in e
+        return False
+
+    # -- spans ------------------------------------------------------------------------------
+    @functools.cached_property
+    def step_spans(self) -> dict[int, Any]:
+        with open_run(self.path) as run:
+            return {s.step_id: s for s in run.spans("EngineCore.step") if s.step_id is not None}
+
+    @functools.lru_cache(maxsize=64)
+    def spans_of_step(self, step: int) -> list:
+        """Every span of the step's trace (its EngineCore.step tree, all processes)."""
+        root = self.step_spans.get(step)
+        if root is None:
+            return []
+        with open_run(self.path) as run:
+            return run.spans(where="trace_id = ?", args=(root.trace_id,))
+
+    @functools.cached_property
+    def requests(self) -> dict[str, Any]:
+        with open_run(self.path) as run:
+            return {str(s.request_id or s.attributes.get("vllm_anatomy.request_id")): s for s in run.requests()}
+
+    @functools.lru_cache(maxsize=8)
+    def spans(self, name: str) -> list:
+        with open_run(self.path) as run:
+            return run.spans(name)
+
+    @functools.cached_property
+    def pids(self) -> dict[str, set[int]]:
+        """process kind -> pids that wrote spans."""
+        from vllm_anatomy.tracing.store import connect_readonly
+        conn = connect_readonly(self.path)
+        try:
+            rows = conn.execute("SELECT DISTINCT process_kind, pid FROM spans").fetchall()
+        finally:
+            conn.close()
+        out: dict[str, set[int]] = {}
+        for kind, pid in rows:
+            out.setdefault(kind or "?", set()).add(pid)
+        return out
+
+    # -- what the pool looked like ------------------------------------------------------------
+    def kv(self, step: int) -> dict:
+        return (self.snap(step) or {}).get("scheduler", {}).get("kv_cache", {})
+
+    def blocks_of(self, step: int, req: str) -> list[int]:
+        return list(self.kv(step).get("req_to_block_ids", {}).get(str(req), []))
+
+    def weight_bytes(self) -> tuple[int | None, str]:
+        """Bytes of the model's weights as the run held them (per rank), and where the number comes from."""
+        recorded = self.meta.get("model_weight_bytes")
+        if isinstance(recorded, (int, float)) and recorded > 0:
+            return int(recorded), "recorded in the run meta"
+        from dashboard.components.kv_memory import DTYPE_BYTES
+        dtype = str(((self.meta.get("config") or {}).get("model_config") or {}).get("dtype") or "")
+        nbytes = DTYPE_BYTES.get(dtype.replace("torch.", ""))
+        params = _safetensors_params(str(self.meta.get("model") or ""))
+        if params is None or not nbytes:
+            return None, "not recorded in this run, and the model's files are not on this machine"
+        return params * nbytes // max(self.tp, 1), (f"{params:,} parameters in the model's safetensors "
+                                                    f"× {nbytes} B ({dtype.replace('torch.', '')})"
+                                                    + (f" ÷ TP {self.tp}" if self.tp > 1 else ""))
+
+
+def _safetensors_params(model_dir: str) -> int | None:
+    import json
+    import struct
+    total, found = 0, False
+    try:
+        names = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
+    except OSError:
+        return None
+    for name in names:
+        try:
+            with open(os.path.join(model_dir, name), "rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(n))
+        except (OSError, ValueError, struct.error):
+            return None
+        for k, v in header.items():
+            if k != "__metadata__":
+                total += math.prod(v.get("shape") or [1])
+                found = True
+    return total if found else None
+
+
+class PoolReplay:
+    """The block pool's free queue, ref_cnt and hashes, replayed event by event from a
+    step's snapshot (the state after that step) through the next step's events.
+
+    Answers "which blocks did get_new_blocks pop, from where" and "which end did each
+    freed block join" for runs whose events do not say it themselves. `ok` turns False
+    (and `problem` says why) as soon as the replay disagrees with what was recorded
+    (e.g. a pool too big to be snapshotted whole)."""
+
+    def __init__(self, kv: dict, enable_caching: bool) -> None:
+        self.queue: list[int] = list(kv.get("free_queue", []))
+        self.ref = {b["block_id"]: b["ref_cnt"] for b in kv.get("blocks", [])}
+        self.hash = {b["block_id"]: b.get("hash") for b in kv.get("blocks", [])}
+        self.caching = enable_caching
+        self.sparse = bool(kv.get("sparse"))
+        self.ok, self.problem = True, ""
+
+    def apply(self, e: dict) -> dict:
+        """Apply one event; return what it did: {"popped": [...], "queue_before": [...], "ends": [...], ...}."""
+        kind, ids = e["kind"], list(e["block_ids"])
+        out: dict[str, Any] = {"queue_before": list(self.queue)}
+        if kind == "hit":
+            for b in ids:
+                if b in self.queue:
+                    self.queue.remove(b)
+                self.ref[b] = self.ref.get(b, 0) + 1
+        elif kind == "allocate":
+            head = self.queue[:len(ids)]
+            if head != ids and self.ok:
+                self.ok, self.problem = False, (f"replayed free queue head {head} ≠ allocated {ids}"
+                                                + (" (a sparse snapshot lists only the queue's head)" if self.sparse else ""))
+            del self.queue[:len(ids)]
+            for b in ids:
+                self.ref[b] = 1
+            out["popped"] = head
+        elif kind == "evict":
+            for b in ids:
+                self.hash[b] = None
+        elif kind == "cache":
+            for b, h in zip(ids, e.get("block_hashes") or []):
+                self.hash[b] = h
+        elif kind == "free":
+            before = [self.ref.get(b, 1) for b in ids]
+            front, tail, ends, after = [], [], [], []
+            for b in ids:
+                self.ref[b] = self.ref.get(b, 1) - 1
+                after.append(self.ref[b])
+                if self.ref[b] == 0:
+                    if self.hash.get(b) is None and self.caching:
+                        front.append(b)
+                        ends.append("front")
+                    else:
+                        tail.append(b)
+                        ends.append("tail")
+                else:
+                    ends.append(None)
+            self.queue = front + self.queue + tail
+            out.update(ref_before=before, ref_after=after, ends=ends,
+                       hashes=[self.hash.get(b) for b in ids])
+            if e.get("queue_ends") is not None and e["queue_ends"] != ends and self.ok:
+                self.ok, self.problem = False, f"replayed free-queue ends {ends} ≠ recorded {e['queue_ends']}"
+        elif kind == "reset":
+            self.hash = {b: None for b in self.hash}
+        return out

@@ -1,0 +1,70 @@
+"""The five accounts of one request (the article's §八/§九 Q5): time, memory,
+communication, CPU and request, side by side, computed from the run store
+(dashboard/answers/q5_accounts.py), with why no single number suffices — in the
+run's own values. One function, drawn on the Self-test page and on the Request
+journey page."""
+from __future__ import annotations
+
+import streamlit as st
+
+from dashboard import data
+from dashboard.answers.cached import answer
+from dashboard.components.nav import link, open_view
+
+
+def _n(x, nd: int = 1, unit: str = "") -> str:
+    return "—" if x is None else f"{x:,.{nd}f}{unit}"
+
+
+def five_accounts(path: str, request_id: str | None, key: str = "fa") -> None:
+    """Draw the five accounts of `request_id` in the run at `path` (None: the run's most telling request)."""
+    a = answer(path, data.file_version(path), "q5", None, None if request_id is None else str(request_id))
+    if not a.ok:
+        st.info(a.why_not, icon=":material/info:")
+        return
+    f = a.facts
+    if request_id is not None and f["request"] != str(request_id):
+        st.info(f"Request {request_id} has not finished in this run (its llm_request span is written when it "
+                "ends): its five accounts are not closed yet.", icon=":material/info:")
+        return
+    t, m = f["time"], f["memory"]
+    with st.container(border=True, key=f"{key}_panel"):
+        st.markdown(f"**The five accounts of request {f['request']}** — *one request, five views, five different "
+                    "bills* (article §八)")
+        cols = st.columns(5)
+        with cols[0]:
+            st.markdown("**:material/timer: time**")
+            st.markdown(f"queue {_n(t['queue ms'])} ms  \nprefill {_n(t['prefill ms'])} ms  \ndecode "
+                        f"{_n(t['decode ms'])} ms  \n**TTFT {_n(t['TTFT ms'])} ms**  \nITL mean {_n(t['ITL mean ms'])}, "
+                        f"max {_n(t['ITL max ms (step ends)'])} ms")
+        with cols[1]:
+            st.markdown("**:material/memory: memory**")
+            st.markdown(f"**KV {_n(m['KV MB'], 2)} MB** ({m['peak KV blocks']} blocks, peak at step {m['at step']})  \n"
+                        f"pool {_n(m['pool MB'])} MB ({m['pool blocks']} blocks)  \nweights {_n(m['weights MB'], 0)} MB")
+        with cols[2]:
+            st.markdown("**:material/swap_horiz: communication**")
+            c = f["collectives"]
+            if f["have_counts"]:
+                st.markdown(f"**{c['all_reduce'][0]} all-reduces** over {len(f['steps'])} steps  \n"
+                            f"{c['all_reduce'][1] / 2 ** 20:,.2f} MB handed to them")
+            else:
+                st.markdown("**0 collectives**  \none device: nothing to all-reduce")
+            st.markdown("  \n".join(f"{v} {k.split(' (')[0]}" for k, v in f["ipc"].items()))
+        with cols[3]:
+            st.markdown("**:material/developer_board: CPU (host)**")
+            st.markdown("  \n".join(f"{k} {tot:,.2f} ms" for k, (tot, _) in f["cpu"].items())
+                        + f"  \n**its share {f['cpu_share']:,.2f} ms** of {f['cpu_total']:,.2f}")
+        with cols[4]:
+            st.markdown("**:material/route: request**")
+            st.markdown("  \n".join(f"{p['status']} @ {p['from step']}"
+                                    + (f"–{p['to step']}" if p["to step"] != p["from step"] else "")
+                                    for p in f["path"]))
+        if f["why"]:
+            st.markdown("**Why no single number suffices — on this run:**\n" + "\n".join(f"- {w}" for w in f["why"]))
+        st.caption(" · ".join(a.notes))
+        links = [s for s in a.show_me if s.page != "journey"]
+        if links:
+            bc = st.columns(len(links))
+            for i, s in enumerate(links):
+                bc[i].button(f"Show me: {s.label} →", key=f"{key}_show_{i}", on_click=open_view,
+                             args=(s.page, s.step, s.tab, s.request), help=link(s.page, s.step, s.tab, s.request))

@@ -1,0 +1,268 @@
+"""The article's call chain ①–⑪ (§六) in a run's real spans: one lane per process and
+thread, the hops between them with their message sizes and latencies.
+
+Lanes. A three-process run (`vllm-anatomy serve`, or a live run started with three
+processes) has
+    API server · event loop      frontend pid: the HTTP span, AsyncLLM.add_request,
+                                 InputProcessor, MPClient._send_input / _decode_output,
+                                 OutputProcessor
+    EngineCoreProc · input thread    EngineCoreProc.process_input_sockets (one span per message)
+    EngineCoreProc · busy loop       EngineCore.add_request, EngineCore.step and its children
+    EngineCoreProc · output thread   EngineCoreProc.process_output_sockets (one span per message)
+    WorkerProc · worker_busy_loop    Worker.* and GPUModelRunner.* (one lane per worker pid)
+    device                           GPU.* spans (CUDA runs)
+A one-process run (LLM / LLMEngine with UniProcExecutor) is labelled as such: its
+engine loop and its in-process worker calls are two lanes of the same thread.
+
+Hops (for one step; a ZMQ hop's latency runs from the sending span's start, before
+encoding, to the receiving span's end, after decoding: the two spans overlap in time): ③ EngineCoreRequest over ZMQ (frontend send → input thread →
+input_queue → busy loop), ⑤ SchedulerOutput over the shared-memory ring (Executor →
+Worker.execute_model) and back, sample_tokens and its ModelRunnerOutput, ⑪
+EngineCoreOutputs over ZMQ (busy loop → output_queue → output thread → frontend).
+ZMQ sizes are the spans' `vllm_anatomy.message_bytes`; shared-memory sizes are the
+step's SchedulerOutput and ModelRunnerOutput msgpack-encoded as the executor encodes
+them (re-encoded from the step's snapshots: the ring itself records no size).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgspec
+
+from dashboard.answers.source import RunSource
+
+FRONT, IN, BUSY, OUT, WORKER, DEVICE = "frontend", "input", "busy", "output", "worker", "device"
+ENGINE_SIDE = ("EngineCore.", "Scheduler.", "Executor.", "KVCacheManager.", "EngineCoreProc.")
+WORKER_SIDE = ("Worker.", "GPUModelRunner.", "AsyncGPUModelRunnerOutput.", "GroupCoordinator.")
+# Spans drawn as the thin outer bar of their lane (they contain the others).
+OUTER = {"EngineCore.step", "Worker.execute_model", "Worker.sample_tokens", "AsyncLLM.add_request",
+         "GPUModelRunner.execute_model", "GPUModelRunner.sample_tokens", "Executor.execute_model",
+         "Executor.sample_tokens"}
+SKIP = {"llm_request", "KVCacheManager.get_computed_blocks", "KVCacheManager.allocate_slots"}
+
+# The article's chain (§六): marker, what the article names, our span names.
+CHAIN = [
+    ("①", "api_server.py: create_chat_completion() — Python (FastAPI)", ["POST /v1/chat/completions",
+                                                                        "POST /v1/completions"]),
+    ("②", "AsyncLLM.add_request() → Tokenizer", ["AsyncLLM.add_request", "InputProcessor.process_inputs"]),
+    ("③", "IPC: ZMQ + msgspec → EngineCore.add_request()", ["MPClient._send_input",
+                                                          "EngineCoreProc.process_input_sockets",
+                                                          "EngineCore.add_request"]),
+    ("④", "Scheduler.schedule() → SchedulerOutput", ["Scheduler.schedule"]),
+    ("⑤", "process boundary (shared-memory MessageQueue) → Worker.execute_model()", ["Executor.execute_model",
+                                                                                   "Worker.execute_model"]),
+    ("⑥", "ModelRunner._execute_model → prepare_inputs()", ["GPUModelRunner._update_states",
+                                                          "GPUModelRunner._prepare_inputs"]),
+    ("⑦", "Python → CUDA boundary: model.forward()", ["GPUModelRunner._model_forward"]),
+    ("⑧", "CUDA kernel launch: attention backend", ["GPU.kernel.unified_attention", "GPU.layer"]),
+    ("⑨", "CUDA Graph replay (decode)", ["GPU.model_forward"]),
+    ("⑩", "GPU → CPU: sampling → sampled_token_ids", ["Executor.sample_tokens", "GPUModelRunner._sample",
+                                                     "GPUModelRunner._bookkeeping_sync", "GPU.d2h"]),
+    ("⑪", "ModelRunnerOutput → update_from_output → Detokenizer → client", [
+        "Scheduler.update_from_output", "EngineCoreProc.process_output_sockets", "MPClient._decode_output",
+        "OutputProcessor.process_outputs"]),
+]
+
+
+@dataclass
+class Hop:
+    marker: str
+    what: str            # "EngineCoreRequest → input thread"
+    boundary: str        # "ZMQ", "shared memory", "queue.Queue (thread)"
+    src_lane: str
+    dst_lane: str
+    t_send: int          # ns
+    t_recv: int
+    nbytes: int | None
+    size_from: str       # "recorded" | "re-encoded from the snapshot" | ""
+    step: int
+    request: str | None = None
+
+    @property
+    def latency_us(self) -> float:
+        return (self.t_recv - self.t_send) / 1e3
+
+
+def layout(src: RunSource) -> dict:
+    """How many processes the run had and the lanes to draw, in order: [(lane key, label)]."""
+    pids = src.pids
+    single = set(pids) <= {"frontend"} and len(pids.get("frontend", ())) <= 1
+    lanes = []
+    if single:
+        pid = next(iter(pids.get("frontend", {0})))
+        lanes = [(f"{FRONT}:{pid}", f"single process · pid {pid} · frontend calls (LLM / LLMEngine)"),
+                 (f"{BUSY}:{pid}", f"single process · pid {pid} · EngineCore.step (in-process)"),
+                 (f"{WORKER}:{pid}", f"single process · pid {pid} · worker (UniProcExecutor: a plain call)"),
+                 (f"{DEVICE}:{pid}", f"device · pid {pid}")]
+        return {"single": True, "lanes": lanes}
+    for pid in sorted(pids.get("frontend", ())):
+        lanes.append((f"{FRONT}:{pid}", f"API server · pid {pid} · event loop"))
+    for pid in sorted(pids.get("engine_core", ())):
+        lanes += [(f"{IN}:{pid}", f"EngineCoreProc · pid {pid} · input thread"),
+                  (f"{BUSY}:{pid}", f"EngineCoreProc · pid {pid} · busy loop"),
+                  (f"{OUT}:{pid}", f"EngineCoreProc · pid {pid} · output thread")]
+    for pid in sorted(pids.get("worker", ())):
+        lanes += [(f"{WORKER}:{pid}", f"WorkerProc · pid {pid} · worker_busy_loop"),
+                  (f"{DEVICE}:{pid}", f"device · pid {pid}")]
+    return {"single": False, "lanes": lanes}
+
+
+def lane_of(span, single: bool) -> str | None:
+    if span.name in SKIP:
+        return None
+    a = span.attributes
+    if a.get("vllm_anatomy.lane") == "device":
+        return f"{DEVICE}:{span.pid}"
+    kind = span.process_kind
+    if kind == "engine_core" or (single and span.name.startswith(ENGINE_SIDE)):
+        thread = a.get("vllm_anatomy.thread")
+        return f"{IN if thread == 'input' else OUT if thread == 'output' else BUSY}:{span.pid}"
+    if kind == "worker" or (single and span.name.startswith(WORKER_SIDE)):
+        return f"{WORKER}:{span.pid}"
+    return f"{FRONT}:{span.pid}"
+
+
+def _first(spans, name, after: int | None = None, pred=None):
+    c = [s for s in spans if s.name == name and (after is None or s.start_ns >= after) and (pred is None or pred(s))]
+    return min(c, key=lambda s: s.start_ns) if c else None
+
+
+def _enc_size(obj, typ) -> int | None:
+    try:
+        return len(msgspec.msgpack.encode(msgspec.convert(obj, typ)))
+    except Exception:  # noqa: BLE001 - a snapshot of another version: fall back to the plain encoding
+        try:
+            return len(msgspec.msgpack.encode(obj))
+        except Exception:  # noqa: BLE001
+            return None
+
+
+def step_view(src: RunSource, step: int) -> dict:
+    """The spans drawn for one step (with its request arrivals and its outputs) and its hops."""
+    from vllm_anatomy.core.outputs import ModelRunnerOutput
+    from vllm_anatomy.core.sched.output import SchedulerOutput
+    from vllm_anatomy.tracing.reader import open_run
+    lay = layout(src)
+    root = src.step_spans.get(step)
+    if root is None:
+        return {"layout": lay, "spans": [], "hops": [], "t0": 0, "t1": 0}
+    so_new = ((src.snap(step) or {}).get("scheduler_output") or {}).get("scheduled_new_reqs", [])
+    admitted = [str(r["req_id"]) for r in so_new]
+    t0, t1 = root.start_ns, root.end_ns
+    with open_run(src.path) as run:
+        # Arrivals of the requests this step admitted (if they came shortly before) and its outputs after.
+        near = run.spans(where="end_ns >= ? AND start_ns <= ?", args=(t0 - 200_000_000, t1 + 200_000_000))
+    in_step = [s for s in near if s.trace_id == root.trace_id]
+    hops: list[Hop] = []
+    sends = [s for s in near if s.name == "MPClient._send_input" and s.attributes.get("vllm_anatomy.request_id") in admitted]
+    for snd in sends:
+        rid = snd.attributes["vllm_anatomy.request_id"]
+        rcv = _first(near, "EngineCoreProc.process_input_sockets", snd.start_ns,
+                     lambda s: s.attributes.get("vllm_anatomy.request_id") == rid)
+        add = _first(near, "EngineCore.add_request", snd.start_ns, lambda s: str(s.request_id) == rid)
+        if rcv is not None:
+            pid_e = rcv.pid
+            hops.append(Hop("③", f"EngineCoreRequest {rid[:18]}", "ZMQ + msgspec", f"{FRONT}:{snd.pid}",
+                            f"{IN}:{pid_e}", snd.start_ns, rcv.end_ns, rcv.attributes.get("vllm_anatomy.message_bytes"),
+                            "recorded", step, rid))
+            if add is not None:
+                hops.append(Hop("③", "Request → busy loop", "input_queue (thread → thread)", f"{IN}:{pid_e}",
+                                f"{BUSY}:{pid_e}", rcv.end_ns, add.start_ns, None, "", step, rid))
+        t0 = min(t0, snd.start_ns)
+    # Also the HTTP and add_request spans of those requests.
+    extra = [s for s in near if (s.name in ("AsyncLLM.add_request", "InputProcessor.process_inputs",
+                                            "EngineCore.add_request", "EngineCoreProc.process_input_sockets",
+                                            "MPClient._send_input")
+                                 and str(s.request_id or s.attributes.get("vllm_anatomy.request_id")) in admitted)]
+    https = [s for s in near if s.name.startswith("POST ") and not s.name.endswith((" http receive", " http send"))
+             and any(s.start_ns <= x.start_ns <= s.end_ns for x in sends)]
+    # The shared-memory hops: execute_model and sample_tokens, down and back.
+    snap, mr = src.snap(step) or {}, src.mr(step)
+    so_bytes = _enc_size(snap.get("scheduler_output"), SchedulerOutput) if snap.get("scheduler_output") else None
+    pi = mr.get("prepare_inputs") or {}
+    mro = {"req_ids": pi.get("req_ids", []), "req_id_to_index": {r: i for i, r in enumerate(pi.get("req_ids", []))},
+           "sampled_token_ids": mr.get("sampled_token_ids") or []}
+    mro_bytes = _enc_size(mro, ModelRunnerOutput) if pi else None
+    for ex_name, w_name, what_down, what_up, down_bytes, up_bytes, marker in (
+            ("Executor.execute_model", "Worker.execute_model", "execute_model(SchedulerOutput)", "None (logits stay on the worker)",
+             so_bytes, None, "⑤"),
+            ("Executor.sample_tokens", "Worker.sample_tokens", "sample_tokens()", "ModelRunnerOutput",
+             None, mro_bytes, "⑩")):
+        ex = _first(in_step, ex_name)
+        for w in [s for s in in_step if s.name == w_name]:
+            if ex is None or (lay["single"]):
+                continue
+            hops.append(Hop(marker, what_down, "shared-memory ring (rpc_broadcast_mq)", f"{BUSY}:{ex.pid}",
+                            f"{WORKER}:{w.pid}", ex.start_ns, w.start_ns, down_bytes,
+                            "re-encoded from the snapshot" if down_bytes else "", step))
+            hops.append(Hop(marker, what_up, "shared-memory ring (worker_response_mq)", f"{WORKER}:{w.pid}",
+                            f"{BUSY}:{ex.pid}", w.end_ns, ex.end_ns, up_bytes,
+                            "re-encoded from the snapshot" if up_bytes else "", step))
+    # ⑪ the outputs: busy loop → output thread → frontend.
+    upd = _first(in_step, "Scheduler.update_from_output")
+    if upd is not None and not lay["single"]:
+        out = _first(near, "EngineCoreProc.process_output_sockets", upd.end_ns - 1)
+        if out is not None:
+            hops.append(Hop("⑪", "EngineCoreOutputs → output thread", "output_queue (thread → thread)",
+                            f"{BUSY}:{upd.pid}", f"{OUT}:{out.pid}", upd.end_ns, out.start_ns, None, "", step))
+            dec = _first(near, "MPClient._decode_output", out.start_ns)
+            if dec is not None:
+                hops.append(Hop("⑪", "EngineCoreOutputs", "ZMQ + msgspec", f"{OUT}:{out.pid}", f"{FRONT}:{dec.pid}",
+                                out.start_ns, dec.end_ns, out.attributes.get("vllm_anatomy.message_bytes"),
+                                "recorded", step))
+                proc = _first(near, "OutputProcessor.process_outputs", dec.start_ns)
+                t1 = max(t1, dec.end_ns, proc.end_ns if proc is not None else 0)
+                extra += [s for s in (out, dec, proc) if s is not None]
+        elif src.pids.get("engine_core"):
+            proc = _first(near, "OutputProcessor.process_outputs", upd.end_ns)
+            if proc is not None:
+                extra.append(proc)
+                t1 = max(t1, proc.end_ns)
+    elif lay["single"]:
+        proc = _first(near, "OutputProcessor.process_outputs", upd.end_ns - 1 if upd else t1)
+        if proc is not None:
+            extra.append(proc)
+            t1 = max(t1, proc.end_ns)
+    drawn, seen = [], set()
+    for s in in_step + extra + https:
+        if s.span_id in seen:
+            continue
+        seen.add(s.span_id)
+        lane = lane_of(s, lay["single"])
+        if lane is None or s.name.endswith((" http receive", " http send")):
+            continue
+        drawn.append({"name": s.name, "lane": lane, "start_ns": s.start_ns, "end_ns": s.end_ns,
+                      "outer": s.name in OUTER or s.name.startswith("POST ") or s.name == "GPU.model_forward",
+                      "attrs": s.attributes, "pid": s.pid, "process_kind": s.process_kind})
+        if not s.name.startswith("POST "):      # a request's HTTP span lasts its whole life: drawn clipped
+            t0 = min(t0, s.start_ns)
+            t1 = max(t1, s.end_ns)
+    return {"layout": lay, "spans": drawn, "hops": hops, "t0": t0, "t1": t1, "admitted": admitted}
+
+
+def chain_rows(view: dict, step: int) -> list[dict]:
+    """①–⑪: the article's link, this run's span(s) in the step's view, where, how long."""
+    lanes = dict(view["layout"]["lanes"])
+    rows = []
+    for marker, what, names in CHAIN:
+        found = [s for s in view["spans"] if s["name"] in names]
+        if marker == "⑨":
+            found = [s for s in found if s["attrs"].get("vllm_anatomy.cudagraph_mode") == "FULL"]
+        if found:
+            total = sum(s["end_ns"] - s["start_ns"] for s in found) / 1e6
+            where = sorted({lanes.get(s["lane"], s["lane"]) for s in found})
+            rows.append({"#": marker, "the article": what, "this run's spans": ", ".join(sorted({s["name"] for s in found})),
+                         "process · thread": "; ".join(where), "ms (sum)": round(total, 3)})
+        else:
+            why = ("not in this step (no request arrived here)" if marker in ("①", "②", "③") else
+                   "not in this run (a CUDA run records device spans)" if marker in ("⑧", "⑨") else
+                   "a plain call in one process: no span of its own" if view["layout"]["single"] else "not recorded")
+            if marker == "①" and not any(s["name"].startswith("POST ") for s in view["spans"]):
+                why = "not in this step/run (no HTTP server: requests came through LLM / AsyncLLM)" \
+                    if not view.get("admitted") else "not in this run (no HTTP server: LLM / AsyncLLM)"
+            if marker == "⑨":
+                why = "eager forward this step (no CUDA graph replay)" if any(
+                    s["name"] == "GPU.model_forward" for s in view["spans"]) else why
+            rows.append({"#": marker, "the article": what, "this run's spans": "—", "process · thread": why,
+                         "ms (sum)": "—"})
+    return rows

@@ -1,0 +1,144 @@
+"""Self-test: the article's five questions (§九 自测), answered from the open run.
+
+Each question is quoted in the article's words with an English line; the answer is
+computed from this run's snapshots and spans (dashboard/answers/), with its values,
+a "show me" button (and deep link) that opens the step, inspector tab and request
+where it happens, and the article's reference answer behind a click. Pickers choose
+another allocation, step, finish or request of the same run."""
+from __future__ import annotations
+
+import pandas as pd
+import streamlit as st
+
+from dashboard import data, state
+from dashboard.answers import QUESTIONS
+from dashboard.answers.cached import answer, source
+from dashboard.components.code_ref import code_ref
+from dashboard.components.five_accounts import five_accounts
+from dashboard.components.nav import TABS, link, open_view
+
+ss = st.session_state
+PAGES = {"inspector": "Step inspector", "journey": "Request journey", "processes": "Processes"}
+ANSWER_FILES = {"q1": "q1_allocation", "q2": "q2_update_states", "q3": "q3_block_table", "q4": "q4_finish",
+                "q5": "q5_accounts"}
+
+
+def _where(s) -> str:
+    return ", ".join(x for x in (PAGES.get(s.page, s.page), f"{TABS[s.tab]} tab" if s.tab else "",
+                                 f"step {s.step}" if s.step is not None else "",
+                                 f"request {s.request}" if s.request else "") if x)
+
+
+def _table(rows: list[dict], key: str) -> None:
+    if not rows:
+        st.caption("(none)")
+        return
+    df = pd.DataFrame(rows)
+    st.dataframe(df.astype(str), hide_index=True, width="stretch", key=key,
+                 row_height=32 if len(df) < 30 else None)
+
+
+def _chain(rows: list[dict]) -> None:
+    """A small table whose long cells wrap (a markdown table; st.dataframe would cut them)."""
+    cols = list(rows[0])
+    esc = lambda v: str("—" if v is None else v).replace("|", "\\|").replace("\n", " ")  # noqa: E731
+    st.markdown("\n".join(["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+                          + ["| " + " | ".join(esc(r.get(c)) for c in cols) + " |" for r in rows]))
+
+
+def _show_me(a, q: str) -> None:
+    for i, s in enumerate(a.show_me):
+        c1, c2 = st.columns([2, 5], vertical_alignment="center")
+        c1.button(f"Show me →", key=f"show_{q}_{i}", on_click=open_view, args=(s.page, s.step, s.tab, s.request),
+                  type="primary" if i == 0 else "secondary", help=_where(s))
+        c2.markdown(f"[{s.label}]({link(s.page, s.step, s.tab, s.request)}) — opens {_where(s)}")
+
+
+def _picker(q: str, label: str, options: list, chosen, fmt=str):
+    """A selectbox over `options` that starts on `chosen` (the answer's own pick)."""
+    key = f"pick_{q}"
+    if key in ss and ss[key] not in options:
+        del ss[key]
+    index = options.index(chosen) if chosen in options else 0
+    return st.selectbox(label, options, index=index, key=key, format_func=fmt)
+
+
+def _question(q, path: str, version: tuple) -> None:
+    with st.container(border=True, key=f"q_{q.key}"):
+        n = q.key[1:]
+        st.markdown(f"### {n}. {q.zh}")
+        st.markdown(f"*{q.en}*")
+        a = answer(path, version, q.key)
+        if a.ok:
+            f = a.facts
+            picked = None
+            if q.key == "q1":
+                opts = [tuple(x) for x in f["allocations"]]
+                picked = _picker("q1", "allocation (step · request)", opts, (f["step"], f["request"]),
+                                 lambda x: f"step {x[0]} · request {x[1]}")
+                if picked != (f["step"], f["request"]):
+                    a = answer(path, version, "q1", picked[0], picked[1])
+            elif q.key == "q2":
+                picked = _picker("q2", "step", f["candidates"], f["step"], lambda x: f"step {x}")
+                if picked != f["step"]:
+                    a = answer(path, version, "q2", picked)
+            elif q.key == "q3":
+                picked = _picker("q3", "step (with a decode over more than one block)", f["candidates"], f["step"],
+                                 lambda x: f"step {x}")
+                if picked != f["step"]:
+                    a = answer(path, version, "q3", picked)
+            elif q.key == "q4":
+                opts = [tuple(x) for x in f["finishes"]]
+                picked = _picker("q4", "finished request", opts, (f["step"], f["request"]),
+                                 lambda x: f"request {x[1]} · finished at step {x[0]}")
+                if picked != (f["step"], f["request"]):
+                    a = answer(path, version, "q4", picked[0], picked[1])
+            elif q.key == "q5":
+                picked = _picker("q5", "request", f["candidates"], f["request"], lambda x: f"request {x}")
+                if picked != f["request"]:
+                    a = answer(path, version, "q5", None, picked)
+        if not a.ok:
+            st.warning(f"**This run cannot answer it:** {a.why_not}", icon=":material/block:")
+        else:
+            st.markdown(f"**Answer, from this run ({a.subject}).** {a.summary}")
+            if q.key == "q5":
+                five_accounts(path, a.facts["request"], key="st_fa")
+            elif a.chain:
+                _chain(a.chain)
+            _show_me(a, q.key)
+            for title, rows in a.tables.items():
+                if q.key == "q5" and title == "the five accounts":
+                    continue
+                with st.expander(f"{title} ({len(rows)})"):
+                    _table(rows, f"tbl_{q.key}_{title}")
+            for note in a.notes:
+                st.caption(f":material/info: {note}")
+        with st.expander("The article's reference answer (答案)"):
+            st.markdown(f"> {q.reference_zh}")
+            st.markdown(f"*{q.reference_en}*")
+            if a.ok:
+                st.caption("Compare it with the answer above: the same chain, with this run's blocks, rows and "
+                           "milliseconds.")
+        code_ref(f"dashboard/answers/{ANSWER_FILES[q.key]}.py", "how this answer is computed from the run store")
+
+
+def main() -> None:
+    st.title("Self-test")
+    st.caption("The article's five questions (§九 自测), each answered from **this run's** snapshots and spans — "
+               "pick another allocation, step or request to see the same answer with other values. "
+               "**Show me** opens the step, tab and request where it happens.")
+    cur = state.current()
+    if cur is None:
+        return
+    path, info = cur
+    version = data.file_version(path)
+    src = source(path, version)
+    kinds = sorted(src.pids)
+    st.caption(f"This run: {len(info['steps'])} steps, {len(src.requests)} finished requests, processes: "
+               + ", ".join(f"{k} ×{len(src.pids[k])}" for k in kinds)
+               + ("" if src.attributed else " · block-pool events without request attribution (older recording)"))
+    for q in QUESTIONS:
+        _question(q, path, version)
+
+
+main()
