@@ -17,7 +17,7 @@ def _text(at) -> str:
     return "\n".join([m.value for m in at.markdown] + [c.value for c in at.caption])
 
 
-def _app(monkeypatch, trace_dir: str, samples_dir: str | None, page: str, run: str | None, step=None):
+def _app(monkeypatch, trace_dir: str, samples_dir: str | None, page: str, run: str | None, step=None, tab=None):
     from streamlit.testing.v1 import AppTest
     monkeypatch.setenv("VLLM_ANATOMY_TRACE_DIR", trace_dir)
     if samples_dir is None:
@@ -30,7 +30,12 @@ def _app(monkeypatch, trace_dir: str, samples_dir: str | None, page: str, run: s
     at.query_params["page"] = page
     if step is not None:
         at.query_params["step"] = str(step)
+    if tab is not None:       # the inspector computes only its open tab (the URL's `tab`)
+        at.query_params["tab"] = tab
     return at.run()
+
+
+WORKER = "Worker (model runner)"
 
 
 def _ok(at) -> None:
@@ -61,8 +66,9 @@ def test_execution_mode_text():
 
 
 @pytest.mark.model
-def test_cpu_run_shows_eager_and_why(make_app, run_facts):
-    at = make_app("inspector", run_facts["steps"][0])
+def test_cpu_run_shows_eager_and_why(recorded_run, run_facts, monkeypatch, tmp_path):
+    trace_dir, path = recorded_run
+    at = _app(monkeypatch, trace_dir, str(tmp_path), "inspector", os.path.basename(path), run_facts["steps"][0], WORKER)
     _ok(at)
     text = _text(at)
     assert "Forward pass: **eager · CUDA graphs off (eager mode)**" in text
@@ -119,7 +125,7 @@ def test_no_gpu_button_opens_the_gpu_sample_on_a_graph_replay(recorded_run, samp
 def test_device_lane_of_an_eager_step(recorded_run, samples, monkeypatch):
     trace_dir, _ = recorded_run
     step = samples["eager_step"]
-    at = _app(monkeypatch, trace_dir, samples["dir"], "inspector", GPU_SAMPLE_NAME, step)
+    at = _app(monkeypatch, trace_dir, samples["dir"], "inspector", GPU_SAMPLE_NAME, step, WORKER)
     _ok(at)
     text = _text(at)
     assert "Forward pass: **eager · prefill in batch (max query_len" in text
@@ -140,7 +146,7 @@ def test_device_lane_of_a_graph_replay(recorded_run, samples, monkeypatch):
     trace_dir, _ = recorded_run
     step = samples["graph_step"]
     d = samples["decisions"][step]
-    at = _app(monkeypatch, trace_dir, samples["dir"], "inspector", GPU_SAMPLE_NAME, step)
+    at = _app(monkeypatch, trace_dir, samples["dir"], "inspector", GPU_SAMPLE_NAME, step, WORKER)
     _ok(at)
     text = _text(at)
     assert f"(CUDA graph replay, padded {d['num_tokens']}→{d['num_padded_tokens']}) · 0 layer spans" in text
@@ -160,7 +166,7 @@ def test_timeline_device_rows(recorded_run, samples, monkeypatch):
     at = _app(monkeypatch, trace_dir, samples["dir"], "timeline", GPU_SAMPLE_NAME, samples["graph_step"])
     _ok(at)
     spec = at.get("plotly_chart")[1].proto.spec
-    for needle in ('"device"', '"phases"', '"layers"', '"kernels"', "GPU.kernel.unified_attention", "GPU.layer",
+    for needle in ('"device"', 'phases"', '"layers"', '"kernels"', "GPU.kernel.unified_attention", "GPU.layer",
                    "CUDA graph replay, padded", "MB moved", "achieved", "grid [", "GPUModelRunner._bookkeeping_sync"):
         assert needle in spec, needle
     text = _text(at)
@@ -183,7 +189,7 @@ def test_h200_sample(monkeypatch, tmp_path):
             if d["mode"] == "FULL" and d["num_padded_tokens"] >= d["num_tokens"]]
     assert full, "no step of the H200 sample replayed a CUDA graph"
     step = picked["graph_step"]
-    at = _app(monkeypatch, str(tmp_path), None, "inspector", os.path.basename(H200_SAMPLE), step)
+    at = _app(monkeypatch, str(tmp_path), None, "inspector", os.path.basename(H200_SAMPLE), step, WORKER)
     _ok(at)
     assert os.path.samefile(at.session_state["run_path"], H200_SAMPLE)
     picker = at.sidebar.selectbox(key="picked_run")
