@@ -22,6 +22,10 @@ browser:
 	@command -v chromium >/dev/null 2>&1 || { \
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq chromium; \
 	  else echo "note: chromium is not installed and this is not root: browser tests will be skipped"; fi; }
+	@# a CJK font, so the screenshots of the Self-test page show the article's questions (中文), not boxes
+	@fc-list :lang=zh 2>/dev/null | grep -q . || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get install -y -qq fonts-wqy-microhei || { apt-get update -qq && apt-get install -y -qq fonts-wqy-microhei; }; \
+	  else echo "note: no CJK font: the Chinese questions show as boxes in screenshots"; fi; }
 
 download: $(STAMP)
 	$(VENV)/bin/vllm-anatomy download

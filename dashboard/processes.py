@@ -195,9 +195,15 @@ def step_view(src: RunSource, step: int) -> dict:
             hops.append(Hop(marker, what_down, "shared-memory ring (rpc_broadcast_mq)", f"{BUSY}:{ex.pid}",
                             f"{WORKER}:{w.pid}", ex.start_ns, w.start_ns, down_bytes,
                             "re-encoded from the snapshot" if down_bytes else "", step))
-            hops.append(Hop(marker, what_up, "shared-memory ring (worker_response_mq)", f"{WORKER}:{w.pid}",
-                            f"{BUSY}:{ex.pid}", w.end_ns, ex.end_ns, up_bytes,
-                            "re-encoded from the snapshot" if up_bytes else "", step))
+            # NOTE: execute_model(non_block=True) returns a future at once: its reply is read from the
+            # response queue later, by whatever busy-loop call comes after the worker answered.
+            t_back = ex.end_ns if ex.end_ns >= w.end_ns else min(
+                (x.start_ns for x in in_step if x.pid == ex.pid and x.start_ns >= w.end_ns), default=None)
+            if t_back is not None:
+                hops.append(Hop(marker, what_up if ex.end_ns >= w.end_ns else f"{what_up} (read later: non_block)",
+                                "shared-memory ring (worker_response_mq)", f"{WORKER}:{w.pid}",
+                                f"{BUSY}:{ex.pid}", w.end_ns, t_back, up_bytes,
+                                "re-encoded from the snapshot" if up_bytes else "", step))
     # ⑪ the outputs: busy loop → output thread → frontend.
     upd = _first(in_step, "Scheduler.update_from_output")
     if upd is not None and not lay["single"]:

@@ -15,6 +15,16 @@ class ShowMe:
     tab: str | None = None
     request: str | None = None
 
+    @property
+    def where(self) -> str:
+        """"Step inspector, KV cache tab, step 52, request 7": where the link lands, in words."""
+        from dashboard.components.tabs import TABS
+        page = {"inspector": "Step inspector", "journey": "Request journey", "processes": "Processes"}.get(
+            self.page, self.page)
+        return ", ".join(x for x in (page, f"{TABS[self.tab]} tab" if self.tab else "",
+                                     f"step {self.step}" if self.step is not None else "",
+                                     f"request {self.request}" if self.request else "") if x)
+
 
 @dataclass
 class Answer:

@@ -181,8 +181,8 @@ def answer(src: RunSource, req: str | None = None) -> Answer:
                    "but paid again every step for every request.")
     pre = len(ev.get("PREEMPTED", []))
     if pre:
-        why.append(f"It was preempted {pre} time(s): its decode time includes recomputing its prompt, a memory "
-                   "decision that shows up only in the time account.")
+        why.append(f"It was preempted {pre} time(s): its KV blocks were taken back and everything it had computed "
+                   "was computed again — a memory decision that shows up only in its time account.")
     rows = [{"account": "time", "value": (f"queue {_f(time['queue ms'])} · prefill {_f(time['prefill ms'])} · decode "
                                           f"{_f(time['decode ms'])} ms; TTFT {_f(time['TTFT ms'])} ms; ITL mean "
                                           f"{_f(time['ITL mean ms'])} ms, max {_f(time['ITL max ms (step ends)'])} ms")},

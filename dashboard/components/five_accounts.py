@@ -16,8 +16,9 @@ def _n(x, nd: int = 1, unit: str = "") -> str:
     return "—" if x is None else f"{x:,.{nd}f}{unit}"
 
 
-def five_accounts(path: str, request_id: str | None, key: str = "fa") -> None:
-    """Draw the five accounts of `request_id` in the run at `path` (None: the run's most telling request)."""
+def five_accounts(path: str, request_id: str | None, key: str = "fa", links: bool = True) -> None:
+    """Draw the five accounts of `request_id` in the run at `path` (None: the run's most telling request);
+    links: with "show me" buttons (the Self-test page draws its own)."""
     a = answer(path, data.file_version(path), "q5", None, None if request_id is None else str(request_id))
     if not a.ok:
         st.info(a.why_not, icon=":material/info:")
@@ -62,9 +63,10 @@ def five_accounts(path: str, request_id: str | None, key: str = "fa") -> None:
         if f["why"]:
             st.markdown("**Why no single number suffices — on this run:**\n" + "\n".join(f"- {w}" for w in f["why"]))
         st.caption(" · ".join(a.notes))
-        links = [s for s in a.show_me if s.page != "journey"]
-        if links:
-            bc = st.columns(len(links))
-            for i, s in enumerate(links):
+        shown = [s for s in a.show_me if s.page != "journey"] if links else []
+        if shown:
+            bc = st.columns(len(shown))
+            for i, s in enumerate(shown):
                 bc[i].button(f"Show me: {s.label} →", key=f"{key}_show_{i}", on_click=open_view,
-                             args=(s.page, s.step, s.tab, s.request), help=link(s.page, s.step, s.tab, s.request))
+                             args=(s.page, s.step, s.tab, s.request), help=s.where)
+                bc[i].markdown(f"[{s.where}]({link(s.page, s.step, s.tab, s.request)})")

@@ -152,7 +152,8 @@ def main() -> None:
         st.dataframe(pd.DataFrame([{"#": h.marker, "message": h.what, "boundary": h.boundary,
                                     "from": dict(view["layout"]["lanes"]).get(h.src_lane, h.src_lane),
                                     "to": dict(view["layout"]["lanes"]).get(h.dst_lane, h.dst_lane),
-                                    "size": _size(h.nbytes) + (f" ({h.size_from})" if h.size_from else ""),
+                                    "size": "— (a hand-over inside the process)" if "thread" in h.boundary
+                                    else _size(h.nbytes) + (f" ({h.size_from})" if h.size_from else ""),
                                     "latency µs": round(h.latency_us, 1)} for h in hops]).astype(str),
                      hide_index=True, width="stretch")
     elif not lay_single:

@@ -15,18 +15,15 @@ from dashboard.answers import QUESTIONS
 from dashboard.answers.cached import answer, source
 from dashboard.components.code_ref import code_ref
 from dashboard.components.five_accounts import five_accounts
-from dashboard.components.nav import TABS, link, open_view
+from dashboard.components.nav import link, open_view
 
 ss = st.session_state
-PAGES = {"inspector": "Step inspector", "journey": "Request journey", "processes": "Processes"}
 ANSWER_FILES = {"q1": "q1_allocation", "q2": "q2_update_states", "q3": "q3_block_table", "q4": "q4_finish",
                 "q5": "q5_accounts"}
 
 
 def _where(s) -> str:
-    return ", ".join(x for x in (PAGES.get(s.page, s.page), f"{TABS[s.tab]} tab" if s.tab else "",
-                                 f"step {s.step}" if s.step is not None else "",
-                                 f"request {s.request}" if s.request else "") if x)
+    return s.where
 
 
 def _table(rows: list[dict], key: str) -> None:
@@ -102,7 +99,7 @@ def _question(q, path: str, version: tuple) -> None:
         else:
             st.markdown(f"**Answer, from this run ({a.subject}).** {a.summary}")
             if q.key == "q5":
-                five_accounts(path, a.facts["request"], key="st_fa")
+                five_accounts(path, a.facts["request"], key="st_fa", links=False)
             elif a.chain:
                 _chain(a.chain)
             _show_me(a, q.key)
@@ -111,7 +108,7 @@ def _question(q, path: str, version: tuple) -> None:
                     continue
                 with st.expander(f"{title} ({len(rows)})"):
                     _table(rows, f"tbl_{q.key}_{title}")
-            for note in a.notes:
+            for note in (a.notes if q.key != "q5" else []):      # (the five-accounts panel shows its own)
                 st.caption(f":material/info: {note}")
         with st.expander("The article's reference answer (答案)"):
             st.markdown(f"> {q.reference_zh}")

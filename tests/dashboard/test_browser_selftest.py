@@ -1,0 +1,265 @@
+"""The Self-test page and the Processes view in a real browser (Debian's Chromium driven by
+Playwright; one Streamlit server for the module): every "show me" button of the Self-test
+page (the H200 sample) lands on the step, inspector tab and request its link promises; the
+Processes view of a three-process live run (recorded here by the dashboard's launcher) draws
+the process lanes and hops, and a click on a hop opens its step in the inspector; the
+one-process sample is labelled as one process. Chart text 12 px or more; nothing requested
+from another host. Screenshots: test-output/screenshots/selftest-*.png, processes-*.png."""
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+
+import pytest
+
+from tests.dashboard.conftest import APP, FIXTURE_SPEC, H200_SAMPLE, ROOT
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not os.path.exists(H200_SAMPLE), reason="samples/h200-smollm2-full.sqlite not shipped")]
+CHROMIUM = "/usr/bin/chromium"
+ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+        "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic"]
+SHOTS = os.path.join(ROOT, "test-output", "screenshots")
+SAMPLE = os.path.basename(H200_SAMPLE)
+TITLES = {"inspector": "Step inspector", "journey": "Request journey", "processes": "Processes"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """(base URL, name of a three-process run in its trace dir, its path)."""
+    import shutil
+
+    from dashboard.live import LiveRun
+    samples = tmp_path_factory.mktemp("st_samples")
+    shutil.copy(H200_SAMPLE, samples / SAMPLE)
+    trace = tmp_path_factory.mktemp("st_traces")
+    live = LiveRun.start({**FIXTURE_SPEC, "processes": 3}, str(trace))     # recorded while the server starts
+    port = _free_port()
+    log = open(tmp_path_factory.mktemp("st_server") / "streamlit.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "streamlit", "run", APP, "--server.headless", "true",
+                             "--server.address", "127.0.0.1", "--server.port", str(port),
+                             "--browser.gatherUsageStats", "false"],
+                            env={**os.environ, "VLLM_ANATOMY_TRACE_DIR": str(trace), "VLLM_ANATOMY_PREWARM": "0",
+                                 "VLLM_ANATOMY_SAMPLES_DIR": str(samples)},
+                            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(240):
+            try:
+                if urllib.request.urlopen(base + "/_stcore/health", timeout=1).read() == b"ok":
+                    break
+            except OSError:
+                time.sleep(0.5)
+        deadline = time.monotonic() + 300
+        while (st := live.status())["state"] not in ("done", "error", "crashed", "stopped") and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert st["state"] == "done", (st.get("error"), live.log_tail())
+        yield base, os.path.basename(st["run_path"]), st["run_path"]
+    finally:
+        live.stop()
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not os.path.exists(CHROMIUM):
+        pytest.skip("Debian chromium is not installed at /usr/bin/chromium")
+    from playwright.sync_api import sync_playwright
+    os.makedirs(SHOTS, exist_ok=True)
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        yield b
+        b.close()
+
+
+def _page(browser, w=1440, h=900):
+    ctx = browser.new_context(viewport={"width": w, "height": h})
+    pg = ctx.new_page()
+    pg.set_default_timeout(60_000)
+    pg.external = []
+    pg.on("request", lambda r: pg.external.append(r.url)
+          if urllib.parse.urlparse(r.url).hostname not in ("127.0.0.1", "localhost", None)
+          and not r.url.startswith(("data:", "blob:")) else None)
+    return ctx, pg
+
+
+def _settle(pg) -> None:
+    pg.wait_for_timeout(300)
+    pg.wait_for_function("!document.querySelector('[data-testid=\"stStatusWidget\"]')", timeout=90_000)
+    pg.wait_for_timeout(300)
+
+
+def _open(pg, url: str, title: str) -> None:
+    pg.goto(url)
+    pg.get_by_role("heading", name=title, exact=True).wait_for()
+    _settle(pg)
+    exc = pg.locator("[data-testid='stException']")
+    assert exc.count() == 0, exc.first.inner_text()[:2000]
+
+
+def _query(url: str) -> dict[str, str]:
+    return {k: v[0] for k, v in urllib.parse.parse_qs(urllib.parse.urlparse(url).query).items()}
+
+
+def _small_chart_text(pg) -> list[str]:
+    return pg.evaluate("""() => [...document.querySelectorAll('.js-plotly-plot svg text')]
+        .filter(t => t.textContent.trim() && t.getBoundingClientRect().width > 0)
+        .map(t => [t.textContent.trim().slice(0, 30), parseFloat(getComputedStyle(t).fontSize)])
+        .filter(([_, px]) => px < 12).map(([s, px]) => s + ' @' + px)""")
+
+
+def _show_me_pairs(pg) -> list[tuple[str, str]]:
+    """(key of a "show me" button, the href of the link beside it), in page order."""
+    return pg.evaluate("""() => {
+        const out = [];
+        for (const q of document.querySelectorAll('[class*="st-key-q_q"]')) {
+          const keys = [...q.querySelectorAll('[class*="st-key-show_q"]')]
+            .map(e => e.className.match(/st-key-(show_q\\w+)/)[1]);
+          const links = [...q.querySelectorAll('a[href*="page="]')].map(a => a.getAttribute('href'));
+          keys.forEach((k, i) => out.push([k, links[i] || null]));
+        }
+        return out;
+    }""")
+
+
+def test_selftest_show_me_buttons_land(server, browser):
+    base = server[0]
+    url = f"{base}/selftest?run={SAMPLE}&page=selftest"
+    ctx, pg = _page(browser)
+    try:
+        _open(pg, url, "Self-test")
+        assert pg.get_by_text(re.compile(r"^Answer, from this run")).count() == 5
+        assert pg.get_by_text("从 Scheduler.schedule() 到 KV 块被分配", exact=False).count() >= 1
+        pg.screenshot(path=os.path.join(SHOTS, "selftest-1440.png"))
+        pairs = _show_me_pairs(pg)
+        assert len(pairs) >= 6, pairs
+        # the article's reference answer opens on a click
+        pg.get_by_text("The article's reference answer (答案)").first.click()
+        pg.get_by_text("KVCacheManager.get_computed_blocks（查 prefix cache 命中的块）", exact=False).first.wait_for()
+        for where, href in pairs:
+            assert href, where
+            want = _query(href)
+            _open(pg, url, "Self-test")
+            pg.locator(f".st-key-{where} button").first.click()
+            page_title = TITLES[want["page"]]
+            pg.get_by_role("heading", name=page_title, exact=True).wait_for()
+            pg.wait_for_function(f"location.search.includes('step={want['step']}')")
+            _settle(pg)
+            got = _query(pg.url)
+            for k in ("page", "step", "tab", "request"):
+                if k == "tab" and got.get(k) is None and want.get(k) == "Scheduler":
+                    continue        # the first tab is the default: a bound st.tabs leaves it out of the URL
+                assert got.get(k) == want.get(k), (where, k, got, want)
+            if want["page"] == "inspector":
+                shown = pg.get_by_text(re.compile(r"of \d+ committed")).first.inner_text()
+                assert re.search(rf"step {want['step']} · ", shown), shown
+                tab = pg.get_by_role("tab", selected=True).first.inner_text()
+                assert tab.strip() == want["tab"], (tab, want)
+            if where == pairs[0][0]:
+                pg.screenshot(path=os.path.join(SHOTS, "selftest-show-me-q1-landed.png"))
+    finally:
+        external = list(pg.external)
+        ctx.close()
+    assert not external, external[:5]
+
+
+def test_selftest_readable_at_two_sizes(server, browser):
+    base = server[0]
+    for w, h in ((1440, 900), (1920, 1080)):
+        ctx, pg = _page(browser, w, h)
+        try:
+            _open(pg, f"{base}/selftest?run={SAMPLE}&page=selftest", "Self-test")
+            pg.locator('[class*="st-key-q_q5"]').scroll_into_view_if_needed()
+            pg.wait_for_timeout(300)
+            pg.screenshot(path=os.path.join(SHOTS, f"selftest-q5-{w}.png"))
+            small = pg.evaluate("""() => [...document.querySelectorAll('[data-testid="stMain"] p, '
+                + '[data-testid="stMain"] td, [data-testid="stMain"] li, [data-testid="stMain"] h3')]
+                .filter(e => e.innerText.trim() && e.getBoundingClientRect().width > 0)
+                .map(e => parseFloat(getComputedStyle(e).fontSize)).filter(px => px < 12)""")
+            assert not small, small[:5]
+        finally:
+            ctx.close()
+
+
+def test_processes_view_three_processes_and_hop_click(server, browser):
+    base, run3, path = server
+    from dashboard.answers.source import RunSource
+    from dashboard.processes import step_view
+    src = RunSource(path)
+    first = min(s for s in src.steps if (src.snap(s) or {}).get("scheduler_output", {}).get("scheduled_new_reqs"))
+    hops = step_view(src, first)["hops"]
+    assert {h.marker for h in hops} >= {"③", "⑤", "⑩", "⑪"}
+    for w, h in ((1440, 900), (1920, 1080)):
+        ctx, pg = _page(browser, w, h)
+        try:
+            _open(pg, f"{base}/processes?run={run3}&page=processes&step={first}", "Processes")
+            pg.locator(".st-key-proc_fig").scroll_into_view_if_needed()
+            for _ in range(40):
+                pg.wait_for_timeout(250)
+                if pg.locator(".st-key-proc_fig path.point").count():
+                    break
+            pg.screenshot(path=os.path.join(SHOTS, f"processes-three-{w}.png"))
+            ticks = pg.evaluate("() => [...document.querySelectorAll('.st-key-proc_fig .ytick text')].map(t => t.textContent)")
+            for want in ("API server", "input thread", "busy loop", "output thread", "worker_busy_loop"):
+                assert any(want in t for t in ticks), (want, ticks)
+            assert not _small_chart_text(pg), _small_chart_text(pg)
+            if w == 1440:
+                # click a hop's marker: it opens its step in the inspector
+                pts = pg.evaluate("""() => [...document.querySelectorAll('.st-key-proc_fig path.point')]
+                    .map(e => e.getBoundingClientRect()).filter(r => r.width > 1 && r.top >= 0 && r.bottom <= innerHeight)
+                    .map(r => ({x: r.x + r.width / 2, y: r.y + r.height / 2}))""")
+                assert pts
+                clicked = False
+                for pt in pts:
+                    pg.mouse.move(pt["x"] - 20, pt["y"] - 20)
+                    pg.mouse.move(pt["x"], pt["y"], steps=3)
+                    pg.wait_for_timeout(300)
+                    label = pg.evaluate("() => [...document.querySelectorAll('.hoverlayer text')].map(t => t.textContent).join(' ')")
+                    m = re.search(r"open step (\d+)", label)
+                    if m:
+                        pg.mouse.click(pt["x"], pt["y"])
+                        clicked = int(m[1])
+                        break
+                assert clicked == first, (clicked, first)
+                pg.get_by_role("heading", name="Step inspector", exact=True).wait_for()
+                pg.wait_for_function(f"location.search.includes('step={first}')")
+                _settle(pg)
+                assert _query(pg.url)["page"] == "inspector" and _query(pg.url)["step"] == str(first)
+                pg.screenshot(path=os.path.join(SHOTS, "processes-hop-click-landed.png"))
+        finally:
+            external = list(pg.external)
+            ctx.close()
+        assert not external, external[:5]
+
+
+def test_processes_view_labels_one_process_runs(server, browser):
+    base = server[0]
+    ctx, pg = _page(browser)
+    try:
+        _open(pg, f"{base}/processes?run={SAMPLE}&page=processes&step=10", "Processes")
+        assert pg.get_by_text(re.compile(r"^One process")).count() == 1
+        for _ in range(40):
+            pg.wait_for_timeout(250)
+            ticks = pg.evaluate("() => [...document.querySelectorAll('.st-key-proc_fig .ytick text')].map(t => t.textContent)")
+            if ticks:
+                break
+        assert ticks and all(t.startswith(("single process", "device")) for t in ticks), ticks
+        assert not any(t.startswith("frontend") for t in ticks)
+        pg.screenshot(path=os.path.join(SHOTS, "processes-one-process-1440.png"))
+    finally:
+        ctx.close()
