@@ -120,3 +120,22 @@ def test_selftest_answers_the_three_process_run(three_run):
     assert len(answers) >= 4          # a tiny run may lack a decode over two blocks (Q3 then says why)
     md = "\n".join(m.value for m in at.markdown)
     assert "ZMQ messages" in md and "shared-memory messages" in md
+
+
+def test_start_form_asks_for_three_processes(monkeypatch, tmp_path):
+    """The start form's "three processes" choice reaches the launcher as processes=3."""
+    from streamlit.testing.v1 import AppTest
+
+    import dashboard.live as live
+    started = []
+
+    def fake_start(cls, spec, trace_dir):
+        started.append(spec)
+        raise RuntimeError("not started in this test")
+    monkeypatch.setattr(live.LiveRun, "start", classmethod(fake_start))
+    monkeypatch.setenv("VLLM_ANATOMY_TRACE_DIR", str(tmp_path))
+    monkeypatch.setenv("VLLM_ANATOMY_PREWARM", "0")
+    at = AppTest.from_file(APP, default_timeout=60).run()
+    at.radio(key="lf_processes").set_value(3)
+    next(b for b in at.button if "Start live run" in b.label).click().run()
+    assert started and started[0]["processes"] == 3 and started[0]["prompts"]
