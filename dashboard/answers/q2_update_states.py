@@ -22,15 +22,24 @@ def _rows(mr: dict) -> dict[int, dict]:
 
 
 def candidate_steps(src: RunSource) -> list[int]:
-    """Steps with a model_runner snapshot and a previous step to diff against."""
-    return [s for s in src.steps[1:] if (src.mr(s).get("input_batch") is not None)]
+    """Steps after the first (each is diffed against the one before it)."""
+    return list(src.steps[1:])
 
 
 def default_step(src: RunSource) -> int | None:
-    """A step that shows the most: rows removed and added and condense moves, else any two of them."""
+    """A step that shows the most: rows removed and added and condense moves, else any two of them.
+    Looks at the steps where a request finished, was preempted or arrived (from the step records),
+    at most MAX_LOOK of them: the worker's snapshots are read only for those."""
+    def busy(s):
+        rec, prev = src.record(s), src.prev_step(s)
+        return bool(rec.get("preempted_req_ids")) or any(e["kind"] != "decode" for e in rec.get("scheduled", [])) \
+            or (prev is not None and len(src.record(prev).get("scheduled", [])) != len(rec.get("scheduled", [])))
+    look = [s for s in src.steps[1:] if busy(s)][:MAX_LOOK] or src.steps[1:MAX_LOOK + 1]
     best, best_score = None, (-1,)
-    for s in candidate_steps(src):
+    for s in look:
         mr, prev = src.mr(s), src.mr(src.prev_step(s))
+        if mr.get("input_batch") is None or prev.get("input_batch") is None:
+            continue
         before = {r["req_id"] for r in _rows(prev).values()}
         after = {r["req_id"] for r in _rows(mr).values()}
         moves = (mr.get("input_batch") or {}).get("condense_moves") or []
@@ -42,13 +51,16 @@ def default_step(src: RunSource) -> int | None:
     return best
 
 
+MAX_LOOK = 60
+
+
 def answer(src: RunSource, step: int | None = None) -> Answer:
     steps = candidate_steps(src)
-    if not steps:
+    if step not in steps or src.mr(step).get("input_batch") is None:
+        step = default_step(src)
+    if step is None:
         return cannot("This run has no two consecutive steps with the worker's InputBatch recorded "
                       "(model_runner snapshots), so there is nothing to diff.")
-    if step not in steps:
-        step = default_step(src)
     prev = src.prev_step(step)
     snap = src.snap(step) or {}
     so = snap.get("scheduler_output", {})

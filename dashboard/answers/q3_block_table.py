@@ -33,17 +33,25 @@ def _decodes(src: RunSource, step: int) -> list[tuple[int, str]]:
 
 
 def candidates(src: RunSource) -> list[int]:
-    return [s for s in src.steps if _decodes(src, s)]
+    """Steps with a one-token decode whose K/V spans more than one block (from the step records: no
+    worker snapshot is read until a step is chosen)."""
+    bs = src.block_size
+    return [s for s in src.steps if any(e["kind"] == "decode" and e["num_tokens"] == 1
+                                        and e.get("num_computed_tokens_before", 0) + 1 > bs
+                                        for e in src.record(s).get("scheduled", []))]
 
 
 def default_step(src: RunSource, cands: list[int]) -> int | None:
     """A step that mixes a decode with a prefill chunk (both kinds of query rows), else a decode step
     with the most rows."""
     def score(s):
-        pi = src.mr(s).get("prepare_inputs") or {}
-        n = pi.get("num_scheduled_tokens", [])
-        return (any(x > 1 for x in n) and any(x == 1 for x in n), len(n), -s)
-    return max(cands, key=score) if cands else None
+        sched = src.record(s).get("scheduled", [])
+        kinds = {e["kind"] for e in sched}
+        return ("decode" in kinds and bool(kinds - {"decode"}), len(sched), -s)
+    for s in sorted(cands, key=score, reverse=True)[:8]:      # the worker may not have recorded it: next one
+        if _decodes(src, s):
+            return s
+    return None
 
 
 def answer(src: RunSource, step: int | None = None, req: str | None = None) -> Answer:
@@ -52,8 +60,10 @@ def answer(src: RunSource, step: int | None = None, req: str | None = None) -> A
     if not cands:
         return cannot("No step of this run has a decoding request whose KV spans more than one block "
                       "(or the worker's prepare_inputs was not recorded).")
-    if step not in cands:
+    if step not in cands or not _decodes(src, step):
         step = default_step(src, cands)
+    if step is None:
+        return cannot("The worker's prepare_inputs was not recorded for the decode steps of this run.")
     mr = src.mr(step)
     pi = mr["prepare_inputs"]
     bs = src.block_size

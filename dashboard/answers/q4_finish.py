@@ -66,7 +66,11 @@ def default_pick(src: RunSource, done: list[tuple[int, str]]) -> tuple[int, str]
     def score(d):
         a = _facts(src, *d)
         return (_reason(src, d[1]) in ("stop", "length"), bool(a and a["shared"]), bool(a and a["reused"]), -d[0])
-    return max(done, key=score) if done else None
+    # (a big run finishes hundreds: the first MAX_LOOK are enough to find a telling one)
+    return max(done[:MAX_LOOK], key=score) if done else None
+
+
+MAX_LOOK = 40
 
 
 def _facts(src: RunSource, step: int, req: str) -> dict | None:

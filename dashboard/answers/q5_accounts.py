@@ -104,7 +104,7 @@ def answer(src: RunSource, req: str | None = None) -> Answer:
     from dashboard.components.kv_memory import MB, block_bytes
     per_block = block_bytes(src.meta, src.mr(src.steps[0]), src.block_size)
     peak_blocks, peak_step = 0, None
-    for s in src.steps:
+    for s in sorted(mine):                          # (a big run: only the steps that served it are read)
         n = len(src.blocks_of(s, req))
         if n > peak_blocks:
             peak_blocks, peak_step = n, s
