@@ -352,7 +352,9 @@ def drive_http(config, recorder, spec: dict, on_step=None) -> dict[str, str]:
                     await asyncio.sleep(0.1)
                 for t in tasks:
                     if t.done() and t.exception() is not None:
-                        raise t.exception()
+                        # say why the server refused (an engine that died says why it died)
+                        why = getattr(getattr(engine.engine_core, "resources", None), "dead_reason", None)
+                        raise RuntimeError(f"{t.exception()}" + (f" — {why}" if why else "")) from t.exception()
         finally:
             server.should_exit = True
             await serving
