@@ -263,14 +263,19 @@ def main() -> None:
     # The dashboard opens runs by name from the lessons folder: the run store moves there
     # (the exports stay beside the server's own trace directory).
     with open_run(run_path) as run:
-        req_ids = [s.request_id for s in run.requests()]
+        reqs = run.requests()
+        req_ids = [s.request_id for s in reqs]
+        # The first engine step that served the first request (its span links to the request's span).
+        first_step = min((s.step_id for s in run.spans("EngineCore.step") if reqs and any(
+            lk["span_id"] == reqs[0].span_id for lk in s.links)), default=None)
     shown = os.path.join(LESSON_TRACE_DIR, os.path.basename(run_path))
     for suffix in ("", "-wal", "-shm"):
         if os.path.exists(run_path + suffix):
             shutil.move(run_path + suffix, shown + suffix)
-    say("""The request-journey page shows the same request from the dashboard: its llm_request span,
-        its events, and every engine step that served it.""")
-    dashboard_link(shown, "journey", request=req_ids[0] if req_ids else None)
+    say("""The Processes page draws this request on the three processes' lanes: the ZMQ hop ③ with
+        its size, the shared-memory hop ⑤ both ways, and the outputs ⑪ back to the API server. (The
+        request-journey page shows the same request's llm_request span and every step that served it.)""")
+    dashboard_link(shown, "processes", step=first_step, request=req_ids[0] if req_ids else None)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import streamlit as st
 
 from dashboard import data, spans, state
 from dashboard.components.code_ref import code_ref
+from dashboard.components.five_accounts import five_accounts
 from dashboard.components.nav import REQUEST_KEY, on_click_open, open_view
 from dashboard.theme import KIND_COLORS, STATUS_COLORS, request_color, style_figure
 
@@ -189,6 +190,9 @@ def main() -> None:
         metrics_row(req)
     else:
         st.caption("this request has not finished yet (its llm_request span is written when it ends)")
+    with st.expander("The five accounts of this request (time, memory, communication, CPU, request)",
+                     icon=":material/receipt_long:"):
+        five_accounts(path, req_id, key="journey_fa")
     life = life_steps(records, queues.get(str(req_id), {}), req_id, tokens)
     n_prompt = req["input_tokens"] if req else None
     prompt_text(info["meta"], tokens, req_id, n_prompt)

@@ -61,6 +61,8 @@ def main() -> None:
     st.caption(f"{n} of {len(found)} concepts appear in this run ({len(df)} steps). Each card opens the step, tab "
                "and request its text names. The CLI lessons (`vllm-anatomy lesson --list`) provoke each idea on "
                "purpose, check it, and print a link back to this dashboard.")
+    st.page_link("views/selftest.py", label="Self-test: the article's five questions, answered from this run",
+                 icon=":material/quiz:")
     for lesson, f in found:
         lesson_card(lesson, f)
     code_ref("dashboard/lessons.py", "LESSONS (finders over the per-step table, the step records and the queues)")

@@ -88,6 +88,7 @@ def _strip_body(samples: list[dict], primary: bool) -> None:
                     "open run; the nine CLI lessons (`vllm-anatomy lesson 1` … `9`, the self-test) record their "
                     "own runs and print links back here.")
         st.page_link("views/lessons.py", label="Open the lesson cards", icon=":material/school:", width="stretch")
+        st.page_link("views/selftest.py", label="Open the self-test", icon=":material/quiz:", width="stretch")
 
 
 def stop() -> None:

@@ -89,13 +89,16 @@ def test_samples_are_listed_and_deep_linkable(recorded_run, samples, monkeypatch
     recorded = [o for o in picker.options if not o.startswith("sample · ")]
     assert recorded and picker.options[:len(recorded)] == recorded          # recorded runs first, then samples
     assert picker.options[len(recorded):] == ["sample · CPU · smollm2-full", "sample · CUDA · synthetic-gpu-full"]
-    # The default samples directory is <repo>/samples; `samples/<name>` resolves from the repository root.
-    from dashboard import state
+    # The default samples directory is <repo>/samples. Runs are opened by name only
+    # (issue 14): a relative path, or any path outside the run dirs, is refused.
+    from dashboard import data, state
     monkeypatch.delenv("VLLM_ANATOMY_SAMPLES_DIR")
     assert os.path.normpath(state.samples_dir()) == os.path.join(ROOT, "samples")
     monkeypatch.chdir(tmp_path)
-    assert state.resolve_run(os.path.join("samples", "x.sqlite")) == os.path.join("samples", "x.sqlite")
-    assert state.resolve_run("dashboard/app.py") == os.path.join(ROOT, "dashboard", "app.py")
+    assert isinstance(state.resolve_run(os.path.join("samples", "x.sqlite")), data.RunError)
+    assert isinstance(state.resolve_run("dashboard/app.py"), data.RunError)
+    assert state.resolve_run(os.path.join(ROOT, "dashboard", "app.py")).message == \
+        state.resolve_run("/etc/passwd").message                    # one refusal, whatever exists
 
 
 @pytest.mark.model
@@ -103,9 +106,9 @@ def test_no_gpu_button_opens_the_gpu_sample_on_a_graph_replay(recorded_run, samp
     trace_dir, _ = recorded_run
     at = _app(monkeypatch, trace_dir, samples["dir"], "live", None)
     _ok(at)
-    assert at.button(key="live_gpu_sample").label == "No GPU here? Open the CUDA sample run"
+    assert at.button(key="strip_gpu_sample").label == "No GPU here? Open the CUDA sample run"
     assert at.sidebar.button(key="open_gpu_sample").label == "No GPU here? Open the CUDA sample run"
-    at.button(key="live_gpu_sample").click().run()
+    at.button(key="strip_gpu_sample").click().run()
     _ok(at)
     step = samples["graph_step"]
     d = samples["decisions"][step]

@@ -23,7 +23,7 @@ LESSONS = sorted(glob.glob(os.path.join(ROOT, "lessons", "[0-9][0-9]_*.py")))
 # limit leaves room for a machine shared with other work.
 TIME_LIMIT_S = int(os.environ.get("VLLM_ANATOMY_LESSON_TIMEOUT_S", "300"))
 CHECK_MARK = "\u2713"
-PAGES = ("timeline", "inspector", "journey", "metrics", "lessons")
+PAGES = ("timeline", "inspector", "journey", "metrics", "lessons", "processes", "selftest")
 URL = re.compile(r"\?(\S*\brun=[^&\s]+\S*)")
 CLI = [sys.executable, "-m", "vllm_anatomy.entrypoints.cli.main"]
 
