@@ -1,6 +1,6 @@
-"""Record the GPU sample run that ships in samples/, for learners without a GPU.
+"""Record the GPU sample runs that ship in samples/, for learners without a GPU.
 
-    python scripts/record_sample_run.py [--out samples/h200-smollm2-full.sqlite]
+    python scripts/record_sample_run.py [--processes 1|3] [--out samples/h200-smollm2-full.sqlite]
 
 Needs a CUDA device and the default model (`vllm-anatomy download`). It runs
 the default model (SmolLM2-135M-Instruct, bf16) at trace level `full` with
@@ -9,10 +9,16 @@ shows everything the dashboard can explain:
 - a shared system prompt (chat template): prefix-cache hits;
 - a long prompt with max_num_batched_tokens=128: chunked prefill, mixed steps;
 - 24 KV blocks (16 tokens each) for 8 requests: preemption (recompute) and resumption;
+- requests that finish early, whose freed blocks later requests reuse;
 - pure-decode steps padded to a capture size and replayed as CUDA graphs,
   eager prefill steps with per-layer and per-kernel device spans.
-It fails unless the run really contains a preemption, a prefix hit, a graph
-replay and an eager step. The run store is checkpointed into one SQLite file.
+`--processes 1` (the default): the offline LLM in one process, with the GPU's
+defaults (async scheduling on, warm-up before the first request).
+`--processes 3`: as `vllm-anatomy serve` runs it — the API server, EngineCoreProc
+in its own process and a worker behind the shared-memory ring
+(`--distributed-executor-backend mp`) — the prompts sent over HTTP.
+It fails unless the run really contains each of these. The run store is
+checkpointed into one SQLite file.
 """
 from __future__ import annotations
 
@@ -42,29 +48,65 @@ LONG = ("Summarise this paragraph in one sentence: The engine keeps a paged key-
 SYSTEM = "You are a concise, friendly assistant. Answer briefly and plainly."
 
 
+ENGINE_ARGS = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=128, num_gpu_blocks_override=24)
+DESCRIPTION = ("Shipped sample: SmolLM2-135M-Instruct on an NVIDIA H200, trace level full, CUDA graphs on, "
+               "{how} (scripts/record_sample_run.py --processes {n}).")
+
+
+def record_one_process(trace_dir: str) -> str:
+    from vllm_anatomy import LLM, SamplingParams
+    llm = LLM(trace_level="full", trace_dir=trace_dir, **ENGINE_ARGS)
+    engine = llm.llm_engine
+    engine.recorder.set_run_meta("description", DESCRIPTION.format(
+        how="one process (the offline LLM), async scheduling as on any GPU", n=1))
+    conversations = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]
+                     for q in QUESTIONS + [LONG]]
+    # Short answers first: they finish while the long prompt still prefills, and their freed
+    # blocks go to the requests after them.
+    params = [SamplingParams(temperature=0, max_tokens=8 if i < 2 else 64) for i in range(len(conversations))]
+    outs = llm.chat(conversations, params, use_tqdm=False)
+    for o in outs:
+        print(repr(o.outputs[0].text[:80]))
+    path = engine.recorder.run_path
+    engine.shutdown()
+    return path
+
+
+def record_three_processes(trace_dir: str) -> str:
+    """The dashboard's own three-process launcher (dashboard/live.py drive_http), headless."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from dashboard.live import drive_http
+    from vllm_anatomy.engine.arg_utils import EngineArgs
+    from vllm_anatomy.tracing.factory import make_recorder
+    config = EngineArgs(trace_level="full", trace_dir=trace_dir, distributed_executor_backend="mp",
+                        **ENGINE_ARGS).create_engine_config()
+    recorder = make_recorder(config, "frontend")
+    recorder.set_run_meta("description", DESCRIPTION.format(
+        how="three processes (API server, EngineCoreProc, a worker behind the shared-memory ring)", n=3))
+    prompts = [{"text": q, "system": SYSTEM, "arrive_step": 2 * i} for i, q in enumerate(QUESTIONS)]
+    prompts.append({"text": LONG, "system": SYSTEM, "arrive_step": 3})
+    outputs = drive_http(config, recorder, {"prompts": prompts, "max_tokens": 64, "ignore_eos": False})
+    for i in sorted(outputs, key=int):
+        print(repr(outputs[i][:80]))
+    path = recorder.run_path
+    recorder.shutdown()
+    return path
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="samples/h200-smollm2-full.sqlite")
+    ap.add_argument("--processes", type=int, choices=(1, 3), default=1)
+    ap.add_argument("--out", default=None, help="default: samples/h200-smollm2-full.sqlite (1) or "
+                                                "samples/h200-smollm2-3proc-full.sqlite (3)")
     args = ap.parse_args()
+    out = args.out or ("samples/h200-smollm2-full.sqlite" if args.processes == 1
+                       else "samples/h200-smollm2-3proc-full.sqlite")
     import torch
     if not torch.cuda.is_available():
         sys.exit("record_sample_run.py needs a CUDA device")
-    from vllm_anatomy import LLM, SamplingParams
     trace_dir = tempfile.mkdtemp(prefix="sample_run_")
-    llm = LLM(trace_level="full", trace_dir=trace_dir, max_model_len=256, max_num_seqs=8,
-              max_num_batched_tokens=128, num_gpu_blocks_override=24)
-    engine = llm.llm_engine
-    engine.recorder.set_run_meta("description", "Shipped sample: SmolLM2-135M-Instruct on an NVIDIA H200, "
-                                 "trace level full, CUDA graphs on (scripts/record_sample_run.py).")
-    conversations = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]
-                     for q in QUESTIONS + [LONG]]
-    outs = llm.chat(conversations, SamplingParams(temperature=0, max_tokens=64), use_tqdm=False)
-    for o in outs:
-        print(repr(o.outputs[0].text[:80]))
-    m = llm.get_metrics()
-    path = engine.recorder.run_path
-    engine.shutdown()
-    checks = check(path, m)
+    path = (record_one_process if args.processes == 1 else record_three_processes)(trace_dir)
+    checks = check(path, args.processes)
     print(checks)
     if not all(checks.values()):
         sys.exit(f"the run lacks something it must show: {checks}")
@@ -72,21 +114,42 @@ def main() -> None:
         conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
         conn.execute("PRAGMA journal_mode=DELETE")
         conn.execute("VACUUM")
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    shutil.copyfile(path, args.out)
-    print(f"wrote {args.out} ({os.path.getsize(args.out) / 1e6:.1f} MB)")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    shutil.copyfile(path, out)
+    print(f"wrote {out} ({os.path.getsize(out) / 1e6:.1f} MB)")
 
 
-def check(path: str, metrics: dict) -> dict:
+def check(path: str, processes: int) -> dict:
+    """What the run must show, read back from its run store alone."""
     from vllm_anatomy.tracing.reader import open_run
     with open_run(path) as run:
         spans = run.spans()
+        records = [run.snapshot(i)["scheduler"]["step_record"] for i in run.steps()]
+        events = [e for i in run.steps() for e in (run.snapshot(i).get("block_pool_events") or [])]
     forwards = [s for s in spans if s.name == "GPUModelRunner._model_forward"]
     modes = {s.attributes.get("vllm_anatomy.cudagraph_mode") for s in forwards}
-    return {"preemption": metrics["vllm:num_preemptions"] > 0, "prefix_hit": metrics["vllm:prefix_cache_hits"] > 0,
+    finished_then_reused = _freed_by_a_finish_then_reused(records, events)
+    return {"preemption": any(r["preempted_req_ids"] for r in records),
+            "prefix_hit": any(h["num_hit_tokens"] for r in records for h in r["prefix_hits"]),
+            "chunked_prefill": any(x["kind"] == "prefill_chunk" for r in records for x in r["scheduled"]),
+            "finish_then_reuse": finished_then_reused,
             "graph_replay": "FULL" in modes, "eager_step": "NONE" in modes,
             "kernel_spans": any(s.name.startswith("GPU.kernel.") for s in spans),
-            "layer_spans": any(s.name == "GPU.layer" for s in spans)}
+            "layer_spans": any(s.name == "GPU.layer" for s in spans),
+            "processes": len({s.pid for s in spans}) >= processes}
+
+
+def _freed_by_a_finish_then_reused(records: list[dict], events: list[dict]) -> bool:
+    """Some block freed when its request finished is later allocated to another request."""
+    preempted = {rid for r in records for rid in r["preempted_req_ids"]}
+    freed_by: dict[int, str] = {}
+    for e in events:
+        req = e.get("request_id")
+        if e["kind"] == "free" and req and req not in preempted:
+            freed_by.update({b: req for b in e["block_ids"]})
+        elif e["kind"] == "allocate" and req and any(freed_by.get(b) not in (None, req) for b in e["block_ids"]):
+            return True
+    return False
 
 
 if __name__ == "__main__":
