@@ -97,10 +97,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--processes", type=int, choices=(1, 3), default=1)
     ap.add_argument("--out", default=None, help="default: samples/h200-smollm2-full.sqlite (1) or "
-                                                "samples/h200-smollm2-3proc-full.sqlite (3)")
+                                                "samples/h200-smollm2-full-3proc.sqlite (3)")
     args = ap.parse_args()
     out = args.out or ("samples/h200-smollm2-full.sqlite" if args.processes == 1
-                       else "samples/h200-smollm2-3proc-full.sqlite")
+                       else "samples/h200-smollm2-full-3proc.sqlite")
     import torch
     if not torch.cuda.is_available():
         sys.exit("record_sample_run.py needs a CUDA device")
