@@ -63,8 +63,11 @@ class CollectiveTracer:
         for op, (num, nbytes) in self.counts.items():
             attrs[f"vllm_anatomy.num_{op}"] = num
             attrs[f"vllm_anatomy.{op}_bytes"] = nbytes
-        self.counts = {op: [0, 0] for op in OPS}
+        self.reset()
         return attrs
+
+    def reset(self) -> None:
+        self.counts = {op: [0, 0] for op in OPS}
 
     def snapshot_counts(self) -> dict[str, tuple[int, int]]:
         """The counters as they are now (capture: what one graph's collectives add)."""
