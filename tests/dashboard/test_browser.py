@@ -8,27 +8,13 @@ GPU-shaped copy of the fixture run). Every page at 1440x900 and 1920x1080, click
 every chart, lesson links and the readability checks: test_browser_pages.py."""
 import os
 import re
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 
 import pytest
 
-from tests.dashboard.conftest import APP, GPU_SAMPLE_NAME, H200_SAMPLE, ROOT
+from tests.dashboard.browser import SHOTS, chromium, new_page, settle, streamlit_server
+from tests.dashboard.conftest import GPU_SAMPLE_NAME, H200_SAMPLE
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
-CHROMIUM = "/usr/bin/chromium"
-ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-        "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic"]
-SHOTS = os.path.join(ROOT, "test-output", "screenshots")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -46,46 +32,19 @@ def browser_samples(samples, tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(recorded_run, browser_samples, tmp_path_factory):
     trace_dir, path = recorded_run
-    port = _free_port()
-    log = open(tmp_path_factory.mktemp("server") / "streamlit.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "streamlit", "run", APP, "--server.headless", "true",
-                             "--server.address", "127.0.0.1", "--server.port", str(port),
-                             "--browser.gatherUsageStats", "false"],
-                            env={**os.environ, "VLLM_ANATOMY_TRACE_DIR": trace_dir,
-                                 "VLLM_ANATOMY_SAMPLES_DIR": browser_samples["dir"]}, stdout=log,
-                            stderr=subprocess.STDOUT, cwd=ROOT)
-    base = f"http://127.0.0.1:{port}"
-    for _ in range(120):
-        try:
-            if urllib.request.urlopen(base + "/_stcore/health", timeout=1).read() == b"ok":
-                break
-        except OSError:
-            time.sleep(0.5)
-    yield base, os.path.basename(path)
-    proc.terminate()
-    proc.wait(10)
-    log.close()
+    with streamlit_server(trace_dir, browser_samples["dir"], tmp_path_factory.mktemp("server")) as base:
+        yield base, os.path.basename(path)
 
 
 @pytest.fixture(scope="module")
 def page():
-    if not os.path.exists(CHROMIUM):
-        pytest.skip("Debian chromium is not installed at /usr/bin/chromium")
-    from playwright.sync_api import sync_playwright
-    os.makedirs(SHOTS, exist_ok=True)
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
-        pg = browser.new_page(viewport={"width": 1500, "height": 1000})
-        pg.set_default_timeout(60_000)
+    with chromium() as browser:
+        _, pg = new_page(browser, 1500, 1000)
         yield pg
-        browser.close()
 
 
 def _settle(pg) -> None:
-    """Wait until the script run is over (Streamlit's "running" widget is gone)."""
-    pg.wait_for_timeout(500)
-    pg.wait_for_function("!document.querySelector('[data-testid=\"stStatusWidget\"]')", timeout=60_000)
-    pg.wait_for_timeout(700)
+    settle(pg, 500, 700, timeout_ms=60_000)
 
 
 def test_scrubber_moves_the_inspector(server, page):

@@ -17,24 +17,16 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import sqlite3
-import subprocess
-import sys
-import time
 import urllib.parse
-import urllib.request
 
 import pytest
 
-from tests.dashboard.conftest import APP, H200_SAMPLE, ROOT
+from tests.dashboard.browser import SHOTS, chromium, new_page, settle, streamlit_server
+from tests.dashboard.conftest import H200_SAMPLE
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not os.path.exists(H200_SAMPLE),
                                                    reason="samples/h200-smollm2-full.sqlite not shipped")]
-CHROMIUM = "/usr/bin/chromium"
-ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-        "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic"]
-SHOTS = os.path.join(ROOT, "test-output", "screenshots")
 RUN = os.path.basename(H200_SAMPLE)
 SIZES = [(1440, 900), (1920, 1080)]
 TITLES = {"timeline": "Timeline", "inspector": "Step inspector", "journey": "Request journey",
@@ -51,12 +43,6 @@ VIEWS = [("timeline", "timeline?run={run}"),
 KEY_TABLES = ["sched_new", "sched_cached", "input_batch_rows", "journey_steps"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """One Streamlit server: an empty trace dir, a samples dir holding a copy of the H200 sample."""
@@ -65,54 +51,20 @@ def server(tmp_path_factory):
     src.backup(dst)
     src.close()
     dst.close()
-    port = _free_port()
-    log = open(tmp_path_factory.mktemp("server") / "streamlit.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "streamlit", "run", APP, "--server.headless", "true",
-                             "--server.address", "127.0.0.1", "--server.port", str(port),
-                             "--browser.gatherUsageStats", "false"],
-                            env={**os.environ, "VLLM_ANATOMY_TRACE_DIR": str(traces),
-                                 "VLLM_ANATOMY_SAMPLES_DIR": str(samples)},
-                            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(240):
-            try:
-                if urllib.request.urlopen(base + "/_stcore/health", timeout=1).read() == b"ok":
-                    break
-            except OSError:
-                time.sleep(0.5)
+    with streamlit_server(traces, samples, tmp_path_factory.mktemp("server")) as base:
         yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
 
 
 @pytest.fixture(scope="module")
 def browser():
-    if not os.path.exists(CHROMIUM):
-        pytest.skip("Debian chromium is not installed at /usr/bin/chromium")
-    from playwright.sync_api import sync_playwright
-    os.makedirs(SHOTS, exist_ok=True)
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+    with chromium() as b:
         yield b
-        b.close()
 
 
 @pytest.fixture
 def page(browser):
     """A fresh page (its own Streamlit session) that records every request to a non-local host."""
-    ctx = browser.new_context(viewport={"width": 1440, "height": 900})
-    pg = ctx.new_page()
-    pg.set_default_timeout(60_000)
-    pg.external = []
-    pg.on("request", lambda r: pg.external.append(r.url)
-          if urllib.parse.urlparse(r.url).hostname not in ("127.0.0.1", "localhost", None)
-          and not r.url.startswith(("data:", "blob:")) else None)
+    ctx, pg = new_page(browser)
     yield pg
     external = list(pg.external)
     ctx.close()
@@ -120,10 +72,7 @@ def page(browser):
 
 
 def _settle(pg) -> None:
-    """Wait until the script run is over (Streamlit's "running" widget is gone) and charts are drawn."""
-    pg.wait_for_timeout(300)
-    pg.wait_for_function("!document.querySelector('[data-testid=\"stStatusWidget\"]')", timeout=90_000)
-    pg.wait_for_timeout(400)
+    settle(pg, 300, 400)
 
 
 def _open(pg, base: str, path: str, title: str | None) -> None:

@@ -7,101 +7,53 @@ one-process sample is labelled as one process. Chart text 12 px or more; nothing
 from another host. Screenshots: test-output/screenshots/selftest-*.png, processes-*.png."""
 import os
 import re
-import socket
-import subprocess
-import sys
+import shutil
 import time
 import urllib.parse
-import urllib.request
 
 import pytest
 
-from tests.dashboard.conftest import APP, FIXTURE_SPEC, H200_SAMPLE, ROOT
+from tests.dashboard.browser import SHOTS, chromium, new_page, settle, streamlit_server
+from tests.dashboard.conftest import FIXTURE_SPEC, H200_SAMPLE
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not os.path.exists(H200_SAMPLE), reason="samples/h200-smollm2-full.sqlite not shipped")]
-CHROMIUM = "/usr/bin/chromium"
-ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-        "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic"]
-SHOTS = os.path.join(ROOT, "test-output", "screenshots")
 SAMPLE = os.path.basename(H200_SAMPLE)
 TITLES = {"inspector": "Step inspector", "journey": "Request journey", "processes": "Processes"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """(base URL, name of a three-process run in its trace dir, its path)."""
-    import shutil
-
     from dashboard.live import LiveRun
     samples = tmp_path_factory.mktemp("st_samples")
     shutil.copy(H200_SAMPLE, samples / SAMPLE)
     trace = tmp_path_factory.mktemp("st_traces")
     live = LiveRun.start({**FIXTURE_SPEC, "processes": 3}, str(trace))     # recorded while the server starts
-    port = _free_port()
-    log = open(tmp_path_factory.mktemp("st_server") / "streamlit.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "streamlit", "run", APP, "--server.headless", "true",
-                             "--server.address", "127.0.0.1", "--server.port", str(port),
-                             "--browser.gatherUsageStats", "false"],
-                            env={**os.environ, "VLLM_ANATOMY_TRACE_DIR": str(trace), "VLLM_ANATOMY_PREWARM": "0",
-                                 "VLLM_ANATOMY_SAMPLES_DIR": str(samples)},
-                            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
-    base = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(240):
-            try:
-                if urllib.request.urlopen(base + "/_stcore/health", timeout=1).read() == b"ok":
-                    break
-            except OSError:
+        with streamlit_server(trace, samples, tmp_path_factory.mktemp("st_server"), VLLM_ANATOMY_PREWARM="0") as base:
+            deadline = time.monotonic() + 300
+            while (st := live.status())["state"] not in ("done", "error", "crashed", "stopped") \
+                    and time.monotonic() < deadline:
                 time.sleep(0.5)
-        deadline = time.monotonic() + 300
-        while (st := live.status())["state"] not in ("done", "error", "crashed", "stopped") and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert st["state"] == "done", (st.get("error"), live.log_tail())
-        yield base, os.path.basename(st["run_path"]), st["run_path"]
+            assert st["state"] == "done", (st.get("error"), live.log_tail())
+            yield base, os.path.basename(st["run_path"]), st["run_path"]
     finally:
         live.stop()
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
 
 
 @pytest.fixture(scope="module")
 def browser():
-    if not os.path.exists(CHROMIUM):
-        pytest.skip("Debian chromium is not installed at /usr/bin/chromium")
-    from playwright.sync_api import sync_playwright
-    os.makedirs(SHOTS, exist_ok=True)
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+    with chromium() as b:
         yield b
-        b.close()
 
 
 def _page(browser, w=1440, h=900):
-    ctx = browser.new_context(viewport={"width": w, "height": h})
-    pg = ctx.new_page()
-    pg.set_default_timeout(60_000)
-    pg.external = []
-    pg.on("request", lambda r: pg.external.append(r.url)
-          if urllib.parse.urlparse(r.url).hostname not in ("127.0.0.1", "localhost", None)
-          and not r.url.startswith(("data:", "blob:")) else None)
-    return ctx, pg
+    return new_page(browser, w, h)
 
 
 def _settle(pg) -> None:
-    pg.wait_for_timeout(300)
-    pg.wait_for_function("!document.querySelector('[data-testid=\"stStatusWidget\"]')", timeout=90_000)
-    pg.wait_for_timeout(300)
+    settle(pg, 300, 300)
 
 
 def _open(pg, url: str, title: str) -> None:

@@ -10,107 +10,47 @@ run, the default model. Screenshots: test-output/screenshots/shell-*.png.
 """
 import os
 import re
-import socket
-import subprocess
-import sys
+import shutil
 import time
 import urllib.parse
-import urllib.request
 
 import pytest
 
-from tests.dashboard.conftest import APP, H200_SAMPLE, ROOT
+from tests.dashboard.browser import SHOTS, chromium, new_page, settle, streamlit_server
+from tests.dashboard.conftest import H200_SAMPLE
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not os.path.exists(H200_SAMPLE), reason="samples/h200-smollm2-full.sqlite not shipped")]
-CHROMIUM = "/usr/bin/chromium"
-ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-        "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic"]
-SHOTS = os.path.join(ROOT, "test-output", "screenshots")
 SAMPLE = os.path.basename(H200_SAMPLE)
-LOCAL = ("127.0.0.1", "localhost", "[::1]", "::1")
 PAGES = [("live", None), ("timeline", "Timeline"), ("inspector", "Step inspector"), ("journey", "Request journey"),
          ("metrics", "Metrics over time"), ("lessons", "Lessons"), ("mapping", None)]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    import shutil
     samples = tmp_path_factory.mktemp("shell_samples")
     shutil.copy(H200_SAMPLE, samples / SAMPLE)
     trace = tmp_path_factory.mktemp("shell_traces")
-    port = _free_port()
-    log = open(tmp_path_factory.mktemp("shell_server") / "streamlit.log", "w")
-    # started the way `vllm-anatomy dashboard` starts it (the repository's .streamlit/config.toml applies)
-    proc = subprocess.Popen([sys.executable, "-m", "streamlit", "run", APP, "--server.headless", "true",
-                             "--server.address", "127.0.0.1", "--server.port", str(port),
-                             "--browser.gatherUsageStats", "false"],
-                            env={**os.environ, "VLLM_ANATOMY_TRACE_DIR": str(trace),
-                                 "VLLM_ANATOMY_SAMPLES_DIR": str(samples)},
-                            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(240):
-            try:
-                if urllib.request.urlopen(base + "/_stcore/health", timeout=1).read() == b"ok":
-                    break
-            except OSError:
-                time.sleep(0.5)
+    with streamlit_server(trace, samples, tmp_path_factory.mktemp("shell_server")) as base:
         yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
 
 
 @pytest.fixture(scope="module")
 def browser():
-    if not os.path.exists(CHROMIUM):
-        pytest.skip("Debian chromium is not installed at /usr/bin/chromium")
-    from playwright.sync_api import sync_playwright
-    os.makedirs(SHOTS, exist_ok=True)
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
-        try:
-            yield b
-        finally:
-            b.close()
+    with chromium() as b:
+        yield b
 
 
 @pytest.fixture
 def page(browser):
     """A page at 1440x900 that refuses (and records) every request to another host."""
-    ctx = browser.new_context(viewport={"width": 1440, "height": 900})
-    pg = ctx.new_page()
-    pg.set_default_timeout(90_000)
-    pg.external = []
-
-    def route(r):
-        host = urllib.parse.urlsplit(r.request.url).hostname or ""
-        if r.request.url.startswith(("data:", "blob:")) or host in LOCAL:
-            r.continue_()
-        else:
-            pg.external.append(r.request.url)
-            r.abort()
-    ctx.route("**/*", route)
+    ctx, pg = new_page(browser, timeout_ms=90_000, block=True)
     yield pg
     ctx.close()
 
 
 def _settle(pg) -> None:
-    pg.wait_for_timeout(600)
-    pg.wait_for_function("!document.querySelector('[data-testid=\"stStatusWidget\"]')", timeout=90_000)
-    pg.wait_for_timeout(600)
+    settle(pg, 600, 600)
 
 
 def test_every_page_is_offline_with_a_run_header_and_no_deploy_button(server, page):
