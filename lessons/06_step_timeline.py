@@ -100,13 +100,15 @@ def main() -> None:
     returned: list[tuple[str, int | None, object]] = []
     real_execute, real_sample = executor.execute_model, executor.sample_tokens
 
-    def execute_model(scheduler_output):
-        result = real_execute(scheduler_output)
-        returned.append(("execute_model", scheduler_output.step_id, result))
+    # NOTE: EngineCore asks for execute_model(non_block=True): a Future, already done
+    # in one process; what it holds is what the worker answered.
+    def execute_model(scheduler_output, non_block=False):
+        result = real_execute(scheduler_output, non_block)
+        returned.append(("execute_model", scheduler_output.step_id, result.result() if non_block else result))
         return result
 
-    def sample_tokens():
-        result = real_sample()
+    def sample_tokens(grammar_output, non_block=False):
+        result = real_sample(grammar_output, non_block)
         returned.append(("sample_tokens", None, result))
         return result
 

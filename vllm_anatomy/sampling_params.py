@@ -30,6 +30,39 @@ MAX_LOGPROBS = 20
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
+class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """One structured-output constraint: the output must match it (vLLM's names).
+
+    Exactly one of json (a JSON schema, as a dict or its text), regex, choice
+    (one of these strings), grammar (EBNF, xgrammar's dialect) or json_object
+    (any JSON object) is set. Compiled by StructuredOutputManager (xgrammar).
+    NOTE: a msgspec Struct (vLLM: a dataclass): it crosses to the engine
+    process inside SamplingParams. Not supported: structural_tag, the options
+    of other backends (disable_any_whitespace, whitespace_pattern,
+    disable_additional_properties), and Lark grammars (vLLM converts them to EBNF).
+    """
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        """Exactly one kind of constraint (checked on decode in the engine too)."""
+        count = sum(getattr(self, f) is not None for f in _CONSTRAINTS)
+        if count != 1:
+            kind = "multiple are" if count > 1 else "none is"
+            raise VLLMValidationError(f"You must use exactly one kind of structured outputs constraint "
+                                      f"({', '.join(_CONSTRAINTS)}), but {kind} specified.",
+                                      parameter="structured_outputs")
+
+    def all_constraints_none(self) -> bool:
+        return all(getattr(self, f) is None for f in _CONSTRAINTS)
+
+
+_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
+
+
 class RequestOutputKind(IntEnum):
     CUMULATIVE = 0   # every output carries the whole text so far
     DELTA = 1        # only what is new since the previous output
@@ -40,7 +73,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     """Sampling parameters, field names as in vLLM.
 
     Not supported here (a ValueError says so): n > 1, best_of, beam search,
-    penalties, allowed_token_ids, bad_words, structured output, prompt_logprobs.
+    penalties, allowed_token_ids, bad_words, prompt_logprobs.
     """
     n: int = 1
     temperature: float = 1.0
@@ -57,6 +90,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     logprobs: int | None = None     # number of top logprobs besides the sampled token
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Constrain the output to a JSON schema, regex, choice or grammar (structured output).
+    structured_outputs: StructuredOutputsParams | None = None
     # token id -> bias added to its logit before sampling (OpenAI's logit_bias).
     logit_bias: dict[int, float] | None = None
     # Filled by the InputProcessor from the tokenizer / generation config;
@@ -128,6 +163,33 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         if self.eos_token_id is not None and not 0 <= self.eos_token_id < vocab_size:
             raise VLLMValidationError(f"eos_token_id {self.eos_token_id} is outside the vocabulary.",
                                       parameter="eos_token_id")
+        self._validate_structured_outputs()
+
+    def _validate_structured_outputs(self) -> None:
+        """A schema, regex or grammar xgrammar cannot compile is refused here, with
+        xgrammar's own message (vLLM: the same check, in the frontend's verify).
+
+        NOTE: this parses the constraint into a grammar but does not compile it
+        against the vocabulary; that (the slow part) is the engine's, off the
+        step (StructuredOutputManager.grammar_init).
+        """
+        so = self.structured_outputs
+        if so is None:
+            return
+        if isinstance(so.choice, list) and not so.choice:
+            raise VLLMValidationError("structured_outputs.choice cannot be an empty list.",
+                                      parameter="structured_outputs")
+        for field in ("grammar", "json", "regex"):
+            value = getattr(so, field)
+            if isinstance(value, str) and not value.strip():
+                raise VLLMValidationError(f"structured_outputs.{field} cannot be an empty string.",
+                                          parameter="structured_outputs")
+        if so.json_object is False:
+            raise VLLMValidationError("structured_outputs.json_object must be True if set; omit "
+                                      "structured_outputs to disable structured outputs.",
+                                      parameter="structured_outputs")
+        from vllm_anatomy.structured_output.backend_xgrammar import validate_xgrammar_grammar
+        validate_xgrammar_grammar(self)
 
     @property
     def sampling_type_greedy(self) -> bool:

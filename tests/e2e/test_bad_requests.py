@@ -104,7 +104,9 @@ BAD_BODIES = [
     # Refused, not silently ignored.
     ("chat/completions", f'{{{CHAT}, "tools": [{{"type": "function", "function": {{"name": "f"}}}}]}}', "tools"),
     ("chat/completions", f'{{{CHAT}, "tool_choice": "auto"}}', "tool_choice"),
-    ("chat/completions", f'{{{CHAT}, "response_format": {{"type": "json_object"}}}}', "response_format"),
+    # A JSON schema xgrammar cannot compile.
+    ("chat/completions", f'{{{CHAT}, "response_format": {{"type": "json_schema", "json_schema": '
+                         f'{{"name": "x", "schema": {{"type": "nonsense"}}}}}}}}', "response_format"),
     ("completions", '{"prompt": "hi", "allowed_token_ids": [1, 2]}', "allowed_token_ids"),
     ("completions", '{"prompt": "hi", "min_tokens": 5, "max_tokens": 2}', "min_tokens"),
 ]
@@ -131,7 +133,8 @@ def test_the_official_client_gets_bad_request_errors(server, client):
             model=MODEL, messages=[{"role": "user", "content": "hi"}],
             tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])),
         ("response_format", lambda: client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "hi"}], response_format={"type": "json_object"})),
+            model=MODEL, messages=[{"role": "user", "content": "hi"}],
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}})),
         # Streamed: refused before the 200 (the client cannot send lone surrogates: raw httpx does).
         ("stop_token_ids", lambda: client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "hi"}], stream=True,
@@ -142,7 +145,7 @@ def test_the_official_client_gets_bad_request_errors(server, client):
             call()
         assert e.value.status_code == 400 and e.value.body["param"] == param, (param, e.value.body)
         assert_still_serving(server)
-    # response_format "text" is what the engine does anyway: accepted.
+    # response_format "text" constrains nothing: accepted.
     r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
                                        response_format={"type": "text"})
     assert r.choices[0].finish_reason in ("length", "stop")

@@ -33,10 +33,10 @@ class FailingForwardExecutor(UniProcExecutor):
     """A batch-level failure, what still kills the engine: every step with tokens raises
     (as a forward that fails for the whole batch would). Imported by the spawned engine."""
 
-    def execute_model(self, scheduler_output):
+    def execute_model(self, scheduler_output, non_block=False):
         if scheduler_output.total_num_scheduled_tokens:
             raise IndexError("injected: the batch's forward failed")
-        return super().execute_model(scheduler_output)
+        return super().execute_model(scheduler_output, non_block)
 
 
 def start_client(vllm_config, executor_class=None) -> SyncMPClient:
@@ -140,6 +140,21 @@ def test_malformed_messages_are_dropped_engine_keeps_serving(client):
     sock.send_multipart([identity, b"\x00"])                          # missing frame
     got = run_to_completion(client, [request("after-junk", PROMPTS[1], **GREEDY)])
     assert len(got["after-junk"]) == GREEDY["max_tokens"]
+
+
+def test_undecodable_add_with_a_readable_id_is_answered(client):
+    """An ADD the engine cannot decode (here: sampling params of the wrong
+    type) but whose request id it can read gets an ERROR finish, so its caller
+    is not left waiting; the engine keeps serving."""
+    import msgspec
+    sock, identity = client.input_socket, client.engine_identity
+    sock.send_multipart([identity, b"\x00", msgspec.msgpack.encode(["undecodable", [1, 2], "not params", 0.0])])
+    deadline, outs = time.monotonic() + 30, {}
+    while "undecodable" not in outs and time.monotonic() < deadline:
+        outs.update({o.request_id: o for o in client.get_output().outputs})
+    assert outs["undecodable"].finish_reason == FinishReason.ERROR
+    got = run_to_completion(client, [request("after-undecodable", PROMPTS[1], **GREEDY)])
+    assert len(got["after-undecodable"]) == GREEDY["max_tokens"]
 
 
 def test_socket_files_are_owner_only(client):

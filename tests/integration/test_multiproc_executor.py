@@ -99,7 +99,7 @@ def test_world_size_2_matches_uniproc(mp2_engine, uni_token_ids):
 def test_worker_error_comes_back_with_its_traceback(mp2_engine, uni_token_ids):
     executor = mp2_engine.engine_core.model_executor
     with pytest.raises(RuntimeError) as info:
-        executor.collective_rpc("sample_tokens")            # no execute_model before it
+        executor.collective_rpc("sample_tokens", (None,))     # no execute_model before it
     text = str(info.value)
     assert "rank 0" in text and "Traceback" in text
     assert "sample_tokens called without a preceding execute_model" in text

@@ -73,7 +73,7 @@ def make_so(step, num_scheduled, new_reqs=(), cached=(), finished=(), preempted=
 
 def step(runner, so):
     assert runner.execute_model(so) is None
-    return runner.sample_tokens()
+    return runner.sample_tokens(None)
 
 
 def prompt(seed, n):
@@ -224,15 +224,17 @@ def test_seeded_sampling_independent_of_chunking(tiny_llama, device):
 def test_step_protocol_errors_and_empty_step(tiny_llama):
     runner = make_runner(tiny_llama[0])
     with pytest.raises(RuntimeError):
-        runner.sample_tokens()
+        runner.sample_tokens(None)
     so = make_so(1, {"r": 3}, [new("r", prompt(40, 3), [1], temperature=0)])
     runner.execute_model(so)
     with pytest.raises(RuntimeError):
         runner.execute_model(so)
-    runner.sample_tokens()
-    # Everything finished: nothing scheduled, the batch empties, sample_tokens returns EMPTY.
-    assert runner.execute_model(make_so(2, {}, finished={"r"})) is None
-    assert runner.sample_tokens() is EMPTY_MODEL_RUNNER_OUTPUT
+    runner.sample_tokens(None)
+    # Everything finished: nothing scheduled, the batch empties, and (as in vLLM)
+    # execute_model itself answers EMPTY: there is nothing to sample.
+    assert runner.execute_model(make_so(2, {}, finished={"r"})) is EMPTY_MODEL_RUNNER_OUTPUT
+    with pytest.raises(RuntimeError):
+        runner.sample_tokens(None)
     assert runner.input_batch.num_reqs == 0 and not runner.requests
 
 
@@ -249,7 +251,7 @@ def test_worker_start_up_by_method_name(tiny_llama):
     worker.initialize_from_config(8)
     assert vc.cache_config.num_gpu_blocks == 8
     out = (worker.execute_model(make_so(1, {"w": 2}, [new("w", [5, 6], [1], temperature=0)])),
-           worker.sample_tokens())
+           worker.sample_tokens(None))
     assert out[0] is None and out[1].req_ids == ["w"] and len(out[1].sampled_token_ids[0]) == 1
     assert worker.snapshot()["kv_cache_shape"] == [2, 8, BLOCK_SIZE, 2, 16]
 
@@ -274,7 +276,7 @@ def test_cuda_num_blocks_from_memory_profile(tiny_llama):
     used = total - torch.cuda.mem_get_info()[0]
     assert used <= budget + (total - free) + 64 * 2**20       # the cache fits the budget
     worker.execute_model(make_so(1, {"g": 3}, [new("g", [5, 6, 7], [num_blocks - 1], temperature=0)]))
-    out = worker.sample_tokens()
+    out = worker.sample_tokens(None)
     assert len(out.sampled_token_ids[0]) == 1
     sync = rec.find("GPUModelRunner._bookkeeping_sync")[0]
     assert sync.attrs["vllm_anatomy.device"] == "cuda" and sync.attrs["vllm_anatomy.sync_wait_ms"] >= 0

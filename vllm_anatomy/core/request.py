@@ -4,7 +4,11 @@ Mirrors vllm/v1/request.py. An EngineCoreRequest is flat data that crossed a
 process boundary; a Request is what the scheduler mutates step after step
 (status, num_computed_tokens, output tokens, block hashes).
 
-Simplified: no pooling, LoRA, multimodal, prompt embeds, structured output,
+Structured output: a request with SamplingParams.structured_outputs carries a
+StructuredOutputRequest (its constraint and its grammar, compiling) and starts
+in WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR instead of WAITING.
+
+Simplified: no pooling, LoRA, multimodal, prompt embeds,
 KV transfer or streaming-input sessions; FCFS only, so no __lt__ for a
 priority heap. Async scheduling keeps vLLM's num_output_placeholders,
 num_in_flight_tokens and num_stale_output_tokens (see core/sched/async_scheduler.py).
@@ -19,6 +23,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from vllm_anatomy.engine.protocol import (EngineCoreEvent, EngineCoreEventType, EngineCoreRequest,
                                           FinishReason)
 from vllm_anatomy.sampling_params import SamplingParams
+from vllm_anatomy.structured_output.request import StructuredOutputRequest
 
 if TYPE_CHECKING:
     from vllm_anatomy.core.kv_cache_utils import BlockHash
@@ -54,7 +59,7 @@ class ConstantList(Sequence[T]):
 class RequestStatus(enum.IntEnum):
     """Status of a request. NOTE: the order matters: see is_finished()."""
     WAITING = enum.auto()
-    WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR = enum.auto()  # unused here: no structured output
+    WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR = enum.auto()  # its grammar is still compiling
     WAITING_FOR_REMOTE_KVS = enum.auto()                 # unused here: no KV connector
     WAITING_FOR_STREAMING_REQ = enum.auto()              # unused here: no streaming input
     RUNNING = enum.auto()
@@ -114,8 +119,11 @@ class Request:
         self.client_index = client_index
         self.priority = priority
         self.sampling_params = sampling_params
+        self.structured_output_request = StructuredOutputRequest.from_sampling_params(sampling_params)
         self.arrival_time = arrival_time if arrival_time is not None else time.time()
-        self.status = RequestStatus.WAITING
+        # NOTE: a structured request cannot be scheduled before its grammar exists.
+        self.status = (RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
+                       if self.structured_output_request is not None else RequestStatus.WAITING)
         self.events: list[EngineCoreEvent] = []
         self.stop_reason: int | str | None = None
         # NOTE: the frontend fills max_tokens (max_model_len - prompt) when the
@@ -198,6 +206,10 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self._output_token_ids)
+
+    @property
+    def use_structured_output(self) -> bool:
+        return self.structured_output_request is not None
 
     def is_finished(self) -> bool:
         return RequestStatus.is_finished(self.status)

@@ -4,20 +4,25 @@ Mirrors vllm/v1/engine/core.py: EngineCore (used in-process by LLMEngine /
 InprocClient) and EngineCoreProc (the same core in its own process, behind ZMQ
 sockets; see its docstring). One `step()`:
 
-    Scheduler.schedule()            -> SchedulerOutput        (CPU, pure Python)
-    Executor.execute_model(out)     -> None                   (enqueues the forward)
-    Executor.sample_tokens()        -> ModelRunnerOutput      (sampling + the one sync)
-    Scheduler.update_from_output()  -> EngineCoreOutputs      (append tokens, stop, free)
+    Scheduler.schedule()                          -> SchedulerOutput   (CPU, pure Python)
+    Executor.execute_model(out, non_block=True)   -> Future            (enqueues the forward)
+    Scheduler.get_grammar_bitmask(out)            -> GrammarOutput     (CPU, while the device runs)
+    future.result() is None -> Executor.sample_tokens(grammar_output)
+                                                  -> ModelRunnerOutput (sampling + the one sync)
+    Scheduler.update_from_output()                -> EngineCoreOutputs (append tokens, stop, free)
 
-NOTE: execute_model returns None on purpose (as in vLLM): the forward is only
-enqueued on the device, and the CPU is free to do other work (in vLLM: the
-structured-output grammar bitmask) until sample_tokens needs the logits.
+NOTE: this is the article's timeline (§五). execute_model only *enqueues*
+the forward on the device and answers None ("go on to sampling"), so the CPU
+is free until sample_tokens needs the logits; the grammar bitmask of the
+structured-output requests (which tokens each one may sample next) is built
+in exactly that window, hidden behind the forward pass instead of added to
+the step. Only sampling needs it, and sampling needs the logits anyway.
 
 With async scheduling (`async_scheduling`, on by default on a GPU) the engine
 steps with `step_with_batch_queue` instead: it schedules and launches step N+1
 before it waits for step N's tokens, so that the host's work overlaps the
-device's. sample_tokens then returns an AsyncModelRunnerOutput, whose
-get_output() is the sync point, one step later.
+device's. sample_tokens(non_block=True) then returns a Future whose result()
+is the sync point, one step later.
 
 Errors. A bad request fails alone; the engine stays up:
   * add_request re-checks what the engine relies on (prompt ids and every
@@ -46,6 +51,7 @@ import signal
 import threading
 import time
 from collections import deque
+from concurrent.futures import Future
 from typing import Any
 
 import msgspec
@@ -53,9 +59,9 @@ import zmq
 
 from vllm_anatomy.config import VllmConfig
 from vllm_anatomy.core.kv_cache_utils import get_request_block_hasher, init_none_hash, sha256
-from vllm_anatomy.core.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
+from vllm_anatomy.core.outputs import ModelRunnerOutput
 from vllm_anatomy.core.request import Request, RequestStatus
-from vllm_anatomy.core.sched.output import SchedulerOutput
+from vllm_anatomy.core.sched.output import GrammarOutput, SchedulerOutput
 from vllm_anatomy.engine.input_processor import validate_params, validate_prompt_token_ids
 from vllm_anatomy.engine.protocol import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest,
                                           FinishReason, SchedulerStats)
@@ -64,6 +70,7 @@ from vllm_anatomy.engine.serial_utils import (EngineCoreOutputType, EngineCoreRe
                                               UtilityOutput, UtilityRequest)
 from vllm_anatomy.executor.abstract import Executor
 from vllm_anatomy.executor.shm_broadcast import unlink_shm_segments
+from vllm_anatomy.structured_output import StructuredOutputManager
 from vllm_anatomy.tracing.factory import make_recorder
 from vllm_anatomy.tracing.recorder import NullRecorder, Recorder, paused_gc
 from vllm_anatomy.tracing.traced import QUIET_CALLS_ATTR, trace_methods
@@ -85,11 +92,13 @@ class EngineCore:
                 num_gpu_blocks = self.model_executor.determine_num_available_blocks()
                 cache_config.num_gpu_blocks = num_gpu_blocks
                 self.model_executor.initialize_from_config(num_gpu_blocks)
+            self.structured_output_manager = StructuredOutputManager(vllm_config)
             # Block-pool events (allocate / free / hit / evict) are kept only when
             # snapshots are recorded: someone must drain them every step.
             scheduler_cls = vllm_config.scheduler_config.get_scheduler_cls()
             self.scheduler = scheduler_cls(vllm_config, num_gpu_blocks,
-                                           enable_kv_cache_events=self.recorder.wants_snapshots)
+                                           enable_kv_cache_events=self.recorder.wants_snapshots,
+                                           structured_output_manager=self.structured_output_manager)
             # At level full, the KV manager's calls get spans under Scheduler.schedule.
             self.traced_kv_calls = (trace_methods(self.scheduler.kv_cache_manager, self.recorder, "KVCacheManager",
                                                   ["get_computed_blocks", "allocate_slots"])
@@ -104,9 +113,9 @@ class EngineCore:
         if cache_config.enable_prefix_caching:
             init_none_hash(sha256)
             self.request_block_hasher = get_request_block_hasher(cache_config.block_size, sha256)
-        # Steps in flight: (output or its future, scheduler output, step span).
+        # Steps in flight: (sample_tokens' future, scheduler output, execute_model's future, step span).
         self.batch_queue_size = vllm_config.scheduler_config.max_concurrent_batches
-        self.batch_queue: deque[tuple[Any, SchedulerOutput, Any]] | None = None
+        self.batch_queue: deque[tuple[Future, SchedulerOutput, Future, Any]] | None = None
         self.step_fn = self.step
         if self.batch_queue_size > 1:
             self.batch_queue = deque(maxlen=self.batch_queue_size)
@@ -128,7 +137,12 @@ class EngineCore:
         Raises ValueError / TypeError for a request the engine must not run.
         """
         self._validate_request(request)
-        return Request.from_engine_core_request(request, self.request_block_hasher)
+        req = Request.from_engine_core_request(request, self.request_block_hasher)
+        if req.use_structured_output:
+            # NOTE: returns at once: the grammar compiles in the manager's thread
+            # pool while the request waits in WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR.
+            self.structured_output_manager.grammar_init(req)
+        return req
 
     def _validate_request(self, request: EngineCoreRequest) -> None:
         """Re-check what the engine relies on: the frontend checked the same,
@@ -183,14 +197,18 @@ class EngineCore:
 
     # -- the step -----------------------------------------------------------------
     def step(self) -> tuple[dict[int, EngineCoreOutputs], bool]:
-        """One schedule -> execute -> update round.
+        """One schedule -> execute -> (grammar bitmask) -> sample -> update round.
 
         Returns (outputs per client index, whether the model ran this step)."""
         if not self.scheduler.has_requests():
             return {}, False
-        span, scheduler_output = self._schedule_and_launch()
+        span, scheduler_output, future = self._schedule_and_launch()
         with self.recorder.use_span(span):
-            model_output = self.model_executor.sample_tokens()
+            # NOTE: the device runs the forward while the host builds the bitmask.
+            grammar_output = self._get_grammar_bitmask(scheduler_output)
+            model_output = future.result()
+            if model_output is None:
+                model_output = self.model_executor.sample_tokens(grammar_output)
             outputs = self._update_from_output(scheduler_output, model_output)
         span.end()
         return outputs, scheduler_output.total_num_scheduled_tokens > 0
@@ -204,29 +222,62 @@ class EngineCore:
         The wait therefore starts with step N+1 already queued behind step N
         on the device, so the device never runs dry while the host turns step
         N's tokens into outputs and schedules step N+2.
+        NOTE: a structured-output request whose previous token is still in
+        flight (pending_structured_output_tokens) cannot get its bitmask yet:
+        that step's forward is launched, but its sampling is deferred until
+        step N's tokens have advanced the grammar (v0.27.1's rule).
         """
         batch_queue = self.batch_queue
         model_executed = False
+        deferred = None
         if self.scheduler.has_requests():
-            span, scheduler_output = self._schedule_and_launch()
+            span, scheduler_output, exec_future = self._schedule_and_launch()
             model_executed = scheduler_output.total_num_scheduled_tokens > 0
-            with self.recorder.use_span(span):
-                # Non-blocking: an AsyncModelRunnerOutput (its tokens are still on the device).
-                future = self.model_executor.sample_tokens()
-            batch_queue.appendleft((future, scheduler_output, span))
-            if model_executed and len(batch_queue) < self.batch_queue_size:
-                return {}, True
+            if not model_executed:
+                future = exec_future           # nothing to sample: execute_model answered EMPTY
+            elif scheduler_output.pending_structured_output_tokens:
+                deferred = (scheduler_output, exec_future, span)
+            else:
+                future = self._sample_non_block(scheduler_output, span)
+            if deferred is None:
+                batch_queue.appendleft((future, scheduler_output, exec_future, span))
+                if len(batch_queue) < self.batch_queue_size and (model_executed or self.scheduler.has_requests()):
+                    return {}, model_executed
         elif not batch_queue:
             return {}, False
-        future, scheduler_output, span = batch_queue.pop()
+        future, scheduler_output, exec_future, span = batch_queue.pop()
         with self.recorder.use_span(span):
-            model_output = future.get_output() if isinstance(future, AsyncModelRunnerOutput) else future
+            model_output = future.result()
+            if model_output is None:
+                exec_future.result()        # NOTE: raises execute_model's error, if that is why
+                raise RuntimeError("sample_tokens returned no output")
             outputs = self._update_from_output(scheduler_output, model_output)
         span.end()
+        if deferred is not None:
+            # Step N's tokens are in the grammars now: this step's bitmask can be built.
+            scheduler_output, exec_future, span = deferred
+            future = self._sample_non_block(scheduler_output, span)
+            batch_queue.appendleft((future, scheduler_output, exec_future, span))
         return outputs, model_executed
 
-    def _schedule_and_launch(self) -> tuple[Any, SchedulerOutput]:
-        """Schedule a step and enqueue its forward; return (its open step span, its output).
+    def _sample_non_block(self, scheduler_output: SchedulerOutput, span) -> Future:
+        with self.recorder.use_span(span):
+            grammar_output = self._get_grammar_bitmask(scheduler_output)
+            return self.model_executor.sample_tokens(grammar_output, non_block=True)
+
+    def _get_grammar_bitmask(self, scheduler_output: SchedulerOutput) -> GrammarOutput | None:
+        """The step's grammar bitmask (None without structured-output requests),
+        as its own span: the grammar window of the step timeline."""
+        with self.recorder.span("Scheduler.get_grammar_bitmask", **{
+                "vllm_anatomy.step_id": scheduler_output.step_id}) as span:
+            grammar_output = self.scheduler.get_grammar_bitmask(scheduler_output)
+            span.set_attribute("vllm_anatomy.num_structured_output_reqs",
+                               len(grammar_output.structured_output_request_ids) if grammar_output else 0)
+        return grammar_output
+
+    def _schedule_and_launch(self) -> tuple[Any, SchedulerOutput, Future]:
+        """Schedule a step and enqueue its forward; return (its open step span,
+        its output, execute_model's future).
 
         NOTE: the EngineCore.step span is started here and ended by whoever
         processes the step's output: with async scheduling that is the next
@@ -246,12 +297,37 @@ class EngineCore:
                 # A step serves many requests: it links to each (nesting would lie).
                 requests = self.scheduler.requests
                 span.add_links([requests[req_id].trace_headers for req_id in scheduler_output.num_scheduled_tokens])
+                self._trace_grammar_compiles(span)
             if rec.wants_snapshots and self.batch_queue is not None:
                 # NOTE: async: snapshot as the step is launched; by the time its
                 # output is processed the scheduler has already planned the next.
                 self._record_snapshot(scheduler_output)
-            self.model_executor.execute_model(scheduler_output)
-        return span, scheduler_output
+            future = self.model_executor.execute_model(scheduler_output, non_block=True)
+        return span, scheduler_output, future
+
+    def _trace_grammar_compiles(self, step_span) -> None:
+        """For each request whose grammar this schedule() found compiled (or failed):
+        its compile as a span in the request's own trace, and its state
+        transition as an event on the step span that promoted it."""
+        record, requests = self.scheduler.last_step_record, self.scheduler.requests
+        ready = record.grammar_ready_req_ids if record is not None else []
+        for req_id in [*ready, *self.scheduler.grammar_compile_error_reqs]:
+            request = requests[req_id]
+            so = request.structured_output_request
+            failed = isinstance(so.grammar, Exception)
+            span = self.recorder.start_span(
+                "StructuredOutputManager._create_grammar", trace_headers=request.trace_headers,
+                start_ns=self._engine_ns(so.compile_start), **{
+                    "vllm_anatomy.request_id": req_id,
+                    "vllm_anatomy.structured_output_type": so.structured_output_key[0].name,
+                    "vllm_anatomy.error": str(so.grammar) if failed else ""})
+            span.end(self._engine_ns(so.compile_end))
+            step_span.add_event(f"WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR -> {'FINISHED_ERROR' if failed else 'WAITING'}",
+                                **{"vllm_anatomy.request_id": req_id})
+
+    def _engine_ns(self, monotonic_s: float) -> int:
+        """time.monotonic() seconds on the recorder's clock."""
+        return self.recorder.now_ns() - time.monotonic_ns() + int(monotonic_s * 1e9)
 
     def _update_from_output(self, scheduler_output: SchedulerOutput,
                             model_output: ModelRunnerOutput) -> dict[int, EngineCoreOutputs]:
@@ -300,6 +376,7 @@ class EngineCore:
         # in another process it could not be fetched without an extra round trip.
 
     def shutdown(self) -> None:
+        self.structured_output_manager.clear_backend()
         self.model_executor.shutdown()
         # NOTE: frozen objects are never collected; a process that builds
         # another engine (tests, notebooks) must get this one's cycles back.
@@ -514,13 +591,20 @@ class EngineCoreProc(EngineCore):
 
     def _decode_into_queue(self, frames: list[bytes], decoders: dict) -> None:
         # NOTE: a malformed message is logged and dropped: it must not kill the engine.
+        t0 = self.recorder.now_ns()
         try:
             type_frame, payload = frames
             request_type = EngineCoreRequestType(type_frame)
             request = decoders[request_type].decode(payload)
         except (ValueError, msgspec.DecodeError) as e:
             logger.error("Dropped a malformed message (%d frames): %s", len(frames), e)
+            self._refuse_undecodable_add(frames, e)
             return
+        # The ZMQ hop's engine side (input thread): a span per message, with its size.
+        self.recorder.record_span("EngineCoreProc.process_input_sockets", t0, self.recorder.now_ns(), **{
+            "vllm_anatomy.hop": "zmq", "vllm_anatomy.thread": "input", "vllm_anatomy.message_type": request_type.name,
+            "vllm_anatomy.message_bytes": len(payload),
+            "vllm_anatomy.request_id": getattr(request, "request_id", None) or ""})
         if request_type == EngineCoreRequestType.ADD:
             try:
                 request = self.preprocess_add_request(request)
@@ -533,6 +617,27 @@ class EngineCoreProc(EngineCore):
                 return
         self.input_queue.put_nowait((request_type, request))
 
+    def _refuse_undecodable_add(self, frames: list[bytes], error: Exception) -> None:
+        """An ADD whose payload does not decode (e.g. sampling params the engine's
+        own checks reject): if its request id can be read, finish it with an
+        error, so its caller is answered instead of waiting forever.
+
+        NOTE: EngineCoreRequest is array_like: on the wire it is a msgpack
+        array whose first item is the request id, readable without the schema.
+        """
+        if len(frames) != 2 or frames[0] != EngineCoreRequestType.ADD.value:
+            return
+        try:
+            request_id = msgspec.msgpack.decode(frames[1])[0]
+        except Exception:
+            return
+        if not isinstance(request_id, str):
+            return
+        logger.error("Request %s could not be decoded: finished with an error: %s", request_id, error)
+        self.output_queue.put_nowait((EngineCoreOutputType.OUTPUTS, EngineCoreOutputs(
+            engine_index=self.engine_index, finished_requests={request_id},
+            outputs=[EngineCoreOutput(request_id, [], finish_reason=FinishReason.ERROR)])))
+
     def process_output_sockets(self, output_path: str) -> None:
         """Output thread: encode and send what the busy loop put on output_queue."""
         encoder = MsgpackEncoder()
@@ -543,7 +648,13 @@ class EngineCoreProc(EngineCore):
             socket.connect(output_path)
             while (item := self.output_queue.get()) is not None:
                 output_type, payload = item
-                socket.send_multipart((output_type.value, encoder.encode(payload)))
+                t0 = self.recorder.now_ns()
+                buf = encoder.encode(payload)
+                socket.send_multipart((output_type.value, buf))
+                # The ZMQ hop's engine side (output thread): a span per message, with its size.
+                self.recorder.record_span("EngineCoreProc.process_output_sockets", t0, self.recorder.now_ns(), **{
+                    "vllm_anatomy.hop": "zmq", "vllm_anatomy.thread": "output",
+                    "vllm_anatomy.message_type": output_type.name, "vllm_anatomy.message_bytes": len(buf)})
                 if output_type == EngineCoreOutputType.ENGINE_CORE_DEAD:
                     return
 

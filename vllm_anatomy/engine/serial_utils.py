@@ -23,6 +23,7 @@ import enum
 from typing import Any
 
 import msgspec
+import numpy as np
 
 
 class EngineCoreRequestType(enum.Enum):
@@ -73,11 +74,28 @@ def _refuse(obj: Any) -> Any:
         f"there is no pickle fallback.")
 
 
+def enc_hook(obj: Any) -> Any:
+    """numpy arrays as [dtype, shape, raw bytes] (vLLM's encoder sends them as
+    raw buffers too: the grammar bitmask crosses to the workers this way);
+    anything else msgspec cannot encode is refused."""
+    if isinstance(obj, np.ndarray):
+        return (obj.dtype.str, obj.shape, np.ascontiguousarray(obj).tobytes())
+    return _refuse(obj)
+
+
+def dec_hook(t: type, obj: Any) -> Any:
+    """The inverse of enc_hook for a field declared np.ndarray."""
+    if t is np.ndarray:
+        dtype, shape, data = obj
+        return np.frombuffer(data, dtype=np.dtype(dtype)).reshape(shape)
+    raise TypeError(f"Cannot decode type {t!r}")
+
+
 class MsgpackEncoder:
-    """msgpack encoder for the wire types (msgspec Structs, enums, builtins)."""
+    """msgpack encoder for the wire types (msgspec Structs, enums, builtins, numpy arrays)."""
 
     def __init__(self) -> None:
-        self.encoder = msgspec.msgpack.Encoder(enc_hook=_refuse)
+        self.encoder = msgspec.msgpack.Encoder(enc_hook=enc_hook)
 
     def encode(self, obj: Any) -> bytes:
         return self.encoder.encode(obj)
@@ -92,7 +110,7 @@ class MsgpackDecoder:
 
     def __init__(self, t: Any = Any) -> None:
         self.type = t
-        self.decoder = msgspec.msgpack.Decoder(t)
+        self.decoder = msgspec.msgpack.Decoder(t, dec_hook=dec_hook)
 
     def decode(self, buf: bytes | bytearray | memoryview) -> Any:
         """Decode; a payload that is not valid msgpack of `t` raises msgspec.DecodeError."""

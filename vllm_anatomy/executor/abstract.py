@@ -58,24 +58,24 @@ class Executor:
         # NOTE: after the KV cache exists: graphs capture its addresses.
         self.collective_rpc("compile_or_warm_up_model")
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> None:
-        with self.recorder.span("Executor.execute_model") as span:
-            # NOTE: the W3C context rides on the message, so a worker in another
-            # process parents its spans here: one trace across the boundary.
-            if self.recorder.enabled:
-                scheduler_output.trace_headers = span.trace_headers()
-            self._rpc_output_rank("execute_model", (scheduler_output,))
+    def execute_model(self, scheduler_output: SchedulerOutput, non_block: bool = False
+                      ) -> ModelRunnerOutput | None | Future[ModelRunnerOutput | None]:
+        """Enqueue the step's forward. None: call sample_tokens next; a
+        ModelRunnerOutput: nothing to sample (no token scheduled).
+        non_block: a Future of that, returned before the worker answers."""
+        with self.recorder.span("Executor.execute_model"):
+            return self._rpc_output_rank("execute_model", (scheduler_output,), non_block)
 
-    def sample_tokens(self) -> ModelRunnerOutput | AsyncModelRunnerOutput:
-        """The step's sampled tokens; with async scheduling, a handle on them
-        that does not wait for the device (call get_output() for the tokens)."""
-        with self.recorder.span("Executor.sample_tokens") as span:
-            headers = span.trace_headers() if self.recorder.enabled else None
-            return self._rpc_output_rank("sample_tokens", (headers,))
+    def sample_tokens(self, grammar_output: GrammarOutput | None, non_block: bool = False
+                      ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
+        """Sample the step's tokens (under grammar_output's bitmask, if any).
+        non_block: a Future whose result() waits for the tokens (async scheduling)."""
+        with self.recorder.span("Executor.sample_tokens"):
+            return self._rpc_output_rank("sample_tokens", (grammar_output,), non_block)
 
-    def _rpc_output_rank(self, method: str, args: tuple) -> Any:
+    def _rpc_output_rank(self, method: str, args: tuple, non_block: bool = False) -> Any:
         """Call every worker; only the output rank's reply matters (vLLM: unique_reply_rank)."""
-        return self.collective_rpc(method, args)[0]
+        raise NotImplementedError
 
     def snapshot(self) -> dict:
         return self.collective_rpc("snapshot")[0]

@@ -30,11 +30,17 @@ master_addr:master_port. rpc_broadcast_mq then has remote readers (TCP); rank
 0 hands its handle to the others over the world group, gathers their reply
 queues' handles and pids, and sends them here with its READY message.
 
-Simplified: no async-output thread, no non_block futures, no pipeline or
-data parallelism.
+non_block=True (EngineCore.step's execute_model) enqueues the call and returns
+a FutureWrapper at once; its result() reads the reply. Replies come back in
+call order, so a future first drains the ones enqueued before it (vLLM's
+futures_queue). The caller's W3C trace context rides in the RPC envelope
+(RPCRequest.trace_headers), not in the method's arguments.
+
+Simplified: no async-output thread, no pipeline or data parallelism.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
@@ -51,6 +57,8 @@ import traceback
 import types
 import typing
 import weakref
+from collections import deque
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -60,6 +68,7 @@ from vllm_anatomy.config import ParallelConfig, VllmConfig
 from vllm_anatomy.core.outputs import AsyncModelRunnerOutput
 from vllm_anatomy.distributed.parallel_state import (destroy_distributed_environment, destroy_model_parallel,
                                                      get_world_group)
+from vllm_anatomy.engine.serial_utils import dec_hook, enc_hook
 from vllm_anatomy.executor.abstract import Executor
 from vllm_anatomy.executor.shm_broadcast import (Handle, MessageQueue, MessageQueueCancelled,
                                                  unlink_shm_segments)
@@ -83,6 +92,8 @@ class RPCRequest(msgspec.Struct, array_like=True):
     args: list[msgspec.Raw]
     kwargs: dict[str, msgspec.Raw]
     output_rank: int | None          # only this rank replies; None = every rank
+    # The caller's W3C context: the worker's spans join the engine's trace.
+    trace_headers: dict[str, str] | None = None
 
 
 class RPCResponse(msgspec.Struct, array_like=True):
@@ -108,7 +119,7 @@ class WorkerReady(msgspec.Struct):
     peers: list[PeerInfo] | None = None
 
 
-_encoder = msgspec.msgpack.Encoder()
+_encoder = msgspec.msgpack.Encoder(enc_hook=enc_hook)     # numpy arrays: the grammar bitmask
 
 
 def _raw(obj: Any) -> msgspec.Raw:
@@ -138,6 +149,36 @@ def _wire_type(tp: Any) -> Any:
     if typing.get_origin(tp) in (typing.Union, types.UnionType) and len(members) == 1:
         return members[0]
     return tp
+
+
+class FutureWrapper(Future):
+    """The reply of one RPC, read when asked for (vLLM's name).
+
+    NOTE: the replies of a rank arrive in call order; result() first reads the
+    replies of the calls made before this one (each into its own future).
+    """
+
+    def __init__(self, futures_queue: deque["FutureWrapper"], get_response: Callable[[], Any]) -> None:
+        super().__init__()
+        self.futures_queue = futures_queue
+        self.get_response = get_response
+        futures_queue.appendleft(self)
+
+    def result(self, timeout: float | None = None) -> Any:
+        if timeout is not None:
+            raise RuntimeError("timeout not implemented")
+        while not self.done():
+            self.futures_queue.pop()._wait_for_response()
+        return super().result()
+
+    def _wait_for_response(self) -> None:
+        try:
+            response = self.get_response()
+            with contextlib.suppress(InvalidStateError):
+                self.set_result(response)
+        except Exception as e:
+            with contextlib.suppress(InvalidStateError):
+                self.set_exception(e)
 
 
 @dataclass
@@ -228,6 +269,7 @@ class MultiprocExecutor(Executor):
         self.ipc_dir, self.shutdown_event = res.ipc_dir, res.shutdown_event
         self.rpc_broadcast_mq: MessageQueue | None = None
         self.response_mqs: list[MessageQueue] = []          # one per rank, by rank
+        self.futures_queue: deque[FutureWrapper] = deque()   # calls whose replies are not read yet
         # NOTE: runs at interpreter exit at the latest, or when the executor is collected.
         self._finalizer = weakref.finalize(self, res)
         try:
@@ -349,22 +391,45 @@ class MultiprocExecutor(Executor):
             raise RuntimeError(self.failure_message or "MultiprocExecutor has been shut down.")
 
     def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None,
-                       unique_reply_rank: int | None = None, timeout: float | None = None) -> Any:
+                       unique_reply_rank: int | None = None, timeout: float | None = None,
+                       non_block: bool = False) -> Any:
         """Broadcast (method, args) once; a list of replies, one per rank, or only
-        `unique_reply_rank`'s reply (not a list), as in vLLM."""
+        `unique_reply_rank`'s reply (not a list), as in vLLM. non_block: a
+        Future of that, returned once the call is enqueued."""
         if not isinstance(method, str):
             raise TypeError("collective_rpc takes a Worker method name (vLLM also takes a "
                             "cloudpickled function; we never pickle).")
         self._check_alive()
         request = RPCRequest(method, [_raw(a) for a in args],
-                             {k: _raw(v) for k, v in (kwargs or {}).items()}, unique_reply_rank)
-        try:
+                             {k: _raw(v) for k, v in (kwargs or {}).items()}, unique_reply_rank,
+                             self.recorder.inject_trace_headers() or None)
+        with self._queue_errors(method):
             self.rpc_broadcast_mq.enqueue(request, timeout=timeout, cancel=self.shutdown_event)
-            ranks = [unique_reply_rank] if unique_reply_rank is not None else range(self.world_size)
+        ranks = [unique_reply_rank] if unique_reply_rank is not None else list(range(self.world_size))
+        future = FutureWrapper(self.futures_queue, functools.partial(
+            self._get_response, method, ranks, timeout, unique_reply_rank is not None))
+        return future if non_block else future.result()
+
+    def _get_response(self, method: str, ranks: list[int], timeout: float | None, single: bool) -> Any:
+        """Read one call's replies (one per rank in `ranks`) and decode them (single: the one reply)."""
+        with self._queue_errors(method):
             # NOTE: read every reply before raising any error: one left in a queue
             # would be taken as the answer to the next call.
             responses = [self.response_mqs[r].dequeue(timeout, self.shutdown_event, decoder=_response_decoder)
                          for r in ranks]
+        for rank, response in zip(ranks, responses):
+            if response.status != "SUCCESS":
+                raise RuntimeError(f"Worker (rank {rank}) failed in {method}. "
+                                   f"Worker traceback:\n{response.error}")
+        return_type = _worker_method_types(method)[2]
+        results = [msgspec.msgpack.decode(r.result, type=return_type, dec_hook=dec_hook) for r in responses]
+        return results[0] if single else results
+
+    @contextlib.contextmanager
+    def _queue_errors(self, method: str):
+        """A cancelled or timed-out wait on a queue -> the executor's failure."""
+        try:
+            yield
         except MessageQueueCancelled as e:
             if self.failure_message is None and not self.resources.shutting_down:
                 # NOTE: not the monitor (it sees local processes only): the
@@ -377,16 +442,9 @@ class MultiprocExecutor(Executor):
             self.is_failed = True
             self.failure_message = f"RPC call to {method} timed out; the executor cannot continue."
             raise TimeoutError(self.failure_message) from None
-        for rank, response in zip(ranks, responses):
-            if response.status != "SUCCESS":
-                raise RuntimeError(f"Worker (rank {rank}) failed in {method}. "
-                                   f"Worker traceback:\n{response.error}")
-        return_type = _worker_method_types(method)[2]
-        results = [msgspec.msgpack.decode(r.result, type=return_type) for r in responses]
-        return results[0] if unique_reply_rank is not None else results
 
-    def _rpc_output_rank(self, method: str, args: tuple) -> Any:
-        return self.collective_rpc(method, args, unique_reply_rank=self.output_rank)
+    def _rpc_output_rank(self, method: str, args: tuple, non_block: bool = False) -> Any:
+        return self.collective_rpc(method, args, unique_reply_rank=self.output_rank, non_block=non_block)
 
     def shutdown(self) -> None:
         """Stop the workers, unlink all shared memory. Idempotent (a finalizer runs once)."""
@@ -552,11 +610,13 @@ class WorkerProc:
             replies = request.output_rank is None or request.output_rank == self.rank
             try:
                 arg_types, kwarg_types, _ = _worker_method_types(request.method)
-                args = [msgspec.msgpack.decode(a, type=arg_types[i] if i < len(arg_types) else Any)
+                args = [msgspec.msgpack.decode(a, type=arg_types[i] if i < len(arg_types) else Any,
+                                               dec_hook=dec_hook)
                         for i, a in enumerate(request.args)]
-                kwargs = {k: msgspec.msgpack.decode(v, type=kwarg_types.get(k, Any))
+                kwargs = {k: msgspec.msgpack.decode(v, type=kwarg_types.get(k, Any), dec_hook=dec_hook)
                           for k, v in request.kwargs.items()}
-                output = getattr(self.worker, request.method)(*args, **kwargs)
+                with self.worker.remote_trace_context(request.trace_headers):
+                    output = getattr(self.worker, request.method)(*args, **kwargs)
                 response = RPCResponse("SUCCESS", _raw(output))
             except Exception:
                 # NOTE: vLLM sends str(e); the whole traceback is more useful to a reader.

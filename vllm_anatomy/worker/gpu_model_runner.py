@@ -3,17 +3,18 @@
 Mirrors vllm/v1/worker/gpu_model_runner.py — the "V1" runner with the
 persistent InputBatch that the article follows. A step is two calls:
 
-    execute_model(scheduler_output) -> None
+    execute_model(scheduler_output) -> None   (EMPTY_MODEL_RUNNER_OUTPUT if nothing is scheduled)
         _update_states   mirror the scheduler's decisions into CachedRequestState / InputBatch
         _prepare_inputs  flatten the batch: input_ids, positions, query_start_loc,
                          seq_lens, slot_mapping (the "translation layer" of the article)
         _model_forward   the model on the flat batch, writing K/V into the paged cache
         compute_logits   only at logits_indices (the last scheduled token of each request)
-    sample_tokens() -> ModelRunnerOutput
-        Sampler, then _bookkeeping_sync: the step's one CPU-waits-for-device point.
+    sample_tokens(grammar_output) -> ModelRunnerOutput
+        apply_grammar_bitmask (structured output), Sampler, then _bookkeeping_sync:
+        the step's one CPU-waits-for-device point.
 
 NOTE: execute_model returns None. On a GPU everything it did was only
-*enqueued*; returning lets the caller (EngineCore) do CPU work — in vLLM the
+*enqueued*; returning lets the caller (EngineCore) do CPU work — the
 structured-output grammar bitmask — while the device runs the forward pass.
 
 CUDA graphs (worker/cudagraph.py): a batch of pure decodes is padded to the
@@ -35,7 +36,7 @@ runs for the whole batch at once (prepare_inputs, the forward, the sampler)
 cannot say which request broke it: an error there is the engine's.
 
 Simplified here: no spec decode, LoRA, multimodal, pooling, pipeline
-parallelism, structured output or piecewise graphs.
+parallelism or piecewise graphs.
 """
 from __future__ import annotations
 
@@ -51,11 +52,12 @@ import torch
 from vllm_anatomy.attention.backends.abstract import AttentionMetadata
 from vllm_anatomy.config import VllmConfig
 from vllm_anatomy.core.outputs import EMPTY_MODEL_RUNNER_OUTPUT, AsyncModelRunnerOutput, ModelRunnerOutput
-from vllm_anatomy.core.sched.output import SchedulerOutput
+from vllm_anatomy.core.sched.output import GrammarOutput, SchedulerOutput
 from vllm_anatomy.engine.protocol import LogprobsLists
 from vllm_anatomy.model_executor.loader import get_model, load_hf_config
 from vllm_anatomy.model_executor.sampler import Sampler, SamplerOutput
 from vllm_anatomy.model_executor.sampling_metadata import SamplingMetadata
+from vllm_anatomy.structured_output.utils import apply_grammar_bitmask
 from vllm_anatomy.tracing.recorder import NullRecorder, Recorder, paused_gc
 from vllm_anatomy.worker.async_output import AsyncGPUModelRunnerOutput, Placeholder
 from vllm_anatomy.worker.cudagraph import CUDAGraphRunner, CudagraphDecision, CudagraphDispatcher
@@ -292,7 +294,7 @@ class GPUModelRunner:
 
     # -- one step: execute_model -------------------------------------------------------
     @torch.inference_mode()
-    def execute_model(self, scheduler_output: SchedulerOutput) -> None:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         if self.execute_model_state is not None:
             raise RuntimeError("execute_model called again before sample_tokens consumed the previous step")
         num_tokens = scheduler_output.total_num_scheduled_tokens
@@ -303,8 +305,12 @@ class GPUModelRunner:
                 with self.recorder.span("GPUModelRunner._update_states"):
                     self._update_states(scheduler_output)
                 error_req_ids = self._take_step_errors()
+                if not num_tokens:
+                    # Nothing scheduled (e.g. every request finished): no forward, nothing
+                    # to sample. As in vLLM, the engine then skips sample_tokens.
+                    return self._empty_output(scheduler_output.step_id, error_req_ids)
                 if not self.input_batch.num_reqs:
-                    # Nothing to run (e.g. every request finished): sample_tokens returns EMPTY.
+                    # Every scheduled request failed to join the batch: sample_tokens reports them.
                     self.last_prepare_inputs = None
                     self.execute_model_state = ExecuteModelState(scheduler_output, None, np.empty(0, np.int64),
                                                                  error_req_ids)
@@ -582,22 +588,34 @@ class GPUModelRunner:
         return self.model(self.input_ids[:num_tokens], self.positions[:num_tokens],
                           self.kv_caches, attn_metadata)
 
+    def _empty_output(self, step_id: int, error_req_ids: list[str] | None) -> ModelRunnerOutput:
+        """The output of a step that sampled nothing.
+
+        NOTE: a step with nothing to compute (with async scheduling: every
+        running request's last token already in flight) still gets its
+        snapshot, so that every step of a run has both halves."""
+        self.last_prepare_inputs = None
+        self._record_snapshot(step_id, [])
+        if error_req_ids:
+            return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[],
+                                     error_req_ids=error_req_ids)
+        return EMPTY_MODEL_RUNNER_OUTPUT
+
     # -- one step: sample_tokens --------------------------------------------------------
     @torch.inference_mode()
-    def sample_tokens(self) -> ModelRunnerOutput | AsyncModelRunnerOutput:
+    def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput | AsyncModelRunnerOutput:
         state, self.execute_model_state = self.execute_model_state, None
         if state is None:
             raise RuntimeError("sample_tokens called without a preceding execute_model")
         if state.logits is None:
-            # NOTE: a step with nothing to compute (with async scheduling: every
-            # running request's last token already in flight) still gets its
-            # snapshot, so that every step of a run has both halves.
-            self._record_snapshot(state.scheduler_output.step_id, [])
-            if state.error_req_ids:
-                return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[],
-                                         error_req_ids=state.error_req_ids)
-            return EMPTY_MODEL_RUNNER_OUTPUT
+            return self._empty_output(state.scheduler_output.step_id, state.error_req_ids)
         with self.recorder.span("GPUModelRunner.sample_tokens"):
+            if grammar_output is not None:
+                # Structured output: forbidden tokens -> -inf, before any sampling rule.
+                with self.recorder.span("GPUModelRunner.apply_grammar_bitmask", **{
+                        "vllm_anatomy.num_structured_output_reqs":
+                            len(grammar_output.structured_output_request_ids)}):
+                    apply_grammar_bitmask(state.scheduler_output, grammar_output, self.input_batch, state.logits)
             md = self.input_batch.sampling_metadata
             # Generator states of rows whose sample will be discarded, to roll back.
             saved = {i: md.generators[i].get_state()

@@ -10,8 +10,8 @@ Start-up order (EngineCore._initialize_kv_caches in vLLM):
     init_device -> load_model -> determine_num_available_blocks
     -> (the engine picks num_blocks, tells the scheduler) -> initialize_from_config(num_blocks)
     -> compile_or_warm_up_model (JIT-compile the kernels, capture the CUDA graphs)
-Then every step: execute_model(scheduler_output) -> None, sample_tokens() -> ModelRunnerOutput
-(async scheduling: an AsyncModelRunnerOutput, resolved later by the engine).
+Then every step: execute_model(scheduler_output) -> None, sample_tokens(grammar_output)
+-> ModelRunnerOutput (async scheduling: an AsyncModelRunnerOutput, resolved later by the engine).
 
 Tensor parallelism: with N ranks each worker process runs one Worker, and
 init_device joins the ranks' torch.distributed world first
@@ -30,7 +30,7 @@ import torch
 
 from vllm_anatomy.config import VllmConfig
 from vllm_anatomy.core.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
-from vllm_anatomy.core.sched.output import SchedulerOutput
+from vllm_anatomy.core.sched.output import GrammarOutput, SchedulerOutput
 from vllm_anatomy.distributed.parallel_state import (ensure_model_parallel_initialized, get_tp_group,
                                                      init_distributed_environment, resolve_backend)
 from vllm_anatomy.tracing.collectives import CollectiveTracer
@@ -54,6 +54,8 @@ class Worker:
         self.model_runner: GPUModelRunner | None = None
         # Counts this rank's collectives per step (None with one rank: no group).
         self.collective_tracer: CollectiveTracer | None = None
+        # The caller's W3C context during an RPC from another process (see remote_trace_context).
+        self._rpc_trace_headers: dict[str, str] | None = None
 
     def init_device(self) -> None:
         with self.recorder.span("Worker.init_device", device=str(self.device)):
@@ -99,8 +101,8 @@ class Worker:
             # The device is idle now: link its clock to the host's for the device lane.
             self.model_runner.device_timer.calibrate()
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> None:
-        with self._span_from(scheduler_output.trace_headers, "Worker.execute_model") as span:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        with self._span_from(self._rpc_trace_headers, "Worker.execute_model") as span:
             tracer = self.collective_tracer
             if tracer is None:
                 return self.model_runner.execute_model(scheduler_output)
@@ -112,10 +114,21 @@ class Worker:
                 span.set_attribute(key, value)
             return output
 
-    def sample_tokens(self, trace_headers: dict[str, str] | None = None
+    def sample_tokens(self, grammar_output: GrammarOutput | None
                       ) -> ModelRunnerOutput | AsyncModelRunnerOutput:
-        with self._span_from(trace_headers, "Worker.sample_tokens"):
-            return self.model_runner.sample_tokens()
+        with self._span_from(self._rpc_trace_headers, "Worker.sample_tokens"):
+            return self.model_runner.sample_tokens(grammar_output)
+
+    @contextlib.contextmanager
+    def remote_trace_context(self, trace_headers: dict[str, str] | None):
+        """During one RPC from another process: the caller's span, as its RPC
+        envelope names it, parents this worker's spans (one trace across the
+        boundary). In-process calls need nothing: the caller's span is current."""
+        self._rpc_trace_headers = trace_headers
+        try:
+            yield
+        finally:
+            self._rpc_trace_headers = None
 
     @contextlib.contextmanager
     def _span_from(self, trace_headers: dict[str, str] | None, name: str):

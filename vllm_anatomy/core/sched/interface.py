@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from vllm_anatomy.core.outputs import ModelRunnerOutput
     from vllm_anatomy.core.request import Request, RequestStatus
-    from vllm_anatomy.core.sched.output import SchedulerOutput
+    from vllm_anatomy.core.sched.output import GrammarOutput, SchedulerOutput
     from vllm_anatomy.engine.protocol import EngineCoreOutputs, SchedulerStats
 
 
@@ -20,6 +20,10 @@ class SchedulerInterface(ABC):
     @abstractmethod
     def schedule(self) -> SchedulerOutput:
         """Decide which requests run this step and how many tokens each computes."""
+
+    @abstractmethod
+    def get_grammar_bitmask(self, scheduler_output: SchedulerOutput) -> GrammarOutput | None:
+        """The bitmask of the step's structured-output requests (None if it has none)."""
 
     @abstractmethod
     def update_from_output(self, scheduler_output: SchedulerOutput,

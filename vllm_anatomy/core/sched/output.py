@@ -8,6 +8,7 @@ full once; after that only the diff (CachedRequestData).
 from __future__ import annotations
 
 import msgspec
+import numpy as np
 
 from vllm_anatomy.sampling_params import SamplingParams
 
@@ -65,11 +66,32 @@ class SchedulerOutput(msgspec.Struct, omit_defaults=True, gc=False):
     # Requests preempted in this step (informational; the worker also notices
     # they are simply not scheduled).
     preempted_req_ids: set[str] = set()
-    # Teaching extras (not in vLLM): which step this is, and the W3C trace
-    # context of the step so worker-side spans join the step's trace.
+    # Whether any scheduled request samples under a grammar this step
+    # (EngineCore asks the scheduler for a bitmask only then).
+    has_structured_output_requests: bool = False
+    # Async scheduling: a structured request's previous token is still in
+    # flight, so its grammar cannot say yet what this step may sample; the
+    # engine samples this step only after that token is processed.
+    pending_structured_output_tokens: bool = False
+    # Teaching extra (not in vLLM): which step this is. NOTE: the trace
+    # context does not ride here: the executor carries it beside the call
+    # (in-process: the current span; to a worker process: the RPC envelope).
     step_id: int = 0
-    trace_headers: dict[str, str] | None = None
 
     @classmethod
     def make_empty(cls) -> "SchedulerOutput":
         return cls([], CachedRequestData.make_empty(), {}, 0, set())
+
+
+class GrammarOutput(msgspec.Struct, array_like=True, gc=False):
+    """The structured-output bitmask of one step: what sample_tokens receives.
+
+    Rows follow structured_output_request_ids (the scheduler's order), not the
+    worker's batch rows: apply_grammar_bitmask maps one onto the other.
+    NOTE: a numpy array crosses the shared-memory queue as raw bytes
+    (engine/serial_utils.py: ndarray hooks), as vLLM prefers it to a tensor.
+    """
+    # ids of structured output requests.
+    structured_output_request_ids: list[str]
+    # [num_structured_reqs, ceil(vocab_size / 32)] int32: bit t of a row = token t allowed.
+    grammar_bitmask: np.ndarray

@@ -55,10 +55,14 @@ class SchedulerStepRecord:
     preempted_req_ids: list[str] = field(default_factory=list)
     admission_stop_reason: AdmissionStopReason | None = None
     prefix_hits: list[PrefixHitRecord] = field(default_factory=list)
-    # Preempted requests passed over this step: output of theirs still in flight.
+    # Waiting requests passed over this step: a preempted one whose output is
+    # still in flight, or one whose grammar is still compiling.
     deferred_req_ids: list[str] = field(default_factory=list)
     num_running: int = 0    # after this step's decisions
     num_waiting: int = 0    # waiting + skipped_waiting
+    # Structured output: requests whose grammar finished compiling, promoted
+    # WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR -> WAITING by this step.
+    grammar_ready_req_ids: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         # NOTE: msgspec walks dataclasses in C; dataclasses.asdict deep-copies

@@ -5,7 +5,10 @@ _update_after_schedule, update_from_output, finish_requests, make_stats).
 
 Simplified: FCFS policy only; one token budget (v0.27.1 also keeps an
 encoder compute budget for multimodal inputs); no spec decode, KV connector, encoder cache,
-structured output, LoRA or pipeline parallelism. Async scheduling (output
+LoRA or pipeline parallelism.
+Structured output: requests wait in WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
+(in skipped_waiting) until their grammar has compiled, get_grammar_bitmask
+builds each step's bitmask, update_from_output advances the grammars. Async scheduling (output
 placeholders) lives in async_scheduler.py; the few lines here that read
 num_output_placeholders / num_stale_output_tokens / skipped_waiting are
 no-ops without it.
@@ -14,6 +17,7 @@ Teaching extras: `last_step_record` and `snapshot()`.
 from __future__ import annotations
 
 import itertools
+import logging
 from collections import defaultdict
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
@@ -22,13 +26,16 @@ from vllm_anatomy.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from vllm_anatomy.core.outputs import ModelRunnerOutput
 from vllm_anatomy.core.request import Request, RequestStatus
 from vllm_anatomy.core.sched.interface import SchedulerInterface
-from vllm_anatomy.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from vllm_anatomy.core.sched.output import CachedRequestData, GrammarOutput, NewRequestData, SchedulerOutput
 from vllm_anatomy.core.sched.record import PrefixHitRecord, SchedulerStepRecord, make_scheduled_record
 from vllm_anatomy.core.sched.request_queue import SchedulingPolicy, create_request_queue
 from vllm_anatomy.core.sched.utils import check_stop
 from vllm_anatomy.core.single_type_kv_cache_manager import cdiv
 from vllm_anatomy.engine.protocol import (EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs,
                                           LogprobsLists, SchedulerStats)
+from vllm_anatomy.structured_output import StructuredOutputManager
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from vllm_anatomy.config import VllmConfig
@@ -41,8 +48,12 @@ class Scheduler(SchedulerInterface):
     placeholders_per_sampling_step = 0
 
     def __init__(self, vllm_config: VllmConfig, num_gpu_blocks: int, log_stats: bool = True,
-                 enable_kv_cache_events: bool = False) -> None:
+                 enable_kv_cache_events: bool = False,
+                 structured_output_manager: StructuredOutputManager | None = None) -> None:
+        """structured_output_manager: EngineCore's (None: one of its own, which
+        loads the tokenizer only when a structured request arrives)."""
         self.vllm_config = vllm_config
+        self.structured_output_manager = structured_output_manager or StructuredOutputManager(vllm_config)
         self.scheduler_config = vllm_config.scheduler_config
         self.cache_config = vllm_config.cache_config
         self.log_stats = log_stats
@@ -65,6 +76,10 @@ class Scheduler(SchedulerInterface):
         self.finished_req_ids_dict: dict[int, set[str]] = defaultdict(set)
         # Prompts longer than max_model_len: finished on the next update, never scheduled.
         self._ignored_reqs: list[Request] = []
+        # Requests whose grammar failed to compile: finished (FINISHED_ERROR) on the next update.
+        self.grammar_compile_error_reqs: set[str] = set()
+        # Requests promoted WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR -> WAITING this step (for the record).
+        self._grammar_ready_req_ids: list[str] = []
         self.kv_cache_manager = KVCacheManager(
             num_gpu_blocks, self.block_size, self.max_model_len,
             enable_caching=self.cache_config.enable_prefix_caching, log_stats=log_stats,
@@ -167,6 +182,13 @@ class Scheduler(SchedulerInterface):
                 stop_reason = "max_num_seqs"
                 break
             request = request_queue.peek_request()
+            if self._is_blocked_waiting_status(request.status) and \
+                    not self._try_promote_blocked_waiting_request(request):
+                # NOTE: its grammar is still compiling (or failed): pass it over
+                # and let the requests behind it go first; the step never waits.
+                request_queue.pop_request()
+                step_skipped_waiting.prepend_request(request)
+                continue
             if request.num_stale_output_tokens > 0:
                 # NOTE: async scheduling: a step launched before this request
                 # was preempted is still sampling its next token. Resuming now
@@ -247,7 +269,9 @@ class Scheduler(SchedulerInterface):
                        for req in itertools.chain(scheduled_running_reqs, scheduled_new_reqs, scheduled_resumed_reqs)],
             preempted_req_ids=[req.request_id for req in preempted_reqs], admission_stop_reason=stop_reason,
             prefix_hits=prefix_hits, deferred_req_ids=[req.request_id for req in step_skipped_waiting],
-            num_running=len(self.running), num_waiting=len(self.waiting) + len(self.skipped_waiting))
+            num_running=len(self.running), num_waiting=len(self.waiting) + len(self.skipped_waiting),
+            grammar_ready_req_ids=self._grammar_ready_req_ids)
+        self._grammar_ready_req_ids = []
 
         self._update_after_schedule(scheduler_output)
         return scheduler_output
@@ -297,6 +321,33 @@ class Scheduler(SchedulerInterface):
         """FCFS: requests skipped by an earlier step are older, so they go first."""
         return self.skipped_waiting or self.waiting or None
 
+    @staticmethod
+    def _is_blocked_waiting_status(status: RequestStatus) -> bool:
+        """Waiting for something outside the scheduler (here: only a grammar)."""
+        return status == RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
+
+    def _enqueue_waiting_request(self, request: Request) -> None:
+        # NOTE: a blocked request goes straight to skipped_waiting, so that it
+        # does not hold up the head of `waiting` while it compiles.
+        if self._is_blocked_waiting_status(request.status):
+            self.skipped_waiting.add_request(request)
+        else:
+            self.waiting.add_request(request)
+
+    def _try_promote_blocked_waiting_request(self, request: Request) -> bool:
+        """WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR -> WAITING once the grammar has
+        compiled (a non-blocking poll of its Future). A failed compile stays
+        blocked and is finished with FINISHED_ERROR by the next update."""
+        structured_output_req = request.structured_output_request
+        if structured_output_req is None or structured_output_req.grammar is None:
+            return False
+        if isinstance(structured_output_req.grammar, Exception):
+            self.grammar_compile_error_reqs.add(request.request_id)
+            return False
+        request.status = RequestStatus.WAITING
+        self._grammar_ready_req_ids.append(request.request_id)
+        return True
+
     def _finishes_in_flight(self, request: Request) -> bool:
         """Async scheduling only: is the request's last token already being sampled?"""
         if request.num_output_placeholders == 0:
@@ -322,8 +373,32 @@ class Scheduler(SchedulerInterface):
                                         < request.num_tokens + request.num_output_placeholders)
             # NOTE: a partial prefill chunk samples nothing worth keeping.
             if not request.is_prefill_chunk:
+                if request.use_structured_output:
+                    scheduler_output.has_structured_output_requests = True
+                    # NOTE: async scheduling: a placeholder still in flight is a token
+                    # the grammar has not seen; this step's bitmask must wait for it.
+                    if request.num_output_placeholders > 0:
+                        scheduler_output.pending_structured_output_tokens = True
                 request.num_output_placeholders += placeholders
         self.finished_req_ids = set()
+
+    def get_grammar_bitmask(self, scheduler_output: SchedulerOutput) -> GrammarOutput | None:
+        """The step's bitmask: one row per scheduled structured request that samples
+        (a partial prefill chunk does not), in scheduling order.
+
+        NOTE: EngineCore calls this after execute_model has launched the
+        forward and before sample_tokens: the rows are filled while the device
+        computes the logits they will mask.
+        """
+        if not scheduler_output.has_structured_output_requests:
+            return None
+        structured_output_request_ids = [
+            req_id for req_id in scheduler_output.num_scheduled_tokens
+            if (req := self.requests.get(req_id)) and req.use_structured_output and not req.is_prefill_chunk]
+        if not structured_output_request_ids:
+            return None     # e.g. aborted after schedule()
+        bitmask = self.structured_output_manager.grammar_bitmask(self.requests, structured_output_request_ids)
+        return GrammarOutput(structured_output_request_ids, bitmask)
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_runner_output: ModelRunnerOutput) -> dict[int, EngineCoreOutputs]:
@@ -359,6 +434,8 @@ class Scheduler(SchedulerInterface):
                 # even finish it there.
                 new_token_ids, stopped = self._update_request_with_output(request, new_token_ids,
                                                                           is_stale=output_is_stale)
+            if new_token_ids and self.structured_output_manager.should_advance(request):
+                stopped = self._advance_grammar(request, new_token_ids) or stopped
             if stopped:
                 self._free_request(request)
                 if status_before_stop == RequestStatus.RUNNING:
@@ -379,7 +456,34 @@ class Scheduler(SchedulerInterface):
             self._free_request(request)
             outputs[request.client_index].append(self._make_output(request, []))
         self._ignored_reqs = []
+        self._finish_grammar_compile_errors(outputs)
         return self._make_engine_core_outputs(outputs)
+
+    def _advance_grammar(self, request: Request, new_token_ids: list[int]) -> bool:
+        """Feed the sampled tokens to the request's grammar; True if it refused them.
+
+        NOTE: the bitmask allowed only tokens the grammar accepts, so a refusal
+        is a bug (a mask applied to the wrong row, a token sampled without its
+        mask): the request fails alone with FINISHED_ERROR, as in vLLM.
+        """
+        grammar = request.structured_output_request.grammar
+        if grammar.accept_tokens(request.request_id, new_token_ids):
+            return False
+        logger.error("Unexpected: grammar rejected tokens %s for request %s. Terminating request.",
+                     new_token_ids, request.request_id)
+        request.status = RequestStatus.FINISHED_ERROR
+        return True
+
+    def _finish_grammar_compile_errors(self, outputs: dict[int, list[EngineCoreOutput]]) -> None:
+        """Requests whose grammar failed to compile end with FINISHED_ERROR (an
+        empty output with finish_reason "error"), the others go on."""
+        error_req_ids, self.grammar_compile_error_reqs = self.grammar_compile_error_reqs, set()
+        for req_id in error_req_ids:
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished():
+                continue
+            self.finish_requests(req_id, RequestStatus.FINISHED_ERROR)
+            outputs[request.client_index].append(self._make_output(request, []))
 
     def _update_request_with_output(self, request: Request, new_token_ids: list[int],
                                     is_stale: bool = False) -> tuple[list[int], bool]:
@@ -437,7 +541,7 @@ class Scheduler(SchedulerInterface):
             request.status = RequestStatus.FINISHED_IGNORED
             self._ignored_reqs.append(request)
             return
-        self.waiting.add_request(request)
+        self._enqueue_waiting_request(request)
 
     def finish_requests(self, request_ids: str | Iterable[str], finished_status: RequestStatus) -> None:
         """Finish requests from outside (aborts, stop strings). Unknown or finished ids are ignored."""

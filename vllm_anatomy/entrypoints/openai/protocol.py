@@ -17,19 +17,28 @@ Unknown fields are accepted and ignored (as vLLM does), so newer clients keep
 working, except the ones in UNSUPPORTED_FIELDS, which would change the
 answer: those are refused with a 400 naming the field, never silently ignored.
 Not supported either: n > 1, best_of > 1, penalties, suffix, batched prompts.
+
+Structured output: `response_format` ({"type": "json_object"} or
+{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}) and
+vLLM's `structured_outputs` ({"json" | "regex" | "choice" | "grammar" |
+"json_object": ...}) become SamplingParams.structured_outputs
+(structured_outputs_from_response_format, as in vLLM's engine/protocol.py).
 """
 from __future__ import annotations
 
 import re
 import time
 import uuid
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
+
+import msgspec
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_serializer
 from pydantic_core import PydanticCustomError
 
 from vllm_anatomy.exceptions import VLLMValidationError
-from vllm_anatomy.sampling_params import INT64_MAX, INT64_MIN, RequestOutputKind, SamplingParams
+from vllm_anatomy.sampling_params import (INT64_MAX, INT64_MIN, RequestOutputKind, SamplingParams,
+                                          StructuredOutputsParams)
 
 
 def random_uuid() -> str:
@@ -56,9 +65,10 @@ _LOGIT_BIAS_LIMIT = 100.0
 UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "tools": (None, []), "functions": (None, []),
     "tool_choice": (None, "none"), "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}),
     "allowed_token_ids": (None,), "bad_words": (None, []), "prompt_logprobs": (None,),
-    "logprob_token_ids": (None,), "use_beam_search": (None, False), "structured_outputs": (None,),
+    "logprob_token_ids": (None,), "use_beam_search": (None, False),
+    # NOTE: vLLM v0.27.1 has no guided_* fields any more (it would ignore them);
+    # their replacement is structured_outputs, which is supported here.
     "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
     "truncate_prompt_tokens": (None,), "prompt_embeds": (None,),
 }
@@ -111,6 +121,54 @@ class StreamOptions(OpenAIBaseModel):
     continuous_usage_stats: bool | None = False
 
 
+class JsonSchemaResponseFormat(OpenAIBaseModel):
+    name: Text
+    description: Text | None = None
+    # NOTE: OpenAI's field is "schema", which pydantic's BaseModel already has.
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIBaseModel):
+    # "text" (no constraint), "json_object" (any JSON object) or "json_schema".
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaResponseFormat | None = None
+
+
+def structured_outputs_from_response_format(structured_outputs: StructuredOutputsParams | None,
+                                            response_format: ResponseFormat | None
+                                            ) -> StructuredOutputsParams | None:
+    """Apply response_format over structured_outputs (vLLM's function)."""
+    if response_format is None or response_format.type == "text":
+        return structured_outputs
+    if response_format.type == "json_object":
+        overrides: dict[str, Any] = {"json_object": True}
+    else:
+        schema = response_format.json_schema.json_schema if response_format.json_schema else None
+        if schema is None:
+            raise VLLMValidationError("When response_format type is 'json_schema', the 'json_schema' field "
+                                      "must be provided, with its 'schema'.", parameter="response_format")
+        overrides = {"json": schema}
+    if structured_outputs is None:
+        return StructuredOutputsParams(**overrides)
+    return msgspec.structs.replace(structured_outputs, **overrides)
+
+
+def structured_outputs_from_dict(data: dict[str, Any] | None) -> StructuredOutputsParams | None:
+    """vLLM's `structured_outputs` request field, type-checked field by field."""
+    if data is None:
+        return None
+    unknown = sorted(set(data) - set(StructuredOutputsParams.__struct_fields__))
+    if unknown:
+        raise VLLMValidationError(f"structured_outputs.{unknown[0]} is not supported by this engine "
+                                  f"(supported: {', '.join(StructuredOutputsParams.__struct_fields__)}).",
+                                  parameter="structured_outputs")
+    try:
+        return msgspec.convert(data, StructuredOutputsParams)
+    except msgspec.ValidationError as e:
+        raise VLLMValidationError(f"structured_outputs: {e}", parameter="structured_outputs") from None
+
+
 class UsageInfo(OpenAIBaseModel):
     prompt_tokens: int = 0
     total_tokens: int = 0
@@ -141,6 +199,13 @@ class _SamplingRequest(OpenAIBaseModel):
     # Token id (a decimal string, as JSON keys are) -> bias added to its logit.
     logit_bias: dict[str, float] | None = None
     user: Text | None = None
+    response_format: ResponseFormat | None = None
+    # vLLM extra: {"json": schema} | {"regex": ...} | {"choice": [...]} | {"grammar": ...} | {"json_object": true}
+    structured_outputs: dict[str, Any] | None = None
+
+    def extract_structured_outputs(self) -> StructuredOutputsParams | None:
+        return structured_outputs_from_response_format(structured_outputs_from_dict(self.structured_outputs),
+                                                       self.response_format)
 
     def check_unsupported(self) -> None:
         """Raise VLLMValidationError naming the first field this engine does not implement."""
@@ -172,6 +237,18 @@ class _SamplingRequest(OpenAIBaseModel):
         return out
 
     def _sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        params = self._make_sampling_params(max_tokens, logprobs)
+        try:
+            # NOTE: checked again by SamplingParams.verify; here so that the 400 names
+            # the field the client used (response_format or structured_outputs).
+            params._validate_structured_outputs()
+        except VLLMValidationError as e:
+            uses_response_format = self.response_format is not None and self.response_format.type != "text"
+            raise VLLMValidationError(str(e), parameter="response_format" if uses_response_format
+                                      else "structured_outputs") from e
+        return params
+
+    def _make_sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         # NOTE: None means "the OpenAI default": temperature 1, top_p 1, top-k off.
         return SamplingParams(
             n=self.n,
@@ -181,6 +258,7 @@ class _SamplingRequest(OpenAIBaseModel):
             min_p=0.0 if self.min_p is None else self.min_p,
             seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens,
             stop=self.stop, stop_token_ids=self.stop_token_ids, logit_bias=self._logit_bias(),
+            structured_outputs=self.extract_structured_outputs(),
             include_stop_str_in_output=self.include_stop_str_in_output,
             ignore_eos=self.ignore_eos, logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,

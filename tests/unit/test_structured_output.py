@@ -1,0 +1,279 @@
+"""Structured output in the scheduler, GPU-free: real xgrammar grammars over a tiny
+vocabulary, fabricated ModelRunnerOutputs (no model, no tokenizer).
+
+What is pinned (v0.27.1's rules):
+  * a structured request waits in WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR (in
+    skipped_waiting) while its grammar compiles, never blocks the requests
+    behind it, and is promoted to WAITING once the Future is done;
+  * a failed compile finishes that request alone with FINISHED_ERROR;
+  * get_grammar_bitmask: one row per scheduled structured request that samples
+    (no partial prefill chunk), in scheduling order, each row what the
+    request's own matcher allows after the tokens it has accepted;
+  * update_from_output advances the grammar; a token it refuses is an error;
+  * async scheduling: pending_structured_output_tokens when a structured
+    request's previous token is still in flight;
+  * apply_grammar_bitmask maps the scheduler's rows onto the worker's batch rows.
+"""
+from __future__ import annotations
+
+import time
+import types
+from concurrent.futures import Future
+
+import numpy as np
+import pytest
+import torch
+import xgrammar as xgr
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from vllm_anatomy.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm_anatomy.core.outputs import ModelRunnerOutput
+from vllm_anatomy.core.request import Request, RequestStatus
+from vllm_anatomy.core.sched.async_scheduler import AsyncScheduler
+from vllm_anatomy.core.sched.output import GrammarOutput
+from vllm_anatomy.core.sched.scheduler import Scheduler
+from vllm_anatomy.engine.protocol import FinishReason
+from vllm_anatomy.sampling_params import SamplingParams, StructuredOutputsParams
+from vllm_anatomy.structured_output import StructuredOutputManager
+from vllm_anatomy.structured_output.backend_xgrammar import XgrammarBackend
+from vllm_anatomy.structured_output.utils import apply_grammar_bitmask
+
+# A raw vocabulary: id = index. 0 is EOS (xgrammar's stop token). Ids 18, 19 are
+# padding rows of the "model's" vocabulary: never allowed.
+VOCAB = ["<eos>", "{", "}", '"', "a", "b", ":", ",", "1", "2", " ", "x", "yes", "no", "y", "es", "n", "o"]
+VOCAB_SIZE = 20
+EOS = 0
+CHOICES = {"yn": ["yes", "no"], "ab": ["a", "b", "ab"], "digits": ["1", "12", "21"]}
+
+
+def tok(text: str) -> int:
+    return VOCAB.index(text)
+
+
+def make_config(max_num_seqs=8, max_num_batched_tokens=64, async_scheduling=False) -> VllmConfig:
+    return VllmConfig(ModelConfig(model="fake", max_model_len=64), CacheConfig(block_size=16),
+                      SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                                      max_model_len=64, async_scheduling=async_scheduling))
+
+
+def make_manager(config: VllmConfig) -> StructuredOutputManager:
+    info = xgr.TokenizerInfo(VOCAB, xgr.VocabType.RAW, vocab_size=VOCAB_SIZE, stop_token_ids=[EOS])
+    return StructuredOutputManager(config, backend=XgrammarBackend(config, tokenizer=info, vocab_size=VOCAB_SIZE))
+
+
+def make_scheduler(**kw) -> Scheduler:
+    config = make_config(**kw)
+    cls = AsyncScheduler if kw.get("async_scheduling") else Scheduler
+    return cls(config, num_gpu_blocks=100, structured_output_manager=make_manager(config))
+
+
+def make_request(req_id: str, prompt_len: int = 4, choice: str | None = None, max_tokens: int = 8) -> Request:
+    so = StructuredOutputsParams(choice=CHOICES[choice]) if choice else None
+    return Request(req_id, [100 + i for i in range(prompt_len)],
+                   SamplingParams(max_tokens=max_tokens, structured_outputs=so, eos_token_id=EOS))
+
+
+def add(s: Scheduler, request: Request) -> Request:
+    """As EngineCore.preprocess_add_request + add_request: grammar_init, then queue."""
+    s.structured_output_manager.grammar_init(request)
+    while request.use_structured_output and not request.structured_output_request.is_grammar_ready:
+        time.sleep(0.001)                                        # compiling (a few ms)
+    s.add_request(request)
+    return request
+
+
+def allowed(row: np.ndarray) -> set[int]:
+    return {t for t in range(VOCAB_SIZE) if (int(row[t // 32]) >> (t % 32)) & 1}
+
+
+def output(so, tokens: dict[str, list[int]]) -> ModelRunnerOutput:
+    req_ids = list(so.num_scheduled_tokens)
+    return ModelRunnerOutput(req_ids, {r: i for i, r in enumerate(req_ids)}, [tokens.get(r, []) for r in req_ids])
+
+
+def finishes(outs) -> dict[str, FinishReason | None]:
+    return {o.request_id: o.finish_reason for eco in outs.values() for o in eco.outputs}
+
+
+def test_request_waits_for_its_grammar_without_blocking_the_queue():
+    s = make_scheduler()
+    slow = make_request("slow", choice="yn")
+    pending: Future = Future()
+    slow.structured_output_request.grammar = pending          # still compiling
+    s.add_request(slow)
+    s.add_request(make_request("plain"))
+    assert slow.status == RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
+
+    so = s.schedule()
+    assert list(so.num_scheduled_tokens) == ["plain"]          # passed over, not waited for
+    snap = s.snapshot()
+    assert [(r["request_id"], r["status"]) for r in snap["skipped_waiting"]] == \
+        [("slow", "WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR")]
+    assert snap["step_record"]["deferred_req_ids"] == ["slow"] and snap["step_record"]["grammar_ready_req_ids"] == []
+    s.update_from_output(so, output(so, {"plain": [7]}))
+
+    pending.set_result(s.structured_output_manager.backend.compile_grammar(
+        *slow.structured_output_request.structured_output_key))
+    so = s.schedule()
+    assert so.num_scheduled_tokens == {"plain": 1, "slow": 4}
+    assert slow.status == RequestStatus.RUNNING
+    assert s.last_step_record.grammar_ready_req_ids == ["slow"]
+
+
+def test_failed_compile_finishes_that_request_alone():
+    s = make_scheduler()
+    bad = make_request("bad", choice="yn")
+    failed: Future = Future()
+    failed.set_exception(RuntimeError("cannot compile"))
+    bad.structured_output_request.grammar = failed
+    s.add_request(bad)
+    s.add_request(make_request("ok"))
+    so = s.schedule()
+    assert list(so.num_scheduled_tokens) == ["ok"]
+    outs = s.update_from_output(so, output(so, {"ok": [7]}))
+    assert finishes(outs) == {"ok": None, "bad": FinishReason.ERROR}
+    assert "bad" not in s.requests and bad.status == RequestStatus.FINISHED_ERROR
+    assert [r.request_id for r in s.running] == ["ok"] and not s.skipped_waiting
+
+
+def test_grammar_advances_and_a_refused_token_is_an_error():
+    s = make_scheduler()
+    good, bad = add(s, make_request("good", choice="yn")), add(s, make_request("bad", choice="yn"))
+    so = s.schedule()
+    go = s.get_grammar_bitmask(so)
+    assert go.structured_output_request_ids == ["good", "bad"]
+    assert allowed(go.grammar_bitmask[0]) == {tok("yes"), tok("no"), tok("y"), tok("n")}
+    outs = s.update_from_output(so, output(so, {"good": [tok("y")], "bad": [tok("a")]}))
+    assert finishes(outs) == {"good": None, "bad": FinishReason.ERROR}
+    assert bad.status == RequestStatus.FINISHED_ERROR and [r.request_id for r in s.running] == ["good"]
+    so = s.schedule()
+    assert allowed(s.get_grammar_bitmask(so).grammar_bitmask[0]) == {tok("es")}
+    s.update_from_output(so, output(so, {"good": [tok("es")]}))
+    so = s.schedule()
+    assert allowed(s.get_grammar_bitmask(so).grammar_bitmask[0]) == {EOS}      # "yes" is complete
+    outs = s.update_from_output(so, output(so, {"good": [EOS]}))
+    assert finishes(outs) == {"good": FinishReason.STOP} and list(good.output_token_ids) == [tok("y"), tok("es"), EOS]
+
+
+def test_no_bitmask_without_structured_requests_or_for_a_partial_prefill():
+    s = make_scheduler(max_num_batched_tokens=6)
+    add(s, make_request("plain", prompt_len=3))
+    so = s.schedule()
+    assert not so.has_structured_output_requests and s.get_grammar_bitmask(so) is None
+    s.update_from_output(so, output(so, {"plain": [7]}))
+    add(s, make_request("long", prompt_len=10, choice="ab"))
+    so = s.schedule()
+    assert so.num_scheduled_tokens == {"plain": 1, "long": 5}     # long: a partial prefill chunk
+    assert not so.has_structured_output_requests and s.get_grammar_bitmask(so) is None
+
+
+@st.composite
+def batches(draw):
+    n = draw(st.integers(1, 6))
+    kinds = draw(st.lists(st.sampled_from([None, *CHOICES]), min_size=n, max_size=n))
+    lens = draw(st.lists(st.integers(1, 12), min_size=n, max_size=n))
+    return list(zip(kinds, lens)), draw(st.randoms(use_true_random=False))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(batches())
+def test_bitmask_rows_are_each_requests_own_grammar_in_scheduling_order(batch):
+    """Random batches (plain and structured requests, chunked prefills): every
+    step's rows are exactly the structured requests that sample, in scheduling
+    order, and each row is what a fresh matcher fed the same tokens allows."""
+    spec, rng = batch
+    s = make_scheduler(max_num_batched_tokens=16)
+    backend = s.structured_output_manager.backend
+    reference = {}
+    for i, (kind, prompt_len) in enumerate(spec):
+        req = add(s, make_request(f"r{i}", prompt_len, choice=kind, max_tokens=6))
+        if kind:
+            reference[req.request_id] = backend.compile_grammar(*req.structured_output_request.structured_output_key)
+    for _ in range(30):
+        if not s.has_requests():
+            break
+        so = s.schedule()
+        go = s.get_grammar_bitmask(so)
+        expect = [r for r in so.num_scheduled_tokens if r in reference and not s.requests[r].is_prefill_chunk]
+        assert (go.structured_output_request_ids if go else []) == expect
+        tokens = {}
+        for row, req_id in enumerate(expect):
+            mask = np.zeros((1, 1), dtype=np.int32)
+            reference[req_id].fill_bitmask(torch.from_numpy(mask), 0)
+            assert allowed(go.grammar_bitmask[row]) == allowed(mask[0])
+            tokens[req_id] = [rng.choice(sorted(allowed(mask[0])))]
+            assert reference[req_id].accept_tokens(req_id, tokens[req_id])
+        for req_id in so.num_scheduled_tokens:
+            if req_id not in reference and not s.requests[req_id].is_prefill_chunk:
+                tokens[req_id] = [rng.choice(range(1, VOCAB_SIZE))]
+        outs = s.update_from_output(so, output(so, tokens))
+        assert FinishReason.ERROR not in finishes(outs).values()
+    assert not s.has_requests()
+
+
+def test_async_pending_tokens_when_a_structured_token_is_in_flight():
+    s = make_scheduler(async_scheduling=True)
+    add(s, make_request("so", choice="ab"))
+    add(s, make_request("plain"))
+    so1 = s.schedule()                  # both prefill: nothing in flight yet
+    assert so1.has_structured_output_requests and not so1.pending_structured_output_tokens
+    so2 = s.schedule()                  # step 1's tokens still in flight
+    assert so2.num_scheduled_tokens == {"so": 1, "plain": 1}
+    assert so2.has_structured_output_requests and so2.pending_structured_output_tokens
+    # EngineCore then defers step 2's sampling until step 1's token advanced the grammar:
+    s.update_from_output(so1, output(so1, {"so": [tok("a")], "plain": [7]}))
+    assert allowed(s.get_grammar_bitmask(so2).grammar_bitmask[0]) == {tok("b"), EOS}
+
+
+def test_async_plain_requests_never_wait():
+    s = make_scheduler(async_scheduling=True)
+    add(s, make_request("plain"))
+    s.schedule()
+    so2 = s.schedule()
+    assert not so2.has_structured_output_requests and not so2.pending_structured_output_tokens
+
+
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                          reason="needs a CUDA device")])])
+def test_apply_grammar_bitmask_follows_the_workers_rows(device):
+    """The scheduler's rows (b, a) land on the batch rows of b and a (2 and 0);
+    row 1, a plain request, is untouched (xgrammar's CPU kernel, or its CUDA one)."""
+    logits = torch.zeros(3, VOCAB_SIZE, device=device)
+    bitmask = np.zeros((2, 1), dtype=np.int32)
+    bitmask[0, 0] = 1 << 5                  # b may only sample token 5
+    bitmask[1, 0] = (1 << 1) | (1 << 2)     # a: tokens 1 and 2
+    batch = types.SimpleNamespace(req_id_to_index={"a": 0, "plain": 1, "b": 2})
+    apply_grammar_bitmask(None, GrammarOutput(["b", "a"], bitmask), batch, logits)
+    finite = [set(torch.isfinite(row).nonzero().flatten().tolist()) for row in logits]
+    assert finite == [{1, 2}, set(range(VOCAB_SIZE)), {5}]
+
+
+def test_grammar_output_crosses_the_wire():
+    from vllm_anatomy.engine.serial_utils import MsgpackDecoder, MsgpackEncoder
+    go = GrammarOutput(["a", "b"], np.arange(6, dtype=np.int32).reshape(2, 3))
+    back = MsgpackDecoder(GrammarOutput | None).decode(MsgpackEncoder().encode(go))
+    assert back.structured_output_request_ids == ["a", "b"]
+    assert back.grammar_bitmask.dtype == np.int32 and (back.grammar_bitmask == go.grammar_bitmask).all()
+
+
+@pytest.mark.parametrize("params, message", [
+    (dict(json='{"type": "nonsense"}'), "Unsupported type"),
+    (dict(json="{not json"), "Invalid JSON"),
+    (dict(regex="(unclosed"), "regex"),
+    (dict(grammar="root ::= "), "grammar"),
+    (dict(choice=[]), "empty list"),
+    (dict(json={"type": "string", "format": "not-a-format"}), "not supported by xgrammar"),
+])
+def test_bad_constraints_are_refused_with_the_compilers_message(params, message):
+    with pytest.raises(ValueError, match=message) as info:
+        SamplingParams(structured_outputs=StructuredOutputsParams(**params)).verify(VOCAB_SIZE)
+    assert info.value.parameter == "structured_outputs"
+
+
+def test_exactly_one_constraint():
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputsParams(regex="a", choice=["a"])
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputsParams()

@@ -1,0 +1,53 @@
+"""apply_grammar_bitmask: the scheduler's grammar bitmask onto the worker's logits.
+
+Mirrors vllm/v1/structured_output/utils.py (apply_grammar_bitmask, choice_as_grammar).
+Runs in the worker, in GPUModelRunner.sample_tokens, just before the sampler:
+every token the request's grammar forbids gets logit -inf, so no sampling
+rule (greedy, temperature, top-k/p, min-p) can pick it.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from vllm_anatomy.core.sched.output import GrammarOutput, SchedulerOutput
+    from vllm_anatomy.worker.gpu_input_batch import InputBatch
+
+
+def apply_grammar_bitmask(scheduler_output: SchedulerOutput, grammar_output: GrammarOutput,
+                          input_batch: InputBatch, logits: torch.Tensor) -> None:
+    """Mask `logits` [R, V] in place with the rows of grammar_output.grammar_bitmask.
+
+    NOTE: the bitmask's rows follow the scheduler's order of structured
+    requests; the logits' rows follow the worker's persistent batch (which
+    condense() reorders). The rows are re-sorted here into a [R, V/32] mask
+    whose other rows are all ones (-1: every token allowed), the way vLLM
+    does it. (No spec decode here: one logits row per request.)
+    """
+    import xgrammar as xgr          # NOTE: imported only by steps that carry a grammar
+
+    bitmask = grammar_output.grammar_bitmask                                   # [S, ceil(V / 32)] int32
+    req_id_to_index = input_batch.req_id_to_index
+    sorted_bitmask = np.full((logits.shape[0], bitmask.shape[1]), -1, dtype=np.int32)   # [R, ceil(V / 32)]
+    out_indices = []
+    for row, req_id in enumerate(grammar_output.structured_output_request_ids):
+        batch_index = req_id_to_index.get(req_id)
+        if batch_index is not None:       # NOTE: a request that failed to join the batch has no row
+            sorted_bitmask[batch_index] = bitmask[row]
+            out_indices.append(batch_index)
+    mask = torch.from_numpy(sorted_bitmask)
+    if logits.is_cuda:
+        mask = mask.pin_memory().to(logits.device, non_blocking=True)
+    # NOTE: with every row masked, xgrammar needs no index list (one kernel over all rows).
+    indices = None if len(out_indices) == logits.shape[0] else out_indices
+    xgr.apply_token_bitmask_inplace(logits, mask, indices=indices)
+
+
+def choice_as_grammar(choice: list[str]) -> str:
+    """A choice between strings as an EBNF grammar: root ::= "a" | "b" (vLLM's helper)."""
+    def escape_ebnf_string(s: str) -> str:
+        return s.replace("\\", "\\\\").replace('"', '\\"')
+    return "root ::= " + " | ".join(f'"{escape_ebnf_string(c)}"' for c in choice)
