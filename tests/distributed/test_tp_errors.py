@@ -73,7 +73,6 @@ def test_more_ranks_than_gpus(tmp_path, monkeypatch):
     (dict(tensor_parallel_size=2, distributed_executor_backend="uni"), r"needs worker processes"),
     (dict(tensor_parallel_size=3, nnodes=2), r"tensor_parallel_size \(3\) must be divisible by nnodes \(2\)"),
     (dict(tensor_parallel_size=2, nnodes=2, node_rank=2), r"0 <= node_rank < nnodes"),
-    (dict(tensor_parallel_size=2, async_scheduling=True), r"async_scheduling needs distributed_executor_backend"),
 ])
 def test_executor_choices(tmp_path, kwargs, message):
     with pytest.raises(ValueError, match=message):

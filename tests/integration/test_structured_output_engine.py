@@ -141,7 +141,7 @@ def test_the_grammar_window_sits_between_execute_model_and_sample_tokens(run):
     assert any(deferred) == is_async
 
 
-@pytest.mark.parametrize("async_scheduling", [False], ids=["sync"])
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_mp_executor(default_model_dir, run, async_scheduling):
     """Worker processes: the GrammarOutput crosses the shared-memory queue (numpy
     rows as bytes), execute_model(non_block=True) returns before the worker

@@ -264,16 +264,16 @@ def test_matches_the_synchronous_scheduler_token_for_token():
 def test_engine_args_resolve_async_scheduling(tiny_llama_dir):
     import argparse
 
-    import pytest
-
     from vllm_anatomy.engine.arg_utils import EngineArgs
     cfg = EngineArgs(model=tiny_llama_dir).create_engine_config()
     assert cfg.scheduler_config.async_scheduling is False          # auto: off on a CPU
     cfg = EngineArgs(model=tiny_llama_dir, async_scheduling=True).create_engine_config()
     assert cfg.scheduler_config.get_scheduler_cls() is AsyncScheduler
-    with pytest.raises(ValueError, match="async_scheduling needs distributed_executor_backend='uni'"):
-        EngineArgs(model=tiny_llama_dir, async_scheduling=True,
-                   distributed_executor_backend="mp").create_engine_config()
+    # Worker processes: only when asked for (their busy loop waits for each step's tokens).
+    cfg = EngineArgs(model=tiny_llama_dir, async_scheduling=True, distributed_executor_backend="mp")
+    assert cfg.create_engine_config().scheduler_config.get_scheduler_cls() is AsyncScheduler
+    cfg = EngineArgs(model=tiny_llama_dir, distributed_executor_backend="mp", device="cuda")
+    assert cfg._resolve_async_scheduling(on_gpu=True) is False
     parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
     assert EngineArgs.from_cli_args(parser.parse_args(["--async-scheduling"])).async_scheduling is True
     assert EngineArgs.from_cli_args(parser.parse_args(["--no-async-scheduling"])).async_scheduling is False

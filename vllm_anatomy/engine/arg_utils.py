@@ -173,15 +173,12 @@ class EngineArgs:
                               master_addr=self.master_addr, master_port=self.master_port)
 
     def _resolve_async_scheduling(self, on_gpu: bool) -> bool:
-        uni = self._resolve_executor_backend() == "uni"
+        """Default: on a GPU with the in-process executor. With worker processes
+        (mp) only when asked for: their busy loop waits for each step's tokens
+        before it takes the next call (no async-output thread, see
+        multiproc_executor.py), so the overlap is the engine's alone."""
         if self.async_scheduling is None:
-            return on_gpu and uni
-        if self.async_scheduling and not uni:
-            # NOTE: the worker process would have to reply to sample_tokens
-            # before its tokens reach the host (vLLM: an async-output thread
-            # per worker); our MultiprocExecutor answers each call in turn.
-            raise ValueError("async_scheduling needs distributed_executor_backend='uni' "
-                             "(the mp executor has no async output thread here)")
+            return on_gpu and self._resolve_executor_backend() == "uni"
         return self.async_scheduling
 
     def _compilation_config(self, on_gpu: bool, max_num_seqs: int, max_num_batched_tokens: int) -> CompilationConfig:

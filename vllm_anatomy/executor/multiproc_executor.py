@@ -36,7 +36,12 @@ call order, so a future first drains the ones enqueued before it (vLLM's
 futures_queue). The caller's W3C trace context rides in the RPC envelope
 (RPCRequest.trace_headers), not in the method's arguments.
 
-Simplified: no async-output thread, no pipeline or data parallelism.
+Async scheduling: sample_tokens returns an AsyncModelRunnerOutput in the
+worker; the busy loop waits for its tokens (get_output) and replies with the
+ModelRunnerOutput. The engine still schedules step N+1 and enqueues it before
+it reads step N's reply. Simplified: vLLM hands the wait to an async-output
+thread, so its busy loop already prepares step N+1 while step N's tokens copy;
+here the next call waits for that copy. No pipeline or data parallelism.
 """
 from __future__ import annotations
 
@@ -141,9 +146,9 @@ def _worker_method_types(method: str) -> tuple[list[Any], dict[str, Any], Any]:
 def _wire_type(tp: Any) -> Any:
     """The part of a return annotation that can cross the queue.
 
-    NOTE: sample_tokens may return an AsyncModelRunnerOutput, but only to an
-    in-process caller with async scheduling (EngineArgs refuses async
-    scheduling with this executor): over the queue it is a ModelRunnerOutput.
+    NOTE: sample_tokens may return an AsyncModelRunnerOutput (async scheduling);
+    the worker process resolves it before replying: over the queue it is a
+    ModelRunnerOutput.
     """
     members = [t for t in typing.get_args(tp) if t is not AsyncModelRunnerOutput]
     if typing.get_origin(tp) in (typing.Union, types.UnionType) and len(members) == 1:
@@ -617,6 +622,9 @@ class WorkerProc:
                           for k, v in request.kwargs.items()}
                 with self.worker.remote_trace_context(request.trace_headers):
                     output = getattr(self.worker, request.method)(*args, **kwargs)
+                if isinstance(output, AsyncModelRunnerOutput):
+                    # NOTE: every rank, so each one's copy of the tokens is filled in.
+                    output = output.get_output()
                 response = RPCResponse("SUCCESS", _raw(output))
             except Exception:
                 # NOTE: vLLM sends str(e); the whole traceback is more useful to a reader.
