@@ -12,7 +12,8 @@ def changes(prev: dict | None, step: dict, moves: list[tuple[str, str, str]]) ->
     out = []
     by_kind: dict[str, list[str]] = {}
     for req, a, b in moves:
-        by_kind.setdefault(f"{a} → {b}", []).append(req)
+        if (a, b) != ("RUNNING", "RUNNING"):       # running on is not a change
+            by_kind.setdefault(f"{a} → {b}", []).append(req)
     for k, reqs in by_kind.items():
         out.append(f"{k.replace('ARRIVAL', 'arrived')}: " + " ".join(req_chip(r) for r in reqs))
     for h in rec.get("prefix_hits", []):

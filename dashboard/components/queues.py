@@ -11,47 +11,49 @@ import streamlit as st
 from dashboard.components.code_ref import code_ref
 from dashboard.components.kv_memory import blocks_mb, mb
 from dashboard.theme import INK, STATUS_COLORS, chip, request_color, text_on
+from vllm_anatomy.core.request import RequestStatus
+from vllm_anatomy.core.state_machine import ARRIVAL, STATUS_TRANSITIONS, UNUSED_STATUSES, article_edges
 
-FINISH_STATUS = {"stop": "FINISHED_STOPPED", "length": "FINISHED_LENGTH_CAPPED", "abort": "FINISHED_ABORTED",
-                 "error": "FINISHED_ERROR", "repetition": "FINISHED_REPETITION"}
-NODES = ["WAITING", "RUNNING", "PREEMPTED", "FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED", "FINISHED_ABORTED"]
-# (from, to, short label, tooltip)
-EDGES = [("ARRIVAL", "WAITING", "arrives", "a request arrives: appended to the waiting queue (FCFS)"),
-         ("WAITING", "RUNNING", "scheduled", "schedule() gave it tokens from the budget and allocate_slots() KV blocks"),
-         ("RUNNING", "PREEMPTED", "no free block",
-          "a running request needed a KV block and none was free: the newest running request is preempted, its "
-          "blocks freed, num_computed_tokens reset to 0, and it goes back to the front of the waiting queue"),
-         ("PREEMPTED", "RUNNING", "resumed",
-          "rescheduled from the waiting queue: its tokens are recomputed (prefix-cache hits help)"),
-         ("RUNNING", "FINISHED_STOPPED", "stop token", "EOS or a stop token id (update_from_output)"),
-         ("RUNNING", "FINISHED_LENGTH_CAPPED", "max_tokens", "max_tokens or max_model_len reached"),
-         ("RUNNING", "FINISHED_ABORTED", "aborted", "the client cancelled it (abort_requests)"),
-         ("WAITING", "FINISHED_ABORTED", "aborted", "the client cancelled it before it ran")]
+# A finished request's status, from the finish reason its request span records: the
+# engine's own map (RequestStatus.get_finished_reason), inverted; where two statuses
+# share a reason ("length": LENGTH_CAPPED and IGNORED) the first in enum order.
+FINISH_STATUS: dict[str, str] = {}
+for _status in RequestStatus:
+    _reason = RequestStatus.get_finished_reason(_status)
+    if RequestStatus.is_finished(_status) and _reason is not None:
+        FINISH_STATUS.setdefault(str(_reason), _status.name)
+NODES = [s.name for s in RequestStatus]
 NODE_TIPS = {"WAITING": "in the waiting queue, no KV blocks yet", "RUNNING": "scheduled every step, holds KV blocks",
-             "PREEMPTED": "evicted from the running batch, waiting to be recomputed",
+             "PREEMPTED": "evicted from the running batch, in the waiting queue to be recomputed",
+             "WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR": "its grammar compiles in a thread pool; passed over meanwhile",
              "FINISHED_STOPPED": "finished on EOS / a stop token", "FINISHED_LENGTH_CAPPED": "finished on max_tokens",
-             "FINISHED_ABORTED": "cancelled"}
+             "FINISHED_ABORTED": "cancelled", "FINISHED_IGNORED": "prompt longer than max_model_len: never scheduled",
+             "FINISHED_ERROR": "failed alone (the others went on)", **{
+                 n: f"not entered by this engine: {why}" for n, why in UNUSED_STATUSES.items()}}
+# Columns of the diagram, left to right (Graphviz ranks).
+S = RequestStatus
+RANKS = [[S.WAITING.name, S.WAITING_FOR_REMOTE_KVS.name, S.WAITING_FOR_STREAMING_REQ.name],
+         [S.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR.name, S.RUNNING.name, S.PREEMPTED.name],
+         [s.name for s in S if S.is_finished(s)]]
 ACTIVE_EDGE = "#B0303F"     # dark red: 6:1 on white
 
 
 def statuses(step: dict) -> dict[str, str]:
     sched = step["scheduler"]
-    return {r["request_id"]: r["status"] for r in sched["waiting"] + sched["running"]}
+    return {r["request_id"]: r["status"]
+            for r in sched["waiting"] + sched.get("skipped_waiting", []) + sched["running"]}
 
 
 def transitions(prev: dict | None, step: dict, finish_reasons: dict[str, str]) -> list[tuple[str, str, str]]:
-    """(request, from, to) for every request whose status changed in this step."""
+    """(request, from, to) for every request whose status changed in this step (or that
+    ran on: RUNNING → RUNNING), as the code moves it."""
     before = statuses(prev) if prev else {}
     now = statuses(step)
+    ran = {x["request_id"] for x in step["scheduler"]["step_record"]["scheduled"]}
     out = []
     for req, status in now.items():
-        was = before.get(req, "ARRIVAL")
-        if was != status:
-            if was == "ARRIVAL" and status != "WAITING":
-                out.append((req, "ARRIVAL", "WAITING"))
-                was = "WAITING"
-            if was == "PREEMPTED" and status == "WAITING":
-                continue
+        was = before.get(req, ARRIVAL)
+        if was != status or (status == "RUNNING" and req in ran):
             out.append((req, was, status))
     for req, was in before.items():
         if req not in now:
@@ -79,13 +81,28 @@ def queues(step: dict, per_block: int | None = None) -> None:
                 f"{_queue_html(sched['running'], per_block)}", unsafe_allow_html=True)
     st.markdown(f"**Waiting** ({len(sched['waiting'])}, FCFS order)<br>{_queue_html(sched['waiting'], per_block)}",
                 unsafe_allow_html=True)
+    skipped = sched.get("skipped_waiting") or []
+    if skipped:
+        st.markdown(f"**Skipped waiting** ({len(skipped)}: passed over by an earlier step, looked at first)<br>"
+                    f"{_queue_html(skipped, per_block)}", unsafe_allow_html=True,
+                    help="v0.27.1's second waiting queue: a structured-output request whose grammar is still "
+                         "compiling, or a preempted request whose in-flight token has not arrived yet")
     st.caption("Chip: `req id · num_computed_tokens/num_tokens tok · KV blocks held`"
                + (f" (one block = {mb(per_block)})" if per_block else "") + "; hover a chip for its block ids.")
     code_ref("vllm_anatomy/core/sched/scheduler.py", "Scheduler.snapshot · self.waiting / self.running")
 
 
 def _wrap(status: str) -> str:
-    return status.replace("FINISHED_", "FINISHED_\\n") if len(status) > 10 else status
+    """Long names on two or three lines: after FINISHED_ / WAITING_FOR_, then at the
+    underscore nearest the middle of what is left (DOT's line break is a literal \\n)."""
+    for head in ("FINISHED_", "WAITING_FOR_"):
+        if status.startswith(head):
+            rest = status[len(head):]
+            if len(rest) > 12 and "_" in rest:
+                cut = min((i for i, c in enumerate(rest) if c == "_"), key=lambda i: abs(i - len(rest) / 2))
+                rest = rest[:cut + 1] + "\\n" + rest[cut + 1:]
+            return head + "\\n" + rest
+    return status
 
 
 def _ids(reqs: list[str]) -> str:
@@ -93,35 +110,50 @@ def _ids(reqs: list[str]) -> str:
 
 
 def state_machine_dot(moves: list[tuple[str, str, str]]) -> str:
-    """The request state machine in DOT, this step's transitions lit (bold dark red, with the requests)."""
+    """All twelve RequestStatus values and the transitions of vllm_anatomy.core.state_machine
+    in DOT: the article's edges solid, this engine's extra ones dashed, what it never
+    does greyed; this step's moves lit (bold dark red, with the requests), each on the
+    edges the article draws for it."""
     lit: dict[tuple[str, str], list[str]] = {}
     for req, a, b in moves:
-        lit.setdefault((a, b), []).append(req)
-    lines = ["digraph G {", 'rankdir=LR; bgcolor="transparent"; nodesep=0.18; ranksep=0.3; margin=0;',
+        for edge in article_edges((a, b)):
+            lit.setdefault(edge, []).append(req)
+    lines = ["digraph G {", 'rankdir=LR; bgcolor="transparent"; nodesep=0.12; ranksep=0.55; margin=0;',
              f'node [shape=box style="rounded,filled" fontname="Helvetica" fontsize=15 margin="0.08,0.04" '
              f'fontcolor="{INK}"];',
-             f'edge [fontname="Helvetica" fontsize=14 color="#8A8A8A" fontcolor="{INK}" arrowsize=0.7];',
-             'ARRIVAL [shape=point width=0.15 fillcolor="#555555" tooltip="arrival"];']
-    active = {s for (_, s) in lit} | {a for (a, _) in lit}
+             f'edge [fontname="Helvetica" fontsize=13 color="#8A8A8A" fontcolor="{INK}" arrowsize=0.7];',
+             f'{ARRIVAL} [shape=point width=0.15 fillcolor="#555555" tooltip="a request arrives"];']
+    active = {n for edge in lit for n in edge}
+    for rank in RANKS:
+        lines.append("{rank=same; " + "; ".join(rank) + "}")
     for n in NODES:
+        unused = n in UNUSED_STATUSES
+        fill = "#F2F2F2" if unused else STATUS_COLORS.get(n, "#DDDDDD")
+        style = '"rounded,filled,dashed"' if unused else '"rounded,filled"'
         pen = "3" if n in active else "1"
-        fill = STATUS_COLORS[n]
-        lines.append(f'{n} [label="{_wrap(n)}" fillcolor="{fill}" fontcolor="{text_on(fill)}" penwidth={pen} '
-                     f'tooltip="{n}: {NODE_TIPS[n]}"];')
-    for a, b, label, tip in EDGES:
-        reqs = lit.get((a, b))
+        lines.append(f'{n} [label="{_wrap(n)}" fillcolor="{fill}" fontcolor="{text_on(fill)}" style={style} '
+                     f'color="{"#9A9A9A" if unused else "#333333"}" penwidth={pen} tooltip="{n}: {NODE_TIPS.get(n, "")}"];')
+    for t in STATUS_TRANSITIONS:
+        tip = t.how.replace('"', "'")
+        reqs = lit.get((t.source, t.target))
         if reqs:
-            lines.append(f'{a} -> {b} [label="{label}\\nreq {_ids(reqs)}" color="{ACTIVE_EDGE}" penwidth=3 '
-                         f'fontcolor="{ACTIVE_EDGE}" tooltip="{tip}" labeltooltip="{tip}"];')
-        else:
-            lines.append(f'{a} -> {b} [label="{label}" tooltip="{tip}" labeltooltip="{tip}"];')
+            lines.append(f'{t.source} -> {t.target} [label="{t.label}\\nreq {_ids(reqs)}" color="{ACTIVE_EDGE}" '
+                         f'penwidth=3 fontcolor="{ACTIVE_EDGE}" tooltip="{tip}" labeltooltip="{tip}"];')
+            continue
+        style = "solid" if t.in_article else "dashed"
+        color = "#8A8A8A" if t.used else "#C4C4C4"
+        lines.append(f'{t.source} -> {t.target} [label="{t.label}" style={style} color="{color}" '
+                     f'tooltip="{tip}" labeltooltip="{tip}"];')
     lines.append("}")
     return "\n".join(lines)
 
 
 def state_machine(moves: list[tuple[str, str, str]]) -> None:
-    lines = [state_machine_dot(moves)]
-    st.graphviz_chart(lines[0], width="stretch")
-    moved = ", ".join(f"req {r}: {a} → {b}" for r, a, b in moves) or "no status changed in this step"
-    st.caption(f"This step: {moved}")
-    code_ref("vllm_anatomy/core/request.py", "RequestStatus")
+    st.graphviz_chart(state_machine_dot(moves), width="stretch")
+    moved = ", ".join(f"req {r}: {a} → {b}" for r, a, b in moves if (a, b) != ("RUNNING", "RUNNING")) \
+        or "no status changed in this step"
+    st.caption(f"This step: {moved}. Solid edges are the article's diagram (§四.1), dashed ones what this engine "
+               "also does, grey dashed boxes the statuses it never enters (hover for why). NOTE: as in vLLM's "
+               "code, a preempted request keeps the status PREEMPTED while it sits in the waiting queue and "
+               "becomes RUNNING when rescheduled: the article's PREEMPTED → WAITING edge is that wait.")
+    code_ref("vllm_anatomy/core/state_machine.py", "STATUS_TRANSITIONS (the engine's own definitions)")

@@ -64,9 +64,10 @@ def main() -> None:
     c1, c2 = st.columns([2, 3])
     with c1:
         diff(prev, step, moves)
-        queues(step, per_block)
     with c2:
-        state_machine(moves)
+        queues(step, per_block)
+    # NOTE: full width: all twelve statuses stay readable (text ≥ 12 px) only at this size.
+    state_machine(moves)
     head, _ = execution_mode(info["meta"], (mr.get("prepare_inputs") or {}).get("cudagraph"))
     st.markdown(f":material/memory: Forward pass: **{head}** — why, and the device lane: *Worker* tab")
     t_sched, t_kv, t_worker = st.tabs(list(TABS.values()), key=TAB_KEY, bind="query-params")
