@@ -184,9 +184,10 @@ def step_view(src: RunSource, step: int) -> dict:
            "sampled_token_ids": mr.get("sampled_token_ids") or []}
     mro_bytes = _enc_size(mro, ModelRunnerOutput) if pi else None
     for ex_name, w_name, what_down, what_up, down_bytes, up_bytes, marker in (
-            ("Executor.execute_model", "Worker.execute_model", "execute_model(SchedulerOutput)", "None (logits stay on the worker)",
+            ("Executor.execute_model", "Worker.execute_model", "execute_model(SchedulerOutput, non_block=True)",
+             "a Future of None (logits stay on the worker)",
              so_bytes, None, "⑤"),
-            ("Executor.sample_tokens", "Worker.sample_tokens", "sample_tokens()", "ModelRunnerOutput",
+            ("Executor.sample_tokens", "Worker.sample_tokens", "sample_tokens(grammar_output)", "ModelRunnerOutput",
              None, mro_bytes, "⑩")):
         ex = _first(in_step, ex_name)
         for w in [s for s in in_step if s.name == w_name]:

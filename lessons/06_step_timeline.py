@@ -1,8 +1,11 @@
 """Lesson 6 — one step's timeline: what is only enqueued, and the one place the CPU waits.
 
 What it teaches
-    A step is two calls into the worker: `execute_model(SchedulerOutput)`, which returns
-    None, and `sample_tokens()`, which returns the ModelRunnerOutput. Everything
+    A step is two calls into the worker: `execute_model(SchedulerOutput, non_block=True)`,
+    which returns a Future whose result is None ("go on to sampling"), and
+    `sample_tokens(grammar_output)`, which returns the ModelRunnerOutput. Between the two,
+    while the device runs the forward, the scheduler builds the structured-output grammar
+    bitmask (`Scheduler.get_grammar_bitmask`: None when no request has a grammar). Everything
     `execute_model` does (update the persistent batch, prepare the input tensors, launch the
     forward and the logits) is *enqueued* on the device; the CPU only waits once, in
     `_bookkeeping_sync`, for the sampled token ids to land in host memory. The lesson records
@@ -150,11 +153,13 @@ def main() -> None:
     # 1. What the two calls return.
     execs = [r for r in returned if r[0] == "execute_model"]
     samples = [r for r in returned if r[0] == "sample_tokens"]
-    say(f"""EngineCore called Executor.execute_model {len(execs)} times and every call returned
-        {sorted({type(r[2]).__name__ for r in execs})}: the forward pass was handed over, not
-        waited for. The logits stay inside the model runner (execute_model_state) until the
-        second call, sample_tokens, which returned a ModelRunnerOutput each time — that is
-        where the sampled token ids come back.""")
+    say(f"""EngineCore called Executor.execute_model(non_block=True) {len(execs)} times; every
+        call answered a Future whose result was {sorted({type(r[2]).__name__ for r in execs})}:
+        the forward pass was handed over, not waited for. While it ran, the scheduler built the
+        grammar bitmask (Scheduler.get_grammar_bitmask; no request here has a grammar, so there
+        was none to build). The logits stay inside the model runner (execute_model_state) until
+        the second call, sample_tokens(grammar_output), which returned a ModelRunnerOutput each
+        time — that is where the sampled token ids come back.""")
     check(len(execs) == len(samples) == len(run.spans("EngineCore.step")),
           f"one execute_model and one sample_tokens call per step ({len(execs)} steps)")
     check(all(r[2] is None for r in execs), "Executor.execute_model returned None in every step")
