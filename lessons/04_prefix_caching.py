@@ -71,11 +71,12 @@ def main() -> None:
     run_requests(engine, {"P1": (prompt["P1"], 3)})
     run_requests(engine, {"P2": (prompt["P2"], 3), "P3": (prompt["P3"], 3)})
     run_requests(engine, {"P4": (prompt["P4"], 2)})
-    # Size P5 from the recorded state: two blocks more than the never-cached free blocks.
-    with open_run(path) as live:
-        kv = live.snapshot(live.steps()[-1])["scheduler"]["kv_cache"]
-    hash_of = {b["block_id"]: b["hash"] for b in kv["blocks"]}
-    n_unhashed = sum(1 for b in kv["free_queue"] if hash_of[b] is None)
+    # Size P5 from the pool as P4 left it: two blocks more than the never-cached free blocks.
+    # NOTE: the engine's own pool, not the last snapshot: with async scheduling (a GPU's
+    # default) a step's snapshot is taken as the step is launched, and the blocks it fills
+    # are cached (hashed) only when its tokens come back, a step later.
+    pool = engine.engine_core.scheduler.kv_cache_manager.block_pool
+    n_unhashed = sum(1 for b in pool.free_block_queue.get_all_free_blocks() if b.block_hash is None)
     prompt["P5"] = fixed_len(tok, UNRELATED, min((n_unhashed + 2) * BS - 4, MAX_MODEL_LEN - 4))
     run_requests(engine, {"P5": (prompt["P5"], 2)})
     prompt["P6"] = list(prompt["P1"])

@@ -101,6 +101,16 @@ def main() -> None:
     def index_of(s: int) -> dict[str, int]:
         return {row["req_id"]: row["index"] for row in mrs[s]["input_batch"]["rows"]}
 
+    def sampled_before(s: int, req_id: str) -> int | None:
+        """The token the latest earlier step sampled for req_id (what async scheduling splices in)."""
+        for prev in reversed([p for p in steps if p < s and mrs[p]["prepare_inputs"] is not None]):
+            pi = mrs[prev]["prepare_inputs"]
+            if req_id in pi["req_ids"]:
+                got = (mrs[prev].get("sampled_token_ids") or [])
+                row = pi["req_ids"].index(req_id)
+                return got[row][-1] if row < len(got) and got[row] else None
+        return None
+
     first = steps[0]
     so1 = snaps[first]["scheduler_output"]
     say(f"""Step {first}'s SchedulerOutput: {so1['num_scheduled_tokens']} tokens to compute, and for each
@@ -116,12 +126,22 @@ def main() -> None:
     cstep = next((s for s in steps if mrs[s]["input_batch"]["condense_moves"]), None)
     if cstep is not None:
         prev = steps[steps.index(cstep) - 1]
-        gone = snaps[cstep]["scheduler_output"]["finished_req_ids"]
         (src, dst), = mrs[cstep]["input_batch"]["condense_moves"] or [(None, None)]
         moved = next((r for r, i in index_of(cstep).items() if i == dst), None)
-        say(f"""{', '.join(gone)} stopped after {len(outputs['r1'].outputs[0].token_ids)} tokens; step {cstep}'s
-             SchedulerOutput listed it in finished_req_ids, so _update_states removed its row
-             {index_of(prev).get('r1')} and left a hole. condense() moved the last row ({src}, {moved}) into the
+        if "r1" in snaps[cstep]["scheduler_output"]["finished_req_ids"]:
+            why = f"""step {cstep}'s SchedulerOutput listed it in finished_req_ids, so _update_states
+                   removed its row {index_of(prev).get('r1')}"""
+        else:
+            # NOTE: async scheduling: the step that samples r1's last token is still in
+            # flight when step cstep is scheduled; cstep does not schedule r1 (one more step
+            # would be thrown away), and _update_states takes unscheduled requests out of the
+            # persistent batch (their CachedRequestState stays). finished_req_ids lists r1
+            # a step later, once its last token has arrived.
+            why = f"""step {cstep} did not schedule it (with async scheduling the step sampling its
+                   last token was still in flight; finished_req_ids lists it a step later), so
+                   _update_states took its row {index_of(prev).get('r1')} out of the persistent batch"""
+        say(f"""r1 stopped after {len(outputs['r1'].outputs[0].token_ids)} tokens; {why}
+             and left a hole. condense() moved the last row ({src}, {moved}) into the
              hole ({dst}), taking its token ids, sampling params and block-table row along (moves
              recorded: {mrs[cstep]['input_batch']['condense_moves']}). Row numbers are only valid for one step;
              request ids are the stable key. Step {cstep}, a pure decode step:""")
@@ -136,22 +156,35 @@ def main() -> None:
 
     # -- checks -----------------------------------------------------------------------------------
     names = ("input_ids", "positions", "query_start_loc", "seq_lens", "slot_mapping", "logits_indices")
-    mismatches, n_tokens = [], 0
-    for s in steps:
+    mismatches, n_tokens, n_spliced = [], 0, 0
+    # NOTE: with async scheduling (a GPU's default) a step may be launched with nothing to
+    # compute (every running request's last token already in flight): no prepare_inputs.
+    computed = [s for s in steps if mrs[s]["prepare_inputs"] is not None]
+    for s in computed:
         pi = mrs[s]["prepare_inputs"]
         exp = expected_tensors(snaps[s]["scheduler_output"], pi["req_ids"], rows_of(s), tokens)
         n_tokens += len(pi["slot_mapping"])
-        mismatches += [(s, k) for k in names if exp[k] != pi[k]]
-    check(not mismatches and n_tokens == sum(snaps[s]["scheduler_output"]["total_num_scheduled_tokens"] for s in steps),
-          f"input_ids, positions, query_start_loc, seq_lens, slot_mapping and logits_indices of all {len(steps)} "
-          f"steps ({n_tokens} tokens) recomputed from SchedulerOutput + block tables match the recorded tensors")
+        mismatches += [(s, k) for k in names if k != "input_ids" and exp[k] != pi[k]]
+        # With async scheduling the host never saw a decode's input token: it is the one
+        # the previous step sampled, spliced into input_ids on the device; -1 marks it.
+        for i, (got, want) in enumerate(zip(pi["input_ids"], exp["input_ids"])):
+            if got == -1 and want == sampled_before(s, pi["req_ids"][pi["req_indices"][i]]):
+                n_spliced += 1
+            elif got != want:
+                mismatches.append((s, "input_ids"))
+    scheduled = sum(snaps[s]["scheduler_output"]["total_num_scheduled_tokens"] for s in steps)
+    check(not mismatches and n_tokens == scheduled,
+          f"input_ids, positions, query_start_loc, seq_lens, slot_mapping and logits_indices of all {len(computed)} "
+          f"steps that computed ({n_tokens} tokens) recomputed from SchedulerOutput + block tables match the "
+          f"recorded tensors" + (f" ({n_spliced} input ids spliced on the device: the previous step's samples)"
+                                 if n_spliced else ""))
     same_tables = all(rows_of(s)[r] == snaps[s]["scheduler"]["kv_cache"]["req_to_block_ids"][r]
                       for s in steps for r in rows_of(s) if r in snaps[s]["scheduler"]["kv_cache"]["req_to_block_ids"])
     check(same_tables, "every block_table row equals the scheduler's KVCacheBlock ids for that request")
     check(all(len(set(mrs[s]["prepare_inputs"]["slot_mapping"])) == len(mrs[s]["prepare_inputs"]["slot_mapping"])
-              for s in steps), "within a step, no two tokens write the same KV slot")
+              for s in computed), "within a step, no two tokens write the same KV slot")
     jumps = []
-    for s in steps:
+    for s in computed:
         so, pi = snaps[s]["scheduler_output"], mrs[s]["prepare_inputs"]
         for r, ids in zip(so["scheduled_cached_reqs"]["req_ids"], so["scheduled_cached_reqs"]["new_block_ids"]):
             if ids:
@@ -162,7 +195,11 @@ def main() -> None:
           "a decode crossing a block boundary got a new block id and its slot lies in that block: "
           + ", ".join(f"step {s} {r} new block {b} -> slot {sl}" for s, r, b, sl, _ in jumps))
     prev_rows = index_of(prev) if cstep is not None else {}
-    check(cstep is not None and "r1" in snaps[cstep]["scheduler_output"]["finished_req_ids"]
+    nxt = steps[steps.index(cstep) + 1] if cstep is not None and cstep != steps[-1] else None
+    left = cstep is not None and ("r1" in snaps[cstep]["scheduler_output"]["finished_req_ids"] or (
+        "r1" not in snaps[cstep]["scheduler_output"]["num_scheduled_tokens"] and nxt is not None
+        and "r1" in snaps[nxt]["scheduler_output"]["finished_req_ids"]))
+    check(left
           and mrs[cstep]["input_batch"]["condense_moves"] == [[max(prev_rows.values()), prev_rows["r1"]]]
           and index_of(cstep)[moved] == prev_rows["r1"] and rows_of(cstep)[moved][:len(rows_of(prev)[moved])] == rows_of(prev)[moved]
           and mrs[cstep]["input_batch"]["num_reqs"] == len(prev_rows) - 1,
