@@ -26,6 +26,17 @@ PAGES = [("live", None), ("timeline", "Timeline"), ("inspector", "Step inspector
          ("metrics", "Metrics over time"), ("lessons", "Lessons"), ("mapping", None)]
 
 
+def _sample_async() -> str:
+    """What the header must say of the sample's async scheduling, from its own meta."""
+    import json
+    import sqlite3
+    conn = sqlite3.connect(f"file:{H200_SAMPLE}?immutable=1", uri=True)
+    config = json.loads(conn.execute("SELECT value FROM meta WHERE key = 'config'").fetchone()[0])
+    conn.close()
+    value = config["scheduler_config"].get("async_scheduling")
+    return "not recorded" if value is None else ("on" if value else "off")
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     samples = tmp_path_factory.mktemp("shell_samples")
@@ -66,7 +77,8 @@ def test_every_page_is_offline_with_a_run_header_and_no_deploy_button(server, pa
             text = header.inner_text()
             for needle in (f"run {SAMPLE}", "model SmolLM2-135M-Instruct", "device cuda", "dtype bfloat16",
                            "CUDA graphs FULL_DECODE_ONLY", "block size 16 tokens", "KV blocks 24",
-                           "token budget 128 / step", "max_num_seqs 8", "trace full", "async scheduling not recorded"):
+                           "token budget 128 / step", "max_num_seqs 8", "trace full",
+                           f"async scheduling {_sample_async()}"):
                 assert needle in " ".join(text.split()), (name, needle, text)
         assert page.get_by_test_id("stAppDeployButton").count() == 0
         assert page.get_by_role("button", name="Deploy").count() == 0
