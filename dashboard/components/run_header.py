@@ -52,6 +52,10 @@ def header_fields(meta: dict, name: str | None = None, mr: dict | None = None) -
     if tp is None:
         tp = _get(cfg, "parallel_config", "world_size")      # runs recorded before tensor_parallel_size
     blocks = _get(cfg, "cache_config", "num_gpu_blocks")
+    if blocks is None:
+        # NOTE: a run whose frontend never learnt the engine's count (a multi-process run
+        # recorded before the ready message carried it): an override *is* the count.
+        blocks = _get(cfg, "cache_config", "num_gpu_blocks_override")
     per_block = block_bytes(meta, mr)
     kv = None
     if blocks is not None:

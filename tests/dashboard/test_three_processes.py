@@ -139,3 +139,18 @@ def test_start_form_asks_for_three_processes(monkeypatch, tmp_path):
     at.radio(key="lf_processes").set_value(3)
     next(b for b in at.button if "Start live run" in b.label).click().run()
     assert started and started[0]["processes"] == 3 and started[0]["prompts"]
+
+
+def test_the_run_meta_knows_the_engine_process_kv_cache(three_run):
+    """The engine process sizes the KV cache; the frontend's config (and the run header) learns
+    num_gpu_blocks from the engine's ready message, as vLLM's frontend does."""
+    from dashboard.components.run_header import header_fields
+    from tests.dashboard.conftest import FIXTURE_SPEC
+    from vllm_anatomy.tracing.reader import open_run
+    _, path = three_run
+    with open_run(path) as run:
+        meta = run.meta
+    assert meta["config"]["cache_config"]["num_gpu_blocks"] == FIXTURE_SPEC["engine_args"]["num_gpu_blocks_override"]
+    kv = dict((label, value) for label, value, _ in header_fields(meta))["KV blocks"]
+    assert kv.startswith(f"{FIXTURE_SPEC['engine_args']['num_gpu_blocks_override']} (") and "MB" in kv \
+        and "not recorded" not in kv

@@ -300,6 +300,9 @@ class MPClient(EngineCoreClient):
         proc.start()
         res.engine_proc = proc
         self.ready = self._wait_for_engine_startup(proc)
+        # NOTE: as vLLM's wait_for_engine_startup: the engine process sized the KV cache;
+        # this process' copy of the config learns the number of blocks from its ready message.
+        vllm_config.cache_config.num_gpu_blocks = self.ready.num_gpu_blocks
 
     def _wait_for_engine_startup(self, proc) -> EngineCoreReadyResponse:
         deadline = time.monotonic() + VLLM_ENGINE_READY_TIMEOUT_S
