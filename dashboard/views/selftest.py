@@ -131,8 +131,10 @@ def main() -> None:
     version = data.file_version(path)
     src = source(path, version)
     kinds = sorted(src.pids)
-    st.caption(f"This run: {len(info['steps'])} steps, {len(src.requests)} finished requests, processes: "
-               + ", ".join(f"{k} ×{len(src.pids[k])}" for k in kinds)
+    single = set(kinds) <= {"frontend"} and len(src.pids.get("frontend", ())) <= 1
+    procs = ("one process (the offline LLM: engine and worker called in-process)" if single else
+             "processes: " + ", ".join(f"{k} ×{len(src.pids[k])}" for k in kinds))
+    st.caption(f"This run: {len(info['steps'])} steps, {len(src.requests)} finished requests, {procs}"
                + ("" if src.attributed else " · block-pool events without request attribution (older recording)"))
     for q in QUESTIONS:
         _question(q, path, version)
