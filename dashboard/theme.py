@@ -100,8 +100,18 @@ def chip(text: str, color: str, fg: str | None = None, title: str | None = None)
             f"margin:1px;font-size:0.85em;font-family:monospace;white-space:nowrap'>{text}</span>")
 
 
+def short_req_id(req_id: str, limit: int = 16) -> str:
+    """A request id short enough for a chip: the server's ids (`chatcmpl-<uuid>-<suffix>`, as
+    vLLM makes them) keep their prefix and their last characters, `chatcmpl-…6bdac8dd`."""
+    req_id = str(req_id)
+    if len(req_id) <= limit:
+        return req_id
+    head = req_id.split("-", 1)[0][:8]
+    return f"{head}-…{req_id[-8:]}"
+
+
 def req_chip(req_id: str, extra: str = "") -> str:
-    return chip(f"req {req_id}{extra}", request_color(req_id))
+    return chip(f"req {short_req_id(req_id)}{extra}", request_color(req_id), title=f"request {req_id}")
 
 
 def style_figure(fig, *, legend_top: bool = False):

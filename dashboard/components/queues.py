@@ -10,7 +10,7 @@ import streamlit as st
 
 from dashboard.components.code_ref import code_ref
 from dashboard.components.kv_memory import blocks_mb, mb
-from dashboard.theme import INK, STATUS_COLORS, chip, request_color, text_on
+from dashboard.theme import INK, STATUS_COLORS, chip, request_color, short_req_id, text_on
 from vllm_anatomy.core.request import RequestStatus
 from vllm_anatomy.core.state_machine import ARRIVAL, STATUS_TRANSITIONS, UNUSED_STATUSES, article_edges
 
@@ -64,10 +64,10 @@ def transitions(prev: dict | None, step: dict, finish_reasons: dict[str, str]) -
 def _queue_html(reqs: list[dict], per_block: int | None) -> str:
     if not reqs:
         return "<span style='color:#4D4D4D'>empty</span>"
-    return " ".join(chip(f"req {r['request_id']} · {r['num_computed_tokens']}/{r['num_tokens']} tok · "
+    return " ".join(chip(f"req {short_req_id(r['request_id'])} · {r['num_computed_tokens']}/{r['num_tokens']} tok · "
                          f"{len(r['block_ids'])} blk", request_color(r["request_id"]),
-                         title=f"num_computed_tokens / num_tokens; holds {blocks_mb(len(r['block_ids']), per_block)}"
-                               f" {r['block_ids']}") +
+                         title=f"request {r['request_id']}: num_computed_tokens / num_tokens; holds "
+                               f"{blocks_mb(len(r['block_ids']), per_block)} {r['block_ids']}") +
                     chip(r["status"], STATUS_COLORS.get(r["status"], "#777"), title=NODE_TIPS.get(r["status"]))
                     for r in reqs)
 
@@ -106,7 +106,7 @@ def _wrap(status: str) -> str:
 
 
 def _ids(reqs: list[str]) -> str:
-    return ", ".join(reqs[:4]) + (f" +{len(reqs) - 4}" if len(reqs) > 4 else "")
+    return ", ".join(short_req_id(r) for r in reqs[:4]) + (f" +{len(reqs) - 4}" if len(reqs) > 4 else "")
 
 
 def state_machine_dot(moves: list[tuple[str, str, str]]) -> str:
@@ -137,7 +137,8 @@ def state_machine_dot(moves: list[tuple[str, str, str]]) -> str:
         tip = t.how.replace('"', "'")
         reqs = lit.get((t.source, t.target))
         if reqs:
-            lines.append(f'{t.source} -> {t.target} [label="{t.label}\\nreq {_ids(reqs)}" color="{ACTIVE_EDGE}" '
+            who = f"{len(reqs)} requests" if t.source == t.target and len(reqs) > 1 else f"req {_ids(reqs)}"
+            lines.append(f'{t.source} -> {t.target} [label="{t.label}\\n{who}" color="{ACTIVE_EDGE}" '
                          f'penwidth=3 fontcolor="{ACTIVE_EDGE}" tooltip="{tip}" labeltooltip="{tip}"];')
             continue
         style = "solid" if t.in_article else "dashed"
@@ -150,7 +151,7 @@ def state_machine_dot(moves: list[tuple[str, str, str]]) -> str:
 
 def state_machine(moves: list[tuple[str, str, str]]) -> None:
     st.graphviz_chart(state_machine_dot(moves), width="stretch")
-    moved = ", ".join(f"req {r}: {a} → {b}" for r, a, b in moves if (a, b) != ("RUNNING", "RUNNING")) \
+    moved = ", ".join(f"req {short_req_id(r)}: {a} → {b}" for r, a, b in moves if (a, b) != ("RUNNING", "RUNNING")) \
         or "no status changed in this step"
     st.caption(f"This step: {moved}. Solid edges are the article's diagram (§四.1), dashed ones what this engine "
                "also does, grey dashed boxes the statuses it never enters (hover for why). NOTE: as in vLLM's "
