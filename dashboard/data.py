@@ -157,7 +157,9 @@ _QUEUE_SCAN_SQL = """SELECT step_id,
   (SELECT json_group_array(json_array(json_extract(q.value, '$.request_id'), json_extract(q.value, '$.status')))
      FROM json_each(json_extract(data, '$.scheduler.waiting')) q),
   (SELECT json_group_array(json_array(json_extract(q.value, '$.request_id'), json_extract(q.value, '$.status')))
-     FROM json_each(json_extract(data, '$.scheduler.running')) q)
+     FROM json_each(json_extract(data, '$.scheduler.running')) q),
+  (SELECT json_group_array(json_array(json_extract(q.value, '$.request_id'), json_extract(q.value, '$.status')))
+     FROM json_each(json_extract(data, '$.scheduler.skipped_waiting')) q)
   FROM snapshots WHERE kind = 'step' ORDER BY step_id"""
 _RUNNER_META_SQL = """SELECT step_id, json_array_length(data, '$.input_batch.condense_moves'),
   json_extract(data, '$.prepare_inputs.cudagraph.mode'), json_extract(data, '$.prepare_inputs.cudagraph.num_tokens'),
@@ -215,15 +217,16 @@ def step_scan(path: str, version: tuple) -> dict | RunError:
 @st.cache_resource(max_entries=4, ttl=3600, show_spinner=False)
 def queue_statuses(path: str, version: tuple) -> dict[str, dict[int, str]] | RunError:
     """request id -> {step id: status} for every step whose snapshot has the request in the
-    waiting or running queue (WAITING, RUNNING, or PREEMPTED while it waits to be
-    recomputed): one pass reading two fields of each queue entry. Shared: do not modify."""
+    waiting, skipped-waiting or running queue (WAITING, WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR,
+    RUNNING, or PREEMPTED while it waits to be recomputed): one pass reading two fields of
+    each queue entry. Shared: do not modify."""
     try:
         rows, _ = _guarded_rows(path, _QUEUE_SCAN_SQL, "request statuses")
     except sqlite3.Error as e:
         return _corrupt(path, e)
     out: dict[str, dict[int, str]] = {}
-    for step_id, waiting, running in rows:
-        for q in (waiting, running):
+    for step_id, waiting, running, skipped in rows:
+        for q in (waiting, running, skipped):
             for req, status in _loads(q) or []:
                 out.setdefault(str(req), {})[step_id] = status
     return out
@@ -287,8 +290,9 @@ def prefetch(path: str) -> None:
     info = run_info(path, version)
     device = str(info["meta"].get("device")) if isinstance(info, dict) else "cpu"
     # NOTE: the timeline (the first page after the inspector in the sidebar) needs the spans,
-    # metrics and lessons the step table, the journey everything.
-    lanes = (lambda spans: ((step_scan, ()), (runner_meta, ()), (step_table, ()), (queue_statuses, ())),
+    # metrics and lessons the step table, the journey everything (its queue statuses are
+    # a slow pass, so they come early).
+    lanes = (lambda spans: ((step_scan, ()), (queue_statuses, ()), (runner_meta, ()), (step_table, ())),
              lambda spans: ((spans.request_table, ()), (spans.span_table, (device,)), (runner_tokens, ()),
                             (token_index, ())))
     import threading

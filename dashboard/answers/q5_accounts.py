@@ -69,6 +69,21 @@ def _status_path(src: RunSource, req: str, finish_step: int | None, reason: str 
     return path
 
 
+def _peak_blocks(mine: dict[int, dict]) -> tuple[int, int | None]:
+    """The most KV blocks the request held, and the step it first held them, from its
+    scheduled records alone (no snapshot is read: a big run has ~240 KB per step): a
+    request's first chunk and a resumed one list all its blocks, every other chunk
+    the blocks it added."""
+    held, peak, at = 0, 0, None
+    for i, s in enumerate(sorted(mine)):
+        e = mine[s]
+        n = len(e.get("new_block_ids") or [])
+        held = n if i == 0 or e["kind"] == "resumed" else held + n
+        if held > peak:
+            peak, at = held, s
+    return peak, at
+
+
 def answer(src: RunSource, req: str | None = None) -> Answer:
     reqs = candidates(src)
     if not reqs:
@@ -103,11 +118,7 @@ def answer(src: RunSource, req: str | None = None) -> Answer:
     # Memory.
     from dashboard.components.kv_memory import MB, block_bytes
     per_block = block_bytes(src.meta, src.mr(src.steps[0]), src.block_size)
-    peak_blocks, peak_step = 0, None
-    for s in sorted(mine):                          # (a big run: only the steps that served it are read)
-        n = len(src.blocks_of(s, req))
-        if n > peak_blocks:
-            peak_blocks, peak_step = n, s
+    peak_blocks, peak_step = _peak_blocks(mine)
     pool = (src.kv(src.steps[0]).get("num_gpu_blocks") or 0) - 1
     weights, weights_from = src.weight_bytes()
     mem = {"peak KV blocks": peak_blocks, "at step": peak_step,
