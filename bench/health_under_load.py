@@ -43,31 +43,9 @@ import httpx
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "bench"))
-from serve import free_port, percentiles  # noqa: E402
+from serve import percentiles, start_server  # noqa: E402
 
-_SERVE = "import sys; from vllm_anatomy.entrypoints.cli.main import main; sys.exit(main(sys.argv[1:]))"
 HEALTH_GAP_S = 0.02
-
-
-def start_server(root: str, extra: list[str]) -> tuple[subprocess.Popen, str]:
-    """`vllm-anatomy serve` from the source tree `root` (cwd first on sys.path)."""
-    port = free_port()
-    cmd = [sys.executable, "-c", _SERVE, "serve", "--port", str(port), *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": root}
-    proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with code {proc.returncode}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.terminate()
-    raise TimeoutError("server did not become healthy")
 
 
 def export_tree(rev: str) -> str:
@@ -169,7 +147,7 @@ async def idle_health(url: str, n: int = 50) -> dict:
 
 def run_label(label: str, root: str, rev: str, args: argparse.Namespace, limit_flag: bool) -> dict:
     extra = args.server_args.split() + (["--max-request-body-bytes", str(args.body_limit)] if limit_flag else [])
-    proc, url = start_server(root, extra)
+    proc, url = start_server(extra, root=root, quiet=True)
     try:
         model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]
         max_chars = model["max_model_len"] * args.max_chars_per_token

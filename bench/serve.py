@@ -112,10 +112,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(extra: list[str]) -> tuple[subprocess.Popen, str]:
+def start_server(extra: list[str], root: str = REPO, quiet: bool = False) -> tuple[subprocess.Popen, str]:
+    """`vllm-anatomy serve` of the tree at `root` (another checkout: its own package is imported)
+    on a free loopback port, once /health answers: (process, base URL)."""
     port = free_port()
     cmd = [sys.executable, "-c", _SERVE, "serve", "--port", str(port), *extra]
-    proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **({"PYTHONPATH": root} if root != REPO else {})}
+    proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.DEVNULL if quiet else None)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:

@@ -1,13 +1,24 @@
 """Fixtures shared by every test directory."""
+import json
+import os
+
 import pytest
+
+
+def save_word_level_tokenizer(path: str, vocab_size: int = 512) -> None:
+    """The tokenizer a tiny random model needs for the frontend: words t0 … t{vocab_size-1}
+    (t0 unknown, t2 end of sequence), saved beside its weights."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(os.path.join(path, "tokenizer.json"))
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "t2", "unk_token": "t0"}, f)
 
 
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory):
     """A small random Llama saved by transformers (no download needed on the GPU box)."""
-    import json
-    import os
-
     import torch
     import transformers
     path = tmp_path_factory.mktemp("tiny_llama")
@@ -16,12 +27,5 @@ def tiny_llama_dir(tmp_path_factory):
                                    tie_word_embeddings=True)
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(cfg).save_pretrained(path)
-    # A tokenizer is needed by the frontend: a tiny word-level one.
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    vocab = {f"t{i}": i for i in range(512)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.save(os.path.join(path, "tokenizer.json"))
-    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
-        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "t2", "unk_token": "t0"}, f)
+    save_word_level_tokenizer(str(path))
     return str(path)

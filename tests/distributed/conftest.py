@@ -5,10 +5,9 @@ on two ranks. Random biases (Qwen2's q/k/v), random norm weights (Qwen3's
 per-head q/k norms) and an untied LM head (Qwen2) so that every sharded or
 replicated weight matters; a large init scale so greedy tokens vary.
 """
-import json
-import os
-
 import pytest
+
+from tests.conftest import save_word_level_tokenizer
 
 ARCHS = ("llama", "qwen2", "qwen3")
 
@@ -16,7 +15,6 @@ ARCHS = ("llama", "qwen2", "qwen3")
 def make_tiny_model(path: str, arch: str) -> str:
     import torch
     import transformers
-    from tokenizers import Tokenizer, models, pre_tokenizers
     common = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                   initializer_range=0.2)
@@ -34,12 +32,7 @@ def make_tiny_model(path: str, arch: str) -> str:
             if name.endswith("bias") or "norm" in name:
                 param.normal_(1.0 if "norm" in name else 0.0, 0.2)
     model.save_pretrained(path)
-    vocab = {f"t{i}": i for i in range(512)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.save(os.path.join(path, "tokenizer.json"))
-    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
-        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "t2", "unk_token": "t0"}, f)
+    save_word_level_tokenizer(path)
     return path
 
 
