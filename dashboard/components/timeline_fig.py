@@ -161,6 +161,11 @@ def _staircase(df: pd.DataFrame, step: int | None) -> list[tuple[float, int, str
     if step is None:
         return []
     m = df[(df["step_id"] == step) & df["name"].isin(list(MAIN_SPANS)) & (df["lane"] != "device")]
+    # NOTE: with tensor parallelism every rank runs the same spans: label the first rank's
+    # (the lane listed first), not N copies of each.
+    workers = [lane for lane in dict.fromkeys(m["lane"]) if str(lane).startswith("worker")]
+    if len(workers) > 1:
+        m = m[~m["lane"].isin(workers[1:])]
     m = m.sort_values("start_ns")
     return [(float(r["start_ms"] + r["dur_ms"] / 2), int(r["row"]), f"{MAIN_SPANS[r['name']]} {r['dur_ms']:.2f} ms")
             for _, r in m.iterrows()]
