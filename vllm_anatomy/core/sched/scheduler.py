@@ -66,8 +66,9 @@ class Scheduler(SchedulerInterface):
         self.requests: dict[str, Request] = {}
         self.policy = SchedulingPolicy.FCFS
         self.waiting = create_request_queue(self.policy)
-        # Waiting requests passed over by an earlier step (here: preempted ones
-        # whose in-flight output had not arrived yet). FCFS looks here first.
+        # Waiting requests passed over by an earlier step (a grammar still
+        # compiling, or a preempted request whose in-flight output had not
+        # arrived yet). FCFS looks here first.
         self.skipped_waiting = create_request_queue(self.policy)
         self.running: list[Request] = []
         # Finished since the last schedule(): the workers drop their state for these.
@@ -182,18 +183,15 @@ class Scheduler(SchedulerInterface):
                 stop_reason = "max_num_seqs"
                 break
             request = request_queue.peek_request()
-            if self._is_blocked_waiting_status(request.status) and \
-                    not self._try_promote_blocked_waiting_request(request):
-                # NOTE: its grammar is still compiling (or failed): pass it over
-                # and let the requests behind it go first; the step never waits.
-                request_queue.pop_request()
-                step_skipped_waiting.prepend_request(request)
-                continue
-            if request.num_stale_output_tokens > 0:
-                # NOTE: async scheduling: a step launched before this request
-                # was preempted is still sampling its next token. Resuming now
-                # would sample that position again; wait until it is delivered
-                # (within the pipeline depth) and let later requests go first.
+            blocked = (self._is_blocked_waiting_status(request.status)
+                       and not self._try_promote_blocked_waiting_request(request))
+            if blocked or request.num_stale_output_tokens > 0:
+                # NOTE: pass it over and let the requests behind it go first; the
+                # step never waits. Either its grammar is still compiling (or
+                # failed), or (async scheduling) a step launched before it was
+                # preempted is still sampling its next token: resuming now would
+                # sample that position again, so it waits until that token is
+                # delivered (within the pipeline depth).
                 request_queue.pop_request()
                 step_skipped_waiting.prepend_request(request)
                 continue
@@ -334,6 +332,12 @@ class Scheduler(SchedulerInterface):
         else:
             self.waiting.add_request(request)
 
+    def _remove_waiting_requests(self, requests: Iterable[Request]) -> None:
+        """Out of whichever waiting queue holds them."""
+        requests = set(requests)
+        self.waiting.remove_requests(requests)
+        self.skipped_waiting.remove_requests(requests)
+
     def _try_promote_blocked_waiting_request(self, request: Request) -> bool:
         """WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR -> WAITING once the grammar has
         compiled (a non-blocking poll of its Future). A failed compile stays
@@ -450,8 +454,7 @@ class Scheduler(SchedulerInterface):
             self.running = [req for req in self.running if req not in stopped_running_reqs]
         if stopped_preempted_reqs:
             # Rare: a stale token finished a preempted request.
-            self.waiting.remove_requests(stopped_preempted_reqs)
-            self.skipped_waiting.remove_requests(stopped_preempted_reqs)
+            self._remove_waiting_requests(stopped_preempted_reqs)
         for request in self._ignored_reqs:
             self._free_request(request)
             outputs[request.client_index].append(self._make_output(request, []))
@@ -554,9 +557,7 @@ class Scheduler(SchedulerInterface):
         if running:
             self.running = [req for req in self.running if req not in running]
         if len(running) < len(valid_requests):
-            waiting = [req for req in valid_requests if req not in running]
-            self.waiting.remove_requests(waiting)
-            self.skipped_waiting.remove_requests(waiting)
+            self._remove_waiting_requests([req for req in valid_requests if req not in running])
         for request in valid_requests:
             request.status = finished_status
             self._free_request(request)
