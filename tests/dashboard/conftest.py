@@ -94,3 +94,11 @@ def make_app(recorded_run, monkeypatch, tmp_path):
             at.query_params["step"] = str(step)
         return at.run()
     return make
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """A headless Debian Chromium for a browser-test module (tests/dashboard/browser.py)."""
+    from tests.dashboard.browser import chromium       # (browser.py imports this module)
+    with chromium() as b:
+        yield b

@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from tests.dashboard.browser import SHOTS, chromium, new_page, settle, streamlit_server
+from tests.dashboard.browser import SHOTS, new_page, settle, streamlit_server
 from tests.dashboard.conftest import GPU_SAMPLE_NAME, H200_SAMPLE
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
@@ -37,10 +37,9 @@ def server(recorded_run, browser_samples, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def page():
-    with chromium() as browser:
-        _, pg = new_page(browser, 1500, 1000)
-        yield pg
+def page(browser):
+    _, pg = new_page(browser, 1500, 1000)
+    yield pg
 
 
 def _settle(pg) -> None:

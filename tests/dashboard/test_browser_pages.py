@@ -22,7 +22,7 @@ import urllib.parse
 
 import pytest
 
-from tests.dashboard.browser import SHOTS, chromium, new_page, settle, streamlit_server
+from tests.dashboard.browser import SHOTS, new_page, settle, streamlit_server
 from tests.dashboard.conftest import H200_SAMPLE
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not os.path.exists(H200_SAMPLE),
@@ -53,12 +53,6 @@ def server(tmp_path_factory):
     dst.close()
     with streamlit_server(traces, samples, tmp_path_factory.mktemp("server")) as base:
         yield base
-
-
-@pytest.fixture(scope="module")
-def browser():
-    with chromium() as b:
-        yield b
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ import urllib.parse
 
 import pytest
 
-from tests.dashboard.browser import SHOTS, chromium, new_page, settle, streamlit_server
+from tests.dashboard.browser import SHOTS, new_page, settle, streamlit_server
 from tests.dashboard.conftest import FIXTURE_SPEC, H200_SAMPLE
 
 pytestmark = [pytest.mark.slow,
@@ -40,12 +40,6 @@ def server(tmp_path_factory):
             yield base, os.path.basename(st["run_path"]), st["run_path"]
     finally:
         live.stop()
-
-
-@pytest.fixture(scope="module")
-def browser():
-    with chromium() as b:
-        yield b
 
 
 def _page(browser, w=1440, h=900):

@@ -16,7 +16,7 @@ import urllib.parse
 
 import pytest
 
-from tests.dashboard.browser import SHOTS, chromium, new_page, settle, streamlit_server
+from tests.dashboard.browser import SHOTS, new_page, settle, streamlit_server
 from tests.dashboard.conftest import H200_SAMPLE
 
 pytestmark = [pytest.mark.slow,
@@ -44,12 +44,6 @@ def server(tmp_path_factory):
     trace = tmp_path_factory.mktemp("shell_traces")
     with streamlit_server(trace, samples, tmp_path_factory.mktemp("shell_server")) as base:
         yield base
-
-
-@pytest.fixture(scope="module")
-def browser():
-    with chromium() as b:
-        yield b
 
 
 @pytest.fixture
