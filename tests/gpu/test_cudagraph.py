@@ -60,8 +60,10 @@ def test_graphs_match_eager_fp32(tiny_llama_dir):
     padded = {s.attrs["vllm_anatomy.num_padded_tokens"] for s in replays}
     assert padded <= set(cc.cudagraph_capture_sizes)
     assert any("padded" in s.attrs["vllm_anatomy.cudagraph_reason"] for s in replays)
+    assert {s.attrs["vllm_anatomy.cudagraph_reason_code"] for s in replays} == {"pure_decode"}
     eager = [s for s in forwards if s.attrs["vllm_anatomy.cudagraph_mode"] == "NONE"]
     assert all("prefill" in s.attrs["vllm_anatomy.cudagraph_reason"] for s in eager)
+    assert {s.attrs["vllm_anatomy.cudagraph_reason_code"] for s in eager} == {"prefill_in_batch"}
 
 
 def test_graphs_match_eager_qwen3_shape_bf16(qwen3_shape_dir):

@@ -3,7 +3,7 @@ import pytest
 
 from vllm_anatomy.config import CompilationConfig, default_capture_sizes
 from vllm_anatomy.engine.arg_utils import EngineArgs
-from vllm_anatomy.worker.cudagraph import CudagraphDispatcher
+from vllm_anatomy.worker.cudagraph import BatchDescriptor, CUDAGraphMode, CudagraphDispatcher, CudagraphReason
 
 
 def dispatcher(sizes=(1, 2, 4, 8, 16, 24)):
@@ -19,17 +19,27 @@ def test_default_capture_sizes_follow_vllm():
 @pytest.mark.parametrize("n,padded", [(1, 1), (3, 4), (4, 4), (5, 8), (9, 16), (17, 24), (24, 24)])
 def test_pure_decode_pads_to_next_capture_size(n, padded):
     d = dispatcher().dispatch(num_tokens=n, num_reqs=n, max_query_len=1)
-    assert (d.mode, d.num_tokens, d.num_padded_tokens) == ("FULL", n, padded)
+    assert (d.mode, d.num_tokens, d.num_padded_tokens) == (CUDAGraphMode.FULL, n, padded)
+    assert d.batch_descriptor == BatchDescriptor(padded, padded, uniform=True)
+    assert d.reason_code is CudagraphReason.PURE_DECODE
     assert ("padded" in d.reason) == (n != padded)
+    assert d.to_dict() == {"mode": "FULL", "num_tokens": n, "num_padded_tokens": padded,
+                           "reason": d.reason, "reason_code": "pure_decode"}
 
 
 def test_prefill_oversize_and_off_run_eager():
     mixed = dispatcher().dispatch(num_tokens=20, num_reqs=3, max_query_len=15)
-    assert (mixed.mode, mixed.num_padded_tokens) == ("NONE", 20) and "prefill" in mixed.reason
+    assert (mixed.mode, mixed.num_padded_tokens) == (CUDAGraphMode.NONE, 20) and "prefill" in mixed.reason
+    assert mixed.reason_code is CudagraphReason.PREFILL_IN_BATCH
     big = dispatcher().dispatch(num_tokens=25, num_reqs=25, max_query_len=1)
-    assert (big.mode, big.num_padded_tokens) == ("NONE", 25) and "24" in big.reason
+    assert (big.mode, big.num_padded_tokens) == (CUDAGraphMode.NONE, 25) and "24" in big.reason
+    assert big.reason_code is CudagraphReason.BATCH_TOO_LARGE
     off = CudagraphDispatcher(CompilationConfig()).dispatch(4, 4, 1)
-    assert off.mode == "NONE" and "off" in off.reason
+    assert off.mode is CUDAGraphMode.NONE and "off" in off.reason
+    assert off.to_dict()["reason_code"] == "cudagraphs_off"
+    # The configured mode says which runtime mode each kind of batch gets.
+    assert CUDAGraphMode.FULL_DECODE_ONLY.decode_mode() is CUDAGraphMode.FULL
+    assert CUDAGraphMode.FULL_DECODE_ONLY.mixed_mode() is CUDAGraphMode.NONE
     with pytest.raises(ValueError, match="cudagraph_mode"):
         CudagraphDispatcher(CompilationConfig("PIECEWISE", [1], 1))
 

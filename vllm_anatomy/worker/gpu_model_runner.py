@@ -60,7 +60,7 @@ from vllm_anatomy.model_executor.sampling_metadata import SamplingMetadata
 from vllm_anatomy.structured_output.utils import apply_grammar_bitmask
 from vllm_anatomy.tracing.recorder import NullRecorder, Recorder, paused_gc
 from vllm_anatomy.worker.async_output import AsyncGPUModelRunnerOutput, Placeholder
-from vllm_anatomy.worker.cudagraph import CUDAGraphRunner, CudagraphDecision, CudagraphDispatcher
+from vllm_anatomy.worker.cudagraph import CUDAGraphMode, CUDAGraphRunner, CudagraphDecision, CudagraphDispatcher
 from vllm_anatomy.worker.device_timer import DeviceTimer
 from vllm_anatomy.worker.gpu_input_batch import CachedRequestState, InputBatch
 
@@ -244,7 +244,7 @@ class GPUModelRunner:
         sizes = sorted(self.cudagraph_dispatcher.capture_sizes, reverse=True)
         t0, free0 = time.perf_counter(), torch.cuda.mem_get_info(self.device)[0]
         with self.recorder.span("GPUModelRunner.capture_model", **{
-                "vllm_anatomy.cudagraph_mode": self.cudagraph_dispatcher.mode,
+                "vllm_anatomy.cudagraph_mode": self.cudagraph_dispatcher.cudagraph_mode.name,
                 "vllm_anatomy.num_capture_sizes": len(sizes)}) as span:
             # Decode-shaped dummy inputs in the static buffers, for the largest size.
             self._dummy_step_inputs(sizes[0], query_len=1)
@@ -320,13 +320,14 @@ class GPUModelRunner:
                 with self.recorder.span("GPUModelRunner._prepare_inputs"):
                     attn_metadata, logits_indices = self._prepare_inputs(scheduler_output)
             decision = self.cudagraph_decision
-            timer.mark("model_forward", **{"vllm_anatomy.cudagraph_mode": decision.mode,
+            timer.mark("model_forward", **{"vllm_anatomy.cudagraph_mode": decision.mode.name,
                                            "vllm_anatomy.num_padded_tokens": decision.num_padded_tokens})
             with self.recorder.span("GPUModelRunner._model_forward", **{
-                    "vllm_anatomy.cudagraph_mode": decision.mode,
+                    "vllm_anatomy.cudagraph_mode": decision.mode.name,
                     "vllm_anatomy.num_padded_tokens": decision.num_padded_tokens,
-                    "vllm_anatomy.cudagraph_reason": decision.reason}):
-                if decision.mode == "FULL":
+                    "vllm_anatomy.cudagraph_reason": decision.reason,
+                    "vllm_anatomy.cudagraph_reason_code": decision.reason_code.value}):
+                if decision.mode is CUDAGraphMode.FULL:
                     hidden_states = self.cudagraph_runner.replay(decision.num_padded_tokens)  # [N, H]
                 else:
                     hidden_states = self._model_forward(attn_metadata.num_actual_tokens, attn_metadata)  # [T, H]
