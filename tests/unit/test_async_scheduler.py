@@ -13,6 +13,7 @@ from vllm_anatomy.core.kv_cache_utils import get_request_block_hasher, sha256
 from vllm_anatomy.core.outputs import ModelRunnerOutput
 from vllm_anatomy.core.request import Request, RequestStatus
 from vllm_anatomy.core.sched.async_scheduler import AsyncScheduler
+from vllm_anatomy.core.sched.record import DeferReason
 from vllm_anatomy.sampling_params import SamplingParams
 
 
@@ -194,6 +195,7 @@ def test_readmission_waits_for_stale_output_and_later_requests_go_first():
     assert b.num_output_tokens == 1 and b.num_stale_output_tokens == 1
     so4 = p.launch()                                    # b's step-2 token is still in flight
     assert s.last_step_record.deferred_req_ids == ["b"]
+    assert s.last_step_record.deferred_reasons == {"b": DeferReason.STALE_OUTPUT_IN_FLIGHT}
     assert "b" not in so4.num_scheduled_tokens and "c" in so4.num_scheduled_tokens
     assert [r.request_id for r in s.skipped_waiting] == ["b"] and b.status == RequestStatus.PREEMPTED
     assert s.get_request_counts() == (2, 1)

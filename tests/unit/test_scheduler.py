@@ -12,6 +12,7 @@ from vllm_anatomy.core.kv_cache_utils import get_request_block_hasher, sha256
 from vllm_anatomy.core.outputs import ModelRunnerOutput
 from vllm_anatomy.core.request import Request, RequestStatus
 from vllm_anatomy.core.sched.output import SchedulerOutput
+from vllm_anatomy.core.sched.record import AdmissionStop, DeferReason
 from vllm_anatomy.core.sched.scheduler import Scheduler
 from vllm_anatomy.engine.protocol import EngineCoreEventType, FinishReason, LogprobsLists
 from vllm_anatomy.sampling_params import SamplingParams
@@ -419,7 +420,21 @@ def test_snapshot_is_plain_json():
     assert snap["waiting"][0]["status"] == "WAITING" and snap["waiting"][0]["block_ids"] == []
     assert snap["step_record"]["admission_stop_reason"] == "max_num_seqs"
     assert snap["skipped_waiting"] == [] and snap["step_record"]["deferred_req_ids"] == []
+    assert snap["step_record"]["deferred_reasons"] == {}
     assert snap["kv_cache"]["req_to_block_ids"] == {"a": [1, 2]}
+
+
+def test_admission_stop_and_defer_codes_are_plain_strings_with_descriptions():
+    # NOTE: a run stores the value; these strings are what old runs hold too.
+    assert [code.value for code in AdmissionStop] == [
+        "queue_empty", "budget_exhausted", "max_num_seqs", "no_free_blocks", "preempted_this_step",
+        "chunked_prefill_disabled"]
+    assert all(code.description for code in (*AdmissionStop, *DeferReason))
+    s = create_scheduler()
+    s.schedule()
+    encoded = json.dumps(s.snapshot()["step_record"])
+    assert '"admission_stop_reason": "queue_empty"' in encoded
+    assert f"{AdmissionStop.QUEUE_EMPTY}" == "queue_empty"
 
 
 def test_kv_cache_must_hold_one_max_len_sequence():

@@ -111,6 +111,7 @@ def test_request_waits_for_its_grammar_without_blocking_the_queue():
     assert [(r["request_id"], r["status"]) for r in snap["skipped_waiting"]] == \
         [("slow", "WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR")]
     assert snap["step_record"]["deferred_req_ids"] == ["slow"] and snap["step_record"]["grammar_ready_req_ids"] == []
+    assert snap["step_record"]["deferred_reasons"] == {"slow": "grammar_compiling"}
     s.update_from_output(so, output(so, {"plain": [7]}))
 
     pending.set_result(s.structured_output_manager.backend.compile_grammar(
@@ -131,6 +132,7 @@ def test_failed_compile_finishes_that_request_alone():
     s.add_request(make_request("ok"))
     so = s.schedule()
     assert list(so.num_scheduled_tokens) == ["ok"]
+    assert s.last_step_record.deferred_reasons == {"bad": "grammar_failed"}
     outs = s.update_from_output(so, output(so, {"ok": [7]}))
     assert finishes(outs) == {"ok": None, "bad": FinishReason.ERROR}
     assert "bad" not in s.requests and bad.status == RequestStatus.FINISHED_ERROR

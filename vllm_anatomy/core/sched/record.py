@@ -8,6 +8,7 @@ keeps the latest one as `scheduler.last_step_record`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
@@ -15,15 +16,57 @@ import msgspec
 if TYPE_CHECKING:
     from vllm_anatomy.core.request import Request
 
-# Why the WAITING loop stopped admitting requests this step.
-AdmissionStopReason = Literal[
-    "queue_empty",               # nobody is waiting
-    "budget_exhausted",          # token budget spent (RUNNING requests come first)
-    "max_num_seqs",              # the running batch is full
-    "no_free_blocks",            # allocate_slots refused the head of the queue
-    "preempted_this_step",       # a preemption happened: no admissions this step
-    "chunked_prefill_disabled",  # the head's prompt does not fit the remaining budget whole
-]
+
+class AdmissionStop(StrEnum):
+    """Why the WAITING loop stopped admitting requests this step.
+
+    The one list of these codes: the scheduler sets them, a run records the
+    value (`step_record.admission_stop_reason`, the same strings as before the
+    enum existed, so old runs read), the dashboard explains it with
+    `description`.
+    """
+    QUEUE_EMPTY = "queue_empty"
+    BUDGET_EXHAUSTED = "budget_exhausted"
+    MAX_NUM_SEQS = "max_num_seqs"
+    NO_FREE_BLOCKS = "no_free_blocks"
+    PREEMPTED_THIS_STEP = "preempted_this_step"
+    CHUNKED_PREFILL_DISABLED = "chunked_prefill_disabled"
+
+    @property
+    def description(self) -> str:
+        return _ADMISSION_STOP_DESCRIPTIONS[self]
+
+
+_ADMISSION_STOP_DESCRIPTIONS = {
+    AdmissionStop.QUEUE_EMPTY: "nobody was waiting",
+    AdmissionStop.BUDGET_EXHAUSTED: "the token budget was spent (RUNNING requests are served first)",
+    AdmissionStop.MAX_NUM_SEQS: "the running batch is full (max_num_seqs)",
+    AdmissionStop.NO_FREE_BLOCKS: "allocate_slots refused the head of the waiting queue: no free KV blocks",
+    AdmissionStop.PREEMPTED_THIS_STEP: "a request was preempted this step: no admissions",
+    AdmissionStop.CHUNKED_PREFILL_DISABLED: "the head's prompt does not fit the remaining budget whole "
+                                            "(chunked prefill is off)",
+}
+
+
+class DeferReason(StrEnum):
+    """Why the WAITING loop passed over a request and went on with the ones
+    behind it (it waits in skipped_waiting; recorded per request in
+    `step_record.deferred_reasons`)."""
+    GRAMMAR_COMPILING = "grammar_compiling"
+    GRAMMAR_FAILED = "grammar_failed"
+    STALE_OUTPUT_IN_FLIGHT = "stale_output_in_flight"
+
+    @property
+    def description(self) -> str:
+        return _DEFER_REASON_DESCRIPTIONS[self]
+
+
+_DEFER_REASON_DESCRIPTIONS = {
+    DeferReason.GRAMMAR_COMPILING: "its structured-output grammar is still compiling",
+    DeferReason.GRAMMAR_FAILED: "its grammar failed to compile: the next update finishes it with FINISHED_ERROR",
+    DeferReason.STALE_OUTPUT_IN_FLIGHT: "async scheduling: preempted while a step was sampling its next token; "
+                                        "it is readmitted once that token has arrived",
+}
 
 # What a scheduled chunk is, from the request's point of view.
 ScheduledKind = Literal["prefill_chunk", "final_prefill_chunk", "decode", "resumed"]
@@ -53,11 +96,12 @@ class SchedulerStepRecord:
     token_budget_end: int = 0
     scheduled: list[ScheduledRequestRecord] = field(default_factory=list)
     preempted_req_ids: list[str] = field(default_factory=list)
-    admission_stop_reason: AdmissionStopReason | None = None
+    admission_stop_reason: AdmissionStop | None = None
     prefix_hits: list[PrefixHitRecord] = field(default_factory=list)
     # Waiting requests passed over this step: a preempted one whose output is
     # still in flight, or one whose grammar is still compiling.
     deferred_req_ids: list[str] = field(default_factory=list)
+    deferred_reasons: dict[str, DeferReason] = field(default_factory=dict)   # request id -> why
     num_running: int = 0    # after this step's decisions
     num_waiting: int = 0    # waiting + skipped_waiting
     # Structured output: requests whose grammar finished compiling, promoted

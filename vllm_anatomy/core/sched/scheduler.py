@@ -27,7 +27,8 @@ from vllm_anatomy.core.outputs import ModelRunnerOutput
 from vllm_anatomy.core.request import Request, RequestStatus
 from vllm_anatomy.core.sched.interface import SchedulerInterface
 from vllm_anatomy.core.sched.output import CachedRequestData, GrammarOutput, NewRequestData, SchedulerOutput
-from vllm_anatomy.core.sched.record import PrefixHitRecord, SchedulerStepRecord, make_scheduled_record
+from vllm_anatomy.core.sched.record import (AdmissionStop, DeferReason, PrefixHitRecord, SchedulerStepRecord,
+                                             make_scheduled_record)
 from vllm_anatomy.core.sched.request_queue import SchedulingPolicy, create_request_queue
 from vllm_anatomy.core.sched.utils import check_stop
 from vllm_anatomy.core.single_type_kv_cache_manager import cdiv
@@ -169,31 +170,28 @@ class Scheduler(SchedulerInterface):
 
         # Next, admit WAITING requests. NOTE: never in a step that preempted:
         # memory is short, and admitting now would just preempt again next step.
-        stop_reason = "preempted_this_step" if preempted_reqs else None
+        stop_reason = AdmissionStop.PREEMPTED_THIS_STEP if preempted_reqs else None
         step_skipped_waiting = create_request_queue(self.policy)
+        deferred_reasons: dict[str, DeferReason] = {}
         while stop_reason is None:
             request_queue = self._select_waiting_queue_for_scheduling()
             if request_queue is None:
-                stop_reason = "queue_empty"
+                stop_reason = AdmissionStop.QUEUE_EMPTY
                 break
             if token_budget <= 0:
-                stop_reason = "budget_exhausted"
+                stop_reason = AdmissionStop.BUDGET_EXHAUSTED
                 break
             if len(self.running) >= self.max_num_running_reqs:
-                stop_reason = "max_num_seqs"
+                stop_reason = AdmissionStop.MAX_NUM_SEQS
                 break
             request = request_queue.peek_request()
-            blocked = (self._is_blocked_waiting_status(request.status)
-                       and not self._try_promote_blocked_waiting_request(request))
-            if blocked or request.num_stale_output_tokens > 0:
+            defer_reason = self._defer_reason(request)
+            if defer_reason is not None:
                 # NOTE: pass it over and let the requests behind it go first; the
-                # step never waits. Either its grammar is still compiling (or
-                # failed), or (async scheduling) a step launched before it was
-                # preempted is still sampling its next token: resuming now would
-                # sample that position again, so it waits until that token is
-                # delivered (within the pipeline depth).
+                # step never waits.
                 request_queue.pop_request()
                 step_skipped_waiting.prepend_request(request)
+                deferred_reasons[request.request_id] = defer_reason
                 continue
             # NOTE: a waiting request holds no blocks (new, or preempted and
             # freed), so it always gets a fresh prefix-cache lookup; a resumed
@@ -206,7 +204,7 @@ class Scheduler(SchedulerInterface):
             if 0 < long_prefill_token_threshold < num_new_tokens:
                 num_new_tokens = long_prefill_token_threshold
             if not self.scheduler_config.enable_chunked_prefill and num_new_tokens > token_budget:
-                stop_reason = "chunked_prefill_disabled"
+                stop_reason = AdmissionStop.CHUNKED_PREFILL_DISABLED
                 break
             num_new_tokens = min(num_new_tokens, token_budget)
             new_blocks = self.kv_cache_manager.allocate_slots(
@@ -214,7 +212,7 @@ class Scheduler(SchedulerInterface):
                 full_sequence_must_fit=True)
             if new_blocks is None:
                 # NOTE: waiting requests never preempt running ones: stop admitting.
-                stop_reason = "no_free_blocks"
+                stop_reason = AdmissionStop.NO_FREE_BLOCKS
                 break
 
             self.kv_cache_manager.record_prefix_cache_stats(request, num_new_local_computed_tokens)
@@ -267,6 +265,7 @@ class Scheduler(SchedulerInterface):
                        for req in itertools.chain(scheduled_running_reqs, scheduled_new_reqs, scheduled_resumed_reqs)],
             preempted_req_ids=[req.request_id for req in preempted_reqs], admission_stop_reason=stop_reason,
             prefix_hits=prefix_hits, deferred_req_ids=[req.request_id for req in step_skipped_waiting],
+            deferred_reasons=deferred_reasons,
             num_running=len(self.running), num_waiting=len(self.waiting) + len(self.skipped_waiting),
             grammar_ready_req_ids=self._grammar_ready_req_ids)
         self._grammar_ready_req_ids = []
@@ -337,6 +336,23 @@ class Scheduler(SchedulerInterface):
         requests = set(requests)
         self.waiting.remove_requests(requests)
         self.skipped_waiting.remove_requests(requests)
+
+    def _defer_reason(self, request: Request) -> DeferReason | None:
+        """Why the head of the waiting queue must be passed over this step (None: try to admit it).
+
+        NOTE: either its grammar is still compiling (or failed), or (async
+        scheduling) a step launched before it was preempted is still sampling
+        its next token: resuming now would sample that position again, so it
+        waits until that token is delivered (within the pipeline depth).
+        """
+        if self._is_blocked_waiting_status(request.status) and \
+                not self._try_promote_blocked_waiting_request(request):
+            if request.request_id in self.grammar_compile_error_reqs:
+                return DeferReason.GRAMMAR_FAILED
+            return DeferReason.GRAMMAR_COMPILING
+        if request.num_stale_output_tokens > 0:
+            return DeferReason.STALE_OUTPUT_IN_FLIGHT
+        return None
 
     def _try_promote_blocked_waiting_request(self, request: Request) -> bool:
         """WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR -> WAITING once the grammar has
