@@ -52,7 +52,7 @@ def tiny_model(path: str) -> str:
     import transformers
     from safetensors.torch import save_file
 
-    from vllm_anatomy.model_executor.default_model import ensure_default_model
+    from vllm_anatomy.transformers_utils.default_model import ensure_default_model
     src = str(ensure_default_model())
     os.makedirs(path, exist_ok=True)
     cfg = transformers.LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

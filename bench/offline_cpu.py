@@ -60,7 +60,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--out", default="bench/results/offline_cpu.json")
     args = ap.parse_args()
-    from vllm_anatomy.model_executor.default_model import ensure_default_model
+    from vllm_anatomy.transformers_utils.default_model import ensure_default_model
     from vllm_anatomy.transformers_utils.tokenizer import get_tokenizer
     model_dir = str(ensure_default_model())
     tok = get_tokenizer(model_dir)

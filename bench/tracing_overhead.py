@@ -58,7 +58,7 @@ def main() -> None:
         return main_gpu(args)
     args.out = args.out or os.path.join(results_dir, "tracing_overhead_cpu.json")
     from vllm_anatomy import LLM, SamplingParams
-    from vllm_anatomy.model_executor.default_model import ensure_default_model
+    from vllm_anatomy.transformers_utils.default_model import ensure_default_model
     model = str(ensure_default_model())
     trace_dir = tempfile.mkdtemp(prefix="tracing_overhead_")
     llms = {lvl: LLM(model, trace_level=lvl, trace_dir=None if lvl == "off" else trace_dir) for lvl in LEVELS}

@@ -442,7 +442,7 @@ def test_the_faster_tokenizer_load_gives_the_same_tokenizer():
     same special tokens, same ids and chat template as AutoTokenizer."""
     from transformers import AutoTokenizer
 
-    from vllm_anatomy.model_executor.default_model import ensure_default_model
+    from vllm_anatomy.transformers_utils.default_model import ensure_default_model
     from vllm_anatomy.transformers_utils.tokenizer import get_tokenizer
     default_model_dir = str(ensure_default_model())
     ours, auto = get_tokenizer(default_model_dir), AutoTokenizer.from_pretrained(default_model_dir,

@@ -16,7 +16,7 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from vllm_anatomy.model_executor import default_model as dm
+from vllm_anatomy.transformers_utils import default_model as dm
 
 pytestmark = pytest.mark.model
 

@@ -29,7 +29,7 @@ SYSTEM = ("You are a meticulous assistant for a museum of computing history. "
 
 @pytest.fixture(scope="module")
 def default_model_dir():
-    from vllm_anatomy.model_executor.default_model import ensure_default_model
+    from vllm_anatomy.transformers_utils.default_model import ensure_default_model
     return str(ensure_default_model())
 
 

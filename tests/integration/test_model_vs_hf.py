@@ -28,7 +28,7 @@ RAW = ["The quick brown fox", "def fibonacci(n):", "Once upon a time, in a small
 @pytest.fixture(scope="module")
 def model_dir():
     try:
-        from vllm_anatomy.model_executor.default_model import ensure_default_model
+        from vllm_anatomy.transformers_utils.default_model import ensure_default_model
     except ImportError as e:
         pytest.skip(f"default_model.py is not importable yet: {e}")
     return str(ensure_default_model(quiet=True))

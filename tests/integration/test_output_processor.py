@@ -12,7 +12,7 @@ pytestmark = pytest.mark.model
 
 @pytest.fixture(scope="module")
 def tok():
-    from vllm_anatomy.model_executor.default_model import ensure_default_model
+    from vllm_anatomy.transformers_utils.default_model import ensure_default_model
     from vllm_anatomy.transformers_utils.tokenizer import get_tokenizer
     return get_tokenizer(ensure_default_model())
 

@@ -34,7 +34,7 @@ STRUCTURED = ("json", "choice", "regex")
 
 @pytest.fixture(scope="module")
 def default_model_dir():
-    from vllm_anatomy.model_executor.default_model import ensure_default_model
+    from vllm_anatomy.transformers_utils.default_model import ensure_default_model
     return str(ensure_default_model())
 
 

@@ -30,7 +30,7 @@ CLI = [sys.executable, "-m", "vllm_anatomy.entrypoints.cli.main"]
 
 @pytest.fixture(scope="session")
 def default_model_dir():
-    from vllm_anatomy.model_executor.default_model import ensure_default_model
+    from vllm_anatomy.transformers_utils.default_model import ensure_default_model
     return str(ensure_default_model())
 
 

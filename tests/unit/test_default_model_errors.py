@@ -22,8 +22,8 @@ import pytest
 import torch
 
 import safetensors.torch
-from vllm_anatomy.model_executor import default_model as dm
-from vllm_anatomy.model_executor import gguf_convert
+from vllm_anatomy.transformers_utils import default_model as dm
+from vllm_anatomy.transformers_utils import gguf_convert
 
 # ---------------------------------------------------------------------------
 # a tiny GGUF, its wheel and its ModelSource

@@ -15,7 +15,7 @@ import torch
 from vllm_anatomy.config import (CacheConfig, CompilationConfig, ModelConfig, ObservabilityConfig,
                                  ParallelConfig, SchedulerConfig, VllmConfig, default_capture_sizes)
 from vllm_anatomy.distributed.parallel_state import resolve_backend
-from vllm_anatomy.model_executor.default_model import resolve_model
+from vllm_anatomy.transformers_utils.default_model import resolve_model
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
            "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}

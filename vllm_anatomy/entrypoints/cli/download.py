@@ -10,5 +10,5 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from vllm_anatomy.model_executor.default_model import download_main
+    from vllm_anatomy.transformers_utils.default_model import download_main
     return download_main(["--force"] if args.force else [])

@@ -155,7 +155,7 @@ def init_app_state(engine_client, state, args: argparse.Namespace) -> None:
 
 
 def _default_model_name() -> str:
-    from vllm_anatomy.model_executor.default_model import DEFAULT_MODEL
+    from vllm_anatomy.transformers_utils.default_model import DEFAULT_MODEL
     return DEFAULT_MODEL
 
 

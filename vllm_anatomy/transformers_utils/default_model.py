@@ -271,7 +271,7 @@ def _clean_stale_tmp(source: ModelSource, cache_dir: Path) -> None:
 def _convert(source: ModelSource, gguf: Path, final: Path, quiet: bool) -> None:
     # NOTE: imported here, not at the top: it pulls in torch, numpy and gguf,
     # which `resolve_model` on an already-converted model does not need.
-    from vllm_anatomy.model_executor.gguf_convert import convert_gguf_to_hf
+    from vllm_anatomy.transformers_utils.gguf_convert import convert_gguf_to_hf
 
     tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
