@@ -32,7 +32,7 @@ def recorded_run(tmp_path_factory):
     """(trace_dir, run path) of the fixture run."""
     from dashboard.live import drive
     from vllm_anatomy.entrypoints.llm import LLM
-    from vllm_anatomy.model_executor.default_model import ensure_default_model
+    from vllm_anatomy.transformers_utils.default_model import ensure_default_model
     trace_dir = str(tmp_path_factory.mktemp("dash_traces"))
     llm = LLM(str(ensure_default_model()), trace_level="full", trace_dir=trace_dir, **FIXTURE_SPEC["engine_args"])
     path = llm.llm_engine.recorder.run_path
