@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections import defaultdict
+from dataclasses import dataclass, field
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -29,7 +30,7 @@ from vllm_anatomy.core.sched.interface import SchedulerInterface
 from vllm_anatomy.core.sched.output import CachedRequestData, GrammarOutput, NewRequestData, SchedulerOutput
 from vllm_anatomy.core.sched.record import (AdmissionStop, DeferReason, PrefixHitRecord, SchedulerStepRecord,
                                              make_scheduled_record)
-from vllm_anatomy.core.sched.request_queue import SchedulingPolicy, create_request_queue
+from vllm_anatomy.core.sched.request_queue import RequestQueue, SchedulingPolicy, create_request_queue
 from vllm_anatomy.core.sched.utils import check_stop
 from vllm_anatomy.core.single_type_kv_cache_manager import cdiv
 from vllm_anatomy.engine.protocol import (EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs,
@@ -40,6 +41,32 @@ logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from vllm_anatomy.config import VllmConfig
+
+
+@dataclass
+class StepDecisions:
+    """What one schedule() call has decided so far: _schedule_running fills it,
+    _schedule_waiting adds to it, and the SchedulerOutput and the step record
+    are read from it."""
+    token_budget: int
+    # Waiting requests passed over this step; back in front of skipped_waiting at the end.
+    skipped_waiting: RequestQueue
+    scheduled_running_reqs: list[Request] = field(default_factory=list)
+    scheduled_new_reqs: list[Request] = field(default_factory=list)
+    scheduled_resumed_reqs: list[Request] = field(default_factory=list)
+    preempted_reqs: list[Request] = field(default_factory=list)
+    req_to_new_blocks: dict[str, KVCacheBlocks] = field(default_factory=dict)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    # For the step record (teaching extra):
+    admission_stop_reason: AdmissionStop | None = None
+    prefix_hits: list[PrefixHitRecord] = field(default_factory=list)
+    deferred_reasons: dict[str, DeferReason] = field(default_factory=dict)
+
+    def assign(self, request: Request, num_new_tokens: int, new_blocks: KVCacheBlocks) -> None:
+        """Schedule num_new_tokens of the request, out of the budget."""
+        self.req_to_new_blocks[request.request_id] = new_blocks
+        self.num_scheduled_tokens[request.request_id] = num_new_tokens
+        self.token_budget -= num_new_tokens
 
 
 class Scheduler(SchedulerInterface):
@@ -103,175 +130,198 @@ class Scheduler(SchedulerInterface):
                              f"longer prompts could never be scheduled.")
 
     def schedule(self) -> SchedulerOutput:
+        """One step's decisions, in the article's two boxes: RUNNING requests
+        first, then WAITING ones with what is left of the token budget.
+
+        NOTE: v0.27.1 writes this as one long schedule(); it is split here for
+        reading (_schedule_running, _schedule_waiting, then the output and the
+        step record). The order of operations is unchanged.
+        """
         # NOTE: there is no "prefill phase" or "decode phase". Each request has
         # num_computed_tokens and num_tokens_with_spec (prompt + outputs); each
         # step gives requests tokens so num_computed_tokens catches up. A decode
         # is just a catch-up of 1; chunked prefill and prefix caching fall out.
         self.current_step += 1
-        token_budget = self.max_num_scheduled_tokens
-        prefix_hits: list[PrefixHitRecord] = []   # for the step record (teaching extra)
-        scheduled_new_reqs: list[Request] = []
-        scheduled_resumed_reqs: list[Request] = []
-        scheduled_running_reqs: list[Request] = []
-        preempted_reqs: list[Request] = []
-        req_to_new_blocks: dict[str, KVCacheBlocks] = {}
-        num_scheduled_tokens: dict[str, int] = {}
-
-        # NOTE: the threshold keeps one long prompt from taking a whole step's
-        # budget; v0.27.1 applies it to every chunk, even of a lone request.
-        long_prefill_token_threshold = self.scheduler_config.long_prefill_token_threshold
+        step = StepDecisions(token_budget=self.max_num_scheduled_tokens,
+                             skipped_waiting=create_request_queue(self.policy))
 
         # First, schedule the RUNNING requests.
+        self._schedule_running(step)
+        # Next, admit WAITING requests. NOTE: never in a step that preempted:
+        # memory is short, and admitting now would just preempt again next step.
+        if step.preempted_reqs:
+            step.admission_stop_reason = AdmissionStop.PREEMPTED_THIS_STEP
+        else:
+            step.admission_stop_reason = self._schedule_waiting(step)
+
+        total_num_scheduled_tokens = sum(step.num_scheduled_tokens.values())
+        assert total_num_scheduled_tokens <= self.max_num_scheduled_tokens and step.token_budget >= 0
+        assert len(self.running) <= self.max_num_running_reqs
+        scheduler_output = self._make_scheduler_output(step, total_num_scheduled_tokens)
+        self.last_step_record = self._make_step_record(step)
+        self._update_after_schedule(scheduler_output)
+        return scheduler_output
+
+    def _schedule_running(self, step: StepDecisions) -> None:
+        """Give each RUNNING request the tokens it needs to catch up, in order,
+        while the budget lasts; preempt from the back when blocks run out."""
         req_index = 0
-        while req_index < len(self.running) and token_budget > 0:
+        while req_index < len(self.running) and step.token_budget > 0:
             request = self.running[req_index]
+            req_index += 1
             if self._finishes_in_flight(request):
                 # NOTE: async scheduling: a step already in flight samples this
                 # request's last token; one more step would be thrown away.
-                req_index += 1
                 continue
             # NOTE: placeholders (async scheduling) count as tokens to catch up
             # on: their values are still on the device, but their positions are known.
             num_new_tokens = (request.num_tokens_with_spec + request.num_output_placeholders
                               - request.num_computed_tokens)
-            if 0 < long_prefill_token_threshold < num_new_tokens:
-                num_new_tokens = long_prefill_token_threshold
-            num_new_tokens = min(num_new_tokens, token_budget)
+            num_new_tokens = min(self._cap_long_prefill(num_new_tokens), step.token_budget)
             # Positions must stay below max_model_len.
             num_new_tokens = min(num_new_tokens, self.max_model_len - request.num_computed_tokens)
             if num_new_tokens <= 0:
                 # NOTE: `continue`, not `break` (as in vLLM): later requests may still run.
-                req_index += 1
                 continue
-
-            while True:
-                new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
-                if new_blocks is not None:
-                    break
-                # Out of blocks: preempt the lowest-priority request and retry.
-                # FCFS: the most recently admitted one, running[-1].
-                preempted_req = self.running.pop()
-                # NOTE: the victim sits at or after req_index, so under FCFS it was
-                # never scheduled in this step (vLLM hands a scheduled victim's
-                # tokens back to the budget; only the priority policy needs that).
-                assert preempted_req.request_id not in num_scheduled_tokens
-                self._preempt_request(preempted_req)
-                preempted_reqs.append(preempted_req)
-                if preempted_req is request:
-                    break  # it preempted itself: nothing left to free for it
+            new_blocks = self._allocate_or_preempt(request, num_new_tokens, step)
             if new_blocks is None:
                 break
+            step.scheduled_running_reqs.append(request)
+            step.assign(request, num_new_tokens, new_blocks)
 
-            scheduled_running_reqs.append(request)
-            req_to_new_blocks[request.request_id] = new_blocks
-            num_scheduled_tokens[request.request_id] = num_new_tokens
-            token_budget -= num_new_tokens
-            req_index += 1
+    def _allocate_or_preempt(self, request: Request, num_new_tokens: int,
+                             step: StepDecisions) -> KVCacheBlocks | None:
+        """allocate_slots for a running request, preempting the lowest-priority
+        request until it fits (None: it preempted itself)."""
+        while True:
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+            if new_blocks is not None:
+                return new_blocks
+            # Out of blocks: preempt the lowest-priority request and retry.
+            # FCFS: the most recently admitted one, running[-1].
+            preempted_req = self.running.pop()
+            # NOTE: the victim sits after the request being scheduled, so under
+            # FCFS it was never scheduled in this step (vLLM hands a scheduled
+            # victim's tokens back to the budget; only the priority policy needs that).
+            assert preempted_req.request_id not in step.num_scheduled_tokens
+            self._preempt_request(preempted_req)
+            step.preempted_reqs.append(preempted_req)
+            if preempted_req is request:
+                return None  # it preempted itself: nothing left to free for it
 
-        # Next, admit WAITING requests. NOTE: never in a step that preempted:
-        # memory is short, and admitting now would just preempt again next step.
-        stop_reason = AdmissionStop.PREEMPTED_THIS_STEP if preempted_reqs else None
-        step_skipped_waiting = create_request_queue(self.policy)
-        deferred_reasons: dict[str, DeferReason] = {}
-        while stop_reason is None:
+    def _schedule_waiting(self, step: StepDecisions) -> AdmissionStop:
+        """Admit WAITING requests in FCFS order with what is left of the budget;
+        returns why admission stopped."""
+        stop_reason = self._admit_waiting(step)
+        if step.skipped_waiting:
+            # Back in front of skipped_waiting, in their original order.
+            self.skipped_waiting.prepend_requests(step.skipped_waiting)
+        return stop_reason
+
+    def _admit_waiting(self, step: StepDecisions) -> AdmissionStop:
+        """The admission loop: passes over the requests that cannot run yet and
+        stops at the first limit it meets."""
+        while True:
             request_queue = self._select_waiting_queue_for_scheduling()
             if request_queue is None:
-                stop_reason = AdmissionStop.QUEUE_EMPTY
-                break
-            if token_budget <= 0:
-                stop_reason = AdmissionStop.BUDGET_EXHAUSTED
-                break
+                return AdmissionStop.QUEUE_EMPTY
+            if step.token_budget <= 0:
+                return AdmissionStop.BUDGET_EXHAUSTED
             if len(self.running) >= self.max_num_running_reqs:
-                stop_reason = AdmissionStop.MAX_NUM_SEQS
-                break
+                return AdmissionStop.MAX_NUM_SEQS
             request = request_queue.peek_request()
             defer_reason = self._defer_reason(request)
             if defer_reason is not None:
                 # NOTE: pass it over and let the requests behind it go first; the
                 # step never waits.
                 request_queue.pop_request()
-                step_skipped_waiting.prepend_request(request)
-                deferred_reasons[request.request_id] = defer_reason
+                step.skipped_waiting.prepend_request(request)
+                step.deferred_reasons[request.request_id] = defer_reason
                 continue
-            # NOTE: a waiting request holds no blocks (new, or preempted and
-            # freed), so it always gets a fresh prefix-cache lookup; a resumed
-            # request usually finds its own freed blocks still cached.
-            assert request.num_computed_tokens == 0
-            new_computed_blocks, num_new_local_computed_tokens = \
-                self.kv_cache_manager.get_computed_blocks(request)
-            # num_tokens, not num_prompt_tokens: a resumed request recomputes its outputs too.
-            num_new_tokens = request.num_tokens - num_new_local_computed_tokens
-            if 0 < long_prefill_token_threshold < num_new_tokens:
-                num_new_tokens = long_prefill_token_threshold
-            if not self.scheduler_config.enable_chunked_prefill and num_new_tokens > token_budget:
-                stop_reason = AdmissionStop.CHUNKED_PREFILL_DISABLED
-                break
-            num_new_tokens = min(num_new_tokens, token_budget)
-            new_blocks = self.kv_cache_manager.allocate_slots(
-                request, num_new_tokens, num_new_local_computed_tokens, new_computed_blocks,
-                full_sequence_must_fit=True)
-            if new_blocks is None:
-                # NOTE: waiting requests never preempt running ones: stop admitting.
-                stop_reason = AdmissionStop.NO_FREE_BLOCKS
-                break
+            stop_reason = self._try_admit(request_queue, step)
+            if stop_reason is not None:
+                return stop_reason
 
-            self.kv_cache_manager.record_prefix_cache_stats(request, num_new_local_computed_tokens)
-            if self.kv_cache_manager.enable_caching:
-                prefix_hits.append(PrefixHitRecord(
-                    request.request_id, request.num_tokens, num_new_local_computed_tokens,
-                    new_computed_blocks.get_block_ids()[0]))
-            request_queue.pop_request()
-            self.running.append(request)
-            if self.log_stats:
-                request.record_event(EngineCoreEventType.SCHEDULED)
-            if request.status == RequestStatus.PREEMPTED:
-                scheduled_resumed_reqs.append(request)
-            else:
-                scheduled_new_reqs.append(request)
-            req_to_new_blocks[request.request_id] = self.kv_cache_manager.get_blocks(request.request_id)
-            num_scheduled_tokens[request.request_id] = num_new_tokens
-            token_budget -= num_new_tokens
-            request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = num_new_local_computed_tokens
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_new_local_computed_tokens
+    def _try_admit(self, request_queue: RequestQueue, step: StepDecisions) -> AdmissionStop | None:
+        """Look the head request up in the prefix cache, allocate its blocks and
+        move it to `running` (None: admitted)."""
+        request = request_queue.peek_request()
+        # NOTE: a waiting request holds no blocks (new, or preempted and
+        # freed), so it always gets a fresh prefix-cache lookup; a resumed
+        # request usually finds its own freed blocks still cached.
+        assert request.num_computed_tokens == 0
+        new_computed_blocks, num_new_local_computed_tokens = self.kv_cache_manager.get_computed_blocks(request)
+        # num_tokens, not num_prompt_tokens: a resumed request recomputes its outputs too.
+        num_new_tokens = self._cap_long_prefill(request.num_tokens - num_new_local_computed_tokens)
+        if not self.scheduler_config.enable_chunked_prefill and num_new_tokens > step.token_budget:
+            return AdmissionStop.CHUNKED_PREFILL_DISABLED
+        num_new_tokens = min(num_new_tokens, step.token_budget)
+        new_blocks = self.kv_cache_manager.allocate_slots(
+            request, num_new_tokens, num_new_local_computed_tokens, new_computed_blocks,
+            full_sequence_must_fit=True)
+        if new_blocks is None:
+            # NOTE: waiting requests never preempt running ones: stop admitting.
+            return AdmissionStop.NO_FREE_BLOCKS
 
-        if step_skipped_waiting:
-            # Back in front of skipped_waiting, in their original order.
-            self.skipped_waiting.prepend_requests(step_skipped_waiting)
-        total_num_scheduled_tokens = sum(num_scheduled_tokens.values())
-        assert total_num_scheduled_tokens <= self.max_num_scheduled_tokens and token_budget >= 0
-        assert len(self.running) <= self.max_num_running_reqs
+        self.kv_cache_manager.record_prefix_cache_stats(request, num_new_local_computed_tokens)
+        if self.kv_cache_manager.enable_caching:
+            step.prefix_hits.append(PrefixHitRecord(
+                request.request_id, request.num_tokens, num_new_local_computed_tokens,
+                new_computed_blocks.get_block_ids()[0]))
+        request_queue.pop_request()
+        self.running.append(request)
+        if self.log_stats:
+            request.record_event(EngineCoreEventType.SCHEDULED)
+        if request.status == RequestStatus.PREEMPTED:
+            step.scheduled_resumed_reqs.append(request)
+        else:
+            step.scheduled_new_reqs.append(request)
+        step.assign(request, num_new_tokens, self.kv_cache_manager.get_blocks(request.request_id))
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_new_local_computed_tokens
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_new_local_computed_tokens
+        return None
 
-        scheduler_output = SchedulerOutput(
-            scheduled_new_reqs=[NewRequestData.from_request(req, req_to_new_blocks[req.request_id].get_block_ids())
-                                for req in scheduled_new_reqs],
+    def _cap_long_prefill(self, num_new_tokens: int) -> int:
+        # NOTE: the threshold keeps one long prompt from taking a whole step's
+        # budget; v0.27.1 applies it to every chunk, even of a lone request.
+        threshold = self.scheduler_config.long_prefill_token_threshold
+        return threshold if 0 < threshold < num_new_tokens else num_new_tokens
+
+    def _make_scheduler_output(self, step: StepDecisions, total_num_scheduled_tokens: int) -> SchedulerOutput:
+        return SchedulerOutput(
+            scheduled_new_reqs=[NewRequestData.from_request(req, step.req_to_new_blocks[req.request_id].get_block_ids())
+                                for req in step.scheduled_new_reqs],
             scheduled_cached_reqs=self._make_cached_request_data(
-                scheduled_running_reqs, scheduled_resumed_reqs, req_to_new_blocks),
-            num_scheduled_tokens=num_scheduled_tokens,
+                step.scheduled_running_reqs, step.scheduled_resumed_reqs, step.req_to_new_blocks),
+            num_scheduled_tokens=step.num_scheduled_tokens,
             total_num_scheduled_tokens=total_num_scheduled_tokens,
-            # NOTE: hand over this set object and start a new one below, so the
-            # output keeps exactly the ids finished before this step.
+            # NOTE: hand over this set object; _update_after_schedule starts a new
+            # one, so the output keeps exactly the ids finished before this step.
             finished_req_ids=self.finished_req_ids,
-            preempted_req_ids={req.request_id for req in preempted_reqs},
+            preempted_req_ids={req.request_id for req in step.preempted_reqs},
             step_id=self.current_step,
         )
-        self.last_step_record = SchedulerStepRecord(
+
+    def _make_step_record(self, step: StepDecisions) -> SchedulerStepRecord:
+        """The step's decisions as plain data (teaching extra)."""
+        record = SchedulerStepRecord(
             step_id=self.current_step, token_budget_start=self.max_num_scheduled_tokens,
-            token_budget_end=token_budget,
-            scheduled=[make_scheduled_record(req, num_scheduled_tokens[req.request_id],
-                                             req_to_new_blocks[req.request_id].get_block_ids()[0],
-                                             resumed=req in scheduled_resumed_reqs)
-                       for req in itertools.chain(scheduled_running_reqs, scheduled_new_reqs, scheduled_resumed_reqs)],
-            preempted_req_ids=[req.request_id for req in preempted_reqs], admission_stop_reason=stop_reason,
-            prefix_hits=prefix_hits, deferred_req_ids=[req.request_id for req in step_skipped_waiting],
-            deferred_reasons=deferred_reasons,
+            token_budget_end=step.token_budget,
+            scheduled=[make_scheduled_record(req, step.num_scheduled_tokens[req.request_id],
+                                             step.req_to_new_blocks[req.request_id].get_block_ids()[0],
+                                             resumed=req in step.scheduled_resumed_reqs)
+                       for req in itertools.chain(step.scheduled_running_reqs, step.scheduled_new_reqs,
+                                                  step.scheduled_resumed_reqs)],
+            preempted_req_ids=[req.request_id for req in step.preempted_reqs],
+            admission_stop_reason=step.admission_stop_reason,
+            prefix_hits=step.prefix_hits, deferred_req_ids=[req.request_id for req in step.skipped_waiting],
+            deferred_reasons=step.deferred_reasons,
             num_running=len(self.running), num_waiting=len(self.waiting) + len(self.skipped_waiting),
             grammar_ready_req_ids=self._grammar_ready_req_ids)
         self._grammar_ready_req_ids = []
-
-        self._update_after_schedule(scheduler_output)
-        return scheduler_output
+        return record
 
     def _make_cached_request_data(self, running_reqs: list[Request], resumed_reqs: list[Request],
                                   req_to_new_blocks: dict[str, KVCacheBlocks]) -> CachedRequestData:
