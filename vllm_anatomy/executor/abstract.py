@@ -7,11 +7,12 @@ every worker (`collective_rpc`) — a plain call in the same process
 """
 from __future__ import annotations
 
+from concurrent.futures import Future
 from typing import Any
 
 from vllm_anatomy.config import VllmConfig
-from vllm_anatomy.core.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
-from vllm_anatomy.core.sched.output import SchedulerOutput
+from vllm_anatomy.core.outputs import ModelRunnerOutput
+from vllm_anatomy.core.sched.output import GrammarOutput, SchedulerOutput
 from vllm_anatomy.tracing.recorder import NullRecorder, Recorder
 
 
