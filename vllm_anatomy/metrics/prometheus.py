@@ -160,6 +160,3 @@ class PrometheusStatLogger:
             self.histogram_request_time_per_output_token.observe(finished.mean_time_per_output_token)
             self.histogram_num_prompt_tokens_request.observe(finished.num_prompt_tokens)
             self.histogram_num_generation_tokens_request.observe(finished.num_generation_tokens)
-
-    def log_engine_initialized(self) -> None:
-        """vLLM logs cache_config_info here; nothing to do for this logger."""

@@ -442,8 +442,3 @@ class CompletionStreamResponse(OpenAIBaseModel):
     choices: list[CompletionResponseStreamChoice]
     usage: UsageInfo | None = None
 
-
-def dump_json(model: BaseModel) -> str:
-    """Serialize a response model (no unset extras, None kept as null like OpenAI)."""
-    return model.model_dump_json()
-
