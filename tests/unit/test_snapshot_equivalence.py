@@ -1,11 +1,12 @@
 """The snapshot builders (trace level full) give exactly what a rebuild from scratch gives.
 
-KVCacheManager.snapshot keeps caches from one snapshot to the next (block-id
-lists, per-block rows) and the worker's builders gather arrays in bulk. Here
-the straightforward builders they replaced are kept as references, and every
-snapshot of a real run (preemption, prefix hits, chunked prefill, finished and
-aborted requests, a prefix-cache reset), and of random KV-manager operations,
-is compared with them: same keys, same values, same order. A snapshot must also
+tracing's KVCacheSnapshotter keeps caches from one snapshot to the next
+(block-id lists, per-block rows) and must equal the plain
+KVCacheManager.snapshot(); the worker's builders gather arrays in bulk. Here
+the straightforward builders are the references, and every snapshot of a real
+run (preemption, prefix hits, chunked prefill, finished and aborted requests, a
+prefix-cache reset), and of random KV-manager operations, is compared with
+them: same keys, same values, same order. A snapshot must also
 stay as it was recorded: the recorder keeps the returned objects, so one that
 shared a list the engine still edits would change after the fact.
 """
@@ -13,17 +14,17 @@ from __future__ import annotations
 
 import json
 import random
-from collections import Counter, defaultdict
+from collections import Counter
 
 import pytest
 
 from vllm_anatomy.core import kv_cache_manager as kcm
-from vllm_anatomy.core.block_pool import short_hash
 from vllm_anatomy.core.kv_cache_manager import KVCacheManager
 from vllm_anatomy.core.kv_cache_utils import get_request_block_hasher, sha256
-from vllm_anatomy.core.request import Request, RequestStatus
+from vllm_anatomy.core.request import Request
 from vllm_anatomy.core.sched.scheduler import Scheduler
 from vllm_anatomy.sampling_params import SamplingParams
+from vllm_anatomy.tracing.kv_snapshotter import KVCacheSnapshotter
 from vllm_anatomy.tracing.recorder import InMemoryRecorder
 from vllm_anatomy.worker.block_table import BlockTable
 from vllm_anatomy.worker.gpu_input_batch import InputBatch
@@ -32,30 +33,8 @@ from vllm_anatomy.worker.gpu_model_runner import GPUModelRunner
 
 # -- the reference builders: every value recomputed from the live state --------
 def reference_kv_snapshot(m: KVCacheManager) -> dict:
-    pool = m.block_pool
-    dense = pool.num_gpu_blocks <= kcm.SNAPSHOT_DENSE_MAX_BLOCKS
-    free = pool.free_block_queue.get_all_free_blocks(None if dense else kcm.SNAPSHOT_FREE_QUEUE_HEAD)
-    if dense:
-        listed = pool.blocks
-    else:
-        ids = {0, *(b.block_id for b in free), *(i for ev in pool.kv_event_queue for i in ev.block_ids)}
-        listed = [pool.blocks[i] for i in sorted(ids)]
-    tables = {req_id: [blk.block_id for blk in blocks] for req_id, blocks in m.manager.req_to_blocks.items()}
-    held = {blk.block_id for blk in listed if blk.ref_cnt > 0}
-    owners: defaultdict[int, list[str]] = defaultdict(list)
-    for req_id, ids in tables.items():
-        for block_id in ids:
-            if dense or block_id in held:
-                owners[block_id].append(req_id)
-    return {
-        "num_gpu_blocks": pool.num_gpu_blocks, "block_size": m.block_size, "enable_caching": m.enable_caching,
-        "usage": m.usage, "num_free_blocks": pool.get_num_free_blocks(), "sparse": not dense,
-        "blocks": [{"block_id": blk.block_id, "ref_cnt": blk.ref_cnt, "hash": short_hash(blk.block_hash),
-                    "owners": owners.get(blk.block_id, []), "is_null": blk.is_null} for blk in listed],
-        "free_queue": [blk.block_id for blk in free],
-        "req_to_block_ids": tables,
-        "num_cached_block": dict(m.manager.num_cached_block),
-    }
+    """The plain snapshot, called on the class: never an incremental one."""
+    return KVCacheManager.snapshot(m)
 
 
 def reference_request_snapshot(req: Request, block_ids: list[int]) -> dict:
@@ -67,7 +46,7 @@ def reference_request_snapshot(req: Request, block_ids: list[int]) -> dict:
             "block_ids": block_ids}
 
 
-def reference_scheduler_snapshot(s: Scheduler) -> dict:
+def reference_scheduler_snapshot(s: Scheduler, kv_cache: dict | None = None) -> dict:
     kv = reference_kv_snapshot(s.kv_cache_manager)
     tables = kv["req_to_block_ids"]
     return {"step_id": s.current_step, "max_num_batched_tokens": s.max_num_scheduled_tokens,
@@ -136,6 +115,7 @@ def _admit_chunk(m: KVCacheManager, req: Request, rng: random.Random) -> bool:
 
 def _run_random_ops(m: KVCacheManager, seed: int, num_ops: int) -> int:
     rng = random.Random(seed)
+    snapshotter = KVCacheSnapshotter(m)
     prefixes = [[rng.randrange(50) for _ in range(rng.randint(4, 14))] for _ in range(3)]
     held: dict[str, Request] = {}     # requests holding blocks
     idle: list[Request] = []          # preempted / finished: may come back
@@ -173,7 +153,7 @@ def _run_random_ops(m: KVCacheManager, seed: int, num_ops: int) -> int:
         elif op < 0.95:
             m.take_events()                                        # someone else drains the events
         if rng.random() < 0.5:
-            assert_same(m.snapshot(), reference_kv_snapshot(m), f"seed {seed}, op {step}")
+            assert_same(snapshotter.snapshot(), m.snapshot(), f"seed {seed}, op {step}")
             checked += 1
     return checked
 
@@ -186,7 +166,7 @@ def test_kv_snapshot_matches_a_rebuild_under_random_operations(monkeypatch, spar
         monkeypatch.setattr(kcm, "SNAPSHOT_DENSE_MAX_BLOCKS", 12)
         monkeypatch.setattr(kcm, "SNAPSHOT_FREE_QUEUE_HEAD", 3)
     m = KVCacheManager(24, BS, 60, enable_caching=True, enable_kv_cache_events=seed % 2 == 0)
-    assert m.snapshot()["sparse"] is sparse
+    assert m.snapshot()["sparse"] is sparse and KVCacheSnapshotter(m).snapshot()["sparse"] is sparse
     assert _run_random_ops(m, seed, 400) > 100
 
 
@@ -199,15 +179,17 @@ def test_kv_snapshot_of_a_large_sparse_pool_matches_a_rebuild():
 def test_kv_snapshot_is_not_changed_by_later_steps():
     m = KVCacheManager(24, BS, 60, enable_caching=True, enable_kv_cache_events=True)
     a = _request("a", list(range(10)))
+    snapshotter = KVCacheSnapshotter(m)
     assert _admit_chunk(m, a, random.Random(0))
-    snap = m.snapshot()
-    before = json.dumps(snap)
+    snaps = [m.snapshot(), snapshotter.snapshot()]
+    before = [json.dumps(snap) for snap in snaps]
     a.num_computed_tokens = a.num_tokens
     a.append_output_token_ids([1, 2, 3, 4])
     m.allocate_slots(a, 4)
     m.free(a)
     m.snapshot()
-    assert json.dumps(snap) == before
+    snapshotter.snapshot()
+    assert [json.dumps(snap) for snap in snaps] == before
 
 
 # -- a real run, every step -------------------------------------------------------
@@ -231,14 +213,28 @@ def compare_builders(monkeypatch):
     def check(cls, name, reference):
         real = getattr(cls, name)
 
-        def checked(self, *args):
-            got = real(self, *args)
-            assert_same(got, reference(self, *args), f"{cls.__name__}.{name}, call {calls[name]}")
+        def checked(self, *args, **kwargs):
+            got = real(self, *args, **kwargs)
+            assert_same(got, reference(self, *args, **kwargs), f"{cls.__name__}.{name}, call {calls[name]}")
             calls[name] += 1
             return got
         monkeypatch.setattr(cls, name, checked)
 
     check(Scheduler, "snapshot", reference_scheduler_snapshot)
+
+    # NOTE: whether or not the engine builds its KV snapshot incrementally, one
+    # incremental snapshotter per run follows every step here.
+    snapshotters: dict[int, KVCacheSnapshotter] = {}
+    checked_scheduler_snapshot = Scheduler.snapshot
+
+    def with_incremental_kv(self, *args, **kwargs):
+        got = checked_scheduler_snapshot(self, *args, **kwargs)
+        manager = self.kv_cache_manager
+        snapshotter = snapshotters.setdefault(id(manager), KVCacheSnapshotter(manager))
+        assert_same(snapshotter.snapshot(), reference_kv_snapshot(manager), f"KVCacheSnapshotter, call {calls['kv']}")
+        calls["kv"] += 1
+        return got
+    monkeypatch.setattr(Scheduler, "snapshot", with_incremental_kv)
     check(GPUModelRunner, "snapshot", reference_runner_snapshot)
 
     real_runner_snapshot = GPUModelRunner.snapshot
@@ -291,6 +287,7 @@ def _run(model_dir: str, num_gpu_blocks: int, async_scheduling: bool, num_reques
 def _check_run(rec: JSONAtRecordTime, calls: Counter, sparse: bool, preempted: bool) -> None:
     steps = [data for kind, _, data in rec.snapshots if kind == "step"]
     assert calls["snapshot"] >= 2 * len(steps) > 40          # Scheduler and GPUModelRunner, every step
+    assert calls["kv"] >= len(steps)
     kv_caches = [s["scheduler"]["kv_cache"] for s in steps]
     assert all(kv["sparse"] is sparse for kv in kv_caches)
     records = [s["scheduler"]["step_record"] for s in steps]

@@ -74,39 +74,15 @@ class BlockPool:
         # (request id, KVCacheManager method) of the call in progress, stamped on
         # the events it causes; set by the KV manager only while events are on.
         self.event_context: tuple[str, str] | None = None
-        # Ids of the blocks whose ref_cnt or hash changed since the last
-        # take_touched_block_ids(); None until track_touched_blocks() (the KV
-        # manager's snapshot keeps its per-block rows up to date with it).
-        self.touched_block_ids: set[int] | None = None
 
     def _record(self, kind: str, blocks: list[KVCacheBlock], hashes: list[str] | None = None,
                 queue_ends: list[str | None] | None = None) -> None:
-        tracking = self.touched_block_ids is not None
-        if not blocks or not (tracking or self.enable_kv_cache_events):
+        if not blocks or not self.enable_kv_cache_events:
             return
-        block_ids = [b.block_id for b in blocks]
-        if tracking:
-            self.touched_block_ids.update(block_ids)
-        if self.enable_kv_cache_events:
-            request_id, call = self.event_context or (None, None)
-            self.kv_event_queue.append(BlockPoolEvent(
-                kind, block_ids, hashes or [], request_id, call,
-                ref_cnts=[b.ref_cnt for b in blocks] if queue_ends is not None else None, queue_ends=queue_ends))
-
-    def track_touched_blocks(self) -> None:
-        """Start collecting touched_block_ids: every block that an allocate, hit,
-        free, cache, evict or reset changes.
-
-        NOTE: a set of its own, not the event queue: take_events() hands the
-        events to whoever asks, and the blocks they name would be lost to us.
-        """
-        if self.touched_block_ids is None:
-            self.touched_block_ids = set()
-
-    def take_touched_block_ids(self) -> set[int]:
-        """The blocks touched since the last call (needs track_touched_blocks())."""
-        touched, self.touched_block_ids = self.touched_block_ids, set()
-        return touched
+        request_id, call = self.event_context or (None, None)
+        self.kv_event_queue.append(BlockPoolEvent(
+            kind, [b.block_id for b in blocks], hashes or [], request_id, call,
+            ref_cnts=[b.ref_cnt for b in blocks] if queue_ends is not None else None, queue_ends=queue_ends))
 
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
         """A block whose content has this hash, or None (a prefix-cache miss)."""
@@ -213,8 +189,6 @@ class BlockPool:
             freed = [b for b in blocks_list if not b.is_null]
             self._record("free", freed, queue_ends=[None if b.ref_cnt else "front" if id(b) in front else "tail"
                                                     for b in freed])
-        else:
-            self._record("free", [b for b in blocks_list if not b.is_null])
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash. Only allowed when no request holds a block."""
@@ -224,8 +198,6 @@ class BlockPool:
         self.cached_block_hash_to_block = {}
         for block in self.blocks:
             block.reset_hash()
-        if self.touched_block_ids is not None:
-            self.touched_block_ids.update(range(self.num_gpu_blocks))
         if self.enable_kv_cache_events:
             self.kv_event_queue.append(BlockPoolEvent("reset", []))
         return True

@@ -11,6 +11,7 @@ no watermark, no encoder tokens.
 """
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -37,13 +38,6 @@ class KVCacheBlocks:
             return None
         return tuple([blk.block_id for blk in group] for group in self.blocks)
 
-    def get_unhashed_block_ids(self) -> list[int]:
-        assert len(self.blocks) == 1, "Only one group is supported"
-        return [blk.block_id for blk in self.blocks[0] if blk.block_hash is None]
-
-    def new_empty(self) -> KVCacheBlocks:
-        return KVCacheBlocks(tuple(() for _ in self.blocks))
-
 
 # Pools up to this size are snapshotted whole every step (see KVCacheManager.snapshot).
 SNAPSHOT_DENSE_MAX_BLOCKS = 4096
@@ -65,7 +59,6 @@ class KVCacheManager:
         # vLLM: coordinator.single_type_managers[0]; one group here.
         self.manager = FullAttentionManager(block_size, self.block_pool)
         self.empty_kv_cache_blocks = KVCacheBlocks(((),))
-        self._snapshotter: KVCacheSnapshotter | None = None    # built by the first snapshot()
 
     @property
     def usage(self) -> float:
@@ -206,157 +199,39 @@ class KVCacheManager:
         """Plain, JSON-able view of the blocks, the free queue and the block tables.
 
         NOTE: a pool of up to SNAPSHOT_DENSE_MAX_BLOCKS blocks (every CPU run,
-        the lessons) is listed whole, every step. A GPU-sized pool (70k blocks
-        on an H200) would make that O(pool) work per step, slower than the step
-        itself: such a snapshot is "sparse" — the blocks this step touched
-        (allocate / free / hit / evict / cache events still pending), the first
+        the lessons) is listed whole. A GPU-sized pool (70k blocks on an H200)
+        would make that O(pool) work per step, slower than the step itself:
+        such a snapshot is "sparse" — the blocks this step touched (allocate /
+        free / hit / evict / cache events still pending), the first
         SNAPSHOT_FREE_QUEUE_HEAD of the free queue (the next to be taken) and
         the null block; block tables stay whole (ints, O(blocks in use)).
-        Built incrementally by KVCacheSnapshotter: the same data as a rebuild
-        from scratch, at the cost of what changed since the previous snapshot.
+        Tracing at level full builds the same dict incrementally, at the cost
+        of what changed since its previous snapshot
+        (vllm_anatomy/tracing/kv_snapshotter.py).
         """
-        if self._snapshotter is None:
-            self._snapshotter = KVCacheSnapshotter(self)
-        return self._snapshotter.snapshot()
-
-
-class KVCacheSnapshotter:
-    """KVCacheManager.snapshot(), rebuilt only where the cache changed.
-
-    A full rebuild lists every block id of every request (10k ids at batch
-    256 with 40-block tables) and one row dict per listed block, every step.
-    Between two snapshots only a few requests gain blocks and only a few
-    blocks change, so this keeps both and redoes only those.
-
-    NOTE: why the caches stay right.
-    - Block-id lists: a request's block list only grows while it holds blocks
-      (prefix hits, then new blocks, are appended); free pops the whole list
-      and a re-admitted request starts a new one. So the ids cached for the
-      *same list object* are a prefix of it: only the tail past them is new.
-      (The cache holds the old list, so its identity cannot be reused.) A
-      manager that edited lists in place (vLLM's sliding window swaps skipped
-      blocks for the null block) would need an event for it.
-    - Rows of `blocks` ({ref_cnt, hash, owners}): ref_cnt and hash change only
-      in BlockPool calls that report the block to pool.touched_block_ids
-      (allocate, hit, free, cache, evict, reset): those rows go stale. Owners
-      change when a block-id list gains or loses the block: the list sync
-      marks those rows stale itself. The null block's ref_cnt is not kept by
-      events (free skips it): its row is rebuilt every time.
-    - Owners are listed in req_to_blocks order, as a rebuild would: a request
-      keeps its place in that dict until it is freed, which drops it from
-      every block it held (making their rows stale).
-    A row dict (and its owners list) is never edited once built, only
-    replaced, so snapshots may share it; block-id lists are copied out.
-    """
-
-    def __init__(self, manager: KVCacheManager) -> None:
-        self.manager = manager
-        self.pool = pool = manager.block_pool
-        self.dense = pool.num_gpu_blocks <= SNAPSHOT_DENSE_MAX_BLOCKS
-        pool.track_touched_blocks()
-        # request id -> (its live block list, the ids of that list so far).
-        self.tables: dict[str, tuple[list[KVCacheBlock], list[int]]] = {}
-        # block id -> the requests whose lists hold it (absent: none). Tuples of
-        # str, not sets: 10k held blocks would be 10k objects for the GC to scan.
-        self.holders: dict[int, tuple[str, ...]] = {}
-        # block id -> its row: every block (dense), or those of the last
-        # snapshot (sparse). `stale`: rows to rebuild before they are listed.
-        self.rows: dict[int, dict[str, Any]] = {}
-        self.stale: set[int] = set()
-        self.order: dict[str, int] | None = None   # req_to_blocks position, per snapshot
-
-    def snapshot(self) -> dict[str, Any]:
-        pool, manager = self.pool, self.manager
-        tables = self._sync_tables()
-        self._refresh_rows()
-        if self.dense:
-            free = pool.free_block_queue.get_free_block_ids()
+        pool = self.block_pool
+        dense = pool.num_gpu_blocks <= SNAPSHOT_DENSE_MAX_BLOCKS
+        free_block_ids = pool.free_block_queue.get_free_block_ids(None if dense else SNAPSHOT_FREE_QUEUE_HEAD)
+        if dense:
+            listed = pool.blocks
         else:
-            free = pool.free_block_queue.get_free_block_ids(SNAPSHOT_FREE_QUEUE_HEAD)
-            listed = {0, *free, *(i for ev in pool.kv_event_queue for i in ev.block_ids)}
-            kept = self.rows
-            self.rows = {i: kept.get(i) or self._make_row(i) for i in sorted(listed)}
+            listed_ids = {0, *free_block_ids, *(i for event in pool.kv_event_queue for i in event.block_ids)}
+            listed = [pool.blocks[i] for i in sorted(listed_ids)]
+        tables = {req_id: [blk.block_id for blk in blocks] for req_id, blocks in self.manager.req_to_blocks.items()}
+        owners: defaultdict[int, list[str]] = defaultdict(list)
+        for req_id, block_ids in tables.items():
+            for block_id in block_ids:
+                owners[block_id].append(req_id)
         return {
             "num_gpu_blocks": pool.num_gpu_blocks,
-            "block_size": manager.block_size,
-            "enable_caching": manager.enable_caching,
-            "usage": manager.usage,
+            "block_size": self.block_size,
+            "enable_caching": self.enable_caching,
+            "usage": self.usage,
             "num_free_blocks": pool.get_num_free_blocks(),
-            "sparse": not self.dense,
-            "blocks": list(self.rows.values()),
-            "free_queue": free,
+            "sparse": not dense,
+            "blocks": [{"block_id": blk.block_id, "ref_cnt": blk.ref_cnt, "hash": short_hash(blk.block_hash),
+                        "owners": owners.get(blk.block_id, []), "is_null": blk.is_null} for blk in listed],
+            "free_queue": free_block_ids,
             "req_to_block_ids": tables,
-            "num_cached_block": dict(manager.manager.num_cached_block),
+            "num_cached_block": dict(self.manager.num_cached_block),
         }
-
-    # -- block-id lists ---------------------------------------------------------
-    def _sync_tables(self) -> dict[str, list[int]]:
-        """Bring each request's cached ids up to its block list; return copies."""
-        live = self.manager.manager.req_to_blocks
-        cache = self.tables
-        tables = {}
-        for req_id, blocks in live.items():
-            entry = cache.get(req_id)
-            if entry is None or entry[0] is not blocks or len(entry[1]) > len(blocks):
-                entry = self._track(req_id, blocks)          # new, or freed and re-admitted
-            elif len(entry[1]) < len(blocks):                # grew
-                self._hold(req_id, entry[1], blocks[len(entry[1]):])
-            tables[req_id] = list(entry[1])
-        if len(cache) != len(live):                          # some were freed
-            for req_id in cache.keys() - live.keys():
-                self._release(req_id, cache.pop(req_id)[1])
-        self.order = None
-        return tables
-
-    def _track(self, req_id: str, blocks: list[KVCacheBlock]) -> tuple[list[KVCacheBlock], list[int]]:
-        old = self.tables.get(req_id)
-        if old is not None:
-            self._release(req_id, old[1])
-        entry = self.tables[req_id] = (blocks, [])
-        self._hold(req_id, entry[1], blocks)
-        return entry
-
-    def _hold(self, req_id: str, ids: list[int], new_blocks: list[KVCacheBlock]) -> None:
-        new_ids = [blk.block_id for blk in new_blocks]
-        ids.extend(new_ids)
-        holders = self.holders
-        for block_id in new_ids:
-            holders[block_id] = holders.get(block_id, ()) + (req_id,)
-        self.stale.update(new_ids)
-
-    def _release(self, req_id: str, ids: list[int]) -> None:
-        holders = self.holders
-        for block_id in ids:
-            others = holders.pop(block_id)
-            if len(others) > 1:                              # a shared block: the others keep it
-                holders[block_id] = tuple(r for r in others if r != req_id)
-        self.stale.update(ids)
-
-    # -- rows ---------------------------------------------------------------------
-    def _refresh_rows(self) -> None:
-        """Rebuild (dense) or forget (sparse: built again if listed) every stale row."""
-        stale = self.stale | self.pool.take_touched_block_ids()
-        stale.add(0)
-        self.stale = set()
-        rows = self.rows
-        if not self.dense:
-            for block_id in stale.intersection(rows):
-                del rows[block_id]
-        elif not rows:                                       # the first snapshot
-            self.rows = {i: self._make_row(i) for i in range(self.pool.num_gpu_blocks)}
-        else:
-            for block_id in stale:
-                rows[block_id] = self._make_row(block_id)
-
-    def _make_row(self, block_id: int) -> dict[str, Any]:
-        blk = self.pool.blocks[block_id]
-        return {"block_id": block_id, "ref_cnt": blk.ref_cnt, "hash": short_hash(blk.block_hash),
-                "owners": self._owners(block_id), "is_null": blk.is_null}
-
-    def _owners(self, block_id: int) -> list[str]:
-        holders = self.holders.get(block_id, ())
-        if len(holders) < 2:
-            return list(holders)
-        if self.order is None:
-            self.order = {req_id: i for i, req_id in enumerate(self.manager.manager.req_to_blocks)}
-        return sorted(holders, key=self.order.__getitem__)

@@ -63,5 +63,6 @@ class SchedulerInterface(ABC):
     def reset_prefix_cache(self) -> bool: ...
 
     @abstractmethod
-    def snapshot(self) -> dict[str, Any]:
-        """Plain data of the scheduler's state (teaching extra, not in vLLM)."""
+    def snapshot(self, kv_cache: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Plain data of the scheduler's state (teaching extra, not in vLLM).
+        kv_cache: the KV manager's snapshot if the caller built it (None: its plain snapshot())."""

@@ -661,8 +661,10 @@ class Scheduler(SchedulerInterface):
             prefix_cache_requests=prefix_stats.requests, prefix_cache_queries=prefix_stats.queries,
             prefix_cache_hits=prefix_stats.hits)
 
-    def snapshot(self) -> dict[str, Any]:
-        kv_snapshot = self.kv_cache_manager.snapshot()
+    def snapshot(self, kv_cache: dict[str, Any] | None = None) -> dict[str, Any]:
+        """kv_cache: KVCacheManager.snapshot() or the same dict built another way
+        (tracing's incremental KVCacheSnapshotter); None: the manager's own."""
+        kv_snapshot = kv_cache if kv_cache is not None else self.kv_cache_manager.snapshot()
         # NOTE: each request's block ids are its row of the KV manager's block
         # tables: listed once there, shared here (the same list object; a
         # request holding no blocks gets [] from Request.snapshot).
