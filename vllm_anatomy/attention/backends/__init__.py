@@ -1,4 +1,4 @@
 """Attention backends: torch_ref (CPU, the readable reference) and triton_attn (GPU, the Triton kernels).
 
-Mirrors vllm/v1/attention/backends/ (vLLM's TRITON_ATTN backend is triton_attn.py there too).
+Mirrors vllm/v1/attention/backends/, where vLLM's TRITON_ATTN backend is triton_attn.py too.
 """
