@@ -24,7 +24,6 @@ import atexit
 import functools
 import operator
 import os
-import re
 import time
 from typing import Any, Iterable, Sequence
 from urllib.parse import urlparse
@@ -46,7 +45,6 @@ from vllm_anatomy.tracing.store import RunStore, to_json
 
 _PROPAGATOR = TraceContextTextMapPropagator()
 _TRACEPARENT = operator.itemgetter("traceparent")
-_CANONICAL_TRACEPARENT = re.compile(r"00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
 # Links per span (a step links to every request of its batch: max_num_seqs of them).
 MAX_LINKS_PER_SPAN = 8192
 TRACER_NAME = "vllm_anatomy"
@@ -57,7 +55,8 @@ _KIND_NAMES = {kind: kind.name.lower() for kind in SpanKind}
 _RESOURCE_FIELDS: dict[int, tuple] = {}
 
 
-# -- W3C trace context helpers (HTTP headers, EngineCoreRequest.trace_headers) ----------
+# -- W3C trace context (HTTP headers, EngineCoreRequest.trace_headers); one codec:
+#    OpenTelemetry's TraceContextTextMapPropagator (_PROPAGATOR) -----------------------
 def inject_trace_headers(ctx: otel_context.Context | None = None) -> dict[str, str]:
     """traceparent/tracestate of the current (or given) context, as a header dict."""
     carrier: dict[str, str] = {}
@@ -97,21 +96,12 @@ def _remote_span_context(headers: dict[str, str] | None) -> trace.SpanContext | 
 
 @functools.lru_cache(maxsize=16384)
 def _parse_w3c(traceparent: str | None, tracestate: str | None) -> trace.SpanContext | None:
-    """Parse W3C headers once per request, not once per step.
+    """The remote SpanContext W3C headers name (OpenTelemetry's propagator), parsed once per request.
 
     NOTE: a request's headers never change, and every step links to it (256
     parses per step at batch 256 if each were parsed): memoised."""
     if not traceparent:
         return None
-    match = None if tracestate else _CANONICAL_TRACEPARENT.fullmatch(traceparent)
-    if match is not None:
-        # NOTE: the form every process of ours writes (version 00, no
-        # tracestate; each step's executor span is new, so this is no cache
-        # hit): the propagator would give this SpanContext, by a longer way.
-        trace_id, span_id = int(match[1], 16), int(match[2], 16)
-        if not (trace_id and span_id):
-            return None
-        return trace.SpanContext(trace_id, span_id, is_remote=True, trace_flags=trace.TraceFlags(int(match[3], 16)))
     carrier = {"traceparent": traceparent, **({"tracestate": tracestate} if tracestate else {})}
     span_context = trace.get_current_span(_PROPAGATOR.extract(carrier)).get_span_context()
     return span_context if span_context.is_valid else None
@@ -173,15 +163,8 @@ def _extend_links(span: trace.Span, links: list[Link]) -> None:
 
 
 def _headers_of(span_context: trace.SpanContext) -> dict[str, str]:
-    """W3C headers naming `span_context`: what TraceContextTextMapPropagator.inject
-    writes for it, without building a Context to inject from."""
-    if not span_context.is_valid:
-        return {}
-    headers = {"traceparent": f"00-{span_context.trace_id:032x}-{span_context.span_id:016x}-"
-                              f"{span_context.trace_flags:02x}"}
-    if span_context.trace_state:
-        headers["tracestate"] = span_context.trace_state.to_header()
-    return headers
+    """W3C headers naming `span_context` (OpenTelemetry's propagator)."""
+    return inject_trace_headers(trace.set_span_in_context(trace.NonRecordingSpan(span_context)))
 
 
 def _attrs(attrs: dict[str, Any]) -> dict[str, Any]:
