@@ -47,9 +47,9 @@ def time_ms(fn, warmup: int = 3, reps: int = 15, per_graph: int = 10) -> float:
 
     NOTE: fn is captured `per_graph` times into one CUDA graph and the replay
     is timed with CUDA events. Timing eager launches instead would add the
-    host's launch cost (80-95 us per Triton launch on the H200 machine used:
-    reshape_and_cache of 256 tokens, 2.7 us on the GPU, timed 82-99 us eager)
-    to kernels that run for little longer than that; the engine replays decode
+    host's launch cost (tens of microseconds per Triton launch: compare each
+    kernel's `ms` with its `eager_ms` in bench/results/kernels_h200.json) to
+    kernels that run for little longer than that; the engine replays decode
     steps as CUDA graphs for the same reason.
     """
     for _ in range(warmup):                       # compile, autotune caches, allocator
