@@ -81,8 +81,8 @@ class BlockPool:
             return
         request_id, call = self.event_context or (None, None)
         self.kv_event_queue.append(BlockPoolEvent(
-            kind, [b.block_id for b in blocks], hashes or [], request_id, call,
-            ref_cnts=[b.ref_cnt for b in blocks] if queue_ends is not None else None, queue_ends=queue_ends))
+            kind, [block.block_id for block in blocks], hashes or [], request_id, call,
+            ref_cnts=[block.ref_cnt for block in blocks] if queue_ends is not None else None, queue_ends=queue_ends))
 
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
         """A block whose content has this hash, or None (a prefix-cache miss)."""
@@ -110,7 +110,7 @@ class BlockPool:
             blk.block_hash = block_hash
             self.cached_block_hash_to_block.setdefault(block_hash, {})[blk.block_id] = blk
             cached.append(blk)
-        self._record("cache", cached, [short_hash(b.block_hash) for b in cached])
+        self._record("cache", cached, [short_hash(block.block_hash) for block in cached])
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Take num_blocks from the front of the free queue (ref_cnt becomes 1).
@@ -185,10 +185,10 @@ class BlockPool:
         self.free_block_queue.prepend_n(blocks_without_hash)
         self.free_block_queue.append_n(blocks_with_hash)
         if self.enable_kv_cache_events:
-            front = {id(b) for b in blocks_without_hash}
-            freed = [b for b in blocks_list if not b.is_null]
-            self._record("free", freed, queue_ends=[None if b.ref_cnt else "front" if id(b) in front else "tail"
-                                                    for b in freed])
+            front = {id(block) for block in blocks_without_hash}
+            freed = [block for block in blocks_list if not block.is_null]
+            self._record("free", freed, queue_ends=[None if block.ref_cnt else "front" if id(block) in front
+                                                    else "tail" for block in freed])
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash. Only allowed when no request holds a block."""

@@ -30,7 +30,7 @@ class KVCacheBlocks:
     blocks: tuple[Sequence[KVCacheBlock], ...]
 
     def __add__(self, other: KVCacheBlocks) -> KVCacheBlocks:
-        return KVCacheBlocks(tuple([*a, *b] for a, b in zip(self.blocks, other.blocks)))
+        return KVCacheBlocks(tuple([*blk1, *blk2] for blk1, blk2 in zip(self.blocks, other.blocks)))
 
     def get_block_ids(self, allow_none: bool = False) -> tuple[list[int], ...] | None:
         """Block ids per group; None if allow_none and there are no blocks at all."""
@@ -199,9 +199,10 @@ class KVCacheManager:
         """Plain, JSON-able view of the blocks, the free queue and the block tables.
 
         NOTE: a pool of up to SNAPSHOT_DENSE_MAX_BLOCKS blocks (every CPU run,
-        the lessons) is listed whole. A GPU-sized pool (70k blocks on an H200)
-        would make that O(pool) work per step, slower than the step itself:
-        such a snapshot is "sparse" — the blocks this step touched (allocate /
+        the lessons) is listed whole. A GPU-sized pool (tens of thousands of
+        blocks on an H200) would make that O(pool) work per step, more than the
+        step itself (bench/results/tracing_breakdown_h200.json times the
+        snapshot builders per step): such a snapshot is "sparse" — the blocks this step touched (allocate /
         free / hit / evict / cache events still pending), the first
         SNAPSHOT_FREE_QUEUE_HEAD of the free queue (the next to be taken) and
         the null block; block tables stay whole (ints, O(blocks in use)).

@@ -154,9 +154,9 @@ class KVCacheBlock:
     def __repr__(self) -> str:
         prev_id = self.prev_free_block.block_id if self.prev_free_block else None
         next_id = self.next_free_block.block_id if self.next_free_block else None
-        h = self._block_hash.hex()[:8] if self._block_hash else None
+        short_block_hash = self._block_hash.hex()[:8] if self._block_hash else None
         return (f"KVCacheBlock(block_id={self.block_id}, ref_cnt={self.ref_cnt}, "
-                f"block_hash={h}, prev_free_block={prev_id}, next_free_block={next_id})")
+                f"block_hash={short_block_hash}, prev_free_block={prev_id}, next_free_block={next_id})")
 
 
 class FreeKVCacheBlockQueue:
@@ -244,10 +244,10 @@ class FreeKVCacheBlockQueue:
 
     def get_free_block_ids(self, limit: int | None = None) -> list[int]:
         """The ids of get_all_free_blocks(limit), in one walk (snapshots list them every step)."""
-        n = self.num_free_blocks if limit is None else min(limit, self.num_free_blocks)
+        num_ids = self.num_free_blocks if limit is None else min(limit, self.num_free_blocks)
         ids = []
         block = self.fake_free_list_head.next_free_block
-        for _ in range(n):
+        for _ in range(num_ids):
             ids.append(block.block_id)
             block = block.next_free_block
         return ids

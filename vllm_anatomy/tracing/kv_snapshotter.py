@@ -143,7 +143,7 @@ class KVCacheSnapshotter:
         for block_id in block_ids:
             others = holders.pop(block_id)
             if len(others) > 1:                              # a shared block: the others keep it
-                holders[block_id] = tuple(r for r in others if r != req_id)
+                holders[block_id] = tuple(holder for holder in others if holder != req_id)
         self.stale.update(block_ids)
 
     # -- rows ---------------------------------------------------------------------
