@@ -22,8 +22,9 @@ from tests.unit.test_structured_output import make_scheduler as make_structured_
 from tests.unit.test_structured_output import output, tok
 from vllm_anatomy.core.request import RequestStatus
 from vllm_anatomy.core.sched.scheduler import Scheduler
-from vllm_anatomy.core.state_machine import (ARRIVAL, ARTICLE_PATHS, PATH_ONLY_EDGES, STATUS_TRANSITIONS,
-                                             UNUSED_STATUSES, article_edges, declared_moves)
+from vllm_anatomy.core.state_machine import (ARRIVAL, ARTICLE_PATHS, FINISH_REASONS, NEVER_FROM_A_QUEUE,
+                                             PATH_ONLY_EDGES, STATUS_DESCRIPTIONS, STATUS_TRANSITIONS,
+                                             UNUSED_STATUSES, article_edges, declared_moves, finished_status_of)
 
 
 class Watcher:
@@ -172,6 +173,11 @@ def test_every_observed_status_change_is_declared_and_every_used_one_happens():
     declared = declared_moves()
     assert observed <= declared, f"status changes the state machine does not declare: {observed - declared}"
     assert declared <= observed, f"declared as used but never seen: {declared - observed}"
+    # A request that left a queue finished with the status its finish reason names.
+    left_a_queue = {now for was, now in observed if was != ARRIVAL and RequestStatus.is_finished(RequestStatus[now])}
+    assert {"FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED", "FINISHED_ABORTED", "FINISHED_ERROR"} <= left_a_queue
+    for status in left_a_queue:
+        assert finished_status_of(FINISH_REASONS[status]) == status
 
 
 def test_the_declarations_cover_every_status_and_are_consistent():
@@ -190,3 +196,14 @@ def test_the_declarations_cover_every_status_and_are_consistent():
     # The article's diagram, edge for edge (§四.1).
     assert (RequestStatus.PREEMPTED.name, RequestStatus.WAITING.name) in article
     assert len(article) == 16
+
+
+def test_finish_reasons_and_descriptions_cover_every_status():
+    names = {s.name for s in RequestStatus}
+    assert set(STATUS_DESCRIPTIONS) == names
+    assert set(FINISH_REASONS) == {s.name for s in RequestStatus if RequestStatus.is_finished(s)}
+    assert FINISH_REASONS["FINISHED_IGNORED"] == FINISH_REASONS["FINISHED_LENGTH_CAPPED"] == "length"
+    # Not invertible in general, but a queued request never ends FINISHED_IGNORED.
+    assert finished_status_of("length") == "FINISHED_LENGTH_CAPPED"
+    assert {finished_status_of(reason) for reason in FINISH_REASONS.values()} == \
+        set(FINISH_REASONS) - NEVER_FROM_A_QUEUE

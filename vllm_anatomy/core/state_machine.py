@@ -15,6 +15,12 @@ PREEMPTED → WAITING → RUNNING), and a structured-output request is created
 directly in WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR (the article: WAITING → …).
 ARTICLE_PATHS maps each such code move to the edges drawn for it (one more, not
 in the article: a prompt too long is finished on arrival, drawn through WAITING).
+
+The one definition the dashboard draws from: the statuses (RequestStatus, with
+STATUS_DESCRIPTIONS), the transitions (STATUS_TRANSITIONS), and the
+finish-reason mapping (FINISH_REASONS, read
+from RequestStatus.get_finished_reason, where vLLM keeps it, and its inverse
+for queued requests, finished_status_of).
 """
 from __future__ import annotations
 
@@ -117,6 +123,49 @@ UNUSED_STATUSES: dict[str, str] = {
                                       "input chunk arrives)",
     S.FINISHED_REPETITION.name: "no repetition detection (vLLM can stop a request that repeats itself)",
 }
+
+
+# One line per status: what a request in it is doing.
+STATUS_DESCRIPTIONS: dict[str, str] = {
+    S.WAITING.name: "in the waiting queue, no KV blocks yet",
+    S.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR.name: "its grammar compiles in a thread pool; passed over meanwhile",
+    S.RUNNING.name: "scheduled every step, holds KV blocks",
+    S.PREEMPTED.name: "evicted from the running batch, in the waiting queue to be recomputed",
+    S.FINISHED_STOPPED.name: "finished on EOS / a stop token",
+    S.FINISHED_LENGTH_CAPPED.name: "finished on max_tokens",
+    S.FINISHED_ABORTED.name: "cancelled",
+    S.FINISHED_IGNORED.name: "prompt longer than max_model_len: never scheduled",
+    S.FINISHED_ERROR.name: "failed alone (the others went on)",
+    **{name: f"not entered by this engine: {why}" for name, why in UNUSED_STATUSES.items()},
+}
+
+# The finish reason the frontend (OpenAI API) sees for each finished status
+# ("stop", "length", ...): RequestStatus.get_finished_reason as data.
+FINISH_REASONS: dict[str, str] = {
+    status.name: str(RequestStatus.get_finished_reason(status))
+    for status in RequestStatus if RequestStatus.is_finished(status)}
+
+# Finished statuses that a request in the scheduler's queues can never reach:
+# a prompt longer than max_model_len is finished on arrival, never queued.
+NEVER_FROM_A_QUEUE = frozenset({S.FINISHED_IGNORED.name})
+
+
+def finished_status_of(finish_reason: str) -> str:
+    """The status a request that left the scheduler's queues finished with, from
+    the finish reason its output carried.
+
+    NOTE: status -> finish reason is not invertible: FINISHED_LENGTH_CAPPED and
+    FINISHED_IGNORED both give "length". But FINISHED_IGNORED is set on
+    arrival, never on a queued request, and among the statuses a queued request
+    can finish with each reason names exactly one (checked at import).
+    """
+    return _QUEUED_FINISH_STATUS[finish_reason]
+
+
+_QUEUED_FINISH_STATUS: dict[str, str] = {
+    reason: name for name, reason in FINISH_REASONS.items() if name not in NEVER_FROM_A_QUEUE}
+assert len(_QUEUED_FINISH_STATUS) == len(FINISH_REASONS) - len(NEVER_FROM_A_QUEUE), \
+    "two statuses a queued request can finish with share a finish reason"
 
 
 def declared_moves() -> set[tuple[str, str]]:
