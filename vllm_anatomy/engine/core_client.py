@@ -48,7 +48,8 @@ import zmq
 import zmq.asyncio
 
 from vllm_anatomy.config import VllmConfig
-from vllm_anatomy.engine.core import EngineCore, EngineCoreProc
+from vllm_anatomy.engine.core import EngineCore
+from vllm_anatomy.engine.core_proc import EngineCoreProc
 from vllm_anatomy.engine.exceptions import EngineDeadError
 from vllm_anatomy.engine.protocol import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from vllm_anatomy.engine.serial_utils import (EngineCoreOutputType, EngineCoreReadyResponse,
