@@ -17,6 +17,13 @@ def save_word_level_tokenizer(path: str, vocab_size: int = 512) -> None:
 
 
 @pytest.fixture(scope="session")
+def default_model_dir() -> str:
+    """The default model's converted directory (downloaded and converted on first use, then cached)."""
+    from vllm_anatomy.transformers_utils.default_model import ensure_default_model
+    return str(ensure_default_model())
+
+
+@pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory):
     """A small random Llama saved by transformers (no download needed on the GPU box)."""
     import torch

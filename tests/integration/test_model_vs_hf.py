@@ -10,8 +10,12 @@ transformers' model is loaded once per module from the same converted directory.
 """
 import pytest
 import torch
-import transformers
 
+# NOTE: only transformers' absence skips; an import error of this project's own
+# code (below) fails the module, so a broken import cannot hide the check.
+pytest.importorskip("transformers")
+
+import transformers
 from tests.helpers import PagedSequences
 from vllm_anatomy.config import ModelConfig
 from vllm_anatomy.model_executor.loader import get_model
@@ -26,27 +30,18 @@ RAW = ["The quick brown fox", "def fibonacci(n):", "Once upon a time, in a small
 
 
 @pytest.fixture(scope="module")
-def model_dir():
-    try:
-        from vllm_anatomy.transformers_utils.default_model import ensure_default_model
-    except ImportError as e:
-        pytest.skip(f"default_model.py is not importable yet: {e}")
-    return str(ensure_default_model(quiet=True))
+def tokenizer(default_model_dir):
+    return get_tokenizer(default_model_dir)
 
 
 @pytest.fixture(scope="module")
-def tokenizer(model_dir):
-    return get_tokenizer(model_dir)
+def model(default_model_dir):
+    return get_model(ModelConfig(model=default_model_dir))
 
 
 @pytest.fixture(scope="module")
-def model(model_dir):
-    return get_model(ModelConfig(model=model_dir))
-
-
-@pytest.fixture(scope="module")
-def hf_model(model_dir):
-    return transformers.LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+def hf_model(default_model_dir):
+    return transformers.LlamaForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")
