@@ -57,7 +57,6 @@ import signal
 import socket
 import tempfile
 import threading
-import time
 import traceback
 import types
 import typing
@@ -81,13 +80,15 @@ from vllm_anatomy.tracing.factory import make_recorder
 from vllm_anatomy.tracing.recorder import NullRecorder
 from vllm_anatomy.utils.network_utils import (get_distributed_init_method, get_ip, get_loopback_ip,
                                               get_open_port)
+from vllm_anatomy.utils.shutdown import shutdown
 from vllm_anatomy.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
 
 MAX_CHUNK_BYTES = 1 << 20      # vLLM: VLLM_MQ_MAX_CHUNK_BYTES_MB = 16 MiB; our messages are small
 WORKER_READY_TIMEOUT_S = 600.0
-SHUTDOWN_GRACE_S = 5.0
+SHUTDOWN_GRACE_S = 5.0        # a worker's own exit once its death pipe closes
+SIGTERM_WAIT_S = 1.0          # then SIGTERM, then SIGKILL
 
 
 class RPCRequest(msgspec.Struct, array_like=True):
@@ -227,7 +228,7 @@ class BackgroundResources:
         self.shutdown_event.set()        # NOTE: ends our own waits on the queues
         for conn in [u.death_writer for u in self.unready]:
             conn.close()                 # NOTE: EOF on the death pipe = "exit now" for the worker
-        _ensure_worker_termination([u.proc for u in self.unready], SHUTDOWN_GRACE_S)
+        shutdown([u.proc for u in self.unready], exit_wait_s=SHUTDOWN_GRACE_S, terminate_wait_s=SIGTERM_WAIT_S)
         for mq in [w.worker_response_mq for w in self.workers] + self.remote_response_mqs:
             if mq is not None:
                 mq.close()
@@ -237,24 +238,6 @@ class BackgroundResources:
         unlink_shm_segments(self.ipc_dir)
         if self.owns_ipc_dir:
             shutil.rmtree(self.ipc_dir, ignore_errors=True)
-
-
-def _ensure_worker_termination(procs: list[multiprocessing.process.BaseProcess], grace_s: float) -> None:
-    """Wait up to grace_s for the workers to exit, then SIGTERM (1 s), then SIGKILL; reap them all.
-
-    NOTE: join() is what reaps a child: one never joined stays a zombie in the
-    process table for as long as this process lives.
-    """
-    deadline = time.monotonic() + grace_s
-    for proc in procs:
-        proc.join(max(0.0, deadline - time.monotonic()))
-    for proc in procs:
-        if proc.is_alive():
-            proc.terminate()
-            proc.join(1.0)
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
 
 
 class MultiprocExecutor(Executor):
@@ -352,7 +335,7 @@ class MultiprocExecutor(Executor):
             dead = next(w for w in workers if w.proc.sentinel in died)
             if inline and dead.proc.exitcode == 0:
                 # A headless node: the engine closed the queue; the others end on their own.
-                _ensure_worker_termination([w.proc for w in workers], SHUTDOWN_GRACE_S)
+                shutdown([w.proc for w in workers], exit_wait_s=SHUTDOWN_GRACE_S, terminate_wait_s=SIGTERM_WAIT_S)
                 return
             executor._fail(dead)
             # NOTE: as in vLLM, one dead worker takes the executor down: the others
@@ -360,7 +343,7 @@ class MultiprocExecutor(Executor):
             for w in workers:
                 if w.proc.is_alive():
                     w.proc.terminate()
-            _ensure_worker_termination([w.proc for w in workers], SHUTDOWN_GRACE_S)
+            shutdown([w.proc for w in workers], exit_wait_s=SHUTDOWN_GRACE_S, terminate_wait_s=SIGTERM_WAIT_S)
 
         if inline:
             monitor_workers()
