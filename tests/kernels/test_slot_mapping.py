@@ -50,13 +50,14 @@ def test_matches_reference_and_worker(block_size, seed):
     assert out[-1] == POISON, "wrote past pad_to"
     assert (out[num_tokens:-1] == -1).all()
 
-    # The same numbers as the worker's numpy seam (vllm_anatomy/worker/block_table.py).
+    # The same numbers as BlockTable.compute_slot_mapping on a CPU (numpy; vllm_anatomy/worker/block_table.py).
     table = BlockTable(block_size, max_num_reqs=num_reqs, max_num_blocks_per_req=block_table.shape[1],
                        max_num_batched_tokens=num_tokens + 7, device="cpu")
     table.block_table_np[:num_reqs] = block_table.cpu().numpy()
-    req_indices = np.repeat(np.arange(num_reqs), qlens)
-    table.compute_slot_mapping(req_indices, positions.cpu().numpy())
-    assert np.array_equal(table.slot_mapping_np, out[:-1].cpu().numpy())
+    table.commit_block_table(num_reqs)
+    qsl = torch.tensor([0] + list(np.cumsum(qlens)), dtype=torch.int32)
+    table.compute_slot_mapping(num_reqs, qsl, positions.cpu(), num_tokens + 7)
+    assert np.array_equal(table.slot_mapping.numpy(), out[:-1].cpu().numpy())
 
 
 def test_padding_only_batch():

@@ -100,11 +100,11 @@ def test_prepare_inputs_article_example(tiny_llama, device):
     assert rec["slot_mapping"] == [12, 13, 20, 21, 22, 23, 36, 28, 29, 30]
     assert rec["logits_indices"] == [1, 6, 9]
     # The recorded lists are what the device buffers hold.
-    assert runner.input_ids[:10].tolist() == rec["input_ids"]
-    assert runner.positions[:10].tolist() == rec["positions"]
-    assert runner.query_start_loc[:4].tolist() == rec["query_start_loc"]
-    assert (runner.query_start_loc_np[4:] == 10).all()   # padded: stays non-decreasing
-    assert runner.seq_lens[:3].tolist() == rec["seq_lens"]
+    assert runner.input_ids.gpu[:10].tolist() == rec["input_ids"]
+    assert runner.positions.gpu[:10].tolist() == rec["positions"]
+    assert runner.query_start_loc.gpu[:4].tolist() == rec["query_start_loc"]
+    assert (runner.query_start_loc.np[4:] == 10).all()   # padded: stays non-decreasing
+    assert runner.seq_lens.gpu[:3].tolist() == rec["seq_lens"]
     bt = runner.input_batch.block_table
     assert bt.slot_mapping[:10].tolist() == rec["slot_mapping"]
     assert bt.block_table[:3, :2].tolist() == [[3, 0], [5, 9], [7, 0]]

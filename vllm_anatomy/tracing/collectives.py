@@ -26,6 +26,7 @@ from typing import Any, Iterator
 import torch
 
 from vllm_anatomy.tracing.recorder import NullRecorder, Recorder
+from vllm_anatomy.tracing.runner_tracer import NULL_KERNEL_TIMER
 
 # The collectives a GroupCoordinator runs (span and attribute names use these).
 OPS = ("all_reduce", "all_gather", "broadcast")
@@ -33,9 +34,9 @@ OPS = ("all_reduce", "all_gather", "broadcast")
 
 class CollectiveTracer:
 
-    def __init__(self, recorder: Recorder | None = None, device_timer: Any = None) -> None:
+    def __init__(self, recorder: Recorder | None = None, kernel_timer: Any = NULL_KERNEL_TIMER) -> None:
         self.recorder = recorder or NullRecorder()
-        self.device_timer = device_timer        # worker/device_timer.py DeviceTimer, or None
+        self.kernel_timer = kernel_timer        # the runner's (tracing/runner_tracer.py): null below level full
         self.host_spans = self.recorder.wants_snapshots
         # op -> [number of calls, bytes], since the last take_step_counts()
         self.counts: dict[str, list[int]] = {op: [0, 0] for op in OPS}
@@ -51,10 +52,8 @@ class CollectiveTracer:
             return
         attrs = {"vllm_anatomy.collective": op, "vllm_anatomy.bytes": nbytes,
                  "vllm_anatomy.group_size": group_size}
-        timer = self.device_timer
-        device_interval = timer.interval(f"GPU.collective.{op}", **attrs) if timer is not None \
-            else contextlib.nullcontext()
-        with self.recorder.span(f"GroupCoordinator.{op}", **attrs), device_interval:
+        with self.recorder.span(f"GroupCoordinator.{op}", **attrs), \
+                self.kernel_timer.interval(f"GPU.collective.{op}", **attrs):
             yield
 
     def take_step_counts(self) -> dict[str, int]:

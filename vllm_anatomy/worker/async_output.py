@@ -1,32 +1,37 @@
-"""AsyncGPUModelRunnerOutput: a step's sampled tokens, on their way to the host.
+"""Async scheduling's bookkeeping: a step's sampled tokens, on their way to the host.
 
-Mirrors AsyncGPUModelRunnerOutput in vllm/v1/worker/gpu_model_runner.py.
-With async scheduling, sample_tokens must not wait for the device: the engine
-wants to schedule and launch the next step first. So the runner enqueues the
-device-to-host copy of the sampled ids (and logprobs), records an event behind
-it, and returns this handle. get_output() — called by the engine one step
-later — waits on that event: the step's sync point, moved. By then the device
-usually has the next step queued, so the wait keeps it busy instead of idle.
+Mirrors AsyncGPUModelRunnerOutput in vllm/v1/worker/gpu_model_runner.py and
+the async branch of its _bookkeeping_sync. With async scheduling,
+sample_tokens must not wait for the device: the engine wants to schedule and
+launch the next step first. So bookkeeping_async
+- keeps the sampled ids on the device (`input_batch.prev_sampled_token_ids`):
+  the next step's _prepare_inputs splices them into input_ids there
+  (GPUModelRunner._splice_prev_sampled);
+- appends -1 placeholders to the runner's own copy of each request's tokens;
+- returns an AsyncGPUModelRunnerOutput, which enqueues the device-to-host copy
+  of the ids (and logprobs) on its own CUDA stream and records an event behind
+  it. get_output(), called by the engine one step later, waits on that event
+  (the step's sync point, moved: by then the device usually has the next step
+  queued, so the wait keeps it busy instead of idle) and writes the real ids
+  over the placeholders, so a request that skips a step and comes back has them.
 
-Meanwhile the runner's own copy of the tokens holds -1 placeholders (the next
-step reads the real ids straight from the device tensor, see
-GPUModelRunner._splice_prev_sampled); get_output() writes the real ids over
-the placeholders, so a request that skips a step and comes back still has
-them. Simplified: vLLM copies on a side stream from a separate thread in
-multiprocess workers; we copy on the compute stream, in-process only.
+Simplified: vLLM's multiprocess workers call get_output from a separate
+thread; ours call it on the worker's own loop (executor/multiproc_executor.py).
 """
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from vllm_anatomy.core.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
+from vllm_anatomy.worker.runner_output import make_model_runner_output
 
 if TYPE_CHECKING:
-    from vllm_anatomy.worker.device_timer import StepEvents
-    from vllm_anatomy.worker.gpu_model_runner import GPUModelRunner
+    from vllm_anatomy.model_executor.sampler import SamplerOutput
+    from vllm_anatomy.tracing.runner_tracer import RunnerTracer
+    from vllm_anatomy.worker.gpu_input_batch import CachedRequestState, InputBatch
+    from vllm_anatomy.worker.gpu_model_runner import ExecuteModelState, GPUModelRunner
 
 
 class Placeholder(NamedTuple):
@@ -35,55 +40,128 @@ class Placeholder(NamedTuple):
     output_index: int
 
 
+def bookkeeping_async(runner: GPUModelRunner, state: ExecuteModelState,
+                      sampler_output: SamplerOutput) -> AsyncGPUModelRunnerOutput:
+    """No sync: keep the ids on the device for the next step, -1 placeholders on the host."""
+    batch = runner.input_batch
+    req_ids = list(batch.req_ids)
+    invalid = state.discard_request_indices.tolist()
+    invalid_set = set(invalid)
+    batch.prev_sampled_token_ids = sampler_output.sampled_token_ids          # [R] on the device
+    batch.prev_req_id_to_index = {r: i for i, r in enumerate(req_ids) if i not in invalid_set}
+    batch.prev_req_ids = req_ids if not invalid else None
+    rows = runner.sampling_rows(len(req_ids), state.discard_request_indices)
+    output_indices = runner.cache_sampled_tokens(req_ids, rows, [-1] * len(rows))
+    placeholders: list[Placeholder | None] = [None] * len(req_ids)
+    for i, output_index in zip(rows.tolist(), output_indices):
+        placeholders[i] = Placeholder(req_ids[i], output_index)
+    snapshot = runner.tracer.snapshots.take(runner)
+    return AsyncGPUModelRunnerOutput(
+        runner.tracer, state.scheduler_output.step_id, req_ids, sampler_output, invalid,
+        PlaceholderFill(runner.requests, batch, placeholders), dict(batch.num_logprobs),
+        runner.async_output_copy_stream, snapshot, state.error_req_ids)
+
+
+class PlaceholderFill:
+    """The -1s one step left in the runner's token copies, and how to replace them."""
+
+    def __init__(self, requests: dict[str, CachedRequestState], input_batch: InputBatch,
+                 placeholders: list[Placeholder | None]) -> None:
+        self.requests = requests
+        self.input_batch = input_batch
+        self.placeholders = placeholders
+
+    def fill(self, sampled: list[int]) -> None:
+        """The real ids have arrived; write them over the -1s.
+
+        NOTE: by now the next step has run _update_states, so rows may have
+        moved (condense) or left the batch: look each request up afresh. A
+        request finished meanwhile is gone; one resumed after preemption got
+        its real tokens from the scheduler (no -1 left to replace).
+        """
+        batch = self.input_batch
+        requests, index = self.requests, batch.req_id_to_index
+        rows, cols, tokens = [], [], []
+        for placeholder, token in zip(self.placeholders, sampled):
+            if placeholder is None or (state := requests.get(placeholder.req_id)) is None:
+                continue
+            out = state.output_token_ids
+            if placeholder.output_index >= len(out) or out[placeholder.output_index] != -1:
+                continue
+            out[placeholder.output_index] = token
+            row = index.get(placeholder.req_id)
+            if row is not None:
+                rows.append(row)
+                cols.append(state.num_prompt_tokens + placeholder.output_index)
+                tokens.append(token)
+        batch.token_ids_cpu[rows, cols] = tokens
+
+
 class AsyncGPUModelRunnerOutput(AsyncModelRunnerOutput):
 
-    def __init__(self, runner: GPUModelRunner, step_id: int, req_ids: list[str],
-                 sampled_token_ids: torch.Tensor, logprobs_tensors: tuple | None,
-                 invalid_req_indices: list[int], placeholders: list[Placeholder | None],
-                 num_logprobs: dict[str, int], snapshot: dict | None,
+    def __init__(self, tracer: RunnerTracer, step_id: int, req_ids: list[str], sampler_output: SamplerOutput,
+                 invalid_req_indices: list[int], placeholders: PlaceholderFill, num_logprobs: dict[str, int],
+                 copy_stream: torch.cuda.Stream | None, snapshot: dict | None,
                  error_req_ids: list[str] | None = None) -> None:
-        self._runner = runner
-        self._error_req_ids = error_req_ids
+        self._tracer = tracer
         self._step_id = step_id
         self._req_ids = req_ids
         self._invalid_req_indices = invalid_req_indices
         self._placeholders = placeholders
         self._num_logprobs = num_logprobs
         self._snapshot = snapshot
-        # NOTE: enqueued behind the sampler on the same stream, so they copy
-        # this step's values; non_blocking into pinned memory: no host wait.
-        runner.device_timer.mark("d2h")
-        self._host = [t.to("cpu", non_blocking=True)
-                      for t in (sampled_token_ids, *(logprobs_tensors or ()))]
-        self._has_logprobs = logprobs_tensors is not None
-        self._ready = None
-        if sampled_token_ids.is_cuda:
-            runner.device_timer.mark("end")
-            self._ready = torch.cuda.Event()
-            self._ready.record()
-        self._timer_events: StepEvents | None = runner.device_timer.take()
+        self._error_req_ids = error_req_ids
+        device_tensors = (sampler_output.sampled_token_ids, *(sampler_output.logprobs_tensors or ()))
+        self._has_logprobs = sampler_output.logprobs_tensors is not None
+        tracer.device_mark("d2h")
+        self._ready: torch.cuda.Event | None = None
+        if copy_stream is None:
+            # NOTE: on a CPU every op ran synchronously: the values are there.
+            self._host = list(device_tensors)
+        else:
+            self._host = self._copy_on_stream(device_tensors, copy_stream)
+        self._timer_events = tracer.take_device_events()
         self._output: ModelRunnerOutput | None = None
         self.sync_wait_s = 0.0
+
+    def _copy_on_stream(self, device_tensors: tuple[torch.Tensor, ...],
+                        copy_stream: torch.cuda.Stream) -> list[torch.Tensor]:
+        """Enqueue the device-to-host copies on `copy_stream`, behind the sampler; no host wait.
+
+        NOTE: the copy stream first waits for the compute stream (wait_stream),
+        so it copies this step's values, and the compute stream does not wait
+        for the copy: the next step's kernels queue behind the sampler, not
+        behind the transfer. non_blocking into pinned memory; the event recorded
+        on the copy stream is what get_output waits on. The device tensors
+        are kept referenced until then: they were allocated on the compute
+        stream, whose allocator could otherwise hand their memory to the next
+        step while the copy still reads it.
+        """
+        self._device_tensors = device_tensors
+        with torch.cuda.stream(copy_stream):
+            copy_stream.wait_stream(torch.cuda.current_stream(device_tensors[0].device))
+            host = [t.to("cpu", non_blocking=True) for t in device_tensors]
+            self._tracer.device_mark("end")
+            # Blocking (sleep) event, as vLLM: the host waits without busy-polling the driver.
+            self._ready = torch.cuda.Event(blocking=True)
+            self._ready.record(copy_stream)
+        return host
 
     def get_output(self) -> ModelRunnerOutput:
         if self._output is not None:
             return self._output
-        runner = self._runner
-        with runner.recorder.span("AsyncGPUModelRunnerOutput.get_output",
-                                  **{"vllm_anatomy.step_id": self._step_id}) as span:
-            t0 = time.perf_counter()
+        tracer = self._tracer
+        with tracer.sync_point("AsyncGPUModelRunnerOutput.get_output", self._step_id, self._timer_events,
+                               **{"vllm_anatomy.step_id": self._step_id}):
             if self._ready is not None:
-                self._ready.synchronize()
-            wait_s = self.sync_wait_s = time.perf_counter() - t0
-            runner.device_timer.resolve(self._step_id, self._timer_events, wait_s)
-            span.set_attribute("vllm_anatomy.sync_wait_ms", wait_s * 1e3)
-            span.set_attribute("vllm_anatomy.device", runner.device.type)
+                tracer.wait(self._ready)
+                self._device_tensors = ()          # copied: the device memory may go
+            self.sync_wait_s = tracer.wait_s
             sampled = self._host[0].tolist()
-            runner.fill_placeholders(self._placeholders, sampled)
-            self._output = runner.make_model_runner_output(
+            self._placeholders.fill(sampled)
+            self._output = make_model_runner_output(
                 self._req_ids, sampled, self._invalid_req_indices, self._num_logprobs,
                 [t.tolist() for t in self._host[1:]] if self._has_logprobs else None,
                 self._error_req_ids)
-        if self._snapshot is not None:
-            runner._record_snapshot(self._step_id, self._output.sampled_token_ids, self._snapshot)
+        tracer.snapshots.record(self._step_id, self._output.sampled_token_ids, snapshot=self._snapshot)
         return self._output

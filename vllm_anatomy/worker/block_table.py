@@ -16,8 +16,9 @@ request has; this table only mirrors that, indexed by batch row.
 
 Simplified here: no context parallelism (DCP/PCP interleaving), no hybrid
 groups, no 128-token width rounding. As in vLLM, slot_mapping is computed
-on the GPU by a Triton kernel (`compute_slot_mapping_device`); on the CPU numpy
-computes the same formula (`compute_slot_mapping`).
+on the GPU by a Triton kernel (`compute_slot_mapping`, from the block table and
+positions already on the device); on a CPU the same method computes the same
+formula in numpy.
 """
 from __future__ import annotations
 
@@ -47,10 +48,8 @@ class BlockTable:
         self.block_table_np = self.block_table_cpu.numpy()
         self.num_blocks_per_row = np.zeros(max_num_reqs, dtype=np.int32)
 
-        # [max_num_batched_tokens] int64: one slot per scheduled token.
-        self.slot_mapping_cpu = torch.full((max_num_batched_tokens,), PAD_SLOT_ID,
-                                           dtype=torch.int64, device="cpu", pin_memory=pin_memory)
-        self.slot_mapping_np = self.slot_mapping_cpu.numpy()
+        # [max_num_batched_tokens] int64: one slot per scheduled token, written
+        # where the kernels read it (it has no host copy: see compute_slot_mapping).
         self.slot_mapping = torch.full((max_num_batched_tokens,), PAD_SLOT_ID,
                                        dtype=torch.int64, device=self.device)
 
@@ -99,41 +98,31 @@ class BlockTable:
         """
         self.block_table[:num_reqs].copy_(self.block_table_cpu[:num_reqs], non_blocking=True)
 
-    def compute_slot_mapping(self, req_indices: np.ndarray, positions: np.ndarray) -> None:
-        """Fill slot_mapping_np for tokens whose (batch row, position) are given.
+    def compute_slot_mapping(self, num_reqs: int, query_start_loc: torch.Tensor,
+                             positions: torch.Tensor, pad_to: int) -> None:
+        """slot_mapping[:pad_to] for this step's tokens, PAD_SLOT_ID (-1) past them.
 
-        req_indices, positions: [T] numpy arrays (T = scheduled tokens this step).
-        Entries past T are PAD_SLOT_ID (-1): a padded batch (CUDA graphs) has
-        tokens that must not write into any real slot, and the KV write skips -1.
-        """
-        num_tokens = req_indices.shape[0]
+        query_start_loc [R + 1] and positions [T] are the step's inputs where
+        the kernels read them, after commit_block_table. Padding (a CUDA-graph
+        batch, pad_to > T) must not write into any real slot: the KV write skips -1.
+        On a GPU this is the Triton kernel (vLLM's _compute_slot_mapping_kernel);
+        on a CPU, numpy on the same tensors."""
+        if self.device.type == "cuda":
+            from vllm_anatomy.kernels.slot_mapping import compute_slot_mapping
+            compute_slot_mapping(self.block_table, query_start_loc, positions, self.block_size, num_reqs,
+                                 self.slot_mapping, pad_to)
+            return
+        positions_np = positions.numpy()                                       # [T]
+        num_tokens = positions_np.shape[0]
+        req_indices = np.repeat(np.arange(num_reqs), np.diff(query_start_loc.numpy()[:num_reqs + 1]))  # [T]
         # Index into the flattened table: row r, logical block b -> r * width + b.
         block_table_indices = (req_indices * self.max_num_blocks_per_req
-                               + positions // self.block_size)                 # [T]
-        block_numbers = self.block_table_np.ravel()[block_table_indices]     # [T]
-        block_offsets = positions % self.block_size                          # [T]
-        np.add(block_numbers.astype(np.int64) * self.block_size, block_offsets,
-               out=self.slot_mapping_np[:num_tokens])
-        self.slot_mapping_np[num_tokens:] = PAD_SLOT_ID
-
-    def compute_slot_mapping_device(self, num_reqs: int, query_start_loc: torch.Tensor,
-                                    positions: torch.Tensor, pad_to: int) -> None:
-        """The same formula on the device (the Triton kernel), after commit_block_table.
-
-        query_start_loc [R + 1] and positions [T] must already be on the device;
-        slot_mapping[:pad_to] is written there, -1 past the scheduled tokens."""
-        from vllm_anatomy.kernels.slot_mapping import compute_slot_mapping
-        compute_slot_mapping(self.block_table, query_start_loc, positions, self.block_size, num_reqs,
-                             self.slot_mapping, pad_to)
-
-    def commit_slot_mapping(self, num_tokens: int) -> None:
-        """Copy the first `num_tokens` slots to the device.
-
-        Pass the number of tokens the kernels will see: with a padded batch
-        (CUDA graphs) that is more than were scheduled, and the extra entries
-        are the -1 padding written by compute_slot_mapping.
-        """
-        self.slot_mapping[:num_tokens].copy_(self.slot_mapping_cpu[:num_tokens], non_blocking=True)
+                               + positions_np // self.block_size)             # [T]
+        block_numbers = self.block_table.numpy().ravel()[block_table_indices]  # [T]
+        block_offsets = positions_np % self.block_size                        # [T]
+        slot_mapping = self.slot_mapping.numpy()
+        np.add(block_numbers.astype(np.int64) * self.block_size, block_offsets, out=slot_mapping[:num_tokens])
+        slot_mapping[num_tokens:pad_to] = PAD_SLOT_ID
 
     def get_device_tensor(self, num_reqs: int) -> torch.Tensor:
         return self.block_table[:num_reqs]                    # [R, max_num_blocks_per_req]

@@ -27,7 +27,7 @@ the host spans (GPUModelRunner._model_forward, ...) are that timeline.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 
@@ -55,10 +55,6 @@ class DeviceTimer:
     def active(self) -> bool:
         return self.enabled and not self.capturing
 
-    @property
-    def times_kernels(self) -> bool:
-        return self.active and self.recorder.wants_snapshots
-
     def _event(self) -> torch.cuda.Event:
         event = self._spare.pop() if self._spare else torch.cuda.Event(enable_timing=True)
         event.record()
@@ -72,20 +68,23 @@ class DeviceTimer:
             self.marks.append((phase, self._event(), attrs))
 
     @contextlib.contextmanager
-    def kernel(self, name: str, **attrs: Any) -> Iterator[None]:
-        """Time one kernel launch (level full, eager steps only)."""
-        if not self.times_kernels:
+    def kernel(self, name: str, describe: Callable[[], dict] | None = None) -> Iterator[None]:
+        """Time one kernel launch as `GPU.kernel.<name>`, with describe()'s attributes (eager steps only).
+
+        NOTE: the runner hands this timer to the kernels only at level full
+        (tracing/runner_tracer.py; below it they get a NullKernelTimer)."""
+        if not self.active:
             yield
             return
         start = self._event()
         yield
-        self.intervals.append((f"GPU.kernel.{name}", start, self._event(), attrs))
+        self.intervals.append((f"GPU.kernel.{name}", start, self._event(), describe() if describe else {}))
 
     @contextlib.contextmanager
     def interval(self, span_name: str, **attrs: Any) -> Iterator[None]:
-        """Time the device work enqueued inside as `span_name` (level full, eager
-        steps only): a collective (tracing/collectives.py), when kernel() is not the word."""
-        if not self.times_kernels:
+        """Time the device work enqueued inside as `span_name` (eager steps only):
+        a collective (tracing/collectives.py), when kernel() is not the word."""
+        if not self.active:
             yield
             return
         start = self._event()

@@ -77,7 +77,8 @@ class Worker:
 
     def _trace_collectives(self, tp_group) -> None:
         """Count the TP group's collectives on this worker's spans (and time them at level full)."""
-        self.collective_tracer = tp_group.tracer = CollectiveTracer(self.recorder, self.model_runner.device_timer)
+        self.collective_tracer = tp_group.tracer = CollectiveTracer(self.recorder,
+                                                                    self.model_runner.tracer.kernel_timer)
         if self.model_runner.cudagraph_runner is not None:
             # NOTE: a graph replays its collectives without Python: it adds
             # what its capture counted (worker/cudagraph.py).
@@ -99,7 +100,7 @@ class Worker:
             self.model_runner.warm_up()
             self.model_runner.capture_model()
             # The device is idle now: link its clock to the host's for the device lane.
-            self.model_runner.device_timer.calibrate()
+            self.model_runner.tracer.device_timer.calibrate()
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         with self._span_from(self._rpc_trace_headers, "Worker.execute_model") as span:

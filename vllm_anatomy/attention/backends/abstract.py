@@ -13,10 +13,12 @@ i.e. kv_cache[:, slot // block_size, slot % block_size].
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from vllm_anatomy.tracing.runner_tracer import NULL_KERNEL_TIMER
 
 PAD_SLOT_ID = -1
 
@@ -35,9 +37,10 @@ class AttentionMetadata:
     # (the torch reference backend). Never read by GPU kernels.
     query_start_loc_cpu: torch.Tensor | None = None
     seq_lens_cpu: torch.Tensor | None = None
-    # Set only when a full trace times each kernel launch (an eager step on a
-    # GPU): worker/device_timer.DeviceTimer. Never inside a CUDA graph.
-    kernel_timer: Any = None
+    # Each kernel launch runs inside `with kernel_timer.kernel(...)`: the
+    # DeviceTimer when a full trace times launches (an eager step on a GPU;
+    # never inside a CUDA graph), else a null timer whose `with` does nothing.
+    kernel_timer: Any = field(default=NULL_KERNEL_TIMER)
 
 
 class AttentionImpl:
@@ -51,7 +54,7 @@ class AttentionImpl:
 
     def do_kv_cache_update(self, key: torch.Tensor, value: torch.Tensor,
                            kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                           kernel_timer: Any = None) -> None:
+                           kernel_timer: Any = NULL_KERNEL_TIMER) -> None:
         """Scatter new K/V ([T, num_kv_heads, head_dim]) into the paged cache (skip slot -1).
 
         kernel_timer: AttentionMetadata.kernel_timer, for backends that launch kernels."""

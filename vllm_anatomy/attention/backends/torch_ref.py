@@ -29,13 +29,14 @@ from vllm_anatomy.attention.backends.abstract import (
     AttentionImpl,
     AttentionMetadata,
 )
+from vllm_anatomy.tracing.runner_tracer import NULL_KERNEL_TIMER
 
 
 class TorchReferenceImpl(AttentionImpl):
 
     def do_kv_cache_update(self, key: torch.Tensor, value: torch.Tensor,
                            kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                           kernel_timer=None) -> None:
+                           kernel_timer=NULL_KERNEL_TIMER) -> None:
         """key, value: [T, num_kv_heads, head_dim]; kv_cache: [2, num_blocks, block_size, nkv, hd]."""
         num_tokens = key.shape[0]
         # NOTE: slot_mapping may be longer than key (padded batch); and padding

@@ -28,24 +28,17 @@ from vllm_anatomy.attention.backends.abstract import (
 )
 from vllm_anatomy.kernels import reshape_and_cache as rc
 from vllm_anatomy.kernels import unified_attention as ua
+from vllm_anatomy.tracing.runner_tracer import NULL_KERNEL_TIMER
 
 
 class TritonAttentionImpl(AttentionImpl):
 
     def do_kv_cache_update(self, key: torch.Tensor, value: torch.Tensor,
                            kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                           kernel_timer=None) -> None:
+                           kernel_timer=NULL_KERNEL_TIMER) -> None:
         """key, value: [T, num_kv_heads, head_dim]; kv_cache: [2, num_blocks, block_size, nkv, hd]."""
         key_cache, value_cache = kv_cache.unbind(0)        # views: [num_blocks, block_size, nkv, hd]
-        if kernel_timer is None:
-            rc.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
-            return
-        num_tokens = key.shape[0]
-        with kernel_timer.kernel("reshape_and_cache", **{
-                "vllm_anatomy.grid": list(rc.launch_grid(num_tokens, self.num_kv_heads, self.head_dim)),
-                "vllm_anatomy.num_tokens": num_tokens,
-                # read K and V, write them into the cache, read the slots
-                "vllm_anatomy.bytes": 4 * key.numel() * key.element_size() + 8 * num_tokens}):
+        with kernel_timer.kernel("reshape_and_cache", lambda: self._cache_launch_attrs(key)):
             rc.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
 
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor,
@@ -58,33 +51,36 @@ class TritonAttentionImpl(AttentionImpl):
         # batch); the kernel never writes them. Zero them so that the output
         # equals the torch reference everywhere (a slice by a host int: no sync).
         output[num_actual_tokens:].zero_()
-        timer = attn_metadata.kernel_timer
-        if timer is None:
-            self._attend(query, key_cache, value_cache, output, attn_metadata)
-            return output
-        with timer.kernel("unified_attention", **self._launch_attrs(query, attn_metadata)):
-            self._attend(query, key_cache, value_cache, output, attn_metadata)
+        with attn_metadata.kernel_timer.kernel("unified_attention",
+                                               lambda: self._attention_launch_attrs(query, attn_metadata)):
+            ua.unified_attention(
+                q=query[:num_actual_tokens], key_cache=key_cache, value_cache=value_cache,
+                out=output[:num_actual_tokens],
+                cu_seqlens_q=attn_metadata.query_start_loc, max_seqlen_q=attn_metadata.max_query_len,
+                seqused_k=attn_metadata.seq_lens, max_seqlen_k=attn_metadata.max_seq_len,
+                softmax_scale=self.scale, block_table=attn_metadata.block_table)
         return output
 
-    def _attend(self, query, key_cache, value_cache, output, attn_metadata: AttentionMetadata) -> None:
-        num_actual_tokens = attn_metadata.num_actual_tokens
-        ua.unified_attention(
-            q=query[:num_actual_tokens], key_cache=key_cache, value_cache=value_cache,
-            out=output[:num_actual_tokens],
-            cu_seqlens_q=attn_metadata.query_start_loc, max_seqlen_q=attn_metadata.max_query_len,
-            seqused_k=attn_metadata.seq_lens, max_seqlen_k=attn_metadata.max_seq_len,
-            softmax_scale=self.scale, block_table=attn_metadata.block_table)
+    # The launch attributes a timed kernel's span carries, from host-side values only (no device read).
+    def _cache_launch_attrs(self, key: torch.Tensor) -> dict:
+        num_tokens = key.shape[0]
+        return {"vllm_anatomy.grid": list(rc.launch_grid(num_tokens, self.num_kv_heads, self.head_dim)),
+                "vllm_anatomy.num_tokens": num_tokens,
+                # read K and V, write them into the cache, read the slots
+                "vllm_anatomy.bytes": 4 * key.numel() * key.element_size() + 8 * num_tokens}
 
-    def _launch_attrs(self, query: torch.Tensor, md: AttentionMetadata) -> dict:
-        """Grid, tokens and bytes moved, from host-side values only (no device read)."""
-        t = md.num_actual_tokens
+    def _attention_launch_attrs(self, query: torch.Tensor, attn_metadata: AttentionMetadata) -> dict:
+        num_tokens = attn_metadata.num_actual_tokens
         item = query.element_size()
-        num_keys = int(md.seq_lens_cpu.sum()) if md.seq_lens_cpu is not None else 0
+        seq_lens_cpu = attn_metadata.seq_lens_cpu
+        num_keys = int(seq_lens_cpu.sum()) if seq_lens_cpu is not None else 0
         # Q read + O written, and every request's K and V read once (GQA packed).
-        moved = 2 * t * self.num_heads * self.head_dim * item + 2 * num_keys * self.num_kv_heads * self.head_dim * item
-        grid = ua.default_grid(t, md.num_reqs, self.num_heads, self.num_kv_heads, self.head_dim, md.max_query_len)
-        return {"vllm_anatomy.grid": list(grid), "vllm_anatomy.num_tokens": t,
-                "vllm_anatomy.num_reqs": md.num_reqs, "vllm_anatomy.bytes": moved}
+        moved = (2 * num_tokens * self.num_heads * self.head_dim * item
+                 + 2 * num_keys * self.num_kv_heads * self.head_dim * item)
+        grid = ua.default_grid(num_tokens, attn_metadata.num_reqs, self.num_heads, self.num_kv_heads,
+                               self.head_dim, attn_metadata.max_query_len)
+        return {"vllm_anatomy.grid": list(grid), "vllm_anatomy.num_tokens": num_tokens,
+                "vllm_anatomy.num_reqs": attn_metadata.num_reqs, "vllm_anatomy.bytes": moved}
 
 
 class TritonAttentionBackend(AttentionBackend):

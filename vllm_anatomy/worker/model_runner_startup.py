@@ -1,0 +1,190 @@
+"""What GPUModelRunner does once, before the first step: load, size the KV cache, warm up, capture graphs.
+
+Mirrors the start-up half of vllm/v1/worker/gpu_model_runner.py (load_model,
+profile_run / _dummy_run / _dummy_sampler_run, initialize_kv_cache,
+capture_model). vLLM keeps them in the one 7,000-line class; here they are a
+mixin, ModelRunnerStartupMixin, that GPUModelRunner inherits, so that
+gpu_model_runner.py reads as the step alone (the translation layer) while
+start-up keeps the same `self`: these methods use the runner's model, its
+persistent input buffers and its CUDA-graph runner (worker/cudagraph.py),
+and are called on the runner by the Worker, in this order:
+    load_model -> determine_num_available_blocks -> initialize_kv_cache
+    -> warm_up -> capture_model
+Nothing here runs during a step.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from vllm_anatomy.attention.backends.abstract import AttentionMetadata
+from vllm_anatomy.model_executor.loader import get_model
+from vllm_anatomy.model_executor.sampling_metadata import SamplingMetadata
+
+if TYPE_CHECKING:
+    from vllm_anatomy.worker.gpu_model_runner import GPUModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunnerStartupMixin:
+
+    def load_model(self: GPUModelRunner) -> None:
+        with self.tracer.span("GPUModelRunner.load_model"):
+            self.model = get_model(self.model_config, backend=self.attn_backend_name).to(self.device)
+            self.tracer.device_timer.watch_layers(self.model.model.layers)
+
+    def get_kv_cache_bytes_per_block(self: GPUModelRunner) -> int:
+        """Bytes one block takes summed over all layers (K and V)."""
+        model = self.model
+        shape = model.attn_backend.get_kv_cache_shape(1, self.block_size, model.num_kv_heads, model.head_dim)
+        itemsize = next(model.parameters()).element_size()
+        return math.prod(shape) * itemsize * model.num_layers
+
+    @torch.inference_mode()
+    def determine_num_available_blocks(self: GPUModelRunner) -> int:
+        with self.tracer.span("GPUModelRunner.determine_num_available_blocks"):
+            if self.cache_config.num_gpu_blocks_override is not None:
+                return self.cache_config.num_gpu_blocks_override
+            bytes_per_block = self.get_kv_cache_bytes_per_block()
+            if self.device.type != "cuda":
+                # NOTE: no device memory to measure on a CPU: a fixed byte budget.
+                return self.cache_config.cpu_kv_cache_space_bytes // bytes_per_block
+            return self._profile_num_gpu_blocks(bytes_per_block)
+
+    def _profile_num_gpu_blocks(self: GPUModelRunner, bytes_per_block: int) -> int:
+        """KV blocks that fit in gpu_memory_utilization x total, after a worst-case dummy step.
+
+        NOTE: the dummy step (max_num_batched_tokens tokens, max_num_seqs
+        logits rows through the sampler) finds the activation peak; the KV cache
+        gets what is left of the budget after weights, that peak, and memory the
+        torch allocator does not see (CUDA context, other processes).
+        """
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._dummy_run(self.max_num_tokens)
+        torch.cuda.synchronize(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        non_torch = (total - free) - torch.cuda.memory_reserved(self.device)
+        available = total * self.cache_config.gpu_memory_utilization - peak - non_torch
+        num_blocks = int(available // bytes_per_block)
+        if num_blocks <= 0:
+            raise RuntimeError(f"no memory left for the KV cache (available {available / 2**30:.2f} GiB): "
+                               "raise gpu_memory_utilization or lower max_num_batched_tokens")
+        return num_blocks
+
+    def _dummy_run(self: GPUModelRunner, num_tokens: int) -> None:
+        """A forward without KV cache (attention returns zeros) + a sampler pass, for profiling."""
+        input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        positions = torch.arange(num_tokens, device=self.device) % self.max_model_len
+        hidden = self.model(input_ids, positions, [], None)                   # [T, H]
+        self._dummy_sampler_run(hidden[:min(self.max_num_reqs, num_tokens)])
+
+    def initialize_kv_cache(self: GPUModelRunner, num_blocks: int) -> None:
+        """One tensor per layer, [2, num_blocks, block_size, num_kv_heads, head_dim]."""
+        with self.tracer.span("GPUModelRunner.initialize_kv_cache", num_blocks=num_blocks):
+            model = self.model
+            shape = model.attn_backend.get_kv_cache_shape(num_blocks, self.block_size, model.num_kv_heads,
+                                                          model.head_dim)
+            dtype = next(model.parameters()).dtype
+            self.kv_caches = [torch.zeros(shape, dtype=dtype, device=self.device)
+                              for _ in range(model.num_layers)]
+
+    @torch.inference_mode()
+    def warm_up(self: GPUModelRunner) -> None:
+        """Run the kernels before the first request, so their JIT compilation is
+        not billed to a user's first token (Triton compiles a kernel variant on
+        its first launch)."""
+        # NOTE: with either attention backend: on CUDA the norms, RoPE and
+        # SiLU*mul are Triton kernels too (the torch backend reads the dummy
+        # metadata's device tensors where it has no host copies).
+        if self.device.type != "cuda":
+            return
+        with self.tracer.span("GPUModelRunner.warm_up"):
+            self._warm_up_shapes()
+            torch.cuda.synchronize(self.device)
+
+    # NOTE: Triton compiles one variant per specialization of its integer
+    # arguments: == 1, a multiple of 16, or anything else (num_seqs, num_tokens).
+    # Prefill-like and decode-like batches also pick different block shapes
+    # (unified_attention.pick_config). These (requests, query_len) shapes hit
+    # each combination once; CUDA-graph capture then covers the decode sizes.
+    WARM_UP_SHAPES = ((1, 64), (3, 21), (2, 32), (1, 1), (3, 1), (16, 1))
+
+    def _warm_up_shapes(self: GPUModelRunner) -> None:
+        for num_reqs, query_len in self.WARM_UP_SHAPES:
+            num_reqs = min(num_reqs, self.max_num_reqs)
+            query_len = min(query_len, self.max_num_tokens // num_reqs, self.max_model_len)
+            num_tokens = num_reqs * query_len
+            self._dummy_step_inputs(num_tokens, query_len=query_len)
+            hidden = self._model_forward(num_tokens, self._dummy_attn_metadata(num_reqs, num_tokens, query_len))
+            self._dummy_sampler_run(hidden[:num_reqs])
+
+    @torch.inference_mode()
+    def capture_model(self: GPUModelRunner) -> None:
+        """Capture one CUDA graph per capture size (largest first), for pure-decode batches."""
+        if self.cudagraph_runner is None:
+            return
+        sizes = sorted(self.cudagraph_dispatcher.capture_sizes, reverse=True)
+        t0, free0 = time.perf_counter(), torch.cuda.mem_get_info(self.device)[0]
+        device_timer = self.tracer.device_timer
+        with self.tracer.span("GPUModelRunner.capture_model", **{
+                "vllm_anatomy.cudagraph_mode": self.cudagraph_dispatcher.cudagraph_mode.name,
+                "vllm_anatomy.num_capture_sizes": len(sizes)}) as span:
+            # Decode-shaped dummy inputs in the static buffers, for the largest size.
+            self._dummy_step_inputs(sizes[0], query_len=1)
+            device_timer.capturing = True     # no events may be recorded into a graph
+            try:
+                for size in _progress(sizes, "Capturing CUDA graphs (decode, FULL)"):
+                    with self.tracer.span("CUDAGraph.capture", **{"vllm_anatomy.cudagraph_size": size}):
+                        metadata = self._dummy_attn_metadata(size, size, 1)
+                        self.cudagraph_runner.capture(size, lambda: self._model_forward(size, metadata))
+            finally:
+                device_timer.capturing = False
+            torch.cuda.synchronize(self.device)
+            used = free0 - torch.cuda.mem_get_info(self.device)[0]
+            span.set_attribute("vllm_anatomy.cudagraph_memory_bytes", used)
+        logger.info("captured %d CUDA graphs (sizes %d..%d) in %.1f s, %.2f GiB",
+                    len(sizes), sizes[-1], sizes[0], time.perf_counter() - t0, used / 2**30)
+
+    def _dummy_step_inputs(self: GPUModelRunner, num_tokens: int, query_len: int) -> None:
+        """Harmless values in the static input buffers: num_tokens // query_len
+        requests of query_len tokens at positions 0.., every row pointing at
+        block 0 (the null block), and slot -1 everywhere (nothing is written)."""
+        num_reqs = num_tokens // query_len
+        self.input_ids.gpu[:num_tokens].zero_()
+        self.positions.gpu[:num_tokens].copy_(torch.arange(num_tokens, device=self.device) % query_len)
+        self.query_start_loc.gpu[:num_reqs + 1].copy_(
+            torch.arange(num_reqs + 1, device=self.device, dtype=torch.int32) * query_len)
+        self.seq_lens.gpu[:num_reqs].fill_(query_len)
+        self.input_batch.block_table.block_table[:num_reqs].zero_()
+        self.input_batch.block_table.slot_mapping[:num_tokens].fill_(-1)
+
+    def _dummy_attn_metadata(self: GPUModelRunner, num_reqs: int, num_tokens: int,
+                             query_len: int) -> AttentionMetadata:
+        """Metadata over the static buffers (views: a graph reads them at replay)."""
+        block_table = self.input_batch.block_table
+        return AttentionMetadata(
+            num_actual_tokens=num_tokens, num_reqs=num_reqs, max_query_len=query_len,
+            max_seq_len=query_len, query_start_loc=self.query_start_loc.gpu[:num_reqs + 1],
+            seq_lens=self.seq_lens.gpu[:num_reqs], block_table=block_table.get_device_tensor(num_reqs),
+            slot_mapping=block_table.slot_mapping[:num_tokens])
+
+    def _dummy_sampler_run(self: GPUModelRunner, hidden_rows: torch.Tensor) -> None:
+        logits = self.model.compute_logits(hidden_rows)                        # [R, V]
+        n = logits.shape[0]
+        full = lambda v, dt: torch.full((n,), v, dtype=dt, device=self.device)  # noqa: E731
+        self.sampler(logits, SamplingMetadata(full(1.0, torch.float32), False, True,
+                                              full(0.9, torch.float32), full(20, torch.int32),
+                                              None, {}, 20))
+
+
+def _progress(items: list, desc: str):
+    """A progress bar on stderr for start-up work (vLLM shows the same for graph capture)."""
+    from tqdm import tqdm
+    return tqdm(items, desc=desc, mininterval=1.0, leave=False)
