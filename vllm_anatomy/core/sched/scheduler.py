@@ -2,6 +2,8 @@
 
 Mirrors vllm/v1/core/sched/scheduler.py (Scheduler.schedule, _preempt_request,
 _update_after_schedule, update_from_output, finish_requests, make_stats).
+schedule() is split for reading into the article's two boxes,
+_schedule_running then _schedule_waiting (v0.27.1 writes one long function).
 
 Simplified: FCFS policy only; one token budget (v0.27.1 also keeps an
 encoder compute budget for multimodal inputs); no spec decode, KV connector, encoder cache,
@@ -566,12 +568,14 @@ class Scheduler(SchedulerInterface):
         return new_token_ids, False
 
     @staticmethod
-    def _get_logprobs(model_runner_output: ModelRunnerOutput, req_index: int, n: int) -> LogprobsLists | None:
+    def _get_logprobs(model_runner_output: ModelRunnerOutput, req_index: int,
+                      num_tokens: int) -> LogprobsLists | None:
+        """The logprobs of the request's first num_tokens sampled tokens (those kept)."""
         logprobs = model_runner_output.logprobs[req_index] if model_runner_output.logprobs else None
-        if logprobs is None or n == 0:
+        if logprobs is None or num_tokens == 0:
             return None
-        return LogprobsLists(logprobs.logprob_token_ids[:n], logprobs.logprobs[:n],
-                             logprobs.sampled_token_ranks[:n])
+        return LogprobsLists(logprobs.logprob_token_ids[:num_tokens], logprobs.logprobs[:num_tokens],
+                             logprobs.sampled_token_ranks[:num_tokens])
 
     def _make_output(self, request: Request, new_token_ids: list[int],
                      new_logprobs: LogprobsLists | None = None) -> EngineCoreOutput:
