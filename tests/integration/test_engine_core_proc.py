@@ -11,7 +11,8 @@ import time
 
 import pytest
 
-from vllm_anatomy.engine.core_client import EngineCoreClient, InprocClient, SyncMPClient
+from vllm_anatomy.engine.core_client import EngineCoreClient, InprocClient
+from vllm_anatomy.engine.core_client_mp import SyncMPClient
 from vllm_anatomy.engine.exceptions import EngineDeadError
 from vllm_anatomy.engine.protocol import EngineCoreRequest, FinishReason
 from vllm_anatomy.executor.uniproc_executor import UniProcExecutor
