@@ -3,8 +3,10 @@
 Run-level tables (one row per step, spans, requests) are cached by (path, file
 version): a live run's version changes at every commit, a finished run's never.
 A step's snapshots are cached by (path, step_id) alone: a committed step never
-changes. Step tables are read with SQLite's json_extract, so a run of thousands
-of steps is summarised without decoding every block list in Python.
+changes. Everything is read through tracing/reader.py and its typed contract
+(tracing/snapshots.py): a step's snapshots strictly (Run.step_snapshot), run-level
+tables from partial views of every step (Run.index), so a run of thousands of steps
+is summarised without building every block list.
 
 Every loader returns plain data; errors come back as RunError (shown by
 `dashboard.state.show_error`), never as an exception in the page. Run files are
@@ -15,7 +17,6 @@ own snapshot is damaged gives a RunError naming that row.
 """
 from __future__ import annotations
 
-import json
 import os
 import sqlite3
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ import pandas as pd
 import streamlit as st
 
 from vllm_anatomy.tracing.reader import MalformedRowError, TraceStoreError, list_runs, open_run
-from vllm_anatomy.tracing.store import connect_readonly
+from vllm_anatomy.tracing.snapshots import ModelRunnerIndex, ModelRunnerTokensIndex, StepIndex
 
 
 @dataclass
@@ -84,13 +85,14 @@ def run_info(path: str, version: tuple) -> dict | RunError:
 
 @st.cache_data(max_entries=512, show_spinner=False)
 def step_data(path: str, step_id: int) -> dict | RunError:
-    """The "step" and "model_runner" snapshots of one committed step."""
+    """The "step" and "model_runner" snapshots of one committed step, read strictly through the
+    contract (Run.step_snapshot / model_runner_snapshot), handed to the pages as plain data."""
     name, bad = os.path.basename(path), []
     try:
         with open_run(path) as run:
-            step = run.snapshot(step_id)
+            step = run.step_snapshot(step_id)
             try:
-                mr = run.snapshot(step_id, "model_runner")
+                mr = run.model_runner_snapshot(step_id)
             except MalformedRowError as e:       # the step can still be shown, without the worker's side
                 mr, bad = None, [str(e).split(": ", 1)[-1]]
     except MalformedRowError as e:
@@ -99,178 +101,103 @@ def step_data(path: str, step_id: int) -> dict | RunError:
         return RunError(f"{name}: cannot read step {step_id} ({e})")
     if step is None:
         return RunError(f"{name}: step {step_id} is not committed")
-    if not isinstance(step, dict):
-        return RunError(f"{name}: step {step_id} cannot be shown: its 'step' snapshot is not an object")
-    return {"step": step, "mr": mr if isinstance(mr, dict) else {}, "bad_rows": bad}
-
-
-def _rows(path: str, sql: str, args: tuple = (), valid_only: bool = False) -> list[tuple]:
-    """Rows of `sql` on a read-only connection; valid_only: as if `snapshots` held only the rows
-    whose JSON parses (a temporary view of that name shadows the table for this connection)."""
-    conn = connect_readonly(path)
-    try:
-        if valid_only:
-            conn.execute("CREATE TEMP VIEW snapshots AS SELECT * FROM main.snapshots WHERE json_valid(data)")
-        return conn.execute(sql, args).fetchall()
-    finally:
-        conn.close()
-
-
-def _guarded_rows(path: str, sql: str, what: str, args: tuple = ()) -> tuple[list[tuple], list[str]]:
-    """Rows of `sql` (any query over `snapshots` using SQLite's JSON functions), and the
-    damaged rows it had to leave out.
-
-    NOTE: SQLite's json_extract fails the whole query on one malformed document.
-    The query runs as written first (the common case costs nothing more); only if
-    it fails on bad JSON is it run again over the valid rows, and the others named."""
-    try:
-        return _rows(path, sql, args), []
-    except sqlite3.OperationalError as e:
-        if "JSON" not in str(e):
-            raise
-    bad = _rows(path, "SELECT id, step_id, kind FROM snapshots WHERE NOT json_valid(data) ORDER BY id")
-    return _rows(path, sql, args, valid_only=True), [
-        f"step {s}, {k!r} snapshot (row id {i}): malformed JSON, skipped ({what})" for i, s, k in bad]
-
-
-_decode = msgspec.json.Decoder().decode
-
-
-def _loads(text):
-    return _decode(text) if text else None
-
-
-# -- one pass over each snapshot kind -------------------------------------------------------------
-# NOTE: a 1,000-step run at batch 256 holds ~240 MB of snapshot JSON. Every per-run
-# table below comes from two passes (one per snapshot kind) that let SQLite pick
-# the few fields needed (json_extract runs in C; the Python side decodes ~7 %
-# of the bytes). The passes are kept per (run, version), shared by every session
-# and page, read-only (st.cache_resource: no copy per call); at most a few runs at
-# once, so memory stays bounded by the summaries, never every snapshot.
-_STEP_SCAN_SQL = """SELECT step_id, time_ns, json_extract(data, '$.scheduler.step_record'),
-  json_extract(data, '$.scheduler.kv_cache.usage'), json_extract(data, '$.scheduler_output.finished_req_ids'),
-  json_extract(data, '$.block_pool_events'), json_extract(data, '$.scheduler_output.scheduled_new_reqs')
-  FROM snapshots WHERE kind = 'step' ORDER BY step_id"""
-# NOTE: json_each over an extracted sub-array parses only that array (json_each(data, path)
-# would parse the whole snapshot again, once per queue).
-_QUEUE_SCAN_SQL = """SELECT step_id,
-  (SELECT json_group_array(json_array(json_extract(q.value, '$.request_id'), json_extract(q.value, '$.status')))
-     FROM json_each(json_extract(data, '$.scheduler.waiting')) q),
-  (SELECT json_group_array(json_array(json_extract(q.value, '$.request_id'), json_extract(q.value, '$.status')))
-     FROM json_each(json_extract(data, '$.scheduler.running')) q),
-  (SELECT json_group_array(json_array(json_extract(q.value, '$.request_id'), json_extract(q.value, '$.status')))
-     FROM json_each(json_extract(data, '$.scheduler.skipped_waiting')) q)
-  FROM snapshots WHERE kind = 'step' ORDER BY step_id"""
-_RUNNER_META_SQL = """SELECT step_id, json_array_length(data, '$.input_batch.condense_moves'),
-  json_extract(data, '$.prepare_inputs.cudagraph.mode'), json_extract(data, '$.prepare_inputs.cudagraph.num_tokens'),
-  json_extract(data, '$.prepare_inputs.cudagraph.num_padded_tokens'),
-  json_extract(data, '$.prepare_inputs.cudagraph.reason')
-  FROM snapshots WHERE kind = 'model_runner' ORDER BY step_id"""
-# NOTE: a step that recorded its sampled ids needs no input_ids (a prefill's can be 16k
-# tokens): the token a request sampled at a step sits at position seq_len. Older runs
-# (no sampled_token_ids) read the generated tokens back from the next steps' inputs.
-_RUNNER_TOKENS_SQL = """SELECT step_id, json_extract(data, '$.prepare_inputs.req_ids'),
-  json_extract(data, '$.prepare_inputs.seq_lens'), json_extract(data, '$.prepare_inputs.discard_request_indices'),
-  json_extract(data, '$.sampled_token_ids'),
-  CASE WHEN json_type(data, '$.sampled_token_ids') IS NULL
-       THEN json_extract(data, '$.prepare_inputs.req_indices') END,
-  CASE WHEN json_type(data, '$.sampled_token_ids') IS NULL THEN json_extract(data, '$.prepare_inputs.positions') END,
-  CASE WHEN json_type(data, '$.sampled_token_ids') IS NULL THEN json_extract(data, '$.prepare_inputs.input_ids') END
-  FROM snapshots WHERE kind = 'model_runner' ORDER BY step_id"""
+    return {"step": msgspec.to_builtins(step), "mr": msgspec.to_builtins(mr) if mr is not None else {},
+            "bad_rows": bad}
 
 
 def _corrupt(path: str, e: Exception) -> RunError:
     return RunError(f"{os.path.basename(path)}: corrupt run store ({e})")
 
 
+def _bad(run) -> BadRows:
+    """The rows the reader skipped, as the damaged-rows warning lists them."""
+    return BadRows(f"{b.where}: {b.error}, skipped" for b in run.bad_rows)
+
+
+# -- one pass over each snapshot kind -------------------------------------------------------------
+# NOTE: a 1,000-step run at batch 256 holds ~240 MB of snapshot JSON. Every per-run table below
+# comes from one pass per snapshot kind through the reader's partial views (Run.index with
+# snapshots.StepIndex / ModelRunnerIndex: the decoder skips every field the view does not name,
+# rows are streamed, never all held). The passes are kept per (run, version), shared by every
+# session and page, read-only (st.cache_resource: no copy per call); at most a few runs at once,
+# so memory stays bounded by the summaries, never every snapshot.
 @st.cache_resource(max_entries=4, ttl=3600, show_spinner=False)
 def step_scan(path: str, version: tuple) -> dict | RunError:
-    """One pass over the "step" snapshots: per step (in step order) its time, step record,
-    KV usage, finished ids and block-pool events; the prompt of every request. Shared: do
-    not modify."""
+    """One pass over the "step" snapshots: per step (in step order) its time, step record (plain
+    data), KV usage, finished ids and block-pool events; the prompt of every request; each request's
+    status at every step whose queues (waiting, skipped-waiting, running) hold it. Shared: do not
+    modify."""
     try:
-        rows, bad = _guarded_rows(path, _STEP_SCAN_SQL, "step records")
-    except sqlite3.Error as e:
+        with open_run(path) as run:
+            rows = run.index("step", StepIndex)
+            bad = _bad(run)
+    except TraceStoreError as e:
         return _corrupt(path, e)
     scan = {"steps": [], "time_ns": [], "records": [], "usage": [], "finished": [], "events": [],
-            "prompts": {}, "bad_rows": BadRows(bad)}
-    for step_id, t, rec, usage, finished, events, new in rows:
-        try:
-            rec, finished, events, new = _loads(rec), _loads(finished), _loads(events), _loads(new)
-            if not isinstance(rec, dict):
-                raise ValueError("no step record")
-            for r in new or []:
-                scan["prompts"][str(r["req_id"])] = r["prompt_token_ids"]
-        except (KeyError, TypeError, ValueError, AttributeError, msgspec.DecodeError) as e:
-            scan["bad_rows"].append(f"step {step_id}, 'step' snapshot: unexpected content "
-                                    f"({type(e).__name__}: {e}), skipped")
+            "prompts": {}, "statuses": {}, "bad_rows": bad}
+    statuses = scan["statuses"]
+    for step_id, t, ix in rows:
+        sched, out = ix.scheduler, ix.scheduler_output
+        for q in (sched.waiting, sched.running, sched.skipped_waiting):
+            for r in q:
+                statuses.setdefault(r.request_id, {})[step_id] = r.status
+        for r in out.scheduled_new_reqs:
+            scan["prompts"][r.req_id] = r.prompt_token_ids
+        if sched.step_record is None:
+            bad.append(f"step {step_id}, 'step' snapshot: no step record, skipped")
             continue
         scan["steps"].append(step_id)
         scan["time_ns"].append(t)
-        scan["records"].append(rec)
-        scan["usage"].append(usage or 0.0)
-        scan["finished"].append(finished or [])
-        scan["events"].append(events or [])
+        scan["records"].append(sched.step_record)
+        scan["usage"].append(sched.kv_cache.usage)
+        scan["finished"].append(out.finished_req_ids)
+        scan["events"].append(ix.block_pool_events)
     return scan
 
 
-@st.cache_resource(max_entries=4, ttl=3600, show_spinner=False)
 def queue_statuses(path: str, version: tuple) -> dict[str, dict[int, str]] | RunError:
     """request id -> {step id: status} for every step whose snapshot has the request in the
     waiting, skipped-waiting or running queue (WAITING, WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR,
-    RUNNING, or PREEMPTED while it waits to be recomputed): one pass reading two fields of
-    each queue entry. Shared: do not modify."""
-    try:
-        rows, _ = _guarded_rows(path, _QUEUE_SCAN_SQL, "request statuses")
-    except sqlite3.Error as e:
-        return _corrupt(path, e)
-    out: dict[str, dict[int, str]] = {}
-    for step_id, waiting, running, skipped in rows:
-        for q in (waiting, running, skipped):
-            for req, status in _loads(q) or []:
-                out.setdefault(str(req), {})[step_id] = status
-    return out
+    RUNNING, or PREEMPTED while it waits to be recomputed). Shared: do not modify."""
+    scan = step_scan(path, version)
+    return scan if isinstance(scan, RunError) else scan["statuses"]
 
 
 @st.cache_resource(max_entries=4, ttl=3600, show_spinner=False)
-def runner_meta(path: str, version: tuple) -> dict | RunError:
-    """Per step, from the "model_runner" snapshots: condense moves and the CUDA-graph decision."""
+def runner_scan(path: str, version: tuple) -> dict | RunError:
+    """One pass over the "model_runner" snapshots: per step its condense moves, CUDA-graph decision
+    and token rows (step, req_ids, seq_lens, discard_request_indices, sampled_token_ids or None, and
+    only without sampled ids: req_indices, positions, input_ids; a second pass reads those for runs
+    recorded before sampled_token_ids). Shared: do not modify."""
     try:
-        rows, bad = _guarded_rows(path, _RUNNER_META_SQL, "model runner")
-    except sqlite3.Error as e:
+        with open_run(path) as run:
+            rows = run.index("model_runner", ModelRunnerIndex)
+            old = {s: ix.prepare_inputs for s, _, ix in run.index("model_runner", ModelRunnerTokensIndex)} \
+                if any(ix.sampled_token_ids is None and ix.prepare_inputs for _, _, ix in rows) else {}
+            bad = _bad(run)
+    except TraceStoreError as e:
         return _corrupt(path, e)
-    return {"condense": {r[0]: r[1] or 0 for r in rows},
-            "cudagraph": [(r[0], *r[2:]) for r in rows if r[2] is not None], "bad_rows": BadRows(bad)}
-
-
-@st.cache_resource(max_entries=4, ttl=3600, show_spinner=False)
-def runner_tokens(path: str, version: tuple) -> list[tuple] | RunError:
-    """Per step, the token fields of prepare_inputs: (step, req_ids, seq_lens,
-    discard_request_indices, sampled_token_ids or None, and only without sampled ids:
-    req_indices, positions, input_ids). Shared: do not modify."""
-    try:
-        rows, _ = _guarded_rows(path, _RUNNER_TOKENS_SQL, "tokens")
-    except sqlite3.Error as e:
-        return _corrupt(path, e)
-    out = []
-    for step_id, req_ids, seq_lens, discard, sampled, req_idx, pos, ids in rows:
-        if req_ids is None:
+    condense, cudagraph, tokens = {}, [], []
+    for step_id, _, ix in rows:
+        condense[step_id] = len(ix.input_batch.condense_moves)
+        pi = ix.prepare_inputs
+        if pi is None:
             continue
-        try:
-            out.append((step_id, _loads(req_ids), _loads(seq_lens) or [], _loads(discard) or [], _loads(sampled),
-                        _loads(req_idx) or [], _loads(pos) or [], _loads(ids) or []))
-        except msgspec.DecodeError:
-            continue
-    return out
+        if pi.cudagraph is not None:
+            c = pi.cudagraph
+            cudagraph.append((step_id, c.mode, c.num_tokens, c.num_padded_tokens, c.reason, c.reason_code))
+        back = old.get(step_id) if ix.sampled_token_ids is None else None
+        tokens.append((step_id, pi.req_ids, pi.seq_lens, pi.discard_request_indices, ix.sampled_token_ids,
+                       *((back.req_indices, back.positions, back.input_ids) if back else ([], [], []))))
+    return {"condense": condense, "cudagraph": cudagraph, "tokens": tokens, "bad_rows": bad}
 
 
 def prefetch(path: str) -> None:
     """Build a finished run's tables in two background threads (each table once: a page that
     needs one waits for the thread that is building it instead of building it again).
 
-    NOTE: SQLite releases the GIL while it runs a query, so the two passes (and the page's
-    own work) use both cores of a small machine; a page switch after the first page of a
-    big run then finds its tables ready, or half built."""
+    NOTE: a page switch after the first page of a big run then finds its tables ready, or half
+    built (SQLite releases the GIL while it reads rows, the span table's queries too)."""
     version = file_version(path)
     key = (path, version)
     if key in _prefetched:
@@ -290,10 +217,10 @@ def prefetch(path: str) -> None:
     info = run_info(path, version)
     device = str(info["meta"].get("device")) if isinstance(info, dict) else "cpu"
     # NOTE: the timeline (the first page after the inspector in the sidebar) needs the spans,
-    # metrics and lessons the step table, the journey everything (its queue statuses are
-    # a slow pass, so they come early).
-    lanes = (lambda spans: ((step_scan, ()), (queue_statuses, ()), (runner_meta, ()), (step_table, ())),
-             lambda spans: ((spans.request_table, ()), (spans.span_table, (device,)), (runner_tokens, ()),
+    # metrics and lessons the step table, the journey everything (the step pass, its queue
+    # statuses included, comes first).
+    lanes = (lambda spans: ((step_scan, ()), (step_table, ())),
+             lambda spans: ((runner_scan, ()), (spans.request_table, ()), (spans.span_table, (device,)),
                             (token_index, ())))
     import threading
 
@@ -331,7 +258,7 @@ def _step_row(step_id, time_ns, rec, usage, finished, events) -> dict:
 @st.cache_data(max_entries=32, show_spinner=False)
 def step_table(path: str, version: tuple) -> pd.DataFrame | RunError:
     """One row per committed step: what the metrics, lessons and journey pages need."""
-    scan, runner = step_scan(path, version), runner_meta(path, version)
+    scan, runner = step_scan(path, version), runner_scan(path, version)
     for x in (scan, runner):
         if isinstance(x, RunError):
             return x
@@ -357,14 +284,14 @@ def step_table(path: str, version: tuple) -> pd.DataFrame | RunError:
     return df
 
 
-CG_COLUMNS = ["step", "mode", "num_tokens", "num_padded_tokens", "reason"]
+CG_COLUMNS = ["step", "mode", "num_tokens", "num_padded_tokens", "reason", "reason_code"]
 
 
 @st.cache_data(max_entries=32, show_spinner=False)
 def cudagraph_steps(path: str, version: tuple) -> pd.DataFrame | RunError:
     """The CUDA-graph decision of every step (CudagraphDispatcher.dispatch, recorded in
     prepare_inputs.cudagraph); empty for runs recorded before it was traced."""
-    runner = runner_meta(path, version)
+    runner = runner_scan(path, version)
     if isinstance(runner, RunError):
         return runner
     df = pd.DataFrame(runner["cudagraph"], columns=CG_COLUMNS)
@@ -403,10 +330,11 @@ def token_index(path: str, version: tuple) -> dict | RunError:
     known once it is fed back as an input (prepare_inputs.input_ids at its position),
     or directly when the runner snapshot has `sampled_token_ids`.
     """
-    scan, runner = step_scan(path, version), runner_tokens(path, version)
+    scan, runner = step_scan(path, version), runner_scan(path, version)
     for x in (scan, runner):
         if isinstance(x, RunError):
             return x
+    runner = runner["tokens"]
     tokens: dict[str, dict[int, int]] = {req: dict(enumerate(ids)) for req, ids in scan["prompts"].items()}
     sampled: dict[int, dict[str, list]] = {}
     for step_id, req_ids, seq_lens, discard, direct, req_indices, positions, input_ids in runner:
@@ -447,24 +375,12 @@ def startup_marks(path: str, span_names: list[str]) -> dict[str, int]:
     (the run store was created), each start-up span's end, "first_step" (the first
     step's snapshot). Only what is committed so far; {} when the file cannot be read.
     Not cached: called about once a second while a live engine starts."""
-    marks: dict[str, int] = {}
     try:
-        conn = connect_readonly(path)
-    except sqlite3.Error:
-        return marks
-    try:
-        row = conn.execute("SELECT value FROM meta WHERE key = 'start_time_ns'").fetchone()
-        if row:
-            marks["store"] = int(json.loads(row[0]))
-        marks_sql = ", ".join("?" * len(span_names))
-        for name, end in conn.execute(f"SELECT name, max(end_ns) FROM spans WHERE name IN ({marks_sql}) "
-                                      "GROUP BY name", tuple(span_names)):
-            marks[name] = end
-        row = conn.execute("SELECT time_ns FROM snapshots WHERE kind = 'step' ORDER BY step_id LIMIT 1").fetchone()
-        if row:
-            marks["first_step"] = row[0]
-    except (sqlite3.Error, ValueError, TypeError):
-        pass
-    finally:
-        conn.close()
+        with open_run(path) as run:
+            marks = {"store": int(run.meta["start_time_ns"]), **run.span_ends(span_names)}
+            first = run.first_step_time_ns()
+    except (TraceStoreError, KeyError, ValueError, TypeError):
+        return {}
+    if first is not None:
+        marks["first_step"] = first
     return marks

@@ -277,19 +277,12 @@ def drive(llm, spec: dict, on_step=None) -> dict[str, str]:
 
 def _committed_steps(run_path: str) -> int:
     """Steps committed to the run store so far (read-only; 0 while it cannot be read)."""
-    import sqlite3
-
-    from vllm_anatomy.tracing.store import connect_readonly
+    from vllm_anatomy.tracing.reader import TraceStoreError, open_run
     try:
-        conn = connect_readonly(run_path)
-    except sqlite3.Error:
+        with open_run(run_path) as run:
+            return run.num_steps()
+    except TraceStoreError:
         return 0
-    try:
-        return conn.execute("SELECT count(*) FROM snapshots WHERE kind = 'step'").fetchone()[0]
-    except sqlite3.Error:
-        return 0
-    finally:
-        conn.close()
 
 
 def drive_http(config, recorder, spec: dict, on_step=None) -> dict[str, str]:

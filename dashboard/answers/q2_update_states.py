@@ -69,7 +69,6 @@ def answer(src: RunSource, step: int | None = None) -> Answer:
     b_req = {r["req_id"]: i for i, r in before.items()}
     a_req = {r["req_id"]: i for i, r in after.items()}
     finished = [str(r) for r in so.get("finished_req_ids", [])]
-    scheduled = {str(k) for k in so.get("num_scheduled_tokens", {})}
     new_ids = [str(r["req_id"]) for r in so.get("scheduled_new_reqs", [])]
     cached = so.get("scheduled_cached_reqs", {})
     resumed = {str(r) for r in cached.get("resumed_req_ids", [])}

@@ -16,7 +16,7 @@ tells its story.
 """
 from __future__ import annotations
 
-from dashboard.answers.common import Answer, ShowMe, cannot, ids
+from dashboard.answers.common import Answer, ShowMe, cannot
 from dashboard.answers.source import RunSource
 
 CPU_SPANS = {"Scheduler.schedule": "schedule", "GPUModelRunner._update_states": "_update_states",

@@ -120,16 +120,8 @@ class RunSource:
     @functools.cached_property
     def pids(self) -> dict[str, set[int]]:
         """process kind -> pids that wrote spans."""
-        from vllm_anatomy.tracing.store import connect_readonly
-        conn = connect_readonly(self.path)
-        try:
-            rows = conn.execute("SELECT DISTINCT process_kind, pid FROM spans").fetchall()
-        finally:
-            conn.close()
-        out: dict[str, set[int]] = {}
-        for kind, pid in rows:
-            out.setdefault(kind or "?", set()).add(pid)
-        return out
+        with open_run(self.path) as run:
+            return run.processes()
 
     # -- what the pool looked like ------------------------------------------------------------
     def kv(self, step: int) -> dict:

@@ -6,7 +6,6 @@ Pause/resume following, stop the engine."""
 from __future__ import annotations
 
 import os
-import time
 
 import streamlit as st
 

@@ -46,7 +46,7 @@ def _chain(rows: list[dict]) -> None:
 def _show_me(a, q: str) -> None:
     for i, s in enumerate(a.show_me):
         c1, c2 = st.columns([2, 5], vertical_alignment="center")
-        c1.button(f"Show me →", key=f"show_{q}_{i}", on_click=open_view, args=(s.page, s.step, s.tab, s.request),
+        c1.button("Show me →", key=f"show_{q}_{i}", on_click=open_view, args=(s.page, s.step, s.tab, s.request),
                   type="primary" if i == 0 else "secondary", help=_where(s))
         c2.markdown(f"[{s.label}]({link(s.page, s.step, s.tab, s.request)}) — opens {_where(s)}")
 

@@ -9,24 +9,43 @@ WAL recovery written back, no -shm created). A row whose JSON does not parse
 (a damaged file) is reported, not raised as a bare ValueError: `snapshot()`
 raises MalformedRowError (a TraceStoreError) naming the row; `spans()` and
 `snapshots()` skip it and list it in `run.bad_rows`.
+
+Snapshots are read typed through the contract in tracing/snapshots.py:
+`step_snapshot(i)` / `model_runner_snapshot(i)` decode one step's records strictly (a
+snapshot that does not match raises MalformedRowError naming it), `index(kind, view)` reads
+a partial view of every step for run-level tables. `snapshot()` / `snapshots()` give the
+stored JSON as plain data. Runs of schema_version 1 (recorded before the contract) are
+upgraded as they are read (`_upgrade_v1`).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
 import glob
 import json
 import os
 import sqlite3
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator, TypeVar
 
 import msgspec
 
+from vllm_anatomy.tracing.snapshots import SNAPSHOT_TYPES
 from vllm_anatomy.tracing.store import SCHEMA_VERSION, SPAN_COLUMNS, connect_readonly
+
+if TYPE_CHECKING:
+    from vllm_anatomy.tracing.snapshots import ModelRunnerSnapshot, StepSnapshot
+
+T = TypeVar("T")
 
 # NOTE: msgspec's decoder, not json.loads: a big run has tens of thousands of span rows and
 # snapshots of hundreds of KB; it is many times faster and gives the same plain data.
 _decode = msgspec.json.Decoder().decode
+_typed_decoders: dict[type, msgspec.json.Decoder] = {}
+
+# Versions this reader reads: SCHEMA_VERSION as stored, older ones through an upgrade.
+OLDEST_READABLE_VERSION = 1
 
 
 class TraceStoreError(Exception):
@@ -109,11 +128,16 @@ class Run:
             raise TraceStoreError(f"{self.path}: not a vllm_anatomy run store ({e})") from e
         meta = {k: _maybe_json(v) for k, v in rows}
         version = meta.get("schema_version")
-        if version != SCHEMA_VERSION:
+        if type(version) is not int or not OLDEST_READABLE_VERSION <= version <= SCHEMA_VERSION:
             self.close()
             raise TraceStoreError(f"{self.path}: run store schema_version {version!r}; this reader "
-                                  f"understands version {SCHEMA_VERSION}")
+                                  f"understands versions {OLDEST_READABLE_VERSION} (upgraded as it is read) "
+                                  f"to version {SCHEMA_VERSION}")
         return meta
+
+    @property
+    def schema_version(self) -> int:
+        return self.meta["schema_version"]
 
     def _query(self, sql: str, args: tuple = ()) -> list[tuple]:
         try:
@@ -147,6 +171,58 @@ class Run:
             except (ValueError, TypeError) as e:
                 self.bad_rows.append(_snapshot_bad_row(row_id, step_id, k, e))
 
+    def num_steps(self) -> int:
+        """How many steps are committed so far (cheap: for a live run's progress)."""
+        return self._query("SELECT count(*) FROM snapshots WHERE kind = 'step'")[0][0]
+
+    # -- typed snapshots (tracing/snapshots.py) ---------------------------------------------
+    def step_snapshot(self, step_id: int) -> StepSnapshot | None:
+        """The step's "step" snapshot as a StepSnapshot (None: not committed)."""
+        return self._typed(step_id, "step")
+
+    def model_runner_snapshot(self, step_id: int) -> ModelRunnerSnapshot | None:
+        """The step's "model_runner" snapshot (the first rank's) as a ModelRunnerSnapshot, or None."""
+        return self._typed(step_id, "model_runner")
+
+    def _typed(self, step_id: int, kind: str) -> Any:
+        rows = self._query("SELECT id, data FROM snapshots WHERE step_id = ? AND kind = ? ORDER BY id LIMIT 1",
+                           (step_id, kind))
+        if not rows:
+            return None
+        try:
+            return decode_snapshot(kind, rows[0][1], self.schema_version)
+        except (ValueError, TypeError) as e:     # msgspec.DecodeError / ValidationError are ValueErrors
+            bad = _snapshot_bad_row(rows[0][0], step_id, kind, e)
+            raise MalformedRowError(f"{self.path}: {bad}") from e
+
+    def index(self, kind: str, view: type[T]) -> list[tuple[int, int, T]]:
+        """(step id, time_ns, `view` of its snapshot) for every step's first `kind` snapshot, in
+        step order: a partial view (snapshots.StepIndex, ModelRunnerIndex, ...) decodes only the
+        fields it names. A row that does not decode is skipped and listed in `bad_rows`.
+
+        NOTE: one pass, one parse per snapshot, in msgspec. SQLite's json_extract (3.40 here)
+        parses the whole document once per call: five fields of each of a 1,000-step run's
+        step snapshots cost ten times this."""
+        decoder = _typed_decoders.get(view) or _typed_decoders.setdefault(view, msgspec.json.Decoder(view))
+        out, seen = [], set()
+        try:
+            with _gc_paused():
+                # NOTE: rows streamed in rowid order (no sort, no 100s of MB fetched at once); the
+                # first of a step's rows wins (tensor parallelism: one per rank, the same content).
+                for row_id, step_id, time_ns, data in self._conn.execute(
+                        "SELECT id, step_id, time_ns, data FROM snapshots WHERE kind = ? ORDER BY id", (kind,)):
+                    if step_id in seen:
+                        continue
+                    seen.add(step_id)
+                    try:
+                        out.append((step_id, time_ns, decoder.decode(data)))
+                    except (ValueError, TypeError) as e:
+                        self.bad_rows.append(_snapshot_bad_row(row_id, step_id, kind, e))
+        except sqlite3.DatabaseError as e:
+            raise TraceStoreError(f"{self.path}: corrupt run store ({e})") from e
+        out.sort(key=lambda r: r[0])
+        return out
+
     # -- spans ----------------------------------------------------------------------
     def spans(self, name: str | None = None, where: str = "", args: tuple = ()) -> list[SpanRow]:
         """Finished spans in start order (all, those named `name`, or those matching the
@@ -167,6 +243,24 @@ class Run:
                                             f"malformed JSON ({e})"))
         return out
 
+    def processes(self) -> dict[str, set[int]]:
+        """process kind -> the pids that wrote spans."""
+        out: dict[str, set[int]] = {}
+        for kind, pid in self._query("SELECT DISTINCT process_kind, pid FROM spans"):
+            out.setdefault(kind or "?", set()).add(pid)
+        return out
+
+    def span_ends(self, names: list[str]) -> dict[str, int]:
+        """name -> when its last span ended (ns since the epoch), for the names that have one."""
+        marks = ", ".join("?" * len(names))
+        return dict(self._query(f"SELECT name, max(end_ns) FROM spans WHERE name IN ({marks}) GROUP BY name",
+                                tuple(names)))
+
+    def first_step_time_ns(self) -> int | None:
+        """When the first committed step's "step" snapshot was recorded, or None."""
+        rows = self._query("SELECT time_ns FROM snapshots WHERE kind = 'step' ORDER BY step_id LIMIT 1")
+        return rows[0][0] if rows else None
+
     def requests(self) -> list[SpanRow]:
         """Request-level spans (one per request, from add to finish)."""
         return self.spans(where="CASE WHEN json_valid(attributes) THEN "
@@ -184,6 +278,22 @@ class Run:
         self.close()
 
 
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """No garbage collection while a pass builds its tables.
+
+    NOTE: a pass over a big run creates millions of small dicts and lists, none of them garbage;
+    each collection of the oldest generation walks all of them again (two thirds of a 1,000-step
+    pass's time). Collections resume after it (and pending garbage is collected then)."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def _maybe_json(value: str) -> Any:
     try:
         return json.loads(value)
@@ -192,7 +302,33 @@ def _maybe_json(value: str) -> Any:
 
 
 def _snapshot_bad_row(row_id: int, step_id: int | None, kind: str, e: Exception) -> BadRow:
-    return BadRow("snapshots", f"step {step_id}, {kind!r} snapshot (row id {row_id})", f"malformed JSON ({e})")
+    what = "malformed JSON" if isinstance(e, msgspec.DecodeError) and not isinstance(e, msgspec.ValidationError) \
+        else "does not match the snapshot contract (tracing/snapshots.py)"
+    return BadRow("snapshots", f"step {step_id}, {kind!r} snapshot (row id {row_id})", f"{what} ({e})")
+
+
+def decode_snapshot(kind: str, data: str | bytes, schema_version: int = SCHEMA_VERSION) -> Any:
+    """A stored snapshot's JSON as its record (snapshots.SNAPSHOT_TYPES[kind]), strictly:
+    msgspec.ValidationError for a field outside the contract or of the wrong type."""
+    if kind not in SNAPSHOT_TYPES:
+        raise msgspec.ValidationError(f"unknown snapshot kind {kind!r} (known: {', '.join(SNAPSHOT_TYPES)})")
+    kind_type = SNAPSHOT_TYPES[kind]
+    if schema_version == SCHEMA_VERSION:
+        decoder = _typed_decoders.get(kind_type) or _typed_decoders.setdefault(kind_type,
+                                                                                msgspec.json.Decoder(kind_type))
+        return decoder.decode(data)
+    return msgspec.convert(_upgrade_v1(kind, _decode(data)), kind_type)
+
+
+def _upgrade_v1(kind: str, data: Any) -> Any:
+    """A schema_version 1 snapshot in today's layout. Version 1 runs were recorded before the
+    typed contract: they may lack fields added since (read with their defaults: deferred_reasons,
+    reason_code, sampled_token_ids, the block-pool events' request_id / call / ref_cnts /
+    queue_ends, grammar_ready_req_ids) and the oldest carry SchedulerOutput.trace_headers (the
+    trace context now rides beside the call, not in the message): dropped here."""
+    if kind == "step" and isinstance(data, dict) and isinstance(data.get("scheduler_output"), dict):
+        data["scheduler_output"].pop("trace_headers", None)
+    return data
 
 
 def _span_row(r: tuple) -> SpanRow:

@@ -47,7 +47,9 @@ import msgspec
 
 logger = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 1
+# 2: snapshots follow the typed contract of tracing/snapshots.py (the tables are version 1's);
+# 1: recorded before it, read through reader._upgrade_v1.
+SCHEMA_VERSION = 2
 BUSY_TIMEOUT_MS = 10_000
 
 _SCHEMA = """
