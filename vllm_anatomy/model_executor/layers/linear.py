@@ -78,15 +78,14 @@ class LinearBase(nn.Module):
     """y = x @ W.T (+ b), W: [output_size, input_size] (the checkpoint's layout).
 
     This rank holds W's [output_size_per_partition, input_size_per_partition]
-    part (the whole of it when tp_size = 1, or for ReplicatedLinear)."""
+    part (the whole of it when tp_size = 1)."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False,
-                 disable_tp: bool = False) -> None:
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__()
         self.input_size = input_size
         self.output_size = output_size
-        self.tp_rank = 0 if disable_tp else get_tensor_model_parallel_rank()
-        self.tp_size = 1 if disable_tp else get_tensor_model_parallel_world_size()
+        self.tp_rank = get_tensor_model_parallel_rank()
+        self.tp_size = get_tensor_model_parallel_world_size()
         self.input_size_per_partition, self.output_size_per_partition = self.partition_sizes()
         # NOTE: torch.empty (no random init): load_weights overwrites every value,
         # and initialising 100M+ parameters first would cost seconds on a CPU.
@@ -117,13 +116,6 @@ class LinearBase(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.input_size_per_partition}, out_features={self.output_size_per_partition}, "
                 f"bias={self.bias is not None}, tp_size={self.tp_size}")
-
-
-class ReplicatedLinear(LinearBase):
-    """Every rank holds the whole matrix."""
-
-    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
-        super().__init__(input_size, output_size, bias, disable_tp=True)
 
 
 class ColumnParallelLinear(LinearBase):
