@@ -280,3 +280,37 @@ def test_cuda_num_blocks_from_memory_profile(tiny_llama):
     assert len(out.sampled_token_ids[0]) == 1
     sync = rec.find("GPUModelRunner._bookkeeping_sync")[0]
     assert sync.attrs["vllm_anatomy.device"] == "cuda" and sync.attrs["vllm_anatomy.sync_wait_ms"] >= 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_trace_level_never_changes_what_is_computed(tiny_llama, device):
+    """off, spans and full: the same tokens and the same device buffers; at full the
+    snapshot reads what was computed (the slot mapping from the buffer the kernels read)."""
+    from vllm_anatomy.tracing.runner_tracer import NULL_KERNEL_TIMER, NULL_STEP_SNAPSHOTS
+    pa, pb = prompt(11, 9), prompt(12, 6)
+    steps = [make_so(1, {"a": 6, "b": 6}, [new("a", pa, [3, 4, 5], temperature=0),
+                                           new("b", pb, [8, 9], temperature=0)]),
+             make_so(2, {"a": 3, "b": 1}, cached=[("a", 6, None, None), ("b", 6, [10], None)]),
+             make_so(3, {"a": 1, "b": 1}, cached=[("a", 9, None, None), ("b", 7, None, None)])]
+    results = {}
+    for level in ("off", "spans", "full"):
+        rec = InMemoryRecorder(level)
+        runner = make_runner(tiny_llama[0], rec, device=device)
+        tokens, buffers = [], []
+        for so in steps:
+            tokens.append(step(runner, so).sampled_token_ids)
+            total = so.total_num_scheduled_tokens
+            buffers.append((runner.input_ids.gpu[:total].tolist(), runner.positions.gpu[:total].tolist(),
+                            runner.input_batch.block_table.slot_mapping[:total].tolist()))
+            if level == "full":
+                snap = [d for kind, _, d in rec.snapshots if kind == "model_runner"][-1]
+                assert snap["prepare_inputs"]["slot_mapping"] == buffers[-1][2]
+                assert snap["prepare_inputs"]["cudagraph"]["reason_code"] == "cudagraphs_off"
+            else:
+                assert runner.last_prepare_inputs is None
+        results[level] = (tokens, buffers)
+        full = level == "full"
+        assert (runner.tracer.snapshots is NULL_STEP_SNAPSHOTS) != full
+        assert (runner.tracer.kernel_timer is NULL_KERNEL_TIMER) == (not full or device == "cpu")
+    assert results["off"] == results["spans"] == results["full"]
+    assert results["full"][1][0][2][:6] == [12, 13, 14, 15, 16, 17]       # a: blocks 3, 4 (block_size 4)

@@ -3,9 +3,12 @@
 The model runner calls this object and nothing else of tracing (the engine's
 side has its own seam, tracing/step_tracer.py). It offers
     span(name, **attrs)                a host span (GPUModelRunner.*), nothing more
+    execute_model(scheduler_output), apply_grammar_bitmask(grammar_output)
+                                       those two host spans, with their attributes
     phase(name, device_phase, **attrs) a host span and, on a GPU, a device mark
                                        with the same attributes: one call
     model_forward(decision)            phase("_model_forward") with the CUDA-graph decision
+    compute_slot_mapping(num_reqs, num_tokens)  that kernel's launch, timed at level full
     sync_point(name, step_id, events)  the span around a step's one CPU-waits-for-device
                                        point; wait(event) inside it is the wait itself,
                                        after which the step's device-lane spans resolve
@@ -33,7 +36,9 @@ import torch
 from vllm_anatomy.tracing.recorder import Recorder, paused_gc
 
 if TYPE_CHECKING:
+    from vllm_anatomy.core.sched.output import GrammarOutput, SchedulerOutput
     from vllm_anatomy.worker.cudagraph import CudagraphDecision
+    from vllm_anatomy.worker.gpu_model_runner import GPUModelRunner
     from vllm_anatomy.worker.device_timer import DeviceTimer, StepEvents
 
 
@@ -76,6 +81,21 @@ class RunnerTracer:
 
     def span(self, name: str, **attrs: Any) -> contextlib.AbstractContextManager:
         return self.recorder.span(name, **attrs)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> contextlib.AbstractContextManager:
+        return self.recorder.span("GPUModelRunner.execute_model", **{
+            "vllm_anatomy.step_id": scheduler_output.step_id,
+            "vllm_anatomy.num_scheduled_tokens": scheduler_output.total_num_scheduled_tokens})
+
+    def apply_grammar_bitmask(self, grammar_output: GrammarOutput) -> contextlib.AbstractContextManager:
+        return self.recorder.span("GPUModelRunner.apply_grammar_bitmask", **{
+            "vllm_anatomy.num_structured_output_reqs": len(grammar_output.structured_output_request_ids)})
+
+    def compute_slot_mapping(self, num_reqs: int, num_tokens: int) -> contextlib.AbstractContextManager:
+        """The slot-mapping kernel's launch, timed at level full (one program per request + padding)."""
+        return self.kernel_timer.kernel("compute_slot_mapping", lambda: {
+            "vllm_anatomy.grid": [num_reqs + 1], "vllm_anatomy.num_tokens": num_tokens,
+            "vllm_anatomy.bytes": num_tokens * 20 + num_reqs * 8})
 
     def phase(self, name: str, device_phase: str, **attrs: Any) -> contextlib.AbstractContextManager:
         """From here the device works on `device_phase` (a mark, GPU only); the host span `name`."""
@@ -131,27 +151,27 @@ class StepSnapshots:
     def __init__(self, recorder: Recorder) -> None:
         self.recorder = recorder
 
-    def prepare_inputs(self, req_ids: list[str], num_scheduled_tokens: np.ndarray, req_indices: np.ndarray,
-                       cu_num_tokens: np.ndarray, arange: np.ndarray, positions: np.ndarray,
-                       token_indices: np.ndarray, input_ids: np.ndarray, query_start_loc: np.ndarray,
-                       seq_lens: np.ndarray, slot_mapping: torch.Tensor,
-                       discard_request_indices: np.ndarray, decision: CudagraphDecision) -> dict:
+    def prepare_inputs(self, runner: GPUModelRunner, num_scheduled_tokens: np.ndarray, req_indices: np.ndarray,
+                       cu_num_tokens: np.ndarray, arange: np.ndarray, token_indices: np.ndarray) -> dict:
+        """What _prepare_inputs computed: its intermediate arrays, and what it left in the runner's buffers."""
+        total, num_reqs = len(req_indices), len(num_scheduled_tokens)
         return {
-            "req_ids": list(req_ids), "num_scheduled_tokens": num_scheduled_tokens.tolist(),
+            "req_ids": list(runner.input_batch.req_ids), "num_scheduled_tokens": num_scheduled_tokens.tolist(),
             "req_indices": req_indices.tolist(), "cu_num_tokens": cu_num_tokens.tolist(),
-            "arange": arange.tolist(), "positions": positions.tolist(),
-            "token_indices": token_indices.tolist(), "input_ids": input_ids.tolist(),
-            "query_start_loc": query_start_loc.tolist(), "seq_lens": seq_lens.tolist(),
-            "slot_mapping": _host_list(slot_mapping),
+            "arange": arange.tolist(), "positions": runner.positions.np[:total].tolist(),
+            "token_indices": token_indices.tolist(), "input_ids": runner.input_ids.np[:total].tolist(),
+            "query_start_loc": runner.query_start_loc.np[:num_reqs + 1].tolist(),
+            "seq_lens": runner.seq_lens.np[:num_reqs].tolist(),
+            "slot_mapping": _host_list(runner.input_batch.block_table.slot_mapping[:total]),
             "logits_indices": (cu_num_tokens - 1).tolist(),
-            "discard_request_indices": discard_request_indices.tolist(),
-            "cudagraph": decision.to_dict()}
+            "discard_request_indices": runner.discard_request_indices.tolist(),
+            "cudagraph": runner.cudagraph_decision.to_dict()}
 
-    def take(self, runner) -> dict:
+    def take(self, runner: GPUModelRunner) -> dict:
         with paused_gc():
             return runner.snapshot()
 
-    def record(self, step_id: int, sampled_token_ids: list[list[int]], runner=None,
+    def record(self, step_id: int, sampled_token_ids: list[list[int]], runner: GPUModelRunner | None = None,
                snapshot: dict | None = None) -> None:
         """Record the step's snapshot (`snapshot`: taken earlier by take(), else `runner`'s now)."""
         with paused_gc():
@@ -167,7 +187,7 @@ class StepSnapshots:
 class _NullStepSnapshots:
     """Below level full: no snapshots, nothing kept."""
 
-    def prepare_inputs(self, **computed: Any) -> None:
+    def prepare_inputs(self, runner: GPUModelRunner, *computed: np.ndarray) -> None:
         return None
 
     def take(self, runner) -> None:

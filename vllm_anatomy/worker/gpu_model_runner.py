@@ -119,8 +119,12 @@ class GPUModelRunner(ModelRunnerStartupMixin):
         # What _prepare_inputs computed, for the step's snapshot (None below trace level full).
         self.last_prepare_inputs: dict | None = None
         self.discard_request_indices = np.empty(0, dtype=np.int64)
+        self.use_async_scheduling = scheduler_config.async_scheduling
+        self._init_step_buffers(on_cuda)
+        self._init_cudagraphs(vllm_config.compilation_config, on_cuda)
 
-        # Persistent buffers, reused every step (a CUDA graph replays on their addresses).
+    def _init_step_buffers(self, on_cuda: bool) -> None:
+        """Persistent buffers, reused every step (a CUDA graph replays on their addresses)."""
         self.input_ids = self._make_buffer(self.max_num_tokens, dtype=torch.int64)
         self.positions = self._make_buffer(self.max_num_tokens, dtype=torch.int64)
         self.query_start_loc = self._make_buffer(self.max_num_reqs + 1, dtype=torch.int32)
@@ -134,15 +138,14 @@ class GPUModelRunner(ModelRunnerStartupMixin):
         # prev_sampled_token_ids) for the splice, the event that says this
         # step's host-to-device copies are done (see synchronize_input_prep),
         # and the stream the sampled ids go to the host on (worker/async_output.py).
-        self.use_async_scheduling = scheduler_config.async_scheduling
         self.splice_indices = self._make_buffer(2 * self.max_num_reqs, dtype=torch.int64)
         self.prepare_inputs_event = torch.cuda.Event() if on_cuda else None
         self.async_output_copy_stream = torch.cuda.Stream(self.device) \
             if on_cuda and self.use_async_scheduling else None
 
-        # CUDA graphs: only on a GPU, and only with kernels that read nothing
-        # on the host (the torch reference backend loops over requests in Python).
-        compilation_config = vllm_config.compilation_config
+    def _init_cudagraphs(self, compilation_config, on_cuda: bool) -> None:
+        # NOTE: only on a GPU, and only with kernels that read nothing on the
+        # host (the torch reference backend loops over requests in Python).
         if not on_cuda or self.attn_backend_name != "triton":
             compilation_config = type(compilation_config)("NONE", [], 0)
         self.cudagraph_dispatcher = CudagraphDispatcher(compilation_config)
@@ -159,9 +162,8 @@ class GPUModelRunner(ModelRunnerStartupMixin):
             raise RuntimeError("execute_model called again before sample_tokens consumed the previous step")
         tracer = self.tracer
         num_tokens = scheduler_output.total_num_scheduled_tokens
-        with tracer.span("GPUModelRunner.execute_model", **{
-                "vllm_anatomy.step_id": scheduler_output.step_id,
-                "vllm_anatomy.num_scheduled_tokens": num_tokens}):
+        self.last_prepare_inputs = None
+        with tracer.execute_model(scheduler_output):
             with self.synchronize_input_prep():
                 with tracer.span("GPUModelRunner._update_states"):
                     self._update_states(scheduler_output)
@@ -172,7 +174,6 @@ class GPUModelRunner(ModelRunnerStartupMixin):
                     return self._empty_output(scheduler_output.step_id, error_req_ids)
                 if not self.input_batch.num_reqs:
                     # Every scheduled request failed to join the batch: sample_tokens reports them.
-                    self.last_prepare_inputs = None
                     self.execute_model_state = ExecuteModelState(scheduler_output, None, np.empty(0, np.int64),
                                                                  error_req_ids)
                     return None
@@ -354,9 +355,7 @@ class GPUModelRunner(ModelRunnerStartupMixin):
             self._splice_prev_sampled(cu_num_tokens)
         # NOTE: from the block table and positions already on the device: on a
         # GPU a Triton kernel, as in vLLM (worker/block_table.py).
-        with self.tracer.kernel_timer.kernel("compute_slot_mapping", lambda: {
-                "vllm_anatomy.grid": [num_reqs + 1], "vllm_anatomy.num_tokens": total,
-                "vllm_anatomy.bytes": total * 20 + num_reqs * 8}):
+        with self.tracer.compute_slot_mapping(num_reqs, total):
             batch.block_table.compute_slot_mapping(num_reqs, self.query_start_loc.gpu,
                                                    self.positions.gpu[:total], padded)
         # NOTE: a partial prefill chunk ends before the request's last token, so
@@ -365,11 +364,7 @@ class GPUModelRunner(ModelRunnerStartupMixin):
         self.discard_request_indices = np.nonzero(
             self.seq_lens.np[:num_reqs] < batch.num_tokens_no_spec[:num_reqs])[0]
         self.last_prepare_inputs = self.tracer.snapshots.prepare_inputs(
-            req_ids=batch.req_ids, num_scheduled_tokens=num_scheduled, req_indices=req_indices,
-            cu_num_tokens=cu_num_tokens, arange=arange, positions=positions_np, token_indices=token_indices,
-            input_ids=self.input_ids.np[:total], query_start_loc=self.query_start_loc.np[:num_reqs + 1],
-            seq_lens=self.seq_lens.np[:num_reqs], slot_mapping=batch.block_table.slot_mapping[:total],
-            discard_request_indices=self.discard_request_indices, decision=decision)
+            self, num_scheduled, req_indices, cu_num_tokens, arange, token_indices)
         # The last scheduled token of each request: the only rows that need logits.
         logits_indices = self.query_start_loc.gpu[1:num_reqs + 1].long() - 1   # [R]
         return self._attn_metadata(num_reqs, total, max_query_len), logits_indices
@@ -438,7 +433,6 @@ class GPUModelRunner(ModelRunnerStartupMixin):
         NOTE: a step with nothing to compute (with async scheduling: every
         running request's last token already in flight) still gets its
         snapshot, so that every step of a run has both halves."""
-        self.last_prepare_inputs = None
         self.tracer.snapshots.record(step_id, [], runner=self)
         if error_req_ids:
             return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[],
@@ -458,9 +452,7 @@ class GPUModelRunner(ModelRunnerStartupMixin):
         with tracer.span("GPUModelRunner.sample_tokens"):
             if grammar_output is not None:
                 # Structured output: forbidden tokens -> -inf, before any sampling rule.
-                with tracer.span("GPUModelRunner.apply_grammar_bitmask", **{
-                        "vllm_anatomy.num_structured_output_reqs":
-                            len(grammar_output.structured_output_request_ids)}):
+                with tracer.apply_grammar_bitmask(grammar_output):
                     apply_grammar_bitmask(state.scheduler_output, grammar_output, self.input_batch, state.logits)
             sampler_output = self._sample(state.logits, state.discard_request_indices)
             if self.use_async_scheduling:
