@@ -29,7 +29,8 @@ DEVICE_LANE = "device"
 ATTR_COLUMNS = {"vllm_anatomy.cudagraph_mode": "cudagraph_mode", "vllm_anatomy.num_padded_tokens": "num_padded_tokens",
                 "vllm_anatomy.cudagraph_reason": "cudagraph_reason", "vllm_anatomy.layer": "layer",
                 "vllm_anatomy.grid": "grid", "vllm_anatomy.num_tokens": "num_tokens", "vllm_anatomy.bytes": "bytes",
-                "vllm_anatomy.cudagraph_size": "cudagraph_size"}
+                "vllm_anatomy.cudagraph_size": "cudagraph_size",
+                "vllm_anatomy.num_scheduled_tokens": "num_scheduled_tokens"}
 
 
 def device_row(name: str) -> str:
@@ -87,12 +88,16 @@ def span_table(path: str, version: tuple, device: str) -> pd.DataFrame | RunErro
     if not df.empty:
         df["dur_ms"] = (df["end_ns"] - df["start_ns"]) / 1e6
         df["kernel_layer"] = kernel_layers(df)
-        # The device forward span has the mode and padded size; the reason (with the
-        # real token count) is on the host span of the same step.
+        # The device forward span has the mode and padded size; the reason is on the host
+        # span of the same step, the tokens scheduled on its step span.
         host = df[(df["name"] == "GPUModelRunner._model_forward") & df["cudagraph_reason"].notna()]
         reason = dict(zip(host["step_id"], host["cudagraph_reason"]))
         fwd = (df["name"] == "GPU.model_forward") & df["cudagraph_reason"].isna()
         df.loc[fwd, "cudagraph_reason"] = df.loc[fwd, "step_id"].map(reason)
+        steps = df[(df["name"] == "EngineCore.step") & df["num_scheduled_tokens"].notna()]
+        fwd = df["name"] == "GPU.model_forward"
+        df.loc[fwd, "num_scheduled_tokens"] = df.loc[fwd, "step_id"].map(
+            dict(zip(steps["step_id"], steps["num_scheduled_tokens"])))
     return df
 
 

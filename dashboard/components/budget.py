@@ -8,15 +8,8 @@ import streamlit as st
 
 from dashboard.components.code_ref import code_ref
 from dashboard.theme import KIND_COLORS, chip, request_color, style_figure, text_on
+from vllm_anatomy.core.sched.record import AdmissionStop
 
-STOP_REASONS = {
-    "queue_empty": "nobody was waiting",
-    "budget_exhausted": "the token budget was spent (RUNNING requests are served first)",
-    "max_num_seqs": "the running batch is full (max_num_seqs)",
-    "no_free_blocks": "allocate_slots refused the head of the waiting queue: no free KV blocks",
-    "preempted_this_step": "a request was preempted this step: no admissions",
-    "chunked_prefill_disabled": "the head's prompt does not fit the remaining budget whole",
-}
 PATTERNS = {"prefill_chunk": "/", "final_prefill_chunk": "\\", "decode": "", "resumed": "x"}
 PATTERN_LEGEND = [("╱", "prefill_chunk", "a chunk of a prompt that does not end it: no token is sampled"),
                   ("╲", "final_prefill_chunk", "the prompt's last chunk: the step samples its first token"),
@@ -58,5 +51,6 @@ def budget(rec: dict) -> None:
                     config={"displayModeBar": False})
     st.caption(" · ".join(f"{mark} `{kind}`: {why}" for mark, kind, why in PATTERN_LEGEND))
     reason = rec.get("admission_stop_reason")
-    st.markdown(f"Admission stopped: **`{reason}`** — {STOP_REASONS.get(reason, 'not recorded')}")
+    known = reason in AdmissionStop._value2member_map_
+    st.markdown(f"Admission stopped: **`{reason}`** — {AdmissionStop(reason).description if known else 'not recorded'}")
     code_ref("vllm_anatomy/core/sched/scheduler.py", "Scheduler.schedule → SchedulerStepRecord")

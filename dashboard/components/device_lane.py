@@ -12,8 +12,6 @@ Also the formatting shared with the timeline figure (bar labels, hover text).
 """
 from __future__ import annotations
 
-import re
-
 import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
@@ -22,7 +20,6 @@ from dashboard.components.code_ref import code_ref
 from dashboard.theme import span_color, style_figure
 
 PHASES = ["GPU.prepare_inputs", "GPU.model_forward", "GPU.compute_logits", "GPU.sample", "GPU.d2h"]
-PADDED = re.compile(r"padded (\d+) -> (\d+)")
 
 
 def gb_per_s(nbytes, dur_ms) -> float | None:
@@ -41,10 +38,10 @@ def _get(r, key):
 
 def forward_label(r) -> str:
     """`GPU.model_forward · CUDA graph replay, padded 5→8` or `GPU.model_forward · eager`."""
-    mode, padded = _get(r, "cudagraph_mode"), _get(r, "num_padded_tokens")
+    mode, padded, n = _get(r, "cudagraph_mode"), _get(r, "num_padded_tokens"), _get(r, "num_scheduled_tokens")
     if mode == "FULL":
-        m = PADDED.search(str(_get(r, "cudagraph_reason") or ""))
-        size = f"padded {m[1]}→{m[2]}" if m else f"{int(padded)} tokens" if padded is not None else ""
+        size = (f"padded {int(n)}→{int(padded)}" if n is not None and padded is not None and padded > n
+                else f"{int(padded)} tokens" if padded is not None else "")
         return f"{r['name']} · CUDA graph replay, {size}".rstrip(", ")
     if mode is not None:
         return f"{r['name']} · eager"

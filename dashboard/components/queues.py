@@ -12,24 +12,10 @@ from dashboard.components.code_ref import code_ref
 from dashboard.components.kv_memory import blocks_mb, mb
 from dashboard.theme import INK, STATUS_COLORS, chip, request_color, short_req_id, text_on
 from vllm_anatomy.core.request import RequestStatus
-from vllm_anatomy.core.state_machine import ARRIVAL, STATUS_TRANSITIONS, UNUSED_STATUSES, article_edges
+from vllm_anatomy.core.state_machine import (ARRIVAL, FINISH_REASONS, STATUS_DESCRIPTIONS, STATUS_TRANSITIONS,
+                                             UNUSED_STATUSES, article_edges, finished_status_of)
 
-# A finished request's status, from the finish reason its request span records: the
-# engine's own map (RequestStatus.get_finished_reason), inverted; where two statuses
-# share a reason ("length": LENGTH_CAPPED and IGNORED) the first in enum order.
-FINISH_STATUS: dict[str, str] = {}
-for _status in RequestStatus:
-    _reason = RequestStatus.get_finished_reason(_status)
-    if RequestStatus.is_finished(_status) and _reason is not None:
-        FINISH_STATUS.setdefault(str(_reason), _status.name)
 NODES = [s.name for s in RequestStatus]
-NODE_TIPS = {"WAITING": "in the waiting queue, no KV blocks yet", "RUNNING": "scheduled every step, holds KV blocks",
-             "PREEMPTED": "evicted from the running batch, in the waiting queue to be recomputed",
-             "WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR": "its grammar compiles in a thread pool; passed over meanwhile",
-             "FINISHED_STOPPED": "finished on EOS / a stop token", "FINISHED_LENGTH_CAPPED": "finished on max_tokens",
-             "FINISHED_ABORTED": "cancelled", "FINISHED_IGNORED": "prompt longer than max_model_len: never scheduled",
-             "FINISHED_ERROR": "failed alone (the others went on)", **{
-                 n: f"not entered by this engine: {why}" for n, why in UNUSED_STATUSES.items()}}
 # Columns of the diagram, left to right (Graphviz ranks).
 S = RequestStatus
 RANKS = [[S.WAITING.name, S.WAITING_FOR_REMOTE_KVS.name, S.WAITING_FOR_STREAMING_REQ.name],
@@ -57,7 +43,9 @@ def transitions(prev: dict | None, step: dict, finish_reasons: dict[str, str]) -
             out.append((req, was, status))
     for req, was in before.items():
         if req not in now:
-            out.append((req, was, FINISH_STATUS.get(finish_reasons.get(req, ""), "FINISHED_STOPPED")))
+            reason = finish_reasons.get(req, "")
+            out.append((req, was, finished_status_of(reason) if reason in FINISH_REASONS.values()
+                        else S.FINISHED_STOPPED.name))
     return out
 
 
@@ -68,7 +56,7 @@ def _queue_html(reqs: list[dict], per_block: int | None) -> str:
                          f"{len(r['block_ids'])} blk", request_color(r["request_id"]),
                          title=f"request {r['request_id']}: num_computed_tokens / num_tokens; holds "
                                f"{blocks_mb(len(r['block_ids']), per_block)} {r['block_ids']}") +
-                    chip(r["status"], STATUS_COLORS.get(r["status"], "#777"), title=NODE_TIPS.get(r["status"]))
+                    chip(r["status"], STATUS_COLORS.get(r["status"], "#777"), title=STATUS_DESCRIPTIONS.get(r["status"]))
                     for r in reqs)
 
 
@@ -132,7 +120,7 @@ def state_machine_dot(moves: list[tuple[str, str, str]]) -> str:
         style = '"rounded,filled,dashed"' if unused else '"rounded,filled"'
         pen = "3" if n in active else "1"
         lines.append(f'{n} [label="{_wrap(n)}" fillcolor="{fill}" fontcolor="{text_on(fill)}" style={style} '
-                     f'color="{"#9A9A9A" if unused else "#333333"}" penwidth={pen} tooltip="{n}: {NODE_TIPS.get(n, "")}"];')
+                     f'color="{"#9A9A9A" if unused else "#333333"}" penwidth={pen} tooltip="{n}: {STATUS_DESCRIPTIONS.get(n, "")}"];')
     for t in STATUS_TRANSITIONS:
         tip = t.how.replace('"', "'")
         reqs = lit.get((t.source, t.target))

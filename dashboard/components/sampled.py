@@ -58,20 +58,34 @@ def execution_mode(meta: dict, cudagraph: dict | None = None) -> tuple[str, str]
         return head, why
     short = reason[:-len(": eager")] if reason.endswith(": eager") else reason
     head = f"eager · {short or 'no reason recorded'}"
-    if reason.startswith("prefill"):
-        why = ("A graph is captured for one fixed shape: one query token per request. A prefill chunk has another "
-               "query length, so this step launches its kernels one by one (and the device lane times each layer "
-               "and kernel).")
-    elif reason.startswith("CUDA graphs off"):
-        why = ("This run has cudagraph_mode NONE (always on a CPU, or enforce_eager on a GPU): every step launches "
-               "its kernels one by one." + (" On a CPU there are no kernel launches to save." if
-                                            device.startswith("cpu") else ""))
-    elif "largest graph" in reason:
-        why = ("More decodes than the largest captured graph: no graph fits, so this step runs eager "
-               "(max_cudagraph_capture_size bounds the sizes captured at start-up).")
-    else:
-        why = "This step launches its kernels one by one."
+    why = EAGER_WHY.get(reason_code(cudagraph), "This step launches its kernels one by one.")
+    if reason_code(cudagraph) == "cudagraphs_off" and device.startswith("cpu"):
+        why += " On a CPU there are no kernel launches to save."
     return head, why
+
+
+# Why a step ran eager, by the dispatcher's CudagraphReason code (worker/cudagraph.py).
+EAGER_WHY = {
+    "prefill_in_batch": "A graph is captured for one fixed shape: one query token per request. A prefill chunk has "
+                        "another query length, so this step launches its kernels one by one (and the device lane "
+                        "times each layer and kernel).",
+    "cudagraphs_off": "This run has cudagraph_mode NONE (always on a CPU, or enforce_eager on a GPU): every step "
+                      "launches its kernels one by one.",
+    "batch_too_large": "More decodes than the largest captured graph: no graph fits, so this step runs eager "
+                       "(max_cudagraph_capture_size bounds the sizes captured at start-up).",
+}
+# Runs recorded before the code: the code of the dispatcher's sentence, by what it said.
+_CODE_OF_OLD_REASON = (("prefill in batch", "prefill_in_batch"), ("CUDA graphs off", "cudagraphs_off"),
+                       ("largest graph", "batch_too_large"))
+
+
+def reason_code(cudagraph: dict) -> str | None:
+    """The decision's CudagraphReason code (`reason_code`); for runs recorded before it, read from
+    its `reason` sentence."""
+    if cudagraph.get("reason_code"):
+        return cudagraph["reason_code"]
+    reason = str(cudagraph.get("reason") or "")
+    return next((code for said, code in _CODE_OF_OLD_REASON if said in reason), None)
 
 
 def execution_panel(meta: dict, mr: dict) -> None:
