@@ -176,7 +176,7 @@ class EngineArgs:
         """Default: on a GPU with the in-process executor. With worker processes
         (mp) only when asked for: their busy loop waits for each step's tokens
         before it takes the next call (no async-output thread, see
-        multiproc_executor.py), so the overlap is the engine's alone."""
+        executor/worker_proc.py), so the overlap is the engine's alone."""
         if self.async_scheduling is None:
             return on_gpu and self._resolve_executor_backend() == "uni"
         return self.async_scheduling
