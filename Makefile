@@ -1,11 +1,11 @@
-# Two commands: `make run` (the main job) and `make test` (all tests).
-# Both depend on `make setup`, which is idempotent.
+# Two commands: `make run` (the main job) and `make test` (lint, then all tests).
+# Both depend on `make setup`, which is idempotent. `make test-fast` is the inner loop.
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.setup-done
 
-.PHONY: setup run test gpu-test download browser clean-venv
+.PHONY: setup run test test-fast lint gpu-test download browser clean-venv
 
 setup: $(STAMP) browser download
 
@@ -35,8 +35,17 @@ download: $(STAMP)
 run: setup
 	$(VENV)/bin/vllm-anatomy dashboard $(ARGS)
 
-test: setup
+test: setup lint
 	$(PY) -m pytest -q
+
+# The inner loop: unit tests, the kernels in Triton's interpreter, the dashboard's pages
+# (Streamlit AppTest) -- the tests marked `fast` (tests/conftest.py). No server, no browser;
+# the default model is the one `download` cached.
+test-fast: download
+	$(PY) -m pytest -q -m fast
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
 
 # Only the GPU tests (kernels compiled for the device, CUDA graphs, device timings).
 # Where there is no CUDA device they are all skipped, each with its reason.

@@ -1,8 +1,33 @@
-"""Fixtures shared by every test directory."""
+"""Fixtures shared by every test directory, and the markers that define the test lanes."""
 import json
 import os
+from pathlib import Path
 
 import pytest
+
+TESTS_DIR = Path(__file__).parent
+# `make test-fast` runs `pytest -m fast`: the tests of these folders that are not marked
+# slow, gpu or browser (plus any test marked fast by hand).
+FAST_FOLDERS = ("unit", "kernels", "dashboard")
+# pytest-timeout's limit for a test marked slow (the default, `timeout` in pyproject.toml, is 600 s).
+SLOW_TIMEOUT_S = 1800
+
+
+@pytest.hookimpl(tryfirst=True)      # NOTE: before `-m` deselects by these markers
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "browser" in item.fixturenames:
+            item.add_marker(pytest.mark.browser)
+        if "default_model_dir" in item.fixturenames:
+            item.add_marker(pytest.mark.model)
+        if item.get_closest_marker("slow") and not item.get_closest_marker("timeout"):
+            item.add_marker(pytest.mark.timeout(SLOW_TIMEOUT_S))
+        try:
+            folder = item.path.relative_to(TESTS_DIR).parts[0]
+        except ValueError:
+            continue
+        if folder in FAST_FOLDERS and not any(item.get_closest_marker(m) for m in ("slow", "gpu", "browser")):
+            item.add_marker(pytest.mark.fast)
 
 
 def save_word_level_tokenizer(path: str, vocab_size: int = 512) -> None:
