@@ -26,6 +26,7 @@ import pandas as pd
 import streamlit as st
 
 from vllm_anatomy.tracing.reader import MalformedRowError, TraceStoreError, list_runs, open_run
+from vllm_anatomy.tracing.recorder import paused_gc
 from vllm_anatomy.tracing.snapshots import ModelRunnerIndex, ModelRunnerTokensIndex, StepIndex
 
 
@@ -133,6 +134,11 @@ def step_scan(path: str, version: tuple) -> dict | RunError:
             bad = _bad(run)
     except TraceStoreError as e:
         return _corrupt(path, e)
+    with paused_gc():           # (see Run.index)
+        return _step_tables(rows, bad)
+
+
+def _step_tables(rows: list, bad: BadRows) -> dict:
     scan = {"steps": [], "time_ns": [], "records": [], "usage": [], "finished": [], "events": [],
             "prompts": {}, "statuses": {}, "bad_rows": bad}
     statuses = scan["statuses"]
@@ -196,8 +202,11 @@ def prefetch(path: str) -> None:
     """Build a finished run's tables in two background threads (each table once: a page that
     needs one waits for the thread that is building it instead of building it again).
 
-    NOTE: a page switch after the first page of a big run then finds its tables ready, or half
-    built (SQLite releases the GIL while it reads rows, the span table's queries too)."""
+    NOTE: the journey needs the two snapshot passes and the token index (one lane, in that order,
+    then the step table the metrics and lessons need), the timeline (the first page after the
+    inspector in the sidebar) the spans (the other lane). The passes are Python (msgspec) and
+    share the GIL with the span table: the two lanes take turns, so a page switch after the first
+    page of a big run finds its tables ready, or half built, whichever of the two it opens."""
     version = file_version(path)
     key = (path, version)
     if key in _prefetched:
@@ -205,6 +214,8 @@ def prefetch(path: str) -> None:
     if len(_prefetched) > 64:
         _prefetched.clear()
     _prefetched.add(key)
+    info = run_info(path, version)
+    device = str(info["meta"].get("device")) if isinstance(info, dict) else "cpu"
 
     def work(jobs) -> None:
         from dashboard import spans      # (spans imports this module)
@@ -214,14 +225,8 @@ def prefetch(path: str) -> None:
             except Exception:   # noqa: BLE001 - a page that needs it reports the error itself
                 pass
 
-    info = run_info(path, version)
-    device = str(info["meta"].get("device")) if isinstance(info, dict) else "cpu"
-    # NOTE: the timeline (the first page after the inspector in the sidebar) needs the spans,
-    # metrics and lessons the step table, the journey everything (the step pass, its queue
-    # statuses included, comes first).
-    lanes = (lambda spans: ((step_scan, ()), (step_table, ())),
-             lambda spans: ((runner_scan, ()), (spans.request_table, ()), (spans.span_table, (device,)),
-                            (token_index, ())))
+    lanes = (lambda spans: ((step_scan, ()), (runner_scan, ()), (token_index, ()), (step_table, ())),
+             lambda spans: ((spans.request_table, ()), (spans.span_table, (device,))))
     import threading
 
     from streamlit.runtime.scriptrunner import add_script_run_ctx
@@ -335,6 +340,11 @@ def token_index(path: str, version: tuple) -> dict | RunError:
         if isinstance(x, RunError):
             return x
     runner = runner["tokens"]
+    with paused_gc():           # (a table of every token of every request: see Run.index)
+        return _token_index(scan, runner)
+
+
+def _token_index(scan: dict, runner: list[tuple]) -> dict:
     tokens: dict[str, dict[int, int]] = {req: dict(enumerate(ids)) for req, ids in scan["prompts"].items()}
     sampled: dict[int, dict[str, list]] = {}
     for step_id, req_ids, seq_lens, discard, direct, req_indices, positions, input_ids in runner:

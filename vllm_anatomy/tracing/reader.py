@@ -19,9 +19,7 @@ upgraded as they are read (`_upgrade_v1`).
 """
 from __future__ import annotations
 
-import contextlib
 import functools
-import gc
 import glob
 import json
 import os
@@ -31,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Iterator, TypeVar
 
 import msgspec
 
+from vllm_anatomy.tracing.recorder import paused_gc
 from vllm_anatomy.tracing.snapshots import SNAPSHOT_TYPES
 from vllm_anatomy.tracing.store import SCHEMA_VERSION, SPAN_COLUMNS, connect_readonly
 
@@ -206,9 +205,12 @@ class Run:
         decoder = _typed_decoders.get(view) or _typed_decoders.setdefault(view, msgspec.json.Decoder(view))
         out, seen = [], set()
         try:
-            with _gc_paused():
-                # NOTE: rows streamed in rowid order (no sort, no 100s of MB fetched at once); the
-                # first of a step's rows wins (tensor parallelism: one per rank, the same content).
+            with paused_gc():
+                # NOTE: no cyclic GC meanwhile: a pass over a big run builds millions of small
+                # dicts and lists, none of them garbage, that each collection would walk again
+                # (two thirds of a 1,000-step pass's time). Rows are streamed in rowid order (no
+                # sort, no 100s of MB fetched at once); the first of a step's rows wins (tensor
+                # parallelism: one per rank, the same content).
                 for row_id, step_id, time_ns, data in self._conn.execute(
                         "SELECT id, step_id, time_ns, data FROM snapshots WHERE kind = ? ORDER BY id", (kind,)):
                     if step_id in seen:
@@ -233,14 +235,15 @@ class Run:
         sql = (f"SELECT {', '.join(SPAN_COLUMNS)}, json_valid(links) AND json_type(links) = 'array' FROM spans"
                + (" WHERE " + " AND ".join(conds) if conds else "") + " ORDER BY start_ns")
         out = []
-        for r in self._query(sql, ((name,) if name else ()) + tuple(args)):
-            try:
-                if not r[-1]:
-                    raise ValueError("links is not a JSON array")
-                out.append(_span_row(r[:-1]))
-            except (ValueError, TypeError) as e:
-                self.bad_rows.append(BadRow("spans", f"span {r[3]!r} {r[1]} of trace {r[0]}",
-                                            f"malformed JSON ({e})"))
+        with paused_gc():           # (tens of thousands of rows: see index())
+            for r in self._query(sql, ((name,) if name else ()) + tuple(args)):
+                try:
+                    if not r[-1]:
+                        raise ValueError("links is not a JSON array")
+                    out.append(_span_row(r[:-1]))
+                except (ValueError, TypeError) as e:
+                    self.bad_rows.append(BadRow("spans", f"span {r[3]!r} {r[1]} of trace {r[0]}",
+                                                f"malformed JSON ({e})"))
         return out
 
     def processes(self) -> dict[str, set[int]]:
@@ -276,22 +279,6 @@ class Run:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-@contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
-    """No garbage collection while a pass builds its tables.
-
-    NOTE: a pass over a big run creates millions of small dicts and lists, none of them garbage;
-    each collection of the oldest generation walks all of them again (two thirds of a 1,000-step
-    pass's time). Collections resume after it (and pending garbage is collected then)."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 def _maybe_json(value: str) -> Any:
