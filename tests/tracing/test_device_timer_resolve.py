@@ -6,7 +6,7 @@ from the device once (elapsed_time is a device call)."""
 import torch
 
 from vllm_anatomy.tracing.recorder import InMemoryRecorder
-from vllm_anatomy.worker.device_timer import DeviceTimer, StepEvents
+from vllm_anatomy.tracing.device_timer import DeviceTimer, StepEvents
 
 
 class FakeEvent:

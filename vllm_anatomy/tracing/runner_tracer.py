@@ -12,7 +12,7 @@ side has its own seam, tracing/step_tracer.py). It offers
     sync_point(name, step_id, events)  the span around a step's one CPU-waits-for-device
                                        point; wait(event) inside it is the wait itself,
                                        after which the step's device-lane spans resolve
-    device_mark(phase), take_device_events()   the D2H copy's marks (worker/device_timer.py)
+    device_mark(phase), take_device_events()   the D2H copy's marks (tracing/device_timer.py)
     kernel_timer                       always present: the DeviceTimer at level full on
                                        a GPU, else NULL_KERNEL_TIMER, whose `with` does nothing
     snapshots                          the snapshot observer: StepSnapshots at level full,
@@ -33,19 +33,20 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import numpy as np
 import torch
 
+from vllm_anatomy.tracing.device_timer import DeviceTimer
 from vllm_anatomy.tracing.recorder import Recorder, paused_gc
 
 if TYPE_CHECKING:
     from vllm_anatomy.core.sched.output import GrammarOutput, SchedulerOutput
     from vllm_anatomy.worker.cudagraph import CudagraphDecision
     from vllm_anatomy.worker.gpu_model_runner import GPUModelRunner
-    from vllm_anatomy.worker.device_timer import DeviceTimer, StepEvents
+    from vllm_anatomy.tracing.device_timer import StepEvents
 
 
 class NullKernelTimer:
     """The kernel timer when kernel launches are not timed: each `with` does nothing.
 
-    The same interface as worker/device_timer.DeviceTimer's kernel() and
+    The same interface as tracing/device_timer.DeviceTimer's kernel() and
     interval(); `describe` (a callable returning the span's attributes) is
     never called, so an untimed launch computes no attributes either."""
 
@@ -66,10 +67,10 @@ TAKE_AT_WAIT = object()
 
 class RunnerTracer:
 
-    def __init__(self, recorder: Recorder, device_timer: DeviceTimer, device_type: str) -> None:
+    def __init__(self, recorder: Recorder, device: torch.device) -> None:
         self.recorder = recorder
-        self.device_timer = device_timer
-        self.device_type = device_type
+        self.device_timer = device_timer = DeviceTimer(device, recorder)
+        self.device_type = device.type
         # Level full on a GPU: each kernel launch the engine makes gets a span.
         self.kernel_timer = device_timer if recorder.wants_snapshots and device_timer.enabled \
             else NULL_KERNEL_TIMER

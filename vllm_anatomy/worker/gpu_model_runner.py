@@ -65,7 +65,6 @@ from vllm_anatomy.tracing.runner_tracer import RunnerTracer
 from vllm_anatomy.worker.async_output import bookkeeping_async
 from vllm_anatomy.worker.cpu_gpu_buffer import CpuGpuBuffer
 from vllm_anatomy.worker.cudagraph import CUDAGraphMode, CUDAGraphRunner, CudagraphDecision, CudagraphDispatcher
-from vllm_anatomy.worker.device_timer import DeviceTimer
 from vllm_anatomy.worker.gpu_input_batch import CachedRequestState, InputBatch
 from vllm_anatomy.worker.model_runner_startup import ModelRunnerStartupMixin
 from vllm_anatomy.worker.runner_output import make_model_runner_output
@@ -101,7 +100,7 @@ class GPUModelRunner(ModelRunnerStartupMixin):
         self.block_size = self.cache_config.block_size
         if not model_config.hf_config:
             model_config.hf_config = load_hf_config(model_config.model)
-        self.tracer = RunnerTracer(recorder, DeviceTimer(self.device, recorder), self.device.type)
+        self.tracer = RunnerTracer(recorder, self.device)
 
         self.requests: dict[str, CachedRequestState] = {}
         # Requests that failed in this runner -> why; kept until the scheduler
