@@ -12,6 +12,7 @@ from dashboard.components.code_ref import code_ref
 from dashboard.components.kv_memory import blocks_mb, mb
 from dashboard.theme import INK, STATUS_COLORS, chip, request_color, short_req_id, text_on
 from vllm_anatomy.core.request import RequestStatus
+from vllm_anatomy.core.sched.record import DeferReason
 from vllm_anatomy.core.state_machine import (ARRIVAL, FINISH_REASONS, STATUS_DESCRIPTIONS, STATUS_TRANSITIONS,
                                              UNUSED_STATUSES, article_edges, finished_status_of)
 
@@ -73,8 +74,12 @@ def queues(step: dict, per_block: int | None = None) -> None:
     if skipped:
         st.markdown(f"**Skipped waiting** ({len(skipped)}: passed over by an earlier step, looked at first)<br>"
                     f"{_queue_html(skipped, per_block)}", unsafe_allow_html=True,
-                    help="v0.27.1's second waiting queue: a structured-output request whose grammar is still "
-                         "compiling, or a preempted request whose in-flight token has not arrived yet")
+                    help="v0.27.1's second waiting queue: " + "; or ".join(d.description for d in DeferReason))
+    deferred = (sched.get("step_record") or {}).get("deferred_reasons") or {}
+    if deferred:
+        st.caption("Passed over this step: " + "; ".join(
+            f"req {short_req_id(r)}: {DeferReason(c).description if c in DeferReason._value2member_map_ else c}"
+            for r, c in deferred.items()))
     st.caption("Chip: `req id · num_computed_tokens/num_tokens tok · KV blocks held`"
                + (f" (one block = {mb(per_block)})" if per_block else "") + "; hover a chip for its block ids.")
     code_ref("vllm_anatomy/core/sched/scheduler.py", "Scheduler.snapshot · self.waiting / self.running")
