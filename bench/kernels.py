@@ -98,9 +98,10 @@ def copy_ceiling(quick: bool) -> dict:
     n = (1 << 28) if quick else (1 << 30)                          # bf16 elements: 0.5 / 2 GiB
     src = torch.randn(n, device="cuda", dtype=DTYPE)
     dst = torch.empty_like(src)
-    # NOTE: timed eagerly (a 1-2 ms operation: launch cost is noise). Captured
-    # in a CUDA graph, a device-to-device copy_ becomes a memcpy node run by
-    # the copy engines, measured at only 2.8 TB/s on the H200: not the ceiling.
+    # NOTE: timed eagerly (a millisecond-scale copy: launch cost is noise, see
+    # copy_ceiling in bench/results/kernels_h200.json). Captured in a CUDA graph,
+    # a device-to-device copy_ becomes a memcpy node run by the copy engines,
+    # which measured well below the eager copy on the H200: not the ceiling.
     ms = time_eager_ms(lambda: dst.copy_(src))
     nbytes = 2 * src.numel() * src.element_size()
     return {"bytes": nbytes, "ms": ms, "bytes_per_s": nbytes / ms * 1e3}
