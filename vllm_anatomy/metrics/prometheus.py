@@ -85,8 +85,9 @@ class PrometheusStatLogger:
         self.histogram_iteration_tokens = histogram(
             "vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
             ITERATION_TOKENS_BUCKETS)
-        self.counter_request_success_base = request_success = Counter("vllm:request_success", "Count of successfully processed requests.",
-                                  labelnames + ["finished_reason"], registry=r)
+        self.counter_request_success_base = request_success = Counter(
+            "vllm:request_success", "Count of successfully processed requests.",
+            labelnames + ["finished_reason"], registry=r)
         # NOTE: one child per finish reason up front, so every series exists at 0
         # before the first request finishes (vLLM does the same).
         self.counter_request_success = {reason: request_success.labels(*lv, reason)
