@@ -28,12 +28,6 @@ SYSTEM = ("You are a meticulous assistant for a museum of computing history. "
 
 
 @pytest.fixture(scope="module")
-def default_model_dir():
-    from vllm_anatomy.transformers_utils.default_model import ensure_default_model
-    return str(ensure_default_model())
-
-
-@pytest.fixture(scope="module")
 def tokenizer(default_model_dir):
     from vllm_anatomy.transformers_utils.tokenizer import get_tokenizer
     return get_tokenizer(default_model_dir)

@@ -32,12 +32,6 @@ REGEX = r"(yes|no), because [a-z ]{1,30}\."
 STRUCTURED = ("json", "choice", "regex")
 
 
-@pytest.fixture(scope="module")
-def default_model_dir():
-    from vllm_anatomy.transformers_utils.default_model import ensure_default_model
-    return str(ensure_default_model())
-
-
 def chat(tok, question: str) -> str:
     return tok.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
                                    add_generation_prompt=True)

@@ -28,12 +28,6 @@ URL = re.compile(r"\?(\S*\brun=[^&\s]+\S*)")
 CLI = [sys.executable, "-m", "vllm_anatomy.entrypoints.cli.main"]
 
 
-@pytest.fixture(scope="session")
-def default_model_dir():
-    from vllm_anatomy.transformers_utils.default_model import ensure_default_model
-    return str(ensure_default_model())
-
-
 def test_lessons_are_found():
     numbers = [os.path.basename(p)[:2] for p in LESSONS]
     assert numbers and len(numbers) == len(set(numbers)), f"lesson numbers must be unique: {LESSONS}"
