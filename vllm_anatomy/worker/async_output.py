@@ -1,27 +1,36 @@
-"""Async scheduling's bookkeeping: a step's sampled tokens, on their way to the host.
+"""What async scheduling adds to the model runner: the sampled tokens stay on the device, their copy travels.
 
 Mirrors AsyncGPUModelRunnerOutput in vllm/v1/worker/gpu_model_runner.py and
-the async branch of its _bookkeeping_sync. With async scheduling,
-sample_tokens must not wait for the device: the engine wants to schedule and
-launch the next step first. So bookkeeping_async
-- keeps the sampled ids on the device (`input_batch.prev_sampled_token_ids`):
-  the next step's _prepare_inputs splices them into input_ids there
-  (GPUModelRunner._splice_prev_sampled);
-- appends -1 placeholders to the runner's own copy of each request's tokens;
-- returns an AsyncGPUModelRunnerOutput, which enqueues the device-to-host copy
-  of the ids (and logprobs) on its own CUDA stream and records an event behind
-  it. get_output(), called by the engine one step later, waits on that event
-  (the step's sync point, moved: by then the device usually has the next step
-  queued, so the wait keeps it busy instead of idle) and writes the real ids
-  over the placeholders, so a request that skips a step and comes back has them.
+the parts of GPUModelRunner that serve it (synchronize_input_prep,
+_prepare_input_ids, the async branch of _bookkeeping_sync). With async
+scheduling, sample_tokens must not wait for the device: the engine wants to
+schedule and launch the next step first. So, in AsyncSchedulingMixin (a mixin
+of GPUModelRunner, like worker/model_runner_startup.py):
+- _bookkeeping_async keeps the sampled ids on the device
+  (`input_batch.prev_sampled_token_ids`), appends -1 placeholders to the
+  runner's own copy of each request's tokens, and returns an
+  AsyncGPUModelRunnerOutput;
+- the next step's _prepare_inputs calls _splice_prev_sampled, which puts those
+  ids into input_ids on the device, where the host only had the -1s;
+- synchronize_input_prep keeps the host from rewriting the pinned input
+  buffers before the device has read the previous step's.
+AsyncGPUModelRunnerOutput enqueues the device-to-host copy of the ids (and
+logprobs) on its own CUDA stream and records an event behind it. get_output(),
+called by the engine one step later, waits on that event (the step's sync
+point, moved: by then the device usually has the next step queued, so the
+wait keeps it busy instead of idle) and writes the real ids over the
+placeholders (PlaceholderFill), so a request that skips a step and comes
+back has them.
 
 Simplified: vLLM's multiprocess workers call get_output from a separate
 thread; ours call it on the worker's own loop (executor/multiproc_executor.py).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+import contextlib
+from typing import TYPE_CHECKING, Iterator, NamedTuple
 
+import numpy as np
 import torch
 
 from vllm_anatomy.core.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
@@ -40,26 +49,73 @@ class Placeholder(NamedTuple):
     output_index: int
 
 
-def bookkeeping_async(runner: GPUModelRunner, state: ExecuteModelState,
-                      sampler_output: SamplerOutput) -> AsyncGPUModelRunnerOutput:
-    """No sync: keep the ids on the device for the next step, -1 placeholders on the host."""
-    batch = runner.input_batch
-    req_ids = list(batch.req_ids)
-    invalid = state.discard_request_indices.tolist()
-    invalid_set = set(invalid)
-    batch.prev_sampled_token_ids = sampler_output.sampled_token_ids          # [R] on the device
-    batch.prev_req_id_to_index = {r: i for i, r in enumerate(req_ids) if i not in invalid_set}
-    batch.prev_req_ids = req_ids if not invalid else None
-    rows = runner.sampling_rows(len(req_ids), state.discard_request_indices)
-    output_indices = runner.cache_sampled_tokens(req_ids, rows, [-1] * len(rows))
-    placeholders: list[Placeholder | None] = [None] * len(req_ids)
-    for i, output_index in zip(rows.tolist(), output_indices):
-        placeholders[i] = Placeholder(req_ids[i], output_index)
-    snapshot = runner.tracer.snapshots.take(runner)
-    return AsyncGPUModelRunnerOutput(
-        runner.tracer, state.scheduler_output.step_id, req_ids, sampler_output, invalid,
-        PlaceholderFill(runner.requests, batch, placeholders), dict(batch.num_logprobs),
-        runner.async_output_copy_stream, snapshot, state.error_req_ids)
+class AsyncSchedulingMixin:
+
+    def _bookkeeping_async(self: GPUModelRunner, state: ExecuteModelState,
+                           sampler_output: SamplerOutput) -> AsyncGPUModelRunnerOutput:
+        """No sync: keep the ids on the device for the next step, -1 placeholders on the host."""
+        batch = self.input_batch
+        req_ids = list(batch.req_ids)
+        invalid = state.discard_request_indices.tolist()
+        invalid_set = set(invalid)
+        batch.prev_sampled_token_ids = sampler_output.sampled_token_ids          # [R] on the device
+        batch.prev_req_id_to_index = {r: i for i, r in enumerate(req_ids) if i not in invalid_set}
+        batch.prev_req_ids = req_ids if not invalid else None
+        rows = self.sampling_rows(len(req_ids), state.discard_request_indices)
+        output_indices = self.cache_sampled_tokens(req_ids, rows, [-1] * len(rows))
+        placeholders: list[Placeholder | None] = [None] * len(req_ids)
+        for i, output_index in zip(rows.tolist(), output_indices):
+            placeholders[i] = Placeholder(req_ids[i], output_index)
+        return AsyncGPUModelRunnerOutput(
+            self.tracer, state.scheduler_output.step_id, req_ids, sampler_output, invalid,
+            PlaceholderFill(self.requests, batch, placeholders), dict(batch.num_logprobs),
+            self.async_output_copy_stream, self.tracer.snapshots.take(self), state.error_req_ids)
+
+    def _splice_prev_sampled(self: GPUModelRunner, cu_num_tokens: np.ndarray) -> None:
+        """Async scheduling: put last step's sampled ids, still on the device,
+        where the host only had -1 placeholders (a continuing request's last
+        input token). vLLM: _prepare_input_ids."""
+        batch = self.input_batch
+        last = cu_num_tokens - 1                                               # [R] each request's last token
+        rows = np.nonzero(self.input_ids.np[last] == -1)[0]                   # [P] rows waiting on a token
+        if len(rows) == 0:
+            return
+        req_ids = batch.req_ids
+        n = len(rows)
+        splice = self.splice_indices.np
+        # NOTE: only a request that sampled in the previous step can have a -1
+        # here (the output of any earlier step has been written over it).
+        splice[:n] = last[rows]
+        if n == len(req_ids) and req_ids == batch.prev_req_ids:
+            # Steady decoding: same requests in the same rows as last step.
+            splice[n:2 * n] = rows
+        else:
+            prev = batch.prev_req_id_to_index
+            splice[n:2 * n] = [prev[req_ids[i]] for i in rows]
+        indices = self.splice_indices.copy_to_gpu(2 * n)
+        self.input_ids.gpu.index_copy_(0, indices[:n], batch.prev_sampled_token_ids.index_select(0, indices[n:]))
+
+    @contextlib.contextmanager
+    def synchronize_input_prep(self: GPUModelRunner) -> Iterator[None]:
+        """Wait until the previous step's host-to-device copies have run, then
+        let this step rewrite the pinned host buffers they read.
+
+        NOTE: the copies are non_blocking from persistent pinned buffers
+        (input_ids.cpu, block_table, sampling parameters, ...). Synchronously,
+        the step's sync point came long after them. With async scheduling the
+        host prepares step N+1 while step N's copies may still wait in the
+        stream behind step N-1: overwriting the buffers then would hand step
+        N the inputs of N+1. The wait is short: step N-1's output was already
+        awaited, and its copies run right after it.
+        """
+        if self.prepare_inputs_event is None or not self.use_async_scheduling:
+            yield
+            return
+        self.prepare_inputs_event.synchronize()
+        try:
+            yield
+        finally:
+            self.prepare_inputs_event.record()
 
 
 class PlaceholderFill:

@@ -22,11 +22,13 @@ next captured size and replays that size's graph instead of launching the
 forward kernel by kernel; anything with a prefill chunk runs eager.
 
 Async scheduling (`async_scheduling`): sample_tokens does not wait. It
-returns an AsyncGPUModelRunnerOutput (worker/async_output.py, with the rest
-of that bookkeeping) whose get_output() the engine calls one step later, keeps
-the sampled ids on the device (`input_batch.prev_sampled_token_ids`), and the
-next step's _prepare_inputs splices them into input_ids there: the host only
-ever holds -1 placeholders for them until the output arrives.
+returns an AsyncGPUModelRunnerOutput whose get_output() the engine calls one
+step later, keeps the sampled ids on the device
+(`input_batch.prev_sampled_token_ids`), and the next step's _prepare_inputs
+splices them into input_ids there: the host only ever holds -1 placeholders
+for them until the output arrives. What async scheduling adds to the runner
+(_bookkeeping_async, _splice_prev_sampled, synchronize_input_prep) is
+worker/async_output.py, another mixin of this class.
 
 Start-up (load, KV-cache sizing, warm-up, graph capture) is
 worker/model_runner_startup.py, a mixin of this class. What the runner
@@ -46,7 +48,6 @@ parallelism or piecewise graphs.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 from typing import NamedTuple
 
@@ -62,7 +63,7 @@ from vllm_anatomy.model_executor.sampler import Sampler, SamplerOutput
 from vllm_anatomy.structured_output.utils import apply_grammar_bitmask
 from vllm_anatomy.tracing.recorder import NullRecorder, Recorder
 from vllm_anatomy.tracing.runner_tracer import RunnerTracer
-from vllm_anatomy.worker.async_output import bookkeeping_async
+from vllm_anatomy.worker.async_output import AsyncSchedulingMixin
 from vllm_anatomy.worker.cpu_gpu_buffer import CpuGpuBuffer
 from vllm_anatomy.worker.cudagraph import CUDAGraphMode, CUDAGraphRunner, CudagraphDecision, CudagraphDispatcher
 from vllm_anatomy.worker.gpu_input_batch import CachedRequestState, InputBatch
@@ -80,7 +81,7 @@ class ExecuteModelState(NamedTuple):
     error_req_ids: list[str] | None = None  # requests that failed to join the batch this step
 
 
-class GPUModelRunner(ModelRunnerStartupMixin):
+class GPUModelRunner(ModelRunnerStartupMixin, AsyncSchedulingMixin):
 
     def __init__(self, vllm_config: VllmConfig, device: torch.device | str,
                  recorder: Recorder = NullRecorder(), attn_backend: str | None = None) -> None:
@@ -190,28 +191,6 @@ class GPUModelRunner(ModelRunnerStartupMixin):
             self.execute_model_state = ExecuteModelState(scheduler_output, logits,
                                                          self.discard_request_indices, error_req_ids)
         return None
-
-    @contextlib.contextmanager
-    def synchronize_input_prep(self):
-        """Wait until the previous step's host-to-device copies have run, then
-        let this step rewrite the pinned host buffers they read.
-
-        NOTE: the copies are non_blocking from persistent pinned buffers
-        (input_ids.cpu, block_table, sampling parameters, ...). Synchronously,
-        the step's sync point came long after them. With async scheduling the
-        host prepares step N+1 while step N's copies may still wait in the
-        stream behind step N-1: overwriting the buffers then would hand step
-        N the inputs of N+1. The wait is short: step N-1's output was already
-        awaited, and its copies run right after it.
-        """
-        if self.prepare_inputs_event is None or not self.use_async_scheduling:
-            yield
-            return
-        self.prepare_inputs_event.synchronize()
-        try:
-            yield
-        finally:
-            self.prepare_inputs_event.record()
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         """Mirror the scheduler's decisions into the CachedRequestStates and the InputBatch.
@@ -398,30 +377,6 @@ class GPUModelRunner(ModelRunnerStartupMixin):
             query_start_loc_cpu=self.query_start_loc.cpu[:num_reqs + 1], seq_lens_cpu=self.seq_lens.cpu[:num_reqs],
             kernel_timer=self.tracer.kernel_timer)
 
-    def _splice_prev_sampled(self, cu_num_tokens: np.ndarray) -> None:
-        """Async scheduling: put last step's sampled ids, still on the device,
-        where the host only had -1 placeholders (a continuing request's last
-        input token). vLLM: _prepare_input_ids."""
-        batch = self.input_batch
-        last = cu_num_tokens - 1                                               # [R] each request's last token
-        rows = np.nonzero(self.input_ids.np[last] == -1)[0]                   # [P] rows waiting on a token
-        if len(rows) == 0:
-            return
-        req_ids = batch.req_ids
-        n = len(rows)
-        splice = self.splice_indices.np
-        # NOTE: only a request that sampled in the previous step can have a -1
-        # here (the output of any earlier step has been written over it).
-        splice[:n] = last[rows]
-        if n == len(req_ids) and req_ids == batch.prev_req_ids:
-            # Steady decoding: same requests in the same rows as last step.
-            splice[n:2 * n] = rows
-        else:
-            prev = batch.prev_req_id_to_index
-            splice[n:2 * n] = [prev[req_ids[i]] for i in rows]
-        indices = self.splice_indices.copy_to_gpu(2 * n)
-        self.input_ids.gpu.index_copy_(0, indices[:n], batch.prev_sampled_token_ids.index_select(0, indices[n:]))
-
     def _model_forward(self, num_tokens: int, attn_metadata: AttentionMetadata) -> torch.Tensor:
         return self.model(self.input_ids.gpu[:num_tokens], self.positions.gpu[:num_tokens],
                           self.kv_caches, attn_metadata)
@@ -456,7 +411,7 @@ class GPUModelRunner(ModelRunnerStartupMixin):
             sampler_output = self._sample(state.logits, state.discard_request_indices)
             if self.use_async_scheduling:
                 with tracer.span("GPUModelRunner._bookkeeping_sync"):
-                    return bookkeeping_async(self, state, sampler_output)
+                    return self._bookkeeping_async(state, sampler_output)
             with tracer.sync_point("GPUModelRunner._bookkeeping_sync", step_id):
                 output = self._bookkeeping_sync(state, sampler_output)
         tracer.snapshots.record(step_id, output.sampled_token_ids, runner=self)
