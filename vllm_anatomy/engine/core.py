@@ -24,6 +24,11 @@ before it waits for step N's tokens, so that the host's work overlaps the
 device's. sample_tokens(non_block=True) then returns a Future whose result()
 is the sync point, one step later.
 
+Tracing: the step records nothing itself. It tells one StepTracer
+(tracing/step_tracer.py) where each step is — scheduled, bitmask built,
+output applied — and the tracer writes the spans, links and snapshot the
+trace level asks for; at level off every call is a no-op.
+
 Errors. A bad request fails alone; the engine stays up:
   * add_request re-checks what the engine relies on (prompt ids and every
     token id of its SamplingParams inside the vocabulary, types and ranges)
@@ -43,12 +48,9 @@ from __future__ import annotations
 
 import gc
 import logging
-import time
 from collections import deque
 from concurrent.futures import Future
-from typing import Any
 
-import msgspec
 
 from vllm_anatomy.config import VllmConfig
 from vllm_anatomy.core.kv_cache_utils import get_request_block_hasher, init_none_hash, sha256
@@ -60,8 +62,8 @@ from vllm_anatomy.engine.protocol import (EngineCoreOutput, EngineCoreOutputs, E
                                           FinishReason, SchedulerStats)
 from vllm_anatomy.executor.abstract import Executor
 from vllm_anatomy.structured_output import StructuredOutputManager
-from vllm_anatomy.tracing.recorder import NullRecorder, Recorder, paused_gc
-from vllm_anatomy.tracing.traced import QUIET_CALLS_ATTR, trace_methods
+from vllm_anatomy.tracing.recorder import NullRecorder, Recorder
+from vllm_anatomy.tracing.step_tracer import StepTrace
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +75,15 @@ class EngineCore:
         self.vllm_config = vllm_config
         self.recorder = recorder or NullRecorder()
         cache_config = vllm_config.cache_config
+        # Steps in flight: (sample_tokens' future, scheduler output, execute_model's future, step trace).
+        self.batch_queue_size = vllm_config.scheduler_config.max_concurrent_batches
+        self.batch_queue: deque[tuple[Future, SchedulerOutput, Future, StepTrace]] | None = None
+        self.step_fn = self.step
+        if self.batch_queue_size > 1:
+            self.batch_queue = deque(maxlen=self.batch_queue_size)
+            self.step_fn = self.step_with_batch_queue
+        # All of a step's tracing goes through this one object (tracing/step_tracer.py).
+        self.step_tracer = self.recorder.step_tracer(snapshot_at_launch=self.batch_queue is not None)
         with self.recorder.span("EngineCore.__init__"):
             executor_class = executor_class or Executor.get_class(vllm_config)
             self.model_executor = executor_class(vllm_config, self.recorder)
@@ -81,16 +92,13 @@ class EngineCore:
                 cache_config.num_gpu_blocks = num_gpu_blocks
                 self.model_executor.initialize_from_config(num_gpu_blocks)
             self.structured_output_manager = StructuredOutputManager(vllm_config)
-            # Block-pool events (allocate / free / hit / evict) are kept only when
-            # snapshots are recorded: someone must drain them every step.
+            # Block-pool events (allocate / free / hit / evict) are kept only for
+            # a tracer that drains them every step.
             scheduler_cls = vllm_config.scheduler_config.get_scheduler_cls()
             self.scheduler = scheduler_cls(vllm_config, num_gpu_blocks,
-                                           enable_kv_cache_events=self.recorder.wants_snapshots,
+                                           enable_kv_cache_events=self.step_tracer.drains_kv_cache_events,
                                            structured_output_manager=self.structured_output_manager)
-            # At level full, the KV manager's calls get spans under Scheduler.schedule.
-            self.traced_kv_calls = (trace_methods(self.scheduler.kv_cache_manager, self.recorder, "KVCacheManager",
-                                                  ["get_computed_blocks", "allocate_slots"])
-                                    if self.recorder.wants_snapshots else None)
+            self.step_tracer.watch(self.scheduler)
         # The model's vocabulary, which every token id of a request must index
         # (read after the executor: an in-process worker fills hf_config).
         self.vocab_size: int | None = (vllm_config.model_config.hf_config or {}).get("vocab_size")
@@ -101,13 +109,6 @@ class EngineCore:
         if cache_config.enable_prefix_caching:
             init_none_hash(sha256)
             self.request_block_hasher = get_request_block_hasher(cache_config.block_size, sha256)
-        # Steps in flight: (sample_tokens' future, scheduler output, execute_model's future, step span).
-        self.batch_queue_size = vllm_config.scheduler_config.max_concurrent_batches
-        self.batch_queue: deque[tuple[Future, SchedulerOutput, Future, Any]] | None = None
-        self.step_fn = self.step
-        if self.batch_queue_size > 1:
-            self.batch_queue = deque(maxlen=self.batch_queue_size)
-            self.step_fn = self.step_with_batch_queue
         # NOTE: (vLLM does the same, "freeze_gc_heap") everything created so far
         # (model, tokenizer, block pool: hundreds of thousands of objects) lives
         # as long as the engine; moving it to the GC's permanent generation
@@ -147,15 +148,10 @@ class EngineCore:
 
     def add_request(self, request: EngineCoreRequest | Request) -> None:
         """Queue a request (an EngineCoreRequest, or a Request already preprocessed)."""
-        # NOTE: parented on the request's own trace (its W3C context rides on
-        # the request), so this span joins the request's tree, not the caller's.
-        span = self.recorder.start_span("EngineCore.add_request", trace_headers=request.trace_headers,
-                                        **{"vllm_anatomy.request_id": request.request_id})
-        with self.recorder.use_span(span):
+        with self.step_tracer.add_request(request):
             if isinstance(request, EngineCoreRequest):
                 request = self.preprocess_add_request(request)
             self.scheduler.add_request(request)
-        span.end()
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Abort requests; unknown or already finished ids are ignored."""
@@ -190,15 +186,15 @@ class EngineCore:
         Returns (outputs per client index, whether the model ran this step)."""
         if not self.scheduler.has_requests():
             return {}, False
-        span, scheduler_output, future = self._schedule_and_launch()
-        with self.recorder.use_span(span):
+        trace, scheduler_output, future = self._schedule_and_launch()
+        with trace:
             # NOTE: the device runs the forward while the host builds the bitmask.
-            grammar_output = self._get_grammar_bitmask(scheduler_output)
+            grammar_output = self._get_grammar_bitmask(scheduler_output, trace)
             model_output = future.result()
             if model_output is None:
                 model_output = self.model_executor.sample_tokens(grammar_output)
-            outputs = self._update_from_output(scheduler_output, model_output)
-        span.end()
+            outputs = self._update_from_output(scheduler_output, model_output, trace)
+        trace.end()
         return outputs, scheduler_output.total_num_scheduled_tokens > 0
 
     def step_with_batch_queue(self) -> tuple[dict[int, EngineCoreOutputs], bool]:
@@ -219,114 +215,68 @@ class EngineCore:
         model_executed = False
         deferred = None
         if self.scheduler.has_requests():
-            span, scheduler_output, exec_future = self._schedule_and_launch()
+            trace, scheduler_output, exec_future = self._schedule_and_launch()
             model_executed = scheduler_output.total_num_scheduled_tokens > 0
             if not model_executed:
                 future = exec_future           # nothing to sample: execute_model answered EMPTY
             elif scheduler_output.pending_structured_output_tokens:
-                deferred = (scheduler_output, exec_future, span)
+                deferred = (scheduler_output, exec_future, trace)
             else:
-                future = self._sample_non_block(scheduler_output, span)
+                future = self._sample_non_block(scheduler_output, trace)
             if deferred is None:
-                batch_queue.appendleft((future, scheduler_output, exec_future, span))
+                batch_queue.appendleft((future, scheduler_output, exec_future, trace))
                 if len(batch_queue) < self.batch_queue_size and (model_executed or self.scheduler.has_requests()):
                     return {}, model_executed
         elif not batch_queue:
             return {}, False
-        future, scheduler_output, exec_future, span = batch_queue.pop()
-        with self.recorder.use_span(span):
+        future, scheduler_output, exec_future, trace = batch_queue.pop()
+        with trace:
             model_output = future.result()
             if model_output is None:
                 exec_future.result()        # NOTE: raises execute_model's error, if that is why
                 raise RuntimeError("sample_tokens returned no output")
-            outputs = self._update_from_output(scheduler_output, model_output)
-        span.end()
+            outputs = self._update_from_output(scheduler_output, model_output, trace)
+        trace.end()
         if deferred is not None:
-            # Step N's tokens are in the grammars now: this step's bitmask can be built.
-            scheduler_output, exec_future, span = deferred
-            future = self._sample_non_block(scheduler_output, span)
-            batch_queue.appendleft((future, scheduler_output, exec_future, span))
+            # NOTE: only now, after step N's update_from_output, are step N's
+            # tokens in the grammars: this step's bitmask can be built.
+            scheduler_output, exec_future, trace = deferred
+            future = self._sample_non_block(scheduler_output, trace)
+            batch_queue.appendleft((future, scheduler_output, exec_future, trace))
         return outputs, model_executed
 
-    def _sample_non_block(self, scheduler_output: SchedulerOutput, span) -> Future:
-        with self.recorder.use_span(span):
-            grammar_output = self._get_grammar_bitmask(scheduler_output)
+    def _sample_non_block(self, scheduler_output: SchedulerOutput, trace: StepTrace) -> Future:
+        with trace:
+            grammar_output = self._get_grammar_bitmask(scheduler_output, trace)
             return self.model_executor.sample_tokens(grammar_output, non_block=True)
 
-    def _get_grammar_bitmask(self, scheduler_output: SchedulerOutput) -> GrammarOutput | None:
-        """The step's grammar bitmask (None without structured-output requests),
-        as its own span: the grammar window of the step timeline."""
-        with self.recorder.span("Scheduler.get_grammar_bitmask", **{
-                "vllm_anatomy.step_id": scheduler_output.step_id}) as span:
+    def _get_grammar_bitmask(self, scheduler_output: SchedulerOutput, trace: StepTrace) -> GrammarOutput | None:
+        """The step's grammar bitmask (None without structured-output requests)."""
+        with trace.grammar_bitmask() as span:
             grammar_output = self.scheduler.get_grammar_bitmask(scheduler_output)
-            span.set_attribute("vllm_anatomy.num_structured_output_reqs",
-                               len(grammar_output.structured_output_request_ids) if grammar_output else 0)
+            span.built(grammar_output)
         return grammar_output
 
-    def _schedule_and_launch(self) -> tuple[Any, SchedulerOutput, Future]:
-        """Schedule a step and enqueue its forward; return (its open step span,
-        its output, execute_model's future).
-
-        NOTE: the EngineCore.step span is started here and ended by whoever
-        processes the step's output: with async scheduling that is the next
-        call, so consecutive step spans overlap, as the steps themselves do.
-        """
-        rec = self.recorder
-        span = rec.start_span("EngineCore.step")
-        with rec.use_span(span):
-            with rec.span("Scheduler.schedule") as schedule_span:
+    def _schedule_and_launch(self) -> tuple[StepTrace, SchedulerOutput, Future]:
+        """Schedule a step and enqueue its forward; return (its trace, still
+        open: see StepTrace; its output; execute_model's future)."""
+        trace = self.step_tracer.start_step()
+        with trace:
+            with trace.schedule():
                 scheduler_output = self.scheduler.schedule()
-                if self.traced_kv_calls is not None:
-                    schedule_span.set_attribute(QUIET_CALLS_ATTR, self.traced_kv_calls.take_quiet())
-            span.set_attribute("vllm_anatomy.step_id", scheduler_output.step_id)
-            span.set_attribute("vllm_anatomy.num_scheduled_tokens", scheduler_output.total_num_scheduled_tokens)
-            span.set_attribute("vllm_anatomy.num_reqs", len(scheduler_output.num_scheduled_tokens))
-            if rec.enabled:
-                # A step serves many requests: it links to each (nesting would lie).
-                requests = self.scheduler.requests
-                span.add_links([requests[req_id].trace_headers for req_id in scheduler_output.num_scheduled_tokens])
-                self._trace_grammar_compiles(span)
-            if rec.wants_snapshots and self.batch_queue is not None:
-                # NOTE: async: snapshot as the step is launched; by the time its
-                # output is processed the scheduler has already planned the next.
-                self._record_snapshot(scheduler_output)
+            # The step's attributes and links; with async scheduling, its snapshot too.
+            trace.scheduled(scheduler_output)
             future = self.model_executor.execute_model(scheduler_output, non_block=True)
-        return span, scheduler_output, future
+        return trace, scheduler_output, future
 
-    def _trace_grammar_compiles(self, step_span) -> None:
-        """For each request whose grammar this schedule() found compiled (or failed):
-        its compile as a span in the request's own trace, and its state
-        transition as an event on the step span that promoted it."""
-        record, requests = self.scheduler.last_step_record, self.scheduler.requests
-        ready = record.grammar_ready_req_ids if record is not None else []
-        for req_id in [*ready, *self.scheduler.grammar_compile_error_reqs]:
-            request = requests[req_id]
-            so = request.structured_output_request
-            failed = isinstance(so.grammar, Exception)
-            span = self.recorder.start_span(
-                "StructuredOutputManager._create_grammar", trace_headers=request.trace_headers,
-                start_ns=self._engine_ns(so.compile_start), **{
-                    "vllm_anatomy.request_id": req_id,
-                    "vllm_anatomy.structured_output_type": so.structured_output_key[0].name,
-                    "vllm_anatomy.error": str(so.grammar) if failed else ""})
-            span.end(self._engine_ns(so.compile_end))
-            step_span.add_event(f"WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR -> {'FINISHED_ERROR' if failed else 'WAITING'}",
-                                **{"vllm_anatomy.request_id": req_id})
-
-    def _engine_ns(self, monotonic_s: float) -> int:
-        """time.monotonic() seconds on the recorder's clock."""
-        return self.recorder.now_ns() - time.monotonic_ns() + int(monotonic_s * 1e9)
-
-    def _update_from_output(self, scheduler_output: SchedulerOutput,
-                            model_output: ModelRunnerOutput) -> dict[int, EngineCoreOutputs]:
-        with self.recorder.span("Scheduler.update_from_output",
-                                **{"vllm_anatomy.step_id": scheduler_output.step_id}):
+    def _update_from_output(self, scheduler_output: SchedulerOutput, model_output: ModelRunnerOutput,
+                            trace: StepTrace) -> dict[int, EngineCoreOutputs]:
+        with trace.update_from_output():
             errors = self._finish_error_requests(model_output.error_req_ids)
             outputs = self.scheduler.update_from_output(scheduler_output, model_output)
             for client_index, output in errors:
                 outputs.setdefault(client_index, EngineCoreOutputs()).outputs.append(output)
-        if self.recorder.wants_snapshots and self.batch_queue is None:
-            self._record_snapshot(scheduler_output)
+        trace.updated()
         return outputs
 
     def _finish_error_requests(self, error_req_ids: list[str] | None) -> list[tuple[int, EngineCoreOutput]]:
@@ -349,19 +299,6 @@ class EngineCore:
                     request_id=req.request_id, new_token_ids=[], finish_reason=FinishReason.ERROR,
                     events=req.take_events(), trace_headers=req.trace_headers))
                 for req in requests]
-
-    def _record_snapshot(self, scheduler_output) -> None:
-        step_id = scheduler_output.step_id
-        with paused_gc():
-            self.recorder.snapshot("step", {
-                "step_id": step_id,
-                "time": time.time(),
-                "scheduler_output": msgspec.to_builtins(scheduler_output),
-                "scheduler": self.scheduler.snapshot(),
-                "block_pool_events": msgspec.to_builtins(self.scheduler.kv_cache_manager.take_events()),
-            }, step_id=step_id)
-        # NOTE: the worker records its own half ("model_runner") where it runs:
-        # in another process it could not be fetched without an extra round trip.
 
     def shutdown(self) -> None:
         self.structured_output_manager.clear_backend()

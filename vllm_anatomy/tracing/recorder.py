@@ -10,6 +10,7 @@ One object is injected (a constructor argument, never a global). It offers
     event(name, **attrs)                  a point in time on the current span
     snapshot(kind, data, step_id)         plain, JSON-able state (level "full" only)
     inject_trace_headers()                W3C traceparent of the current span
+    step_tracer(snapshot_at_launch)       EngineCore's one tracing object (tracing/step_tracer.py)
     flush() / shutdown()                  drain exporters
 `NullRecorder` is the default and costs one attribute lookup and a no-op call;
 `InMemoryRecorder` keeps everything in lists for tests and lessons. The
@@ -27,7 +28,10 @@ import gc
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
+
+if TYPE_CHECKING:
+    from vllm_anatomy.tracing.step_tracer import NullStepTracer, StepTracer
 
 LEVELS = ("off", "spans", "full")
 
@@ -69,6 +73,12 @@ class Recorder:
     def inject_trace_headers(self) -> dict[str, str]:
         return {}
 
+    def step_tracer(self, snapshot_at_launch: bool) -> "StepTracer":
+        """The tracer EngineCore reports its steps to; `snapshot_at_launch`:
+        take the step snapshot as the step is launched (async scheduling)."""
+        from vllm_anatomy.tracing.step_tracer import StepTracer
+        return StepTracer(self, snapshot_at_launch)
+
     def now_ns(self) -> int:
         """The clock of record_span/start_span timestamps."""
         return time.perf_counter_ns()
@@ -88,6 +98,11 @@ class SpanHandle:
 
     def set_attribute(self, key: str, value: Any) -> None:
         raise NotImplementedError
+
+    def set_attributes(self, attributes: dict[str, Any]) -> None:
+        """set_attribute(k, v) for each item, in order."""
+        for key, value in attributes.items():
+            self.set_attribute(key, value)
 
     def add_event(self, name: str, time_ns: int | None = None, **attrs: Any) -> None:
         """time_ns on the recorder's now_ns() clock; default now."""
@@ -118,6 +133,9 @@ class _NullSpan(SpanHandle):
         return None
 
     def set_attribute(self, key: str, value: Any) -> None:
+        pass
+
+    def set_attributes(self, attributes: dict[str, Any]) -> None:
         pass
 
     def add_event(self, name: str, time_ns: int | None = None, **attrs: Any) -> None:
@@ -161,6 +179,10 @@ class NullRecorder(Recorder):
 
     def snapshot(self, kind: str, data: Any, step_id: int | None = None) -> None:
         pass
+
+    def step_tracer(self, snapshot_at_launch: bool) -> "NullStepTracer":
+        from vllm_anatomy.tracing.step_tracer import NullStepTracer
+        return NullStepTracer()
 
 
 class paused_gc:
@@ -227,6 +249,9 @@ class RecordedSpan(SpanHandle):
 
     def set_attribute(self, key: str, value: Any) -> None:
         self.attrs[key] = value
+
+    def set_attributes(self, attributes: dict[str, Any]) -> None:
+        self.attrs.update(attributes)
 
     def add_event(self, name: str, time_ns: int | None = None, **attrs: Any) -> None:
         t = time.perf_counter_ns() if time_ns is None else time_ns

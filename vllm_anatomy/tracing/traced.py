@@ -3,18 +3,18 @@
 The pure core (Scheduler, KVCacheManager, BlockPool) never sees a Recorder: its
 text stays the algorithm. To still see *inside* `Scheduler.schedule` — the
 `KVCacheManager.get_computed_blocks` and `allocate_slots` calls, with the
-request each was for and what came back — the orchestration layer wraps those
-methods on the one instance it owns.
+request each was for and what came back — the engine's StepTracer
+(step_tracer.py) wraps those methods on the one instance the engine owns.
 
 NOTE: a call that changed nothing gets no span of its own. At batch 256 every
 decode step calls allocate_slots once per running request, and ~15 of 16 of
 those calls find room in the request's last block and allocate nothing: a span
-each (~40 µs of host time on a fast machine, counting its export) was most of
-level "full"'s cost, and said nothing. Such calls are counted instead
-(`TracedCalls.take_quiet()`; EngineCore puts the count on the step's
+each (with its export) was most of level "full"'s host cost
+(bench/results/tracing_breakdown_*.json), and said nothing. Such calls are counted instead
+(`TracedCalls.take_quiet()`; the StepTracer puts the count on the step's
 `Scheduler.schedule` span). Every call that allocated a block, was refused
 (preemption, admission stops) or looked up the prefix cache still gets its
-span, with its real start and end. Even so, EngineCore does this only at
+span, with its real start and end. Even so, the StepTracer does this only at
 level "full", where per-step cost is already accepted.
 """
 from __future__ import annotations
