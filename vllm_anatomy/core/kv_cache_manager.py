@@ -34,9 +34,9 @@ class KVCacheBlocks:
 
     def get_block_ids(self, allow_none: bool = False) -> tuple[list[int], ...] | None:
         """Block ids per group; None if allow_none and there are no blocks at all."""
-        if allow_none and all(len(group) == 0 for group in self.blocks):
+        if allow_none and not any(self.blocks):
             return None
-        return tuple([blk.block_id for blk in group] for group in self.blocks)
+        return tuple([[blk.block_id for blk in group] for group in self.blocks])
 
 
 # Pools up to this size are snapshotted whole every step (see KVCacheManager.snapshot).
@@ -58,6 +58,9 @@ class KVCacheManager:
         self.block_pool = BlockPool(num_gpu_blocks, enable_caching, enable_kv_cache_events)
         # vLLM: coordinator.single_type_managers[0]; one group here.
         self.manager = FullAttentionManager(block_size, self.block_pool)
+        # NOTE: shared by every call that returns no blocks (most running
+        # requests, most steps: a decode fills its last block 1/block_size at a
+        # time), as in vLLM; nested tuples keep it immutable.
         self.empty_kv_cache_blocks = KVCacheBlocks(((),))
 
     @property
@@ -96,7 +99,7 @@ class KVCacheManager:
         computed_blocks = self.manager.find_longest_cache_hit(
             request.block_hashes, max_cache_hit_length, self.block_pool, self.block_size)
         num_new_computed_tokens = len(computed_blocks) * self.block_size
-        return KVCacheBlocks((computed_blocks,)), num_new_computed_tokens
+        return self.create_kv_cache_blocks(computed_blocks), num_new_computed_tokens
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        num_new_computed_tokens: int = 0,
@@ -147,8 +150,13 @@ class KVCacheManager:
 
         # From here on we change state. Hits first: touching them takes them out
         # of the free queue before get_new_blocks could pop (and evict) them.
-        self.manager.save_new_computed_blocks(request_id, new_computed_block_list)
-        new_blocks = self.manager.allocate_new_blocks(request_id, num_tokens_need_slot)
+        # NOTE: most calls (a decode whose last block still has room) need
+        # neither: hits come only at admission, and 0 blocks to allocate means
+        # the held blocks already cover num_tokens_need_slot.
+        if new_computed_block_list:
+            self.manager.save_new_computed_blocks(request_id, new_computed_block_list)
+        new_blocks = (self.manager.allocate_new_blocks(request_id, num_tokens_need_slot)
+                      if num_blocks_to_allocate > 0 else ())
 
         if self.enable_caching:
             # NOTE: cache the blocks that are full once this step's tokens are
@@ -158,7 +166,11 @@ class KVCacheManager:
             # scheduling a lookup may come while this step is still in flight:
             # it is a later step, so the device runs it after this one's writes.
             self.manager.cache_blocks(request, min(num_computed_tokens + num_new_tokens, request.num_tokens))
-        return KVCacheBlocks((new_blocks,))
+        return self.create_kv_cache_blocks(new_blocks)
+
+    def create_kv_cache_blocks(self, blocks: Sequence[KVCacheBlock]) -> KVCacheBlocks:
+        """Wrap one group's blocks (the shared empty_kv_cache_blocks when there are none)."""
+        return KVCacheBlocks((blocks,)) if blocks else self.empty_kv_cache_blocks
 
     def free(self, request: Request) -> None:
         """Free the request's blocks in reverse order (tail blocks evicted first)."""
@@ -186,7 +198,7 @@ class KVCacheManager:
         return True
 
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
-        return KVCacheBlocks((list(self.manager.req_to_blocks.get(request_id, [])),))
+        return self.create_kv_cache_blocks(list(self.manager.req_to_blocks.get(request_id, [])))
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         return self.get_blocks(request_id).get_block_ids()

@@ -101,6 +101,8 @@ def get_request_block_hasher(
     def request_block_hasher(request: Request) -> list[BlockHash]:
         start_token_idx = len(request.block_hashes) * block_size
         num_tokens = request.num_tokens
+        if start_token_idx + block_size > num_tokens:
+            return []   # no block newly full: the common case, called once per sampled token
         prev_block_hash = request.block_hashes[-1] if request.block_hashes else None
         new_block_hashes: list[BlockHash] = []
         # NOTE: only full blocks are hashed: a partial block's content can still change.

@@ -12,8 +12,9 @@ from vllm_anatomy.core.request import Request, RequestStatus
 def check_stop(request: Request, max_model_len: int) -> bool:
     """Set request.status (and stop_reason) and return True if it must stop now."""
     sampling_params = request.sampling_params
+    num_output_tokens = request.num_output_tokens
 
-    if request.num_output_tokens < sampling_params.min_tokens:
+    if num_output_tokens < sampling_params.min_tokens:
         # NOTE: before min_tokens nothing but the context limit stops a request.
         # (vLLM returns False here unconditionally and relies on the frontend
         # to reject prompt + min_tokens > max_model_len; we stay safe anyway.)
@@ -41,7 +42,7 @@ def check_stop(request: Request, max_model_len: int) -> bool:
         return True
 
     if request.num_tokens >= max_model_len or (
-            request.max_tokens is not None and request.num_output_tokens >= request.max_tokens):
+            request.max_tokens is not None and num_output_tokens >= request.max_tokens):
         request.status = RequestStatus.FINISHED_LENGTH_CAPPED
         return True
     return False
