@@ -132,8 +132,8 @@ def make_scheduled_record(request: Request, num_scheduled: int, new_block_ids: l
                           resumed: bool) -> ScheduledRequestRecord:
     """Record one scheduled request; call before num_computed_tokens is advanced."""
     # NOTE: placeholders (async scheduling) are tokens too, only not seen yet.
-    num_output_tokens = request.num_output_tokens + request.num_output_placeholders
-    kind = classify_chunk(request.num_computed_tokens, num_scheduled,
-                          request.num_tokens + request.num_output_placeholders, num_output_tokens, resumed)
-    return ScheduledRequestRecord(request.request_id, num_scheduled, kind, request.num_computed_tokens,
-                                  new_block_ids)
+    num_placeholders = request.num_output_placeholders
+    num_computed_tokens = request.num_computed_tokens
+    kind = classify_chunk(num_computed_tokens, num_scheduled, request.num_tokens + num_placeholders,
+                          request.num_output_tokens + num_placeholders, resumed)
+    return ScheduledRequestRecord(request.request_id, num_scheduled, kind, num_computed_tokens, new_block_ids)

@@ -308,14 +308,16 @@ class Scheduler(SchedulerInterface):
 
     def _make_step_record(self, step: StepDecisions) -> SchedulerStepRecord:
         """The step's decisions as plain data (teaching extra)."""
+        def scheduled(reqs: list[Request], resumed: bool):
+            return [make_scheduled_record(req, step.num_scheduled_tokens[req.request_id],
+                                          step.req_to_new_blocks[req.request_id].get_block_ids()[0], resumed)
+                    for req in reqs]
+
         record = SchedulerStepRecord(
             step_id=self.current_step, token_budget_start=self.max_num_scheduled_tokens,
             token_budget_end=step.token_budget,
-            scheduled=[make_scheduled_record(req, step.num_scheduled_tokens[req.request_id],
-                                             step.req_to_new_blocks[req.request_id].get_block_ids()[0],
-                                             resumed=req in step.scheduled_resumed_reqs)
-                       for req in itertools.chain(step.scheduled_running_reqs, step.scheduled_new_reqs,
-                                                  step.scheduled_resumed_reqs)],
+            scheduled=(scheduled(step.scheduled_running_reqs, False) + scheduled(step.scheduled_new_reqs, False)
+                       + scheduled(step.scheduled_resumed_reqs, True)),
             preempted_req_ids=[req.request_id for req in step.preempted_reqs],
             admission_stop_reason=step.admission_stop_reason,
             prefix_hits=step.prefix_hits, deferred_req_ids=[req.request_id for req in step.skipped_waiting],
