@@ -3,7 +3,9 @@
 Mirrors vllm/v1/attention/selector.py (get_attn_backend). vLLM chooses among
 FLASH_ATTN, FLASHINFER, TRITON_ATTN, ... from the platform, dtype and head
 size (see vllm/platforms/cuda.py); here the caller names the backend:
-"torch" — the plain-torch reference (CPU default, the oracle);
+"torch" — the plain-torch reference (readable, the oracle);
+"cpu" — the CPU fast path: the same contract in fewer, fused torch ops
+        (PyTorch's CPU flash-attention kernel), see backends/cpu_attn.py;
 "triton" — reshape_and_cache + unified_attention Triton kernels (GPU).
 """
 from __future__ import annotations
@@ -11,10 +13,12 @@ from __future__ import annotations
 import importlib
 
 from vllm_anatomy.attention.backends.abstract import AttentionBackend
+from vllm_anatomy.attention.backends.cpu_attn import CPUAttentionBackend
 from vllm_anatomy.attention.backends.torch_ref import TorchReferenceBackend
 
 _BACKENDS: dict[str, type[AttentionBackend]] = {
     TorchReferenceBackend.name: TorchReferenceBackend,
+    CPUAttentionBackend.name: CPUAttentionBackend,
 }
 # NOTE: imported on first request, not here: importing Triton costs about a
 # second, and the kernels' @triton.jit decorators fix at import time whether
