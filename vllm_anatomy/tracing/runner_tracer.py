@@ -75,7 +75,8 @@ class RunnerTracer:
         self.kernel_timer = device_timer if recorder.wants_snapshots and device_timer.enabled \
             else NULL_KERNEL_TIMER
         self.snapshots = StepSnapshots(recorder) if recorder.wants_snapshots else NULL_STEP_SNAPSHOTS
-        # The sync point in progress: its step, its device events (None: take them at the wait), the wait.
+        # The sync point in progress: its step, its device events (TAKE_AT_WAIT: those marked until
+        # the wait), and how long the host waited.
         self._sync_step_id = -1
         self._sync_events: StepEvents | None | object = TAKE_AT_WAIT
         self.wait_s = 0.0
