@@ -96,6 +96,7 @@ _FINISHED_REASON_MAP = {
     # NOTE: vLLM maps this non-finished status too: a streaming-input chunk ends with "stop".
     RequestStatus.WAITING_FOR_STREAMING_REQ: FinishReason.STOP,
 }
+_PREEMPTED = RequestStatus.PREEMPTED    # the last unfinished status (see Request.is_finished)
 
 
 class Request:
@@ -211,11 +212,15 @@ class Request:
     def use_structured_output(self) -> bool:
         return self.structured_output_request is not None
 
+    # NOTE: both run for every request every step. They read module-level
+    # names rather than RequestStatus.X: on Python 3.11 each attribute read on
+    # an Enum class costs ~0.13 us (EnumType.__getattr__ defeats the attribute
+    # cache; ~0.04 us on 3.12), as much as the rest of the call.
     def is_finished(self) -> bool:
-        return RequestStatus.is_finished(self.status)
+        return self.status > _PREEMPTED     # RequestStatus.is_finished(self.status)
 
     def get_finished_reason(self) -> FinishReason | None:
-        return RequestStatus.get_finished_reason(self.status)
+        return _FINISHED_REASON_MAP.get(self.status)    # RequestStatus.get_finished_reason
 
     def record_event(self, event_type: EngineCoreEventType, timestamp: float | None = None) -> None:
         self.events.append(EngineCoreEvent.new_event(event_type, timestamp))

@@ -216,7 +216,8 @@ class OutputProcessor:
             state.is_prefilling = state.is_prefilling and not eco.new_token_ids
             finish_reason = eco.finish_reason
             stop_reason = eco.stop_reason
-            stop_str = state.detokenizer.update(eco.new_token_ids, finish_reason == FinishReason.STOP)
+            stop_terminated = finish_reason is not None and finish_reason == FinishReason.STOP
+            stop_str = state.detokenizer.update(eco.new_token_ids, stop_terminated)
             if stop_str is not None:
                 finish_reason, stop_reason = FinishReason.STOP, stop_str
                 # NOTE: the stop string may end before the last new token; keep
