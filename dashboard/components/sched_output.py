@@ -26,8 +26,9 @@ HELP = {"req": st.column_config.TextColumn("req", help="request id", width="smal
         "num_computed_tokens": st.column_config.NumberColumn("num_computed_tokens", help="tokens already in the "
                                                              "KV cache before this step"),
         "num_output_tokens": st.column_config.NumberColumn("num_output_tokens", help="tokens generated so far"),
-        "resumed": st.column_config.CheckboxColumn("resumed", help="back from PREEMPTED: the worker gets its whole "
-                                                   "token list again (resumed_req_token_ids)")}
+        "resumed": st.column_config.CheckboxColumn("resumed", help="back from PREEMPTED: its new block ids replace "
+                                                   "its old row, and the worker gets its whole token list again "
+                                                   "(all_token_ids, sent for every request not scheduled last step)")}
 
 
 def _new_table(new: list[dict], n_sched: dict) -> pd.DataFrame:

@@ -62,7 +62,7 @@ def make_so(step, num_scheduled, new_reqs=(), cached=(), finished=(), preempted=
     """cached: (req_id, num_computed_tokens, new_blocks | None, resumed_token_ids | None)."""
     cd = CachedRequestData(
         req_ids=[c[0] for c in cached], resumed_req_ids={c[0] for c in cached if c[3] is not None},
-        resumed_req_token_ids=[c[3] for c in cached],
+        new_token_ids=[], all_token_ids={c[0]: c[3] for c in cached if c[3] is not None},
         new_block_ids=[None if c[2] is None else (list(c[2]),) for c in cached],
         num_computed_tokens=[c[1] for c in cached], num_output_tokens=[0] * len(cached))
     so = SchedulerOutput(list(new_reqs), cd, dict(num_scheduled), sum(num_scheduled.values()),

@@ -244,7 +244,8 @@ def test_no_admission_in_a_preempting_step_then_resume_with_full_token_list():
     so, _ = step(s, default=9)
     assert so.scheduled_cached_reqs.resumed_req_ids == {"b"}
     i = so.scheduled_cached_reqs.req_ids.index("b")
-    assert so.scheduled_cached_reqs.resumed_req_token_ids[i] == prompt + [9]
+    # b was not scheduled last step: its full token list travels (a's does not).
+    assert so.scheduled_cached_reqs.all_token_ids == {"b": prompt + [9]}
     assert so.scheduled_cached_reqs.new_block_ids[i] == ([1, 2, 4],)   # replaces the old row
     assert so.scheduled_cached_reqs.num_computed_tokens[i] == 8       # prefix hits
     assert so.num_scheduled_tokens["b"] == 1

@@ -311,10 +311,20 @@ def _upgrade_v1(kind: str, data: Any) -> Any:
     """A schema_version 1 snapshot in today's layout. Version 1 runs were recorded before the
     typed contract: they may lack fields added since (read with their defaults: deferred_reasons,
     reason_code, sampled_token_ids, the block-pool events' request_id / call / ref_cnts /
-    queue_ends, grammar_ready_req_ids) and the oldest carry SchedulerOutput.trace_headers (the
-    trace context now rides beside the call, not in the message): dropped here."""
+    queue_ends, grammar_ready_req_ids); their CachedRequestData has resumed_req_token_ids, turned
+    into all_token_ids here; and the oldest carry SchedulerOutput.trace_headers (the trace context
+    now rides beside the call, not in the message): dropped here."""
     if kind == "step" and isinstance(data, dict) and isinstance(data.get("scheduler_output"), dict):
-        data["scheduler_output"].pop("trace_headers", None)
+        so = data["scheduler_output"]
+        so.pop("trace_headers", None)
+        cached = so.get("scheduled_cached_reqs")
+        if isinstance(cached, dict) and "resumed_req_token_ids" in cached:
+            # v1 sent token lists for resumed requests only, as a parallel list; v0.27.1's
+            # CachedRequestData (today's) has new_token_ids and all_token_ids by request id.
+            token_lists = cached.pop("resumed_req_token_ids")
+            cached["new_token_ids"] = []
+            cached["all_token_ids"] = {req_id: ids for req_id, ids in zip(cached.get("req_ids", []), token_lists)
+                                       if ids is not None}
     return data
 
 

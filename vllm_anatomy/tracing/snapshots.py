@@ -49,7 +49,8 @@ class CachedRequestsRecord(_Record):
     """SchedulerOutput.scheduled_cached_reqs (CachedRequestData): parallel lists, one entry per request."""
     req_ids: list[str]
     resumed_req_ids: list[str]
-    resumed_req_token_ids: list[list[int] | None]
+    new_token_ids: list[list[int]]           # only pipeline parallelism fills it: always [] here
+    all_token_ids: dict[str, list[int]]      # requests not scheduled in the previous step
     new_block_ids: list[list[list[int]] | None]
     num_computed_tokens: list[int]
     num_output_tokens: list[int]

@@ -254,12 +254,14 @@ class GPUModelRunner(ModelRunnerStartupMixin, AsyncSchedulingMixin):
         if resumed:
             # NOTE: preemption freed all its blocks; the new ones *replace* them.
             state.block_ids = tuple(list(ids) for ids in new_block_ids)
-            token_ids = cached.resumed_req_token_ids[i]
-            if token_ids is not None:
-                state.output_token_ids = list(token_ids[state.num_prompt_tokens:])
         elif new_block_ids is not None:
             for ids, new_ids in zip(state.block_ids, new_block_ids):
                 ids.extend(new_ids)
+        token_ids = cached.all_token_ids.get(req_id)
+        if token_ids is not None:
+            # Not scheduled last step (resumed, or left out): its outputs as the
+            # scheduler knows them, tokens that were in flight back then included.
+            state.output_token_ids = token_ids[state.num_prompt_tokens:]
         row = batch.req_id_to_index.get(req_id)
         if row is None:
             return True

@@ -39,9 +39,14 @@ class CachedRequestData(msgspec.Struct, omit_defaults=True, gc=False):
     # For these, new_block_ids *replaces* the worker's block table row (they
     # were preempted and lost their blocks) instead of being appended to it.
     resumed_req_ids: set[str]
-    # Only for resumed requests: the full token list (prompt + outputs) —
-    # the worker dropped them from its persistent batch on preemption.
-    resumed_req_token_ids: list[list[int] | None]
+    # Sampled tokens sent back to the worker: only pipeline parallelism needs
+    # them (its first stage never sees the sampler); empty here, as in v0.27.1
+    # without PP.
+    new_token_ids: list[list[int]]
+    # The full token list (prompt + outputs) of each request that was not
+    # scheduled in the previous step: the worker re-adds it to its persistent
+    # batch and recovers its outputs from here.
+    all_token_ids: dict[str, list[int]]
     new_block_ids: list[tuple[list[int], ...] | None]
     num_computed_tokens: list[int]
     num_output_tokens: list[int]
@@ -52,7 +57,7 @@ class CachedRequestData(msgspec.Struct, omit_defaults=True, gc=False):
 
     @classmethod
     def make_empty(cls) -> "CachedRequestData":
-        return cls([], set(), [], [], [], [])
+        return cls([], set(), [], {}, [], [], [])
 
 
 class SchedulerOutput(msgspec.Struct, omit_defaults=True, gc=False):

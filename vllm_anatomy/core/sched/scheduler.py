@@ -103,6 +103,8 @@ class Scheduler(SchedulerInterface):
         self.running: list[Request] = []
         # Finished since the last schedule(): the workers drop their state for these.
         self.finished_req_ids: set[str] = set()
+        # The requests the last schedule() gave tokens: who the worker's persistent batch holds.
+        self.prev_step_scheduled_req_ids: set[str] = set()
         # Finished since the last update_from_output(), per client (the frontend cleans up).
         self.finished_req_ids_dict: dict[int, set[str]] = defaultdict(set)
         # Prompts longer than max_model_len: finished on the next update, never scheduled.
@@ -160,6 +162,7 @@ class Scheduler(SchedulerInterface):
         assert total_num_scheduled_tokens <= self.max_num_scheduled_tokens and step.token_budget >= 0
         assert len(self.running) <= self.max_num_running_reqs
         scheduler_output = self._make_scheduler_output(step, total_num_scheduled_tokens)
+        self.prev_step_scheduled_req_ids = set(step.num_scheduled_tokens)
         self.last_step_record = self._make_step_record(step)
         self._update_after_schedule(scheduler_output)
         return scheduler_output
@@ -329,20 +332,27 @@ class Scheduler(SchedulerInterface):
 
     def _make_cached_request_data(self, running_reqs: list[Request], resumed_reqs: list[Request],
                                   req_to_new_blocks: dict[str, KVCacheBlocks]) -> CachedRequestData:
-        req_ids, resumed_req_token_ids, new_block_ids, num_computed_tokens, num_output_tokens = [], [], [], [], []
+        req_ids, new_block_ids, num_computed_tokens, num_output_tokens = [], [], [], []
         resumed_req_ids = {req.request_id for req in resumed_reqs}
+        # NOTE: a request the worker did not see last step (resumed after
+        # preemption, or a running one left out for lack of budget) lost its row
+        # in the persistent batch; the worker re-adds it, and with async
+        # scheduling its cached outputs may lack tokens still in flight back then.
+        # So it gets its full token list (v0.27.1: all_token_ids, "MRV1-only").
+        all_token_ids: dict[str, list[int]] = {}
         for req in itertools.chain(running_reqs, resumed_reqs):
             req_id = req.request_id
             req_ids.append(req_id)
-            # NOTE: a resumed request's row was dropped by the worker on
-            # preemption: send its full token list, and its block ids *replace*
-            # the old row (they are all of its blocks, not an increment).
-            resumed_req_token_ids.append(list(req.all_token_ids) if req_id in resumed_req_ids else None)
+            if req_id not in self.prev_step_scheduled_req_ids:
+                all_token_ids[req_id] = list(req.all_token_ids)
+            # For a resumed request these are all of its blocks: they *replace* its old row.
             new_block_ids.append(req_to_new_blocks[req_id].get_block_ids(allow_none=True))
             num_computed_tokens.append(req.num_computed_tokens)
             num_output_tokens.append(req.num_output_tokens)
-        return CachedRequestData(req_ids, resumed_req_ids, resumed_req_token_ids, new_block_ids,
-                                 num_computed_tokens, num_output_tokens)
+        # new_token_ids: only pipeline parallelism sends sampled tokens back (none here).
+        return CachedRequestData(req_ids, resumed_req_ids, new_token_ids=[], all_token_ids=all_token_ids,
+                                 new_block_ids=new_block_ids, num_computed_tokens=num_computed_tokens,
+                                 num_output_tokens=num_output_tokens)
 
     def _preempt_request(self, request: Request) -> None:
         """Preempt by recompute: free the blocks, forget the progress, requeue at the front.
