@@ -75,25 +75,15 @@ def instrument(llm, clock: PhaseClock) -> None:
     clock.wrap(runner, "_bookkeeping_sync", "bookkeeping")
     clock.wrap(runner, "_bookkeeping_async", "bookkeeping")
     clock.wrap(engine.output_processor, "process_outputs", "process_outputs")
-    to_cpu = runner._to_cpu
+    # The step's one sync point (sync: _bookkeeping_sync; async: the output
+    # handle's get_output, one step later) waits through the runner's tracer.
+    tracer = runner.tracer
+    wait = tracer.wait
 
-    def to_cpu_timed(tensors):
-        host, wait = to_cpu(tensors)
-        clock.current["sync_wait"] = clock.current.get("sync_wait", 0.0) + wait
-        return host, wait
-    runner._to_cpu = to_cpu_timed
-    # Async scheduling: the wait happens in the output handle's get_output.
-    from vllm_anatomy.worker.async_output import AsyncGPUModelRunnerOutput
-    # (re-wrapped from the original for each mode's engine, never stacked)
-    cls = AsyncGPUModelRunnerOutput
-    get_output = cls.__dict__.get("_untimed_get_output", cls.get_output)
-    cls._untimed_get_output = get_output
-
-    def get_output_timed(self):
-        out = get_output(self)
-        clock.current["sync_wait"] = clock.current.get("sync_wait", 0.0) + self.sync_wait_s
-        return out
-    AsyncGPUModelRunnerOutput.get_output = get_output_timed
+    def wait_timed(event):
+        wait(event)
+        clock.current["sync_wait"] = clock.current.get("sync_wait", 0.0) + tracer.wait_s
+    tracer.wait = wait_timed
 
 
 def gpu_idle(trace_path: str) -> dict:
