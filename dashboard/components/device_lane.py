@@ -172,14 +172,14 @@ def device_lane(step_spans: pd.DataFrame | None, device: str, step_id: int) -> N
     dev = None if step_spans is None or step_spans.empty else step_spans[step_spans["lane"] == "device"]
     if dev is None or dev.empty:
         st.markdown("**Device lane** · no device span recorded for this step")
-        code_ref("vllm_anatomy/worker/device_timer.py", "DeviceTimer.mark / kernel / watch_layers → resolve")
+        code_ref("vllm_anatomy/tracing/device_timer.py", "DeviceTimer.mark / kernel / watch_layers → resolve")
         return
     if dev["host_timing"].all():
         parts = " · ".join(f"`{r['name'].split('.')[-1]}` {r['dur_ms']:.2f} ms" for r in dev.to_dict("records"))
         st.markdown(f"**Device lane** · no GPU ({device}): the host timings of the device work — {parts}")
         st.caption("On a CPU every op runs synchronously on the host, so there is no separate device timeline, "
                    "no CUDA graph and no per-kernel timing. Open the GPU sample run to see them.")
-        code_ref("vllm_anatomy/worker/device_timer.py", "DeviceTimer (CUDA only)")
+        code_ref("vllm_anatomy/tracing/device_timer.py", "DeviceTimer (CUDA only)")
         return
     dev = dev[~dev["host_timing"]]
     n_layers = int((dev["name"] == "GPU.layer").sum())
@@ -219,4 +219,4 @@ def device_lane(step_spans: pd.DataFrame | None, device: str, step_id: int) -> N
         with st.expander(f"every launch ({len(launches)})"):
             st.dataframe(launches, hide_index=True, width="stretch", height=min(400, 38 + 35 * len(launches)),
                          column_config=rate)
-    code_ref("vllm_anatomy/worker/device_timer.py", "DeviceTimer.mark / kernel / watch_layers → resolve")
+    code_ref("vllm_anatomy/tracing/device_timer.py", "DeviceTimer.mark / kernel / watch_layers → resolve")

@@ -109,8 +109,8 @@ def startup(df: pd.DataFrame) -> None:
                                    "ms": up["dur_ms"].round(2),
                                    "capture size": ["" if pd.isna(v) else str(int(v)) for v in up["cudagraph_size"]]}),
                      hide_index=True, width="stretch")
-        code_ref("vllm_anatomy/worker/gpu_model_runner.py", "GPUModelRunner.warm_up · capture_model → "
-                                                            "CUDAGraphRunner.capture")
+        code_ref("vllm_anatomy/worker/model_runner_startup.py", "ModelRunnerStartupMixin.warm_up · "
+                                                                "capture_model → CUDAGraphRunner.capture")
 
 
 def flagged(flags: dict[int, str], cursor: int | None, steps: list[int]) -> None:
