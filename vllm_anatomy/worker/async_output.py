@@ -23,7 +23,7 @@ placeholders (PlaceholderFill), so a request that skips a step and comes
 back has them.
 
 Simplified: vLLM's multiprocess workers call get_output from a separate
-thread; ours call it on the worker's own loop (executor/multiproc_executor.py).
+thread; ours call it on the worker's own loop (executor/worker_proc.py).
 """
 from __future__ import annotations
 
