@@ -128,9 +128,9 @@ class CPUAttentionImpl(AttentionImpl):
                         plan: _StepPlan) -> torch.Tensor:
         """D decode tokens at once: query [D, nh, hd] -> [D, nh, hd]."""
         num_decodes, max_len = query.shape[0], plan.decode_max_len
-        key = _gather(key_cache, plan.decode_block_ids, num_decodes, max_len)       # [D, nkv, L, hd]
-        value = _gather(value_cache, plan.decode_block_ids, num_decodes, max_len)
         with self._threads_for(num_decodes * max_len):
+            key = _gather(key_cache, plan.decode_block_ids, num_decodes, max_len)   # [D, nkv, L, hd]
+            value = _gather(value_cache, plan.decode_block_ids, num_decodes, max_len)
             out = F.scaled_dot_product_attention(query.unsqueeze(2), key, value,    # [D, nh, 1, hd]
                                                  attn_mask=plan.decode_mask, scale=self.scale,
                                                  enable_gqa=True)
@@ -139,9 +139,9 @@ class CPUAttentionImpl(AttentionImpl):
     def _attend_prefill(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                         p: _Prefill) -> torch.Tensor:
         """One request's chunk: query [q, nh, hd] -> [q, nh, hd], causal with its context offset."""
-        key = _gather(key_cache, p.block_ids, 1, p.seq_len)                       # [1, nkv, s, hd]
-        value = _gather(value_cache, p.block_ids, 1, p.seq_len)
         with self._threads_for(query.shape[0] * p.seq_len):
+            key = _gather(key_cache, p.block_ids, 1, p.seq_len)                   # [1, nkv, s, hd]
+            value = _gather(value_cache, p.block_ids, 1, p.seq_len)
             out = F.scaled_dot_product_attention(query.transpose(0, 1).unsqueeze(0), key, value,
                                                  attn_mask=p.causal_mask, is_causal=p.causal_mask is None,
                                                  scale=self.scale, enable_gqa=True)   # [1, nh, q, hd]
@@ -189,7 +189,7 @@ def _build_plan(md: AttentionMetadata, block_size: int) -> _StepPlan:
         context_len = seq_len - query_len
         mask = None
         if context_len:       # query j sees keys 0 .. context_len + j
-            mask = torch.ones(query_len, seq_len, dtype=torch.bool).tril(diagonal=context_len)
+            mask = torch.arange(seq_len)[None, :] <= torch.arange(context_len, seq_len)[:, None]
         prefills.append(_Prefill(q_start, q_end, block_table[i, :num_blocks].long(), seq_len, mask))
     only_decodes = (len(decodes) == num_reqs and md.num_actual_tokens == num_reqs
                     and md.slot_mapping.shape[0] == num_reqs)
