@@ -18,10 +18,17 @@ it times `--steps` decode steps and reports the median of each phase.
 
     python bench/host_cost.py                     # this tree
     python bench/host_cost.py --before 4582b2d     # and a worktree of that commit, interleaved
+    python bench/host_cost.py --before 4582b2d --after HEAD   # both from worktrees: keep editing meanwhile
+    python bench/host_cost.py --profile 256        # cProfile of the timed steps
+    python bench/host_cost.py --tokenizer ~/.cache/vllm_anatomy/models/SmolLM2-135M-Instruct   # byte-level BPE
 
-With --before, each (tree, config) is measured in its own subprocess, and the
-trees alternate for --rounds rounds (the machine is shared and noisy); the
-medians are over all steps of all rounds. Writes bench/results/host_cost_cpu.json.
+The clock is the thread's CPU time (time.thread_time): on a shared machine a
+phase's wall time also counts the time other processes held the core, which
+swamps the differences measured here (--wall: time.perf_counter instead).
+With --before, each (tree, config) is measured in its own subprocess, the two
+trees back to back, for --rounds rounds; the medians are over all steps of all
+rounds, and the ratio is the median over rounds of each round's after/before
+(paired in time, so a busy moment hits both). Writes bench/results/host_cost_cpu.json.
 """
 from __future__ import annotations
 
@@ -49,7 +56,7 @@ def _word_level_tokenizer(vocab_size: int = 10000):
 
 
 def measure(batch: int, async_scheduling: bool, steps: int, seed: int = 0,
-            profiler=None) -> dict[str, list[float]]:
+            profiler=None, clock=time.thread_time, tokenizer: str | None = None) -> dict[str, list[float]]:
     """Per-step seconds of each phase over `steps` decode steps (imports the tree on sys.path).
     profiler: a cProfile.Profile enabled around the timed steps only."""
     from collections import deque
@@ -70,7 +77,11 @@ def measure(batch: int, async_scheduling: bool, steps: int, seed: int = 0,
                         CacheConfig(block_size=block_size, enable_prefix_caching=True), sc)
     num_blocks = batch * (max_model_len // block_size) + 1
     scheduler = sc.get_scheduler_cls()(config, num_gpu_blocks=num_blocks, log_stats=True)
-    output_processor = OutputProcessor(_word_level_tokenizer())
+    if tokenizer:
+        from transformers import AutoTokenizer
+        output_processor = OutputProcessor(AutoTokenizer.from_pretrained(tokenizer))
+    else:
+        output_processor = OutputProcessor(_word_level_tokenizer())
     hasher = get_request_block_hasher(block_size, sha256)
     rng = random.Random(seed)
     for i in range(batch):
@@ -86,21 +97,21 @@ def measure(batch: int, async_scheduling: bool, steps: int, seed: int = 0,
     times = {phase: [] for phase in PHASES}
 
     def one_step(timed: bool) -> None:
-        t0 = time.perf_counter()
+        t0 = clock()
         so = scheduler.schedule()
-        t1 = time.perf_counter()
+        t1 = clock()
         # What the worker would return: one token per request that samples this step.
         req_ids = list(so.num_scheduled_tokens)
         sampled = [[] if scheduler.requests[r].is_prefill_chunk else [rng.randint(3, 9999)] for r in req_ids]
         in_flight.append((so, ModelRunnerOutput(req_ids, {r: k for k, r in enumerate(req_ids)}, sampled)))
         if len(in_flight) < depth:
             return  # async scheduling: step N's output is processed after step N+1 is scheduled
-        t2 = time.perf_counter()
+        t2 = clock()
         outputs = scheduler.update_from_output(*in_flight.popleft())
-        t3 = time.perf_counter()
+        t3 = clock()
         for eco in outputs.values():
             output_processor.process_outputs(eco.outputs, eco.timestamp, IterationStats())
-        t4 = time.perf_counter()
+        t4 = clock()
         if timed:
             times["schedule"].append(t1 - t0)
             times["update_from_output"].append(t3 - t2)
@@ -125,25 +136,36 @@ def measure(batch: int, async_scheduling: bool, steps: int, seed: int = 0,
 
 def _child(args) -> None:
     sys.path.insert(0, args.src)
+    import vllm_anatomy
+    assert vllm_anatomy.__file__.startswith(os.path.join(args.src, "")), vllm_anatomy.__file__
     out = {}
+    clock = time.perf_counter if args.wall else time.thread_time
     for batch in args.batches:
-        for async_scheduling in (True, False):
-            out[f"{batch}/{int(async_scheduling)}"] = measure(batch, async_scheduling, args.steps)
+        for async_scheduling in args.modes:
+            out[f"{batch}/{async_scheduling}"] = measure(batch, bool(async_scheduling), args.steps, clock=clock,
+                                                         tokenizer=args.tokenizer)
     json.dump(out, sys.stdout)
 
 
-def _run_child(src: str, args) -> dict:
+def _run_child(src: str, args, batch: int, async_scheduling: int) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--src", src, "--steps", str(args.steps),
-           "--batches", *map(str, args.batches)]
+           "--batches", str(batch), "--modes", str(async_scheduling), *(["--wall"] if args.wall else []),
+           *(["--tokenizer", args.tokenizer] if args.tokenizer else [])]
     return json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=src).stdout)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", type=int, nargs="+", default=[16, 64, 256])
+    ap.add_argument("--modes", type=int, nargs="+", default=[1, 0], help="async scheduling: 1 on, 0 off")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--before", help="git rev to measure side by side (a temporary worktree)")
+    ap.add_argument("--after", help="git rev for the 'after' side (default: this working tree, which must "
+                                    "then stay untouched while the bench runs)")
+    ap.add_argument("--tokenizer", help="a tokenizer directory (e.g. the default model's byte-level BPE) "
+                                        "instead of the word-level one")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--wall", action="store_true", help="time.perf_counter instead of the thread's CPU time")
     ap.add_argument("--profile", type=int, metavar="BATCH",
                     help="cProfile the timed steps at this batch (async scheduling) and print the top functions")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench/results/host_cost_cpu.json"))
@@ -156,27 +178,44 @@ def main() -> None:
         import cProfile
         import pstats
         profiler = cProfile.Profile()
-        measure(args.profile, True, args.steps, profiler=profiler)
+        measure(args.profile, True, args.steps, profiler=profiler, tokenizer=args.tokenizer)
         pstats.Stats(profiler).sort_stats("tottime").print_stats(40)
         return
 
-    trees = {"after": ROOT}
-    tmp = None
+    worktrees = []
+
+    def worktree(rev: str) -> str:
+        path = tempfile.mkdtemp(prefix=f"host_cost_{rev}_")
+        subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", path, rev], check=True, capture_output=True)
+        worktrees.append(path)
+        return path
+
+    trees = {"after": worktree(args.after) if args.after else ROOT}
     if args.before:
-        tmp = tempfile.mkdtemp(prefix="host_cost_before_")
-        subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", tmp, args.before],
-                       check=True, capture_output=True)
-        trees = {"before": tmp, "after": ROOT}
+        trees = {"before": worktree(args.before), **trees}
     samples: dict[str, dict[str, dict[str, list[float]]]] = {name: {} for name in trees}
+    # Paired per round: after / before of the round's medians, run back to back.
+    round_ratios: dict[str, dict[str, list[float]]] = {}
     try:
-        for _ in range(args.rounds if args.before else 1):
-            for name, src in trees.items():
-                for key, times in _run_child(src, args).items():
-                    for phase, values in times.items():
-                        samples[name].setdefault(key, {}).setdefault(phase, []).extend(values)
+        for round_index in range(args.rounds if args.before else 1):
+            # Which tree goes first alternates, so that neither always gets the quieter slot.
+            order = list(trees.items())[::-1 if round_index % 2 else 1]
+            for batch in args.batches:
+                for async_scheduling in args.modes:
+                    medians = {}
+                    for name, src in order:
+                        for key, times in _run_child(src, args, batch, async_scheduling).items():
+                            medians[name] = {phase: statistics.median(v) for phase, v in times.items()}
+                            medians[name]["total"] = sum(medians[name].values())
+                            for phase, values in times.items():
+                                samples[name].setdefault(key, {}).setdefault(phase, []).extend(values)
+                    if args.before:
+                        for phase in medians["after"]:
+                            round_ratios.setdefault(key, {}).setdefault(phase, []).append(
+                                medians["after"][phase] / medians["before"][phase])
     finally:
-        if tmp is not None:
-            subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", tmp], check=False)
+        for path in worktrees:
+            subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", path], check=False)
 
     rows = []
     for key in samples["after"]:
@@ -187,8 +226,10 @@ def main() -> None:
             medians["total"] = sum(medians.values())
             row[f"{name}_ms"] = {k: round(v, 4) for k, v in medians.items()}
         if args.before:
-            row["ratio_after_over_before"] = {k: round(row["after_ms"][k] / row["before_ms"][k], 3)
-                                              for k in row["after_ms"]}
+            # The median over rounds of each round's after/before ratio (robust to a noisy round).
+            row["ratio_after_over_before"] = {k: round(statistics.median(v), 3)
+                                              for k, v in round_ratios[key].items()}
+            row["ratio_per_round"] = {k: [round(x, 3) for x in v] for k, v in round_ratios[key].items()}
         rows.append(row)
 
     cols = ("schedule", "update_from_output", "process_outputs", "total")
@@ -204,7 +245,10 @@ def main() -> None:
     result = {
         "bench": "bench/host_cost.py", "machine": platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(), "python": platform.python_version(),
-        "load_avg_at_end": os.getloadavg(), "after": f"working tree at {head.stdout.strip()}",
+        "load_avg_at_end": os.getloadavg(),
+        "clock": "time.perf_counter (wall)" if args.wall else "time.thread_time (the thread's CPU time)",
+        "after": args.after or f"working tree at {head.stdout.strip()}",
+        "tokenizer": args.tokenizer or "word-level, 10,000 words",
         "before": args.before, "rounds": args.rounds if args.before else 1, "steps_per_round": args.steps,
         "workload": "batch requests, prompts uniform in [100, 1024] random ids < 10000, one token per request "
                     "per step, prefix caching on, log_stats on, FINAL_ONLY outputs, word-level tokenizer",
