@@ -58,12 +58,10 @@ class IncrementalDetokenizer:
         """
         if not new_token_ids:
             return None
-        skip_last = stop_terminated and not self.include_stop_str_in_output
         stop_check_offset = len(self.output_text)
-        for i, tid in enumerate(new_token_ids):
-            self.token_ids.append(tid)
-            if skip_last and i == len(new_token_ids) - 1:
-                break
+        self.token_ids.extend(new_token_ids)
+        skip_last = stop_terminated and not self.include_stop_str_in_output
+        for tid in new_token_ids[:-1] if skip_last else new_token_ids:
             self.output_text += self._step(tid)
         if not self.stop or len(self.token_ids) <= self.min_tokens:
             return None
