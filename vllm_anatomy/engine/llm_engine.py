@@ -6,7 +6,8 @@ OutputProcessor, polled by `step()`. Here EngineCore runs in this process
 
 Tracing: without an injected recorder, one is made from
 vllm_config.observability_config (trace_level, trace_dir, otlp_traces_endpoint);
-with tracing on, a RequestTracer keeps one `llm_request` span per request.
+its RequestTracer keeps one `llm_request` span per request (a no-op one when
+tracing is off).
 """
 from __future__ import annotations
 
@@ -66,23 +67,17 @@ class LLMEngine:
             # NOTE: refused by EngineCore's own checks: forget it here too, or
             # has_unfinished_requests() would wait for it forever.
             self.output_processor.abort_requests([request.request_id])
-            if self.request_tracer is not None:
-                self.request_tracer.abort_all([request.request_id], "error")
+            self.request_tracer.abort_all([request.request_id], "error")
             raise
         self.counters["vllm:prompt_tokens"] += len(request.prompt_token_ids)
 
     def _add_to_engine_core(self, request: EngineCoreRequest) -> None:
-        if self.request_tracer is None:
-            self.engine_core.add_request(request)
-            return
-        span = self.request_tracer.on_add(request)
-        with self.recorder.use_span(span):   # an in-process EngineCore.add_request nests under it
+        with self.request_tracer.adding(request):   # an in-process EngineCore.add_request nests under it
             self.engine_core.add_request(request)
 
     def abort_request(self, request_ids: list[str]) -> None:
         known = self.output_processor.abort_requests(request_ids)
-        if self.request_tracer is not None:
-            self.request_tracer.abort_all(known)
+        self.request_tracer.abort_all(known)
         self.engine_core.abort_requests(known)
 
     def has_unfinished_requests(self) -> bool:
@@ -117,9 +112,8 @@ class LLMEngine:
             # travel with the outputs of the step before.
             c["vllm:num_preemptions"] += iteration_stats.num_preempted_reqs
             request_outputs.extend(processed.request_outputs)
-            if self.request_tracer is not None:
-                self.request_tracer.on_outputs(outputs.outputs)
-                self.request_tracer.abort_all(processed.reqs_to_abort, "stop")
+            self.request_tracer.on_outputs(outputs.outputs)
+            self.request_tracer.abort_all(processed.reqs_to_abort, "stop")
             # Stop strings finished these on the frontend; free them in the engine.
             self.engine_core.abort_requests(processed.reqs_to_abort)
         return request_outputs

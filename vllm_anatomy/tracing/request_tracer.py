@@ -15,17 +15,18 @@ and span events for the request's journey:
 The span's W3C context goes into EngineCoreRequest.trace_headers, so the
 engine side (in this process or another) can parent and link to it.
 
-NOTE: the frontend keeps one of these only when tracing is on: with tracing off
-LLMEngine holds None and pays a single `is not None` test per call.
+With tracing off the frontend holds a NullRequestTracer instead: the same
+calls, each a no-op.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from typing import Any
 
 from vllm_anatomy.engine.protocol import EngineCoreEventType, EngineCoreOutput, EngineCoreRequest
-from vllm_anatomy.tracing.recorder import Recorder, SpanHandle
+from vllm_anatomy.tracing.recorder import _NULL_SPAN, Recorder, SpanHandle
 
 # Engine events turned into span events (QUEUED is recorded by the frontend itself).
 _ENGINE_EVENTS = {EngineCoreEventType.SCHEDULED: "SCHEDULED", EngineCoreEventType.PREEMPTED: "PREEMPTED"}
@@ -70,6 +71,11 @@ class RequestTracer:
         self.requests[request.request_id] = _Traced(span)
         return span
 
+    def adding(self, request: EngineCoreRequest) -> contextlib.AbstractContextManager:
+        """`with tracer.adding(request):` on_add, then its span is current inside
+        (an in-process EngineCore.add_request nests under it)."""
+        return self.recorder.use_span(self.on_add(request))
+
     def on_outputs(self, outputs: list[EngineCoreOutput]) -> None:
         # NOTE: runs for every request of every step: the common case (a new
         # token, no engine event, not finished) is one look-up and one add.
@@ -113,8 +119,27 @@ class RequestTracer:
         return self.recorder.now_ns() - time.monotonic_ns() + int(ts * 1e9)
 
 
-def make_request_tracer(recorder: Recorder, model_path: str) -> RequestTracer | None:
-    """The frontend's request tracer, or None when tracing is off (one `is None` test per call)."""
+class NullRequestTracer:
+    """Tracing off: RequestTracer's calls, each a no-op."""
+
+    def on_add(self, request: EngineCoreRequest) -> SpanHandle:
+        return _NULL_SPAN
+
+    def adding(self, request: EngineCoreRequest) -> contextlib.AbstractContextManager:
+        return _NULL_SPAN
+
+    def on_outputs(self, outputs: list[EngineCoreOutput]) -> None:
+        pass
+
+    def finish(self, request_id: str, reason: str) -> None:
+        pass
+
+    def abort_all(self, request_ids: list[str], reason: str = "abort") -> None:
+        pass
+
+
+def make_request_tracer(recorder: Recorder, model_path: str) -> RequestTracer | NullRequestTracer:
+    """The frontend's request tracer: a NullRequestTracer when tracing is off."""
     if not recorder.enabled:
-        return None
+        return NullRequestTracer()
     return RequestTracer(recorder, os.path.basename(model_path.rstrip("/")))
