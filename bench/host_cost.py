@@ -241,15 +241,17 @@ def main() -> None:
         if args.before:
             print(f"{'':>5} {'':>5} {'ratio':>6} " + " ".join(f"{row['ratio_after_over_before'][c]:>18.3f}"
                                                            for c in cols))
-    head = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    def short(rev: str) -> str:
+        return subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", rev], capture_output=True,
+                              text=True).stdout.strip()
     result = {
         "bench": "bench/host_cost.py", "machine": platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(), "python": platform.python_version(),
         "load_avg_at_end": os.getloadavg(),
         "clock": "time.perf_counter (wall)" if args.wall else "time.thread_time (the thread's CPU time)",
-        "after": args.after or f"working tree at {head.stdout.strip()}",
+        "after": short(args.after) if args.after else f"working tree at {short('HEAD')}",
         "tokenizer": args.tokenizer or "word-level, 10,000 words",
-        "before": args.before, "rounds": args.rounds if args.before else 1, "steps_per_round": args.steps,
+        "before": short(args.before) if args.before else None, "rounds": args.rounds if args.before else 1, "steps_per_round": args.steps,
         "workload": "batch requests, prompts uniform in [100, 1024] random ids < 10000, one token per request "
                     "per step, prefix caching on, log_stats on, FINAL_ONLY outputs, word-level tokenizer",
         "rows": rows,
