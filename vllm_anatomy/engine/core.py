@@ -276,6 +276,7 @@ class EngineCore:
             outputs = self.scheduler.update_from_output(scheduler_output, model_output)
             for client_index, output in errors:
                 outputs.setdefault(client_index, EngineCoreOutputs()).outputs.append(output)
+        # Without async scheduling, the step's snapshot: taken after the update, it shows the step's result.
         trace.updated()
         return outputs
 
