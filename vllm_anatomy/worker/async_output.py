@@ -194,8 +194,13 @@ class AsyncGPUModelRunnerOutput(AsyncModelRunnerOutput):
         step while the copy still reads it.
         """
         self._device_tensors = device_tensors
+        # NOTE: the compute stream must be read *before* entering the copy
+        # stream's context: inside it, current_stream() is the copy stream, and
+        # a stream waiting on itself orders nothing (the copy then races the
+        # sampler and reads memory the sampler has not written yet).
+        compute_stream = torch.cuda.current_stream(device_tensors[0].device)
         with torch.cuda.stream(copy_stream):
-            copy_stream.wait_stream(torch.cuda.current_stream(device_tensors[0].device))
+            copy_stream.wait_stream(compute_stream)
             host = [t.to("cpu", non_blocking=True) for t in device_tensors]
             self._tracer.device_mark("end")
             # Blocking (sleep) event, as vLLM: the host waits without busy-polling the driver.
