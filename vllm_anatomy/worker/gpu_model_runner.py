@@ -257,11 +257,13 @@ class GPUModelRunner(ModelRunnerStartupMixin, AsyncSchedulingMixin):
         elif new_block_ids is not None:
             for ids, new_ids in zip(state.block_ids, new_block_ids):
                 ids.extend(new_ids)
-        token_ids = cached.all_token_ids.get(req_id)
-        if token_ids is not None:
-            # Not scheduled last step (resumed, or left out): its outputs as the
-            # scheduler knows them, tokens that were in flight back then included.
-            state.output_token_ids = token_ids[state.num_prompt_tokens:]
+        if resumed:
+            # NOTE: only a resumed request takes its outputs from all_token_ids:
+            # its readmission waited for its in-flight tokens, so the scheduler's
+            # list is complete. A request merely left out last step keeps ours:
+            # with async scheduling it may still hold -1 placeholders the
+            # scheduler's list has no entry for yet.
+            state.output_token_ids = cached.all_token_ids[req_id][state.num_prompt_tokens:]
         row = batch.req_id_to_index.get(req_id)
         if row is None:
             return True
