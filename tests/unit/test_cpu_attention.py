@@ -92,3 +92,13 @@ def test_random_mixed_batches(requests, block_size, heads, num_padding, seed):
 
 def test_selector():
     assert get_attn_backend("cpu") is CPUAttentionBackend
+
+
+def test_engine_args_select_the_cpu_backend_on_cpu_only():
+    from vllm_anatomy.engine.arg_utils import EngineArgs
+    assert EngineArgs(attention_backend="cpu")._resolve_attention_backend("cpu") == "cpu"
+    assert EngineArgs()._resolve_attention_backend("cpu") == "torch"          # the readable reference stays the default
+    with pytest.raises(ValueError, match="runs on the CPU"):
+        EngineArgs(attention_backend="cpu")._resolve_attention_backend("cuda:0")
+    with pytest.raises(ValueError, match="auto, torch, cpu or triton"):
+        EngineArgs(attention_backend="flash")._resolve_attention_backend("cpu")

@@ -26,7 +26,7 @@ class EngineArgs:
     model: str | None = None            # a local HF directory, or None / the default alias
     dtype: str = "auto"                 # auto = float32 on CPU, bfloat16 on CUDA
     device: str = "auto"                # auto = cuda if available else cpu
-    attention_backend: str = "auto"     # auto = triton on CUDA, torch (the reference) on CPU
+    attention_backend: str = "auto"     # auto = triton on CUDA, torch (the reference) on CPU; cpu = the fast CPU path
     seed: int = 0
     max_model_len: int | None = None    # None = the model's max_position_embeddings
     block_size: int = 16
@@ -80,8 +80,10 @@ class EngineArgs:
         name = self.attention_backend
         if name == "auto":
             return "triton" if device.startswith("cuda") else "torch"
-        if name not in ("torch", "triton"):
-            raise ValueError(f"attention_backend must be auto, torch or triton; got {name!r}")
+        if name not in ("torch", "cpu", "triton"):
+            raise ValueError(f"attention_backend must be auto, torch, cpu or triton; got {name!r}")
+        if name == "cpu" and device.startswith("cuda"):
+            raise ValueError("attention_backend='cpu' runs on the CPU; on a CUDA device use triton (or torch)")
         if name == "triton" and not device.startswith("cuda") and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("attention_backend='triton' needs a CUDA device "
                              "(or TRITON_INTERPRET=1 to run the kernels in Triton's interpreter)")
@@ -206,7 +208,7 @@ class EngineArgs:
         p("--model", default=None, help="local HF model directory (default: SmolLM2-135M-Instruct)")
         p("--dtype", default=d.dtype)
         p("--device", default=d.device)
-        p("--attention-backend", choices=["auto", "torch", "triton"], default=d.attention_backend)
+        p("--attention-backend", choices=["auto", "torch", "cpu", "triton"], default=d.attention_backend)
         p("--seed", type=int, default=d.seed)
         p("--max-model-len", type=int, default=None)
         p("--block-size", type=int, default=d.block_size)
