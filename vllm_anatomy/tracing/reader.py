@@ -191,7 +191,7 @@ class Run:
         try:
             return decode_snapshot(kind, rows[0][1], self.schema_version)
         except (ValueError, TypeError) as e:     # msgspec.DecodeError / ValidationError are ValueErrors
-            bad = _snapshot_bad_row(rows[0][0], step_id, kind, e)
+            bad = _snapshot_bad_row(rows[0][0], step_id, kind, e, rows[0][1])
             raise MalformedRowError(f"{self.path}: {bad}") from e
 
     def index(self, kind: str, view: type[T]) -> list[tuple[int, int, T]]:
@@ -219,7 +219,7 @@ class Run:
                     try:
                         out.append((step_id, time_ns, decoder.decode(data)))
                     except (ValueError, TypeError) as e:
-                        self.bad_rows.append(_snapshot_bad_row(row_id, step_id, kind, e))
+                        self.bad_rows.append(_snapshot_bad_row(row_id, step_id, kind, e, data))
         except sqlite3.DatabaseError as e:
             raise TraceStoreError(f"{self.path}: corrupt run store ({e})") from e
         out.sort(key=lambda r: r[0])
@@ -288,9 +288,17 @@ def _maybe_json(value: str) -> Any:
         return value   # written by something else: shown as is, the version check decides
 
 
-def _snapshot_bad_row(row_id: int, step_id: int | None, kind: str, e: Exception) -> BadRow:
-    what = "malformed JSON" if isinstance(e, msgspec.DecodeError) and not isinstance(e, msgspec.ValidationError) \
-        else "does not match the snapshot contract (tracing/snapshots.py)"
+def _snapshot_bad_row(row_id: int, step_id: int | None, kind: str, e: Exception,
+                      data: str | bytes | None = None) -> BadRow:
+    """NOTE: the typed decoder checks types as it parses, so truncated JSON can fail first on a
+    type (a ValidationError); `data`, when given, is re-read untyped to name the real fault."""
+    malformed = isinstance(e, msgspec.DecodeError) and not isinstance(e, msgspec.ValidationError)
+    if not malformed and data is not None:
+        try:
+            _decode(data)
+        except msgspec.DecodeError as untyped:
+            malformed, e = True, untyped
+    what = "malformed JSON" if malformed else "does not match the snapshot contract (tracing/snapshots.py)"
     return BadRow("snapshots", f"step {step_id}, {kind!r} snapshot (row id {row_id})", f"{what} ({e})")
 
 
