@@ -39,13 +39,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 # (module, class or None, function, label): what gets a timer.
 TIMED = [
-    ("vllm_anatomy.engine.core", "EngineCore", "_record_snapshot", "EngineCore._record_snapshot"),
+    ("vllm_anatomy.tracing.step_tracer", "StepSnapshotter", "__call__", "StepSnapshotter (the step snapshot)"),
     ("vllm_anatomy.core.sched.scheduler", "Scheduler", "snapshot", "Scheduler.snapshot"),
-    ("vllm_anatomy.core.kv_cache_manager", "KVCacheManager", "snapshot", "KVCacheManager.snapshot"),
+    ("vllm_anatomy.tracing.kv_snapshotter", "KVCacheSnapshotter", "snapshot", "KVCacheSnapshotter.snapshot"),
     ("vllm_anatomy.core.kv_cache_manager", "KVCacheManager", "allocate_slots", "KVCacheManager.allocate_slots"),
-    ("vllm_anatomy.worker.gpu_model_runner", "GPUModelRunner", "_record_snapshot", "GPUModelRunner._record_snapshot"),
+    ("vllm_anatomy.tracing.runner_tracer", "StepSnapshots", "record", "StepSnapshots.record (runner snapshot)"),
     ("vllm_anatomy.worker.gpu_model_runner", "GPUModelRunner", "snapshot", "GPUModelRunner.snapshot"),
-    ("vllm_anatomy.worker.device_timer", "DeviceTimer", "resolve", "DeviceTimer.resolve"),
+    ("vllm_anatomy.tracing.device_timer", "DeviceTimer", "resolve", "DeviceTimer.resolve"),
     ("vllm_anatomy.tracing.store", "RunStore", "write_snapshot", "RunStore.write_snapshot"),
     ("vllm_anatomy.tracing.store", "RunStore", "write_spans", "RunStore.write_spans"),
     ("vllm_anatomy.core.sched.scheduler", "Scheduler", "schedule", "Scheduler.schedule"),
@@ -63,8 +63,8 @@ class Timers:
         import importlib
         for module, cls, fn, label in TIMED:
             owner = getattr(importlib.import_module(module), cls) if cls else importlib.import_module(module)
-            if hasattr(owner, fn):
-                setattr(owner, fn, self._wrap(getattr(owner, fn), label))
+            # NOTE: a timer whose target moved must fail here, not time nothing in silence.
+            setattr(owner, fn, self._wrap(getattr(owner, fn), label))
         from vllm_anatomy.tracing import otel
         export = otel.StoreSpanExporter.export
 

@@ -130,16 +130,14 @@ class AsyncLLM:
         queue = RequestOutputCollector(params.output_kind, request.request_id)
         # NOTE: register with the OutputProcessor *before* the engine can answer.
         self.output_processor.add_request(request, prompt_text, queue)
-        if self.request_tracer is not None:
-            # The request's span (a child of the HTTP span when traceparent came
-            # in); its own context then rides to the engine on the request.
-            self.request_tracer.on_add(request)
+        # The request's span (a child of the HTTP span when traceparent came in);
+        # its own context then rides to the engine on the request.
+        self.request_tracer.on_add(request)
         try:
             await self.engine_core.add_request_async(request)
         except BaseException:
             self.output_processor.abort_requests([request.request_id])
-            if self.request_tracer is not None:
-                self.request_tracer.abort_all([request.request_id], "error")
+            self.request_tracer.abort_all([request.request_id], "error")
             raise
         self._run_output_handler()
         return queue
@@ -177,8 +175,7 @@ class AsyncLLM:
         """Abort requests (unknown or finished ids are ignored)."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         known = self.output_processor.abort_requests(ids)
-        if self.request_tracer is not None:
-            self.request_tracer.abort_all(known)
+        self.request_tracer.abort_all(known)
         # NOTE: a dead engine holds no blocks any more: nothing to free there.
         if known and not self.engine_core.engine_dead:
             await self.engine_core.abort_requests_async(known)
@@ -204,9 +201,8 @@ class AsyncLLM:
                     with self.recorder.span("OutputProcessor.process_outputs",
                                             **{"vllm_anatomy.num_outputs": len(chunk)}):
                         processed = output_processor.process_outputs(chunk, outputs.timestamp, iteration_stats)
-                    if self.request_tracer is not None:
-                        self.request_tracer.on_outputs(chunk)
-                        self.request_tracer.abort_all(processed.reqs_to_abort, "stop")
+                    self.request_tracer.on_outputs(chunk)
+                    self.request_tracer.abort_all(processed.reqs_to_abort, "stop")
                     # Stop strings finished these here; the engine still runs them.
                     await engine_core.abort_requests_async(processed.reqs_to_abort)
                 self._record_stats(outputs.scheduler_stats, iteration_stats)
@@ -281,8 +277,7 @@ class AsyncLLM:
         # NOTE: the error is already in each collector, and an exception there
         # wins over the "abort" output that forgetting the request would add.
         output_processor.abort_requests(ids)
-        if self.request_tracer is not None:
-            self.request_tracer.abort_all(ids, "error")
+        self.request_tracer.abort_all(ids, "error")
         if not self.engine_core.engine_dead:
             try:
                 await self.engine_core.abort_requests_async(ids)
