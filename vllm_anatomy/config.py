@@ -20,7 +20,7 @@ class ModelConfig:
     max_model_len: int = 2048
     seed: int = 0
     device: str = "cpu"
-    attention_backend: str = "torch"    # torch (reference, CPU) | triton (GPU kernels)
+    attention_backend: str = "torch"    # torch (reference) | cpu (fast CPU path) | triton (GPU kernels)
     # Filled from config.json by the loader (vllm: model_config.hf_config).
     hf_config: dict = field(default_factory=dict)
 

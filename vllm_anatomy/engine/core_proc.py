@@ -11,7 +11,7 @@ here it has its own so that engine/core.py holds only the step.
                                     |  output_queue
     client PULL  <--ipc--  PUSH  [output thread]  encode, send
 
-The client side (SyncMPClient, AsyncMPClient) is engine/core_client.py.
+The client side (SyncMPClient, AsyncMPClient) is engine/core_client_mp.py.
 """
 from __future__ import annotations
 

@@ -23,8 +23,8 @@ index_select per half to read, and one `F.scaled_dot_product_attention` call
   - an attention call with little work (every decode step of a small batch,
     a short prefill) runs on one thread (`_intra_op_threads`). On two cores
     shared with other processes, a multi-threaded op right after an MKL
-    matmul was measured at 8-40 ms where the same op on one thread took
-    0.1 ms: its second thread has to wait for a core. The matmuls, where two
+    matmul was measured hundreds of times slower than the same op on one
+    thread: its second thread has to wait for a core. The matmuls, where two
     threads pay off, keep every thread.
 """
 from __future__ import annotations

@@ -18,8 +18,9 @@ class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # NOTE: dispatch as vLLM's CustomOp does. On CUDA, silu + mul are two
         # kernels and a [T, d] intermediate; fusing such tiny elementwise
-        # launches (with the norms and RoPE) took a profiled decode step from
-        # 9.1 to 6.3 ms of GPU time, so CUDA takes the one-launch Triton kernel.
+        # launches (with the norms and RoPE) cut a profiled decode step's GPU
+        # time by about a third (bench/results/step_overhead_h200*.json), so
+        # CUDA takes the one-launch Triton kernel.
         # Everywhere else (the CPU path, and the kernel's oracle) plain torch.
         if x.is_cuda:
             return self.forward_cuda(x)

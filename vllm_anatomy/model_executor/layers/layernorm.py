@@ -30,8 +30,9 @@ class RMSNorm(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         # NOTE: dispatch as vLLM's CustomOp does (forward_cuda vs forward_native).
         # On CUDA the plain-torch norm is 9 tiny kernels (add, float, pow, mean,
-        # add, rsqrt, mul, cast, mul); fusing them, RoPE and SiLU*mul took a
-        # profiled Qwen3-0.6B decode step from 9.1 to 6.3 ms of GPU time.
+        # add, rsqrt, mul, cast, mul); fusing them, RoPE and SiLU*mul cut a
+        # profiled Qwen3-0.6B decode step's GPU time by about a third
+        # (bench/results/step_overhead_h200*.json).
         # The Triton kernel does it in one launch with the same rounding steps.
         # Everywhere else the torch code below runs: it is the CPU path and the
         # oracle the kernel is tested against (bit-identical to transformers).

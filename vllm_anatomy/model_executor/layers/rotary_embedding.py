@@ -51,8 +51,9 @@ class RotaryEmbedding(nn.Module):
         """positions [T]; query [T, nh * head_size]; key [T, nkv * head_size]."""
         # NOTE: dispatch as vLLM's CustomOp does. On CUDA the torch code below
         # is 16 tiny kernels per layer (a lookup, a cast, then 7 for q and 7 for
-        # k); fusing them (with the norms and SiLU*mul) took a profiled decode
-        # step from 9.1 to 6.3 ms of GPU time, so CUDA takes one
+        # k); fusing them (with the norms and SiLU*mul) cut a profiled decode
+        # step's GPU time by about a third (bench/results/
+        # step_overhead_h200_before_fused_kernels.json), so CUDA takes one
         # Triton launch for q and k (kernels/rotary_embedding.py), rounding as
         # torch does. Everywhere else (the CPU path, and the kernel's oracle)
         # plain torch. The torch code handles only rotary_dim == head_size
