@@ -25,7 +25,7 @@ HELP = {"req": st.column_config.TextColumn("req", help="request id", width="smal
                                                        "tokens found in the prefix cache, not recomputed"),
         "num_computed_tokens": st.column_config.NumberColumn("num_computed_tokens", help="tokens already in the "
                                                              "KV cache before this step"),
-        "num_output_tokens": st.column_config.NumberColumn("num_output_tokens", help="tokens generated so far"),
+        "num_output_tokens": st.column_config.NumberColumn("num_output_tokens", help="tokens generated so far, those still in flight (async scheduling) included, as v0.27.1 counts them"),
         "resumed": st.column_config.CheckboxColumn("resumed", help="back from PREEMPTED: its new block ids replace "
                                                    "its old row, and the worker gets its whole token list again "
                                                    "(all_token_ids, sent for every request not scheduled last step)")}

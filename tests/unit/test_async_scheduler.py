@@ -81,6 +81,7 @@ def test_decode_is_scheduled_before_its_input_token_is_known():
     assert so1.num_scheduled_tokens == {"r": 20} and r.num_output_placeholders == 1
     so2 = p.launch()                                   # step 1's token is still "on the device"
     assert so2.num_scheduled_tokens == {"r": 1}
+    assert so2.scheduled_cached_reqs.num_output_tokens == [1]   # in flight counts, as in v0.27.1
     assert r.num_tokens == 20 and r.num_computed_tokens == 21 and r.num_output_placeholders == 2
     rec = {x.request_id: x.kind for x in s.last_step_record.scheduled}
     assert rec == {"r": "decode"}                      # a placeholder counts as a token

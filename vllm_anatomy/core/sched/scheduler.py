@@ -348,7 +348,8 @@ class Scheduler(SchedulerInterface):
             # For a resumed request these are all of its blocks: they *replace* its old row.
             new_block_ids.append(req_to_new_blocks[req_id].get_block_ids(allow_none=True))
             num_computed_tokens.append(req.num_computed_tokens)
-            num_output_tokens.append(req.num_output_tokens)
+            # v0.27.1 counts the tokens still in flight (async scheduling) as outputs.
+            num_output_tokens.append(req.num_output_tokens + req.num_output_placeholders)
         # new_token_ids: only pipeline parallelism sends sampled tokens back (none here).
         return CachedRequestData(req_ids, resumed_req_ids, new_token_ids=[], all_token_ids=all_token_ids,
                                  new_block_ids=new_block_ids, num_computed_tokens=num_computed_tokens,
