@@ -18,10 +18,11 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.sdk.util import BoundedList
 from opentelemetry.trace import Status, StatusCode
 
-from vllm_anatomy.tracing import otel
+from vllm_anatomy.tracing import trace_context
 from vllm_anatomy.tracing.local_span import LocalSpan
-from vllm_anatomy.tracing.otel import OTelRecorder, span_to_row
+from vllm_anatomy.tracing.otel import OTelRecorder
 from vllm_anatomy.tracing.recorder import InMemoryRecorder
+from vllm_anatomy.tracing.span_export import span_to_row
 from vllm_anatomy.tracing.store import to_json
 
 
@@ -295,8 +296,8 @@ def test_span_rows_match_the_plain_conversion(fast):
 @pytest.mark.parametrize("tracestate", [None, "k=v"])
 def test_traceparent_parse_matches_the_propagator(traceparent, tracestate):
     carrier = {"traceparent": traceparent, **({"tracestate": tracestate} if tracestate else {})}
-    expected = trace.get_current_span(otel._PROPAGATOR.extract(carrier)).get_span_context()
-    got = otel._parse_w3c.__wrapped__(traceparent, tracestate)
+    expected = trace.get_current_span(trace_context._PROPAGATOR.extract(carrier)).get_span_context()
+    got = trace_context._parse_w3c.__wrapped__(traceparent, tracestate)
     if not expected.is_valid:
         assert got is None
     else:
@@ -305,12 +306,12 @@ def test_traceparent_parse_matches_the_propagator(traceparent, tracestate):
 
 def test_header_spellings_name_the_same_link():
     headers = {"traceparent": "00-" + "a" * 32 + "-" + "b" * 16 + "-01"}
-    link = otel._shared_link(headers)
-    assert otel._shared_link({"TraceParent": headers["traceparent"]}) is link
-    assert otel._shared_link({**headers, "x-other": "1"}) is link
-    with_state = otel._shared_link({**headers, "tracestate": "k=v"})
+    link = trace_context.shared_link(headers)
+    assert trace_context.shared_link({"TraceParent": headers["traceparent"]}) is link
+    assert trace_context.shared_link({**headers, "x-other": "1"}) is link
+    with_state = trace_context.shared_link({**headers, "tracestate": "k=v"})
     assert with_state is not link and with_state.context.trace_state.to_header() == "k=v"
-    assert otel._shared_link({}) is None and otel._shared_link({"traceparent": "junk"}) is None
+    assert trace_context.shared_link({}) is None and trace_context.shared_link({"traceparent": "junk"}) is None
 
 
 def test_add_links_is_add_link_for_each():

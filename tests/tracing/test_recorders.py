@@ -3,7 +3,8 @@ spans, W3C trace-context round trip, for InMemoryRecorder and OTelRecorder."""
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from vllm_anatomy.tracing.otel import OTelRecorder, extract_trace_context, inject_trace_headers
+from vllm_anatomy.tracing.otel import OTelRecorder
+from vllm_anatomy.tracing.trace_context import extract_trace_context, inject_trace_headers
 from vllm_anatomy.tracing.recorder import InMemoryRecorder, NullRecorder, parse_traceparent
 
 

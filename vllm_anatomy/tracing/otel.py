@@ -1,6 +1,7 @@
 """OTelRecorder: the Recorder backed by the OpenTelemetry SDK.
 
-With local_span.py and the exporters, the only modules that import
+With local_span.py, trace_context.py (the W3C codec), span_export.py (where
+finished spans go) and the exporters, the only modules that import
 OpenTelemetry. Each process of a run builds one recorder, hence one
 TracerProvider, whose resource names the service and the process (kind,
 name, pid). Spans the SDK's default sampler would record are built by
@@ -21,29 +22,26 @@ parent of the request spans, as in vLLM.
 from __future__ import annotations
 
 import atexit
-import functools
 import operator
 import os
 import time
 from typing import Any, Iterable, Sequence
-from urllib.parse import urlparse
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
-from opentelemetry.attributes import BoundedAttributes
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import Span as SDKSpan
 from opentelemetry.sdk.trace import SpanLimits, TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.sdk.util import BoundedList
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
-from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from vllm_anatomy.tracing.local_span import LocalSpan, SpanSink
 from vllm_anatomy.tracing.recorder import LEVELS, Recorder, SpanHandle
+from vllm_anatomy.tracing.span_export import StoreSpanExporter, make_otlp_exporter
 from vllm_anatomy.tracing.store import RunStore, to_json
+from vllm_anatomy.tracing.trace_context import (headers_of, inject_trace_headers, link_for, new_link,
+                                                remote_span_context, shared_link)
 
-_PROPAGATOR = TraceContextTextMapPropagator()
 _TRACEPARENT = operator.itemgetter("traceparent")
 # Links per span (a step links to every request of its batch: max_num_seqs of them).
 MAX_LINKS_PER_SPAN = 8192
@@ -51,97 +49,6 @@ TRACER_NAME = "vllm_anatomy"
 _KINDS = {"internal": SpanKind.INTERNAL, "server": SpanKind.SERVER, "client": SpanKind.CLIENT,
           "producer": SpanKind.PRODUCER, "consumer": SpanKind.CONSUMER}
 _SCALARS = (str, bool, int, float)
-_KIND_NAMES = {kind: kind.name.lower() for kind in SpanKind}
-_RESOURCE_FIELDS: dict[int, tuple] = {}
-
-
-# -- W3C trace context (HTTP headers, EngineCoreRequest.trace_headers); one codec:
-#    OpenTelemetry's TraceContextTextMapPropagator (_PROPAGATOR) -----------------------
-def inject_trace_headers(ctx: otel_context.Context | None = None) -> dict[str, str]:
-    """traceparent/tracestate of the current (or given) context, as a header dict."""
-    carrier: dict[str, str] = {}
-    _PROPAGATOR.inject(carrier, context=ctx)
-    return carrier
-
-
-def extract_trace_context(headers: dict[str, str] | None) -> otel_context.Context | None:
-    """The remote parent named by W3C headers; None when there is none."""
-    span_context = _remote_span_context(headers)
-    # (what TraceContextTextMapPropagator.extract builds from the same headers)
-    return trace.set_span_in_context(trace.NonRecordingSpan(span_context)) if span_context else None
-
-
-def _link(headers: dict | None, attrs: dict | None = None) -> Link | None:
-    """A new Link to the span named by `headers` (carrying `attrs`)."""
-    span_context = _remote_span_context(headers)
-    return Link(span_context, attrs or None) if span_context else None
-
-
-def _w3c_fields(headers: dict[str, str]) -> tuple[str | None, str | None]:
-    """(traceparent, tracestate) of a header dict, whatever the keys' case."""
-    traceparent, tracestate = headers.get("traceparent"), headers.get("tracestate")
-    if traceparent is None or (tracestate is None and len(headers) > 1):
-        # NOTE: HTTP header names are case-insensitive; our own dicts are lowercase
-        # (one key, or both), so only foreign ones pay for lowering every key.
-        lowered = {k.lower(): v for k, v in headers.items()}
-        traceparent, tracestate = lowered.get("traceparent"), lowered.get("tracestate")
-    return traceparent, tracestate
-
-
-def _remote_span_context(headers: dict[str, str] | None) -> trace.SpanContext | None:
-    if not headers:
-        return None
-    return _parse_w3c(*_w3c_fields(headers))
-
-
-@functools.lru_cache(maxsize=16384)
-def _parse_w3c(traceparent: str | None, tracestate: str | None) -> trace.SpanContext | None:
-    """The remote SpanContext W3C headers name (OpenTelemetry's propagator), parsed once per request.
-
-    NOTE: a request's headers never change, and every step links to it (256
-    parses per step at batch 256 if each were parsed): memoised."""
-    if not traceparent:
-        return None
-    carrier = {"traceparent": traceparent, **({"tracestate": tracestate} if tracestate else {})}
-    span_context = trace.get_current_span(_PROPAGATOR.extract(carrier)).get_span_context()
-    return span_context if span_context.is_valid else None
-
-
-def _shared_link(headers: dict[str, str] | None) -> _SharedLink | None:
-    """The shared Link to the span named by `headers` (None if they name none)."""
-    if not headers:
-        return None
-    traceparent = headers.get("traceparent")
-    if traceparent is None or len(headers) > 1:
-        traceparent, tracestate = _w3c_fields(headers)
-        if tracestate is not None:
-            return _link_for(traceparent, tracestate)
-    # NOTE: one argument: the cache keys on the string itself (no key tuple),
-    # and the common case (our own headers: a traceparent alone) costs one look-up.
-    return _link_for(traceparent)
-
-
-class _SharedLink(Link):
-    """A Link without attributes, shared by every span that links to its span
-    (see _link_for); `json` is its run-store text (see _links_json)."""
-
-    def __init__(self, context: trace.SpanContext) -> None:
-        super().__init__(context, BoundedAttributes(immutable=True))
-        self.json = to_json(_link_dict(self))
-
-
-@functools.lru_cache(maxsize=16384)
-def _link_for(traceparent: str | None, tracestate: str | None = None) -> _SharedLink | None:
-    """The one attribute-less Link to the span named by these W3C headers.
-
-    NOTE: built once per request and shared by every step span that links
-    to it. The SDK's add_link builds a Link, an attribute map and a lock per
-    call: 256 of each per step at batch 256, then the largest host cost of
-    level spans, and garbage that made the collector run several times as
-    often. Sharing is safe: a Link is immutable (its attributes are an
-    immutable, here empty, map) and exporters only read it."""
-    span_context = _parse_w3c(traceparent, tracestate)
-    return _SharedLink(span_context) if span_context is not None else None
 
 
 def _extend_links(span: trace.Span, links: list[Link]) -> None:
@@ -160,11 +67,6 @@ def _extend_links(span: trace.Span, links: list[Link]) -> None:
     else:
         for link in links:
             span.add_link(link.context, link.attributes)
-
-
-def _headers_of(span_context: trace.SpanContext) -> dict[str, str]:
-    """W3C headers naming `span_context` (OpenTelemetry's propagator)."""
-    return inject_trace_headers(trace.set_span_in_context(trace.NonRecordingSpan(span_context)))
 
 
 def _attrs(attrs: dict[str, Any]) -> dict[str, Any]:
@@ -212,16 +114,16 @@ class OTelSpan(SpanHandle):
         pending = self._pending
         if attrs or pending is None:        # a link of its own (its attributes are this call's), or ended
             self.flush_links()
-            link = _link(trace_headers, _attrs(attrs))
+            link = new_link(trace_headers, _attrs(attrs))
             if link is not None:
                 self.span.add_link(link.context, link.attributes)
             return
         # NOTE: called for every request of every step; our own headers (a
         # traceparent alone) take the first branch, one cache look-up.
         if trace_headers is not None and len(trace_headers) == 1 and "traceparent" in trace_headers:
-            link = _link_for(trace_headers["traceparent"])
+            link = link_for(trace_headers["traceparent"])
         else:
-            link = _shared_link(trace_headers)
+            link = shared_link(trace_headers)
         if link is not None:
             pending.append(link)
 
@@ -233,7 +135,7 @@ class OTelSpan(SpanHandle):
                 # NOTE: our own headers (a traceparent alone each): the batch goes
                 # through C-level passes (len, item, cache look-up), none in Python.
                 if set(map(len, headers)) <= {1}:
-                    links = list(map(_link_for, map(_TRACEPARENT, headers)))
+                    links = list(map(link_for, map(_TRACEPARENT, headers)))
                     pending.extend([link for link in links if link is not None])
                     return
             except (KeyError, TypeError):     # another spelling or shape: one by one
@@ -248,7 +150,7 @@ class OTelSpan(SpanHandle):
             self._pending = []
 
     def trace_headers(self) -> dict[str, str]:
-        return _headers_of(self.span.get_span_context())
+        return headers_of(self.span.get_span_context())
 
     def end(self, end_ns: int | None = None) -> None:
         self.flush_links()
@@ -265,7 +167,7 @@ class _Scope:
 
     def __enter__(self) -> OTelSpan:
         if self.links:
-            links = [lk for lk in map(_link, self.links) if lk is not None]
+            links = [lk for lk in map(new_link, self.links) if lk is not None]
             span = self.recorder.tracer.start_span(self.name, attributes=_attrs(self.attrs), links=links)
         else:
             span = self.recorder._new_span(self.name, None, _attrs(self.attrs))
@@ -280,106 +182,6 @@ class _Scope:
             span.set_status(Status(StatusCode.ERROR, f"{exc_type.__name__}: {exc}"))
         otel_context.detach(self.token)
         self.handle.end()
-
-
-class StoreSpanExporter(SpanExporter):
-    """Writes finished spans into the run store (called on the batch processor's thread)."""
-
-    def __init__(self, store: RunStore) -> None:
-        self.store = store
-
-    def export(self, spans: Sequence[SDKSpan]) -> SpanExportResult:
-        self.store.write_spans([span_to_row(s) for s in spans])
-        return SpanExportResult.SUCCESS
-
-    def shutdown(self) -> None:
-        pass
-
-
-def span_to_row(s) -> tuple:
-    """A finished span as a run-store row (SPAN_COLUMNS' order).
-
-    NOTE: runs on the exporter's thread but holds the GIL, so the engine's
-    thread waits for it: every span of every step passes here once."""
-    ctx, parent, attrs, events, links = s.context, s.parent, _plain(s.attributes), s.events, s.links
-    service, process_kind, pid = _resource_fields(s.resource)
-    kind, status = s.kind, s.status.status_code
-    request_id = attrs.get("vllm_anatomy.request_id")
-    return (_trace_hex(ctx.trace_id), f"{ctx.span_id:016x}", f"{parent.span_id:016x}" if parent else None,
-            s.name, "internal" if kind is SpanKind.INTERNAL else _KIND_NAMES[kind], s.start_time, s.end_time,
-            to_json(attrs),
-            to_json([{"name": e.name, "time_ns": e.timestamp, "attributes": _plain(e.attributes)}
-                     for e in events]) if events else "[]",
-            _links_json(links) if links else "[]",
-            "UNSET" if status is StatusCode.UNSET else status.name, service, process_kind, pid,
-            attrs.get("vllm_anatomy.step_id"), str(request_id) if request_id is not None else None)
-
-
-@functools.lru_cache(maxsize=1024)
-def _trace_hex(trace_id: int) -> str:
-    """NOTE: a step's spans share its trace id (and a request's, the request's): formatted once."""
-    return f"{trace_id:032x}"
-
-
-def _plain(attributes: Any) -> dict:
-    """A span's (or event's, link's) attributes as a plain dict.
-
-    NOTE: the SDK hands them out as a MappingProxyType over BoundedAttributes;
-    dict() of that calls back into Python for every key, the proxy's copy()
-    is BoundedAttributes.copy(): one C-level dict copy (the export thread
-    holds the GIL meanwhile, so the engine's thread waits for it)."""
-    if not attributes:
-        return {}
-    copy = getattr(attributes, "copy", None)
-    plain = copy() if copy is not None else None
-    return plain if type(plain) is dict else dict(attributes)
-
-
-def _resource_fields(resource: Resource) -> tuple[str, str, int]:
-    """(service, process kind, pid) of a resource (one per recorder)."""
-    hit = _RESOURCE_FIELDS.get(id(resource))
-    if hit is None or hit[0] is not resource:
-        # NOTE: keyed by id and checked by identity (a Resource hashes by a JSON dump of its attributes).
-        attrs = resource.attributes
-        hit = _RESOURCE_FIELDS[id(resource)] = (resource, (attrs.get("service.name", ""),
-                                                           attrs.get("vllm_anatomy.process.kind", ""),
-                                                           attrs.get("process.pid", 0)))
-    return hit[1]
-
-
-def _link_dict(link: Link) -> dict:
-    return {"trace_id": f"{link.context.trace_id:032x}", "span_id": f"{link.context.span_id:016x}",
-            "attributes": _plain(link.attributes)}
-
-
-def _links_json(links: Sequence[Link]) -> str:
-    """to_json([_link_dict(link) for link in links]), reusing the text of shared links.
-
-    NOTE: a step span lists every request it served (hundreds), and each of
-    those links is the same object step after step (_link_for): its text is
-    made once, with the link, not once per step."""
-    return "[" + ",".join([lk.json if type(lk) is _SharedLink else to_json(_link_dict(lk)) for lk in links]) + "]"
-
-
-def make_otlp_exporter(endpoint: str | None) -> SpanExporter | None:
-    """OTLP exporter for `endpoint` (grpc://, http(s)://, host:port) or the OTEL_* env vars."""
-    env = os.environ
-    if endpoint is None and not (env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
-                                 or env.get("OTEL_EXPORTER_OTLP_ENDPOINT")):
-        return None
-    protocol = env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or env.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "grpc"
-    if endpoint and endpoint.startswith("grpc://"):
-        # NOTE: vLLM's spelling; the gRPC exporter wants http:// (plaintext) or https://.
-        protocol, endpoint = "grpc", "http://" + endpoint[len("grpc://"):]
-    if protocol == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
-        return GrpcExporter(endpoint=endpoint)
-    if protocol == "http/protobuf":
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
-        if endpoint and urlparse(endpoint).path in ("", "/"):
-            endpoint = endpoint.rstrip("/") + "/v1/traces"
-        return HttpExporter(endpoint=endpoint)
-    raise ValueError(f"OTLP protocol {protocol!r} is not supported (use grpc or http/protobuf)")
 
 
 class OTelRecorder(Recorder):
@@ -440,7 +242,7 @@ class OTelRecorder(Recorder):
 
     def start_span(self, name: str, trace_headers: dict | None = None, kind: str = "internal",
                    start_ns: int | None = None, **attrs: Any) -> OTelSpan:
-        return OTelSpan(self._new_span(name, _remote_span_context(trace_headers), _attrs(attrs), start_ns,
+        return OTelSpan(self._new_span(name, remote_span_context(trace_headers), _attrs(attrs), start_ns,
                                        _KINDS[kind]))
 
     def use_span(self, handle: OTelSpan):
