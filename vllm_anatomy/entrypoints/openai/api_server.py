@@ -9,9 +9,10 @@ GET /health (503 when the engine is dead), GET /version, GET /metrics.
 Every error is an OpenAI error body {"error": {"message", "type", "param", "code"}}:
 a bad field is a 400 naming it, a body over --max-request-body-bytes a 413
 (counted while it is read, so a huge body is never buffered first), and even
-an unexpected server error is a 500 in that shape, never a bare text page.
+an unexpected server error is a 500 in that shape, never a bare text page
+(server_utils.py: the error mapping and the middleware).
 
-Lifecycle (run_server), as vLLM's launcher.serve_http:
+Lifecycle (run_server; entrypoints/launcher.py, as vLLM's launcher.serve_http):
   * SIGTERM / SIGINT: new requests and /health get 503; those in flight may
     finish for at most --shutdown-timeout s (vLLM's flag; default 0: none),
     then each ends with an error (a stream: an error event, then [DONE]);
@@ -23,50 +24,37 @@ Lifecycle (run_server), as vLLM's launcher.serve_http:
     restart it; VLLM_KEEP_ALIVE_ON_ENGINE_DEATH=1 keeps it up answering 503.
 """
 from __future__ import annotations
+from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import functools
-import hashlib
 import logging
-import os
-import secrets
-import signal
 from concurrent.futures import ThreadPoolExecutor
 from http import HTTPStatus
 
 import uvicorn
-
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import vllm_anatomy
 from vllm_anatomy.engine.exceptions import EngineDeadError
+from vllm_anatomy.entrypoints.launcher import UVICORN_GRACEFUL_SHUTDOWN_S, UvicornServer, serve_http
+from vllm_anatomy.entrypoints.openai.cli_args import DEFAULT_MAX_REQUEST_BODY_BYTES
 from vllm_anatomy.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse
+from vllm_anatomy.entrypoints.openai.server_utils import (AuthenticationMiddleware, RequestSizeLimitMiddleware,
+                                                          add_exception_handlers)
 from vllm_anatomy.entrypoints.openai.serving_chat import OpenAIServingChat
 from vllm_anatomy.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from vllm_anatomy.entrypoints.openai.cli_args import DEFAULT_MAX_REQUEST_BODY_BYTES
-from vllm_anatomy.entrypoints.openai.serving_engine import (OpenAIError, create_error_response,
-                                                            engine_dead_error, validation_error)
 from vllm_anatomy.entrypoints.openai.serving_models import BaseModelPath, OpenAIServingModels
-from vllm_anatomy.exceptions import VLLMValidationError
 from vllm_anatomy.metrics.prometheus import PrometheusStatLogger
 
 logger = logging.getLogger("vllm_anatomy.api_server")
 
-_ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-                405: "MethodNotAllowedError", 413: "RequestTooLargeError"}
 # Documented error responses, so the OpenAPI schema (and schemathesis) know them.
 _ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 500, 503)}
-
-
-def error_json(e: OpenAIError) -> JSONResponse:
-    return JSONResponse(e.response.model_dump(), status_code=e.status_code)
 
 
 def with_cancellation(handler):
@@ -129,7 +117,7 @@ def build_app(engine_client, args: argparse.Namespace) -> FastAPI:
     app = FastAPI(title="vllm_anatomy OpenAI-compatible server", version=vllm_anatomy.__version__)
     app.state.max_request_body_bytes = max_body
     init_app_state(engine_client, app.state, args)
-    _add_exception_handlers(app)
+    add_exception_handlers(app)
     app.add_middleware(RequestSizeLimitMiddleware, max_body_bytes=max_body)
     if getattr(args, "api_key", None):
         app.add_middleware(AuthenticationMiddleware, api_key=args.api_key)
@@ -159,125 +147,6 @@ def _default_model_name() -> str:
     return DEFAULT_MODEL
 
 
-def _add_exception_handlers(app: FastAPI) -> None:
-    @app.exception_handler(OpenAIError)
-    async def openai_error_handler(_: Request, exc: OpenAIError):
-        return error_json(exc)
-
-    @app.exception_handler(EngineDeadError)
-    async def engine_dead_handler(_: Request, exc: EngineDeadError):
-        return error_json(engine_dead_error(exc))
-
-    @app.exception_handler(VLLMValidationError)
-    async def vllm_validation_handler(_: Request, exc: VLLMValidationError):
-        return error_json(validation_error(exc))
-
-    @app.exception_handler(Exception)
-    async def unexpected_error_handler(_: Request, exc: Exception):
-        # NOTE: a bug, not the client's fault: still an OpenAI error body (the
-        # default is a text/plain "Internal Server Error"). Starlette re-raises
-        # the exception afterwards, so uvicorn logs its traceback.
-        return error_json(OpenAIError(f"Internal server error: {type(exc).__name__}.", "InternalServerError",
-                                      HTTPStatus.INTERNAL_SERVER_ERROR))
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_exception_handler(_: Request, exc: RequestValidationError):
-        # NOTE: FastAPI answers 422 with its own body; OpenAI clients expect 400
-        # and an error object. The first error names the field (`param`).
-        errors = _relevant_errors(exc.errors())
-        if errors and errors[0].get("type") == "json_invalid":
-            ctx = errors[0].get("ctx") or {}
-            return error_json(OpenAIError(f"The request body is not valid JSON: {ctx.get('error', 'decode error')}."))
-        message = "; ".join(f"{_loc(e) or 'body'}: {e.get('msg', 'invalid')}" for e in errors[:5])
-        return error_json(OpenAIError(message or "Invalid request.", param=_loc(errors[0]) if errors else None))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_exception_handler(_: Request, exc: StarletteHTTPException):
-        err = create_error_response(str(exc.detail), _ERROR_TYPES.get(exc.status_code, "Error"),
-                                    HTTPStatus(exc.status_code))
-        return JSONResponse(err.model_dump(), status_code=exc.status_code, headers=exc.headers)
-
-
-class RequestSizeLimitMiddleware:
-    """413 (an OpenAI error object) for a request body over `max_body_bytes`.
-
-    NOTE: a declared Content-Length over the limit is refused before a byte of
-    the body is read; otherwise (chunked bodies too) the bytes are counted as
-    they arrive and reading stops at the limit, so a huge body is never
-    buffered. The count raises an HTTPException(413) from `receive`, which
-    FastAPI passes on to the exception handler above. (FastAPI's own
-    max_body_size does the same, but answers a declared oversize body with a
-    text/plain 413 that replaces any other response.)
-    """
-
-    def __init__(self, app, max_body_bytes: int) -> None:
-        self.app = app
-        self.max_body_bytes = max_body_bytes
-
-    def _too_large(self) -> StarletteHTTPException:
-        return StarletteHTTPException(
-            HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-            f"The request body is larger than this server accepts ({self.max_body_bytes} bytes, "
-            f"--max-request-body-bytes).")
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        declared = dict(scope.get("headers") or []).get(b"content-length", b"")
-        if declared.isdigit() and int(declared) > self.max_body_bytes:
-            exc = self._too_large()
-            await error_json(OpenAIError(exc.detail, _ERROR_TYPES[exc.status_code], exc.status_code))(
-                scope, receive, send)
-            return
-        received = 0
-
-        async def receive_with_limit():
-            nonlocal received
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.max_body_bytes:
-                    raise self._too_large()
-            return message
-
-        await self.app(scope, receive_with_limit, send)
-
-
-class AuthenticationMiddleware:
-    """Pure ASGI middleware checking `Authorization: Bearer <api_key>` (vLLM's class of that name).
-
-    NOTE: only the /v1 API is protected; /health, /metrics and /version stay
-    open for probes and scrapers, and OPTIONS (a browser's CORS preflight,
-    which never carries credentials) passes, as in vLLM. The scheme is
-    case-insensitive (RFC 9110), and the key is compared as SHA-256 digests
-    with secrets.compare_digest: constant time, whatever the lengths. A pure
-    ASGI middleware (rather than @app.middleware("http")) leaves streaming and
-    disconnects untouched.
-    """
-
-    def __init__(self, app, api_key: str) -> None:
-        self.app = app
-        self.api_key_digest = hashlib.sha256(api_key.encode()).digest()
-
-    def verify_token(self, authorization: bytes | None) -> bool:
-        scheme, _, token = (authorization or b"").decode("latin-1").partition(" ")
-        token_digest = hashlib.sha256(token.strip().encode("latin-1")).digest()
-        # NOTE: compare even for a wrong scheme, so both take the same time.
-        return secrets.compare_digest(token_digest, self.api_key_digest) and scheme.lower() == "bearer"
-
-    async def __call__(self, scope, receive, send) -> None:
-        if (scope["type"] == "http" and scope.get("method") != "OPTIONS"
-                and scope["path"].startswith("/v1")):
-            headers = dict(scope.get("headers") or [])
-            if not self.verify_token(headers.get(b"authorization")):
-                response = error_json(OpenAIError("Incorrect API key provided.", "AuthenticationError",
-                                                  HTTPStatus.UNAUTHORIZED, code="invalid_api_key"))
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
 def _add_cors(app: FastAPI, args: argparse.Namespace) -> None:
     """CORS headers for browsers, only for the origins given with --allowed-origins.
 
@@ -292,27 +161,6 @@ def _add_cors(app: FastAPI, args: argparse.Namespace) -> None:
                            allow_credentials=getattr(args, "allow_credentials", False),
                            allow_methods=getattr(args, "allowed_methods", ["*"]),
                            allow_headers=getattr(args, "allowed_headers", ["*"]))
-
-
-def _relevant_errors(errors: list[dict]) -> list[dict]:
-    """The errors worth reporting: for a union field ("prompt": str | list[int] | ...)
-    pydantic reports one error per member; when the value had a member's type and
-    failed its constraint (a lone surrogate, an int past 64 bits), only that one."""
-    specific = [e for e in errors if not str(e.get("type", "")).endswith("_type")]
-    return specific or errors
-
-
-def _loc(error: dict) -> str | None:
-    """'messages.0.content' from pydantic's ('body', 'messages', 0, 'content', 'str').
-
-    Union members are tagged in `loc` ('str', 'list[int]', 'function-after[...]'):
-    dropped, so `param` is the field's name."""
-    parts = [str(x) for x in error.get("loc", ()) if x != "body" and not _is_union_tag(x)]
-    return ".".join(parts) or None
-
-
-def _is_union_tag(x) -> bool:
-    return isinstance(x, str) and ("[" in x or x in {"str", "int", "float", "bool", "constrained-int"})
 
 
 def _add_routes(app: FastAPI) -> None:
@@ -367,27 +215,6 @@ def maybe_instrument_app(app: FastAPI, tracer_provider=None) -> bool:
     return True
 
 
-# A backstop for uvicorn's own wait for open connections at exit: every request
-# has ended (drained or failed) by then, so only a stuck client is cut off.
-UVICORN_GRACEFUL_SHUTDOWN_S = 5
-
-
-def _keep_alive_on_engine_death() -> bool:
-    return os.environ.get("VLLM_KEEP_ALIVE_ON_ENGINE_DEATH", "0") not in ("", "0")
-
-
-class UvicornServer(uvicorn.Server):
-    """uvicorn.Server without its own signal handling: serve_http's handlers decide.
-
-    NOTE: uvicorn's handler waits, on SIGTERM, for every open connection to
-    end (a long stream: for as long as it runs) and ignores a second SIGTERM.
-    """
-
-    @contextlib.contextmanager
-    def capture_signals(self):
-        yield
-
-
 async def run_server(args: argparse.Namespace, **uvicorn_kwargs) -> int:
     """Start AsyncLLM (EngineCore in its own process), serve until a signal or the
     engine's death, stop the engine. Returns the exit status: 1 if the engine died."""
@@ -411,68 +238,3 @@ async def run_server(args: argparse.Namespace, **uvicorn_kwargs) -> int:
         # gets SIGTERM and a few seconds. Either way its process is reaped and
         # its socket directory and shared memory are removed here.
         engine_client.shutdown(timeout=0 if force_exit else None)
-
-
-async def serve_http(server: uvicorn.Server, engine_client, shutdown_timeout: float) -> bool:
-    """Serve until a signal (then drain) or the engine's death; True if a second signal forced the exit."""
-    loop = asyncio.get_running_loop()
-    shutdown_requested, force_exit = asyncio.Event(), asyncio.Event()
-
-    def signal_handler(signum: int) -> None:
-        name = signal.Signals(signum).name
-        if shutdown_requested.is_set():
-            # NOTE: ends the drain at once; every request then ends with an error,
-            # so uvicorn's wait for open connections is short (and bounded anyway).
-            logger.warning("%s again: exiting now.", name)
-            force_exit.set()
-            return
-        logger.warning("%s: shutting down; requests in flight get at most %g s (--shutdown-timeout). "
-                       "Send it again to exit now.", name, shutdown_timeout)
-        shutdown_requested.set()
-
-    # NOTE: loop.add_signal_handler runs the handler as a loop callback, where
-    # setting asyncio events is safe (a plain signal.signal handler is not).
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, signal_handler, sig)
-    tasks = [loop.create_task(watchdog_loop(server, engine_client)),
-             loop.create_task(handle_shutdown(server, engine_client, shutdown_timeout,
-                                              shutdown_requested, force_exit))]
-    try:
-        await server.serve()
-    finally:
-        for task in tasks:
-            task.cancel()
-    return force_exit.is_set()
-
-
-async def handle_shutdown(server: uvicorn.Server, engine_client, timeout: float,
-                          shutdown_requested: asyncio.Event, force_exit: asyncio.Event) -> None:
-    """On the first signal: drain (bounded), fail what is left, then stop the HTTP server."""
-    await shutdown_requested.wait()
-    failed = await engine_client.drain(timeout, abort_now=force_exit)
-    if failed:
-        logger.warning("Shutdown: %d request(s) still running were ended with an error.", len(failed))
-    server.should_exit = True
-
-
-async def watchdog_loop(server: uvicorn.Server, engine_client) -> None:
-    """Stop the server once the engine is dead (vLLM's watchdog_loop).
-
-    NOTE: vLLM looks at `engine.errored` every 5 s. AsyncLLM's output handler
-    ends exactly when the engine dies (it hands EngineDeadError to every
-    request, then returns), so waiting for that task is enough: no polling.
-    """
-    if engine_client.output_handler is not None:
-        await asyncio.wait({engine_client.output_handler})
-    terminate_if_errored(server, engine_client)
-
-
-def terminate_if_errored(server: uvicorn.Server, engine_client) -> None:
-    if not (engine_client.errored and not engine_client.is_running) or server.should_exit:
-        return
-    if _keep_alive_on_engine_death():
-        logger.error("EngineCore is dead; the server stays up and answers 503 (VLLM_KEEP_ALIVE_ON_ENGINE_DEATH).")
-        return
-    logger.error("EngineCore is dead: stopping the server (exit status 1). "
-                 "Set VLLM_KEEP_ALIVE_ON_ENGINE_DEATH=1 to keep it up, answering 503.")
-    server.should_exit = True
