@@ -48,6 +48,12 @@ class EngineCoreClient:
 
     engine_dead: bool = False
 
+    def has_steps_in_flight(self) -> bool:
+        """Steps launched whose outputs the caller must still fetch with get_output().
+
+        NOTE: an engine process drains its own in-flight steps in its busy loop."""
+        return False
+
     def shutdown(self, timeout: float | None = None) -> None:
         """Stop the engine; `timeout`: seconds to wait for an engine process before killing it."""
 
@@ -62,6 +68,11 @@ class InprocClient(EngineCoreClient):
     def get_output(self) -> EngineCoreOutputs:
         outputs, _ = self.engine_core.step_fn()
         return outputs.get(0) or EngineCoreOutputs()
+
+    def has_steps_in_flight(self) -> bool:
+        # NOTE: async scheduling: the batch queue holds launched steps; in this
+        # process only more get_output() calls take their outputs.
+        return bool(self.engine_core.batch_queue)
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.engine_core.add_request(request)

@@ -1,18 +1,34 @@
 """LLMEngine: the synchronous frontend the offline `LLM` drives.
 
-Mirrors vllm/v1/engine/llm_engine.py: InputProcessor -> EngineCore ->
-OutputProcessor, polled by `step()`. Here EngineCore runs in this process
-(vLLM's InprocClient); the multi-process client comes with the server.
+Mirrors vllm/v1/engine/llm_engine.py: InputProcessor -> EngineCoreClient ->
+OutputProcessor, polled by `step()`. Which client (vLLM's
+`EngineCoreClient.make_client(multiprocess_mode, asyncio_mode=False)`):
+
+    InprocClient   EngineCore in this process: `step()` runs one engine step,
+                   then processes its outputs (the lessons' engine: its
+                   scheduler and executor are `engine.engine_core`)
+    SyncMPClient   EngineCoreProc in its own process steps on its own; `step()`
+                   takes the next outputs from its queue and processes them,
+                   so detokenizing overlaps the engine's next step
+
+`LLMEngine(vllm_config)` runs in-process; `LLMEngine.from_engine_args` (what
+LLM uses) reads VLLM_ENABLE_V1_MULTIPROCESSING (vllm_anatomy/envs.py) as vLLM does.
 
 Tracing: without an injected recorder, one is made from
 vllm_config.observability_config (trace_level, trace_dir, otlp_traces_endpoint);
 its RequestTracer keeps one `llm_request` span per request (a no-op one when
-tracing is off).
+tracing is off). An engine process makes its own recorder on the same run
+store, so a run recorded from either mode has the engine's steps.
 """
 from __future__ import annotations
 
+import logging
+
+from vllm_anatomy import envs
 from vllm_anatomy.config import VllmConfig
+from vllm_anatomy.engine.arg_utils import EngineArgs
 from vllm_anatomy.engine.core import EngineCore
+from vllm_anatomy.engine.core_client import EngineCoreClient
 from vllm_anatomy.engine.input_processor import InputProcessor, PromptType
 from vllm_anatomy.engine.output_processor import OutputProcessor
 from vllm_anatomy.engine.protocol import EngineCoreRequest
@@ -24,11 +40,13 @@ from vllm_anatomy.tracing.recorder import Recorder
 from vllm_anatomy.tracing.request_tracer import make_request_tracer
 from vllm_anatomy.transformers_utils.tokenizer import get_tokenizer
 
+logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
 
-    def __init__(self, vllm_config: VllmConfig, recorder: Recorder | None = None) -> None:
+    def __init__(self, vllm_config: VllmConfig, recorder: Recorder | None = None,
+                 multiprocess_mode: bool = False) -> None:
         self.vllm_config = vllm_config
         # NOTE: a recorder we make is ours to shut down (flush the exporters).
         self._owns_recorder = recorder is None
@@ -37,7 +55,15 @@ class LLMEngine:
         self.tokenizer = get_tokenizer(vllm_config.model_config.model)
         self.input_processor = InputProcessor(vllm_config.model_config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.engine_core = EngineCore(vllm_config, self.recorder)
+        self.engine_core_client = EngineCoreClient.make_client(
+            multiprocess_mode=multiprocess_mode, asyncio_mode=False, vllm_config=vllm_config,
+            recorder=self.recorder)
+        # NOTE: vLLM names the client itself `engine_core` (and keeps
+        # `model_executor` beside it "for v0 compatibility"). Here `engine_core`
+        # is the EngineCore when it runs in this process, None when it runs in
+        # its own: the lessons, notebooks and tests read its scheduler and
+        # executor directly, and the client is a separate attribute.
+        self.engine_core: EngineCore | None = getattr(self.engine_core_client, "engine_core", None)
         if self._owns_recorder:   # the config as resolved at start-up (num_gpu_blocks, ...)
             self.recorder.set_run_meta("config", run_meta(vllm_config)["config"])
         self.last_scheduler_stats = None
@@ -48,6 +74,17 @@ class LLMEngine:
             "vllm:prompt_tokens": 0, "vllm:generation_tokens": 0, "vllm:request_success": 0,
             "vllm_anatomy:engine_steps": 0,
         }
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs, recorder: Recorder | None = None,
+                         enable_multiprocessing: bool = False) -> "LLMEngine":
+        """Build the config, then the engine; VLLM_ENABLE_V1_MULTIPROCESSING=1 puts EngineCore
+        in its own process (as in vLLM; our default is 0, see envs.py)."""
+        vllm_config = engine_args.create_engine_config()
+        if envs.VLLM_ENABLE_V1_MULTIPROCESSING:
+            logger.debug("Enabling multiprocessing for LLMEngine.")
+            enable_multiprocessing = True
+        return cls(vllm_config, recorder, multiprocess_mode=enable_multiprocessing)
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                     arrival_time: float | None = None) -> None:
@@ -62,61 +99,65 @@ class LLMEngine:
     def add_processed_request(self, prompt_text: str | None, request: EngineCoreRequest) -> None:
         self.output_processor.add_request(request, prompt_text)
         try:
-            self._add_to_engine_core(request)
+            # (an in-process EngineCore.add_request nests under the request's span)
+            with self.request_tracer.adding(request):
+                self.engine_core_client.add_request(request)
         except BaseException:
-            # NOTE: refused by EngineCore's own checks: forget it here too, or
+            # NOTE: refused by EngineCore's own checks (in-process: it raises;
+            # an engine process instead finishes it with an error output), or
+            # the engine is dead: forget it here too, or
             # has_unfinished_requests() would wait for it forever.
             self.output_processor.abort_requests([request.request_id])
             self.request_tracer.abort_all([request.request_id], "error")
             raise
         self.counters["vllm:prompt_tokens"] += len(request.prompt_token_ids)
 
-    def _add_to_engine_core(self, request: EngineCoreRequest) -> None:
-        with self.request_tracer.adding(request):   # an in-process EngineCore.add_request nests under it
-            self.engine_core.add_request(request)
-
     def abort_request(self, request_ids: list[str]) -> None:
         known = self.output_processor.abort_requests(request_ids)
         self.request_tracer.abort_all(known)
-        self.engine_core.abort_requests(known)
+        # NOTE: a dead engine process holds no blocks any more: nothing to free there.
+        if not self.engine_core_client.engine_dead:
+            self.engine_core_client.abort_requests(known)
 
     def has_unfinished_requests(self) -> bool:
         # NOTE: with async scheduling a step may still be in flight after the
         # last request finished (e.g. an empty one scheduled while the final
         # tokens were on their way). vLLM's engine process drains it in its
         # busy loop; in-process, stepping until it is processed does that.
-        return self.output_processor.has_unfinished_requests() or bool(self.engine_core.batch_queue)
+        return self.output_processor.has_unfinished_requests() or self.engine_core_client.has_steps_in_flight()
 
     def get_num_unfinished_requests(self) -> int:
         return self.output_processor.get_num_unfinished_requests()
 
     def step(self) -> list[RequestOutput]:
-        outputs_by_client, _ = self.engine_core.step_fn()
-        request_outputs: list[RequestOutput] = []
-        for outputs in outputs_by_client.values():
-            if outputs.scheduler_stats is not None:
-                self._record_stats(outputs.scheduler_stats)
-            c = self.counters
-            for eco in outputs.outputs:
-                c["vllm:generation_tokens"] += len(eco.new_token_ids)
-                if eco.finished:
-                    c["vllm:request_success"] += 1
-            iteration_stats = IterationStats()
-            with self.recorder.span("OutputProcessor.process_outputs",
-                                    **{"vllm_anatomy.num_outputs": len(outputs.outputs)}):
-                processed = self.output_processor.process_outputs(outputs.outputs, outputs.timestamp,
-                                                                  iteration_stats)
-            # NOTE: as in v0.27.1, a preemption is counted when its PREEMPTED
-            # event reaches the frontend (with the request's next output), not
-            # by the step that scheduled it: under async scheduling the stats
-            # travel with the outputs of the step before.
-            c["vllm:num_preemptions"] += iteration_stats.num_preempted_reqs
-            request_outputs.extend(processed.request_outputs)
-            self.request_tracer.on_outputs(outputs.outputs)
-            self.request_tracer.abort_all(processed.reqs_to_abort, "stop")
-            # Stop strings finished these on the frontend; free them in the engine.
-            self.engine_core.abort_requests(processed.reqs_to_abort)
-        return request_outputs
+        """One engine step's outputs (in-process: run the step; with an engine
+        process: wait for its next outputs), turned into RequestOutputs.
+        Raises EngineDeadError if the engine process died."""
+        outputs = self.engine_core_client.get_output()
+        if outputs.scheduler_stats is None and not outputs.outputs:
+            return []   # an in-process step that scheduled nothing, or only launched a batch
+        if outputs.scheduler_stats is not None:
+            self._record_stats(outputs.scheduler_stats)
+        c = self.counters
+        for eco in outputs.outputs:
+            c["vllm:generation_tokens"] += len(eco.new_token_ids)
+            if eco.finished:
+                c["vllm:request_success"] += 1
+        iteration_stats = IterationStats()
+        with self.recorder.span("OutputProcessor.process_outputs",
+                                **{"vllm_anatomy.num_outputs": len(outputs.outputs)}):
+            processed = self.output_processor.process_outputs(outputs.outputs, outputs.timestamp,
+                                                              iteration_stats)
+        # NOTE: as in v0.27.1, a preemption is counted when its PREEMPTED
+        # event reaches the frontend (with the request's next output), not
+        # by the step that scheduled it: under async scheduling the stats
+        # travel with the outputs of the step before.
+        c["vllm:num_preemptions"] += iteration_stats.num_preempted_reqs
+        self.request_tracer.on_outputs(outputs.outputs)
+        self.request_tracer.abort_all(processed.reqs_to_abort, "stop")
+        # Stop strings finished these on the frontend; free them in the engine.
+        self.engine_core_client.abort_requests(processed.reqs_to_abort)
+        return processed.request_outputs
 
     def _record_stats(self, stats) -> None:
         self.last_scheduler_stats = stats
@@ -125,7 +166,9 @@ class LLMEngine:
         c["vllm:prefix_cache_queries"] += stats.prefix_cache_queries
         c["vllm:prefix_cache_hits"] += stats.prefix_cache_hits
 
-    def shutdown(self) -> None:
-        self.engine_core.shutdown()
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Stop the engine (an engine process: SIGTERM, then SIGKILL after `timeout` s;
+        its sockets and temp dir removed) and flush our recorder. Safe to call twice."""
+        self.engine_core_client.shutdown(timeout)
         if self._owns_recorder:
             self.recorder.shutdown()

@@ -7,6 +7,10 @@ Mirrors vllm/entrypoints/llm.py. Run:
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                    SamplingParams(temperature=0, max_tokens=32))
     print(out[0].outputs[0].text)
+
+With VLLM_ENABLE_V1_MULTIPROCESSING=1 (vLLM's default; ours is 0) EngineCore
+runs in its own process while this one detokenizes; `llm.shutdown()`, a
+`with LLM(...) as llm:` block, or the interpreter's exit stops it.
 """
 from __future__ import annotations
 
@@ -32,8 +36,18 @@ class LLM:
         if unknown:
             raise TypeError(f"Unknown engine argument(s): {', '.join(sorted(unknown))}")
         self.engine_args = EngineArgs(model=model, **engine_args)
-        self.llm_engine = LLMEngine(self.engine_args.create_engine_config(), recorder)
+        self.llm_engine = LLMEngine.from_engine_args(self.engine_args, recorder)
         self.request_counter = itertools.count()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        """Stop the engine (its process, if it has one) and flush the trace. Safe to call twice."""
+        self.llm_engine.shutdown()
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer

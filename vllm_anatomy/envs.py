@@ -1,0 +1,28 @@
+"""Environment variables the engine reads, named as vLLM names them.
+
+Mirrors vllm/envs.py: each variable is read when it is looked up
+(`envs.VLLM_ENABLE_V1_MULTIPROCESSING`), not at import, so a script or a test
+may set it after importing vllm_anatomy and before building an engine.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+environment_variables: dict[str, Callable[[], Any]] = {
+    # The offline LLM's EngineCore runs in its own process (EngineCoreProc,
+    # reached through SyncMPClient) while this one detokenizes.
+    # NOTE: vLLM's default is 1; ours is 0 for now: the lessons, notebooks and
+    # many tests read the engine's scheduler and executor in this process.
+    "VLLM_ENABLE_V1_MULTIPROCESSING": lambda: bool(int(os.getenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0"))),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in environment_variables:
+        return environment_variables[name]()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return list(environment_variables)
