@@ -12,7 +12,7 @@ Workload: `batch` requests with random token ids in [0, 10000) and prompt
 lengths uniform in [100, 1024] (nano-vllm's bench.py), ignore_eos, long enough
 max_tokens that none finishes while measured; the engine's defaults (prefix
 caching on, chunked prefill on, log_stats on, FINAL_ONLY outputs as
-LLM.generate asks); async scheduling on (the GPU default: update_from_output of
+LLM.generate asks; tracing off, so no step record); async scheduling on (the GPU default: update_from_output of
 step N runs after schedule of step N+1) and off. After the prompts are prefilled
 it times `--steps` decode steps and reports the median of each phase.
 
@@ -77,6 +77,9 @@ def measure(batch: int, async_scheduling: bool, steps: int, seed: int = 0,
                         CacheConfig(block_size=block_size, enable_prefix_caching=True), sc)
     num_blocks = batch * (max_model_len // block_size) + 1
     scheduler = sc.get_scheduler_cls()(config, num_gpu_blocks=num_blocks, log_stats=True)
+    # As EngineCore has it with tracing off: no per-step SchedulerStepRecord
+    # (an unused attribute on trees older than Scheduler.record_steps).
+    scheduler.record_steps = False
     if tokenizer:
         from transformers import AutoTokenizer
         output_processor = OutputProcessor(AutoTokenizer.from_pretrained(tokenizer))

@@ -254,6 +254,31 @@ def test_no_admission_in_a_preempting_step_then_resume_with_full_token_list():
     assert b.num_cached_tokens == 4                              # set at first admission only
 
 
+def test_record_steps_off_keeps_no_record_and_changes_no_decision():
+    """EngineCore turns the step record off when tracing is off: every output must stay the same."""
+    import msgspec
+
+    def run(record_steps: bool) -> tuple[Scheduler, list]:
+        s = create_scheduler(block_size=4, num_blocks=9, max_model_len=32, max_num_batched_tokens=32)
+        s.record_steps = record_steps
+        seen = []
+        for i in range(6):
+            s.add_request(create_request(f"r{i}", [1, 2, 3, 4, 5, 6] + [i] * (i + 3), block_size=4, max_tokens=8))
+        while s.has_requests():
+            so, outs = step(s, default=9)
+            for eco in outs.values():
+                for o in eco.outputs:
+                    o.events = None     # timestamps
+            seen.append(msgspec.to_builtins((so, {c: (eco.outputs, eco.finished_requests, eco.scheduler_stats)
+                                                  for c, eco in outs.items()}), order="sorted"))
+        return s, seen
+
+    (on, seen_on), (off, seen_off) = run(True), run(False)
+    assert seen_on == seen_off and len(seen_on) > 10
+    assert any(so.get("preempted_req_ids") for so, _ in seen_on) and on.last_step_record is not None
+    assert off.last_step_record is None
+
+
 # ---- stop conditions ------------------------------------------------------------------------
 
 def run_one(s: Scheduler, req: Request, tokens: list[int]) -> list:

@@ -79,9 +79,11 @@ class Scheduler(SchedulerInterface):
 
     def __init__(self, vllm_config: VllmConfig, num_gpu_blocks: int, log_stats: bool = True,
                  enable_kv_cache_events: bool = False,
-                 structured_output_manager: StructuredOutputManager | None = None) -> None:
+                 structured_output_manager: StructuredOutputManager | None = None,
+                 record_steps: bool = True) -> None:
         """structured_output_manager: EngineCore's (None: one of its own, which
-        loads the tokenizer only when a structured request arrives)."""
+        loads the tokenizer only when a structured request arrives).
+        record_steps: keep `last_step_record` (teaching extra; see schedule())."""
         self.vllm_config = vllm_config
         self.structured_output_manager = structured_output_manager or StructuredOutputManager(vllm_config)
         self.scheduler_config = vllm_config.scheduler_config
@@ -118,6 +120,7 @@ class Scheduler(SchedulerInterface):
             enable_caching=self.cache_config.enable_prefix_caching, log_stats=log_stats,
             enable_kv_cache_events=enable_kv_cache_events)
         self.current_step = 0
+        self.record_steps = record_steps
         self.last_step_record: SchedulerStepRecord | None = None
 
     def _check_config(self, num_gpu_blocks: int) -> None:
@@ -163,7 +166,12 @@ class Scheduler(SchedulerInterface):
         assert len(self.running) <= self.max_num_running_reqs
         scheduler_output = self._make_scheduler_output(step, total_num_scheduled_tokens)
         self.prev_step_scheduled_req_ids = set(step.num_scheduled_tokens)
-        self.last_step_record = self._make_step_record(step)
+        # NOTE: only tracing reads the record (step snapshots, grammar spans);
+        # EngineCore turns it off when tracing is off, since at batch 256
+        # building it costs about a fifth of schedule() (bench/host_cost.py).
+        if self.record_steps:
+            self.last_step_record = self._make_step_record(step)
+        self._grammar_ready_req_ids = []
         self._update_after_schedule(scheduler_output)
         return scheduler_output
 
@@ -269,7 +277,7 @@ class Scheduler(SchedulerInterface):
             return AdmissionStop.NO_FREE_BLOCKS
 
         self.kv_cache_manager.record_prefix_cache_stats(request, num_new_local_computed_tokens)
-        if self.kv_cache_manager.enable_caching:
+        if self.record_steps and self.kv_cache_manager.enable_caching:
             step.prefix_hits.append(PrefixHitRecord(
                 request.request_id, request.num_tokens, num_new_local_computed_tokens,
                 new_computed_blocks.get_block_ids()[0]))
@@ -327,7 +335,6 @@ class Scheduler(SchedulerInterface):
             deferred_reasons=step.deferred_reasons,
             num_running=len(self.running), num_waiting=len(self.waiting) + len(self.skipped_waiting),
             grammar_ready_req_ids=self._grammar_ready_req_ids)
-        self._grammar_ready_req_ids = []
         return record
 
     def _make_cached_request_data(self, running_reqs: list[Request], resumed_reqs: list[Request],
