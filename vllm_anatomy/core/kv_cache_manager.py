@@ -130,6 +130,19 @@ class KVCacheManager:
         if num_new_tokens == 0:
             raise ValueError("num_new_tokens must be greater than 0")
         self._event_context(request, "allocate_slots")
+        if new_computed_blocks is None and not full_sequence_must_fit:
+            # NOTE: the fast path of a running request whose held blocks already
+            # have a slot for every new token (a decode, most steps: it fills its
+            # last block one token at a time). The full path below would find 0
+            # blocks to allocate and only cache blocks; vLLM computes the same 0
+            # through its coordinator, at batch 256 a tenth of schedule().
+            num_tokens_need_slot = min(request.num_computed_tokens + num_new_tokens + num_lookahead_tokens,
+                                       self.max_model_len)
+            if num_tokens_need_slot <= len(self.manager.req_to_blocks.get(request.request_id, ())) * self.block_size:
+                if self.enable_caching:
+                    self.manager.cache_blocks(request, min(request.num_computed_tokens + num_new_tokens,
+                                                           request.num_tokens))
+                return self.empty_kv_cache_blocks
         new_computed_block_list = list(new_computed_blocks.blocks[0]) if new_computed_blocks else ()
         request_id = request.request_id
         num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
