@@ -26,6 +26,9 @@ sends every message there too. A remote reader stops waiting when the writer
 closes the queue (a close frame) or its connection drops (the writer's
 process is gone: a ZMQ socket monitor reports the disconnect).
 
+One file, as vLLM's, though over 400 lines: ShmRingBuffer, Handle and
+MessageQueue keep vLLM's names in vLLM's file name, and the queue is the ring's only user.
+
 Simplified: msgspec msgpack instead of pickle with out-of-band buffers (never
 pickle here); waiting readers spin then sleep with back-off instead of blocking on
 vLLM's ZMQ notify socket (SpinCondition).
@@ -187,7 +190,9 @@ class ShmRingBuffer:
             with _untracked_attach():
                 self.shared_memory = SharedMemory(name=name)
         self.name = self.shared_memory.name
-        self.buf = self.shared_memory.buf
+        buf = self.shared_memory.buf
+        assert buf is not None          # (None only once the segment is closed)
+        self.buf: memoryview = buf
 
     def handle(self) -> ShmRingBufferHandle:
         return ShmRingBufferHandle(self.n_reader, self.max_chunk_bytes, self.max_chunks, self.name)
@@ -232,7 +237,7 @@ class ShmRingBuffer:
             yield view
 
     def close(self) -> None:
-        self.buf = None
+        del self.buf            # our reference to the mapping: SharedMemory.close() releases it
         self.shared_memory.close()
 
     def unlink(self) -> None:
@@ -254,6 +259,14 @@ class Handle(msgspec.Struct, frozen=True):
 
 
 class MessageQueue:
+    # NOTE: a queue without local readers has no ring and no spill socket, one
+    # without remote readers no TCP socket; only a remote reader has a monitor.
+    buffer: ShmRingBuffer | None
+    local_socket: zmq.Socket | None
+    local_subscribe_addr: str | None
+    remote_socket: zmq.Socket | None
+    remote_monitor: zmq.Socket | None
+    remote_subscribe_addr: str | None
 
     def __init__(self, n_reader: int, max_chunk_bytes: int = 1 << 20, max_chunks: int = 10,
                  ipc_dir: str | None = None, n_local_reader: int | None = None,
@@ -331,13 +344,16 @@ class MessageQueue:
         self.buffer = self.local_socket = self.remote_socket = self.remote_monitor = None
         self.local_subscribe_addr, self.remote_subscribe_addr = handle.local_subscribe_addr, None
         if rank >= handle.n_local_reader:
+            assert handle.remote_subscribe_addr is not None, "a queue with remote readers has a TCP address"
             self._connect_remote(handle.remote_subscribe_addr)
             return self
         bh = handle.buffer_handle
+        assert bh is not None, "a queue with local readers has a ring"
         self.buffer = ShmRingBuffer(bh.n_reader, bh.max_chunk_bytes, bh.max_chunks, name=bh.name)
         self.local_socket = self.context.socket(zmq.SUB)
         self.local_socket.setsockopt(zmq.SUBSCRIBE, b"")
         self.local_socket.setsockopt(zmq.LINGER, 0)
+        assert self.local_subscribe_addr is not None, "a queue with local readers has a spill socket"
         self.local_socket.connect(self.local_subscribe_addr)
         return self
 
@@ -378,6 +394,7 @@ class MessageQueue:
 
     def _recv(self, waiter: _Waiter, socket: zmq.Socket | None = None) -> bytes:
         socket = socket or self.local_socket
+        assert socket is not None, "a reader or writer of the ring has its spill socket"
         while not socket.poll(timeout=10):
             waiter.check()
             if self.remote_monitor is not None and self.remote_monitor.poll(timeout=0):
@@ -390,6 +407,7 @@ class MessageQueue:
                       cancel: threading.Event | None = None) -> Iterator[memoryview]:
         assert self._is_writer, "only the writer can enqueue"
         buffer, idx = self.buffer, self.current_idx
+        assert buffer is not None, "enqueue writes the ring only when there are local readers"
         waiter = _Waiter("MessageQueue.acquire_write", timeout, cancel)
         while buffer.get_written(idx) and buffer.num_read(idx) != buffer.n_reader:
             waiter.wait()      # some reader has not read this chunk yet: the ring is full
@@ -419,6 +437,7 @@ class MessageQueue:
             self._enqueue_local(data, timeout, cancel)
 
     def _enqueue_local(self, data: bytes, timeout: float | None, cancel: threading.Event | None) -> None:
+        assert self.buffer is not None and self.local_socket is not None
         overflow = _HEADER.size + len(data) > self.buffer.max_chunk_bytes
         with self.acquire_write(timeout, cancel) as chunk:
             if overflow:
@@ -437,6 +456,7 @@ class MessageQueue:
                      cancel: threading.Event | None = None) -> Iterator[tuple[memoryview, _Waiter]]:
         assert not self._is_writer, "only readers can dequeue"
         buffer, idx, rank = self.buffer, self.current_idx, self.local_reader_rank
+        assert buffer is not None, "a local reader has the ring"
         waiter = _Waiter("MessageQueue.acquire_read", timeout, cancel)
         while not (buffer.get_written(idx) and not buffer.get_read(idx, rank)):
             # NOTE: "closed" is checked only when nothing is ready, so a reader
@@ -464,12 +484,14 @@ class MessageQueue:
         return (decoder or _default_decoder).decode(data)
 
     def _dequeue_remote(self, timeout: float | None, cancel: threading.Event | None) -> bytes:
+        socket, monitor = self.remote_socket, self.remote_monitor
+        assert socket is not None and monitor is not None, "a remote reader has its socket and monitor"
         waiter = _Waiter("MessageQueue.dequeue (remote)", timeout, cancel)
-        while not self.remote_socket.poll(timeout=10):
+        while not socket.poll(timeout=10):
             waiter.check()
-            if self.remote_monitor.poll(timeout=0):
+            if monitor.poll(timeout=0):
                 raise MessageQueueCancelled("MessageQueue: the writer's connection dropped (its process is gone)")
-        kind, *data = self.remote_socket.recv_multipart()
+        kind, *data = socket.recv_multipart()
         if kind == _REMOTE_CLOSED:
             raise MessageQueueCancelled("MessageQueue.dequeue: the writer closed the queue")
         return data[0]
@@ -484,7 +506,7 @@ class MessageQueue:
             self.buffer.mark_writer_closed()
         if self._is_writer and self.remote_socket is not None:
             self.remote_socket.send(_REMOTE_CLOSED)      # NOTE: lingers up to 1 s to reach them
-        if self.remote_monitor is not None:
+        if self.remote_socket is not None and self.remote_monitor is not None:
             self.remote_socket.disable_monitor()
         for socket in (self.local_socket, self.remote_monitor, self.remote_socket):
             if socket is not None:
