@@ -138,20 +138,22 @@ class LLMEngine:
             return []   # an in-process step that scheduled nothing, or only launched a batch
         if outputs.scheduler_stats is not None:
             self._record_stats(outputs.scheduler_stats)
-        c = self.counters
-        for eco in outputs.outputs:
-            c["vllm:generation_tokens"] += len(eco.new_token_ids)
-            if eco.finished:
-                c["vllm:request_success"] += 1
         iteration_stats = IterationStats()
         with self.recorder.span("OutputProcessor.process_outputs",
                                 **{"vllm_anatomy.num_outputs": len(outputs.outputs)}):
             processed = self.output_processor.process_outputs(outputs.outputs, outputs.timestamp,
                                                               iteration_stats)
-        # NOTE: as in v0.27.1, a preemption is counted when its PREEMPTED
-        # event reaches the frontend (with the request's next output), not
-        # by the step that scheduled it: under async scheduling the stats
-        # travel with the outputs of the step before.
+        # NOTE: counted from the IterationStats, as vLLM's PrometheusStatLogger
+        # does: tokens and finishes of the requests the frontend still follows.
+        # A request a stop string finished here runs on in the engine until the
+        # abort lands; the tokens it makes meanwhile are not counted, however
+        # far the engine (in its own process) got. Likewise, a preemption is
+        # counted when its PREEMPTED event reaches the frontend (with the
+        # request's next output), not by the step that scheduled it: under
+        # async scheduling the stats travel with the outputs of the step before.
+        c = self.counters
+        c["vllm:generation_tokens"] += iteration_stats.num_generation_tokens
+        c["vllm:request_success"] += len(iteration_stats.finished_requests)
         c["vllm:num_preemptions"] += iteration_stats.num_preempted_reqs
         self.request_tracer.on_outputs(outputs.outputs)
         self.request_tracer.abort_all(processed.reqs_to_abort, "stop")
