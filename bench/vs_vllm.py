@@ -227,8 +227,9 @@ def gpu_time(engine: Engine, plan: Plan) -> dict:
     rng = random.Random(2)
     prompts = {b: decode_prompts(rng, b, plan) for b in plan.gpu_time_batches}
     # NOTE: every unprofiled run first, so anything an engine builds lazily for a
-    # batch size (a CUDA graph capture, a Triton compile) happens before the
-    # profiler first attaches CUPTI, and no profiled run pays for it.
+    # batch size (a CUDA graph capture, a Triton compile) is built before the
+    # profiler first attaches CUPTI: no profiled run pays for it, and no graph is
+    # captured after a profiler session (on some stacks CUPTI then traces nothing).
     wall = {b: decode_step_ms(engine, p, plan) for b, p in prompts.items()}
     short, long = plan.window
     steps = long - short
@@ -303,9 +304,12 @@ def run_subprocess(label: str, cmd: list[str], env: dict, timeout_s: float) -> d
     lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
     wall = time.perf_counter() - t
     print(f"[{time.strftime('%H:%M:%S')}] {label}: {wall:.0f} s, rc {proc.returncode}", file=sys.stderr, flush=True)
-    if proc.returncode != 0 or not lines:
+    if not lines:
         return {"error": f"{label} failed (rc {proc.returncode} after {wall:.0f} s)", "stderr_tail": err[-2000:]}
-    return json.loads(lines[-1][len("RESULT "):]) | {"subprocess_seconds": wall}
+    result = json.loads(lines[-1][len("RESULT "):]) | {"subprocess_seconds": wall}
+    if proc.returncode != 0:                   # (its result was complete when printed)
+        result["exit"] = f"rc {proc.returncode} after printing its result (e.g. killed at the timeout in shut-down)"
+    return result
 
 
 def spawn(kind: str, model_dir: str, phases: list[str], vllm_site: str | None, *, trace_level: str = "off",
