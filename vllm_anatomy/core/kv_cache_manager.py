@@ -136,12 +136,16 @@ class KVCacheManager:
             # last block one token at a time). The full path below would find 0
             # blocks to allocate and only cache blocks; vLLM computes the same 0
             # through its coordinator, at batch 256 a tenth of schedule().
-            num_tokens_need_slot = min(request.num_computed_tokens + num_new_tokens + num_lookahead_tokens,
-                                       self.max_model_len)
-            if num_tokens_need_slot <= len(self.manager.req_to_blocks.get(request.request_id, ())) * self.block_size:
+            # (Uncapped by max_model_len: the cap could only turn a miss into a hit
+            # here, and the full path gets those right.)
+            num_tokens_to_compute = request.num_computed_tokens + num_new_tokens
+            if num_tokens_to_compute + num_lookahead_tokens <= \
+                    len(self.manager.req_to_blocks.get(request.request_id, ())) * self.block_size:
                 if self.enable_caching:
-                    self.manager.cache_blocks(request, min(request.num_computed_tokens + num_new_tokens,
-                                                           request.num_tokens))
+                    # NOTE: cache_blocks caps at the request's block hashes, which
+                    # cover its known tokens only: the min() with num_tokens below
+                    # would change nothing.
+                    self.manager.cache_blocks(request, num_tokens_to_compute)
                 return self.empty_kv_cache_blocks
         new_computed_block_list = list(new_computed_blocks.blocks[0]) if new_computed_blocks else ()
         request_id = request.request_id

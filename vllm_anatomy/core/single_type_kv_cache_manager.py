@@ -81,7 +81,10 @@ class SingleTypeKVCacheManager:
         """Hash and cache the request's blocks that became full within num_tokens."""
         num_cached_blocks = self.num_cached_block.get(request.request_id, 0)
         # NOTE: a block can only be cached once its hash exists, i.e. once the
-        # Request has seen all its tokens (capped by len(block_hashes)).
+        # Request has seen all its tokens (capped by len(block_hashes)). Most
+        # calls (a decode, twice a step with async scheduling) end here.
+        if num_cached_blocks >= len(request.block_hashes):
+            return
         num_full_blocks = min(num_tokens, len(request.block_hashes) * self.block_size) // self.block_size
         if num_cached_blocks >= num_full_blocks:
             return

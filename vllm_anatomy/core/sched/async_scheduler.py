@@ -25,6 +25,8 @@ from __future__ import annotations
 from vllm_anatomy.core.request import Request, RequestStatus
 from vllm_anatomy.core.sched.scheduler import Scheduler
 
+_RUNNING = RequestStatus.RUNNING    # NOTE: read per request per step (see Request.is_finished)
+
 
 class AsyncScheduler(Scheduler):
 
@@ -41,7 +43,7 @@ class AsyncScheduler(Scheduler):
         if not is_stale:
             request.num_output_placeholders -= len(new_token_ids)
             assert request.num_output_placeholders >= 0
-        if status_before_update == RequestStatus.RUNNING:
+        if status_before_update == _RUNNING:
             # NOTE: allocate_slots only caches blocks whose tokens are all known;
             # under async scheduling the last one becomes known here, a step
             # later. Blocks still being written by an in-flight step are left

@@ -18,7 +18,6 @@ Teaching extras: `last_step_record` and `snapshot()`.
 """
 from __future__ import annotations
 
-import itertools
 import logging
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -190,9 +189,9 @@ class Scheduler(SchedulerInterface):
             # on: their values are still on the device, but their positions are known.
             num_new_tokens = (request.num_tokens_with_spec + request.num_output_placeholders
                               - request.num_computed_tokens)
-            num_new_tokens = min(self._cap_long_prefill(num_new_tokens), step.token_budget)
-            # Positions must stay below max_model_len.
-            num_new_tokens = min(num_new_tokens, self.max_model_len - request.num_computed_tokens)
+            # Within the budget, and positions must stay below max_model_len.
+            num_new_tokens = min(self._cap_long_prefill(num_new_tokens), step.token_budget,
+                                 self.max_model_len - request.num_computed_tokens)
             if num_new_tokens <= 0:
                 # NOTE: `continue`, not `break` (as in vLLM): later requests may still run.
                 continue
@@ -339,24 +338,24 @@ class Scheduler(SchedulerInterface):
 
     def _make_cached_request_data(self, running_reqs: list[Request], resumed_reqs: list[Request],
                                   req_to_new_blocks: dict[str, KVCacheBlocks]) -> CachedRequestData:
-        req_ids, new_block_ids, num_computed_tokens, num_output_tokens = [], [], [], []
+        # NOTE: v0.27.1 fills these lists in one loop; one comprehension per
+        # list does the same in half the time (every running request, every step).
+        reqs = running_reqs + resumed_reqs
+        req_ids = [req.request_id for req in reqs]
         resumed_req_ids = {req.request_id for req in resumed_reqs}
         # NOTE: a request the worker did not see last step (resumed after
         # preemption, or a running one left out for lack of budget) lost its row
         # in the persistent batch; the worker re-adds it, and with async
         # scheduling its cached outputs may lack tokens still in flight back then.
         # So it gets its full token list (v0.27.1: all_token_ids, "MRV1-only").
-        all_token_ids: dict[str, list[int]] = {}
-        for req in itertools.chain(running_reqs, resumed_reqs):
-            req_id = req.request_id
-            req_ids.append(req_id)
-            if req_id not in self.prev_step_scheduled_req_ids:
-                all_token_ids[req_id] = list(req.all_token_ids)
-            # For a resumed request these are all of its blocks: they *replace* its old row.
-            new_block_ids.append(req_to_new_blocks[req_id].get_block_ids(allow_none=True))
-            num_computed_tokens.append(req.num_computed_tokens)
-            # v0.27.1 counts the tokens still in flight (async scheduling) as outputs.
-            num_output_tokens.append(req.num_output_tokens + req.num_output_placeholders)
+        prev_step_scheduled_req_ids = self.prev_step_scheduled_req_ids
+        all_token_ids = {req.request_id: list(req.all_token_ids) for req in reqs
+                         if req.request_id not in prev_step_scheduled_req_ids}
+        # For a resumed request these are all of its blocks: they *replace* its old row.
+        new_block_ids = [req_to_new_blocks[req_id].get_block_ids(allow_none=True) for req_id in req_ids]
+        num_computed_tokens = [req.num_computed_tokens for req in reqs]
+        # v0.27.1 counts the tokens still in flight (async scheduling) as outputs.
+        num_output_tokens = [req.num_output_tokens + req.num_output_placeholders for req in reqs]
         # new_token_ids: only pipeline parallelism sends sampled tokens back (none here).
         return CachedRequestData(req_ids, resumed_req_ids, new_token_ids=[], all_token_ids=all_token_ids,
                                  new_block_ids=new_block_ids, num_computed_tokens=num_computed_tokens,
@@ -444,13 +443,12 @@ class Scheduler(SchedulerInterface):
         """Async scheduling only: is the request's last token already being sampled?"""
         if request.num_output_placeholders == 0:
             return False
-        max_tokens = self.max_model_len - request.num_prompt_tokens
-        if request.max_tokens is not None:
-            max_tokens = min(max_tokens, request.max_tokens)
         # NOTE: num_computed_tokens already counts the in-flight steps' inputs;
-        # + 1 is the token the latest in-flight step samples.
+        # + 1 is the token the latest in-flight step samples. It ends the request
+        # at max_model_len or at max_tokens outputs (check_stop's length cap).
         num_tokens_when_done = request.num_computed_tokens + 1
-        return num_tokens_when_done >= request.num_prompt_tokens + max_tokens
+        return num_tokens_when_done >= self.max_model_len or (
+            request.max_tokens is not None and num_tokens_when_done >= request.num_prompt_tokens + request.max_tokens)
 
     def _update_after_schedule(self, scheduler_output: SchedulerOutput) -> None:
         # NOTE: advance num_computed_tokens now, before the step even runs
@@ -499,6 +497,7 @@ class Scheduler(SchedulerInterface):
         # may have scheduled the next step, preempted or finished requests of
         # this one. Outputs of requests gone meanwhile are skipped below.
         sampled_token_ids = model_runner_output.sampled_token_ids
+        logprobs = model_runner_output.logprobs
         outputs: dict[int, list[EngineCoreOutput]] = defaultdict(list)
         stopped_running_reqs: set[Request] = set()
         stopped_preempted_reqs: set[Request] = set()
@@ -516,7 +515,7 @@ class Scheduler(SchedulerInterface):
                 continue  # aborted while the step was running
             req_index = model_runner_output.req_id_to_index[req_id]
             # NOTE: a non-final prefill chunk samples nothing (empty list).
-            new_token_ids = list(sampled_token_ids[req_index]) if sampled_token_ids else []
+            new_token_ids = sampled_token_ids[req_index] if sampled_token_ids else []
             stopped = False
             status_before_stop = request.status
             if new_token_ids:
@@ -536,8 +535,8 @@ class Scheduler(SchedulerInterface):
                     stopped_preempted_reqs.add(request)
             # NOTE: no output for a partial prefill: nothing new to say yet.
             if new_token_ids or stopped:
-                outputs[request.client_index].append(self._make_output(
-                    request, new_token_ids, self._get_logprobs(model_runner_output, req_index, len(new_token_ids))))
+                new_logprobs = self._get_logprobs(logprobs[req_index], len(new_token_ids)) if logprobs else None
+                outputs[request.client_index].append(self._make_output(request, new_token_ids, new_logprobs))
         if stopped_running_reqs:
             self.running = [req for req in self.running if req not in stopped_running_reqs]
         if stopped_preempted_reqs:
@@ -588,10 +587,8 @@ class Scheduler(SchedulerInterface):
         return new_token_ids, False
 
     @staticmethod
-    def _get_logprobs(model_runner_output: ModelRunnerOutput, req_index: int,
-                      num_tokens: int) -> LogprobsLists | None:
+    def _get_logprobs(logprobs: LogprobsLists | None, num_tokens: int) -> LogprobsLists | None:
         """The logprobs of the request's first num_tokens sampled tokens (those kept)."""
-        logprobs = model_runner_output.logprobs[req_index] if model_runner_output.logprobs else None
         if logprobs is None or num_tokens == 0:
             return None
         return LogprobsLists(logprobs.logprob_token_ids[:num_tokens], logprobs.logprobs[:num_tokens],
@@ -603,7 +600,8 @@ class Scheduler(SchedulerInterface):
             request_id=request.request_id, new_token_ids=new_token_ids, new_logprobs=new_logprobs,
             finish_reason=request.get_finished_reason(), stop_reason=request.stop_reason,
             events=request.take_events(), trace_headers=request.trace_headers,
-            num_cached_tokens=max(request.num_cached_tokens, 0))
+            # (-1 until first scheduled; max() would cost more than the rest of this call)
+            num_cached_tokens=request.num_cached_tokens if request.num_cached_tokens > 0 else 0)
 
     def _make_engine_core_outputs(self, outputs: dict[int, list[EngineCoreOutput]]) -> dict[int, EngineCoreOutputs]:
         clients = set(outputs) | set(self.finished_req_ids_dict)
