@@ -134,21 +134,24 @@ class ObservabilityConfig:
 class CompilationConfig:
     """How the forward pass runs (vllm/config/compilation.py).
 
-    cudagraph_mode: FULL_DECODE_ONLY = a full CUDA graph for batches where every
-    request decodes one token (padded up to a capture size), eager otherwise;
-    NONE = always eager (`--enforce-eager`, and always on a CPU). vLLM's
-    default is FULL_AND_PIECEWISE (prefill/mixed batches also run as graph
-    pieces around eager attention); we have no torch.compile, so no pieces.
+    cudagraph_mode: FULL_AND_PIECEWISE (vLLM's default, ours on a GPU) = a
+    full CUDA graph for batches where every request decodes one token (padded
+    up to a capture size), and graph pieces around eager attention for any
+    other batch up to the largest size; FULL_DECODE_ONLY = the full graphs
+    only, eager otherwise; NONE = always eager (`--enforce-eager`, and always
+    on a CPU). vLLM cuts the pieces with torch.compile; we with a breakable
+    capture (compilation/breakable_cudagraph.py).
     """
-    cudagraph_mode: str = "NONE"                      # FULL_DECODE_ONLY | NONE
+    cudagraph_mode: str = "NONE"                      # FULL_AND_PIECEWISE | FULL_DECODE_ONLY | NONE
     cudagraph_capture_sizes: list[int] = field(default_factory=list)   # resolved at start-up
     max_cudagraph_capture_size: int = 0
 
 
 def default_capture_sizes(max_size: int) -> list[int]:
-    """[1, 2, 4, 8, 16, 24, ..., max_size]: vLLM's 1, 2, 4 then steps of 8
-    (vLLM switches to steps of 16 past 256, where padding costs relatively less)."""
-    sizes = [s for s in (1, 2, 4) if s <= max_size] + list(range(8, max_size + 1, 8))
+    """[1, 2, 4, 8, 16, ..., 248, 256, 272, ..., max_size]: vLLM's list (1, 2, 4, steps of 8
+    below 256, steps of 16 from 256, where padding costs relatively less; the max itself too)."""
+    sizes = [s for s in (1, 2, 4) if s <= max_size] + list(range(8, min(max_size + 1, 256), 8)) \
+        + list(range(256, max_size + 1, 16))
     if max_size not in sizes:
         sizes.append(max_size)
     return sizes

@@ -1,5 +1,5 @@
-"""CUDA graphs for pure-decode batches: same greedy tokens as eager, replays
-recorded with their padded size, prefill steps eager."""
+"""CUDA graphs: same greedy tokens as eager with full decode graphs and with
+piecewise graphs for mixed batches; replays recorded with their padded size."""
 import pytest
 import torch
 
@@ -13,11 +13,11 @@ LENS = [3, 17, 40, 90, 1, 33, 64, 120, 7]       # 9 requests: decode batches 9, 
 
 
 def _run(model_dir, dtype, enforce_eager, recorder=None, max_tokens=24, async_scheduling=None,
-         num_blocks=NUM_BLOCKS):
+         num_blocks=NUM_BLOCKS, cudagraph_mode="FULL_AND_PIECEWISE"):
     from vllm_anatomy import LLM, SamplingParams
     llm = LLM(model_dir, device="cuda", dtype=dtype, max_model_len=512, num_gpu_blocks_override=num_blocks,
               max_num_batched_tokens=128, max_num_seqs=16, enforce_eager=enforce_eager, recorder=recorder,
-              async_scheduling=async_scheduling)
+              async_scheduling=async_scheduling, cudagraph_mode=cudagraph_mode)
     vocab = llm.llm_engine.vllm_config.model_config.hf_config["vocab_size"]
     prompts = [{"prompt_token_ids": [(7 * i + 3 * j) % (vocab - 10) + 5 for j in range(n)]}
                for i, n in enumerate(LENS)]
@@ -42,33 +42,53 @@ def _free_gpu():
     torch.cuda.empty_cache()
 
 
+def _forward_spans(rec, mode):
+    return [s for s in rec.find("GPUModelRunner._model_forward") if s.attrs["vllm_anatomy.cudagraph_mode"] == mode]
+
+
 def test_graphs_match_eager_fp32(tiny_llama_dir):
     rec = InMemoryRecorder("spans")
     cc, graph_tokens = _run(tiny_llama_dir, "float32", False, rec)
-    assert cc.cudagraph_mode == "FULL_DECODE_ONLY"
+    assert cc.cudagraph_mode == "FULL_AND_PIECEWISE"
     _, eager_tokens = _run(tiny_llama_dir, "float32", True)
     assert graph_tokens == eager_tokens
-    # Start-up: warm-up, then one capture per size, largest first.
+    # Start-up: warm-up, then piecewise captures for every size, then full
+    # graphs for the decode sizes (<= max_num_seqs), each largest first.
     (capture,) = rec.find("GPUModelRunner.capture_model")
-    sizes = [s.attrs["vllm_anatomy.cudagraph_size"] for s in rec.find("CUDAGraph.capture")]
-    assert sizes == sorted(cc.cudagraph_capture_sizes, reverse=True)
+    captures = [(s.attrs["vllm_anatomy.cudagraph_mode"], s.attrs["vllm_anatomy.cudagraph_size"])
+                for s in rec.find("CUDAGraph.capture")]
+    sizes = sorted(cc.cudagraph_capture_sizes, reverse=True)
+    assert captures == [("PIECEWISE", n) for n in sizes] + [("FULL", n) for n in sizes if n <= 16]
     assert rec.find("GPUModelRunner.warm_up")
-    # Every step: graph replays only for pure decodes, padded to a capture size.
-    forwards = rec.find("GPUModelRunner._model_forward")
-    replays = [s for s in forwards if s.attrs["vllm_anatomy.cudagraph_mode"] == "FULL"]
-    assert replays and len(replays) < len(forwards)           # the prefill steps ran eager
-    padded = {s.attrs["vllm_anatomy.num_padded_tokens"] for s in replays}
+    # Every step: full graphs for pure decodes, pieces for the rest (all fit in 128 tokens).
+    full, pieces = _forward_spans(rec, "FULL"), _forward_spans(rec, "PIECEWISE")
+    assert full and pieces and not _forward_spans(rec, "NONE")
+    assert {s.attrs["vllm_anatomy.cudagraph_reason_code"] for s in full} == {"pure_decode"}
+    assert {s.attrs["vllm_anatomy.cudagraph_reason_code"] for s in pieces} == {"mixed_batch"}
+    padded = {s.attrs["vllm_anatomy.num_padded_tokens"] for s in full + pieces}
     assert padded <= set(cc.cudagraph_capture_sizes)
-    assert any("padded" in s.attrs["vllm_anatomy.cudagraph_reason"] for s in replays)
-    assert {s.attrs["vllm_anatomy.cudagraph_reason_code"] for s in replays} == {"pure_decode"}
-    eager = [s for s in forwards if s.attrs["vllm_anatomy.cudagraph_mode"] == "NONE"]
+    assert any("padded" in s.attrs["vllm_anatomy.cudagraph_reason"] for s in full)
+
+
+def test_full_decode_only_matches_eager(tiny_llama_dir):
+    rec = InMemoryRecorder("spans")
+    cc, graph_tokens = _run(tiny_llama_dir, "float32", False, rec, cudagraph_mode="FULL_DECODE_ONLY")
+    assert cc.cudagraph_mode == "FULL_DECODE_ONLY" and max(cc.cudagraph_capture_sizes) == 16
+    _, eager_tokens = _run(tiny_llama_dir, "float32", True)
+    assert graph_tokens == eager_tokens
+    assert [s.attrs["vllm_anatomy.cudagraph_mode"] for s in rec.find("CUDAGraph.capture")] == \
+        ["FULL"] * len(cc.cudagraph_capture_sizes)
+    full, eager = _forward_spans(rec, "FULL"), _forward_spans(rec, "NONE")
+    assert full and eager and not _forward_spans(rec, "PIECEWISE")      # the prefill steps ran eager
+    assert {s.attrs["vllm_anatomy.cudagraph_reason_code"] for s in full} == {"pure_decode"}
     assert all("prefill" in s.attrs["vllm_anatomy.cudagraph_reason"] for s in eager)
     assert {s.attrs["vllm_anatomy.cudagraph_reason_code"] for s in eager} == {"prefill_in_batch"}
 
 
-def test_graphs_match_eager_qwen3_shape_bf16(qwen3_shape_dir):
+@pytest.mark.parametrize("mode", ["FULL_AND_PIECEWISE", "FULL_DECODE_ONLY"])
+def test_graphs_match_eager_qwen3_shape_bf16(qwen3_shape_dir, mode):
     """The throughput bench's model shape (3 of its layers), random bf16 weights."""
-    _, graph_tokens = _run(qwen3_shape_dir, "bfloat16", False, max_tokens=40)
+    _, graph_tokens = _run(qwen3_shape_dir, "bfloat16", False, max_tokens=40, cudagraph_mode=mode)
     _, eager_tokens = _run(qwen3_shape_dir, "bfloat16", True, max_tokens=40)
     assert graph_tokens == eager_tokens
 

@@ -58,7 +58,7 @@ def run_both(requests, num_heads, num_kv_heads, block_size, num_padding=0, seed=
         kv_cache = torch.zeros(backend.get_kv_cache_shape(num_blocks, block_size, num_kv_heads, HEAD_DIM))
         for query, key, value, step_meta in steps:
             impl.do_kv_cache_update(key, value, kv_cache, step_meta.slot_mapping)
-            out = impl.forward(query, kv_cache, step_meta)
+            out = impl.forward(query, kv_cache, step_meta, torch.empty_like(query))
         results.append((out, kv_cache))
     return results
 

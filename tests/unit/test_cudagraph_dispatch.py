@@ -6,14 +6,17 @@ from vllm_anatomy.engine.arg_utils import EngineArgs
 from vllm_anatomy.worker.cudagraph import BatchDescriptor, CUDAGraphMode, CudagraphDispatcher, CudagraphReason
 
 
-def dispatcher(sizes=(1, 2, 4, 8, 16, 24)):
-    return CudagraphDispatcher(CompilationConfig("FULL_DECODE_ONLY", list(sizes), max(sizes)))
+def dispatcher(sizes=(1, 2, 4, 8, 16, 24), mode="FULL_DECODE_ONLY", max_num_reqs=None):
+    return CudagraphDispatcher(CompilationConfig(mode, list(sizes), max(sizes)), max_num_reqs)
 
 
 def test_default_capture_sizes_follow_vllm():
     assert default_capture_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
     assert default_capture_sizes(3) == [1, 2, 3]
     assert default_capture_sizes(20) == [1, 2, 4, 8, 16, 20]      # the max itself is always captured
+    # steps of 16 from 256, as vLLM's _set_cudagraph_sizes
+    assert default_capture_sizes(300)[-6:] == [240, 248, 256, 272, 288, 300]
+    assert len(default_capture_sizes(512)) == 3 + 31 + 17
 
 
 @pytest.mark.parametrize("n,padded", [(1, 1), (3, 4), (4, 4), (5, 8), (9, 16), (17, 24), (24, 24)])
@@ -40,8 +43,29 @@ def test_prefill_oversize_and_off_run_eager():
     # The configured mode says which runtime mode each kind of batch gets.
     assert CUDAGraphMode.FULL_DECODE_ONLY.decode_mode() is CUDAGraphMode.FULL
     assert CUDAGraphMode.FULL_DECODE_ONLY.mixed_mode() is CUDAGraphMode.NONE
+    assert CUDAGraphMode.FULL_AND_PIECEWISE.mixed_mode() is CUDAGraphMode.PIECEWISE
     with pytest.raises(ValueError, match="cudagraph_mode"):
         CudagraphDispatcher(CompilationConfig("PIECEWISE", [1], 1))
+
+
+def test_full_and_piecewise_mixed_batches_replay_pieces():
+    d = dispatcher(sizes=(1, 2, 4, 8, 16, 24, 32), mode="FULL_AND_PIECEWISE", max_num_reqs=8)
+    assert (d.decode_sizes, d.piecewise_sizes) == ([1, 2, 4, 8], [1, 2, 4, 8, 16, 24, 32])
+    # A uniform decode with a full graph: FULL, as with FULL_DECODE_ONLY.
+    dec = d.dispatch(num_tokens=3, num_reqs=3, max_query_len=1)
+    assert (dec.mode, dec.batch_descriptor) == (CUDAGraphMode.FULL, BatchDescriptor(4, 4, uniform=True))
+    # A mixed batch: pieces, keyed by the padded token count alone.
+    mixed = d.dispatch(num_tokens=20, num_reqs=3, max_query_len=15)
+    assert (mixed.mode, mixed.batch_descriptor) == (CUDAGraphMode.PIECEWISE, BatchDescriptor(24))
+    assert mixed.reason_code is CudagraphReason.MIXED_BATCH and "padded 20 -> 24" in mixed.reason
+    assert mixed.to_dict()["mode"] == "PIECEWISE"
+    # More decodes than max_num_seqs' full graphs: pieces too (vLLM's relaxed key).
+    many = d.dispatch(num_tokens=12, num_reqs=12, max_query_len=1)
+    assert (many.mode, many.num_padded_tokens) == (CUDAGraphMode.PIECEWISE, 16) and "12 decodes" in many.reason
+    # Past the largest size: eager.
+    big = d.dispatch(num_tokens=33, num_reqs=2, max_query_len=30)
+    assert (big.mode, big.num_padded_tokens, big.reason_code) == \
+        (CUDAGraphMode.NONE, 33, CudagraphReason.BATCH_TOO_LARGE) and "32" in big.reason
 
 
 def test_engine_args_resolve_compilation_config():
@@ -50,8 +74,16 @@ def test_engine_args_resolve_compilation_config():
     # Explicit sizes are validated and capped by max_num_seqs even where they would be ignored.
     with pytest.raises(ValueError, match="positive"):
         EngineArgs(device="cpu", cudagraph_capture_sizes=[0, 4]).create_engine_config()
-    args = EngineArgs(device="cpu", max_num_seqs=12)
+    # FULL_AND_PIECEWISE (the default on a GPU): sizes up to min(token budget, 2048).
+    gpu = EngineArgs(device="cpu")._compilation_config(True, 12, 4096)
+    assert gpu.cudagraph_mode == "FULL_AND_PIECEWISE" and gpu.max_cudagraph_capture_size == 2048
+    assert EngineArgs(device="cpu")._compilation_config(True, 12, 1000).max_cudagraph_capture_size == 1000
+    # FULL_DECODE_ONLY: a graph is one token per request, so capped by max_num_seqs.
+    args = EngineArgs(device="cpu", max_num_seqs=12, cudagraph_mode="FULL_DECODE_ONLY")
     assert args._compilation_config(True, 12, 2048).cudagraph_capture_sizes == [1, 2, 4, 8]
-    assert args._compilation_config(True, 300, 2048).max_cudagraph_capture_size == 296
+    assert args._compilation_config(True, 300, 2048).max_cudagraph_capture_size == 288
     eager = EngineArgs(device="cpu", enforce_eager=True)._compilation_config(True, 12, 2048)
     assert eager.cudagraph_mode == "NONE"
+    assert EngineArgs(device="cpu", cudagraph_mode="NONE")._compilation_config(True, 12, 2048).cudagraph_mode == "NONE"
+    with pytest.raises(ValueError, match="cudagraph_mode"):
+        EngineArgs(device="cpu", cudagraph_mode="PIECEWISE")._compilation_config(True, 12, 2048)

@@ -71,7 +71,7 @@ def run_paged_batch(requests, num_heads, num_kv_heads, block_size, num_padding=0
     new_v = torch.cat([s[4][s[0]:] for s in seqs] + [garbage])
     query = torch.cat([s[5] for s in seqs] + [torch.full((num_padding, num_heads, HEAD_DIM), 1e4)])
     impl.do_kv_cache_update(new_k, new_v, kv_cache, meta.slot_mapping)
-    out = impl.forward(query, kv_cache, meta)
+    out = impl.forward(query, kv_cache, meta, torch.empty_like(query))
 
     dense = torch.cat([dense_causal_attention(q, k, v, c, impl.scale) for c, _, _, k, v, q in seqs])
     return out, dense, kv_cache

@@ -11,13 +11,19 @@ NOTE: vLLM V1 finds the layer's kv_cache and the step's attn_metadata through
 a global "forward context" (set_forward_context / bind_kv_cache), so model
 code never passes them around. We pass them as arguments instead: the data
 flow from the runner to this layer is then visible in every signature.
+
+The attention itself runs through unified_attention_with_output, as in vLLM:
+it writes into an output buffer the layer allocated, and it is where a
+piecewise CUDA-graph capture breaks (compilation/breakable_cudagraph.py): the
+K/V write is captured with the rest of the layer, the attention runs eager.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from vllm_anatomy.attention.backends.abstract import AttentionBackend, AttentionMetadata
+from vllm_anatomy.attention.backends.abstract import AttentionBackend, AttentionImpl, AttentionMetadata
+from vllm_anatomy.compilation.breakable_cudagraph import eager_break_during_capture
 
 
 class Attention(nn.Module):
@@ -50,10 +56,22 @@ class Attention(nn.Module):
         value = value.view(num_tokens, self.num_kv_heads, self.head_size)
         self.impl.do_kv_cache_update(key, value, kv_cache, attn_metadata.slot_mapping,
                                      kernel_timer=attn_metadata.kernel_timer)
-        output = self.impl.forward(query, kv_cache, attn_metadata)        # [T, nh, hd]
+        output = torch.empty_like(query)                                   # [T, nh, hd]
+        unified_attention_with_output(self.impl, query, kv_cache, output, attn_metadata=attn_metadata)
         return output.view(num_tokens, self.num_heads * self.head_size)
 
     def extra_repr(self) -> str:
         return (f"num_heads={self.num_heads}, head_size={self.head_size}, "
                 f"num_kv_heads={self.num_kv_heads}, scale={self.scale:.4g}, "
                 f"backend={self.attn_backend.name}")
+
+
+@eager_break_during_capture
+def unified_attention_with_output(impl: AttentionImpl, query: torch.Tensor, kv_cache: torch.Tensor,
+                                  output: torch.Tensor, *, attn_metadata: AttentionMetadata) -> None:
+    """output [T, nh, hd] <- attention of query [T, nh, hd] over the cache (vLLM's custom op of this name).
+
+    NOTE: rows of a padded batch past attn_metadata.num_actual_tokens come out
+    zero: at a piecewise replay, query and output have the captured size while
+    the step's metadata has the real token count."""
+    impl.forward(query, kv_cache, attn_metadata, output)

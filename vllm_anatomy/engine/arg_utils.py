@@ -50,9 +50,10 @@ class EngineArgs:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int = 29501
-    # CUDA graphs for pure-decode batches (vLLM's names); ignored on a CPU.
+    # CUDA graphs (vLLM's names: compilation_config.cudagraph_mode etc.); ignored on a CPU.
     enforce_eager: bool = False
-    max_cudagraph_capture_size: int | None = None   # None = min(2 * max_num_seqs, 512), as vLLM
+    cudagraph_mode: str = "FULL_AND_PIECEWISE"      # | FULL_DECODE_ONLY | NONE
+    max_cudagraph_capture_size: int | None = None   # None = min(max_num_batched_tokens, 2048): see below
     cudagraph_capture_sizes: list[int] | None = None
     trace_level: str = "off"                    # off | spans | full
     trace_dir: str | None = None
@@ -133,7 +134,9 @@ class EngineArgs:
             raise ValueError(f"trace_level must be one of off, spans, full; got {self.trace_level!r}")
         observability_config = ObservabilityConfig(trace_level=self.trace_level, trace_dir=self.trace_dir,
                                                    otlp_traces_endpoint=self.otlp_traces_endpoint)
-        compilation_config = self._compilation_config(on_gpu, max_num_seqs, max_num_batched_tokens)
+        # (no step holds more tokens than max_num_seqs requests of max_model_len)
+        compilation_config = self._compilation_config(on_gpu, max_num_seqs,
+                                                      min(max_num_batched_tokens, max_num_seqs * max_model_len))
         return VllmConfig(model_config, cache_config, scheduler_config, parallel_config, observability_config,
                           compilation_config)
 
@@ -183,22 +186,33 @@ class EngineArgs:
             return on_gpu and self._resolve_executor_backend() == "uni"
         return self.async_scheduling
 
+    # NOTE: vLLM's default largest graph is min(2 * max_num_seqs, 512) tokens:
+    # past it, its torch.compile'd forward runs eager with fused kernels. Ours
+    # launches each of ~400 kernels from Python (~20 ms for a 1,024-token
+    # prompt whose GPU work takes 2 ms), so we capture piecewise graphs further.
+    DEFAULT_MAX_CAPTURE_SIZE = 2048
+
     def _compilation_config(self, on_gpu: bool, max_num_seqs: int, max_num_batched_tokens: int) -> CompilationConfig:
+        if self.cudagraph_mode not in ("FULL_AND_PIECEWISE", "FULL_DECODE_ONLY", "NONE"):
+            raise ValueError("cudagraph_mode must be FULL_AND_PIECEWISE, FULL_DECODE_ONLY or NONE, "
+                             f"got {self.cudagraph_mode!r}")
         if self.cudagraph_capture_sizes is not None:
             sizes = sorted(set(self.cudagraph_capture_sizes))
             if not sizes or sizes[0] < 1:
                 raise ValueError(f"cudagraph_capture_sizes must be positive integers, got {self.cudagraph_capture_sizes}")
         else:
-            max_size = self.max_cudagraph_capture_size or min(2 * max_num_seqs, 512)
+            max_size = self.max_cudagraph_capture_size or self.DEFAULT_MAX_CAPTURE_SIZE
             if max_size < 1:
                 raise ValueError(f"max_cudagraph_capture_size must be at least 1, got {max_size}")
-            sizes = default_capture_sizes(max_size)
-        # NOTE: a graph runs one decode token per request, so a batch can never
-        # need more than max_num_seqs (or the token budget) rows.
-        sizes = [s for s in sizes if s <= min(max_num_seqs, max_num_batched_tokens)] or [1]
-        if not on_gpu or self.enforce_eager:
+            sizes = default_capture_sizes(min(max_size, max_num_batched_tokens))
+        # NOTE: no step holds more than the token budget; a full decode graph
+        # also needs one request per token (CudagraphDispatcher caps those at max_num_seqs).
+        limit = max_num_batched_tokens if self.cudagraph_mode == "FULL_AND_PIECEWISE" \
+            else min(max_num_seqs, max_num_batched_tokens)
+        sizes = [s for s in sizes if s <= limit] or [1]
+        if not on_gpu or self.enforce_eager or self.cudagraph_mode == "NONE":
             return CompilationConfig("NONE", [], 0)
-        return CompilationConfig("FULL_DECODE_ONLY", sizes, sizes[-1])
+        return CompilationConfig(self.cudagraph_mode, sizes, sizes[-1])
 
     # -- command line -------------------------------------------------------------
     @staticmethod
@@ -232,6 +246,9 @@ class EngineArgs:
         p("--master-addr", default=d.master_addr, help="address of node 0 (where the ranks meet)")
         p("--master-port", type=int, default=d.master_port, help="port of rank 0's torch.distributed store")
         p("--enforce-eager", action="store_true", help="never use CUDA graphs")
+        p("--cudagraph-mode", default="FULL_AND_PIECEWISE",
+          choices=["FULL_AND_PIECEWISE", "FULL_DECODE_ONLY", "NONE"],
+          help="vLLM's compilation_config.cudagraph_mode (those we implement)")
         p("--max-cudagraph-capture-size", type=int, default=None)
         p("--cudagraph-capture-sizes", type=int, nargs="+", default=None)
         p("--trace-level", choices=["off", "spans", "full"], default=d.trace_level)

@@ -14,8 +14,10 @@ Finer grain, where the step runs eager (not a CUDA graph replay):
 - at trace level `full`, each kernel launch the engine makes itself
   (compute_slot_mapping, reshape_and_cache, unified_attention per layer) gets
   a span `GPU.kernel.<name>` with its grid, token count and bytes moved.
-A graph replay is one span (`GPU.model_forward` with cudagraph_mode FULL and
-the padded size): events cannot be recorded between a graph's kernels.
+A full graph replay is one span (`GPU.model_forward` with cudagraph_mode FULL
+and the padded size): events cannot be recorded between a graph's kernels. A
+piecewise replay (PIECEWISE) has no layer spans either (the layers' hooks run
+only at capture), but its eager attention kernels are timed at level full.
 
 NOTE: device and host clocks differ; we anchor the device timeline at the sync:
 the last event completed just before `synchronize()` returned, so a mark's host

@@ -194,7 +194,7 @@ class InputBatchRecord(_Record):
 
 class CudagraphDecisionRecord(_Record):
     """worker/cudagraph.py CudagraphDecision.to_dict()."""
-    mode: str                                # FULL (replay) | NONE (eager)
+    mode: str                                # FULL (a graph) | PIECEWISE (pieces, attention eager) | NONE (eager)
     num_tokens: int
     num_padded_tokens: int
     reason: str                              # a sentence

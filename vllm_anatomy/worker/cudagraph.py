@@ -1,15 +1,17 @@
-"""CUDA graphs for pure-decode batches: which steps replay a graph, padded to what size.
+"""CUDA graphs: which steps replay a graph, padded to what size, and the captured graphs.
 
 Mirrors vllm/v1/cudagraph_dispatcher.py (CudagraphDispatcher), the FULL
 graph path of vllm/compilation/cuda_graph.py (CUDAGraphWrapper), and the
 names those use: CUDAGraphMode (vllm/config/compilation.py) and
-BatchDescriptor (vllm/forward_context.py). We implement one configured mode,
-FULL_DECODE_ONLY (a full graph for uniform decode batches, eager otherwise),
-besides NONE; PIECEWISE and FULL_AND_PIECEWISE need torch.compile's graph
-splitting, which we do not have, so CUDAGraphMode keeps only the three values
-we use (NONE and FULL are also the two runtime modes a step can get).
+BatchDescriptor (vllm/forward_context.py). Two configured modes besides NONE:
+- FULL_DECODE_ONLY: a full graph for uniform decode batches, eager otherwise;
+- FULL_AND_PIECEWISE (vLLM's default, ours on a GPU): the same full graphs
+  for uniform decodes, and *piecewise* graphs for every other batch up to the
+  largest capture size: graph pieces around eager attention. vLLM gets its
+  pieces from torch.compile; we get them as vLLM's breakable capture does
+  (compilation/breakable_cudagraph.py), no compiler needed.
 
-Why graphs: a decode step of a 28-layer model is ~400 small kernel launches.
+Why graphs: a step of a 28-layer model is ~400 small kernel launches.
 Each launch costs the CPU several microseconds (tens on a busy or sandboxed
 host) while the kernel itself may run for less; the GPU then waits for the
 CPU. A CUDA graph records the launches once and replays them all with one
@@ -25,11 +27,14 @@ So:
   padding tokens have slot -1 (no KV write), query_len 0 and seq_len 0 (the
   attention kernel's programs for them exit at once), and their hidden states
   are never read (logits_indices point at the real rows only);
-- prefill chunks vary in query length: a batch with one runs eager.
+- attention's launch depends on the batch's shape (how many requests, how long
+  each query), which a full graph fixes: so only uniform decodes get one. A
+  mixed batch of T tokens is padded to N >= T for the pieces (slot -1 again)
+  while its attention runs eager on the T real tokens, with the step's metadata.
 
 The decision and its reason go into the trace — a CudagraphReason code to
 switch on, and a sentence to read — so a learner sees per step why the GPU
-replayed a graph of 40 for 37 requests, or why it ran eager.
+replayed a graph of 40 for 37 requests, replayed pieces, or ran eager.
 """
 from __future__ import annotations
 
@@ -40,18 +45,22 @@ from typing import Callable
 
 import torch
 
+from vllm_anatomy.compilation.breakable_cudagraph import BreakableCUDAGraphCapture
 from vllm_anatomy.config import CompilationConfig
 
 
 class CUDAGraphMode(enum.Enum):
-    """vLLM's cudagraph modes, the ones implemented here (vllm/config/compilation.py).
+    """vLLM's cudagraph modes (vllm/config/compilation.py).
 
-    FULL_DECODE_ONLY is a configured mode: its value (FULL, NONE) says which
-    runtime mode a uniform-decode batch and a mixed batch get. A step's
-    runtime mode is NONE or FULL."""
+    FULL_DECODE_ONLY and FULL_AND_PIECEWISE are configured modes: their value
+    (decode, mixed) says which runtime mode a uniform-decode batch and any other
+    batch get. A step's runtime mode is NONE, PIECEWISE or FULL. (vLLM also
+    accepts PIECEWISE and FULL as configured modes; we do not.)"""
     NONE = 0
+    PIECEWISE = 1
     FULL = 2
     FULL_DECODE_ONLY = (FULL, NONE)
+    FULL_AND_PIECEWISE = (FULL, PIECEWISE)
 
     def decode_mode(self) -> "CUDAGraphMode":
         return CUDAGraphMode(self.value[0]) if self.separate_routine() else self
@@ -69,7 +78,8 @@ class CUDAGraphMode(enum.Enum):
 @dataclass(frozen=True)
 class BatchDescriptor:
     """The padded batch a graph is captured for and replayed on (vllm/forward_context.py;
-    no LoRA fields). With FULL_DECODE_ONLY, num_tokens alone keys a graph."""
+    no LoRA fields). A full graph is keyed by (num_tokens, num_reqs, uniform=True),
+    piecewise graphs by num_tokens alone (num_reqs None)."""
     num_tokens: int
     num_reqs: int | None = None
     uniform: bool = False    # every request has the same query length (here: 1, a decode)
@@ -78,15 +88,16 @@ class BatchDescriptor:
 class CudagraphReason(str, enum.Enum):
     """Why a step got its runtime mode: a code (recorded as `reason_code`) beside the sentence."""
     CUDAGRAPHS_OFF = "cudagraphs_off"        # mode NONE (a CPU, the torch backend, enforce_eager)
-    PREFILL_IN_BATCH = "prefill_in_batch"    # a query longer than one token: not a uniform decode
-    BATCH_TOO_LARGE = "batch_too_large"      # more decodes than the largest captured graph
-    PURE_DECODE = "pure_decode"              # replay, padded up to a capture size if needed
+    PREFILL_IN_BATCH = "prefill_in_batch"    # a query longer than one token, no piecewise graphs: eager
+    BATCH_TOO_LARGE = "batch_too_large"      # more tokens than the largest captured graph: eager
+    PURE_DECODE = "pure_decode"              # full graph replay, padded up to a capture size if needed
+    MIXED_BATCH = "mixed_batch"              # piecewise replay: graph pieces, attention eager
 
 
 @dataclass(frozen=True)
 class CudagraphDecision:
     """What the dispatcher decided for one step (plain data, recorded in the trace)."""
-    mode: CUDAGraphMode                # runtime mode: FULL (replay a graph) | NONE (eager)
+    mode: CUDAGraphMode                # runtime mode: FULL (a graph) | PIECEWISE (pieces) | NONE (eager)
     batch_descriptor: BatchDescriptor  # num_tokens: what the forward runs on (padded for a graph)
     num_tokens: int                    # tokens scheduled
     reason_code: CudagraphReason
@@ -105,44 +116,71 @@ class CudagraphDecision:
 class CudagraphDispatcher:
     """Pure decision logic: no CUDA needed (tested on a CPU)."""
 
-    def __init__(self, compilation_config: CompilationConfig) -> None:
+    MODES = ("NONE", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
+
+    def __init__(self, compilation_config: CompilationConfig, max_num_reqs: int | None = None) -> None:
         name = compilation_config.cudagraph_mode
-        if name not in ("NONE", "FULL_DECODE_ONLY"):
-            raise ValueError(f"cudagraph_mode must be NONE or FULL_DECODE_ONLY, got {name!r}")
+        if name not in self.MODES:
+            raise ValueError(f"cudagraph_mode must be one of {', '.join(self.MODES)}, got {name!r}")
         self.cudagraph_mode = CUDAGraphMode[name]
         self.capture_sizes = sorted(compilation_config.cudagraph_capture_sizes)
         self.max_size = self.capture_sizes[-1] if self.capture_sizes else 0
+        # NOTE: a full decode graph holds one token per request: as vLLM, only
+        # the sizes up to max_num_seqs get one; piecewise graphs take every size.
+        limit = max_num_reqs if max_num_reqs is not None else self.max_size
+        self.decode_sizes = [s for s in self.capture_sizes if s <= limit] \
+            if self.cudagraph_mode.decode_mode() is CUDAGraphMode.FULL else []
+        self.piecewise_sizes = self.capture_sizes \
+            if self.cudagraph_mode.mixed_mode() is CUDAGraphMode.PIECEWISE else []
 
     @property
     def enabled(self) -> bool:
         return self.cudagraph_mode is not CUDAGraphMode.NONE and bool(self.capture_sizes)
 
+    @staticmethod
+    def _padded(sizes: list[int], num_tokens: int) -> int | None:
+        """The smallest size >= num_tokens (None past the largest)."""
+        i = bisect.bisect_left(sizes, num_tokens)
+        return sizes[i] if i < len(sizes) else None
+
     def padded_size(self, num_tokens: int) -> int | None:
-        """The smallest capture size >= num_tokens (None past the largest)."""
-        i = bisect.bisect_left(self.capture_sizes, num_tokens)
-        return self.capture_sizes[i] if i < len(self.capture_sizes) else None
+        return self._padded(self.capture_sizes, num_tokens)
 
     def dispatch(self, num_tokens: int, num_reqs: int, max_query_len: int) -> CudagraphDecision:
         # NOTE: "uniform decode" = every request has exactly one query token,
         # so the batch's shape is fully described by its size: the only kind
-        # of batch one graph per size can serve.
-        def eager(code: CudagraphReason, reason: str) -> CudagraphDecision:
-            return CudagraphDecision(CUDAGraphMode.NONE, BatchDescriptor(num_tokens), num_tokens, code, reason)
+        # of batch one full graph per size can serve (attention included).
+        def decision(mode: CUDAGraphMode, desc: BatchDescriptor, code: CudagraphReason,
+                     reason: str) -> CudagraphDecision:
+            return CudagraphDecision(mode, desc, num_tokens, code, reason)
         if not self.enabled:
-            return eager(CudagraphReason.CUDAGRAPHS_OFF, "CUDA graphs off (eager mode)")
-        if max_query_len != 1 or num_tokens != num_reqs:
-            return eager(CudagraphReason.PREFILL_IN_BATCH, f"prefill in batch (max query_len {max_query_len}): eager")
-        padded = self.padded_size(num_tokens)
-        if padded is None:
-            return eager(CudagraphReason.BATCH_TOO_LARGE,
-                         f"{num_tokens} decodes > largest graph ({self.max_size}): eager")
-        pad = f", padded {num_tokens} -> {padded}" if padded != num_tokens else ""
-        return CudagraphDecision(self.cudagraph_mode.decode_mode(), BatchDescriptor(padded, padded, uniform=True),
-                                 num_tokens, CudagraphReason.PURE_DECODE, f"pure decode{pad}")
+            return decision(CUDAGraphMode.NONE, BatchDescriptor(num_tokens), CudagraphReason.CUDAGRAPHS_OFF,
+                            "CUDA graphs off (eager mode)")
+        uniform_decode = max_query_len == 1 and num_tokens == num_reqs
+        padded = self._padded(self.decode_sizes, num_tokens) if uniform_decode else None
+        if padded is not None:
+            return decision(CUDAGraphMode.FULL, BatchDescriptor(padded, padded, uniform=True),
+                            CudagraphReason.PURE_DECODE, f"pure decode{_pad(num_tokens, padded)}")
+        padded = self._padded(self.piecewise_sizes, num_tokens)
+        if padded is not None:
+            what = f"{num_tokens} decodes" if uniform_decode else f"mixed batch (max query_len {max_query_len})"
+            return decision(CUDAGraphMode.PIECEWISE, BatchDescriptor(padded), CudagraphReason.MIXED_BATCH,
+                            f"{what}: piecewise graphs, attention eager{_pad(num_tokens, padded)}")
+        largest = max(self.decode_sizes + self.piecewise_sizes)
+        if not uniform_decode and not self.piecewise_sizes:
+            return decision(CUDAGraphMode.NONE, BatchDescriptor(num_tokens), CudagraphReason.PREFILL_IN_BATCH,
+                            f"prefill in batch (max query_len {max_query_len}): eager")
+        what = "decodes" if uniform_decode else "tokens"
+        return decision(CUDAGraphMode.NONE, BatchDescriptor(num_tokens), CudagraphReason.BATCH_TOO_LARGE,
+                        f"{num_tokens} {what} > largest graph ({largest}): eager")
+
+
+def _pad(num_tokens: int, padded: int) -> str:
+    return f", padded {num_tokens} -> {padded}" if padded != num_tokens else ""
 
 
 class CUDAGraphRunner:
-    """Captured graphs, one per size, sharing one memory pool; replay by size.
+    """Captured graphs sharing one memory pool: full graphs by size, piecewise captures by size.
 
     NOTE: sizes are captured largest first. Every graph allocates its
     intermediates from the shared pool, so a smaller graph captured later
@@ -153,36 +191,57 @@ class CUDAGraphRunner:
 
     def __init__(self) -> None:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.piecewise: dict[int, BreakableCUDAGraphCapture] = {}
+        self.outputs: dict[tuple[CUDAGraphMode, int], torch.Tensor] = {}
         self.pool = None
+        self.capture_stream: torch.cuda.Stream | None = None
         # With tensor parallelism (set by the Worker): the rank's CollectiveTracer,
-        # and per size the collectives its graph captured, counted again at each replay.
+        # and per graph the collectives it captured, counted again at each replay.
         self.collective_tracer = None
-        self.collectives: dict[int, dict[str, tuple[int, int]]] = {}
+        self.collectives: dict[tuple[CUDAGraphMode, int], dict[str, tuple[int, int]]] = {}
 
-    def capture(self, size: int, forward: Callable[[], torch.Tensor]) -> None:
+    def capture(self, mode: CUDAGraphMode, size: int, forward: Callable[[], torch.Tensor]) -> None:
+        """Capture forward() for `size` tokens: one graph (FULL) or pieces around attention (PIECEWISE)."""
         # A warm-up run first, outside capture: Triton compiles its kernels and
         # cuBLAS picks its algorithms here (neither may happen inside a capture).
         forward()
         torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
+        if self.capture_stream is None:
+            self.capture_stream = torch.cuda.Stream()
         tracer = self.collective_tracer
         before = tracer.snapshot_counts() if tracer is not None else {}
-        with torch.cuda.graph(graph, pool=self.pool):
-            output = forward()
+        if mode is CUDAGraphMode.FULL:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool, stream=self.capture_stream):
+                output = forward()
+            self.pool = self.pool or graph.pool()
+            self.graphs[size] = graph
+        else:
+            # NOTE: a capture must not run on the default stream; torch.cuda.graph
+            # switches streams itself, the breakable capture's raw capture_begin does not.
+            self.capture_stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.capture_stream), BreakableCUDAGraphCapture(self.pool) as capture:
+                output = forward()
+            torch.cuda.current_stream().wait_stream(self.capture_stream)
+            self.pool = self.pool or capture.pool
+            self.piecewise[size] = capture
         if tracer is not None:
             after = tracer.snapshot_counts()
-            self.collectives[size] = {op: (after[op][0] - n, after[op][1] - b) for op, (n, b) in before.items()}
-        if self.pool is None:
-            self.pool = graph.pool()
-        self.graphs[size] = graph
-        self.outputs[size] = output
+            self.collectives[mode, size] = {op: (after[op][0] - n, after[op][1] - b)
+                                            for op, (n, b) in before.items()}
+        self.outputs[mode, size] = output
 
     def replay(self, size: int) -> torch.Tensor:
+        """The full graph of `size` (a uniform decode batch)."""
         self.graphs[size].replay()
-        if self.collective_tracer is not None:
-            self.collective_tracer.add_replayed(self.collectives[size])
-        return self.outputs[size]
+        return self._replayed(CUDAGraphMode.FULL, size)
 
-    def __contains__(self, size: int) -> bool:
-        return size in self.graphs
+    def replay_piecewise(self, size: int, attn_metadata) -> torch.Tensor:
+        """The pieces of `size`, attention run eager in between with this step's metadata."""
+        self.piecewise[size].replay(attn_metadata=attn_metadata)
+        return self._replayed(CUDAGraphMode.PIECEWISE, size)
+
+    def _replayed(self, mode: CUDAGraphMode, size: int) -> torch.Tensor:
+        if self.collective_tracer is not None:
+            self.collective_tracer.add_replayed(self.collectives[mode, size])
+        return self.outputs[mode, size]

@@ -18,8 +18,10 @@ NOTE: execute_model returns None. On a GPU everything it did was only
 structured-output grammar bitmask — while the device runs the forward pass.
 
 CUDA graphs (worker/cudagraph.py): a batch of pure decodes is padded to the
-next captured size and replays that size's graph instead of launching the
-forward kernel by kernel; anything with a prefill chunk runs eager.
+next captured size and replays that size's full graph instead of launching the
+forward kernel by kernel; any other batch up to the largest size replays
+graph pieces with attention run eager in between (FULL_AND_PIECEWISE); larger
+ones run eager.
 
 Async scheduling (`async_scheduling`): sample_tokens does not wait. It
 returns an AsyncGPUModelRunnerOutput whose get_output() the engine calls one
@@ -148,7 +150,7 @@ class GPUModelRunner(ModelRunnerStartupMixin, AsyncSchedulingMixin):
         # host (the torch reference backend loops over requests in Python).
         if not on_cuda or self.attn_backend_name != "triton":
             compilation_config = type(compilation_config)("NONE", [], 0)
-        self.cudagraph_dispatcher = CudagraphDispatcher(compilation_config)
+        self.cudagraph_dispatcher = CudagraphDispatcher(compilation_config, self.max_num_reqs)
         self.cudagraph_runner = CUDAGraphRunner() if self.cudagraph_dispatcher.enabled else None
         self.cudagraph_decision: CudagraphDecision | None = None
 
@@ -184,6 +186,9 @@ class GPUModelRunner(ModelRunnerStartupMixin, AsyncSchedulingMixin):
             with tracer.model_forward(decision):
                 if decision.mode is CUDAGraphMode.FULL:
                     hidden_states = self.cudagraph_runner.replay(decision.num_padded_tokens)  # [N, H]
+                elif decision.mode is CUDAGraphMode.PIECEWISE:
+                    hidden_states = self.cudagraph_runner.replay_piecewise(decision.num_padded_tokens,
+                                                                           attn_metadata)     # [N, H]
                 else:
                     hidden_states = self._model_forward(attn_metadata.num_actual_tokens, attn_metadata)  # [T, H]
             with tracer.phase("GPUModelRunner.compute_logits", "compute_logits"):
@@ -327,8 +332,10 @@ class GPUModelRunner(ModelRunnerStartupMixin, AsyncSchedulingMixin):
         token_indices = positions_np + req_indices * self.max_model_len       # [T]
         self.input_ids.np[:total] = batch.token_ids_cpu.ravel()[token_indices]
         self._fill_query_start_loc_and_seq_lens(num_reqs, cu_num_tokens, num_scheduled, total)
-        # NOTE: padding requests (one token each) have query_len 0 and seq_len 0.
-        num_padded_reqs = num_reqs + (padded - total)
+        # NOTE: in a full graph, padding tokens are padding requests (one token
+        # each) with query_len 0 and seq_len 0; piecewise, attention runs eager
+        # on the real requests only.
+        num_padded_reqs = num_reqs + (padded - total) if decision.mode is CUDAGraphMode.FULL else num_reqs
         self.input_ids.copy_to_gpu(total)
         self.positions.copy_to_gpu(total)
         self.query_start_loc.copy_to_gpu(num_padded_reqs + 1)

@@ -24,6 +24,7 @@ import torch
 from vllm_anatomy.attention.backends.abstract import AttentionMetadata
 from vllm_anatomy.model_executor.loader import get_model
 from vllm_anatomy.model_executor.sampling_metadata import SamplingMetadata
+from vllm_anatomy.worker.cudagraph import CUDAGraphMode
 
 if TYPE_CHECKING:
     from vllm_anatomy.worker.gpu_model_runner import GPUModelRunner
@@ -127,43 +128,58 @@ class ModelRunnerStartupMixin:
 
     @torch.inference_mode()
     def capture_model(self: GPUModelRunner) -> None:
-        """Capture one CUDA graph per capture size (largest first), for pure-decode batches."""
+        """Capture the graphs the dispatcher may ask for, largest first (vLLM: capture_model):
+        piecewise captures for every size (FULL_AND_PIECEWISE), then full graphs for uniform decodes."""
         if self.cudagraph_runner is None:
             return
-        sizes = sorted(self.cudagraph_dispatcher.capture_sizes, reverse=True)
+        dispatcher = self.cudagraph_dispatcher
         t0, free0 = time.perf_counter(), torch.cuda.mem_get_info(self.device)[0]
         device_timer = self.tracer.device_timer
         with self.tracer.span("GPUModelRunner.capture_model", **{
-                "vllm_anatomy.cudagraph_mode": self.cudagraph_dispatcher.cudagraph_mode.name,
-                "vllm_anatomy.num_capture_sizes": len(sizes)}) as span:
-            # Decode-shaped dummy inputs in the static buffers, for the largest size.
-            self._dummy_step_inputs(sizes[0], query_len=1)
+                "vllm_anatomy.cudagraph_mode": dispatcher.cudagraph_mode.name,
+                "vllm_anatomy.num_capture_sizes": len(dispatcher.capture_sizes)}) as span:
             device_timer.capturing = True     # no events may be recorded into a graph
             try:
-                for size in _progress(sizes, "Capturing CUDA graphs (decode, FULL)"):
-                    with self.tracer.span("CUDAGraph.capture", **{"vllm_anatomy.cudagraph_size": size}):
-                        metadata = self._dummy_attn_metadata(size, size, 1)
-                        self.cudagraph_runner.capture(size, lambda: self._model_forward(size, metadata))
+                self._capture_sizes(CUDAGraphMode.PIECEWISE, dispatcher.piecewise_sizes)
+                self._capture_sizes(CUDAGraphMode.FULL, dispatcher.decode_sizes)
             finally:
                 device_timer.capturing = False
             torch.cuda.synchronize(self.device)
             used = free0 - torch.cuda.mem_get_info(self.device)[0]
             span.set_attribute("vllm_anatomy.cudagraph_memory_bytes", used)
-        logger.info("captured %d CUDA graphs (sizes %d..%d) in %.1f s, %.2f GiB",
-                    len(sizes), sizes[-1], sizes[0], time.perf_counter() - t0, used / 2**30)
+        logger.info("captured %d piecewise and %d full CUDA graphs in %.1f s, %.2f GiB",
+                    len(dispatcher.piecewise_sizes), len(dispatcher.decode_sizes), time.perf_counter() - t0,
+                    used / 2**30)
 
-    def _dummy_step_inputs(self: GPUModelRunner, num_tokens: int, query_len: int) -> None:
-        """Harmless values in the static input buffers: num_tokens // query_len
-        requests of query_len tokens at positions 0.., every row pointing at
-        block 0 (the null block), and slot -1 everywhere (nothing is written)."""
-        num_reqs = num_tokens // query_len
+    def _capture_sizes(self: GPUModelRunner, mode: CUDAGraphMode, sizes: list[int]) -> None:
+        """A full graph captures a uniform decode of `size` requests; a piecewise
+        capture one request of `size` tokens (its attention runs eager anyway)."""
+        if not sizes:
+            return
+        kind = "decode, FULL" if mode is CUDAGraphMode.FULL else "mixed, PIECEWISE"
+        for size in _progress(sorted(sizes, reverse=True), f"Capturing CUDA graphs ({kind})"):
+            with self.tracer.span("CUDAGraph.capture", **{"vllm_anatomy.cudagraph_size": size,
+                                                           "vllm_anatomy.cudagraph_mode": mode.name}):
+                query_len = 1 if mode is CUDAGraphMode.FULL else min(size, self.max_model_len)
+                num_reqs = self._dummy_step_inputs(size, query_len)
+                metadata = self._dummy_attn_metadata(num_reqs, size, query_len)
+                self.cudagraph_runner.capture(mode, size, lambda: self._model_forward(size, metadata))
+
+    def _dummy_step_inputs(self: GPUModelRunner, num_tokens: int, query_len: int) -> int:
+        """Harmless values in the static input buffers: requests of query_len
+        tokens (the last one shorter if query_len does not divide num_tokens) at
+        positions 0.., every row pointing at block 0 (the null block), and slot
+        -1 everywhere (nothing is written). Returns the number of requests."""
+        num_reqs = -(-num_tokens // query_len)
+        starts = torch.arange(num_reqs + 1, device=self.device, dtype=torch.int32) * query_len
         self.input_ids.gpu[:num_tokens].zero_()
         self.positions.gpu[:num_tokens].copy_(torch.arange(num_tokens, device=self.device) % query_len)
-        self.query_start_loc.gpu[:num_reqs + 1].copy_(
-            torch.arange(num_reqs + 1, device=self.device, dtype=torch.int32) * query_len)
-        self.seq_lens.gpu[:num_reqs].fill_(query_len)
+        self.query_start_loc.gpu[:num_reqs + 1].copy_(starts.clamp_(max=num_tokens))
+        self.seq_lens.gpu[:num_reqs].copy_(self.query_start_loc.gpu[1:num_reqs + 1]
+                                           - self.query_start_loc.gpu[:num_reqs])
         self.input_batch.block_table.block_table[:num_reqs].zero_()
         self.input_batch.block_table.slot_mapping[:num_tokens].fill_(-1)
+        return num_reqs
 
     def _dummy_attn_metadata(self: GPUModelRunner, num_reqs: int, num_tokens: int,
                              query_len: int) -> AttentionMetadata:

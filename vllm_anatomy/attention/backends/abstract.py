@@ -60,9 +60,10 @@ class AttentionImpl:
         kernel_timer: AttentionMetadata.kernel_timer, for backends that launch kernels."""
         raise NotImplementedError
 
-    def forward(self, query: torch.Tensor, kv_cache: torch.Tensor,
-                attn_metadata: AttentionMetadata) -> torch.Tensor:
-        """query [T, num_heads, head_dim] -> output [T, num_heads, head_dim].
+    def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: AttentionMetadata,
+                output: torch.Tensor) -> torch.Tensor:
+        """query [T, num_heads, head_dim] -> output [T, num_heads, head_dim], written in place
+        (rows past attn_metadata.num_actual_tokens: zeros) and returned.
 
         Reads K/V only from the cache (the new tokens were written there first)."""
         raise NotImplementedError

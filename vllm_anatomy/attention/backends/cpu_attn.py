@@ -107,15 +107,15 @@ class CPUAttentionImpl(AttentionImpl):
         key_cache.index_copy_(0, slots, key.to(kv_cache.dtype))
         value_cache.index_copy_(0, slots, value.to(kv_cache.dtype))
 
-    def forward(self, query: torch.Tensor, kv_cache: torch.Tensor,
-                attn_metadata: AttentionMetadata) -> torch.Tensor:
-        """query [T, num_heads, head_dim] -> output [T, num_heads, head_dim]."""
+    def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: AttentionMetadata,
+                output: torch.Tensor) -> torch.Tensor:
+        """query [T, num_heads, head_dim] -> output [T, num_heads, head_dim] (written in place)."""
         plan = self._plan(attn_metadata, block_size=kv_cache.shape[2])
         key_cache, value_cache = kv_cache.unbind(0)        # [num_blocks, block_size, nkv, hd] each
         if plan.only_decodes and query.shape[0] == plan.num_reqs:
-            return self._attend_decodes(query, key_cache, value_cache, plan)
+            return output.copy_(self._attend_decodes(query, key_cache, value_cache, plan))
         # NOTE: rows past the requests' tokens are padding: they stay zero.
-        output = torch.zeros_like(query)
+        output.zero_()
         if plan.decode_token_idx is not None:
             output[plan.decode_token_idx] = self._attend_decodes(
                 query[plan.decode_token_idx], key_cache, value_cache, plan)

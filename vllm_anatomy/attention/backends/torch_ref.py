@@ -50,12 +50,12 @@ class TorchReferenceImpl(AttentionImpl):
         key_cache.flatten(0, 1)[slots] = key[valid].to(kv_cache.dtype)      # [num_slots, nkv, hd]
         value_cache.flatten(0, 1)[slots] = value[valid].to(kv_cache.dtype)
 
-    def forward(self, query: torch.Tensor, kv_cache: torch.Tensor,
-                attn_metadata: AttentionMetadata) -> torch.Tensor:
-        """query [T, num_heads, head_dim] -> output [T, num_heads, head_dim]."""
+    def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: AttentionMetadata,
+                output: torch.Tensor) -> torch.Tensor:
+        """query [T, num_heads, head_dim] -> output [T, num_heads, head_dim] (written in place)."""
         # NOTE: rows past num_actual_tokens are padding (e.g. a CUDA-graph-sized
         # batch); they stay zero, as vLLM's kernels leave them untouched.
-        output = torch.zeros_like(query)
+        output.zero_()
         key_cache, value_cache = kv_cache.unbind(0)
         block_size = key_cache.shape[1]
         # The loop bounds must be Python ints: read the host copies (no device sync).

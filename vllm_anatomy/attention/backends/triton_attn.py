@@ -41,12 +41,11 @@ class TritonAttentionImpl(AttentionImpl):
         with kernel_timer.kernel("reshape_and_cache", lambda: self._cache_launch_attrs(key)):
             rc.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
 
-    def forward(self, query: torch.Tensor, kv_cache: torch.Tensor,
-                attn_metadata: AttentionMetadata) -> torch.Tensor:
-        """query [T, num_heads, head_dim] -> output [T, num_heads, head_dim]."""
+    def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: AttentionMetadata,
+                output: torch.Tensor) -> torch.Tensor:
+        """query [T, num_heads, head_dim] -> output [T, num_heads, head_dim] (written in place)."""
         num_actual_tokens = attn_metadata.num_actual_tokens
         key_cache, value_cache = kv_cache.unbind(0)
-        output = torch.empty_like(query)
         # NOTE: rows past num_actual_tokens are padding (a CUDA-graph-sized
         # batch); the kernel never writes them. Zero them so that the output
         # equals the torch reference everywhere (a slice by a host int: no sync).
