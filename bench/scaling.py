@@ -13,7 +13,7 @@ is written again after each engine, so a run cut short keeps what it measured.
 
 Two series, each point one `LLM.generate` of random token ids in [0, 10000],
 temperature 0.6, ignore_eos, on the Qwen3-0.6B-shaped model with random bf16 weights
-of bench/vs_vllm.py, max_model_len 8,320 (the longest prompt plus its output):
+of bench/vs_vllm.py (bench/side_by_side.py), max_model_len 8,320 (the longest prompt plus its output):
 
     num_seqs   1, 4, 16, 64, 256, 1,024 sequences of 256 prompt tokens, 128 output tokens each
     context    64 sequences of 512, 1k, 2k, 4k, 8k prompt tokens, 128 output tokens each
@@ -42,7 +42,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from vs_vllm import Engine, ceilings, run_subprocess, worker_env, write_tiny_model, write_vllm_config  # noqa: E402
+from side_by_side import (Engine, ceilings, run_subprocess, worker_env, write_tiny_model,  # noqa: E402
+                          write_vllm_config)
 
 SERIES = ("num_seqs", "context")
 

@@ -65,18 +65,15 @@ import json
 import os
 import platform
 import random
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-# NOTE: the smoke mode cannot measure the ceilings (bench/kernels.py times CUDA
-# kernels): its rooflines use these nominal rates, and its JSON says so.
-NOMINAL_CPU_CEILINGS = {"bytes_per_s": 1e10, "flop_per_s": 1e11, "nominal": True}
+sys.path.insert(0, HERE)
+from side_by_side import (Engine, ceilings, run_subprocess, worker_env,  # noqa: E402
+                          write_tiny_model, write_vllm_config)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,65 +104,6 @@ def nano_vllm_workload(plan: Plan = FULL) -> tuple[list[list[int]], list[int]]:
 
 
 # ---------------------------------------------------------------------------- the worker (one engine)
-
-class Engine:
-    """The few calls the benches need, over either engine's offline LLM."""
-
-    def __init__(self, kind: str, model_dir: str, trace_level: str = "off", max_model_len: int = 4096):
-        self.kind = kind
-        t0 = time.perf_counter()
-        if kind == "vllm":
-            import vllm
-            from vllm import LLM, SamplingParams
-            self.version = vllm.__version__
-            self.llm = LLM(model_dir, load_format="dummy", skip_tokenizer_init=True, enforce_eager=False,
-                           max_model_len=max_model_len, attention_backend="FLASH_ATTN",
-                           gpu_memory_utilization=0.9)
-            self.extra = {"detokenize": False}
-        else:
-            import vllm_anatomy
-            from vllm_anatomy import LLM, SamplingParams
-            self.version = getattr(vllm_anatomy, "__version__", "main")
-            self.llm = LLM(model_dir, max_model_len=max_model_len, trace_level=trace_level)
-            self.extra = {}
-        self.SamplingParams = SamplingParams
-        self.startup_s = time.perf_counter() - t0
-
-    def generate(self, prompts: list[list[int]], max_tokens: list[int], temperature: float) -> tuple[float, int]:
-        params = [self.SamplingParams(temperature=temperature, max_tokens=m, ignore_eos=True, **self.extra)
-                  for m in max_tokens]
-        synchronize()
-        t = time.perf_counter()
-        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        dt = time.perf_counter() - t
-        return dt, sum(len(o.outputs[0].token_ids) for o in outs)
-
-    def settings(self) -> dict:
-        cfg = self.llm.llm_engine.vllm_config
-        common = {"version": self.version, "multiprocessing": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING"),
-                  "async_scheduling": bool(cfg.scheduler_config.async_scheduling),
-                  "max_num_batched_tokens": cfg.scheduler_config.max_num_batched_tokens,
-                  "max_num_seqs": cfg.scheduler_config.max_num_seqs,
-                  "num_gpu_blocks": cfg.cache_config.num_gpu_blocks,
-                  "max_model_len": cfg.model_config.max_model_len}
-        if self.kind == "vllm":
-            return common | {"attention_backend": "FLASH_ATTN",
-                             "cudagraph_mode": str(getattr(cfg.compilation_config, "cudagraph_mode", None)),
-                             "compilation_mode": str(getattr(cfg.compilation_config, "mode", None)),
-                             "gpu_memory_utilization": 0.9}
-        return common | {"attention_backend": cfg.model_config.attention_backend,
-                         "trace_level": cfg.observability_config.trace_level}
-
-    def shutdown(self) -> None:
-        if self.kind == "ours":             # (vLLM's engine goes with its process)
-            self.llm.llm_engine.shutdown()
-
-
-def synchronize() -> None:
-    import torch
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
 
 def decode_prompts(rng: random.Random, batch: int, plan: Plan) -> list[list[int]]:
     return [[rng.randint(0, 10000) for _ in range(plan.decode_prompt_len)] for _ in range(batch)]
@@ -269,96 +207,12 @@ def run_worker(kind: str, model_dir: str, trace_level: str, phases: list[str], p
 
 # ---------------------------------------------------------------------------- the driver
 
-def worker_env(kind: str, vllm_site: str | None, multiprocess: bool | None) -> dict:
-    """The environment of one engine's subprocess. multiprocess: VLLM_ENABLE_V1_MULTIPROCESSING
-    set to 1 or 0, or (None) left to the engine's own default."""
-    env = dict(os.environ)
-    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-    if multiprocess is not None:
-        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
-    if kind == "vllm":
-        # As ../shared/peers/vllm/run_on_gpu.sh: the bundle first on the path, no FlashInfer sampler
-        # (the slim bundle has no FlashInfer), offline, no telemetry.
-        env["PYTHONPATH"] = vllm_site + os.pathsep + env.get("PYTHONPATH", "")
-        env.update(VLLM_USE_FLASHINFER_SAMPLER="0", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
-                   HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    else:
-        env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    return env
-
-
-def run_subprocess(label: str, cmd: list[str], env: dict, timeout_s: float) -> dict:
-    """Run one worker; its `RESULT {json}` line, or {"error": ...} if it failed or ran out of time."""
-    print(f"[{time.strftime('%H:%M:%S')}] {label} ...", file=sys.stderr, flush=True)
-    t = time.perf_counter()
-    # NOTE: a session of its own, so a timeout ends the worker's children too
-    # (vLLM's engine core process holds the GPU memory).
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-    sys.stderr.write(err[-3000:])
-    lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
-    wall = time.perf_counter() - t
-    print(f"[{time.strftime('%H:%M:%S')}] {label}: {wall:.0f} s, rc {proc.returncode}", file=sys.stderr, flush=True)
-    if not lines:
-        return {"error": f"{label} failed (rc {proc.returncode} after {wall:.0f} s)", "stderr_tail": err[-2000:]}
-    result = json.loads(lines[-1][len("RESULT "):]) | {"subprocess_seconds": wall}
-    if proc.returncode != 0:                   # (its result was complete when printed)
-        result["exit"] = f"rc {proc.returncode} after printing its result (e.g. killed at the timeout in shut-down)"
-    return result
-
-
 def spawn(kind: str, model_dir: str, phases: list[str], vllm_site: str | None, *, trace_level: str = "off",
           multiprocess: bool | None = False, tiny: bool = False, timeout_s: float = 420) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", kind, "--model-dir", model_dir,
            "--trace-level", trace_level, "--phases", ",".join(phases)] + (["--tiny"] if tiny else [])
     label = f"{kind} (multiprocessing {multiprocess}, trace {trace_level}): {', '.join(phases)}"
     return run_subprocess(label, cmd, worker_env(kind, vllm_site, multiprocess), timeout_s)
-
-
-def write_vllm_config(path: str) -> dict:
-    """bench/throughput.py's Qwen3-0.6B config, plus the architecture vLLM picks its model
-    class by (our loader goes by model_type): vLLM loads it with load_format="dummy"."""
-    from throughput import qwen3_06b_config
-    cfg = qwen3_06b_config()
-    cfg.architectures = ["Qwen3ForCausalLM"]
-    cfg.save_pretrained(path)
-    with open(os.path.join(path, "config.json")) as f:
-        return json.load(f)
-
-
-def write_tiny_model(path: str) -> None:
-    """The smoke mode's model: a random 2-layer Qwen3 (vocabulary over the workload's ids
-    0 … 10000), its architecture named so vLLM could load it too, a word-level tokenizer."""
-    import torch
-    import transformers
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    cfg = transformers.Qwen3Config(vocab_size=10240, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                   max_position_embeddings=40960, tie_word_embeddings=True)
-    cfg.architectures = ["Qwen3ForCausalLM"]
-    torch.manual_seed(0)
-    transformers.Qwen3ForCausalLM(cfg).save_pretrained(path)
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(cfg.vocab_size)}, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.save(os.path.join(path, "tokenizer.json"))
-    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
-        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "t1", "unk_token": "t0"}, f)
-
-
-def ceilings(tiny: bool) -> tuple[dict, dict]:
-    """(copy, matmul) ceilings: measured on the GPU (bench/kernels.py), nominal in the smoke mode."""
-    if tiny:
-        return NOMINAL_CPU_CEILINGS, NOMINAL_CPU_CEILINGS
-    import torch
-    from kernels import copy_ceiling, matmul_ceiling          # bench/kernels.py
-    copy, mm = copy_ceiling(quick=False), matmul_ceiling()
-    torch.cuda.empty_cache()                                   # its buffers, before the engines start
-    return copy, mm
 
 
 def step_floor_ms(batch: int, plan: Plan, copy_bw: float, matmul_rate: float) -> float:
@@ -443,7 +297,6 @@ def main() -> None:
     import torch
     if not torch.cuda.is_available() and not args.tiny:
         sys.exit("bench/vs_vllm.py needs a CUDA device (or --tiny, the CPU smoke mode)")
-    sys.path.insert(0, HERE)
     from throughput import roofline, write_random_model        # bench/throughput.py
 
     prompts, outs = nano_vllm_workload(plan)

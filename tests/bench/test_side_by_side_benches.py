@@ -1,4 +1,4 @@
-"""bench/vs_vllm.py, bench/scaling.py and bench/plot_scaling.py on the CPU.
+"""bench/vs_vllm.py, bench/scaling.py, bench/plot_scaling.py and bench/side_by_side.py on the CPU.
 
 Their real runs need an H200 and vLLM; here: the pieces (GPU-activity accounting of
 a profiler trace, the per-step floor, vLLM's config, the workloads, the plot) and,
@@ -18,7 +18,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BENCH = os.path.join(ROOT, "bench")
 FAKE_VLLM = os.path.join(ROOT, "tests", "bench", "fake_vllm")
-BENCH_MODULES = ("vs_vllm", "scaling", "plot_scaling", "throughput", "kernels")
+BENCH_MODULES = ("vs_vllm", "scaling", "plot_scaling", "side_by_side", "throughput", "kernels")
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +35,10 @@ def bench():
     try:
         import plot_scaling
         import scaling
+        import side_by_side
         import vs_vllm
-        yield types.SimpleNamespace(vs_vllm=vs_vllm, scaling=scaling, plot_scaling=plot_scaling)
+        yield types.SimpleNamespace(vs_vllm=vs_vllm, scaling=scaling, plot_scaling=plot_scaling,
+                                    side_by_side=side_by_side)
     finally:
         sys.path[:] = saved_path
         for name in BENCH_MODULES:
@@ -72,7 +74,7 @@ def test_step_floor_is_weights_plus_live_kv_at_the_copy_rate(bench):
 
 @pytest.mark.fast
 def test_vllm_config_is_throughputs_model_with_its_architecture(bench, tmp_path):
-    cfg = bench.vs_vllm.write_vllm_config(str(tmp_path))
+    cfg = bench.side_by_side.write_vllm_config(str(tmp_path))
     assert json.loads((tmp_path / "config.json").read_text()) == cfg
     assert cfg["architectures"] == ["Qwen3ForCausalLM"] and cfg["model_type"] == "qwen3"
     # the fields that shape the model, as the hand-written config vLLM ran with had them
