@@ -96,6 +96,8 @@ def get_request_block_hasher(
 
     Request.__init__ and Request.append_output_token_ids call it, so
     request.block_hashes always covers every full block of all_token_ids.
+    Its `block_size` attribute tells the Request when the next block is full
+    (until then it skips the call).
     """
 
     def request_block_hasher(request: Request) -> list[BlockHash]:
@@ -116,6 +118,7 @@ def get_request_block_hasher(
             start_token_idx = end_token_idx
         return new_block_hashes
 
+    request_block_hasher.block_size = block_size
     return request_block_hasher
 
 

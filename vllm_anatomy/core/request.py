@@ -162,6 +162,8 @@ class Request:
 
         self.block_hashes: list[BlockHash] = []
         self._block_hasher = block_hasher
+        # How many tokens complete the next block (set by update_block_hashes).
+        self._num_tokens_next_full_block = 0
         self.update_block_hashes()
 
     @classmethod
@@ -189,12 +191,16 @@ class Request:
             self._output_token_ids.extend(token_ids)
             self._all_token_ids.extend(token_ids)
         # NOTE: hash every block the new tokens completed, right now, so that
-        # the KV manager can cache it without recomputing anything.
-        self.update_block_hashes()
+        # the KV manager can cache it without recomputing anything. An append
+        # that completes no block cannot add a hash and skips the hasher (a
+        # decode appends one token: block_size - 1 times out of block_size).
+        if len(self._all_token_ids) >= self._num_tokens_next_full_block:
+            self.update_block_hashes()
 
     def update_block_hashes(self) -> None:
         if self._block_hasher is not None:
             self.block_hashes.extend(self._block_hasher(self))
+            self._num_tokens_next_full_block = (len(self.block_hashes) + 1) * self._block_hasher.block_size
 
     @property
     def num_tokens(self) -> int:
