@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from tokenizers.decoders import DecodeStream
 
-from vllm_anatomy.sampling_params import SamplingParams
+from vllm_anatomy.sampling_params import RequestOutputKind, SamplingParams
 
 # Prompt tokens fed to a fresh stream so the first output token decodes in
 # context (e.g. a leading space that depends on the previous token).
@@ -17,7 +17,16 @@ _PROMPT_SUFFIX_TOKENS = 4
 
 
 class IncrementalDetokenizer:
-    """Turns new token ids into new text, one step at a time, and checks stop strings."""
+    """Turns new token ids into new text, one step at a time, and checks stop strings.
+
+    NOTE: (ours; vLLM decodes every step) a FINAL_ONLY request without stop
+    strings — every request of LLM.generate() that sets none — shows no text
+    before it finishes and has no string to search for, so its tokens are
+    only collected per step and decoded when `output_text` is first read: one
+    DecodeStream call for all of them instead of one per token per step. The
+    text is the same (test_output_processor checks it): the stream yields the
+    same characters whether it is given the tokens one by one or together.
+    """
 
     def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self.tokenizer = tokenizer
@@ -30,10 +39,21 @@ class IncrementalDetokenizer:
         # characters from streamed text so a half-matched stop string is never shown.
         self.stop_buffer_length = (max(len(s) for s in self.stop) - 1
                                    if self.stop and not self.include_stop_str_in_output else 0)
-        self.output_text = ""
+        self.decode_when_read = params.output_kind == RequestOutputKind.FINAL_ONLY and not self.stop
+        self._output_text = ""
         self.token_ids: list[int] = []
+        # token_ids[:_num_decoded] are in _output_text; token_ids[:_num_text_tokens]
+        # should be (all but a final EOS / stop token that is not shown).
+        self._num_decoded = 0
+        self._num_text_tokens = 0
         self._prompt_suffix = list(prompt_token_ids[-_PROMPT_SUFFIX_TOKENS:])
         self._stream = self._new_stream()
+
+    @property
+    def output_text(self) -> str:
+        if self._num_decoded < self._num_text_tokens:
+            self._decode_pending()
+        return self._output_text
 
     def _new_stream(self) -> DecodeStream:
         stream = DecodeStream(skip_special_tokens=self.skip_special_tokens)
@@ -50,6 +70,26 @@ class IncrementalDetokenizer:
             self._stream = self._new_stream()
             return self._stream.step(self._tok, token_id) or ""
 
+    def _decode_pending(self) -> None:
+        ids = self.token_ids[self._num_decoded:self._num_text_tokens]
+        all_at_once = self.decode_when_read and self._num_decoded == 0 and len(ids) > 1
+        self._num_decoded = self._num_text_tokens
+        if all_at_once:
+            # NOTE: the stream answers None when the text ends in an incomplete
+            # character (it waits for more bytes), and may refuse a prefix; fed
+            # one by one it would have yielded what came before, so then decode
+            # again from a fresh stream (nothing was decoded yet), token by token.
+            try:
+                text = self._stream.step(self._tok, ids)
+            except Exception:
+                text = None
+            if text is not None:
+                self._output_text += text
+                return
+            self._stream = self._new_stream()
+        for tid in ids:
+            self._output_text += self._step(tid)
+
     def update(self, new_token_ids: list[int], stop_terminated: bool) -> str | None:
         """Detokenize new tokens; return the matched stop string, if any.
 
@@ -58,11 +98,13 @@ class IncrementalDetokenizer:
         """
         if not new_token_ids:
             return None
-        stop_check_offset = len(self.output_text)
         self.token_ids.extend(new_token_ids)
         skip_last = stop_terminated and not self.include_stop_str_in_output
-        for tid in new_token_ids[:-1] if skip_last else new_token_ids:
-            self.output_text += self._step(tid)
+        self._num_text_tokens = len(self.token_ids) - 1 if skip_last else len(self.token_ids)
+        if self.decode_when_read:
+            return None
+        stop_check_offset = len(self._output_text)
+        self._decode_pending()
         if not self.stop or len(self.token_ids) <= self.min_tokens:
             return None
         return self._check_stop_strings(stop_check_offset)
@@ -70,23 +112,25 @@ class IncrementalDetokenizer:
     def _check_stop_strings(self, new_char_offset: int) -> str | None:
         # Search only where a match can newly appear: the new text plus the
         # tail of the old text that a stop string could straddle.
+        text = self._output_text
         best: tuple[int, str] | None = None
         for s in self.stop:
             start = max(0, new_char_offset - len(s) + 1)
-            idx = self.output_text.find(s, start)
+            idx = text.find(s, start)
             if idx != -1 and (best is None or idx < best[0]):
                 best = (idx, s)
         if best is None:
             return None
         idx, s = best
         end = idx + len(s) if self.include_stop_str_in_output else idx
-        self.output_text = self.output_text[:end]
+        self._output_text = text[:end]
         return s
 
     def get_next_output_text(self, finished: bool, delta: bool, sent_len: int) -> str:
         """Text to show now: everything, or only what is new since sent_len."""
-        length = len(self.output_text)
+        text = self.output_text
+        length = len(text)
         if not finished:
             length -= self.stop_buffer_length
         length = max(length, sent_len)
-        return self.output_text[sent_len:length] if delta else self.output_text[:length]
+        return text[sent_len:length] if delta else text[:length]

@@ -205,19 +205,23 @@ class OutputProcessor:
         reqs_to_abort: list[str] = []
         now = time.monotonic()
         engine_core_timestamp = now if engine_core_timestamp is None else engine_core_timestamp
+        request_states = self.request_states
         for eco in engine_core_outputs:
-            state = self.request_states.get(eco.request_id)
+            state = request_states.get(eco.request_id)
             if state is None:   # aborted by the user while in flight
                 continue
-            self._update_metrics(state, eco, now)
+            new_token_ids = eco.new_token_ids
+            # 1) Stats and timestamps.
             if iteration_stats is not None:
                 iteration_stats.update_from_output(eco, engine_core_timestamp, state.is_prefilling,
                                                    len(state.prompt_token_ids), state.stats)
-            state.is_prefilling = state.is_prefilling and not eco.new_token_ids
+            if new_token_ids:
+                self._update_metrics(state, eco, now)
+            # 2) Detokenize, check stop strings.
             finish_reason = eco.finish_reason
             stop_reason = eco.stop_reason
             stop_terminated = finish_reason is not None and finish_reason == FinishReason.STOP
-            stop_str = state.detokenizer.update(eco.new_token_ids, stop_terminated)
+            stop_str = state.detokenizer.update(new_token_ids, stop_terminated)
             if stop_str is not None:
                 finish_reason, stop_reason = FinishReason.STOP, stop_str
                 # NOTE: the stop string may end before the last new token; keep
@@ -225,17 +229,12 @@ class OutputProcessor:
                 self._trim_tokens_after_stop(state)
             if eco.new_logprobs is not None:
                 self._append_logprobs(state, eco.new_logprobs)
-            if finish_reason is not None:
-                state.finish_reason = str(finish_reason)
-                state.stop_reason = stop_reason
-                state.metrics.finished_time = now
-                self._pop_state(eco.request_id)
-                if not eco.finished:  # finished here (stop string), engine still runs it
-                    reqs_to_abort.append(eco.request_id)
-                if iteration_stats is not None:
-                    iteration_stats.update_from_finished_request(
-                        state.finish_reason, len(state.prompt_token_ids), state.max_tokens_param,
-                        state.stats, state.num_cached_tokens)
+            if finish_reason is None:
+                if state.output_kind == RequestOutputKind.FINAL_ONLY:
+                    continue    # LLM.generate(): nothing to build before the request finishes
+            else:
+                self._finish_request(state, eco, finish_reason, stop_reason, now, iteration_stats, reqs_to_abort)
+            # 3) The RequestOutput: into the request's collector, or returned.
             out = self._make_request_output(state)
             if out is None:
                 continue
@@ -245,15 +244,30 @@ class OutputProcessor:
                 request_outputs.append(out)
         return OutputProcessorOutput(request_outputs, reqs_to_abort)
 
+    def _finish_request(self, state: RequestState, eco: EngineCoreOutput, finish_reason: FinishReason,
+                        stop_reason: int | str | None, now: float, iteration_stats: IterationStats | None,
+                        reqs_to_abort: list[str]) -> None:
+        state.finish_reason = str(finish_reason)
+        state.stop_reason = stop_reason
+        state.metrics.finished_time = now
+        self._pop_state(state.request_id)
+        if not eco.finished:  # finished here (stop string), engine still runs it
+            reqs_to_abort.append(state.request_id)
+        if iteration_stats is not None:
+            iteration_stats.update_from_finished_request(
+                state.finish_reason, len(state.prompt_token_ids), state.max_tokens_param,
+                state.stats, state.num_cached_tokens)
+
     @staticmethod
     def _update_metrics(state: RequestState, eco: EngineCoreOutput, now: float) -> None:
+        """A new token arrived: the request is no longer prefilling; its timestamps move."""
         m = state.metrics
-        if eco.new_token_ids:
-            if m.first_token_time is None:
-                m.first_token_time = now
-                state.num_cached_tokens = eco.num_cached_tokens
-            m.last_token_time = now
-            m.num_generation_tokens += len(eco.new_token_ids)
+        if state.is_prefilling:
+            state.is_prefilling = False
+            m.first_token_time = now
+            state.num_cached_tokens = eco.num_cached_tokens
+        m.last_token_time = now
+        m.num_generation_tokens += len(eco.new_token_ids)
 
     @staticmethod
     def _trim_tokens_after_stop(state: RequestState) -> None:
