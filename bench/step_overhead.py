@@ -171,6 +171,10 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/step_overhead.py needs a CUDA device")
+    # NOTE: the phases are timed by wrapping the scheduler's and the runner's
+    # methods in this process: the engine must run here (LLMEngine.engine_core),
+    # whatever VLLM_ENABLE_V1_MULTIPROCESSING says.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     results = {"bench": "step_overhead", "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
                "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "workload": vars(args),
                "modes": {}}

@@ -8,7 +8,9 @@ temperature 0.6, on a Qwen3-0.6B-shaped model with random bf16 weights. HF runs
 the same prompts batched (left padding, sdpa), `min_new_tokens = max_new_tokens`
 per length group so it produces exactly the same number of tokens. Our engine
 runs as it does by default on a GPU (async scheduling, CUDA graphs), and once
-more with synchronous scheduling, for the difference.
+more with synchronous scheduling, for the difference. With --multiprocess, once
+more with EngineCore in its own process (VLLM_ENABLE_V1_MULTIPROCESSING=1, as
+vLLM's LLM runs by default): the frontend detokenizes while the engine steps.
 
 It also computes the workload's roofline floor: each decode step reads the
 weights once and every active sequence's KV; prefill costs 2 * params FLOPs
@@ -71,8 +73,10 @@ def workload(n: int, lo: int, hi: int, vocab: int) -> tuple[list[list[int]], lis
     return prompts, outs
 
 
-def run_engine(path, prompts, outs, async_scheduling: bool = True) -> dict:
+def run_engine(path, prompts, outs, async_scheduling: bool = True, multiprocess: bool = False) -> dict:
     from vllm_anatomy import LLM, SamplingParams
+    # The engine process is spawned while LLM() starts, with this environment.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
     llm = LLM(path, max_model_len=4096, async_scheduling=async_scheduling)
     llm.generate([{"prompt_token_ids": prompts[0][:16]}], SamplingParams(max_tokens=4), use_tqdm=False)
     params = [SamplingParams(temperature=0.6, max_tokens=o, ignore_eos=True) for o in outs]
@@ -86,7 +90,7 @@ def run_engine(path, prompts, outs, async_scheduling: bool = True) -> dict:
     cfg = llm.llm_engine.vllm_config
     llm.llm_engine.shutdown()
     return {"seconds": dt, "output_tokens": n, "tok_per_s": n / dt, "engine_steps": steps,
-            "async_scheduling": cfg.scheduler_config.async_scheduling,
+            "async_scheduling": cfg.scheduler_config.async_scheduling, "multiprocess": multiprocess,
             "attention_backend": cfg.model_config.attention_backend,
             "num_gpu_blocks": cfg.cache_config.num_gpu_blocks, "preemptions": m["vllm:num_preemptions"]}
 
@@ -147,6 +151,8 @@ def main() -> None:
     ap.add_argument("--hf-batch-size", type=int, default=256)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-sync", action="store_true", help="skip the synchronous-scheduling engine run")
+    ap.add_argument("--multiprocess", action="store_true",
+                    help="one more run of ours with EngineCore in its own process (VLLM_ENABLE_V1_MULTIPROCESSING=1)")
     ap.add_argument("--out", default="bench/results/throughput_h200.json")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -158,19 +164,23 @@ def main() -> None:
         write_random_model(path)
         ours = run_engine(path, prompts, outs)            # the default engine: async scheduling
         sync = None if args.skip_sync else run_engine(path, prompts, outs, async_scheduling=False)
+        mp = run_engine(path, prompts, outs, multiprocess=True) if args.multiprocess else None
         hf = None if args.skip_hf else run_hf(path, prompts, outs, args.hf_batch_size)
     roof = roofline(prompts, outs, copy["bytes_per_s"], mm["flop_per_s"])
     result = {"bench": "throughput", "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
               "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "machine": platform.node(),
               "workload": vars(args) | {"output_tokens": sum(outs), "prompt_tokens": sum(map(len, prompts))},
               "copy_ceiling_bytes_per_s": copy["bytes_per_s"], "matmul_ceiling_flop_per_s": mm["flop_per_s"],
-              "vllm_anatomy": ours, "vllm_anatomy_sync_scheduling": sync, "hf": hf, "roofline": roof,
+              "vllm_anatomy": ours, "vllm_anatomy_sync_scheduling": sync, "vllm_anatomy_mp": mp,
+              "hf": hf, "roofline": roof,
               "ratio_vs_hf": ours["tok_per_s"] / hf["tok_per_s"] if hf else None,
               "fraction_of_roofline": ours["tok_per_s"] / roof["floor_tok_per_s"]}
     print(f"{'':24}{'output tok/s':>14}{'seconds':>10}")
     print(f"{'vllm_anatomy':24}{ours['tok_per_s']:>14.0f}{ours['seconds']:>10.1f}")
     if sync:
         print(f"{'  sync scheduling':24}{sync['tok_per_s']:>14.0f}{sync['seconds']:>10.1f}")
+    if mp:
+        print(f"{'  engine process':24}{mp['tok_per_s']:>14.0f}{mp['seconds']:>10.1f}")
     if hf:
         print(f"{'HF generate':24}{hf['tok_per_s']:>14.0f}{hf['seconds']:>10.1f}")
         print(f"ratio vs HF: {result['ratio_vs_hf']:.2f}x (target >= 15x)")
