@@ -183,7 +183,7 @@ def step_flags(df: pd.DataFrame) -> dict[int, str]:
     dev_med = dev.groupby("name")["dur_ms"].transform("median") if not dev.empty else None
     fwd = df[(df["name"] == "GPU.model_forward") & df["cudagraph_mode"].notna()]
     mode = dict(zip(fwd["step_id"].astype(int), fwd["cudagraph_mode"]))
-    graphs = sum(m == "FULL" for m in mode.values())
+    graphs = sum(m in ("FULL", "PIECEWISE") for m in mode.values())
     out = {}
     for step, dur in zip(slow["step_id"].astype(int), slow["dur_ms"]):
         times = f"{dur:.0f} ms, {dur / med:.0f}× the median step"

@@ -37,12 +37,13 @@ def _get(r, key):
 
 
 def forward_label(r) -> str:
-    """`GPU.model_forward · CUDA graph replay, padded 5→8` or `GPU.model_forward · eager`."""
+    """`GPU.model_forward · CUDA graph replay, padded 5→8`, `… · piecewise graphs, …` or `… · eager`."""
     mode, padded, n = _get(r, "cudagraph_mode"), _get(r, "num_padded_tokens"), _get(r, "num_scheduled_tokens")
-    if mode == "FULL":
+    if mode in ("FULL", "PIECEWISE"):
         size = (f"padded {int(n)}→{int(padded)}" if n is not None and padded is not None and padded > n
                 else f"{int(padded)} tokens" if padded is not None else "")
-        return f"{r['name']} · CUDA graph replay, {size}".rstrip(", ")
+        what = "CUDA graph replay" if mode == "FULL" else "piecewise graphs, attention eager"
+        return f"{r['name']} · {what}, {size}".rstrip(", ")
     if mode is not None:
         return f"{r['name']} · eager"
     return r["name"]
@@ -196,6 +197,10 @@ def device_lane(step_spans: pd.DataFrame | None, device: str, step_id: int) -> N
     if not fwd.empty and fwd.iloc[0].get("cudagraph_mode") == "FULL":
         st.caption("A CUDA graph replay is one span: CUDA events cannot be recorded between a graph's kernels, "
                    "so there is no per-layer or per-kernel timing inside it (an eager step has both).")
+    elif not fwd.empty and fwd.iloc[0].get("cudagraph_mode") == "PIECEWISE":
+        st.caption("A piecewise replay: graph pieces (everything but attention) replayed around an eager "
+                   "attention launch per layer. No per-layer spans (the layers' hooks ran only at capture); "
+                   "at trace level full, the eager attention kernels are timed.")
     if n_layers:
         layers = dev[dev["name"] == "GPU.layer"]
         lay = layers["dur_ms"] * 1e3

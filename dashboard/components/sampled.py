@@ -12,7 +12,7 @@ from dashboard.theme import CUDAGRAPH_COLORS, chip, req_chip
 
 
 def sizes_text(sizes: list[int]) -> str:
-    """Capture sizes, abbreviated past 8: `1, 2, 4, 8, 16, …, 512; 67 graphs`."""
+    """Capture sizes, abbreviated past 8: `1, 2, 4, 8, 16, …, 512; 51 graphs`."""
     if len(sizes) <= 8:
         return ", ".join(map(str, sizes))
     return f"{', '.join(map(str, sizes[:5]))}, …, {sizes[-1]}; {len(sizes)} graphs"
@@ -56,6 +56,15 @@ def execution_mode(meta: dict, cudagraph: dict | None = None) -> tuple[str, str]
             why = (f"One call replays every kernel launch captured for {padded} tokens; the step's inputs are new "
                    "values written into the same static buffers, and no padding row is needed this time.")
         return head, why
+    if mode == "PIECEWISE":
+        pad = f", padded to {padded}" if padded > n else ""
+        head = f"piecewise CUDA graphs · {n} tokens{pad}{captured}"
+        why = ("Not a uniform decode, so no full graph fits (attention's launch depends on how many requests "
+               "and how long each query is). The rest of each layer depends only on the token count: its graph "
+               f"pieces, captured for {padded} tokens, replay around one eager attention launch per layer, which "
+               "gets this step's metadata (compilation/breakable_cudagraph.py). ~29 replays and 28 launches "
+               "instead of ~400 launches.")
+        return head, why
     short = reason[:-len(": eager")] if reason.endswith(": eager") else reason
     head = f"eager · {short or 'no reason recorded'}"
     why = EAGER_WHY.get(reason_code(cudagraph), "This step launches its kernels one by one.")
@@ -66,12 +75,13 @@ def execution_mode(meta: dict, cudagraph: dict | None = None) -> tuple[str, str]
 
 # Why a step ran eager, by the dispatcher's CudagraphReason code (worker/cudagraph.py).
 EAGER_WHY = {
-    "prefill_in_batch": "A graph is captured for one fixed shape: one query token per request. A prefill chunk has "
-                        "another query length, so this step launches its kernels one by one (and the device lane "
-                        "times each layer and kernel).",
+    "prefill_in_batch": "With cudagraph_mode FULL_DECODE_ONLY only uniform decodes (one query token per request) "
+                        "have a graph. A prefill chunk has another query length, so this step launches its kernels "
+                        "one by one (and the device lane times each layer and kernel); FULL_AND_PIECEWISE would "
+                        "replay graph pieces around eager attention.",
     "cudagraphs_off": "This run has cudagraph_mode NONE (always on a CPU, or enforce_eager on a GPU): every step "
                       "launches its kernels one by one.",
-    "batch_too_large": "More decodes than the largest captured graph: no graph fits, so this step runs eager "
+    "batch_too_large": "More tokens than the largest captured graph: no graph fits, so this step runs eager "
                        "(max_cudagraph_capture_size bounds the sizes captured at start-up).",
 }
 # Runs recorded before the code: the code of the dispatcher's sentence, by what it said.
@@ -93,7 +103,8 @@ def execution_panel(meta: dict, mr: dict) -> None:
     cg = (mr.get("prepare_inputs") or {}).get("cudagraph")
     head, why = execution_mode(meta, cg)
     mode = (cg or {}).get("mode")
-    badge = chip("CUDA graph" if mode == "FULL" else "eager", CUDAGRAPH_COLORS.get(mode, "#8E8E8E")) if cg else ""
+    label = {"FULL": "CUDA graph", "PIECEWISE": "piecewise graphs"}.get(mode, "eager")
+    badge = chip(label, CUDAGRAPH_COLORS.get(mode, "#8E8E8E")) if cg else ""
     st.markdown(f"**Forward pass** {badge} **{head}**", unsafe_allow_html=True)
     st.caption(why + (f" Dispatcher said: `{cg['reason']}`." if cg and cg.get("reason") else ""))
     code_ref("vllm_anatomy/worker/cudagraph.py", "CudagraphDispatcher.dispatch → GPUModelRunner.execute_model")

@@ -71,7 +71,7 @@ def eager_vs_graph(win: pd.DataFrame) -> str | None:
     """One line on why eager steps look synchronous and graph replays do not, with this
     window's numbers; None unless the window has both."""
     modes = _forward_modes(win)
-    eager = [s for s, m in modes.items() if m != "FULL"]
+    eager = [s for s, m in modes.items() if m == "NONE"]
     graph = [s for s, m in modes.items() if m == "FULL"]
     if not eager or not graph:
         return None
@@ -101,7 +101,7 @@ def startup(df: pd.DataFrame) -> None:
         return
     up = up.sort_values("start_ns")
     caps = up[up["name"] == "CUDAGraph.capture"]
-    sizes = sorted(caps["cudagraph_size"].dropna().astype(int))
+    sizes = sorted(set(caps["cudagraph_size"].dropna().astype(int)))  # piecewise and full share sizes
     summary = (f" · {len(caps)} CUDA graphs captured (sizes {sizes_text(sizes).split(';')[0]}) in "
                f"{caps['dur_ms'].sum():.0f} ms" if not caps.empty else "")
     with st.expander(f"Start-up: {len(up)} spans before the first step{summary}"):
@@ -126,6 +126,40 @@ def flagged(flags: dict[int, str], cursor: int | None, steps: list[int]) -> None
     with st.expander(f"{len(flags)} flagged step{'s' * (len(flags) != 1)} (✕ above): not representative, "
                      "the window opens away from them"):
         st.markdown("\n".join(f"- **step {s}** · {why}" for s, why in sorted(flags.items())))
+
+
+def _window_caption(win: pd.DataFrame, a: int, b: int) -> None:
+    """The window in one line: its spans, its sync points and what ran on the device."""
+    sync = win[(win["name"] == "GPUModelRunner._bookkeeping_sync") & (win["lane"] != "device")]
+    dev = win[(win["lane"] == "device") & ~win["host_timing"]]
+    if dev.empty:
+        device = ("no GPU: the device lane shows the host's own timings of the device work — every step is eager "
+                  "and synchronous, nothing runs ahead of the CPU")
+    else:
+        modes = _forward_modes(win)
+        n_graph = sum(m == "FULL" for m in modes.values())
+        n_pieces = sum(m == "PIECEWISE" for m in modes.values())
+        n_eager = len(modes) - n_graph - n_pieces
+        pieces = f", {n_pieces} piecewise" if n_pieces else ""
+        device = (f"GPU: {n_graph} CUDA graph replay{'s' * (n_graph != 1)}{pieces} and {n_eager} eager "
+                  f"forward{'s' * (n_eager != 1)}; eager steps add a row of decoder layers and one of kernel "
+                  f"launches (hover a kernel: grid, tokens, bytes, GB/s; one step's device lane, larger: the "
+                  f"inspector's Worker tab)")
+    st.caption(f"{len(win)} spans in steps {a}–{b} · {len(sync)} sync points, total wait "
+               f"{sync['sync_wait_ms'].fillna(0).sum():.2f} ms · {device}.")
+
+
+def _eager_step_button(df: pd.DataFrame, steps_df: pd.DataFrame, flags: dict[int, str]) -> None:
+    """A run with CUDA graphs and eager steps, but none of each in the window: a button to show the
+    fastest eager step (not a JIT one) here."""
+    modes = _forward_modes(df)
+    if "FULL" in modes.values() and any(m != "FULL" for m in modes.values()):
+        dur = dict(zip(steps_df["step_id"].astype(int), steps_df["dur_ms"]))
+        eager = sorted((s for s, m in modes.items() if m == "NONE" and "JIT" not in flags.get(s, "")),
+                       key=lambda s: dur.get(s, 0.0))
+        if eager:
+            st.button(f"Show an eager step (step {eager[0]}) beside CUDA graph replays", key="tl_eager",
+                      icon=":material/compare:", on_click=show_step_here, args=(eager[0],))
 
 
 def main() -> None:
@@ -160,33 +194,12 @@ def main() -> None:
     fig = timeline_figure(win, int(win["start_ns"].min()), ss.get("cursor"))
     st.plotly_chart(fig, width="stretch", key="timeline_chart", on_select=on_click_open("timeline_chart", "inspector"),
                     selection_mode="points")
-    sync = win[(win["name"] == "GPUModelRunner._bookkeeping_sync") & (win["lane"] != "device")]
-    dev = win[(win["lane"] == "device") & ~win["host_timing"]]
-    if dev.empty:
-        device = ("no GPU: the device lane shows the host's own timings of the device work — every step is eager "
-                  "and synchronous, nothing runs ahead of the CPU")
-    else:
-        modes = _forward_modes(win)
-        n_graph = sum(m == "FULL" for m in modes.values())
-        n_eager = len(modes) - n_graph
-        device = (f"GPU: {n_graph} CUDA graph replay{'s' * (n_graph != 1)} and {n_eager} eager "
-                  f"forward{'s' * (n_eager != 1)}; eager steps add a row of decoder layers and one of kernel "
-                  f"launches (hover a kernel: grid, tokens, bytes, GB/s; one step's device lane, larger: the "
-                  f"inspector's Worker tab)")
-    st.caption(f"{len(win)} spans in steps {a}–{b} · {len(sync)} sync points, total wait "
-               f"{sync['sync_wait_ms'].fillna(0).sum():.2f} ms · {device}.")
+    _window_caption(win, a, b)
     line = eager_vs_graph(win)
     if line:
         st.markdown(line)
     else:
-        modes = _forward_modes(df)
-        if "FULL" in modes.values() and any(m != "FULL" for m in modes.values()):
-            dur = dict(zip(steps_df["step_id"].astype(int), steps_df["dur_ms"]))
-            eager = sorted((s for s, m in modes.items() if m != "FULL" and "JIT" not in flags.get(s, "")),
-                           key=lambda s: dur.get(s, 0.0))
-            if eager:
-                st.button(f"Show an eager step (step {eager[0]}) beside CUDA graph replays", key="tl_eager",
-                          icon=":material/compare:", on_click=show_step_here, args=(eager[0],))
+        _eager_step_button(df, steps_df, flags)
     c1, c2 = st.columns([1, 3], vertical_alignment="bottom")
     pick = c1.selectbox("Open step", steps, index=state.cursor_index(steps), key="tl_pick")
     c2.button("Open in the step inspector", key="tl_open", icon=":material/search:", on_click=open_view,

@@ -10,6 +10,8 @@ import os
 
 import pytest
 
+from vllm_anatomy.config import default_capture_sizes
+
 from tests.dashboard.conftest import APP, CPU_SAMPLE_NAME, GPU_SAMPLE_NAME, H200_SAMPLE, ROOT
 
 
@@ -56,7 +58,12 @@ def test_execution_mode_text():
     assert head.startswith("CUDA graph replay · 8 decodes, exactly a captured size") and "no padding" in why
     head, why = execution_mode(gpu, {"mode": "NONE", "num_tokens": 40, "num_padded_tokens": 40,
                                      "reason": "prefill in batch (max query_len 37): eager"})
-    assert head == "eager · prefill in batch (max query_len 37)" and "one fixed shape" in why
+    assert head == "eager · prefill in batch (max query_len 37)" and "FULL_DECODE_ONLY" in why
+    head, why = execution_mode(gpu, {"mode": "PIECEWISE", "num_tokens": 37, "num_padded_tokens": 40,
+                                     "reason": "mixed batch (max query_len 30): piecewise graphs, attention eager, "
+                                               "padded 37 -> 40", "reason_code": "mixed_batch"})
+    assert head == "piecewise CUDA graphs · 37 tokens, padded to 40 (captured sizes 1, 2, 4, 8, 16, …, 56; 10 graphs)"
+    assert "eager attention launch per layer" in why and "captured for 40 tokens" in why
     head, why = execution_mode(gpu, {"mode": "NONE", "num_tokens": 60, "num_padded_tokens": 60,
                                      "reason": "60 decodes > largest graph (56): eager"})
     assert head == "eager · 60 decodes > largest graph (56)" and "largest captured graph" in why
@@ -117,7 +124,7 @@ def test_no_gpu_button_opens_the_gpu_sample_on_a_graph_replay(recorded_run, samp
     assert at.session_state["run_path"] == samples["gpu"] and at.session_state["cursor"] == step
     text = _text(at)
     assert (f"Forward pass: **CUDA graph replay · {d['num_tokens']} decodes padded to {d['num_padded_tokens']} "
-            f"(captured sizes 1, 2, 4, 8, 16, …, 512; 67 graphs)**") in text
+            f"(captured sizes 1, 2, 4, 8, 16, …, 512; {len(default_capture_sizes(512))} graphs)**") in text
     assert not any(b.key == "open_gpu_sample" for b in at.sidebar.button)   # the sample is open now
     # The why (padding rows write slot -1) is the Worker tab's: only the open tab is computed.
     at = _app(monkeypatch, trace_dir, samples["dir"], "inspector", GPU_SAMPLE_NAME, step, WORKER)
@@ -178,7 +185,7 @@ def test_timeline_device_rows(recorded_run, samples, monkeypatch):
         assert needle in spec, needle
     text = _text(at)
     assert "CUDA graph replays and" in text and "row of decoder layers" in text
-    assert any("67 CUDA graphs captured" in e.label for e in at.expander)
+    assert any(f"{len(default_capture_sizes(512))} CUDA graphs captured" in e.label for e in at.expander)
     # The span table behind it: kernels mapped to the layer they ran in, one row per device row kind.
     from dashboard import spans
     df = spans.span_table.__wrapped__(samples["gpu"], (), "cuda")

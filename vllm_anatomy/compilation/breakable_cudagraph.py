@@ -1,7 +1,9 @@
 """Piecewise CUDA graphs without torch.compile: a capture that breaks around attention.
 
-Mirrors vllm/compilation/breakable_cudagraph.py (v0.27.1: BreakableCUDAGraphCapture,
-eager_break_during_capture, weak_ref_tensor; on with VLLM_USE_BREAKABLE_CUDAGRAPH).
+Mirrors vllm/compilation/breakable_cudagraph.py (BreakableCUDAGraphCapture,
+eager_break_during_capture) and vllm/utils/torch_utils.py (weak_ref_tensor);
+v0.27.1 turns the breakable capture on with an environment variable,
+VLLM_USE_BREAKABLE_CUDAGRAPH.
 vLLM's usual PIECEWISE graphs come from torch.compile splitting the model's FX
 graph at the attention ops; the breakable capture gets the same pieces at run
 time instead: one capture context drives the whole forward, and when the
