@@ -69,7 +69,9 @@ def header_fields(meta: dict, name: str | None = None, mr: dict | None = None) -
         ("async scheduling", None if async_s is None else ("on" if async_s else "off"),
          "scheduler_config.async_scheduling: step N+1 is scheduled while step N runs on the device"),
         ("CUDA graphs", graphs, "compilation_config.cudagraph_mode: FULL_DECODE_ONLY replays a captured graph for "
-                                "pure-decode batches (padded to a capture size); NONE = always eager (every CPU run)"),
+                                "pure-decode batches (padded to a capture size); FULL_AND_PIECEWISE also replays "
+                                "graph pieces around eager attention for other batches; NONE = always eager "
+                                "(every CPU run)"),
         ("TP", None if tp is None else str(tp), "tensor-parallel size (parallel_config.tensor_parallel_size)"),
         ("block size", None if _get(cfg, "cache_config", "block_size") is None
          else f"{_get(cfg, 'cache_config', 'block_size')} tokens", "tokens per KV-cache block (cache_config.block_size)"),
