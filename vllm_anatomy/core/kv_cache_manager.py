@@ -196,7 +196,10 @@ class KVCacheManager:
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Cache the request's full blocks within its first num_computed_tokens tokens."""
-        if self.enable_caching:
+        # NOTE: AsyncScheduler calls this for every running request every step;
+        # most have no block hash past their cached blocks, hence nothing to do.
+        if self.enable_caching and \
+                self.manager.num_cached_block.get(request.request_id, 0) < len(request.block_hashes):
             self._event_context(request, "cache_blocks")
             self.manager.cache_blocks(request, num_computed_tokens)
 

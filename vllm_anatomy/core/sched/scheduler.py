@@ -181,7 +181,7 @@ class Scheduler(SchedulerInterface):
         while req_index < len(self.running) and step.token_budget > 0:
             request = self.running[req_index]
             req_index += 1
-            if self._finishes_in_flight(request):
+            if request.num_output_placeholders > 0 and self._finishes_in_flight(request):
                 # NOTE: async scheduling: a step already in flight samples this
                 # request's last token; one more step would be thrown away.
                 continue
@@ -440,9 +440,8 @@ class Scheduler(SchedulerInterface):
         return True
 
     def _finishes_in_flight(self, request: Request) -> bool:
-        """Async scheduling only: is the request's last token already being sampled?"""
-        if request.num_output_placeholders == 0:
-            return False
+        """Async scheduling only (a request with output placeholders): is its
+        last token already being sampled?"""
         # NOTE: num_computed_tokens already counts the in-flight steps' inputs;
         # + 1 is the token the latest in-flight step samples. It ends the request
         # at max_model_len or at max_tokens outputs (check_stop's length cap).
