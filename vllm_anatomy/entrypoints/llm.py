@@ -10,7 +10,9 @@ Mirrors vllm/entrypoints/llm.py. Run:
 
 With VLLM_ENABLE_V1_MULTIPROCESSING=1 (vLLM's default; ours is 0) EngineCore
 runs in its own process while this one detokenizes; `llm.shutdown()`, a
-`with LLM(...) as llm:` block, or the interpreter's exit stops it.
+`with LLM(...) as llm:` block, or the interpreter's exit stops it. That process
+is started with "spawn" (it re-imports the main module), so a script that
+builds an LLM there does it under `if __name__ == "__main__":`.
 """
 from __future__ import annotations
 
