@@ -1,11 +1,11 @@
-# Two commands: `make run` (the main job) and `make test` (lint, then all tests).
+# Two commands: `make run` (the main job) and `make test` (lint and type check, then all tests).
 # Both depend on `make setup`, which is idempotent. `make test-fast` is the inner loop.
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.setup-done
 
-.PHONY: setup run test test-fast lint gpu-test download browser clean-venv
+.PHONY: setup run test test-fast lint typecheck gpu-test download browser clean-venv
 
 setup: $(STAMP) browser download
 
@@ -46,6 +46,12 @@ test-fast: download
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(MAKE) --no-print-directory typecheck
+
+# mypy over vllm_anatomy/ and kernels/ ([tool.mypy] in pyproject.toml says what is
+# checked and which packages are still a follow-up).
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy
 
 # Only the GPU tests (kernels compiled for the device, CUDA graphs, device timings).
 # Where there is no CUDA device they are all skipped, each with its reason.

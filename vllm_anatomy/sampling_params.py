@@ -83,7 +83,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     seed: int | None = None     # -1 = no seed, as in vLLM
     max_tokens: int | None = 16
     min_tokens: int = 0
-    stop: list[str] | None = None
+    stop: str | list[str] | None = None      # a str becomes [str] (__post_init__)
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False

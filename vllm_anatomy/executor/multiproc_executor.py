@@ -176,14 +176,15 @@ class MultiprocExecutor(Executor):
     def _start_workers(self, pc: ParallelConfig) -> None:
         res = self.resources
         handle = None
+        rpc_broadcast_mq = None
         if not self.is_headless:
             # NOTE: readers 0 .. local_world_size - 1 (this host's ranks) read the
             # shared memory; the ranks of other nodes subscribe over TCP.
             connect_ip = get_ip(pc.master_addr) if pc.nnodes > 1 else None
-            self.rpc_broadcast_mq = res.rpc_broadcast_mq = MessageQueue(
+            self.rpc_broadcast_mq = res.rpc_broadcast_mq = rpc_broadcast_mq = MessageQueue(
                 self.world_size, MAX_CHUNK_BYTES, ipc_dir=self.ipc_dir,
                 n_local_reader=self.local_world_size, connect_ip=connect_ip)
-            handle = self.rpc_broadcast_mq.export_handle()
+            handle = rpc_broadcast_mq.export_handle()
         run_path = getattr(self.recorder, "run_path", None)
         init_method = _distributed_init_method(pc)
         first_rank = self.local_world_size * pc.node_rank
@@ -191,10 +192,13 @@ class MultiprocExecutor(Executor):
                                                       init_method, handle, self.ipc_dir, run_path)
                        for local_rank in range(self.local_world_size)]
         self.workers = res.workers = WorkerProc.wait_for_ready(res.unready, attach=not self.is_headless)
-        if self.is_headless:
+        if rpc_broadcast_mq is None:          # a headless node: node 0's executor drives these workers
             return
-        self.response_mqs = [w.worker_response_mq for w in self.workers] + self._attach_remote_response_mqs()
-        self.rpc_broadcast_mq.wait_until_ready(timeout=WORKER_READY_TIMEOUT_S)
+        # NOTE: attached (wait_for_ready(attach=True)): every local worker has its reply queue.
+        self.response_mqs = [mq for w in self.workers if (mq := w.worker_response_mq) is not None]
+        assert len(self.response_mqs) == len(self.workers)
+        self.response_mqs += self._attach_remote_response_mqs()
+        rpc_broadcast_mq.wait_until_ready(timeout=WORKER_READY_TIMEOUT_S)
         for mq in self.response_mqs:
             mq.wait_until_ready(timeout=WORKER_READY_TIMEOUT_S)
 
@@ -295,6 +299,7 @@ class MultiprocExecutor(Executor):
         request = RPCRequest(method, [encode_raw(a) for a in args],
                              {k: encode_raw(v) for k, v in (kwargs or {}).items()}, unique_reply_rank,
                              self.recorder.inject_trace_headers() or None)
+        assert self.rpc_broadcast_mq is not None, "a headless node's executor sends no RPCs"
         with self._queue_errors(method):
             self.rpc_broadcast_mq.enqueue(request, timeout=timeout, cancel=self.shutdown_event)
         ranks = [unique_reply_rank] if unique_reply_rank is not None else list(range(self.world_size))

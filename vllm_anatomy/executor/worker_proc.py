@@ -181,6 +181,7 @@ class WorkerProc:
 
     def _init_message_queues(self, pc: ParallelConfig, input_shm_handle: Handle | None, ipc_dir: str) -> None:
         if pc.nnodes == 1:
+            assert input_shm_handle is not None, "on one node every worker is handed the executor's queue"
             self.rpc_broadcast_mq = MessageQueue.create_from_handle(input_shm_handle, self.rank)
             self.worker_response_mq = MessageQueue(1, MAX_CHUNK_BYTES, ipc_dir=ipc_dir)
             return
@@ -191,7 +192,8 @@ class WorkerProc:
                                                                 self.rank)
         # NOTE: a reply queue's reader is the executor: on node 0 it reads the
         # shared memory; from another node it subscribes over TCP.
-        remote = dict(n_local_reader=0, connect_ip=get_ip(pc.master_addr)) if pc.node_rank > 0 else {}
+        remote: dict[str, Any] = (dict(n_local_reader=0, connect_ip=get_ip(pc.master_addr))
+                                  if pc.node_rank > 0 else {})
         self.worker_response_mq = MessageQueue(1, MAX_CHUNK_BYTES, ipc_dir=ipc_dir, **remote)
         me = PeerInfo(self.rank, os.getpid(), socket.gethostname(), self.worker_response_mq.export_handle())
         peers = [msgspec.msgpack.decode(b, type=PeerInfo) for b in world.all_gather_bytes(_encoder.encode(me))]
@@ -223,7 +225,7 @@ class WorkerProc:
             conns = multiprocessing.connection.wait(list(pending), timeout=WORKER_READY_TIMEOUT_S)
             if not conns:
                 raise TimeoutError(f"Workers did not start within {WORKER_READY_TIMEOUT_S} s")
-            for conn in conns:
+            for conn in [c for c in pending if c in conns]:      # (wait() hands back the pipes given)
                 u = pending.pop(conn)
                 try:
                     msg = msgspec.msgpack.decode(conn.recv_bytes(), type=WorkerReady)
@@ -235,6 +237,7 @@ class WorkerProc:
                     conn.close()
                 if msg.status != "READY":
                     raise RuntimeError(f"WorkerProc rank {u.rank} failed to start:\n{msg.error}")
+                assert msg.response_handle is not None, "READY carries the reply queue's handle"
                 mq = MessageQueue.create_from_handle(msg.response_handle, 0) if attach else None
                 ready[u.rank] = WorkerProcHandle(u.proc, u.rank, mq, u.death_writer, msg.peers)
         return [ready[rank] for rank in sorted(ready)]

@@ -55,7 +55,7 @@ class Sampler(nn.Module):
             logits = apply_logit_bias(logits, sampling_metadata.logit_bias)
         sampled = self.sample(logits, sampling_metadata)
         logprobs_tensors = None
-        if raw_logprobs is not None:
+        if raw_logprobs is not None and num_logprobs is not None:
             logprobs_tensors = self.gather_logprobs(raw_logprobs, num_logprobs, sampled)
         return SamplerOutput(sampled, logprobs_tensors)
 
@@ -66,6 +66,7 @@ class Sampler(nn.Module):
     def sample(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         greedy_sampled = None if md.all_random else logits.argmax(dim=-1)     # [R]
         if md.all_greedy:
+            assert greedy_sampled is not None
             return greedy_sampled
         assert md.temperature is not None
         logits = self.apply_temperature(logits, md.temperature)   # a new tensor from here on

@@ -79,10 +79,11 @@ class StructuredOutputManager:
     def _create_grammar(self, request: Request) -> StructuredOutputGrammar:
         """Runs in the pool. NOTE: an exception stays in the Future: the scheduler
         fails this request alone (FINISHED_ERROR)."""
-        struct_request = request.structured_output_request
+        struct_request, backend = request.structured_output_request, self.backend
+        assert struct_request is not None and backend is not None     # (set by grammar_init)
         try:
             request_type, grammar_spec = struct_request.structured_output_key
-            return self.backend.compile_grammar(request_type, grammar_spec)
+            return backend.compile_grammar(request_type, grammar_spec)
         finally:
             struct_request.compile_end = time.monotonic()
 
@@ -92,11 +93,15 @@ class StructuredOutputManager:
         if not structured_output_request_ids:
             return None
         if self._grammar_bitmask is None:
+            assert self.backend is not None, "a request with a grammar went through grammar_init"
             max_batch_size = self.vllm_config.scheduler_config.max_num_seqs
             self._grammar_bitmask = self.backend.allocate_token_bitmask(max_batch_size)
         bitmask = self._grammar_bitmask
         for index, req_id in enumerate(structured_output_request_ids):
-            grammar = requests[req_id].structured_output_request.grammar
+            struct_request = requests[req_id].structured_output_request
+            grammar = struct_request.grammar if struct_request is not None else None
+            # NOTE: the scheduler asks only for requests whose grammar compiled.
+            assert isinstance(grammar, StructuredOutputGrammar), f"{req_id}: no compiled grammar"
             if not grammar.is_terminated():
                 grammar.fill_bitmask(bitmask, index)
             else:

@@ -61,7 +61,9 @@ class StructuredOutputRequest:
         """The grammar, the compile error, or None while it is still compiling."""
         if not self._check_grammar_completion():
             return None
-        return self._grammar
+        grammar = self._grammar
+        assert not isinstance(grammar, Future)      # (resolved by _check_grammar_completion)
+        return grammar
 
     @grammar.setter
     def grammar(self, grammar: StructuredOutputGrammar | Future[StructuredOutputGrammar]) -> None:

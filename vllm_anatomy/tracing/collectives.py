@@ -50,7 +50,7 @@ class CollectiveTracer:
         if not self.host_spans:
             yield
             return
-        attrs = {"vllm_anatomy.collective": op, "vllm_anatomy.bytes": nbytes,
+        attrs: dict[str, Any] = {"vllm_anatomy.collective": op, "vllm_anatomy.bytes": nbytes,
                  "vllm_anatomy.group_size": group_size}
         with self.recorder.span(f"GroupCoordinator.{op}", **attrs), \
                 self.kernel_timer.interval(f"GPU.collective.{op}", **attrs):

@@ -214,5 +214,6 @@ def _watch_block_pool(pool: BlockPool, touched: Callable[[list[int]], None]) -> 
         touched(list(range(pool.num_gpu_blocks)))
         return True
 
-    pool.get_new_blocks, pool.touch, pool.free_blocks = watched_get_new_blocks, watched_touch, watched_free_blocks
-    pool.cache_full_blocks, pool.reset_prefix_cache = watched_cache_full_blocks, watched_reset_prefix_cache
+    for watched in (watched_get_new_blocks, watched_touch, watched_free_blocks, watched_cache_full_blocks,
+                    watched_reset_prefix_cache):
+        setattr(pool, watched.__name__, watched)      # (functools.wraps: the wrapped method's name)

@@ -34,7 +34,7 @@ from __future__ import annotations
 import logging
 import time
 import traceback
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence, cast
 
 from opentelemetry import trace
 from opentelemetry.attributes import BoundedAttributes
@@ -78,7 +78,7 @@ def _kept(attributes: Mapping[str, Any]) -> dict | None:
     return kept
 
 
-def _fits(plain: dict, attributes: Mapping[str, Any], maxlen: int | None) -> bool:
+def _fits(plain: Mapping[str, Any], attributes: Mapping[str, Any], maxlen: int | None) -> bool:
     """Would `plain` updated with `attributes` stay within `maxlen` keys?"""
     return maxlen is None or len(plain) + sum(1 for key in attributes if key not in plain) <= maxlen
 
@@ -148,7 +148,8 @@ class LocalSpan(trace.Span, ReadableSpan):
         limits = self._sink.limits
         current = self._attributes
         if type(current) is not BoundedAttributes:
-            plain = current if current is not None else {}
+            # NOTE: below BoundedAttributes the attributes are this span's own plain dict.
+            plain = cast("dict[str, Any]", current) if current is not None else {}
             kept = _kept(attributes) if limits.max_span_attribute_length is None else None
             if kept is not None and _fits(plain, kept, limits.max_span_attributes):
                 for key, value in kept.items():
@@ -163,7 +164,9 @@ class LocalSpan(trace.Span, ReadableSpan):
 
     # -- trace.Span ---------------------------------------------------------------------
     def get_span_context(self) -> SpanContext:
-        return self._context
+        context = self._context
+        assert context is not None          # (given to __init__)
+        return context
 
     def is_recording(self) -> bool:
         return self._end_time is None
@@ -183,13 +186,15 @@ class LocalSpan(trace.Span, ReadableSpan):
         limits = self._sink.limits
         # NOTE: an event's attributes as in _set: a plain dict where BoundedAttributes would only copy
         # (none: an empty dict, what an empty BoundedAttributes reads as).
-        attrs = (_kept(attributes) if limits.max_attribute_length is None else None) if attributes else {}
+        attrs: Mapping[str, Any] | None = (
+            (_kept(attributes) if limits.max_attribute_length is None else None) if attributes else {})
         if attrs is None or not _fits({}, attrs, limits.max_event_attributes):
             attrs = BoundedAttributes(limits.max_event_attributes, attributes, immutable=True,
                                       max_value_len=limits.max_attribute_length)
-        if not self._events:
-            self._events = BoundedList(limits.max_events)
-        self._events.append(Event(name, attrs, timestamp))
+        events = self._events
+        if type(events) is not BoundedList:         # (the empty tuple ReadableSpan starts with)
+            self._events = events = BoundedList(limits.max_events)
+        events.append(Event(name, attrs, timestamp))
 
     def add_link(self, context: SpanContext, attributes: Mapping[str, Any] | None = None) -> None:
         if self._ended("add_link"):
@@ -205,9 +210,10 @@ class LocalSpan(trace.Span, ReadableSpan):
         """Add ready-made (valid, immutable) links at once."""
         if self._ended("add_link"):
             return
-        if not self._links:
-            self._links = BoundedList(self._sink.limits.max_links)
-        self._links.extend(links)
+        span_links = self._links
+        if type(span_links) is not BoundedList:     # (the empty tuple ReadableSpan starts with)
+            self._links = span_links = BoundedList(self._sink.limits.max_links)
+        span_links.extend(links)
 
     def update_name(self, name: str) -> None:
         if not self._ended("update_name"):

@@ -22,6 +22,7 @@ parent of the request spans, as in vLLM.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import operator
 import os
 import time
@@ -71,7 +72,7 @@ def _extend_links(span: trace.Span, links: list[Link]) -> None:
 
 def _attrs(attrs: dict[str, Any]) -> dict[str, Any]:
     """OpenTelemetry accepts scalars and homogeneous sequences of them; the rest as text."""
-    out = {}
+    out: dict[str, Any] = {}
     for k, v in attrs.items():
         if v is None:
             continue
@@ -227,7 +228,7 @@ class OTelRecorder(Recorder):
                   start_ns: int | None = None, kind: SpanKind = SpanKind.INTERNAL) -> trace.Span:
         """A span, not made current, under `remote_parent` if given, else under the current span."""
         parent = remote_parent if remote_parent is not None else trace.get_current_span().get_span_context()
-        span = self.sink.start(name, parent, kind, attrs, start_ns)
+        span: trace.Span | None = self.sink.start(name, parent, kind, attrs, start_ns)
         if span is None:                    # another sampler, an unsampled parent: the SDK decides
             context = (trace.set_span_in_context(trace.NonRecordingSpan(remote_parent))
                        if remote_parent is not None else None)
@@ -245,7 +246,8 @@ class OTelRecorder(Recorder):
         return OTelSpan(self._new_span(name, remote_span_context(trace_headers), _attrs(attrs), start_ns,
                                        _KINDS[kind]))
 
-    def use_span(self, handle: OTelSpan):
+    def use_span(self, handle: SpanHandle) -> contextlib.AbstractContextManager:
+        assert isinstance(handle, OTelSpan), "a span this recorder started"
         return trace.use_span(handle.span, end_on_exit=False)
 
     def event(self, name: str, **attrs: Any) -> None:

@@ -114,14 +114,14 @@ class Run:
         self.path = path
         self.bad_rows: list[BadRow] = []
         try:
-            self._conn = connect_readonly(path)
+            self._conn: sqlite3.Connection | None = connect_readonly(path)     # None once closed
         except sqlite3.DatabaseError as e:   # "file is not a database", "unable to open"
             raise TraceStoreError(f"{path}: not a vllm_anatomy run store ({e})") from e
         self.meta = self._read_meta()
 
     def _read_meta(self) -> dict[str, Any]:
         try:
-            rows = self._conn.execute("SELECT key, value FROM meta").fetchall()
+            rows = self._connection().execute("SELECT key, value FROM meta").fetchall()
         except sqlite3.DatabaseError as e:  # "file is not a database", "no such table: meta"
             self.close()
             raise TraceStoreError(f"{self.path}: not a vllm_anatomy run store ({e})") from e
@@ -138,9 +138,14 @@ class Run:
     def schema_version(self) -> int:
         return self.meta["schema_version"]
 
+    def _connection(self) -> sqlite3.Connection:
+        if self._conn is None:
+            raise TraceStoreError(f"{self.path}: the run is closed")
+        return self._conn
+
     def _query(self, sql: str, args: tuple = ()) -> list[tuple]:
         try:
-            return self._conn.execute(sql, args).fetchall()
+            return self._connection().execute(sql, args).fetchall()
         except sqlite3.DatabaseError as e:
             raise TraceStoreError(f"{self.path}: corrupt run store ({e})") from e
 
@@ -211,7 +216,7 @@ class Run:
                 # (two thirds of a 1,000-step pass's time). Rows are streamed in rowid order (no
                 # sort, no 100s of MB fetched at once); the first of a step's rows wins (tensor
                 # parallelism: one per rank, the same content).
-                for row_id, step_id, time_ns, data in self._conn.execute(
+                for row_id, step_id, time_ns, data in self._connection().execute(
                         "SELECT id, step_id, time_ns, data FROM snapshots WHERE kind = ? ORDER BY id", (kind,)):
                     if step_id in seen:
                         continue

@@ -73,7 +73,7 @@ class Recorder:
     def inject_trace_headers(self) -> dict[str, str]:
         return {}
 
-    def step_tracer(self, snapshot_at_launch: bool) -> "StepTracer":
+    def step_tracer(self, snapshot_at_launch: bool) -> "StepTracer | NullStepTracer":
         """The tracer EngineCore reports its steps to; `snapshot_at_launch`:
         take the step snapshot as the step is launched (async scheduling)."""
         from vllm_anatomy.tracing.step_tracer import StepTracer
@@ -325,7 +325,8 @@ class InMemoryRecorder(Recorder):
         return self._new_span(name, parse_traceparent(trace_headers), attrs, start_ns, kind)
 
     @contextlib.contextmanager
-    def use_span(self, handle: RecordedSpan) -> Iterator[RecordedSpan]:
+    def use_span(self, handle: SpanHandle) -> Iterator[RecordedSpan]:
+        assert isinstance(handle, RecordedSpan), "a span this recorder started"
         self._stack.append(handle)
         try:
             yield handle

@@ -106,7 +106,8 @@ class RequestTracer:
             return
         t.span.set_attribute("gen_ai.usage.output_tokens", t.num_output_tokens)
         t.span.set_attribute("gen_ai.response.finish_reasons", [reason])
-        t.span.add_event("FINISHED", **{"vllm_anatomy.finish_reason": reason})
+        attrs: dict[str, Any] = {"vllm_anatomy.finish_reason": reason}
+        t.span.add_event("FINISHED", **attrs)
         t.span.end()
 
     def abort_all(self, request_ids: list[str], reason: str = "abort") -> None:

@@ -27,8 +27,9 @@ see StepSnapshots.prepare_inputs).
 from __future__ import annotations
 
 import contextlib
+import enum
 import time
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Final, Iterator, Literal
 
 import numpy as np
 import torch
@@ -61,8 +62,12 @@ class NullKernelTimer:
 
 NULL_KERNEL_TIMER = NullKernelTimer()
 
+class _Sentinel(enum.Enum):
+    TAKE_AT_WAIT = "take at wait"
+
+
 # sync_point's default: the step's device events are those marked until the wait.
-TAKE_AT_WAIT = object()
+TAKE_AT_WAIT: Final = _Sentinel.TAKE_AT_WAIT
 
 
 class RunnerTracer:
@@ -78,20 +83,21 @@ class RunnerTracer:
         # The sync point in progress: its step, its device events (TAKE_AT_WAIT: those marked until
         # the wait), and how long the host waited.
         self._sync_step_id = -1
-        self._sync_events: StepEvents | None | object = TAKE_AT_WAIT
+        self._sync_events: StepEvents | None | Literal[_Sentinel.TAKE_AT_WAIT] = TAKE_AT_WAIT
         self.wait_s = 0.0
 
     def span(self, name: str, **attrs: Any) -> contextlib.AbstractContextManager:
         return self.recorder.span(name, **attrs)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> contextlib.AbstractContextManager:
-        return self.recorder.span("GPUModelRunner.execute_model", **{
-            "vllm_anatomy.step_id": scheduler_output.step_id,
-            "vllm_anatomy.num_scheduled_tokens": scheduler_output.total_num_scheduled_tokens})
+        attrs: dict[str, Any] = {"vllm_anatomy.step_id": scheduler_output.step_id,
+                                 "vllm_anatomy.num_scheduled_tokens": scheduler_output.total_num_scheduled_tokens}
+        return self.recorder.span("GPUModelRunner.execute_model", **attrs)
 
     def apply_grammar_bitmask(self, grammar_output: GrammarOutput) -> contextlib.AbstractContextManager:
-        return self.recorder.span("GPUModelRunner.apply_grammar_bitmask", **{
-            "vllm_anatomy.num_structured_output_reqs": len(grammar_output.structured_output_request_ids)})
+        attrs: dict[str, Any] = {
+            "vllm_anatomy.num_structured_output_reqs": len(grammar_output.structured_output_request_ids)}
+        return self.recorder.span("GPUModelRunner.apply_grammar_bitmask", **attrs)
 
     def compute_slot_mapping(self, num_reqs: int, num_tokens: int) -> contextlib.AbstractContextManager:
         """The slot-mapping kernel's launch, timed at level full (one program per request + padding)."""
@@ -119,7 +125,7 @@ class RunnerTracer:
         return self.device_timer.take()
 
     @contextlib.contextmanager
-    def sync_point(self, name: str, step_id: int, events: StepEvents | None | object = TAKE_AT_WAIT,
+    def sync_point(self, name: str, step_id: int, events: StepEvents | None | Literal[_Sentinel.TAKE_AT_WAIT] = TAKE_AT_WAIT,
                    **attrs: Any) -> Iterator[None]:
         """The span of a step's sync point: how long the host waited (0 on a CPU) and on what device.
 
@@ -157,6 +163,8 @@ class StepSnapshots:
                        cu_num_tokens: np.ndarray, arange: np.ndarray, token_indices: np.ndarray) -> dict:
         """What _prepare_inputs computed: its intermediate arrays, and what it left in the runner's buffers."""
         total, num_reqs = len(req_indices), len(num_scheduled_tokens)
+        decision = runner.cudagraph_decision
+        assert decision is not None, "_prepare_inputs dispatched the step first"
         return {
             "req_ids": list(runner.input_batch.req_ids), "num_scheduled_tokens": num_scheduled_tokens.tolist(),
             "req_indices": req_indices.tolist(), "cu_num_tokens": cu_num_tokens.tolist(),
@@ -167,7 +175,7 @@ class StepSnapshots:
             "slot_mapping": _host_list(runner.input_batch.block_table.slot_mapping[:total]),
             "logits_indices": (cu_num_tokens - 1).tolist(),
             "discard_request_indices": runner.discard_request_indices.tolist(),
-            "cudagraph": runner.cudagraph_decision.to_dict()}
+            "cudagraph": decision.to_dict()}
 
     def take(self, runner: GPUModelRunner) -> dict:
         with paused_gc():
@@ -177,7 +185,10 @@ class StepSnapshots:
                snapshot: dict | None = None) -> None:
         """Record the step's snapshot (`snapshot`: taken earlier by take(), else `runner`'s now)."""
         with paused_gc():
-            snap = snapshot if snapshot is not None else runner.snapshot()
+            if snapshot is None:
+                assert runner is not None, "record() needs the snapshot or the runner"
+                snapshot = runner.snapshot()
+            snap = snapshot
             prepare_inputs = snap.get("prepare_inputs")
             if prepare_inputs is not None and isinstance(prepare_inputs["slot_mapping"], _DeviceCopy):
                 prepare_inputs["slot_mapping"] = prepare_inputs["slot_mapping"].tolist()

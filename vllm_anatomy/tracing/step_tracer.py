@@ -45,7 +45,7 @@ from vllm_anatomy.tracing.recorder import _NULL_SPAN, Recorder, SpanHandle, paus
 from vllm_anatomy.tracing.traced import QUIET_CALLS_ATTR, TracedCalls, trace_methods
 
 if TYPE_CHECKING:
-    from vllm_anatomy.core.sched.interface import SchedulerInterface
+    from vllm_anatomy.core.sched.scheduler import Scheduler
     from vllm_anatomy.core.sched.output import GrammarOutput, SchedulerOutput
 
 STEP_ID = "vllm_anatomy.step_id"
@@ -65,7 +65,7 @@ class StepSnapshotter:
     another process it could not be fetched without an extra round trip.
     """
 
-    def __init__(self, recorder: Recorder, scheduler: SchedulerInterface) -> None:
+    def __init__(self, recorder: Recorder, scheduler: Scheduler) -> None:
         self.recorder = recorder
         self.scheduler = scheduler
         self.kv_cache_snapshotter = KVCacheSnapshotter(scheduler.kv_cache_manager)
@@ -93,7 +93,8 @@ class StepTracer:
         self.recorder = recorder
         self.snapshot_at_launch = snapshot_at_launch
         self.links_requests = recorder.enabled
-        self.scheduler: SchedulerInterface | None = None
+        # NOTE: EngineCore's scheduler, built after this tracer: set by watch(), before any step.
+        self.scheduler: Scheduler
         self.traced_kv_calls: TracedCalls | None = None
         self.on_launch: list[StepObserver] = []
         self.on_update: list[StepObserver] = []
@@ -104,7 +105,7 @@ class StepTracer:
         takes them every step (else they would pile up)."""
         return self.recorder.wants_snapshots
 
-    def watch(self, scheduler: SchedulerInterface) -> None:
+    def watch(self, scheduler: Scheduler) -> None:
         """Start observing `scheduler` (EngineCore's, built after this tracer)."""
         self.scheduler = scheduler
         if not self.recorder.wants_snapshots:
@@ -144,6 +145,8 @@ class StepTracer:
         for req_id in [*ready, *scheduler.grammar_compile_error_reqs]:
             request = requests[req_id]
             so = request.structured_output_request
+            # NOTE: these requests' grammars were compiled (or failed): both times are set.
+            assert so is not None and so.compile_start is not None and so.compile_end is not None
             failed = isinstance(so.grammar, Exception)
             span = self.recorder.start_span(
                 "StructuredOutputManager._create_grammar", trace_headers=request.trace_headers,
@@ -152,8 +155,9 @@ class StepTracer:
                     "vllm_anatomy.structured_output_type": so.structured_output_key[0].name,
                     "vllm_anatomy.error": str(so.grammar) if failed else ""})
             span.end(self._engine_ns(so.compile_end))
+            attrs: dict[str, Any] = {REQUEST_ID: req_id}
             step_span.add_event(f"WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR -> {'FINISHED_ERROR' if failed else 'WAITING'}",
-                                **{REQUEST_ID: req_id})
+                                **attrs)
 
     def _engine_ns(self, monotonic_s: float) -> int:
         """time.monotonic() seconds on the recorder's clock."""
@@ -202,17 +206,22 @@ class StepTrace:
         for observe in tracer.on_launch:
             observe(scheduler_output)
 
+    def _scheduled_output(self) -> SchedulerOutput:
+        assert self.scheduler_output is not None, "the step is scheduled first"
+        return self.scheduler_output
+
     def grammar_bitmask(self) -> _GrammarBitmaskSpan:
-        return _GrammarBitmaskSpan(self.tracer.recorder, self.scheduler_output.step_id)
+        return _GrammarBitmaskSpan(self.tracer.recorder, self._scheduled_output().step_id)
 
     def update_from_output(self) -> Any:
-        return self.tracer.recorder.span("Scheduler.update_from_output",
-                                         **{STEP_ID: self.scheduler_output.step_id})
+        attrs: dict[str, Any] = {STEP_ID: self._scheduled_output().step_id}
+        return self.tracer.recorder.span("Scheduler.update_from_output", **attrs)
 
     def updated(self) -> None:
         """update_from_output has run: the update observers."""
+        scheduler_output = self._scheduled_output()
         for observe in self.tracer.on_update:
-            observe(self.scheduler_output)
+            observe(scheduler_output)
 
     def end(self) -> None:
         self.span.end()
@@ -242,7 +251,8 @@ class _GrammarBitmaskSpan:
     __slots__ = ("scope", "span")
 
     def __init__(self, recorder: Recorder, step_id: int) -> None:
-        self.scope = recorder.span("Scheduler.get_grammar_bitmask", **{STEP_ID: step_id})
+        attrs: dict[str, Any] = {STEP_ID: step_id}
+        self.scope = recorder.span("Scheduler.get_grammar_bitmask", **attrs)
 
     def __enter__(self) -> _GrammarBitmaskSpan:
         self.span = self.scope.__enter__()
@@ -260,7 +270,7 @@ class NullStepTracer:
     """Tracing off: one shared step object whose every call does nothing."""
     drains_kv_cache_events = False
 
-    def watch(self, scheduler: SchedulerInterface) -> None:
+    def watch(self, scheduler: Scheduler) -> None:
         pass
 
     def add_request(self, request: Any) -> Any:

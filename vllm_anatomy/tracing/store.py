@@ -146,7 +146,7 @@ def connect_readonly(path: str) -> sqlite3.Connection:
 
 
 def _ro_connect(uri: str, factory: type = sqlite3.Connection) -> sqlite3.Connection:
-    conn = sqlite3.connect(uri, uri=True, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None,
+    conn: sqlite3.Connection = sqlite3.connect(uri, uri=True, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None,
                            check_same_thread=False, factory=factory)
     try:
         conn.execute("SELECT count(*) FROM sqlite_master").fetchone()   # opening is lazy: fail here
@@ -177,6 +177,7 @@ def _private_copy(path: str) -> sqlite3.Connection:
         shutil.copyfile(path, copy)                        # (no writer: a writer would have the -shm)
         shutil.copyfile(path + "-wal", copy + "-wal")
         conn = _ro_connect("file:" + urllib.parse.quote(copy), _CopyConnection)
+        assert isinstance(conn, _CopyConnection)
     except BaseException:
         shutil.rmtree(tmpdir, ignore_errors=True)
         raise
@@ -197,7 +198,7 @@ class RunStore:
 
     def __init__(self, path: str, conn: sqlite3.Connection) -> None:
         self.path = path
-        self._conn = conn
+        self._conn: sqlite3.Connection | None = conn     # None once closed
         self._queue: collections.deque[tuple[str, list[tuple]]] = collections.deque()
         self._cond = threading.Condition()
         self._queued = self._committed = 0      # items ever queued / ever committed
@@ -279,6 +280,7 @@ class RunStore:
     def _commit(self, batch: list[tuple[str, list[tuple]]]) -> None:
         """One transaction for the whole batch; consecutive rows of one statement in one executemany."""
         conn = self._conn
+        assert conn is not None, "the writer thread commits before close() drops the connection"
         conn.execute("BEGIN IMMEDIATE")
         try:
             for sql, group in itertools.groupby(batch, key=operator.itemgetter(0)):

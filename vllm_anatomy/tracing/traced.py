@@ -36,7 +36,7 @@ def _describe_result(result: Any) -> dict[str, Any] | None:
     if type(result) is KVCacheBlocks:       # allocate_slots: the newly allocated blocks, per group
         if not any(result.blocks):
             return None                     # room in the last block: nothing allocated
-        return {"vllm_anatomy.new_block_ids": list(result.get_block_ids()[0])}
+        return {"vllm_anatomy.new_block_ids": [block.block_id for block in result.blocks[0]]}
     if result is None:                      # allocate_slots: no room -> preemption or stop admitting
         return {"vllm_anatomy.result": "None"}
     if isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], int):

@@ -26,7 +26,7 @@ import torch
 
 # NOTE: json.dumps of these files is deterministic (sorted keys, fixed indent),
 # so converting the same GGUF twice gives byte-identical output.
-_JSON = dict(indent=2, sort_keys=True)
+_JSON: dict[str, Any] = dict(indent=2, sort_keys=True)
 
 _MISSING = object()
 

@@ -29,7 +29,7 @@ from the file.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -61,6 +61,12 @@ def narrow_weight(loaded_weight: Any, dim: int, start: int, size: int) -> torch.
     return loaded_weight[tuple(index)]
 
 
+def set_weight_loader(param: nn.Parameter, weight_loader: Callable[..., None]) -> None:
+    """`param.weight_loader = weight_loader`, where load_weights looks for it
+    (vLLM: set_weight_attrs(param, {"weight_loader": ...}))."""
+    setattr(param, "weight_loader", weight_loader)
+
+
 def default_weight_loader(param: torch.Tensor, loaded_weight: Any) -> None:
     """Copy a whole checkpoint tensor into a parameter of the same shape (casting dtype).
 
@@ -90,10 +96,10 @@ class LinearBase(nn.Module):
         # NOTE: torch.empty (no random init): load_weights overwrites every value,
         # and initialising 100M+ parameters first would cost seconds on a CPU.
         self.weight = nn.Parameter(torch.empty(self.output_size_per_partition, self.input_size_per_partition))
-        self.weight.weight_loader = self.weight_loader
+        set_weight_loader(self.weight, self.weight_loader)
         if bias:
             self.bias = nn.Parameter(torch.empty(self.bias_size()))
-            self.bias.weight_loader = self.weight_loader
+            set_weight_loader(self.bias, self.weight_loader)
         else:
             self.register_parameter("bias", None)
 
@@ -190,7 +196,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         super().__init__(input_size, sum(output_sizes), bias)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: Any,
-                      loaded_shard_id: int | None = None) -> None:
+                      loaded_shard_id: str | int | None = None) -> None:
+        assert not isinstance(loaded_shard_id, str), "a merged layer's shards are numbered"
         if loaded_shard_id is None:          # an already-packed checkpoint
             if self.tp_size > 1:
                 raise ValueError("a pre-packed gate_up_proj cannot be split across ranks here")
@@ -236,7 +243,8 @@ class QKVParallelLinear(ColumnParallelLinear):
         super().__init__(hidden_size, output_size, bias)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: Any,
-                      loaded_shard_id: str | None = None) -> None:
+                      loaded_shard_id: str | int | None = None) -> None:
+        assert not isinstance(loaded_shard_id, int), "the QKV layer's shards are named q, k, v"
         if loaded_shard_id is None:          # an already-packed checkpoint
             if self.tp_size > 1:
                 raise ValueError("a pre-packed qkv_proj cannot be split across ranks here")

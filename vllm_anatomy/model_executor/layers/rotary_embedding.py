@@ -21,6 +21,7 @@ _SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
 
 class RotaryEmbedding(nn.Module):
+    cos_sin_cache: torch.Tensor          # a buffer: [max_position, rotary_dim]
 
     def __init__(self, head_size: int, rotary_dim: int, max_position_embeddings: int,
                  base: float, is_neox_style: bool = True) -> None:
@@ -167,6 +168,7 @@ def get_rope(head_size: int, max_position: int, is_neox_style: bool = True,
            str(torch.get_default_device()))
     if key in _ROPE_DICT:
         return _ROPE_DICT[key]
+    rope: RotaryEmbedding
     if rope_type == "llama3":
         rope = Llama3RotaryEmbedding(
             head_size, head_size, max_position, base, is_neox_style,

@@ -25,7 +25,7 @@ from vllm_anatomy.distributed.communication_op import tensor_model_parallel_all_
 from vllm_anatomy.distributed.parallel_state import (get_tensor_model_parallel_rank,
                                                      get_tensor_model_parallel_world_size)
 from vllm_anatomy.distributed.utils import divide
-from vllm_anatomy.model_executor.layers.linear import default_weight_loader, narrow_weight
+from vllm_anatomy.model_executor.layers.linear import default_weight_loader, narrow_weight, set_weight_loader
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -41,7 +41,7 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start_index = self.tp_rank * self.num_embeddings_per_partition
         self.vocab_end_index = self.vocab_start_index + self.num_embeddings_per_partition
         self.weight = nn.Parameter(torch.empty(self.num_embeddings_per_partition, embedding_dim))
-        self.weight.weight_loader = self.weight_loader
+        set_weight_loader(self.weight, self.weight_loader)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: Any) -> None:
         rows = narrow_weight(loaded_weight, 0, self.vocab_start_index, self.num_embeddings_per_partition)

@@ -190,6 +190,7 @@ class LlamaForCausalLM(nn.Module):
         if self.tie_word_embeddings:
             self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
         attn = self.model.layers[0].self_attn
+        assert isinstance(attn, LlamaAttention)
         self.num_layers = config["num_hidden_layers"]
         self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         self.vocab_size = config["vocab_size"]
@@ -241,7 +242,7 @@ class LlamaForCausalLM(nn.Module):
                     continue
                 name = name.replace(weight_name, param_name)
                 param = _lookup(params_dict, name)
-                param.weight_loader(param, loaded_weight, shard_id)
+                getattr(param, "weight_loader")(param, loaded_weight, shard_id)   # (a packed layer's)
                 loaded_shards.setdefault(name, set()).add(shard_id)
                 break
             else:

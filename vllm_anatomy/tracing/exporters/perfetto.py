@@ -35,6 +35,15 @@ class _Builder:
         self.events: list[dict[str, Any]] = []
         self.pids: dict[tuple, int] = {}
         self.request_lane: dict[str, tuple[int, int]] = {}   # span_id -> (pid, tid)
+        self._device_pid: int | None = None
+
+    def device_lane(self) -> int:
+        """The device lane's pid, named on first use."""
+        if self._device_pid is None:
+            self._device_pid = len(self.pids) + 1000
+            self.meta("process_name", self._device_pid, 0, "device")
+            self.meta("thread_name", self._device_pid, MAIN_TID, "device lane")
+        return self._device_pid
 
     def ts(self, ns: int) -> float:
         return (ns - self.t0) / 1000.0
@@ -55,7 +64,6 @@ class _Builder:
                             "args": {"span_id": s.span_id, **s.attributes, **args}})
 
     def add_spans(self) -> None:
-        device_pid = None
         is_device = [s.attributes.get("vllm_anatomy.lane") == "device" for s in self.spans]
         mirror = not any(is_device)
         for s, dev in zip(self.spans, is_device):
@@ -66,17 +74,14 @@ class _Builder:
                 self.meta("thread_name", pid, tid, f"request {s.request_id}")
                 self.slice(s, pid, tid)
                 continue
-            if dev or (mirror and s.name in DEVICE_MIRRORS):
-                if device_pid is None:
-                    device_pid = len(self.pids) + 1000
-                    self.meta("process_name", device_pid, 0, "device")
-                    self.meta("thread_name", device_pid, MAIN_TID, "device lane")
             if dev:
-                self.slice(s, device_pid, MAIN_TID)
-                continue
-            self.slice(s, pid, MAIN_TID)
-            if mirror and s.name in DEVICE_MIRRORS:
+                self.slice(s, self.device_lane(), MAIN_TID)
+            elif mirror and s.name in DEVICE_MIRRORS:
+                device_pid = self.device_lane()         # (named before the host slice)
+                self.slice(s, pid, MAIN_TID)
                 self.slice(s, device_pid, MAIN_TID, timing="host", mirror_of=s.span_id)
+            else:
+                self.slice(s, pid, MAIN_TID)
 
     def add_counters(self) -> None:
         step_end = {s.step_id: s.end_ns for s in self.spans if s.name == "EngineCore.step"}
