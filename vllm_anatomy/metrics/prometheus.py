@@ -32,7 +32,8 @@ REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
 
 def build_1_2_5_buckets(max_value: int) -> list[int]:
     """[1, 2, 5, 10, 20, 50, ...] up to max_value (vLLM's token-count buckets)."""
-    buckets, exponent = [], 0
+    buckets: list[int] = []
+    exponent = 0
     while True:
         for m in (1, 2, 5):
             value = m * 10**exponent
@@ -50,20 +51,25 @@ class PrometheusStatLogger:
         # timestamp series; vLLM's /metrics has none (process-wide switch).
         disable_created_metrics()
         self.registry = registry if registry is not None else CollectorRegistry()
-        labelnames = ["model_name", "engine"]
+        self.labelnames = ["model_name", "engine"]
         self.labelvalues = [model_name, str(engine_index)]
-        r, lv = self.registry, self.labelvalues
+        self._init_scheduler_metrics()
+        self._init_iteration_metrics()
+        self._init_request_metrics(max_model_len)
 
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, labelnames, registry=r).labels(*lv)
+    def _gauge(self, name: str, doc: str) -> Gauge:
+        return Gauge(name, doc, self.labelnames, registry=self.registry).labels(*self.labelvalues)
 
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(name, doc, labelnames, registry=r).labels(*lv)
+    def _counter(self, name: str, doc: str) -> Counter:
+        return Counter(name, doc, self.labelnames, registry=self.registry).labels(*self.labelvalues)
 
-        def histogram(name: str, doc: str, buckets: list) -> Histogram:
-            return Histogram(name, doc, labelnames, buckets=buckets, registry=r).labels(*lv)
+    def _histogram(self, name: str, doc: str, buckets: list) -> Histogram:
+        return Histogram(name, doc, self.labelnames, buckets=buckets,
+                         registry=self.registry).labels(*self.labelvalues)
 
-        # -- scheduler state (gauges) and per-step scheduler counters
+    def _init_scheduler_metrics(self) -> None:
+        """Scheduler state (gauges) and per-step scheduler counters."""
+        gauge, counter = self._gauge, self._counter
         self.gauge_scheduler_running = gauge("vllm:num_requests_running",
                                              "Number of requests in model execution batches.")
         self.gauge_scheduler_waiting = gauge("vllm:num_requests_waiting",
@@ -76,21 +82,28 @@ class PrometheusStatLogger:
             "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.")
         self.counter_prefix_cache_hits = counter(
             "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
-        # -- per-iteration token counts and per-request latencies
+
+    def _init_iteration_metrics(self) -> None:
+        """Per-iteration token counts."""
+        counter = self._counter
         self.counter_prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.counter_prompt_tokens_cached = counter("vllm:prompt_tokens_cached",
                                                     "Number of cached prompt tokens (local + external).")
         self.counter_generation_tokens = counter("vllm:generation_tokens",
                                                  "Number of generation tokens processed.")
-        self.histogram_iteration_tokens = histogram(
+        self.histogram_iteration_tokens = self._histogram(
             "vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
             ITERATION_TOKENS_BUCKETS)
+
+    def _init_request_metrics(self, max_model_len: int) -> None:
+        """Per finished request: its finish reason, latencies, phases and token counts."""
+        histogram = self._histogram
         self.counter_request_success_base = request_success = Counter(
             "vllm:request_success", "Count of successfully processed requests.",
-            labelnames + ["finished_reason"], registry=r)
+            self.labelnames + ["finished_reason"], registry=self.registry)
         # NOTE: one child per finish reason up front, so every series exists at 0
         # before the first request finishes (vLLM does the same).
-        self.counter_request_success = {reason: request_success.labels(*lv, reason)
+        self.counter_request_success = {reason: request_success.labels(*self.labelvalues, reason)
                                         for reason in FINISH_REASON_STRINGS}
         self.histogram_time_to_first_token = histogram(
             "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS)
