@@ -30,8 +30,10 @@ import argparse
 import asyncio
 import functools
 import logging
+from collections.abc import AsyncGenerator
 from concurrent.futures import ThreadPoolExecutor
 from http import HTTPStatus
+from typing import Any, Callable, Coroutine
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -43,7 +45,9 @@ import vllm_anatomy
 from vllm_anatomy.engine.exceptions import EngineDeadError
 from vllm_anatomy.entrypoints.launcher import UVICORN_GRACEFUL_SHUTDOWN_S, UvicornServer, serve_http
 from vllm_anatomy.entrypoints.openai.cli_args import DEFAULT_MAX_REQUEST_BODY_BYTES
-from vllm_anatomy.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse
+from vllm_anatomy.entrypoints.openai.chat_protocol import ChatCompletionRequest
+from vllm_anatomy.entrypoints.openai.completion_protocol import CompletionRequest
+from vllm_anatomy.entrypoints.openai.protocol import ErrorResponse
 from vllm_anatomy.entrypoints.openai.server_utils import (AuthenticationMiddleware, RequestSizeLimitMiddleware,
                                                           add_exception_handlers)
 from vllm_anatomy.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -54,10 +58,10 @@ from vllm_anatomy.metrics.prometheus import PrometheusStatLogger
 logger = logging.getLogger("vllm_anatomy.api_server")
 
 # Documented error responses, so the OpenAPI schema (and schemathesis) know them.
-_ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 500, 503)}
+_ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 500, 503)}
 
 
-def with_cancellation(handler):
+def with_cancellation(handler: Callable[..., Coroutine[Any, Any, Any]]) -> Callable[..., Coroutine[Any, Any, Any]]:
     """Cancel a non-streaming handler when its client disconnects (vLLM's decorator of that name).
 
     NOTE: cancelling the handler task raises CancelledError inside the engine
@@ -65,7 +69,7 @@ def with_cancellation(handler):
     not need this: Starlette cancels the body iterator itself.
     """
     @functools.wraps(handler)
-    async def wrapper(*args, **kwargs):
+    async def wrapper(*args: Any, **kwargs: Any) -> Any:
         raw_request: Request = kwargs["raw_request"]
         handler_task = asyncio.create_task(handler(*args, **kwargs))
         disconnect_task = asyncio.create_task(_listen_for_disconnect(raw_request))
@@ -96,7 +100,8 @@ class ClosingStreamingResponse(StreamingResponse):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            await self.body_iterator.aclose()
+            if isinstance(self.body_iterator, AsyncGenerator):
+                await self.body_iterator.aclose()
 
 
 def _respond(result):

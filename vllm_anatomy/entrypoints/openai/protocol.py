@@ -1,9 +1,10 @@
-"""Pydantic models of the OpenAI-compatible API (requests, responses, stream chunks).
+"""Pydantic models the OpenAI-compatible API shares: strict field types, errors, model
+cards, usage, stream options, response formats, and the sampling fields of every request.
 
-Mirrors vllm/entrypoints/openai/chat_completion/protocol.py, completion/protocol.py,
-engine/protocol.py (errors, usage, model cards) and models/protocol.py, names
-verbatim, for the subset this engine serves: chat completions, completions,
-models, errors.
+Mirrors vllm/entrypoints/openai/engine/protocol.py (errors, usage, model cards) and
+models/protocol.py, names verbatim, for the subset this engine serves; the requests,
+responses and stream chunks of each API are in chat_protocol.py
+(chat_completion/protocol.py) and completion_protocol.py (completion/protocol.py).
 
 NOTE: models are `strict`: a wrong JSON type ("temperature": "hot", "n": true)
 is refused with a 400 instead of being coerced, as the OpenAI API does. vLLM
@@ -33,7 +34,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_serializer
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from pydantic_core import PydanticCustomError
 
 from vllm_anatomy.exceptions import VLLMValidationError
@@ -175,7 +176,7 @@ class UsageInfo(OpenAIBaseModel):
     completion_tokens: int | None = 0
 
 
-class _SamplingRequest(OpenAIBaseModel):
+class SamplingRequest(OpenAIBaseModel):
     """Fields that chat and completions share, and their SamplingParams mapping."""
     model: Text | None = None
     max_tokens: Int64 | None = None
@@ -264,181 +265,3 @@ class _SamplingRequest(OpenAIBaseModel):
             skip_special_tokens=self.skip_special_tokens,
             # Streams want only what is new; a plain response wants one final output.
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY)
-
-
-# -- chat completions -----------------------------------------------------------------
-class ChatCompletionContentPartTextParam(OpenAIBaseModel):
-    type: Literal["text"]
-    text: Text
-
-
-class ChatCompletionMessageParam(OpenAIBaseModel):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Text | list[ChatCompletionContentPartTextParam] | None = None
-    name: Text | None = None
-
-    def text(self) -> str:
-        if self.content is None or isinstance(self.content, str):
-            return self.content or ""
-        return "".join(part.text for part in self.content)
-
-
-class ChatCompletionRequest(_SamplingRequest):
-    # Ordered like the OpenAI API reference: https://platform.openai.com/docs/api-reference/chat
-    messages: list[ChatCompletionMessageParam] = Field(min_length=1)
-    logprobs: bool | None = False
-    top_logprobs: Int64 | None = 0
-    max_completion_tokens: Int64 | None = None
-    # vLLM extras
-    add_generation_prompt: bool = True
-
-    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        self.check_unsupported()
-        if self.top_logprobs and not self.logprobs:
-            raise VLLMValidationError("top_logprobs needs logprobs to be true.", parameter="top_logprobs")
-        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else (
-            self.max_tokens if self.max_tokens is not None else default_max_tokens)
-        logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, logprobs)
-
-
-class ChatCompletionLogProb(OpenAIBaseModel):
-    token: str
-    logprob: float = -9999.0
-    bytes: list[int] | None = None
-
-
-class ChatCompletionLogProbsContent(ChatCompletionLogProb):
-    top_logprobs: list[ChatCompletionLogProb] = Field(default_factory=list)
-
-
-class ChatCompletionLogProbs(OpenAIBaseModel):
-    content: list[ChatCompletionLogProbsContent] | None = None
-
-
-class ChatMessage(OpenAIBaseModel):
-    role: str
-    content: str | None = None
-
-
-class ChatCompletionResponseChoice(OpenAIBaseModel):
-    index: int
-    message: ChatMessage
-    logprobs: ChatCompletionLogProbs | None = None
-    finish_reason: str | None = "stop"
-    stop_reason: int | str | None = None
-
-
-class ChatCompletionResponse(OpenAIBaseModel):
-    id: str = Field(default_factory=lambda: f"chatcmpl-{random_uuid()}")
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatCompletionResponseChoice]
-    usage: UsageInfo
-
-
-class DeltaMessage(OpenAIBaseModel):
-    role: str | None = None
-    content: str | None = None
-
-    @model_serializer(mode="wrap")
-    def _drop_none(self, handler):
-        # NOTE: OpenAI's deltas omit absent fields ({"content": "Hi"}, no "role": null).
-        return {k: v for k, v in handler(self).items() if v is not None}
-
-
-class ChatCompletionResponseStreamChoice(OpenAIBaseModel):
-    index: int
-    delta: DeltaMessage
-    logprobs: ChatCompletionLogProbs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-class ChatCompletionStreamResponse(OpenAIBaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatCompletionResponseStreamChoice]
-    usage: UsageInfo | None = None
-
-
-# -- completions ---------------------------------------------------------------------
-class CompletionRequest(_SamplingRequest):
-    # https://platform.openai.com/docs/api-reference/completions/create
-    prompt: Text | list[TokenId] | list[Text] | list[list[TokenId]]
-    max_tokens: Int64 | None = 16
-    logprobs: Int64 | None = None
-    echo: bool | None = False
-    suffix: Text | None = None
-    best_of: Int64 | None = None
-
-    def get_single_prompt(self) -> str | list[int]:
-        """The one prompt of this request; a batch of several is refused."""
-        p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            if len(p) != 1:
-                raise VLLMValidationError("prompt: batched prompts (a list of several prompts) are not "
-                                          "supported by this server; send one request per prompt.",
-                                          parameter="prompt")
-            p = p[0]
-        if len(p) == 0:
-            raise VLLMValidationError("prompt must not be empty.", parameter="prompt")
-        return p
-
-    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        self.check_unsupported()
-        if self.suffix is not None:
-            raise VLLMValidationError("suffix is not supported by this engine.", parameter="suffix")
-        if self.best_of not in (None, 1):
-            raise VLLMValidationError("best_of must be 1: beam search / best_of is not supported.",
-                                      parameter="best_of")
-        if self.echo and self.logprobs is not None:
-            raise VLLMValidationError("echo with logprobs needs prompt logprobs, which are not supported.",
-                                      parameter="echo")
-        max_tokens = default_max_tokens if self.max_tokens is None else self.max_tokens
-        return self._sampling_params(max_tokens, self.logprobs)
-
-
-class CompletionLogProbs(OpenAIBaseModel):
-    text_offset: list[int] = Field(default_factory=list)
-    token_logprobs: list[float | None] = Field(default_factory=list)
-    tokens: list[str] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
-
-
-class CompletionResponseChoice(OpenAIBaseModel):
-    index: int
-    text: str
-    logprobs: CompletionLogProbs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-class CompletionResponse(OpenAIBaseModel):
-    id: str = Field(default_factory=lambda: f"cmpl-{random_uuid()}")
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionResponseChoice]
-    usage: UsageInfo
-
-
-class CompletionResponseStreamChoice(OpenAIBaseModel):
-    index: int
-    text: str
-    logprobs: CompletionLogProbs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-class CompletionStreamResponse(OpenAIBaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionResponseStreamChoice]
-    usage: UsageInfo | None = None
-

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import secrets
 from http import HTTPStatus
+from typing import Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -94,8 +95,8 @@ class RequestSizeLimitMiddleware:
         declared = dict(scope.get("headers") or []).get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.max_body_bytes:
             exc = self._too_large()
-            await error_json(OpenAIError(exc.detail, _ERROR_TYPES[exc.status_code], exc.status_code))(
-                scope, receive, send)
+            error = OpenAIError(exc.detail, _ERROR_TYPES[exc.status_code], HTTPStatus(exc.status_code))
+            await error_json(error)(scope, receive, send)
             return
         received = 0
 
@@ -145,12 +146,12 @@ class AuthenticationMiddleware:
         await self.app(scope, receive, send)
 
 
-def _relevant_errors(errors: list[dict]) -> list[dict]:
+def _relevant_errors(errors: Sequence[dict]) -> list[dict]:
     """The errors worth reporting: for a union field ("prompt": str | list[int] | ...)
     pydantic reports one error per member; when the value had a member's type and
     failed its constraint (a lone surrogate, an int past 64 bits), only that one."""
     specific = [e for e in errors if not str(e.get("type", "")).endswith("_type")]
-    return specific or errors
+    return specific or list(errors)
 
 
 def _loc(error: dict) -> str | None:

@@ -17,12 +17,12 @@ from typing import AsyncGenerator, AsyncIterator
 
 from starlette.requests import Request
 
-from vllm_anatomy.entrypoints.openai.protocol import (ChatCompletionLogProb, ChatCompletionLogProbs,
-                                                      ChatCompletionLogProbsContent, ChatCompletionRequest,
-                                                      ChatCompletionResponse, ChatCompletionResponseChoice,
-                                                      ChatCompletionResponseStreamChoice,
-                                                      ChatCompletionStreamResponse, ChatMessage, DeltaMessage,
-                                                      UsageInfo)
+from vllm_anatomy.entrypoints.openai.chat_protocol import (ChatCompletionLogProb, ChatCompletionLogProbs,
+                                                           ChatCompletionLogProbsContent, ChatCompletionRequest,
+                                                           ChatCompletionResponse, ChatCompletionResponseChoice,
+                                                           ChatCompletionResponseStreamChoice,
+                                                           ChatCompletionStreamResponse, ChatMessage, DeltaMessage)
+from vllm_anatomy.entrypoints.openai.protocol import UsageInfo
 from vllm_anatomy.entrypoints.openai.serving_engine import OpenAIError, OpenAIServing, raise_if_error, sse
 from vllm_anatomy.outputs import CompletionOutput, Logprob, RequestOutput
 
@@ -87,7 +87,7 @@ class OpenAIServingChat(OpenAIServing):
         created = int(time.time())
         opts = request.stream_options
         include_usage = bool(opts and opts.include_usage)
-        continuous_usage = bool(include_usage and opts.continuous_usage_stats)
+        continuous_usage = bool(opts and opts.include_usage and opts.continuous_usage_stats)
         num_prompt_tokens = num_generated = 0
 
         def chunk(choices: list, usage: UsageInfo | None = None) -> str:
@@ -125,7 +125,7 @@ class OpenAIServingChat(OpenAIServing):
             # NOTE: an entry holds the sampled token (its true rank) and the top-k
             # (ranks 1..k); top_logprobs are the entries ranked 1..num_top.
             tops = sorted(((tid, lp) for tid, lp in entry.items() if lp.rank is not None and lp.rank <= num_top),
-                          key=lambda item: item[1].rank)
+                          key=lambda item: item[1].rank or 0)     # (ranks here are not None)
             sampled = self._chat_logprob(token_id, entry.get(token_id))
             content.append(ChatCompletionLogProbsContent(
                 **sampled.model_dump(), top_logprobs=[self._chat_logprob(tid, lp) for tid, lp in tops]))

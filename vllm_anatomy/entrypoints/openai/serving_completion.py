@@ -8,13 +8,15 @@ Non-streaming answers one `text_completion`; streaming sends
 from __future__ import annotations
 
 import time
-from typing import AsyncGenerator, AsyncIterator
+from typing import Any, AsyncGenerator, AsyncIterator
 
 from starlette.requests import Request
 
-from vllm_anatomy.entrypoints.openai.protocol import (CompletionLogProbs, CompletionRequest, CompletionResponse,
-                                                      CompletionResponseChoice, CompletionResponseStreamChoice,
-                                                      CompletionStreamResponse, UsageInfo)
+from vllm_anatomy.entrypoints.openai.completion_protocol import (CompletionLogProbs, CompletionRequest,
+                                                                 CompletionResponse, CompletionResponseChoice,
+                                                                 CompletionResponseStreamChoice,
+                                                                 CompletionStreamResponse)
+from vllm_anatomy.entrypoints.openai.protocol import UsageInfo
 from vllm_anatomy.entrypoints.openai.serving_engine import OpenAIServing, raise_if_error, sse
 from vllm_anatomy.outputs import CompletionOutput, RequestOutput
 
@@ -37,7 +39,7 @@ class OpenAIServingCompletion(OpenAIServing):
         params = request.to_sampling_params(self._default_max_tokens(prompt_ids))
         self._validate_inputs(prompt_ids, params, "max_tokens")
         model_name = self.models.model_name_for(request.model)
-        engine_prompt = {"prompt_token_ids": prompt_ids}
+        engine_prompt: dict[str, Any] = {"prompt_token_ids": prompt_ids}
         if prompt_text is not None:
             engine_prompt["prompt"] = prompt_text
         echo_text = None
@@ -72,7 +74,7 @@ class OpenAIServingCompletion(OpenAIServing):
         created = int(time.time())
         opts = request.stream_options
         include_usage = bool(opts and opts.include_usage)
-        continuous_usage = bool(include_usage and opts.continuous_usage_stats)
+        continuous_usage = bool(opts and opts.include_usage and opts.continuous_usage_stats)
         num_prompt_tokens = num_generated = 0
         text_offset = 0     # characters already sent (for logprobs' text_offset)
 

@@ -1,0 +1,115 @@
+"""Pydantic models of the chat completions API: the request, the response and its stream chunks.
+
+Mirrors vllm/entrypoints/openai/chat_completion/protocol.py, names verbatim; what
+every request shares (strict types, errors, usage, sampling fields) is in protocol.py.
+"""
+from __future__ import annotations
+
+import time
+from typing import Literal
+
+from pydantic import Field, model_serializer
+
+from vllm_anatomy.entrypoints.openai.protocol import (Int64, OpenAIBaseModel, SamplingRequest, Text, UsageInfo,
+                                                      random_uuid)
+from vllm_anatomy.exceptions import VLLMValidationError
+from vllm_anatomy.sampling_params import SamplingParams
+
+class ChatCompletionContentPartTextParam(OpenAIBaseModel):
+    type: Literal["text"]
+    text: Text
+
+
+class ChatCompletionMessageParam(OpenAIBaseModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Text | list[ChatCompletionContentPartTextParam] | None = None
+    name: Text | None = None
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(SamplingRequest):
+    # Ordered like the OpenAI API reference: https://platform.openai.com/docs/api-reference/chat
+    messages: list[ChatCompletionMessageParam] = Field(min_length=1)
+    logprobs: bool | None = False
+    top_logprobs: Int64 | None = 0
+    max_completion_tokens: Int64 | None = None
+    # vLLM extras
+    add_generation_prompt: bool = True
+
+    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        self.check_unsupported()
+        if self.top_logprobs and not self.logprobs:
+            raise VLLMValidationError("top_logprobs needs logprobs to be true.", parameter="top_logprobs")
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else (
+            self.max_tokens if self.max_tokens is not None else default_max_tokens)
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self._sampling_params(max_tokens, logprobs)
+
+
+class ChatCompletionLogProb(OpenAIBaseModel):
+    token: str
+    logprob: float = -9999.0
+    bytes: list[int] | None = None
+
+
+class ChatCompletionLogProbsContent(ChatCompletionLogProb):
+    top_logprobs: list[ChatCompletionLogProb] = Field(default_factory=list)
+
+
+class ChatCompletionLogProbs(OpenAIBaseModel):
+    content: list[ChatCompletionLogProbsContent] | None = None
+
+
+class ChatMessage(OpenAIBaseModel):
+    role: str
+    content: str | None = None
+
+
+class ChatCompletionResponseChoice(OpenAIBaseModel):
+    index: int
+    message: ChatMessage
+    logprobs: ChatCompletionLogProbs | None = None
+    finish_reason: str | None = "stop"
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: f"chatcmpl-{random_uuid()}")
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionResponseChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(OpenAIBaseModel):
+    role: str | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler):
+        # NOTE: OpenAI's deltas omit absent fields ({"content": "Hi"}, no "role": null).
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatCompletionResponseStreamChoice(OpenAIBaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatCompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionStreamResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatCompletionResponseStreamChoice]
+    usage: UsageInfo | None = None
+
+

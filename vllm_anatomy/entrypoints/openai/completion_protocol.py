@@ -1,0 +1,94 @@
+"""Pydantic models of the completions API: the request, the response and its stream chunks.
+
+Mirrors vllm/entrypoints/openai/completion/protocol.py, names verbatim; what
+every request shares (strict types, errors, usage, sampling fields) is in protocol.py.
+"""
+from __future__ import annotations
+
+import time
+from typing import Literal, cast
+
+from pydantic import Field
+
+from vllm_anatomy.entrypoints.openai.protocol import (Int64, OpenAIBaseModel, SamplingRequest, Text, TokenId,
+                                                      UsageInfo, random_uuid)
+from vllm_anatomy.exceptions import VLLMValidationError
+from vllm_anatomy.sampling_params import SamplingParams
+
+class CompletionRequest(SamplingRequest):
+    # https://platform.openai.com/docs/api-reference/completions/create
+    prompt: Text | list[TokenId] | list[Text] | list[list[TokenId]]
+    max_tokens: Int64 | None = 16
+    logprobs: Int64 | None = None
+    echo: bool | None = False
+    suffix: Text | None = None
+    best_of: Int64 | None = None
+
+    def get_single_prompt(self) -> str | list[int]:
+        """The one prompt of this request; a batch of several is refused."""
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            if len(p) != 1:
+                raise VLLMValidationError("prompt: batched prompts (a list of several prompts) are not "
+                                          "supported by this server; send one request per prompt.",
+                                          parameter="prompt")
+            p = p[0]
+        if len(p) == 0:
+            raise VLLMValidationError("prompt must not be empty.", parameter="prompt")
+        # NOTE: a list left here is list[int]: pydantic validated the union, a batch was unwrapped above.
+        return cast("str | list[int]", p)
+
+    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        self.check_unsupported()
+        if self.suffix is not None:
+            raise VLLMValidationError("suffix is not supported by this engine.", parameter="suffix")
+        if self.best_of not in (None, 1):
+            raise VLLMValidationError("best_of must be 1: beam search / best_of is not supported.",
+                                      parameter="best_of")
+        if self.echo and self.logprobs is not None:
+            raise VLLMValidationError("echo with logprobs needs prompt logprobs, which are not supported.",
+                                      parameter="echo")
+        max_tokens = default_max_tokens if self.max_tokens is None else self.max_tokens
+        return self._sampling_params(max_tokens, self.logprobs)
+
+
+class CompletionLogProbs(OpenAIBaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionResponseChoice(OpenAIBaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: f"cmpl-{random_uuid()}")
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionResponseChoice]
+    usage: UsageInfo
+
+
+class CompletionResponseStreamChoice(OpenAIBaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionStreamResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionResponseStreamChoice]
+    usage: UsageInfo | None = None
+
