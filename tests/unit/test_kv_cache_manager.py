@@ -161,6 +161,32 @@ def test_decode_grows_blocks_and_caches_newly_full_ones():
     assert m.allocate_slots(req, 1).get_block_ids() == ([2],)    # slot 4 opens a new block
 
 
+def test_decode_fast_path_caches_the_block_it_completed():
+    """A decode whose slot is in a held block takes allocate_slots' fast path: no blocks, but the
+    block its token completed is cached, under the allocate_slots call."""
+    m = make_manager()
+    req = make_request("a", [1, 2, 3])
+    admit(m, req)
+    m.take_events()
+    req.append_output_token_ids(4)
+    assert m.allocate_slots(req, 1) is m.empty_kv_cache_blocks
+    [event] = m.take_events()
+    assert (event.kind, event.request_id, event.call, event.block_ids) == ("cache", "a", "allocate_slots", [1])
+    m.cache_blocks(req, 4)                                       # nothing left to cache: no event
+    assert m.take_events() == []
+
+
+def test_block_hashes_of_appended_tokens_match_hashing_at_once():
+    """Request skips the hasher until a block is full; the hashes are those of the whole list."""
+    hasher = get_request_block_hasher(BS, sha256)
+    one_by_one = Request("a", [1, 2, 3], SamplingParams(max_tokens=20), block_hasher=hasher)
+    for token in range(4, 15):
+        one_by_one.append_output_token_ids(token)
+    one_by_one.append_output_token_ids([15, 16, 17])
+    at_once = Request("b", list(range(1, 18)), SamplingParams(max_tokens=20), block_hasher=hasher)
+    assert one_by_one.block_hashes == at_once.block_hashes and len(at_once.block_hashes) == 4
+
+
 def test_caching_disabled_has_no_hits_and_no_hashes():
     m = make_manager(enable_caching=False)
     a = make_request("a", list(range(8)))
