@@ -256,7 +256,8 @@ def main() -> None:
         "tokenizer": args.tokenizer or "word-level, 10,000 words",
         "before": short(args.before) if args.before else None, "rounds": args.rounds if args.before else 1, "steps_per_round": args.steps,
         "workload": "batch requests, prompts uniform in [100, 1024] random ids < 10000, one token per request "
-                    "per step, prefix caching on, log_stats on, FINAL_ONLY outputs, word-level tokenizer",
+                    "per step, prefix caching on, log_stats on, tracing off (Scheduler.record_steps False: no step record), "
+                    "FINAL_ONLY outputs, word-level tokenizer",
         "rows": rows,
     }
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
