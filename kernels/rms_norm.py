@@ -133,8 +133,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     norm_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
     out = torch.empty(orig_shape, dtype=torch.promote_types(norm_dtype, weight.dtype),
                       device=x.device)
-    residual_out = (torch.empty(orig_shape, dtype=norm_dtype, device=x.device)
-                    if residual is not None else None)
+    # (out when there is no residual: never written, HAS_RESIDUAL is off)
+    residual_out = torch.empty(orig_shape, dtype=norm_dtype, device=x.device) if residual is not None else out
     if x.dim() == 3:
         num_tokens, num_heads, _ = x.shape
         stride_x = (x.stride(0), x.stride(1))
@@ -152,7 +152,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     grid = (triton.cdiv(num_rows, block_r),)
     _rms_norm_kernel[grid](
         x, residual if residual is not None else x, weight, out,
-        residual_out if residual_out is not None else out,
+        residual_out,
         num_rows, eps, stride_x[0], stride_x[1], stride_r[0], stride_r[1],
         NUM_HEADS=num_heads, HIDDEN=hidden, HIDDEN_PADDED=hidden_padded, BLOCK_R=block_r,
         HAS_RESIDUAL=residual is not None,

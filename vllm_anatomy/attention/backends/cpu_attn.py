@@ -128,6 +128,7 @@ class CPUAttentionImpl(AttentionImpl):
                         plan: _StepPlan) -> torch.Tensor:
         """D decode tokens at once: query [D, nh, hd] -> [D, nh, hd]."""
         num_decodes, max_len = query.shape[0], plan.decode_max_len
+        assert plan.decode_block_ids is not None, "called with decodes planned"
         with self._threads_for(num_decodes * max_len):
             key = _gather(key_cache, plan.decode_block_ids, num_decodes, max_len)   # [D, nkv, L, hd]
             value = _gather(value_cache, plan.decode_block_ids, num_decodes, max_len)
