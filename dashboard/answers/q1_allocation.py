@@ -18,6 +18,7 @@ SchedulerOutput.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from dashboard.answers.common import Answer, ShowMe, cannot, ids
 from dashboard.answers.source import EVENT_METHOD, PoolReplay, RunSource
@@ -85,6 +86,55 @@ def answer(src: RunSource, step: int | None = None, req: str | None = None) -> A
     if step is None or req is None or (step, str(req)) not in allocs:
         step, req = default_pick(src, allocs)
     req = str(req)
+    a = _allocation(src, step, req)
+    q = _free_queue_at_allocation(src, step, req)
+    evicted, popped = q["evicted"], q["popped"]
+    ev_rows = [{"event": e["kind"], "BlockPool method": EVENT_METHOD.get(e["kind"], ""), "blocks": ids(e["block_ids"]),
+                "hashes": ", ".join(x for x in (e.get("block_hashes") or []) if x) or "—",
+                "request": e.get("request_id") or "—", "call": e.get("call") or "—"} for e in q["events"]]
+    notes = []
+    if not src.attributed:
+        notes.append("This run's block-pool events do not name their request and call (recorded before that was "
+                     "added): this request's events were matched by block ids.")
+    replay = q["replay"]
+    if replay is not None and not replay.ok:
+        notes.append(f"The free-queue replay does not agree with the run ({replay.problem}): the popped blocks shown "
+                     "are the allocated ones.")
+    new_req, cached, ci, hit_ids, new_blocks = a.new_req, a.cached, a.ci, a.hit_ids, a.new_blocks
+    ok_so = (new_req is not None and new_req["block_ids"][0] == hit_ids + new_blocks) or \
+            (ci is not None and (cached["new_block_ids"][ci] or [[]])[0] == (hit_ids + new_blocks if a.resumed else new_blocks))
+    return Answer(
+        ok=True, subject=f"request {req} at step {step}", summary=_summary(step, req, a, q),
+        chain=_chain(src, step, req, a, q),
+        tables={"block-pool events of this step, in order": ev_rows}, notes=notes,
+        show_me=[ShowMe(f"step {step}, KV cache tab, request {req}", "inspector", step, "kv", req),
+                 ShowMe(f"step {step}, Scheduler tab (budget and SchedulerOutput)", "inspector", step, "scheduler", req)],
+        facts={"step": step, "request": req, "hit_block_ids": hit_ids, "new_block_ids": new_blocks,
+               "popped": popped if popped is not None else new_blocks, "evicted": [b for b, _ in evicted],
+               "table": a.table, "need_blocks": a.need_blocks, "scheduler_output_agrees": bool(ok_so),
+               "allocations": allocs})
+
+
+@dataclass
+class _Allocation:
+    """One allocate_slots call's numbers: what it was asked for, what it found, what it took."""
+    ent: dict                   # the request's scheduled entry in the step record
+    hit: dict                   # its prefix hit (get_computed_blocks)
+    hit_ids: list[int]
+    new_req: dict | None        # its NewRequestData in SchedulerOutput, if admitted new
+    cached: dict                # SchedulerOutput.scheduled_cached_reqs
+    ci: int | None              # its index there, if running or resumed
+    resumed: bool
+    admitted: bool
+    new_blocks: list[int]
+    held_before: list[int]
+    computed_before: int
+    need_tokens: int
+    need_blocks: int
+    table: list[int]            # its block list afterwards
+
+
+def _allocation(src: RunSource, step: int, req: str) -> _Allocation:
     bs = src.block_size
     ent = _entry(src, step, req)
     hit = _hit(src, step, req)
@@ -103,11 +153,14 @@ def answer(src: RunSource, step: int | None = None, req: str | None = None) -> A
     need_tokens = computed_before + ent["num_tokens"]
     if src.max_model_len:
         need_tokens = min(need_tokens, src.max_model_len)
-    need_blocks = math.ceil(need_tokens / bs)
-    table = held_before + hit_ids + new_blocks
+    return _Allocation(ent, hit, hit_ids, new_req, cached, ci, resumed, admitted, new_blocks, held_before,
+                       computed_before, need_tokens, math.ceil(need_tokens / bs), held_before + hit_ids + new_blocks)
 
-    # The free queue as it was when get_new_blocks ran: the previous step's, replayed through
-    # this step's events up to (and including) this request's allocate.
+
+def _free_queue_at_allocation(src: RunSource, step: int, req: str) -> dict:
+    """The free queue as it was when get_new_blocks ran: the previous step's, replayed through
+    this step's events up to (and including) this request's allocate; what it popped, evicted, cached."""
+    prev = src.prev_step(step)
     evs = src.events(step)
     mine = _my_events(src, step, req)
     alloc_ev = next((e for e in mine if e["kind"] == "allocate"), None)
@@ -122,7 +175,12 @@ def answer(src: RunSource, step: int | None = None, req: str | None = None) -> A
             break
     evicted = [(b, h) for e in mine if e["kind"] == "evict" for b, h in zip(e["block_ids"], e.get("block_hashes") or [None] * len(e["block_ids"]))]
     cached_now = [(b, h) for e in mine if e["kind"] == "cache" for b, h in zip(e["block_ids"], e.get("block_hashes") or [])]
+    return {"events": evs, "replay": replay, "popped": popped, "queue_before": queue_before, "evicted": evicted,
+            "cached_now": cached_now}
 
+
+def _chain(src: RunSource, step: int, req: str, a: _Allocation, q: dict) -> list[dict]:
+    """The call chain ①–⑦ with this allocation's values."""
     # Spans under this step's Scheduler.schedule: the KVCacheManager calls for this request.
     spans = [s for s in src.spans_of_step(step) if s.name.startswith("KVCacheManager.")
              and str(s.attributes.get("vllm_anatomy.request_id")) == req]
@@ -131,21 +189,22 @@ def answer(src: RunSource, step: int | None = None, req: str | None = None) -> A
                 and s.attributes.get("vllm_anatomy.new_block_ids") is not None), None)
     sched = next((s for s in src.spans_of_step(step) if s.name == "Scheduler.schedule"), None)
     ms = lambda s: f" ({(s.end_ns - s.start_ns) / 1e6:.3f} ms)" if s is not None else ""  # noqa: E731
-
-    so_field = (f"SchedulerOutput.scheduled_new_reqs[{req}].block_ids = {ids(new_req['block_ids'][0])}"
-                if new_req is not None else
+    ent, hit, hit_ids, new_blocks, cached, ci = a.ent, a.hit, a.hit_ids, a.new_blocks, a.cached, a.ci
+    popped, queue_before, evicted, cached_now = q["popped"], q["queue_before"], q["evicted"], q["cached_now"]
+    so_field = (f"SchedulerOutput.scheduled_new_reqs[{req}].block_ids = {ids(a.new_req['block_ids'][0])}"
+                if a.new_req is not None else
                 f"SchedulerOutput.scheduled_cached_reqs.new_block_ids[{ci}] (request {req}) = "
-                f"{ids((cached['new_block_ids'][ci] or [[]])[0])}" + (" (resumed: replaces its table)" if resumed else "")
+                f"{ids((cached['new_block_ids'][ci] or [[]])[0])}" + (" (resumed: replaces its table)" if a.resumed else "")
                 if ci is not None else "not in SchedulerOutput")
-    why_n = (f"{computed_before} computed + {ent['num_tokens']} new tokens = {need_tokens} tokens need a slot → "
-             f"⌈{need_tokens} / {bs}⌉ = {need_blocks} blocks; it holds {len(held_before) + len(hit_ids)}"
+    why_n = (f"{a.computed_before} computed + {ent['num_tokens']} new tokens = {a.need_tokens} tokens need a slot → "
+             f"⌈{a.need_tokens} / {src.block_size}⌉ = {a.need_blocks} blocks; it holds {len(a.held_before) + len(hit_ids)}"
              + (f" ({len(hit_ids)} from the prefix hit)" if hit_ids else "") + f" → {len(new_blocks)} new")
-    chain = [
+    return [
         {"#": "①", "call": "Scheduler.schedule" + ms(sched),
          "what happened here": f"step {step}: request {req} gets {ent['num_tokens']} tokens ({ent['kind']})"},
         {"#": "②", "call": "KVCacheManager.get_computed_blocks" + ms(gcb),
          "what happened here": (f"prefix-cache lookup: {hit['num_hit_tokens']} of {hit['num_query_tokens']} tokens "
-                                f"cached, blocks {ids(hit_ids)}" if admitted else
+                                f"cached, blocks {ids(hit_ids)}" if a.admitted else
                                 "not called: the request is already running (only admissions look up the cache)")},
         {"#": "③", "call": "KVCacheManager.allocate_slots" + ms(als), "what happened here": why_n},
         {"#": "④", "call": "BlockPool.touch",
@@ -158,37 +217,20 @@ def answer(src: RunSource, step: int | None = None, req: str | None = None) -> A
                                    + " first: their cached content is overwritten" if evicted
                                    else "; none of them carried a hash: nothing evicted"))},
         {"#": "⑥", "call": "SingleTypeKVCacheManager.req_to_blocks",
-         "what happened here": f"request {req}'s block list becomes {ids(table)}"
+         "what happened here": f"request {req}'s block list becomes {ids(a.table)}"
                                + (f"; BlockPool.cache_full_blocks hashes the now-full {ids([b for b, _ in cached_now])}"
                                   if cached_now else "")},
         {"#": "⑦", "call": "SchedulerOutput", "what happened here": so_field},
     ]
-    ev_rows = [{"event": e["kind"], "BlockPool method": EVENT_METHOD.get(e["kind"], ""), "blocks": ids(e["block_ids"]),
-                "hashes": ", ".join(x for x in (e.get("block_hashes") or []) if x) or "—",
-                "request": e.get("request_id") or "—", "call": e.get("call") or "—"} for e in evs]
-    notes = []
-    if not src.attributed:
-        notes.append("This run's block-pool events do not name their request and call (recorded before that was "
-                      "added): this request's events were matched by block ids.")
-    if replay is not None and not replay.ok:
-        notes.append(f"The free-queue replay does not agree with the run ({replay.problem}): the popped blocks shown "
-                     "are the allocated ones.")
-    ok_so = (new_req is not None and new_req["block_ids"][0] == hit_ids + new_blocks) or \
-            (ci is not None and (cached["new_block_ids"][ci] or [[]])[0] == (hit_ids + new_blocks if resumed else new_blocks))
-    summary = (f"In **step {step}**, `Scheduler.schedule` gave request **{req}** {ent['num_tokens']} tokens; "
-               + (f"`get_computed_blocks` found {hit['num_hit_tokens']} tokens cached (blocks {ids(hit_ids)}); "
-                  if admitted else "it was already running, so no prefix lookup; ")
-               + f"`allocate_slots` needed {len(new_blocks)} new block(s), and `get_new_blocks` popped "
-               f"**{ids(popped if popped is not None else new_blocks)}** from the free queue's head"
-               + (f", evicting the cached hash of {ids([b for b, _ in evicted])}" if evicted else "")
-               + f". They were appended to its block list ({ids(table)}) and sent to the worker as "
-               + ("`NewRequestData.block_ids`." if new_req is not None else "`CachedRequestData.new_block_ids`."))
-    return Answer(
-        ok=True, subject=f"request {req} at step {step}", summary=summary, chain=chain,
-        tables={"block-pool events of this step, in order": ev_rows}, notes=notes,
-        show_me=[ShowMe(f"step {step}, KV cache tab, request {req}", "inspector", step, "kv", req),
-                 ShowMe(f"step {step}, Scheduler tab (budget and SchedulerOutput)", "inspector", step, "scheduler", req)],
-        facts={"step": step, "request": req, "hit_block_ids": hit_ids, "new_block_ids": new_blocks,
-               "popped": popped if popped is not None else new_blocks, "evicted": [b for b, _ in evicted],
-               "table": table, "need_blocks": need_blocks, "scheduler_output_agrees": bool(ok_so),
-               "allocations": allocs})
+
+
+def _summary(step: int, req: str, a: _Allocation, q: dict) -> str:
+    popped, evicted = q["popped"], q["evicted"]
+    return (f"In **step {step}**, `Scheduler.schedule` gave request **{req}** {a.ent['num_tokens']} tokens; "
+            + (f"`get_computed_blocks` found {a.hit['num_hit_tokens']} tokens cached (blocks {ids(a.hit_ids)}); "
+               if a.admitted else "it was already running, so no prefix lookup; ")
+            + f"`allocate_slots` needed {len(a.new_blocks)} new block(s), and `get_new_blocks` popped "
+            f"**{ids(popped if popped is not None else a.new_blocks)}** from the free queue's head"
+            + (f", evicting the cached hash of {ids([b for b, _ in evicted])}" if evicted else "")
+            + f". They were appended to its block list ({ids(a.table)}) and sent to the worker as "
+            + ("`NewRequestData.block_ids`." if a.new_req is not None else "`CachedRequestData.new_block_ids`."))

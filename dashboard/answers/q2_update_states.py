@@ -63,9 +63,45 @@ def answer(src: RunSource, step: int | None = None) -> Answer:
                       "(model_runner snapshots), so there is nothing to diff.")
     prev = src.prev_step(step)
     snap = src.snap(step) or {}
-    so = snap.get("scheduler_output", {})
-    mr, mr_prev = src.mr(step), src.mr(prev)
-    before, after = _rows(mr_prev), _rows(mr)
+    mr = src.mr(step)
+    before, after = _rows(src.mr(prev)), _rows(mr)
+    d = _row_diff(before, after, snap.get("scheduler_output", {}), mr)
+    removed, added, appended, moves = d["removed"], d["added"], d["appended"], d["moves"]
+    mirror = _mirror(snap, mr, after, d["a_req"])
+    n_rows = len(after)
+    summary = (f"In **step {step}**, `_update_states` turned the {len(before)} rows of step {prev} into {n_rows} rows "
+               f"by a diff: **{len(removed)} removed** {ids([r['request'] for r in removed])}, "
+               f"**{len(added)} added** {ids([a['request'] for a in added])}, block ids appended to "
+               f"{len(appended)} request(s), `num_computed_tokens` written for {len(d['nct'])} cached request(s), "
+               f"**{len(moves)} condense move(s)** {ids([f'{a}→{b}' for a, b in moves])}. "
+               f"{len(d['kept'])} of {n_rows} rows were **kept as they were** (same row, same token ids and block table: "
+               f"only their num_computed_tokens scalar written) — the InputBatch persists across steps; nothing is rebuilt.")
+    notes = ["CachedRequestState is the worker's read-only mirror of the scheduler's Request: it is updated only "
+             "from CachedRequestData, never written back. The step snapshot is taken after "
+             + ("schedule() (async scheduling)" if src.async_scheduling else "update_from_output")
+             + ", the worker's after sampling: the scheduler advanced num_computed_tokens by this step's tokens "
+               "when it scheduled them (optimistically), the worker holds the value it was sent — so they agree "
+               "as worker + scheduled = scheduler."]
+    return Answer(
+        ok=True, subject=f"step {step}", summary=summary, chain=_chain(d),
+        tables={"rows removed": removed, "rows added": added, "block ids appended": appended,
+                "condense moves": d["move_rows"], "CachedRequestState (worker) beside Request (scheduler)": mirror,
+                "InputBatch rows before (step %d)" % prev: [{"row": i, "request": r["req_id"], "block_ids": ids(r["block_ids"])}
+                                                         for i, r in sorted(before.items())],
+                "InputBatch rows after (step %d)" % step: [{"row": i, "request": r["req_id"], "block_ids": ids(r["block_ids"])}
+                                                        for i, r in sorted(after.items())]},
+        notes=notes,
+        show_me=[ShowMe(f"step {step}, Worker tab (InputBatch rows and condense moves)", "inspector", step, "worker")],
+        facts={"step": step, "prev": prev, "removed": [r["request"] for r in removed],
+               "added": [a["request"] for a in added], "moves": [list(m) for m in moves],
+               "appended": {a["request"]: a["block ids appended"] for a in appended},
+               "kept": sorted(d["kept"]), "rows_after": n_rows, "mirror_agrees": all(m["agree"] != "no" for m in mirror),
+               "candidates": steps})
+
+
+def _row_diff(before: dict[int, dict], after: dict[int, dict], so: dict, mr: dict) -> dict:
+    """What _update_states did to the rows: removed, added, blocks appended, num_computed_tokens written,
+    condense moves, and the rows kept as they were."""
     b_req = {r["req_id"]: i for i, r in before.items()}
     a_req = {r["req_id"]: i for i, r in after.items()}
     finished = [str(r) for r in so.get("finished_req_ids", [])]
@@ -96,15 +132,18 @@ def answer(src: RunSource, step: int | None = None) -> Answer:
     # num_computed_tokens: what the scheduler sent for each cached request.
     nct = [{"request": str(r), "num_computed_tokens": n, "row": a_req.get(str(r))}
            for r, n in zip(cached.get("req_ids", []), cached.get("num_computed_tokens", []))]
-    move_rows = []
-    for src_row, dst_row in moves:
-        req = after.get(dst_row, {}).get("req_id")
-        move_rows.append({"from row": src_row, "to row": dst_row, "request": req})
+    move_rows = [{"from row": src_row, "to row": dst_row, "request": after.get(dst_row, {}).get("req_id")}
+                 for src_row, dst_row in moves]
     # Rows that changed structurally vs rows kept: kept = same request at the same row, no block appended.
-    app_set = {a["request"] for a in appended}
-    touched = {a["request"] for a in added} | {m["request"] for m in move_rows} | app_set
+    touched = {a["request"] for a in added} | {m["request"] for m in move_rows} | {a["request"] for a in appended}
     kept = [req for req, row in a_req.items() if b_req.get(req) == row and req not in touched]
-    # The mirror: CachedRequestState (worker) beside Request (scheduler), same step.
+    return {"a_req": a_req, "finished": finished, "new_ids": new_ids, "moves": moves, "removed": removed,
+            "added": added, "appended": appended, "nct": nct, "move_rows": move_rows, "kept": kept}
+
+
+def _mirror(snap: dict, mr: dict, after: dict[int, dict], a_req: dict) -> list[dict]:
+    """The mirror: CachedRequestState (worker) beside Request (scheduler), same step."""
+    so = snap.get("scheduler_output", {})
     sched = snap.get("scheduler", {})
     reqs = {str(r["request_id"]): r for r in sched.get("running", []) + sched.get("waiting", [])}
     r2b = sched.get("kv_cache", {}).get("req_to_block_ids", {})
@@ -129,43 +168,19 @@ def answer(src: RunSource, step: int | None = None) -> Answer:
                                  "sends its blocks and tokens again" if row is None and n == 0 else
                                  "yes" if agree_nct and (blocks_w is None or list(blocks_w) == list(blocks_s or []))
                                  else "no")})
-    n_rows = len(after)
-    summary = (f"In **step {step}**, `_update_states` turned the {len(before)} rows of step {prev} into {n_rows} rows "
-               f"by a diff: **{len(removed)} removed** {ids([r['request'] for r in removed])}, "
-               f"**{len(added)} added** {ids([a['request'] for a in added])}, block ids appended to "
-               f"{len(appended)} request(s), `num_computed_tokens` written for {len(nct)} cached request(s), "
-               f"**{len(moves)} condense move(s)** {ids([f'{a}→{b}' for a, b in moves])}. "
-               f"{len(kept)} of {n_rows} rows were **kept as they were** (same row, same token ids and block table: "
-               f"only their num_computed_tokens scalar written) — the InputBatch persists across steps; nothing is rebuilt.")
-    agree_all = all(m["agree"] != "no" for m in mirror)
-    notes = ["CachedRequestState is the worker's read-only mirror of the scheduler's Request: it is updated only "
-             "from CachedRequestData, never written back. The step snapshot is taken after "
-             + ("schedule() (async scheduling)" if src.async_scheduling else "update_from_output")
-             + ", the worker's after sampling: the scheduler advanced num_computed_tokens by this step's tokens "
-               "when it scheduled them (optimistically), the worker holds the value it was sent — so they agree "
-               "as worker + scheduled = scheduler."]
-    return Answer(
-        ok=True, subject=f"step {step}", summary=summary,
-        chain=[{"#": "1", "call": "finished_req_ids → requests.pop, remove_request", "what happened here":
-                ids([r["request"] for r in removed if r["request"] in finished]) or "none"},
-               {"#": "2", "call": "rows not scheduled → remove_request (state kept)", "what happened here":
-                ids([r["request"] for r in removed if r["request"] not in finished]) or "none"},
-               {"#": "3", "call": "scheduled_new_reqs → CachedRequestState, add_request", "what happened here":
-                ids(new_ids) or "none"},
-               {"#": "4", "call": "scheduled_cached_reqs → num_computed_tokens, block_ids.extend", "what happened here":
-                f"{len(nct)} updated, blocks appended to {ids([a['request'] for a in appended])}"},
-               {"#": "5", "call": "InputBatch.condense()", "what happened here":
-                ", ".join(f"row {a} → {b}" for a, b in moves) or "no hole left: no move"}],
-        tables={"rows removed": removed, "rows added": added, "block ids appended": appended,
-                "condense moves": move_rows, "CachedRequestState (worker) beside Request (scheduler)": mirror,
-                "InputBatch rows before (step %d)" % prev: [{"row": i, "request": r["req_id"], "block_ids": ids(r["block_ids"])}
-                                                         for i, r in sorted(before.items())],
-                "InputBatch rows after (step %d)" % step: [{"row": i, "request": r["req_id"], "block_ids": ids(r["block_ids"])}
-                                                        for i, r in sorted(after.items())]},
-        notes=notes,
-        show_me=[ShowMe(f"step {step}, Worker tab (InputBatch rows and condense moves)", "inspector", step, "worker")],
-        facts={"step": step, "prev": prev, "removed": [r["request"] for r in removed],
-               "added": [a["request"] for a in added], "moves": [list(m) for m in moves],
-               "appended": {a["request"]: a["block ids appended"] for a in appended},
-               "kept": sorted(kept), "rows_after": n_rows, "mirror_agrees": agree_all,
-               "candidates": steps})
+    return mirror
+
+
+def _chain(d: dict) -> list[dict]:
+    """_update_states' steps 1-5 with this step's requests."""
+    removed, finished = d["removed"], d["finished"]
+    return [{"#": "1", "call": "finished_req_ids → requests.pop, remove_request", "what happened here":
+             ids([r["request"] for r in removed if r["request"] in finished]) or "none"},
+            {"#": "2", "call": "rows not scheduled → remove_request (state kept)", "what happened here":
+             ids([r["request"] for r in removed if r["request"] not in finished]) or "none"},
+            {"#": "3", "call": "scheduled_new_reqs → CachedRequestState, add_request", "what happened here":
+             ids(d["new_ids"]) or "none"},
+            {"#": "4", "call": "scheduled_cached_reqs → num_computed_tokens, block_ids.extend", "what happened here":
+             f"{len(d['nct'])} updated, blocks appended to {ids([a['request'] for a in d['appended']])}"},
+            {"#": "5", "call": "InputBatch.condense()", "what happened here":
+             ", ".join(f"row {a} → {b}" for a, b in d["moves"]) or "no hole left: no move"}]

@@ -84,26 +84,7 @@ def answer(src: RunSource, step: int | None = None, req: str | None = None) -> A
     pos = pi["positions"][tok]
     width = max(len(r["block_ids"]) for r in rows.values())
     max_blocks = math.ceil(src.max_model_len / bs) if src.max_model_len else None
-    table = []
-    for i, rid in enumerate(req_ids):
-        r = next((x for x in rows.values() if str(x["req_id"]) == rid), None)
-        b = list(r["block_ids"]) if r else []
-        table.append({"row": i, "request": rid, **{f"[{j}]": (b[j] if j < len(b) else 0) for j in range(width)},
-                      "…": f"0 × {max_blocks - width}" if max_blocks and max_blocks > width else ""})
     slots = pi["slot_mapping"]
-    # At most SHOW_TOKENS columns (a prefill can be thousands of tokens): the first ones and this request's.
-    shown = sorted(set(range(min(len(slots), SHOW_TOKENS))) | {tok})
-    slot_rows = [{"": "token", **{f"t{t}": t for t in shown}},
-                 {"": "request", **{f"t{t}": req_ids[pi["req_indices"][t]] if t < len(pi["req_indices"]) else "pad"
-                                    for t in shown}},
-                 {"": "slot_mapping", **{f"t{t}": slots[t] for t in shown}},
-                 {"": "block_id = slot // %d" % bs, **{f"t{t}": (slots[t] // bs if slots[t] >= 0 else "pad") for t in shown}},
-                 {"": "offset = slot %% %d" % bs, **{f"t{t}": (slots[t] % bs if slots[t] >= 0 else "pad") for t in shown}}]
-    per_req = [{"row": i, "request": rid, "query_start_loc": qsl[i], "query tokens": qsl[i + 1] - qsl[i],
-                "seq_len": pi["seq_lens"][i], "blocks walked ⌈seq_len/%d⌉" % bs: math.ceil(pi["seq_lens"][i] / bs)}
-               for i, rid in enumerate(req_ids)]
-    walk = [{"block #": j, "physical block": b, "tokens": f"{j * bs}–{min((j + 1) * bs, seq_len) - 1}",
-             "K/V read": min(bs, seq_len - j * bs)} for j, b in enumerate(walked)]
     cg = pi.get("cudagraph") or {}
     padded = cg.get("num_padded_tokens") and cg.get("num_tokens") and cg["num_padded_tokens"] > cg["num_tokens"]
     slot_ok = slot == walked[pos // bs] * bs + pos % bs if pos // bs < len(walked) else False
@@ -117,20 +98,60 @@ def answer(src: RunSource, step: int | None = None, req: str | None = None) -> A
                   "slots are -1 (nothing written)." if padded else ""))
     return Answer(
         ok=True, subject=f"request {req} at step {step}", summary=summary,
-        chain=[{"#": "1", "call": "SchedulerOutput block ids → _update_states", "what happened here":
-                f"request {req}'s InputBatch row {row['index']} holds {ids(row['block_ids'])}"},
-               {"#": "2", "call": "BlockTable.commit_block_table (H2D)", "what happened here":
-                f"block_table[:{len(req_ids)}] copied to the device, rows zero-padded"},
-               {"#": "3", "call": "_prepare_inputs", "what happened here":
-                f"positions → slot_mapping (block_table[pos // {bs}] × {bs} + pos % {bs}), seq_lens, query_start_loc"},
-               {"#": "4", "call": "reshape_and_cache", "what happened here":
-                f"request {req}'s new K/V written to slot {slot} (block {slot // bs}, offset {slot % bs})"},
-               {"#": "5", "call": "unified_attention (decode)", "what happened here":
-                f"reads K/V of blocks {ids(walked)} ({seq_len} tokens) for its one query"}],
-        tables={"block_table as the kernel receives it": table, "per request": per_req,
-                "slot_mapping, split": slot_rows, f"blocks request {req} walks": walk},
+        chain=_chain(req, row, len(req_ids), bs, slot, walked, seq_len),
+        tables={"block_table as the kernel receives it": _block_table(rows, req_ids, width, max_blocks),
+                "per request": _per_request(pi, req_ids, bs),
+                "slot_mapping, split": _slot_mapping_split(pi, req_ids, tok, bs),
+                f"blocks request {req} walks": [{"block #": j, "physical block": b,
+                                                 "tokens": f"{j * bs}–{min((j + 1) * bs, seq_len) - 1}",
+                                                 "K/V read": min(bs, seq_len - j * bs)} for j, b in enumerate(walked)]},
         show_me=[ShowMe(f"step {step}, Worker tab (slot_mapping, block tables)", "inspector", step, "worker", req)],
         facts={"step": step, "request": req, "seq_len": seq_len, "walked": walked, "slot": slot, "position": pos,
                "slot_ok": slot_ok, "block_table": {rid: list(next(x for x in rows.values() if str(x['req_id']) == rid)["block_ids"])
                                                    for rid in req_ids if any(str(x['req_id']) == rid for x in rows.values())},
                "seq_lens": list(pi["seq_lens"]), "query_start_loc": list(qsl), "candidates": cands})
+
+
+def _block_table(rows: dict[int, dict], req_ids: list[str], width: int, max_blocks: int | None) -> list[dict]:
+    """The block table as the kernel receives it: one row per request, zero-padded to max_blocks columns."""
+    table = []
+    for i, rid in enumerate(req_ids):
+        r = next((x for x in rows.values() if str(x["req_id"]) == rid), None)
+        b = list(r["block_ids"]) if r else []
+        table.append({"row": i, "request": rid, **{f"[{j}]": (b[j] if j < len(b) else 0) for j in range(width)},
+                      "…": f"0 × {max_blocks - width}" if max_blocks and max_blocks > width else ""})
+    return table
+
+
+def _slot_mapping_split(pi: dict, req_ids: list[str], tok: int, bs: int) -> list[dict]:
+    """slot_mapping split into block id and offset, for at most SHOW_TOKENS columns (a prefill can be
+    thousands of tokens): the first ones and this request's."""
+    slots = pi["slot_mapping"]
+    shown = sorted(set(range(min(len(slots), SHOW_TOKENS))) | {tok})
+    return [{"": "token", **{f"t{t}": t for t in shown}},
+            {"": "request", **{f"t{t}": req_ids[pi["req_indices"][t]] if t < len(pi["req_indices"]) else "pad"
+                               for t in shown}},
+            {"": "slot_mapping", **{f"t{t}": slots[t] for t in shown}},
+            {"": "block_id = slot // %d" % bs, **{f"t{t}": (slots[t] // bs if slots[t] >= 0 else "pad") for t in shown}},
+            {"": "offset = slot %% %d" % bs, **{f"t{t}": (slots[t] % bs if slots[t] >= 0 else "pad") for t in shown}}]
+
+
+def _per_request(pi: dict, req_ids: list[str], bs: int) -> list[dict]:
+    qsl = pi["query_start_loc"]
+    return [{"row": i, "request": rid, "query_start_loc": qsl[i], "query tokens": qsl[i + 1] - qsl[i],
+             "seq_len": pi["seq_lens"][i], "blocks walked ⌈seq_len/%d⌉" % bs: math.ceil(pi["seq_lens"][i] / bs)}
+            for i, rid in enumerate(req_ids)]
+
+
+def _chain(req: str, row: dict, num_reqs: int, bs: int, slot: int, walked: list[int], seq_len: int) -> list[dict]:
+    """From the scheduler's block ids to the kernel's walk, with this request's values."""
+    return [{"#": "1", "call": "SchedulerOutput block ids → _update_states", "what happened here":
+             f"request {req}'s InputBatch row {row['index']} holds {ids(row['block_ids'])}"},
+            {"#": "2", "call": "BlockTable.commit_block_table (H2D)", "what happened here":
+             f"block_table[:{num_reqs}] copied to the device, rows zero-padded"},
+            {"#": "3", "call": "_prepare_inputs", "what happened here":
+             f"positions → slot_mapping (block_table[pos // {bs}] × {bs} + pos % {bs}), seq_lens, query_start_loc"},
+            {"#": "4", "call": "reshape_and_cache", "what happened here":
+             f"request {req}'s new K/V written to slot {slot} (block {slot // bs}, offset {slot % bs})"},
+            {"#": "5", "call": "unified_attention (decode)", "what happened here":
+             f"reads K/V of blocks {ids(walked)} ({seq_len} tokens) for its one query"}]

@@ -166,22 +166,6 @@ def answer(src: RunSource, step: int | None = None, req: str | None = None) -> A
                + ". "
                + (f"They could be used at once — and were: first in **step {first_reuse}** ({reuse_rows[0]['how']})."
                   if first_reuse is not None else "None of them was reused before the run ended."))
-    notes = []
-    if "call" not in f["event"]:
-        notes.append("This run's free event does not carry ref_cnt and queue ends (recorded before that was added): "
-                     "they are replayed from the previous step's pool.")
-    if not f["replay_ok"]:
-        notes.append(f"The replay disagrees with the run ({f['replay_problem']}).")
-    if src.async_scheduling:
-        notes.append("Async scheduling: a step's snapshot is taken after schedule(), so the free made by step "
-                     f"{step}'s update_from_output is listed with step {fstep}'s events.")
-    show = [ShowMe(f"step {step}, KV cache tab, request {req} (its F events and the free queue)", "inspector",
-                   step, "kv", req)]
-    if first_reuse is not None:
-        by = reuse_rows[0]["by request"]
-        show.append(ShowMe(f"step {first_reuse}, KV cache tab: block {reuse_rows[0]['block']} reused"
-                           + (f" by request {by}" if by and by != "?" else ""), "inspector", first_reuse, "kv",
-                           by if by and by != "?" else None))
     return Answer(
         ok=True, subject=f"request {req}, finished at step {step}", summary=summary,
         chain=[{"#": "1", "call": "Scheduler.update_from_output", "what happened here":
@@ -194,7 +178,31 @@ def answer(src: RunSource, step: int | None = None, req: str | None = None) -> A
                 (f"step {nxt}: the worker drops its CachedRequestState and row" if told else
                  "not seen in a recorded step")}],
         tables={"KVCacheManager.free, block by block": f["rows"], "later use of the freed blocks": reuse_rows},
-        notes=notes, show_me=show,
+        notes=_notes(src, f, step), show_me=_show_me(step, req, first_reuse, reuse_rows),
         facts={"step": step, "request": req, "free_step": fstep, "freed_order": list(f["event"]["block_ids"]),
                "freed": f["freed"], "shared": f["shared"], "reused": {b: r["step"] for b, r in f["reused"].items()},
                "told_next_step": told, "finishes": done})
+
+
+def _notes(src: RunSource, f: dict, step: int) -> list[str]:
+    notes = []
+    if "call" not in f["event"]:
+        notes.append("This run's free event does not carry ref_cnt and queue ends (recorded before that was added): "
+                     "they are replayed from the previous step's pool.")
+    if not f["replay_ok"]:
+        notes.append(f"The replay disagrees with the run ({f['replay_problem']}).")
+    if src.async_scheduling:
+        notes.append("Async scheduling: a step's snapshot is taken after schedule(), so the free made by step "
+                     f"{step}'s update_from_output is listed with step {f['fstep']}'s events.")
+    return notes
+
+
+def _show_me(step: int, req: str, first_reuse: int | None, reuse_rows: list[dict]) -> list[ShowMe]:
+    show = [ShowMe(f"step {step}, KV cache tab, request {req} (its F events and the free queue)", "inspector",
+                   step, "kv", req)]
+    if first_reuse is not None:
+        by = reuse_rows[0]["by request"]
+        show.append(ShowMe(f"step {first_reuse}, KV cache tab: block {reuse_rows[0]['block']} reused"
+                           + (f" by request {by}" if by and by != "?" else ""), "inspector", first_reuse, "kv",
+                           by if by and by != "?" else None))
+    return show

@@ -96,26 +96,63 @@ def answer(src: RunSource, req: str | None = None) -> Answer:
     a = span.attributes
     n_in, n_out = a.get("gen_ai.usage.input_tokens"), a.get("gen_ai.usage.output_tokens") or 0
     reason = (a.get("gen_ai.response.finish_reasons") or [None])[0]
-    ms = lambda ns: ns / 1e6  # noqa: E731
+    queued = ev.get("QUEUED", [span.start_ns])[0]
+    mine = _steps_of(src, req)
+    time, token_steps = _time_account(src, span, ev, mine, n_in, n_out)
+    mem, per_block, weights_from = _memory_account(src, mine)
+    comm = _communication_account(src, mine, token_steps)
+    cpu = _cpu_account(src, mine)
+    finish_step = next((s for s, r in _finish_steps(src) if r == req), None)
+    path = _status_path(src, req, finish_step, reason)
+    engine_events = [{"event": e["name"], "ms since arrival": round(_ms(e["time_ns"] - queued), 2)}
+                     for e in span.events]
+    why = _why(time, mem, cpu, len(mine), len(ev.get("PREEMPTED", [])))
+    rows = _rows(time, mem, comm, cpu, len(mine), path)
+    summary = (f"Request **{req}** ({n_in} prompt tokens, {n_out} generated, {reason or '?'}): "
+               + "; ".join(f"**{r['account']}** — {r['value']}" for r in rows[:2]) + ".")
+    notes = [f"Weights: {weights_from}."]
+    if not comm["have_counts"]:
+        notes.append("Collective counts (vllm_anatomy.num_all_reduce on Worker.execute_model) are not in this run.")
+    return Answer(
+        ok=True, subject=f"request {req}", summary=summary,
+        tables=_tables(rows, comm, cpu, path, engine_events),
+        chain=[{"#": "why", "call": "no single number", "what happened here": w} for w in why],
+        notes=notes, show_me=_show_me(req, mine, mem["at step"], comm["three"]),
+        facts={"request": req, "time": time, "memory": mem, "collectives": comm["coll"],
+               "have_counts": comm["have_counts"], "ipc": comm["ipc"], "cpu": cpu["rows"], "cpu_total": cpu["total"],
+               "cpu_share": cpu["share"], "steps": sorted(mine), "path": path, "candidates": reqs, "why": why,
+               "per_block": per_block})
+
+
+def _ms(ns: float) -> float:
+    return ns / 1e6
+
+
+def _time_account(src: RunSource, span, ev: dict[str, list[int]], mine: dict[int, dict], n_in: int | None,
+                  n_out: int) -> tuple[dict, list[int]]:
+    """Queue, prefill, decode, TTFT, ITL and e2e (ms); and the steps that gave the request a token."""
     queued = ev.get("QUEUED", [span.start_ns])[0]
     sched = ev.get("SCHEDULED", [None])[0]
     first = ev.get("FIRST_TOKEN", [None])[0]
     fin = ev.get("FINISHED", [span.end_ns])[0]
-    mine = _steps_of(src, req)
     # Token times: the end of each step that gave it a token (decode, or the chunk that ends its prompt).
     token_steps = [s for s, e in mine.items() if e["kind"] in ("decode", "final_prefill_chunk")
                    or (e["kind"] == "resumed" and e.get("num_computed_tokens_before", 0) + e["num_tokens"]
                        >= (n_in or 0))]
     ends = [src.step_spans[s].end_ns for s in token_steps if s in src.step_spans]
-    gaps = [ms(b - x) for x, b in zip(ends, ends[1:])]
-    time = {"queue ms": ms(sched - queued) if sched else None,
-            "prefill ms": ms(first - sched) if first and sched else None,
-            "decode ms": ms(fin - first) if first else None,
-            "TTFT ms": ms(first - queued) if first else None,
-            "ITL mean ms": ms(fin - first) / (n_out - 1) if first and n_out > 1 else None,
+    gaps = [_ms(b - x) for x, b in zip(ends, ends[1:])]
+    time = {"queue ms": _ms(sched - queued) if sched else None,
+            "prefill ms": _ms(first - sched) if first and sched else None,
+            "decode ms": _ms(fin - first) if first else None,
+            "TTFT ms": _ms(first - queued) if first else None,
+            "ITL mean ms": _ms(fin - first) / (n_out - 1) if first and n_out > 1 else None,
             "ITL max ms (step ends)": max(gaps) if gaps else None,
-            "e2e ms": ms(span.end_ns - span.start_ns)}
-    # Memory.
+            "e2e ms": _ms(span.end_ns - span.start_ns)}
+    return time, token_steps
+
+
+def _memory_account(src: RunSource, mine: dict[int, dict]) -> tuple[dict, float | None, str]:
+    """Its KV blocks at their peak against the pool and the weights; the bytes of a block; where the weights' size comes from."""
     from dashboard.components.kv_memory import MB, block_bytes
     per_block = block_bytes(src.meta, src.mr(src.steps[0]), src.block_size)
     peak_blocks, peak_step = _peak_blocks(mine)
@@ -125,7 +162,12 @@ def answer(src: RunSource, req: str | None = None) -> Answer:
            "KV MB": peak_blocks * per_block / MB if per_block else None,
            "pool MB": pool * per_block / MB if per_block else None, "pool blocks": pool,
            "weights MB": weights / MB if weights else None}
-    # Communication.
+    return mem, per_block, weights_from
+
+
+def _communication_account(src: RunSource, mine: dict[int, dict], token_steps: list[int]) -> dict:
+    """Collectives on the steps that served it, the messages that crossed a process boundary, and the text saying so."""
+    from dashboard.components.kv_memory import MB
     coll = {op: [0, 0] for op in COLLECTIVES}
     have_counts = False
     served_traces = {src.step_spans[s].trace_id for s in mine if s in src.step_spans}
@@ -139,10 +181,9 @@ def answer(src: RunSource, req: str | None = None) -> Answer:
     n_steps = len(mine)
     kinds = set(src.pids)
     three = "engine_core" in kinds
-    workers_out = "worker" in kinds
+    shm = "worker" in kinds or src.backend == "mp"
     ipc = {"ZMQ messages (EngineCoreRequest in + EngineCoreOutputs out)": (1 + len(token_steps)) if three else 0,
-           "shared-memory messages (execute_model, sample_tokens and their replies)":
-               4 * n_steps if workers_out or src.backend == "mp" else 0}
+           "shared-memory messages (execute_model, sample_tokens and their replies)": 4 * n_steps if shm else 0}
     if have_counts:
         comm_why = (f"{coll['all_reduce'][0]} all-reduce(s) ({coll['all_reduce'][1] / MB:.2f} MB handed to them) over "
                     f"the {n_steps} steps that served it: {coll['all_reduce'][0] / max(n_steps, 1):.0f} per step "
@@ -153,11 +194,15 @@ def answer(src: RunSource, req: str | None = None) -> Answer:
                     "160 all-reduces per step come from a model split across GPUs: 2 per layer.)")
     ipc_why = (("Three processes: its request crossed ZMQ once in, its outputs crossed it once per token step; "
                 if three else "One frontend/engine process: no ZMQ hop; ")
-               + ("each step crossed the shared-memory queue twice down and twice up." if (workers_out or src.backend == "mp")
+               + ("each step crossed the shared-memory queue twice down and twice up." if shm
                   else "the worker is called in-process (UniProcExecutor): no shared-memory hop."))
-    # CPU.
+    return {"coll": coll, "have_counts": have_counts, "ipc": ipc, "three": three, "text": comm_why + " " + ipc_why}
+
+
+def _cpu_account(src: RunSource, mine: dict[int, dict]) -> dict:
+    """Host ms of the CPU spans on its steps, in total and its share by scheduled tokens; its steps' time."""
     step_of = {sp.trace_id: s for s, sp in src.step_spans.items()}
-    cpu_rows = {}
+    rows = {}
     for name, short in CPU_SPANS.items():
         total = share = 0.0
         for sp in src.spans(name):
@@ -165,70 +210,70 @@ def answer(src: RunSource, req: str | None = None) -> Answer:
             if s is None and sp.step_id is not None:
                 s = sp.step_id
             if s in mine:
-                d = ms(sp.end_ns - sp.start_ns)
+                d = _ms(sp.end_ns - sp.start_ns)
                 total += d
                 share += d * mine[s]["num_tokens"] / max(mine[s]["step_tokens"], 1)
-        cpu_rows[short] = (total, share)
-    cpu_total = sum(t for t, _ in cpu_rows.values())
-    cpu_share = sum(s for _, s in cpu_rows.values())
-    step_ms = sum(ms(src.step_spans[s].end_ns - src.step_spans[s].start_ns) for s in mine if s in src.step_spans)
-    # Request.
-    finish_step = next((s for s, r in _finish_steps(src) if r == req), None)
-    path = _status_path(src, req, finish_step, reason)
-    engine_events = [{"event": e["name"], "ms since arrival": round(ms(e["time_ns"] - queued), 2)} for e in span.events]
-    # Why no single number: the run's own contrasts.
+        rows[short] = (total, share)
+    step_ms = sum(_ms(src.step_spans[s].end_ns - src.step_spans[s].start_ns) for s in mine if s in src.step_spans)
+    return {"rows": rows, "total": sum(t for t, _ in rows.values()), "share": sum(s for _, s in rows.values()),
+            "step_ms": step_ms}
+
+
+def _why(time: dict, mem: dict, cpu: dict, n_steps: int, preempted: int) -> list[str]:
+    """Why no single number: the run's own contrasts between the accounts."""
     why = []
     if time["TTFT ms"] and time["queue ms"] is not None:
         why.append(f"Its TTFT is {time['TTFT ms']:.1f} ms, of which {time['queue ms']:.1f} ms "
                    f"({100 * time['queue ms'] / time['TTFT ms']:.0f} %) was waiting in the queue, not computing: "
                    "the time account alone cannot say whether the GPU was slow or the pool was full.")
     if mem["KV MB"] is not None and mem["weights MB"]:
-        why.append(f"Its KV peaked at {mem['KV MB']:.2f} MB — {100 * peak_blocks / max(pool, 1):.0f} % of the pool but "
+        why.append(f"Its KV peaked at {mem['KV MB']:.2f} MB — "
+                   f"{100 * mem['peak KV blocks'] / max(mem['pool blocks'], 1):.0f} % of the pool but "
                    f"{100 * mem['KV MB'] / mem['weights MB']:.2f} % of the {mem['weights MB']:.0f} MB of weights: "
                    "tiny next to the model, yet the scarce resource that decides who runs.")
-    if cpu_total:
-        why.append(f"The host spent {cpu_total:.2f} ms scheduling and preparing the {n_steps} steps it was in "
-                   f"({cpu_share:.2f} ms its share by tokens) out of {step_ms:.1f} ms of step time: cheap per request, "
-                   "but paid again every step for every request.")
-    pre = len(ev.get("PREEMPTED", []))
-    if pre:
-        why.append(f"It was preempted {pre} time(s): its KV blocks were taken back and everything it had computed "
-                   "was computed again — a memory decision that shows up only in its time account.")
-    rows = [{"account": "time", "value": (f"queue {_f(time['queue ms'])} · prefill {_f(time['prefill ms'])} · decode "
+    if cpu["total"]:
+        why.append(f"The host spent {cpu['total']:.2f} ms scheduling and preparing the {n_steps} steps it was in "
+                   f"({cpu['share']:.2f} ms its share by tokens) out of {cpu['step_ms']:.1f} ms of step time: cheap "
+                   "per request, but paid again every step for every request.")
+    if preempted:
+        why.append(f"It was preempted {preempted} time(s): its KV blocks were taken back and everything it had "
+                   "computed was computed again — a memory decision that shows up only in its time account.")
+    return why
+
+
+def _rows(time: dict, mem: dict, comm: dict, cpu: dict, n_steps: int, path: list[dict]) -> list[dict]:
+    """The five accounts, one line each."""
+    return [{"account": "time", "value": (f"queue {_f(time['queue ms'])} · prefill {_f(time['prefill ms'])} · decode "
                                           f"{_f(time['decode ms'])} ms; TTFT {_f(time['TTFT ms'])} ms; ITL mean "
                                           f"{_f(time['ITL mean ms'])} ms, max {_f(time['ITL max ms (step ends)'])} ms")},
-            {"account": "memory", "value": (f"{peak_blocks} KV blocks at step {peak_step} = {_f(mem['KV MB'], 2)} MB, "
-                                            f"pool {pool} blocks = {_f(mem['pool MB'], 1)} MB, weights "
-                                            f"{_f(mem['weights MB'], 0)} MB")},
-            {"account": "communication", "value": comm_why + " " + ipc_why},
-            {"account": "CPU", "value": ", ".join(f"{k} {t:.2f} ms" for k, (t, _) in cpu_rows.items())
-             + f" — {cpu_total:.2f} ms over its {n_steps} steps, its share {cpu_share:.2f} ms"},
+            {"account": "memory", "value": (f"{mem['peak KV blocks']} KV blocks at step {mem['at step']} = "
+                                            f"{_f(mem['KV MB'], 2)} MB, pool {mem['pool blocks']} blocks = "
+                                            f"{_f(mem['pool MB'], 1)} MB, weights {_f(mem['weights MB'], 0)} MB")},
+            {"account": "communication", "value": comm["text"]},
+            {"account": "CPU", "value": ", ".join(f"{k} {t:.2f} ms" for k, (t, _) in cpu["rows"].items())
+             + f" — {cpu['total']:.2f} ms over its {n_steps} steps, its share {cpu['share']:.2f} ms"},
             {"account": "request", "value": " → ".join(
                 f"{p['status']}@{p['from step']}" + (f"–{p['to step']}" if p["to step"] != p["from step"] else "")
                 for p in path)}]
-    summary = (f"Request **{req}** ({n_in} prompt tokens, {n_out} generated, {reason or '?'}): "
-               + "; ".join(f"**{r['account']}** — {r['value']}" for r in rows[:2]) + ".")
+
+
+def _tables(rows: list[dict], comm: dict, cpu: dict, path: list[dict], engine_events: list[dict]) -> dict:
+    from dashboard.components.kv_memory import MB
+    return {"the five accounts": rows,
+            "CPU, per span (ms)": [{"span": k, "total on its steps": round(t, 3), "its share": round(s, 3)}
+                                   for k, (t, s) in cpu["rows"].items()],
+            "status path": path, "engine events": engine_events,
+            "communication": [{"what": k, "count": v} for k, v in comm["ipc"].items()]
+            + [{"what": f"{op} (count, MB)", "count": f"{c} ({b / MB:.2f} MB)"} for op, (c, b) in comm["coll"].items()]}
+
+
+def _show_me(req: str, mine: dict[int, dict], peak_step: int | None, three: bool) -> list[ShowMe]:
     show = [ShowMe(f"request {req}'s journey", "journey", first_step_of(mine), None, req)]
     if peak_step is not None:
         show.append(ShowMe(f"step {peak_step}, KV cache tab: its blocks at their peak", "inspector", peak_step, "kv", req))
     if three:
         show.append(ShowMe(f"the three processes at step {first_step_of(mine)}", "processes", first_step_of(mine), None, req))
-    notes = [f"Weights: {weights_from}."]
-    if not have_counts:
-        notes.append("Collective counts (vllm_anatomy.num_all_reduce on Worker.execute_model) are not in this run.")
-    return Answer(
-        ok=True, subject=f"request {req}", summary=summary,
-        tables={"the five accounts": rows,
-                "CPU, per span (ms)": [{"span": k, "total on its steps": round(t, 3), "its share": round(s, 3)}
-                                       for k, (t, s) in cpu_rows.items()],
-                "status path": path, "engine events": engine_events,
-                "communication": [{"what": k, "count": v} for k, v in ipc.items()]
-                + [{"what": f"{op} (count, MB)", "count": f"{c} ({b / MB:.2f} MB)"} for op, (c, b) in coll.items()]},
-        chain=[{"#": "why", "call": "no single number", "what happened here": w} for w in why],
-        notes=notes, show_me=show,
-        facts={"request": req, "time": time, "memory": mem, "collectives": coll, "have_counts": have_counts,
-               "ipc": ipc, "cpu": cpu_rows, "cpu_total": cpu_total, "cpu_share": cpu_share, "steps": sorted(mine),
-               "path": path, "candidates": reqs, "why": why, "per_block": per_block})
+    return show
 
 
 def first_step_of(mine: dict) -> int | None:
