@@ -139,8 +139,6 @@ def _enc_size(obj, typ) -> int | None:
 
 def step_view(src: RunSource, step: int) -> dict:
     """The spans drawn for one step (with its request arrivals and its outputs) and its hops."""
-    from vllm_anatomy.core.outputs import ModelRunnerOutput
-    from vllm_anatomy.core.sched.output import SchedulerOutput
     from vllm_anatomy.tracing.reader import open_run
     lay = layout(src)
     root = src.step_spans.get(step)
@@ -153,8 +151,26 @@ def step_view(src: RunSource, step: int) -> dict:
         # Arrivals of the requests this step admitted (if they came shortly before) and its outputs after.
         near = run.spans(where="end_ns >= ? AND start_ns <= ?", args=(t0 - 200_000_000, t1 + 200_000_000))
     in_step = [s for s in near if s.trace_id == root.trace_id]
-    hops: list[Hop] = []
     sends = [s for s in near if s.name == "MPClient._send_input" and s.attributes.get("vllm_anatomy.request_id") in admitted]
+    hops = _arrival_hops(near, sends, step)
+    t0 = min([t0] + [snd.start_ns for snd in sends])
+    # Also the HTTP and add_request spans of those requests.
+    extra = [s for s in near if (s.name in ("AsyncLLM.add_request", "InputProcessor.process_inputs",
+                                            "EngineCore.add_request", "EngineCoreProc.process_input_sockets",
+                                            "MPClient._send_input")
+                                 and str(s.request_id or s.attributes.get("vllm_anatomy.request_id")) in admitted)]
+    https = [s for s in near if s.name.startswith("POST ") and not s.name.endswith((" http receive", " http send"))
+             and any(s.start_ns <= x.start_ns <= s.end_ns for x in sends)]
+    hops += _shm_hops(src, step, in_step, lay)
+    output_hops, output_spans, t1 = _output_hops(src, step, near, in_step, lay, t1)
+    hops += output_hops
+    drawn, t0, t1 = _drawn(in_step + extra + output_spans + https, lay, t0, t1)
+    return {"layout": lay, "spans": drawn, "hops": hops, "t0": t0, "t1": t1, "admitted": admitted}
+
+
+def _arrival_hops(near: list, sends: list, step: int) -> list[Hop]:
+    """③ each admitted request: frontend → input thread (ZMQ) → busy loop (a queue)."""
+    hops: list[Hop] = []
     for snd in sends:
         rid = snd.attributes["vllm_anatomy.request_id"]
         rcv = _first(near, "EngineCoreProc.process_input_sockets", snd.start_ns,
@@ -168,21 +184,20 @@ def step_view(src: RunSource, step: int) -> dict:
             if add is not None:
                 hops.append(Hop("③", "Request → busy loop", "input_queue (thread → thread)", f"{IN}:{pid_e}",
                                 f"{BUSY}:{pid_e}", rcv.end_ns, add.start_ns, None, "", step, rid))
-        t0 = min(t0, snd.start_ns)
-    # Also the HTTP and add_request spans of those requests.
-    extra = [s for s in near if (s.name in ("AsyncLLM.add_request", "InputProcessor.process_inputs",
-                                            "EngineCore.add_request", "EngineCoreProc.process_input_sockets",
-                                            "MPClient._send_input")
-                                 and str(s.request_id or s.attributes.get("vllm_anatomy.request_id")) in admitted)]
-    https = [s for s in near if s.name.startswith("POST ") and not s.name.endswith((" http receive", " http send"))
-             and any(s.start_ns <= x.start_ns <= s.end_ns for x in sends)]
-    # The shared-memory hops: execute_model and sample_tokens, down and back.
+    return hops
+
+
+def _shm_hops(src: RunSource, step: int, in_step: list, lay: dict) -> list[Hop]:
+    """⑤ and ⑩, the shared-memory hops: execute_model and sample_tokens, down and back."""
+    from vllm_anatomy.core.outputs import ModelRunnerOutput
+    from vllm_anatomy.core.sched.output import SchedulerOutput
     snap, mr = src.snap(step) or {}, src.mr(step)
     so_bytes = _enc_size(snap.get("scheduler_output"), SchedulerOutput) if snap.get("scheduler_output") else None
     pi = mr.get("prepare_inputs") or {}
     mro = {"req_ids": pi.get("req_ids", []), "req_id_to_index": {r: i for i, r in enumerate(pi.get("req_ids", []))},
            "sampled_token_ids": mr.get("sampled_token_ids") or []}
     mro_bytes = _enc_size(mro, ModelRunnerOutput) if pi else None
+    hops: list[Hop] = []
     for ex_name, w_name, what_down, what_up, down_bytes, up_bytes, marker in (
             ("Executor.execute_model", "Worker.execute_model", "execute_model(SchedulerOutput, non_block=True)",
              "a Future of None (logits stay on the worker)",
@@ -205,7 +220,14 @@ def step_view(src: RunSource, step: int) -> dict:
                                 "shared-memory ring (worker_response_mq)", f"{WORKER}:{w.pid}",
                                 f"{BUSY}:{ex.pid}", w.end_ns, t_back, up_bytes,
                                 "re-encoded from the snapshot" if up_bytes else "", step))
-    # ⑪ the outputs: busy loop → output thread → frontend.
+    return hops
+
+
+def _output_hops(src: RunSource, step: int, near: list, in_step: list, lay: dict,
+                 t1: int) -> tuple[list[Hop], list, int]:
+    """⑪ the outputs: busy loop → output thread → frontend; the hops, the spans they add, the view's new end."""
+    hops: list[Hop] = []
+    spans: list = []
     upd = _first(in_step, "Scheduler.update_from_output")
     if upd is not None and not lay["single"]:
         out = _first(near, "EngineCoreProc.process_output_sockets", upd.end_ns - 1)
@@ -219,19 +241,24 @@ def step_view(src: RunSource, step: int) -> dict:
                                 "recorded", step))
                 proc = _first(near, "OutputProcessor.process_outputs", dec.start_ns)
                 t1 = max(t1, dec.end_ns, proc.end_ns if proc is not None else 0)
-                extra += [s for s in (out, dec, proc) if s is not None]
+                spans += [s for s in (out, dec, proc) if s is not None]
         elif src.pids.get("engine_core"):
             proc = _first(near, "OutputProcessor.process_outputs", upd.end_ns)
             if proc is not None:
-                extra.append(proc)
+                spans.append(proc)
                 t1 = max(t1, proc.end_ns)
     elif lay["single"]:
         proc = _first(near, "OutputProcessor.process_outputs", upd.end_ns - 1 if upd else t1)
         if proc is not None:
-            extra.append(proc)
+            spans.append(proc)
             t1 = max(t1, proc.end_ns)
+    return hops, spans, t1
+
+
+def _drawn(spans: list, lay: dict, t0: int, t1: int) -> tuple[list[dict], int, int]:
+    """The spans to draw, once each, on their lanes; the view's time range widened to hold them."""
     drawn, seen = [], set()
-    for s in in_step + extra + https:
+    for s in spans:
         if s.span_id in seen:
             continue
         seen.add(s.span_id)
@@ -244,7 +271,7 @@ def step_view(src: RunSource, step: int) -> dict:
         if not s.name.startswith("POST "):      # a request's HTTP span lasts its whole life: drawn clipped
             t0 = min(t0, s.start_ns)
             t1 = max(t1, s.end_ns)
-    return {"layout": lay, "spans": drawn, "hops": hops, "t0": t0, "t1": t1, "admitted": admitted}
+    return drawn, t0, t1
 
 
 def chain_rows(view: dict, step: int) -> list[dict]:

@@ -92,6 +92,41 @@ def timeline_figure(df: pd.DataFrame, t0_ns: int, cursor: int | None) -> go.Figu
     df["row"] = [row_of[(lane, lv)] for lane, lv in zip(df["lane"], df["level"])]
     df["group"] = [_group(r) for r in df[["lane", "name", "family"]].to_dict("records")]
     fig = go.Figure()
+    _add_span_bars(fig, df)
+    _add_sync_points(fig, df)
+    if cursor is not None:
+        cur = df[(df["name"] == "EngineCore.step") & (df["step_id"] == cursor)]
+        for _, r in cur.iterrows():
+            fig.add_vrect(x0=r["start_ms"], x1=r["start_ms"] + r["dur_ms"], fillcolor="#FFE082", opacity=0.35,
+                          line_width=0, layer="below")
+    labels = _staircase(df, label_step(df, cursor))
+    ticks = [_tick(lane, lv, i == min(j for j, r in enumerate(rows) if r[0] == lane)) for i, (lane, lv) in enumerate(rows)]
+    n_legend = sum(1 for t in fig.data if t.showlegend is not False)
+    # NOTE: fixed margins (no autoexpand): the staircase is placed in pixels, so the plot's
+    # height must be exactly what is computed here.
+    top = 14 + LABEL_PX * len(labels)
+    bottom = 52 + 24 * -(-n_legend // 3)     # three legend entries a row at the narrowest width
+    left = 14 + int(7.2 * max((len(t) for t in ticks), default=8))
+    plot_h = ROW_PX * len(rows)
+    _add_labels(fig, labels)
+    for lane, _ in rows:
+        i = min(j for j, r in enumerate(rows) if r[0] == lane)
+        if i:
+            fig.add_hline(y=i - 0.5, line=dict(color="#9E9E9E", width=1))
+    fig.update_layout(barmode="overlay", height=top + plot_h + bottom,
+                      margin=dict(l=left, r=16, t=top, b=bottom, autoexpand=False), plot_bgcolor="white",
+                      xaxis=dict(title="ms since the first step of the window", showgrid=True, gridcolor="#EEEEEE",
+                                 automargin=False),
+                      yaxis=dict(range=[len(rows) - 0.5, -0.5], tickvals=list(range(len(rows))), ticktext=ticks,
+                                 automargin=False),
+                      clickmode="event+select", dragmode="zoom", hovermode="closest")
+    style_figure(fig)
+    fig.update_layout(legend=dict(orientation="h", yanchor="top", y=-44 / plot_h, x=0, traceorder="normal"))
+    return fig
+
+
+def _add_span_bars(fig: go.Figure, df: pd.DataFrame) -> None:
+    """One bar trace per span group: the main spans by name, the rest grey under one legend entry."""
     order = list(MAIN_SPANS) + sorted(set(df["group"]) - set(MAIN_SPANS))
     others = [g for g in order if g in OTHER_COLORS]
     for grp in order:
@@ -111,6 +146,10 @@ def timeline_figure(df: pd.DataFrame, t0_ns: int, cursor: int | None) -> go.Figu
                     customdata=[[int(s) if pd.notna(s) else -1] for s in g["step_id"]],
                     text=[MAIN_SPANS[grp]] * len(g) if main else bar_label(g),
                     hovertext=hover_text(g), hovertemplate="%{hovertext}<extra></extra>")
+
+
+def _add_sync_points(fig: go.Figure, df: pd.DataFrame) -> None:
+    """A marker where the CPU waited for the GPU (the sync point), with how long."""
     sync = df[(df["name"] == SYNC) & (df["lane"] != "device")]
     if not sync.empty:
         fig.add_scatter(x=(sync["start_ms"] + sync["dur_ms"]).tolist(), y=sync["row"].tolist(), mode="markers",
@@ -119,20 +158,10 @@ def timeline_figure(df: pd.DataFrame, t0_ns: int, cursor: int | None) -> go.Figu
                         customdata=[[int(s) if pd.notna(s) else -1] for s in sync["step_id"]],
                         text=[f"sync wait {w or 0:.2f} ms" for w in sync["sync_wait_ms"].fillna(0)],
                         hovertemplate="_bookkeeping_sync · step %{customdata[0]}<br>%{text}<extra></extra>")
-    if cursor is not None:
-        cur = df[(df["name"] == "EngineCore.step") & (df["step_id"] == cursor)]
-        for _, r in cur.iterrows():
-            fig.add_vrect(x0=r["start_ms"], x1=r["start_ms"] + r["dur_ms"], fillcolor="#FFE082", opacity=0.35,
-                          line_width=0, layer="below")
-    labels = _staircase(df, label_step(df, cursor))
-    ticks = [_tick(lane, lv, i == min(j for j, r in enumerate(rows) if r[0] == lane)) for i, (lane, lv) in enumerate(rows)]
-    n_legend = sum(1 for t in fig.data if t.showlegend is not False)
-    # NOTE: fixed margins (no autoexpand): the staircase is placed in pixels, so the plot's
-    # height must be exactly what is computed here.
-    top = 14 + LABEL_PX * len(labels)
-    bottom = 52 + 24 * -(-n_legend // 3)     # three legend entries a row at the narrowest width
-    left = 14 + int(7.2 * max((len(t) for t in ticks), default=8))
-    plot_h = ROW_PX * len(rows)
+
+
+def _add_labels(fig: go.Figure, labels: list[tuple[float, int, str]]) -> None:
+    """The staircase of span labels above the plot, each with a leader line to its bar."""
     for i, (x, row, text) in enumerate(labels):
         # Earliest span highest: a leader line never crosses a later label (all text runs rightwards).
         level = len(labels) - 1 - i
@@ -140,20 +169,6 @@ def timeline_figure(df: pd.DataFrame, t0_ns: int, cursor: int | None) -> go.Figu
                            ax=0, ay=-((row + 0.5) * ROW_PX + 6 + LABEL_PX * level), xanchor="left",
                            yanchor="bottom", font=dict(size=MIN_FONT_PX, color=INK),
                            bgcolor="rgba(255,255,255,0.9)", borderpad=1)
-    for lane, _ in rows:
-        i = min(j for j, r in enumerate(rows) if r[0] == lane)
-        if i:
-            fig.add_hline(y=i - 0.5, line=dict(color="#9E9E9E", width=1))
-    fig.update_layout(barmode="overlay", height=top + plot_h + bottom,
-                      margin=dict(l=left, r=16, t=top, b=bottom, autoexpand=False), plot_bgcolor="white",
-                      xaxis=dict(title="ms since the first step of the window", showgrid=True, gridcolor="#EEEEEE",
-                                 automargin=False),
-                      yaxis=dict(range=[len(rows) - 0.5, -0.5], tickvals=list(range(len(rows))), ticktext=ticks,
-                                 automargin=False),
-                      clickmode="event+select", dragmode="zoom", hovermode="closest")
-    style_figure(fig)
-    fig.update_layout(legend=dict(orientation="h", yanchor="top", y=-44 / plot_h, x=0, traceorder="normal"))
-    return fig
 
 
 def _staircase(df: pd.DataFrame, step: int | None) -> list[tuple[float, int, str]]:

@@ -164,6 +164,44 @@ def _requests(reqs: list[dict], records: dict) -> list[str]:
     return by_id + sorted({s["request_id"] for r in records.values() for s in r.get("scheduled", [])} - set(by_id))
 
 
+def _cursor_line(life: pd.DataFrame, req_id: str, cursor: int | None) -> None:
+    """What happened to the request at the cursor's step, in one line."""
+    here = life[life["step"] == cursor]
+    if not here.empty:
+        r = here.iloc[0]
+        what = {"preempted": "preempted in this step: its KV blocks were freed, it waits (PREEMPTED) to be recomputed",
+                "waiting": "waiting: not admitted yet", "finished": "served for the last time: it finished"}
+        line = what.get(r["kind"]) or what.get(str(r["status"])) or f"{r['status']} · {r['kind']}, {r['tokens']} tokens"
+        st.markdown(f":material/arrow_right: **Step {cursor}** (the cursor, marked on the chart): req {req_id} — "
+                    f"{line}.")
+
+
+def _life_table(life: pd.DataFrame, cursor: int | None) -> None:
+    """The steps of its life, one row each, the cursor's highlighted."""
+    counts = life["status"].value_counts()
+    st.caption(f"{len(life)} steps of its life: " + ", ".join(f"{v} {k}" for k, v in counts.items())
+               + ". `status` is its state after the step (the step snapshot's queues).")
+
+    def _mark(row):
+        return ["background-color: #FFE9A8" if row["step"] == cursor else "" for _ in row]
+    shown = life.drop(columns=["time_ns"])
+    st.dataframe(shown.style.apply(_mark, axis=1), hide_index=True, width="stretch", key="journey_steps",
+                 column_config={"status": st.column_config.TextColumn(help="WAITING / RUNNING / PREEMPTED after the "
+                                                                      "step; finished = its last step"),
+                                "kind": st.column_config.TextColumn(help="how it was served: prefill_chunk, "
+                                                                    "final_prefill_chunk, decode, resumed; or why not"),
+                                "sampled": st.column_config.NumberColumn(help="the token id it sampled this step")})
+
+
+def _output_tokens(meta: dict, tokens: dict, req_id: str, n_prompt: int | None) -> None:
+    """The output tokens fed back so far, and their text."""
+    known = tokens["tokens"].get(req_id, {})
+    out_ids = [known[p] for p in sorted(known) if p >= (n_prompt or 0)]
+    text = data.decode(meta, out_ids)
+    st.markdown(f"**Output tokens fed back so far** ({len(out_ids)}): `{out_ids}`" +
+                (f"  \n→ {text!r}" if text is not None else ""))
+
+
 def main() -> None:
     st.title("Request journey")
     cur = state.current()
@@ -207,32 +245,9 @@ def main() -> None:
     st.plotly_chart(journey_figure(req, life, req_id, cursor), width="stretch", key="journey_fig",
                     on_select=on_click_open("journey_fig", "inspector", with_request=True), selection_mode="points",
                     config={"displayModeBar": False})
-    here = life[life["step"] == cursor]
-    if not here.empty:
-        r = here.iloc[0]
-        what = {"preempted": "preempted in this step: its KV blocks were freed, it waits (PREEMPTED) to be recomputed",
-                "waiting": "waiting: not admitted yet", "finished": "served for the last time: it finished"}
-        line = what.get(r["kind"]) or what.get(str(r["status"])) or f"{r['status']} · {r['kind']}, {r['tokens']} tokens"
-        st.markdown(f":material/arrow_right: **Step {cursor}** (the cursor, marked on the chart): req {req_id} — "
-                    f"{line}.")
-    counts = life["status"].value_counts()
-    st.caption(f"{len(life)} steps of its life: " + ", ".join(f"{v} {k}" for k, v in counts.items())
-               + ". `status` is its state after the step (the step snapshot's queues).")
-
-    def _mark(row):
-        return ["background-color: #FFE9A8" if row["step"] == cursor else "" for _ in row]
-    shown = life.drop(columns=["time_ns"])
-    st.dataframe(shown.style.apply(_mark, axis=1), hide_index=True, width="stretch", key="journey_steps",
-                 column_config={"status": st.column_config.TextColumn(help="WAITING / RUNNING / PREEMPTED after the "
-                                                                      "step; finished = its last step"),
-                                "kind": st.column_config.TextColumn(help="how it was served: prefill_chunk, "
-                                                                    "final_prefill_chunk, decode, resumed; or why not"),
-                                "sampled": st.column_config.NumberColumn(help="the token id it sampled this step")})
-    known = tokens["tokens"].get(req_id, {})
-    out_ids = [known[p] for p in sorted(known) if p >= (n_prompt or 0)]
-    text = data.decode(info["meta"], out_ids)
-    st.markdown(f"**Output tokens fed back so far** ({len(out_ids)}): `{out_ids}`" +
-                (f"  \n→ {text!r}" if text is not None else ""))
+    _cursor_line(life, req_id, cursor)
+    _life_table(life, cursor)
+    _output_tokens(info["meta"], tokens, req_id, n_prompt)
     c1, c2 = st.columns([1, 3], vertical_alignment="bottom")
     pick = c1.selectbox("Step", life["step"].tolist(), key="journey_step")
     c2.button("Open this step in the inspector", key="journey_open", icon=":material/search:", on_click=open_view,

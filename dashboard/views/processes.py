@@ -39,6 +39,23 @@ def figure(view: dict, step: int) -> go.Figure:
     ms = lambda t: (t - t0) / 1e6  # noqa: E731
     x_max = ms(view["t1"])
     fig = go.Figure()
+    _add_spans(fig, view, lanes, y_of, ms, x_max)
+    if not view["layout"]["single"]:
+        _add_boundaries(fig, lanes)
+    _add_hops(fig, view, y_of, ms)
+    fig.update_layout(barmode="overlay", height=max(340, 84 * n + 90), uniformtext={"minsize": 12, "mode": "hide"}, margin={"l": 10, "r": 10, "t": 30, "b": 40},
+                      plot_bgcolor="#FFFFFF", paper_bgcolor="#FFFFFF", font={"size": 13, "color": "#222"},
+                      clickmode="event+select", hovermode="closest",
+                      xaxis={"title": f"ms since the window's start (step {step})", "range": [0, x_max * 1.14],
+                             "gridcolor": "#E5E5E5", "tickfont": {"size": 13, "color": "#222"}},
+                      yaxis={"tickvals": list(range(n)), "ticktext": [label for _, label in reversed(lanes)],
+                             "range": [-0.6, n - 0.4], "automargin": True,
+                             "tickfont": {"size": 13, "color": "#222"}})
+    return fig
+
+
+def _add_spans(fig: go.Figure, view: dict, lanes: list, y_of: dict, ms, x_max: float) -> None:
+    """A bar per span on its lane: outer spans thin and pale above, the rest below, labelled when wide."""
     for s in view["spans"]:
         if s["lane"] not in y_of:
             continue
@@ -55,19 +72,25 @@ def figure(view: dict, step: int) -> go.Figure:
                     textposition="inside", insidetextanchor="start", textfont={"size": 12, "color": "#FFFFFF"},
                     hovertemplate=f"<b>{s['name']}</b><br>{(s['end_ns'] - s['start_ns']) / 1e6:.3f} ms"
                                   f"<br>{dict(lanes).get(s['lane'], s['lane'])}<extra></extra>")
-    # Process boundaries between groups of lanes.
+
+
+def _add_boundaries(fig: go.Figure, lanes: list) -> None:
+    """Process boundaries between groups of lanes, each named by what crosses it."""
+    n = len(lanes)
     groups = [GROUP_OF.get(k.split(":")[0], 0) for k, _ in lanes]
     names = {1: "process boundary ① · ZMQ + msgspec (EngineCoreRequest ↓ / EngineCoreOutputs ↑)",
              2: "process boundary ② · shared-memory MessageQueue (SchedulerOutput ↓ / ModelRunnerOutput ↑)"}
-    if not view["layout"]["single"]:
-        for i in range(1, n):
-            if groups[i] != groups[i - 1]:
-                yb = n - 1 - i + 0.5
-                fig.add_hline(y=yb, line_dash="dash", line_color="#333333", line_width=1.5)
-                fig.add_annotation(x=0, y=yb, xref="paper", yref="y", text=names.get(groups[i], "process boundary"),
-                                   showarrow=False, xanchor="left", yanchor="bottom", font={"size": 12, "color": "#222"},
-                                   bgcolor="rgba(255,255,255,0.85)")
-    # Hops: an arrow each, and a clickable marker at the receiving end.
+    for i in range(1, n):
+        if groups[i] != groups[i - 1]:
+            yb = n - 1 - i + 0.5
+            fig.add_hline(y=yb, line_dash="dash", line_color="#333333", line_width=1.5)
+            fig.add_annotation(x=0, y=yb, xref="paper", yref="y", text=names.get(groups[i], "process boundary"),
+                               showarrow=False, xanchor="left", yanchor="bottom", font={"size": 12, "color": "#222"},
+                               bgcolor="rgba(255,255,255,0.85)")
+
+
+def _add_hops(fig: go.Figure, view: dict, y_of: dict, ms) -> None:
+    """Hops: an arrow each, and a clickable marker at the receiving end."""
     xs, ys, texts, cds, hovers, pos = [], [], [], [], [], []
     for h in view["hops"]:
         if h.src_lane not in y_of or h.dst_lane not in y_of:
@@ -91,15 +114,6 @@ def figure(view: dict, step: int) -> go.Figure:
                         textfont={"size": 12, "color": "#222"}, customdata=cds, hovertext=hovers,
                         hoverinfo="text", marker={"size": 12, "color": "#B8860B", "symbol": "diamond",
                                                   "line": {"width": 1, "color": "#222"}}, showlegend=False)
-    fig.update_layout(barmode="overlay", height=max(340, 84 * n + 90), uniformtext={"minsize": 12, "mode": "hide"}, margin={"l": 10, "r": 10, "t": 30, "b": 40},
-                      plot_bgcolor="#FFFFFF", paper_bgcolor="#FFFFFF", font={"size": 13, "color": "#222"},
-                      clickmode="event+select", hovermode="closest",
-                      xaxis={"title": f"ms since the window's start (step {step})", "range": [0, x_max * 1.14],
-                             "gridcolor": "#E5E5E5", "tickfont": {"size": 13, "color": "#222"}},
-                      yaxis={"tickvals": list(range(n)), "ticktext": [label for _, label in reversed(lanes)],
-                             "range": [-0.6, n - 0.4], "automargin": True,
-                             "tickfont": {"size": 13, "color": "#222"}})
-    return fig
 
 
 def _on_hop() -> None:
