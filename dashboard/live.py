@@ -2,7 +2,7 @@
 
 Parent side (the Streamlit session): `LiveRun.start(spec, trace_dir)` spawns
 
-    python dashboard/live.py SPEC.json STATUS.json
+    python dashboard/live_engine.py SPEC.json STATUS.json
 
 and `LiveRun.status()` reads the status file the child keeps up to date
 ({"state": loading|running|done|stopped|error, "run_path", "step", "outputs", "error"}).
@@ -10,16 +10,8 @@ A child that dies without saying why (killed, segfault) is reported as "crashed"
 with the tail of its log. The UI never waits on the child: it reads the run
 store, which is committed step by step.
 
-Child side: `drive(llm, spec)` adds each prompt at its arrival step and calls
-`LLMEngine.step()` until all requests finish (the offline LLM.generate loop,
-with arrivals spread over time so continuous batching is visible).
-
-Three processes (`spec["processes"] == 3`): the child starts the engine the way
-`vllm-anatomy serve` does — the OpenAI API server (FastAPI + AsyncLLM, in the
-child, on 127.0.0.1 and a free port), EngineCoreProc in its own process, the
-worker behind the shared-memory ring (distributed_executor_backend="mp") — and
-sends each prompt as an HTTP chat completion once the engine has committed
-`arrive_step` steps (`drive_http`). All three processes write the same run store.
+Child side: dashboard/live_engine.py (the engine process: it drives the
+requests in one process, or serves them over HTTP from three).
 """
 from __future__ import annotations
 
@@ -31,11 +23,11 @@ import subprocess
 import sys
 import threading
 import time
-import traceback
 import uuid
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LIVE_DIR = ".live"   # under trace_dir: spec, status and log files of live runs
+ENGINE_SCRIPT = os.path.join(REPO_ROOT, "dashboard", "live_engine.py")
 
 # Start-up stages, each ended by what the run store (or the status file) records:
 # (name, what happens, the mark that ends it). Marks: "store" = the run store exists
@@ -75,7 +67,7 @@ def startup_stages(t_start_ns: int, marks: dict[str, int], now_ns: int) -> list[
     return out
 
 
-def _write_json(path: str, data: dict) -> None:
+def write_json(path: str, data: dict) -> None:
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
         json.dump(data, f)
@@ -99,9 +91,9 @@ def _spawn(trace_dir: str, wait: bool) -> tuple[subprocess.Popen, str, str, str]
     token = uuid.uuid4().hex[:8]
     spec_path, status_path, log_path = (os.path.join(live_dir, f"{token}.{ext}")
                                         for ext in ("spec.json", "status.json", "log"))
-    _write_json(status_path, {"state": "starting"})
+    write_json(status_path, {"state": "starting"})
     with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), spec_path, status_path]
+        proc = subprocess.Popen([sys.executable, ENGINE_SCRIPT, spec_path, status_path]
                                 + (["--wait", str(os.getpid())] if wait else []),
                                 stdout=log, stderr=subprocess.STDOUT, env=_child_env(), cwd=REPO_ROOT,
                                 start_new_session=True)
@@ -182,10 +174,10 @@ class LiveRun:
         t_start_ns = time.time_ns()
         warm = _take_warm(trace_dir)
         if warm is not None:
-            _write_json(warm["spec_path"], spec)          # atomic: the child sees all of it or nothing
+            write_json(warm["spec_path"], spec)          # atomic: the child sees all of it or nothing
             return cls(warm["proc"], warm["status_path"], warm["log_path"], spec, t_start_ns)
         proc, spec_path, status_path, log_path = _spawn(trace_dir, wait=False)
-        _write_json(spec_path, spec)
+        write_json(spec_path, spec)
         return cls(proc, status_path, log_path, spec, t_start_ns)
 
     def status(self) -> dict:
@@ -231,230 +223,3 @@ class LiveRun:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-
-
-# -- child side ------------------------------------------------------------------------------
-_stop_requested = False
-
-
-def _on_sigterm(signum, frame) -> None:
-    global _stop_requested
-    _stop_requested = True
-
-
-def _prompt_ids(tok, p: dict) -> dict:
-    conv = ([{"role": "system", "content": p["system"]}] if p.get("system") else []) + \
-           [{"role": "user", "content": p["text"]}]
-    return {"prompt_token_ids": tok.apply_chat_template(conv, tokenize=True, add_generation_prompt=True,
-                                                        return_dict=False)}
-
-
-def drive(llm, spec: dict, on_step=None) -> dict[str, str]:
-    """Run the spec's requests through llm.llm_engine; return request id -> text."""
-    from vllm_anatomy.sampling_params import SamplingParams
-    engine, tok = llm.llm_engine, llm.get_tokenizer()
-    params = SamplingParams(temperature=0, max_tokens=spec["max_tokens"], ignore_eos=spec["ignore_eos"])
-    pending = sorted(enumerate(spec["prompts"]), key=lambda ip: (ip[1]["arrive_step"], ip[0]))
-    outputs: dict[str, str] = {}
-    step = 0
-    while (pending or engine.has_unfinished_requests()) and not _stop_requested:
-        if not engine.has_unfinished_requests():
-            step = max(step, pending[0][1]["arrive_step"])   # nothing runs: jump to the next arrival
-        while pending and pending[0][1]["arrive_step"] <= step:
-            i, p = pending.pop(0)
-            engine.add_request(str(i), _prompt_ids(tok, p), params)
-        for out in engine.step():
-            outputs[out.request_id] = out.outputs[0].text
-        step += 1
-        if on_step:
-            on_step(step, outputs)
-        if spec.get("step_delay_s"):
-            time.sleep(spec["step_delay_s"])
-    if _stop_requested:
-        engine.abort_request(list(engine.output_processor.request_states))
-    return outputs
-
-
-def _committed_steps(run_path: str) -> int:
-    """Steps committed to the run store so far (read-only; 0 while it cannot be read)."""
-    from vllm_anatomy.tracing.reader import TraceStoreError, open_run
-    try:
-        with open_run(run_path) as run:
-            return run.num_steps()
-    except TraceStoreError:
-        return 0
-
-
-def drive_http(config, recorder, spec: dict, on_step=None) -> dict[str, str]:
-    """Serve the engine as `vllm-anatomy serve` does and send the spec's prompts over HTTP;
-    return request index -> text. Runs its own event loop."""
-    import argparse
-    import asyncio
-    import socket
-
-    import httpx
-    import uvicorn
-
-    from vllm_anatomy.engine.async_llm import AsyncLLM
-    from vllm_anatomy.entrypoints.openai.api_server import UvicornServer, build_app
-    from vllm_anatomy.entrypoints.openai.cli_args import make_arg_parser
-
-    async def main() -> dict[str, str]:
-        engine = AsyncLLM(config, multiprocess=True, recorder=recorder)
-        recorder.set_run_meta("config", run_meta_config(config))   # num_gpu_blocks, resolved by the engine
-        args = make_arg_parser(argparse.ArgumentParser()).parse_args(["--model", config.model_config.model])
-        args.served_model_name = ["live"]
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        server = UvicornServer(uvicorn.Config(build_app(engine, args), host="127.0.0.1", port=port,
-                                              log_level="warning", access_log=False))
-        serving = asyncio.create_task(server.serve())
-        outputs: dict[str, str] = {}
-        try:
-            while not server.started:
-                await asyncio.sleep(0.02)
-            pending = sorted(enumerate(spec["prompts"]), key=lambda ip: (ip[1]["arrive_step"], ip[0]))
-
-            async def send(client: httpx.AsyncClient, i: int, p: dict) -> None:
-                conv = ([{"role": "system", "content": p["system"]}] if p.get("system") else []) + \
-                       [{"role": "user", "content": p["text"]}]
-                r = await client.post("/v1/chat/completions", json={
-                    "model": "live", "messages": conv, "max_tokens": spec["max_tokens"], "temperature": 0,
-                    "ignore_eos": spec["ignore_eos"]})
-                r.raise_for_status()
-                outputs[str(i)] = r.json()["choices"][0]["message"]["content"]
-
-            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=600) as client:
-                tasks = []
-                while pending and not _stop_requested:
-                    steps = _committed_steps(recorder.run_path)
-                    while pending and pending[0][1]["arrive_step"] <= steps:
-                        i, p = pending.pop(0)
-                        tasks.append(asyncio.create_task(send(client, i, p)))
-                    if on_step:
-                        on_step(steps, outputs)
-                    # Nothing running: the next arrival comes now (as drive() jumps ahead).
-                    if pending and (not tasks or all(t.done() for t in tasks)):
-                        i, p = pending.pop(0)
-                        tasks.append(asyncio.create_task(send(client, i, p)))
-                    await asyncio.sleep(0.05)
-                while tasks and not all(t.done() for t in tasks) and not _stop_requested:
-                    if on_step:
-                        on_step(_committed_steps(recorder.run_path), outputs)
-                    await asyncio.sleep(0.1)
-                for t in tasks:
-                    if t.done() and t.exception() is not None:
-                        # say why the server refused (an engine that died says why it died)
-                        why = getattr(getattr(engine.engine_core, "resources", None), "dead_reason", None)
-                        raise RuntimeError(f"{t.exception()}" + (f" — {why}" if why else "")) from t.exception()
-        finally:
-            server.should_exit = True
-            await serving
-            engine.shutdown()
-        return outputs
-
-    return asyncio.run(main())
-
-
-def run_meta_config(config) -> dict:
-    from vllm_anatomy.tracing.factory import run_meta
-    return run_meta(config)["config"]
-
-
-class _Engine:
-    """What drive() needs of an `LLM`: its LLMEngine and tokenizer."""
-
-    def __init__(self, engine) -> None:
-        self.llm_engine = engine
-
-    def get_tokenizer(self):
-        return self.llm_engine.tokenizer
-
-
-def _wait_for_spec(spec_path: str, status_path: str, parent: int) -> bool:
-    """Pre-started: import what the engine needs, then wait for the spec file (True when it
-    came; False when the dashboard (pid `parent`) went away or nothing came for WARM_MAX_S)."""
-    import torch  # noqa: F401
-    import vllm_anatomy.engine.llm_engine  # noqa: F401
-    import vllm_anatomy.tracing.otel  # noqa: F401
-    from transformers import PreTrainedTokenizerFast  # noqa: F401
-    _write_json(status_path, {"state": "warm", "pid": os.getpid(), "t_warm_ns": time.time_ns()})
-    deadline = time.monotonic() + WARM_MAX_S
-    while not os.path.exists(spec_path):
-        # NOTE: the dashboard's pid comes on the command line: if it died during our
-        # imports, os.getppid() would already name our new parent.
-        if _stop_requested or os.getppid() != parent or time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
-
-
-def child_main(spec_path: str, status_path: str, wait_for: int | None = None) -> int:
-    signal.signal(signal.SIGTERM, _on_sigterm)
-    wait = wait_for is not None
-    parent = wait_for if wait else os.getppid()     # the dashboard: if it goes, so do we
-    if wait and not _wait_for_spec(spec_path, status_path, wait_for):
-        _write_json(status_path, {"state": "stopped", "pid": os.getpid()})
-        return 0
-    status = {"state": "loading", "pid": os.getpid(), "t_process_ns": time.time_ns(), "prestarted": wait}
-    _write_json(status_path, status)
-    recorder = None
-    try:
-        with open(spec_path) as f:
-            spec = json.load(f)
-        from vllm_anatomy.engine.arg_utils import EngineArgs
-        from vllm_anatomy.engine.llm_engine import LLMEngine
-        from vllm_anatomy.tracing.factory import make_recorder, run_meta
-        three = spec.get("processes") == 3
-        engine_args = {**spec["engine_args"], **({"distributed_executor_backend": "mp"} if three else {})}
-        config = EngineArgs(model=spec.get("model"), trace_level="full", trace_dir=spec["trace_dir"],
-                            **engine_args).create_engine_config()
-        # NOTE: the recorder (and with it the run store) is made before the engine,
-        # as LLMEngine would make it, so the page can follow the start-up spans
-        # (load model, KV cache, warm-up) while the engine is still being built.
-        recorder = make_recorder(config, "frontend")
-        status.update(run_path=recorder.run_path, t_imported_ns=time.time_ns())
-        _write_json(status_path, status)
-        if three:
-            def on_http_step(step, outputs):
-                global _stop_requested
-                if os.getppid() != parent:
-                    _stop_requested = True
-                status.update(state="running", step=step, outputs=outputs)
-                _write_json(status_path, status)
-            outputs = drive_http(config, recorder, spec, on_http_step)
-            recorder.shutdown()
-            status.update(state="stopped" if _stop_requested else "done", outputs=outputs,
-                          step=_committed_steps(recorder.run_path))
-            _write_json(status_path, status)
-            return 0
-        llm = _Engine(LLMEngine(config, recorder))
-        recorder.set_run_meta("config", run_meta(config)["config"])   # resolved at start-up (num_gpu_blocks)
-        status.update(state="running")
-        _write_json(status_path, status)
-
-        def on_step(step, outputs):
-            global _stop_requested
-            if os.getppid() != parent:   # the dashboard went away: do not run on as an orphan
-                _stop_requested = True
-            status.update(step=step, outputs=outputs)
-            _write_json(status_path, status)
-
-        drive(llm, spec, on_step)
-        llm.llm_engine.shutdown()
-        recorder.shutdown()
-        status.update(state="stopped" if _stop_requested else "done")
-        _write_json(status_path, status)
-        return 0
-    except BaseException as e:   # noqa: BLE001 - reported to the UI, then re-raised as an exit code
-        status.update(state="error", error=f"{type(e).__name__}: {e}\n\n{traceback.format_exc()[-3000:]}")
-        _write_json(status_path, status)
-        if recorder is not None:
-            recorder.shutdown()
-        return 1
-
-
-if __name__ == "__main__":
-    sys.path.insert(0, REPO_ROOT)
-    sys.exit(child_main(sys.argv[1], sys.argv[2], int(sys.argv[4]) if sys.argv[3:4] == ["--wait"] else None))

@@ -92,5 +92,5 @@ def live_form() -> dict | None:
     args.update(block_size=ss.lf_block_size, enable_prefix_caching=ss.lf_prefix)
     spec = build_spec(ss.lf_scenario, prompts, args, ss.lf_max_tokens, ss.lf_ignore_eos, ss.lf_delay)
     if ss.get("lf_processes") == 3:
-        spec["processes"] = 3           # dashboard/live.py: drive_http
+        spec["processes"] = 3           # dashboard/live_engine.py: drive_http
     return spec

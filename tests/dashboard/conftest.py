@@ -1,6 +1,6 @@
 """A run recorded once per session by the real engine (default model, CPU), with
 preemption, prefix-cache hits and chunked prefill, driven by the live page's own
-engine loop (dashboard/live.py: drive)."""
+engine loop (dashboard/live_engine.py: drive)."""
 from __future__ import annotations
 
 import os
@@ -30,7 +30,7 @@ FIXTURE_SPEC = {
 @pytest.fixture(scope="session")
 def recorded_run(tmp_path_factory):
     """(trace_dir, run path) of the fixture run."""
-    from dashboard.live import drive
+    from dashboard.live_engine import drive
     from vllm_anatomy.entrypoints.llm import LLM
     from vllm_anatomy.transformers_utils.default_model import ensure_default_model
     trace_dir = str(tmp_path_factory.mktemp("dash_traces"))
