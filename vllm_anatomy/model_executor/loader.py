@@ -24,15 +24,14 @@ from typing import Any, Iterable, Iterator
 
 import torch
 from safetensors import safe_open
-from torch import nn
 
 from vllm_anatomy.attention.selector import get_attn_backend
 from vllm_anatomy.config import ModelConfig
 from vllm_anatomy.distributed.parallel_state import get_tensor_model_parallel_world_size
-from vllm_anatomy.model_executor.models.llama import resolve_model_cls
+from vllm_anatomy.model_executor.models.llama import LlamaForCausalLM, resolve_model_cls
 
 
-def get_model(model_config: ModelConfig, backend: str = "torch") -> nn.Module:
+def get_model(model_config: ModelConfig, backend: str = "torch") -> LlamaForCausalLM:
     model_dir = Path(model_config.model)
     if not model_config.hf_config:
         model_config.hf_config = load_hf_config(model_dir)

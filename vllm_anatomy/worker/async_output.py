@@ -28,7 +28,7 @@ thread; ours call it on the worker's own loop (executor/worker_proc.py).
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Iterator, NamedTuple
+from typing import TYPE_CHECKING, Callable, Iterator, NamedTuple, cast
 
 import numpy as np
 import torch
@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from vllm_anatomy.model_executor.sampler import SamplerOutput
     from vllm_anatomy.tracing.runner_tracer import RunnerTracer
     from vllm_anatomy.worker.gpu_input_batch import CachedRequestState, InputBatch
+    from vllm_anatomy.worker.cpu_gpu_buffer import CpuGpuBuffer
     from vllm_anatomy.worker.gpu_model_runner import ExecuteModelState, GPUModelRunner
 
 
@@ -50,8 +51,19 @@ class Placeholder(NamedTuple):
 
 
 class AsyncSchedulingMixin:
+    # The runner's state these methods read (made by GPUModelRunner.__init__).
+    input_batch: InputBatch
+    requests: dict[str, CachedRequestState]
+    tracer: RunnerTracer
+    input_ids: CpuGpuBuffer
+    splice_indices: CpuGpuBuffer
+    use_async_scheduling: bool
+    prepare_inputs_event: torch.cuda.Event | None
+    async_output_copy_stream: torch.cuda.Stream | None
+    sampling_rows: Callable[[int, np.ndarray], np.ndarray]
+    cache_sampled_tokens: Callable[[list[str], np.ndarray, list[int]], list[int]]
 
-    def _bookkeeping_async(self: GPUModelRunner, state: ExecuteModelState,
+    def _bookkeeping_async(self, state: ExecuteModelState,
                            sampler_output: SamplerOutput) -> AsyncGPUModelRunnerOutput:
         """No sync: keep the ids on the device for the next step, -1 placeholders on the host."""
         batch = self.input_batch
@@ -69,13 +81,16 @@ class AsyncSchedulingMixin:
         return AsyncGPUModelRunnerOutput(
             self.tracer, state.scheduler_output.step_id, req_ids, sampler_output, invalid,
             PlaceholderFill(self.requests, batch, placeholders), dict(batch.num_logprobs),
-            self.async_output_copy_stream, self.tracer.snapshots.take(self), state.error_req_ids)
+            self.async_output_copy_stream, self.tracer.snapshots.take(cast("GPUModelRunner", self)),
+            state.error_req_ids)
 
-    def _splice_prev_sampled(self: GPUModelRunner, cu_num_tokens: np.ndarray) -> None:
+    def _splice_prev_sampled(self, cu_num_tokens: np.ndarray) -> None:
         """Async scheduling: put last step's sampled ids, still on the device,
         where the host only had -1 placeholders (a continuing request's last
         input token). vLLM: _prepare_input_ids."""
         batch = self.input_batch
+        prev_ids, prev = batch.prev_sampled_token_ids, batch.prev_req_id_to_index
+        assert prev_ids is not None and prev is not None      # the caller checked: last step sampled
         last = cu_num_tokens - 1                                               # [R] each request's last token
         rows = np.nonzero(self.input_ids.np[last] == -1)[0]                   # [P] rows waiting on a token
         if len(rows) == 0:
@@ -90,13 +105,12 @@ class AsyncSchedulingMixin:
             # Steady decoding: same requests in the same rows as last step.
             splice[n:2 * n] = rows
         else:
-            prev = batch.prev_req_id_to_index
             splice[n:2 * n] = [prev[req_ids[i]] for i in rows]
         indices = self.splice_indices.copy_to_gpu(2 * n)
-        self.input_ids.gpu.index_copy_(0, indices[:n], batch.prev_sampled_token_ids.index_select(0, indices[n:]))
+        self.input_ids.gpu.index_copy_(0, indices[:n], prev_ids.index_select(0, indices[n:]))
 
     @contextlib.contextmanager
-    def synchronize_input_prep(self: GPUModelRunner) -> Iterator[None]:
+    def synchronize_input_prep(self) -> Iterator[None]:
         """Wait until the previous step's host-to-device copies have run, then
         let this step rewrite the pinned host buffers they read.
 

@@ -41,12 +41,15 @@ from __future__ import annotations
 import bisect
 import enum
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from vllm_anatomy.compilation.breakable_cudagraph import BreakableCUDAGraphCapture
 from vllm_anatomy.config import CompilationConfig
+
+if TYPE_CHECKING:
+    from vllm_anatomy.tracing.collectives import CollectiveTracer
 
 
 class CUDAGraphMode(enum.Enum):
@@ -193,11 +196,11 @@ class CUDAGraphRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.piecewise: dict[int, BreakableCUDAGraphCapture] = {}
         self.outputs: dict[tuple[CUDAGraphMode, int], torch.Tensor] = {}
-        self.pool = None
+        self.pool: Any = None                 # the graphs' shared memory pool (an opaque handle)
         self.capture_stream: torch.cuda.Stream | None = None
         # With tensor parallelism (set by the Worker): the rank's CollectiveTracer,
         # and per graph the collectives it captured, counted again at each replay.
-        self.collective_tracer = None
+        self.collective_tracer: CollectiveTracer | None = None
         self.collectives: dict[tuple[CUDAGraphMode, int], dict[str, tuple[int, int]]] = {}
 
     def capture(self, mode: CUDAGraphMode, size: int, forward: Callable[[], torch.Tensor]) -> None:
@@ -209,7 +212,7 @@ class CUDAGraphRunner:
         if self.capture_stream is None:
             self.capture_stream = torch.cuda.Stream()
         tracer = self.collective_tracer
-        before = tracer.snapshot_counts() if tracer is not None else {}
+        before: dict[str, tuple[int, int]] = tracer.snapshot_counts() if tracer is not None else {}
         if mode is CUDAGraphMode.FULL:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool, stream=self.capture_stream):

@@ -115,7 +115,7 @@ class GPUModelRunner(ModelRunnerStartupMixin, AsyncSchedulingMixin):
                                       self.device, self.pin_memory, model_config.hf_config["vocab_size"],
                                       self.block_size)
         self.sampler = Sampler()
-        self.model: torch.nn.Module | None = None
+        # self.model: made by load_model (worker/model_runner_startup.py)
         self.kv_caches: list[torch.Tensor] = []
         self.execute_model_state: ExecuteModelState | None = None
         # What _prepare_inputs computed, for the step's snapshot (None below trace level full).
@@ -151,7 +151,7 @@ class GPUModelRunner(ModelRunnerStartupMixin, AsyncSchedulingMixin):
         if not on_cuda or self.attn_backend_name != "triton":
             compilation_config = type(compilation_config)("NONE", [], 0)
         self.cudagraph_dispatcher = CudagraphDispatcher(compilation_config, self.max_num_reqs)
-        self.cudagraph_runner = CUDAGraphRunner() if self.cudagraph_dispatcher.enabled else None
+        self.cudagraph_runner = CUDAGraphRunner()       # empty unless capture_model fills it
         self.cudagraph_decision: CudagraphDecision | None = None
 
     def _make_buffer(self, n: int, dtype: torch.dtype) -> CpuGpuBuffer:
@@ -183,6 +183,7 @@ class GPUModelRunner(ModelRunnerStartupMixin, AsyncSchedulingMixin):
                 with tracer.phase("GPUModelRunner._prepare_inputs", "prepare_inputs"):
                     attn_metadata, logits_indices = self._prepare_inputs(scheduler_output)
             decision = self.cudagraph_decision
+            assert decision is not None              # made by _prepare_inputs
             with tracer.model_forward(decision):
                 if decision.mode is CUDAGraphMode.FULL:
                     hidden_states = self.cudagraph_runner.replay(decision.num_padded_tokens)  # [N, H]
@@ -435,6 +436,7 @@ class GPUModelRunner(ModelRunnerStartupMixin, AsyncSchedulingMixin):
         same tokens however its prompt was chunked. (vLLM rewinds the CUDA
         Philox offset by 4.)"""
         sampling_metadata = self.input_batch.sampling_metadata
+        assert sampling_metadata is not None         # made by _update_states' refresh_metadata
         generators = sampling_metadata.generators
         saved_states = {i: generators[i].get_state() for i in discard_request_indices.tolist() if i in generators}
         with self.tracer.phase("GPUModelRunner._sample", "sample"):

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -27,19 +27,46 @@ from vllm_anatomy.model_executor.sampling_metadata import SamplingMetadata
 from vllm_anatomy.worker.cudagraph import CUDAGraphMode
 
 if TYPE_CHECKING:
-    from vllm_anatomy.worker.gpu_model_runner import GPUModelRunner
+    from vllm_anatomy.config import CacheConfig, ModelConfig
+    from vllm_anatomy.model_executor.models.llama import LlamaForCausalLM
+    from vllm_anatomy.model_executor.sampler import Sampler
+    from vllm_anatomy.tracing.runner_tracer import RunnerTracer
+    from vllm_anatomy.worker.cpu_gpu_buffer import CpuGpuBuffer
+    from vllm_anatomy.worker.cudagraph import CudagraphDispatcher, CUDAGraphRunner
+    from vllm_anatomy.worker.gpu_input_batch import InputBatch
 
 logger = logging.getLogger(__name__)
 
 
 class ModelRunnerStartupMixin:
+    # The runner's state these methods read and set (made by GPUModelRunner.__init__).
+    model: LlamaForCausalLM                         # set by load_model
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    device: torch.device
+    tracer: RunnerTracer
+    attn_backend_name: str
+    block_size: int
+    max_model_len: int
+    max_num_tokens: int
+    max_num_reqs: int
+    input_ids: CpuGpuBuffer
+    positions: CpuGpuBuffer
+    query_start_loc: CpuGpuBuffer
+    seq_lens: CpuGpuBuffer
+    input_batch: InputBatch
+    sampler: Sampler
+    kv_caches: list[torch.Tensor]
+    cudagraph_dispatcher: CudagraphDispatcher
+    cudagraph_runner: CUDAGraphRunner
+    _model_forward: Callable[[int, AttentionMetadata], torch.Tensor]
 
-    def load_model(self: GPUModelRunner) -> None:
+    def load_model(self) -> None:
         with self.tracer.span("GPUModelRunner.load_model"):
             self.model = get_model(self.model_config, backend=self.attn_backend_name).to(self.device)
             self.tracer.device_timer.watch_layers(self.model.model.layers)
 
-    def get_kv_cache_bytes_per_block(self: GPUModelRunner) -> int:
+    def get_kv_cache_bytes_per_block(self) -> int:
         """Bytes one block takes summed over all layers (K and V)."""
         model = self.model
         shape = model.attn_backend.get_kv_cache_shape(1, self.block_size, model.num_kv_heads, model.head_dim)
@@ -47,7 +74,7 @@ class ModelRunnerStartupMixin:
         return math.prod(shape) * itemsize * model.num_layers
 
     @torch.inference_mode()
-    def determine_num_available_blocks(self: GPUModelRunner) -> int:
+    def determine_num_available_blocks(self) -> int:
         with self.tracer.span("GPUModelRunner.determine_num_available_blocks"):
             if self.cache_config.num_gpu_blocks_override is not None:
                 return self.cache_config.num_gpu_blocks_override
@@ -57,7 +84,7 @@ class ModelRunnerStartupMixin:
                 return self.cache_config.cpu_kv_cache_space_bytes // bytes_per_block
             return self._profile_num_gpu_blocks(bytes_per_block)
 
-    def _profile_num_gpu_blocks(self: GPUModelRunner, bytes_per_block: int) -> int:
+    def _profile_num_gpu_blocks(self, bytes_per_block: int) -> int:
         """KV blocks that fit in gpu_memory_utilization x total, after a worst-case dummy step.
 
         NOTE: the dummy step (max_num_batched_tokens tokens, max_num_seqs
@@ -79,14 +106,14 @@ class ModelRunnerStartupMixin:
                                "raise gpu_memory_utilization or lower max_num_batched_tokens")
         return num_blocks
 
-    def _dummy_run(self: GPUModelRunner, num_tokens: int) -> None:
+    def _dummy_run(self, num_tokens: int) -> None:
         """A forward without KV cache (attention returns zeros) + a sampler pass, for profiling."""
         input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         positions = torch.arange(num_tokens, device=self.device) % self.max_model_len
         hidden = self.model(input_ids, positions, [], None)                   # [T, H]
         self._dummy_sampler_run(hidden[:min(self.max_num_reqs, num_tokens)])
 
-    def initialize_kv_cache(self: GPUModelRunner, num_blocks: int) -> None:
+    def initialize_kv_cache(self, num_blocks: int) -> None:
         """One tensor per layer, [2, num_blocks, block_size, num_kv_heads, head_dim]."""
         with self.tracer.span("GPUModelRunner.initialize_kv_cache", num_blocks=num_blocks):
             model = self.model
@@ -97,7 +124,7 @@ class ModelRunnerStartupMixin:
                               for _ in range(model.num_layers)]
 
     @torch.inference_mode()
-    def warm_up(self: GPUModelRunner) -> None:
+    def warm_up(self) -> None:
         """Run the kernels before the first request, so their JIT compilation is
         not billed to a user's first token (Triton compiles a kernel variant on
         its first launch)."""
@@ -117,7 +144,7 @@ class ModelRunnerStartupMixin:
     # each combination once; CUDA-graph capture then covers the decode sizes.
     WARM_UP_SHAPES = ((1, 64), (3, 21), (2, 32), (1, 1), (3, 1), (16, 1))
 
-    def _warm_up_shapes(self: GPUModelRunner) -> None:
+    def _warm_up_shapes(self) -> None:
         for num_reqs, query_len in self.WARM_UP_SHAPES:
             num_reqs = min(num_reqs, self.max_num_reqs)
             query_len = min(query_len, self.max_num_tokens // num_reqs, self.max_model_len)
@@ -127,10 +154,10 @@ class ModelRunnerStartupMixin:
             self._dummy_sampler_run(hidden[:num_reqs])
 
     @torch.inference_mode()
-    def capture_model(self: GPUModelRunner) -> None:
+    def capture_model(self) -> None:
         """Capture the graphs the dispatcher may ask for, largest first (vLLM: capture_model):
         piecewise captures for every size (FULL_AND_PIECEWISE), then full graphs for uniform decodes."""
-        if self.cudagraph_runner is None:
+        if not self.cudagraph_dispatcher.enabled:
             return
         dispatcher = self.cudagraph_dispatcher
         t0, free0 = time.perf_counter(), torch.cuda.mem_get_info(self.device)[0]
@@ -151,7 +178,7 @@ class ModelRunnerStartupMixin:
                     len(dispatcher.piecewise_sizes), len(dispatcher.decode_sizes), time.perf_counter() - t0,
                     used / 2**30)
 
-    def _capture_sizes(self: GPUModelRunner, mode: CUDAGraphMode, sizes: list[int]) -> None:
+    def _capture_sizes(self, mode: CUDAGraphMode, sizes: list[int]) -> None:
         """A full graph captures a uniform decode of `size` requests; a piecewise
         capture one request of `size` tokens (its attention runs eager anyway)."""
         if not sizes:
@@ -165,7 +192,7 @@ class ModelRunnerStartupMixin:
                 metadata = self._dummy_attn_metadata(num_reqs, size, query_len)
                 self.cudagraph_runner.capture(mode, size, lambda: self._model_forward(size, metadata))
 
-    def _dummy_step_inputs(self: GPUModelRunner, num_tokens: int, query_len: int) -> int:
+    def _dummy_step_inputs(self, num_tokens: int, query_len: int) -> int:
         """Harmless values in the static input buffers: requests of query_len
         tokens (the last one shorter if query_len does not divide num_tokens) at
         positions 0.., every row pointing at block 0 (the null block), and slot
@@ -181,7 +208,7 @@ class ModelRunnerStartupMixin:
         self.input_batch.block_table.slot_mapping[:num_tokens].fill_(-1)
         return num_reqs
 
-    def _dummy_attn_metadata(self: GPUModelRunner, num_reqs: int, num_tokens: int,
+    def _dummy_attn_metadata(self, num_reqs: int, num_tokens: int,
                              query_len: int) -> AttentionMetadata:
         """Metadata over the static buffers (views: a graph reads them at replay)."""
         block_table = self.input_batch.block_table
@@ -191,7 +218,7 @@ class ModelRunnerStartupMixin:
             seq_lens=self.seq_lens.gpu[:num_reqs], block_table=block_table.get_device_tensor(num_reqs),
             slot_mapping=block_table.slot_mapping[:num_tokens])
 
-    def _dummy_sampler_run(self: GPUModelRunner, hidden_rows: torch.Tensor) -> None:
+    def _dummy_sampler_run(self, hidden_rows: torch.Tensor) -> None:
         logits = self.model.compute_logits(hidden_rows)                        # [R, V]
         n = logits.shape[0]
         full = lambda v, dt: torch.full((n,), v, dtype=dt, device=self.device)  # noqa: E731

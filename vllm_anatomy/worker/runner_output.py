@@ -27,8 +27,7 @@ def make_model_runner_output(req_ids: list[str], sampled: list[int], invalid_req
         logprobs = []
         for i, req_id in enumerate(req_ids):
             n = num_logprobs.get(req_id)
-            wanted = n is not None and valid[i]
             logprobs.append(LogprobsLists([token_ids[i][:n + 1]], [token_logprobs[i][:n + 1]], [ranks[i]])
-                            if wanted else None)
+                            if n is not None and valid[i] else None)
     return ModelRunnerOutput(req_ids=list(req_ids), req_id_to_index={r: i for i, r in enumerate(req_ids)},
                              sampled_token_ids=valid, logprobs=logprobs, error_req_ids=error_req_ids)

@@ -35,10 +35,12 @@ from vllm_anatomy.distributed.parallel_state import (ensure_model_parallel_initi
                                                      init_distributed_environment, resolve_backend)
 from vllm_anatomy.tracing.collectives import CollectiveTracer
 from vllm_anatomy.tracing.recorder import NullRecorder, Recorder
+from vllm_anatomy.worker.cudagraph import CUDAGraphRunner
 from vllm_anatomy.worker.gpu_model_runner import GPUModelRunner
 
 
 class Worker:
+    model_runner: GPUModelRunner
 
     def __init__(self, vllm_config: VllmConfig, device: str = "cpu",
                  recorder: Recorder = NullRecorder(), attn_backend: str | None = None, *,
@@ -51,7 +53,7 @@ class Worker:
         self.attn_backend = attn_backend
         self.local_rank, self.rank = local_rank, rank
         self.distributed_init_method = distributed_init_method
-        self.model_runner: GPUModelRunner | None = None
+        # self.model_runner: made by init_device, as in vLLM's Worker
         # Counts this rank's collectives per step (None with one rank: no group).
         self.collective_tracer: CollectiveTracer | None = None
         # The caller's W3C context during an RPC from another process (see remote_trace_context).
@@ -79,10 +81,9 @@ class Worker:
         """Count the TP group's collectives on this worker's spans (and time them at level full)."""
         self.collective_tracer = tp_group.tracer = CollectiveTracer(self.recorder,
                                                                     self.model_runner.tracer.kernel_timer)
-        if self.model_runner.cudagraph_runner is not None:
-            # NOTE: a graph replays its collectives without Python: it adds
-            # what its capture counted (worker/cudagraph.py).
-            self.model_runner.cudagraph_runner.collective_tracer = self.collective_tracer
+        # NOTE: a graph replays its collectives without Python: it adds
+        # what its capture counted (worker/cudagraph.py).
+        self.model_runner.cudagraph_runner.collective_tracer = self.collective_tracer
 
     def load_model(self) -> None:
         self.model_runner.load_model()
@@ -148,9 +149,10 @@ class Worker:
     def shutdown(self) -> None:
         """Give the device memory back (the KV cache takes most of it), so that
         another engine in this process can size its own. Idempotent."""
-        if self.model_runner is not None and self.device.type == "cuda":
-            self.model_runner.kv_caches = []
-            self.model_runner.cudagraph_runner = None
+        runner = getattr(self, "model_runner", None)     # (none before init_device)
+        if runner is not None and self.device.type == "cuda":
+            runner.kv_caches = []
+            runner.cudagraph_runner = CUDAGraphRunner()   # the graphs and their memory pool go
             torch.cuda.empty_cache()
 
 
