@@ -10,7 +10,7 @@ round, in a fresh browser page:
     click   it is clicked
     shown   the page shows the first committed step ("Step N of M committed")
 then stops the engine. With --think S the click waits S seconds (a learner reading the
-start strip): the landing page pre-starts an engine process (dashboard/live.py: prewarm)
+start strip): the landing page pre-starts an engine process (dashboard/live.py: prewarm; the child runs dashboard/live_engine.py)
 whose imports then overlap the reading; the total reported leaves the S seconds out.
 The start-up stages are read from the run store afterwards
 (the marks the page shows: run store created, GPUModelRunner.load_model,
@@ -86,11 +86,11 @@ def stage_times(trace_dir: str, t_click_ns: int) -> dict:
 
 
 def engine_cpu_s(server_pid: int) -> float | None:
-    """User + system CPU seconds of the live engine child (dashboard/live.py) so far."""
+    """User + system CPU seconds of the live engine child (dashboard/live_engine.py) so far."""
     import psutil
     for c in psutil.Process(server_pid).children(recursive=True):
         try:
-            if any(a.endswith(os.path.join("dashboard", "live.py")) for a in c.cmdline()):
+            if any(a.endswith(os.path.join("dashboard", "live_engine.py")) for a in c.cmdline()):
                 t = c.cpu_times()
                 return round(t.user + t.system, 2)
         except psutil.Error:

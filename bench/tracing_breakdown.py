@@ -65,8 +65,8 @@ class Timers:
             owner = getattr(importlib.import_module(module), cls) if cls else importlib.import_module(module)
             # NOTE: a timer whose target moved must fail here, not time nothing in silence.
             setattr(owner, fn, self._wrap(getattr(owner, fn), label))
-        from vllm_anatomy.tracing import otel
-        export = otel.StoreSpanExporter.export
+        from vllm_anatomy.tracing import span_export
+        export = span_export.StoreSpanExporter.export
 
         def timed_export(exporter, spans):
             t = time.thread_time()
@@ -74,7 +74,7 @@ class Timers:
                 return export(exporter, spans)
             finally:
                 self.wall[EXPORT_THREAD] += time.thread_time() - t
-        otel.StoreSpanExporter.export = timed_export
+        span_export.StoreSpanExporter.export = timed_export
 
     def _wrap(self, fn, label):
         @functools.wraps(fn)

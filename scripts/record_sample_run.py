@@ -73,9 +73,9 @@ def record_one_process(trace_dir: str) -> str:
 
 
 def record_three_processes(trace_dir: str) -> str:
-    """The dashboard's own three-process launcher (dashboard/live.py drive_http), headless."""
+    """The dashboard's own three-process launcher (dashboard/live_engine.py drive_http), headless."""
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from dashboard.live import drive_http
+    from dashboard.live_engine import drive_http
     from vllm_anatomy.engine.arg_utils import EngineArgs
     from vllm_anatomy.tracing.factory import make_recorder
     config = EngineArgs(trace_level="full", trace_dir=trace_dir, distributed_executor_backend="mp",
