@@ -181,9 +181,15 @@ class Scheduler(SchedulerInterface):
         while req_index < len(self.running) and step.token_budget > 0:
             request = self.running[req_index]
             req_index += 1
-            if request.num_output_placeholders > 0 and self._finishes_in_flight(request):
-                # NOTE: async scheduling: a step already in flight samples this
-                # request's last token; one more step would be thrown away.
+            # NOTE: async scheduling: a step already in flight samples this
+            # request's last token; one more step would be thrown away.
+            # num_computed_tokens already counts the in-flight steps' inputs; + 1
+            # is the token the latest one samples. The request ends at
+            # max_model_len or at max_tokens outputs (check_stop's length cap).
+            if request.num_output_placeholders > 0 and (
+                    request.num_computed_tokens + 1 >= self.max_model_len or (
+                        request.max_tokens is not None and
+                        request.num_computed_tokens + 1 >= request.num_prompt_tokens + request.max_tokens)):
                 continue
             # NOTE: placeholders (async scheduling) count as tokens to catch up
             # on: their values are still on the device, but their positions are known.
@@ -438,16 +444,6 @@ class Scheduler(SchedulerInterface):
         request.status = RequestStatus.WAITING
         self._grammar_ready_req_ids.append(request.request_id)
         return True
-
-    def _finishes_in_flight(self, request: Request) -> bool:
-        """Async scheduling only (a request with output placeholders): is its
-        last token already being sampled?"""
-        # NOTE: num_computed_tokens already counts the in-flight steps' inputs;
-        # + 1 is the token the latest in-flight step samples. It ends the request
-        # at max_model_len or at max_tokens outputs (check_stop's length cap).
-        num_tokens_when_done = request.num_computed_tokens + 1
-        return num_tokens_when_done >= self.max_model_len or (
-            request.max_tokens is not None and num_tokens_when_done >= request.num_prompt_tokens + request.max_tokens)
 
     def _update_after_schedule(self, scheduler_output: SchedulerOutput) -> None:
         # NOTE: advance num_computed_tokens now, before the step even runs
