@@ -8,7 +8,7 @@ keeps the latest one as `scheduler.last_step_record`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import StrEnum
+from enum import Enum
 from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
@@ -17,7 +17,15 @@ if TYPE_CHECKING:
     from vllm_anatomy.core.request import Request
 
 
-class AdmissionStop(StrEnum):
+class _Code(str, Enum):
+    """A reason code that is its own string: compares, prints and serializes as its value
+    (enum.StrEnum does this from Python 3.11; requires-python admits 3.10)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class AdmissionStop(_Code):
     """Why the WAITING loop stopped admitting requests this step.
 
     The one list of these codes: the scheduler sets them, a run records the
@@ -48,7 +56,7 @@ _ADMISSION_STOP_DESCRIPTIONS = {
 }
 
 
-class DeferReason(StrEnum):
+class DeferReason(_Code):
     """Why the WAITING loop passed over a request and went on with the ones
     behind it (it waits in skipped_waiting; recorded per request in
     `step_record.deferred_reasons`)."""
