@@ -137,6 +137,12 @@ def measure(batch: int, async_scheduling: bool, steps: int, seed: int = 0,
     return times
 
 
+def _add_sums(medians: dict[str, float]) -> None:
+    """scheduler_total: the Scheduler's share (schedule + update_from_output); total: all three phases."""
+    medians["scheduler_total"] = medians["schedule"] + medians["update_from_output"]
+    medians["total"] = medians["scheduler_total"] + medians["process_outputs"]
+
+
 def _child(args) -> None:
     sys.path.insert(0, args.src)
     import vllm_anatomy
@@ -209,7 +215,7 @@ def main() -> None:
                     for name, src in order:
                         for key, times in _run_child(src, args, batch, async_scheduling).items():
                             medians[name] = {phase: statistics.median(v) for phase, v in times.items()}
-                            medians[name]["total"] = sum(medians[name].values())
+                            _add_sums(medians[name])
                             for phase, values in times.items():
                                 samples[name].setdefault(key, {}).setdefault(phase, []).extend(values)
                     if args.before:
@@ -226,7 +232,7 @@ def main() -> None:
         row = {"batch": batch, "async_scheduling": bool(async_scheduling)}
         for name in trees:
             medians = {phase: statistics.median(v) * 1e3 for phase, v in samples[name][key].items()}
-            medians["total"] = sum(medians.values())
+            _add_sums(medians)
             row[f"{name}_ms"] = {k: round(v, 4) for k, v in medians.items()}
         if args.before:
             # The median over rounds of each round's after/before ratio (robust to a noisy round).
@@ -235,7 +241,7 @@ def main() -> None:
             row["ratio_per_round"] = {k: [round(x, 3) for x in v] for k, v in round_ratios[key].items()}
         rows.append(row)
 
-    cols = ("schedule", "update_from_output", "process_outputs", "total")
+    cols = ("schedule", "update_from_output", "process_outputs", "scheduler_total", "total")
     print(f"{'batch':>5} {'async':>5} {'tree':>6} " + " ".join(f"{c:>18}" for c in cols) + "   (median ms/step)")
     for row in rows:
         for name in trees:
