@@ -9,6 +9,8 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -166,8 +168,15 @@ def test_engine_death_is_reported_without_a_hang(default_model_dir):
         engine.add_request("warm", {"prompt_token_ids": [1, 2, 3]}, greedy(max_tokens=2))
         while engine.has_unfinished_requests():
             engine.step()
-        killer = threading.Timer(1.0, os.kill, (proc.pid, signal.SIGKILL))
-        killer.start()
+        steps = engine.counters["vllm_anatomy:engine_steps"]
+
+        def kill_after_the_next_step() -> None:
+            deadline = time.monotonic() + 60
+            while engine.counters["vllm_anatomy:engine_steps"] == steps and time.monotonic() < deadline:
+                time.sleep(0.01)
+            os.kill(proc.pid, signal.SIGKILL)
+
+        threading.Thread(target=kill_after_the_next_step, daemon=True).start()
         t0 = time.monotonic()
         with pytest.raises(EngineDeadError, match="died"):
             llm.generate(chats(llm), greedy(max_tokens=200, ignore_eos=True), use_tqdm=False)
@@ -179,3 +188,26 @@ def test_engine_death_is_reported_without_a_hang(default_model_dir):
         llm.shutdown()
     assert not proc.is_alive()
     assert proc not in multiprocessing.active_children()
+
+
+EXIT_WITHOUT_SHUTDOWN = """
+import os, sys
+from vllm_anatomy import LLM, SamplingParams
+
+if __name__ == "__main__":
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+    llm = LLM(sys.argv[1], max_model_len=128, num_gpu_blocks_override=16)
+    print("ENGINE_PID", llm.llm_engine.engine_core_client.resources.engine_proc.pid, flush=True)
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
+"""
+
+
+def test_a_script_that_never_shuts_down_leaves_no_engine_behind(default_model_dir, tmp_path):
+    script = tmp_path / "script.py"
+    script.write_text(EXIT_WITHOUT_SHUTDOWN)
+    done = subprocess.run([sys.executable, str(script), default_model_dir], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    [pid] = [int(line.split()[1]) for line in done.stdout.splitlines() if line.startswith("ENGINE_PID")]
+    with pytest.raises(ProcessLookupError):   # stopped at the interpreter's exit (weakref.finalize)
+        os.kill(pid, 0)
