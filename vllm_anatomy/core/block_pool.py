@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, overload
 
 from vllm_anatomy.core.kv_cache_utils import BlockHash, FreeKVCacheBlockQueue, KVCacheBlock
 
@@ -39,8 +39,12 @@ class BlockPoolEvent:
     queue_ends: list[str | None] | None = None
 
 
+@overload
+def short_hash(block_hash: BlockHash) -> str: ...
+@overload
+def short_hash(block_hash: None) -> None: ...
 def short_hash(block_hash: BlockHash | None) -> str | None:
-    """The first 8 hex digits of a block hash (enough to tell blocks apart on screen)."""
+    """The first 8 hex digits of a block hash (enough to tell blocks apart on screen); None for none."""
     return block_hash.hex()[:8] if block_hash is not None else None
 
 
@@ -102,7 +106,8 @@ class BlockPool:
             return
         assert len(request.block_hashes) >= num_full_blocks
         new_full_blocks = blocks[num_cached_blocks:num_full_blocks]
-        cached = []
+        cached: list[KVCacheBlock] = []
+        hashes: list[str] = []
         for i, blk in enumerate(new_full_blocks, start=num_cached_blocks):
             if blk.is_null:
                 continue
@@ -110,7 +115,8 @@ class BlockPool:
             blk.block_hash = block_hash
             self.cached_block_hash_to_block.setdefault(block_hash, {})[blk.block_id] = blk
             cached.append(blk)
-        self._record("cache", cached, [short_hash(block.block_hash) for block in cached])
+            hashes.append(short_hash(block_hash))
+        self._record("cache", cached, hashes)
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Take num_blocks from the front of the free queue (ref_cnt becomes 1).

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 from vllm_anatomy.core.block_pool import BlockPool, BlockPoolEvent, short_hash
 from vllm_anatomy.core.kv_cache_utils import KVCacheBlock, PrefixCacheStats
@@ -32,6 +32,10 @@ class KVCacheBlocks:
     def __add__(self, other: KVCacheBlocks) -> KVCacheBlocks:
         return KVCacheBlocks(tuple([*blk1, *blk2] for blk1, blk2 in zip(self.blocks, other.blocks)))
 
+    @overload
+    def get_block_ids(self, allow_none: Literal[False] = False) -> tuple[list[int], ...]: ...
+    @overload
+    def get_block_ids(self, allow_none: Literal[True]) -> tuple[list[int], ...] | None: ...
     def get_block_ids(self, allow_none: bool = False) -> tuple[list[int], ...] | None:
         """Block ids per group; None if allow_none and there are no blocks at all."""
         if allow_none and not any(self.blocks):
@@ -80,6 +84,7 @@ class KVCacheManager:
         """Count one admission's lookup: num_tokens queried, num_hits hit (tokens)."""
         if not self.log_stats or not self.enable_caching:
             return
+        assert self.prefix_cache_stats is not None
         self.prefix_cache_stats.record(num_tokens=request.num_tokens, num_hits=num_hits,
                                        preempted=request.num_preemptions > 0)
 
@@ -147,7 +152,7 @@ class KVCacheManager:
                     # would change nothing.
                     self.manager.cache_blocks(request, num_tokens_to_compute)
                 return self.empty_kv_cache_blocks
-        new_computed_block_list = list(new_computed_blocks.blocks[0]) if new_computed_blocks else ()
+        new_computed_block_list = list(new_computed_blocks.blocks[0]) if new_computed_blocks else []
         request_id = request.request_id
         num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
         num_free_blocks = self.block_pool.get_num_free_blocks()
@@ -214,6 +219,7 @@ class KVCacheManager:
         if not self.block_pool.reset_prefix_cache():
             return False
         if self.log_stats:
+            assert self.prefix_cache_stats is not None
             self.prefix_cache_stats.reset = True
         return True
 

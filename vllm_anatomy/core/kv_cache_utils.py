@@ -18,7 +18,7 @@ import os
 import pickle
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NewType
+from typing import TYPE_CHECKING, Any, NewType, Protocol, cast
 
 if TYPE_CHECKING:
     from vllm_anatomy.core.request import Request
@@ -89,9 +89,16 @@ def generate_block_hash_extra_keys(request: Request, start_token_idx: int) -> tu
     return None
 
 
+class RequestBlockHasher(Protocol):
+    """What get_request_block_hasher returns: called with a request, it hashes its newly full blocks."""
+    block_size: int
+
+    def __call__(self, request: Request) -> list[BlockHash]: ...
+
+
 def get_request_block_hasher(
     block_size: int, hash_fn: Callable[[Any], bytes]
-) -> Callable[[Request], list[BlockHash]]:
+) -> RequestBlockHasher:
     """The per-request callback that hashes every newly full block.
 
     Request.__init__ and Request.append_output_token_ids call it, so
@@ -118,8 +125,9 @@ def get_request_block_hasher(
             start_token_idx = end_token_idx
         return new_block_hashes
 
-    request_block_hasher.block_size = block_size
-    return request_block_hasher
+    hasher = cast(RequestBlockHasher, request_block_hasher)
+    hasher.block_size = block_size
+    return hasher
 
 
 @dataclass(slots=True, eq=False)
@@ -192,6 +200,8 @@ class FreeKVCacheBlockQueue:
         block = self.fake_free_list_head.next_free_block
         if block is self.fake_free_list_tail:
             raise ValueError("No free blocks available")
+        # NOTE: the two sentinels are never unlinked, so every link between them is a block.
+        assert block is not None
         self.remove(block)
         return block
 
@@ -213,6 +223,7 @@ class FreeKVCacheBlockQueue:
     def append(self, block: KVCacheBlock) -> None:
         """Put a block at the tail (evicted last)."""
         last = self.fake_free_list_tail.prev_free_block
+        assert last is not None
         last.next_free_block = block
         block.prev_free_block = last
         block.next_free_block = self.fake_free_list_tail
@@ -229,6 +240,7 @@ class FreeKVCacheBlockQueue:
         if not blocks:
             return
         first = self.fake_free_list_head.next_free_block
+        assert first is not None
         prev = self.fake_free_list_head
         for block in blocks:
             prev.next_free_block = block
@@ -240,9 +252,10 @@ class FreeKVCacheBlockQueue:
 
     def get_all_free_blocks(self, limit: int | None = None) -> list[KVCacheBlock]:
         """Free blocks, front (next to evict) to tail; only the first `limit` if given."""
-        ret = []
+        ret: list[KVCacheBlock] = []
         block = self.fake_free_list_head.next_free_block
         while block is not self.fake_free_list_tail and (limit is None or len(ret) < limit):
+            assert block is not None
             ret.append(block)
             block = block.next_free_block
         return ret
@@ -250,8 +263,9 @@ class FreeKVCacheBlockQueue:
     def get_free_block_ids(self, limit: int | None = None) -> list[int]:
         """The ids of get_all_free_blocks(limit), in one walk (snapshots list them every step)."""
         num_ids = self.num_free_blocks if limit is None else min(limit, self.num_free_blocks)
-        ids = []
-        block = self.fake_free_list_head.next_free_block
+        ids: list[int] = []
+        # (Any: num_ids stops the walk before the tail, so every step is a block; no per-block check)
+        block: Any = self.fake_free_list_head.next_free_block
         for _ in range(num_ids):
             ids.append(block.block_id)
             block = block.next_free_block

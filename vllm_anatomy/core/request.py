@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from vllm_anatomy.engine.protocol import (EngineCoreEvent, EngineCoreEventType, EngineCoreRequest,
@@ -26,7 +26,7 @@ from vllm_anatomy.sampling_params import SamplingParams
 from vllm_anatomy.structured_output.request import StructuredOutputRequest
 
 if TYPE_CHECKING:
-    from vllm_anatomy.core.kv_cache_utils import BlockHash
+    from vllm_anatomy.core.kv_cache_utils import BlockHash, RequestBlockHasher
 
 T = TypeVar("T")
 
@@ -112,7 +112,7 @@ class Request:
         priority: int = 0,
         cache_salt: str | None = None,
         trace_headers: dict[str, str] | None = None,
-        block_hasher: Callable[[Request], list[BlockHash]] | None = None,
+        block_hasher: RequestBlockHasher | None = None,
         external_req_id: str | None = None,
     ) -> None:
         self.request_id = request_id
@@ -175,7 +175,7 @@ class Request:
 
     @classmethod
     def from_engine_core_request(
-        cls, request: EngineCoreRequest, block_hasher: Callable[[Request], list[BlockHash]] | None
+        cls, request: EngineCoreRequest, block_hasher: RequestBlockHasher | None
     ) -> Request:
         return cls(
             request_id=request.request_id,

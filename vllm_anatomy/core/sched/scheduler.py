@@ -37,6 +37,7 @@ from vllm_anatomy.core.single_type_kv_cache_manager import cdiv
 from vllm_anatomy.engine.protocol import (EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs,
                                           LogprobsLists, SchedulerStats)
 from vllm_anatomy.structured_output import StructuredOutputManager
+from vllm_anatomy.structured_output.backend_types import StructuredOutputGrammar
 
 logger = logging.getLogger(__name__)
 
@@ -483,6 +484,7 @@ class Scheduler(SchedulerInterface):
         if not structured_output_request_ids:
             return None     # e.g. aborted after schedule()
         bitmask = self.structured_output_manager.grammar_bitmask(self.requests, structured_output_request_ids)
+        assert bitmask is not None          # one row per id, and there are ids
         return GrammarOutput(structured_output_request_ids, bitmask)
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
@@ -551,7 +553,10 @@ class Scheduler(SchedulerInterface):
         is a bug (a mask applied to the wrong row, a token sampled without its
         mask): the request fails alone with FINISHED_ERROR, as in vLLM.
         """
-        grammar = request.structured_output_request.grammar
+        struct_output_request = request.structured_output_request
+        assert struct_output_request is not None
+        grammar = struct_output_request.grammar
+        assert isinstance(grammar, StructuredOutputGrammar)     # compiled: it was scheduled
         if grammar.accept_tokens(request.request_id, new_token_ids):
             return False
         logger.error("Unexpected: grammar rejected tokens %s for request %s. Terminating request.",
@@ -671,6 +676,7 @@ class Scheduler(SchedulerInterface):
         if not self.log_stats:
             return None
         prefix_stats = self.kv_cache_manager.make_prefix_cache_stats()
+        assert prefix_stats is not None     # kept whenever log_stats is on
         return SchedulerStats(
             num_running_reqs=len(self.running), num_waiting_reqs=len(self.waiting),
             num_skipped_waiting_reqs=len(self.skipped_waiting),
