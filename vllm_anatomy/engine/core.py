@@ -95,9 +95,11 @@ class EngineCore:
             # Block-pool events (allocate / free / hit / evict) are kept only for
             # a tracer that drains them every step.
             scheduler_cls = vllm_config.scheduler_config.get_scheduler_cls()
+            # (and the step record is built only for a recorder that reads it)
             self.scheduler = scheduler_cls(vllm_config, num_gpu_blocks,
                                            enable_kv_cache_events=self.step_tracer.drains_kv_cache_events,
-                                           structured_output_manager=self.structured_output_manager)
+                                           structured_output_manager=self.structured_output_manager,
+                                           record_steps=self.recorder.enabled)
             self.step_tracer.watch(self.scheduler)
         # The model's vocabulary, which every token id of a request must index
         # (read after the executor: an in-process worker fills hf_config).
