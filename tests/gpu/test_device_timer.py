@@ -56,8 +56,9 @@ def test_layer_and_kernel_spans_eager_steps_only(tiny_llama_dir):
     level full each kernel launch too. Graph replays: one forward span, no finer ones."""
     from vllm_anatomy import LLM, SamplingParams
     rec = InMemoryRecorder("full")
+    # FULL_DECODE_ONLY: the prefill steps run eager (piecewise replays: the next test).
     llm = LLM(tiny_llama_dir, device="cuda", recorder=rec, max_model_len=256, max_num_seqs=8,
-              num_gpu_blocks_override=NUM_BLOCKS)
+              num_gpu_blocks_override=NUM_BLOCKS, cudagraph_mode="FULL_DECODE_ONLY")
     num_layers = llm.llm_engine.vllm_config.model_config.num_hidden_layers
     llm.generate([{"prompt_token_ids": list(range(1, 40 + i))} for i in range(3)],
                  SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)
@@ -86,3 +87,25 @@ def test_layer_and_kernel_spans_eager_steps_only(tiny_llama_dir):
         attn = next(s for s in kernels if s.name == "GPU.kernel.unified_attention")
         assert attn.attrs["vllm_anatomy.bytes"] > 0 and len(attn.attrs["vllm_anatomy.grid"]) == 2
     assert modes == {"FULL", "NONE"}
+
+
+def test_piecewise_steps_time_their_eager_attention(tiny_llama_dir):
+    """A piecewise replay (FULL_AND_PIECEWISE, the default): no layer spans (the hooks ran only at
+    capture), the K/V write inside the pieces, and at level full each layer's eager attention timed."""
+    from vllm_anatomy import LLM, SamplingParams
+    rec = InMemoryRecorder("full")
+    llm = LLM(tiny_llama_dir, device="cuda", recorder=rec, max_model_len=256, max_num_seqs=8,
+              num_gpu_blocks_override=NUM_BLOCKS)
+    num_layers = llm.llm_engine.vllm_config.model_config.num_hidden_layers
+    llm.generate([{"prompt_token_ids": list(range(1, 40 + i))} for i in range(3)],
+                 SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)
+    llm.llm_engine.shutdown()
+    pieces = [s for s in rec.spans if s.name == "GPU.model_forward"
+              and s.attrs["vllm_anatomy.cudagraph_mode"] == "PIECEWISE"]
+    assert pieces
+    for fwd in pieces:
+        inside = [s for s in rec.spans if s.name.startswith("GPU.") and s is not fwd
+                  and s.attrs.get("vllm_anatomy.step_id") == fwd.attrs["vllm_anatomy.step_id"]]
+        names = [s.name for s in inside]
+        assert "GPU.layer" not in names and names.count("GPU.kernel.reshape_and_cache") == 0
+        assert names.count("GPU.kernel.unified_attention") == num_layers
