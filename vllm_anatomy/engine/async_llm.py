@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncGenerator, Iterable
+from typing import Any
 
 from vllm_anatomy.config import ModelConfig, VllmConfig
 from vllm_anatomy.engine.arg_utils import EngineArgs
@@ -117,7 +118,8 @@ class AsyncLLM:
         """Validate and send one request; returns the collector its outputs arrive in."""
         if self.errored:
             raise self.dead_error
-        with self.recorder.span("AsyncLLM.add_request", **{"vllm_anatomy.request_id": request_id}):
+        attrs: dict[str, Any] = {"vllm_anatomy.request_id": request_id}
+        with self.recorder.span("AsyncLLM.add_request", **attrs):
             return await self._add_request(request_id, prompt, params, arrival_time, trace_headers)
 
     async def _add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
@@ -198,8 +200,8 @@ class AsyncLLM:
                     if start:
                         await asyncio.sleep(0)
                     chunk = batch[start:start + VLLM_V1_OUTPUT_PROC_CHUNK_SIZE]
-                    with self.recorder.span("OutputProcessor.process_outputs",
-                                            **{"vllm_anatomy.num_outputs": len(chunk)}):
+                    attrs: dict[str, Any] = {"vllm_anatomy.num_outputs": len(chunk)}
+                    with self.recorder.span("OutputProcessor.process_outputs", **attrs):
                         processed = output_processor.process_outputs(chunk, outputs.timestamp, iteration_stats)
                     self.request_tracer.on_outputs(chunk)
                     self.request_tracer.abort_all(processed.reqs_to_abort, "stop")

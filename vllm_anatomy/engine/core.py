@@ -49,6 +49,7 @@ from __future__ import annotations
 import gc
 import logging
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 
 
@@ -63,7 +64,7 @@ from vllm_anatomy.engine.protocol import (EngineCoreOutput, EngineCoreOutputs, E
 from vllm_anatomy.executor.abstract import Executor
 from vllm_anatomy.structured_output import StructuredOutputManager
 from vllm_anatomy.tracing.recorder import NullRecorder, Recorder
-from vllm_anatomy.tracing.step_tracer import StepTrace
+from vllm_anatomy.tracing.step_tracer import NullStepTrace, StepTrace
 
 logger = logging.getLogger(__name__)
 
@@ -71,13 +72,13 @@ logger = logging.getLogger(__name__)
 class EngineCore:
 
     def __init__(self, vllm_config: VllmConfig, recorder: Recorder | None = None,
-                 executor_class: type[Executor] | None = None) -> None:
+                 executor_class: Callable[..., Executor] | None = None) -> None:
         self.vllm_config = vllm_config
         self.recorder = recorder or NullRecorder()
         cache_config = vllm_config.cache_config
         # Steps in flight: (sample_tokens' future, scheduler output, execute_model's future, step trace).
         self.batch_queue_size = vllm_config.scheduler_config.max_concurrent_batches
-        self.batch_queue: deque[tuple[Future, SchedulerOutput, Future, StepTrace]] | None = None
+        self.batch_queue: deque[tuple[Future, SchedulerOutput, Future, StepTrace | NullStepTrace]] | None = None
         self.step_fn = self.step
         if self.batch_queue_size > 1:
             self.batch_queue = deque(maxlen=self.batch_queue_size)
@@ -214,8 +215,9 @@ class EngineCore:
         step N's tokens have advanced the grammar (v0.27.1's rule).
         """
         batch_queue = self.batch_queue
+        assert batch_queue is not None          # this step function is chosen only with one
         model_executed = False
-        deferred = None
+        deferred: tuple[SchedulerOutput, Future, StepTrace | NullStepTrace] | None = None
         if self.scheduler.has_requests():
             trace, scheduler_output, exec_future = self._schedule_and_launch()
             model_executed = scheduler_output.total_num_scheduled_tokens > 0
@@ -247,19 +249,20 @@ class EngineCore:
             batch_queue.appendleft((future, scheduler_output, exec_future, trace))
         return outputs, model_executed
 
-    def _sample_non_block(self, scheduler_output: SchedulerOutput, trace: StepTrace) -> Future:
+    def _sample_non_block(self, scheduler_output: SchedulerOutput, trace: StepTrace | NullStepTrace) -> Future:
         with trace:
             grammar_output = self._get_grammar_bitmask(scheduler_output, trace)
             return self.model_executor.sample_tokens(grammar_output, non_block=True)
 
-    def _get_grammar_bitmask(self, scheduler_output: SchedulerOutput, trace: StepTrace) -> GrammarOutput | None:
+    def _get_grammar_bitmask(self, scheduler_output: SchedulerOutput,
+                             trace: StepTrace | NullStepTrace) -> GrammarOutput | None:
         """The step's grammar bitmask (None without structured-output requests)."""
         with trace.grammar_bitmask() as span:
             grammar_output = self.scheduler.get_grammar_bitmask(scheduler_output)
             span.built(grammar_output)
         return grammar_output
 
-    def _schedule_and_launch(self) -> tuple[StepTrace, SchedulerOutput, Future]:
+    def _schedule_and_launch(self) -> tuple[StepTrace | NullStepTrace, SchedulerOutput, Future]:
         """Schedule a step and enqueue its forward; return (its trace, still
         open: see StepTrace; its output; execute_model's future)."""
         trace = self.step_tracer.start_step()
@@ -272,7 +275,7 @@ class EngineCore:
         return trace, scheduler_output, future
 
     def _update_from_output(self, scheduler_output: SchedulerOutput, model_output: ModelRunnerOutput,
-                            trace: StepTrace) -> dict[int, EngineCoreOutputs]:
+                            trace: StepTrace | NullStepTrace) -> dict[int, EngineCoreOutputs]:
         with trace.update_from_output():
             errors = self._finish_error_requests(model_output.error_req_ids)
             outputs = self.scheduler.update_from_output(scheduler_output, model_output)

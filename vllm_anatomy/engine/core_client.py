@@ -40,13 +40,42 @@ class EngineCoreClient:
         if multiprocess_mode:
             # (imported on first use: the in-process clients need no ZMQ)
             from vllm_anatomy.engine.core_client_mp import AsyncMPClient, SyncMPClient
-            cls = AsyncMPClient if asyncio_mode else SyncMPClient
-            return cls(vllm_config, executor_class, run_path=getattr(recorder, "run_path", None),
-                       recorder=recorder)
-        cls = AsyncInprocClient if asyncio_mode else InprocClient
-        return cls(vllm_config, executor_class, recorder)
+            mp_cls = AsyncMPClient if asyncio_mode else SyncMPClient
+            return mp_cls(vllm_config, executor_class, run_path=getattr(recorder, "run_path", None),
+                          recorder=recorder)
+        inproc_cls = AsyncInprocClient if asyncio_mode else InprocClient
+        return inproc_cls(vllm_config, executor_class, recorder)
 
-    engine_dead: bool = False
+    @property
+    def engine_dead(self) -> bool:
+        """True once the engine failed: every later call raises EngineDeadError."""
+        return False
+
+    # The synchronous half (LLMEngine) ...
+    def get_output(self) -> EngineCoreOutputs:
+        raise NotImplementedError
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        raise NotImplementedError
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        raise NotImplementedError
+
+    # ... and the asyncio half (AsyncLLM).
+    async def get_output_async(self) -> EngineCoreOutputs:
+        raise NotImplementedError
+
+    async def add_request_async(self, request: EngineCoreRequest) -> None:
+        raise NotImplementedError
+
+    async def abort_requests_async(self, request_ids: list[str]) -> None:
+        raise NotImplementedError
+
+    async def get_scheduler_stats_async(self) -> SchedulerStats:
+        raise NotImplementedError
+
+    async def reset_prefix_cache_async(self) -> bool:
+        raise NotImplementedError
 
     def has_steps_in_flight(self) -> bool:
         """Steps launched whose outputs the caller must still fetch with get_output().
@@ -106,16 +135,21 @@ class AsyncInprocClient(InprocClient):
         super().__init__(vllm_config, executor_class, recorder)
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="EngineCore")
         self._new_work = asyncio.Event()
+        self._dead = False
+
+    @property
+    def engine_dead(self) -> bool:
+        return self._dead
 
     async def _run(self, fn: Callable, *args: Any) -> Any:
-        if self.engine_dead:
+        if self._dead:
             raise EngineDeadError("EngineCore failed earlier; see the first error.")
         try:
             return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
         except (ValueError, TypeError):
             raise          # the caller's bad argument; the engine is fine
         except Exception as e:
-            self.engine_dead = True
+            self._dead = True
             raise EngineDeadError(f"EngineCore failed: {e!r}") from e
 
     async def get_output_async(self) -> EngineCoreOutputs:

@@ -150,7 +150,8 @@ class MPClient(EngineCoreClient):
         self.input_socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a gone engine is an error
         self.input_socket.bind(input_path)
         out_ctx = zmq.asyncio.Context.shadow(res.ctx) if asyncio_mode else res.ctx
-        self.output_socket = out_ctx.socket(zmq.PULL)
+        # (a zmq.Socket, or a zmq.asyncio.Socket whose recv returns an awaitable)
+        self.output_socket: Any = out_ctx.socket(zmq.PULL)
         self.output_socket.bind(output_path)
         res.sockets = (self.input_socket, self.output_socket)
         for path in (input_path, output_path):
@@ -184,6 +185,7 @@ class MPClient(EngineCoreClient):
     def _start_engine_monitor(self, on_dead: Callable[[EngineDeadError], None]) -> None:
         res = self.resources
         proc = res.engine_proc
+        assert proc is not None          # started by __init__ before the monitor
 
         def monitor_engine_cores() -> None:
             multiprocessing.connection.wait([proc.sentinel])
@@ -210,10 +212,11 @@ class MPClient(EngineCoreClient):
         if self.resources.engine_dead:
             raise self.dead_error()
         msg = (self.engine_identity, request_type.value, self.encoder.encode(payload))
-        with self.recorder.span("MPClient._send_input", **{
-                "vllm_anatomy.hop": "zmq", "vllm_anatomy.message_type": request_type.name,
-                "vllm_anatomy.message_bytes": len(msg[2]),
-                "vllm_anatomy.request_id": getattr(payload, "request_id", None) or ""}):
+        attrs: dict[str, Any] = {
+            "vllm_anatomy.hop": "zmq", "vllm_anatomy.message_type": request_type.name,
+            "vllm_anatomy.message_bytes": len(msg[2]),
+            "vllm_anatomy.request_id": getattr(payload, "request_id", None) or ""}
+        with self.recorder.span("MPClient._send_input", **attrs):
             try:
                 self.input_socket.send_multipart(msg)
             except zmq.ZMQError as e:   # EHOSTUNREACH: the engine's socket is gone
@@ -222,12 +225,12 @@ class MPClient(EngineCoreClient):
     def _decode_output(self, frames: list[bytes], put_outputs: Callable[[Any], None],
                        resolve_utility: Callable[[UtilityOutput], None]) -> bool:
         """Route one message from the output socket; False once the engine is dead."""
-        kind, payload = frames
-        kind = EngineCoreOutputType(kind)
+        kind_frame, payload = frames
+        kind = EngineCoreOutputType(kind_frame)
         if kind == EngineCoreOutputType.OUTPUTS:
-            with self.recorder.span("MPClient._decode_output", **{
-                    "vllm_anatomy.hop": "zmq", "vllm_anatomy.message_type": kind.name,
-                    "vllm_anatomy.message_bytes": len(payload)}) as span:
+            attrs: dict[str, Any] = {"vllm_anatomy.hop": "zmq", "vllm_anatomy.message_type": kind.name,
+                                     "vllm_anatomy.message_bytes": len(payload)}
+            with self.recorder.span("MPClient._decode_output", **attrs) as span:
                 outputs = self.outputs_decoder.decode(payload)
                 span.set_attribute("vllm_anatomy.num_outputs", len(outputs.outputs))
             put_outputs(outputs)
@@ -398,6 +401,7 @@ class AsyncMPClient(MPClient):
     async def call_utility_async(self, method: str, *args: Any) -> Any:
         self._ensure_output_queue_task()
         call_id = next(self.call_ids)
+        assert self.loop is not None     # set by _ensure_output_queue_task
         future = self.loop.create_future()
         self.utility_results[call_id] = future
         try:

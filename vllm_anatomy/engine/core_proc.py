@@ -98,8 +98,8 @@ class EngineCoreProc(EngineCore):
         self.output_queue: queue.Queue[tuple[EngineCoreOutputType, Any] | None] = queue.Queue()
         # NOTE: the executor's sockets and shared memory go under the frontend's
         # ipc_dir: if this process is SIGKILLed, the frontend still removes them.
-        executor_class = functools.partial(executor_class or Executor.get_class(vllm_config), ipc_dir=ipc_dir)
-        super().__init__(vllm_config, recorder, executor_class)
+        make_executor = functools.partial(executor_class or Executor.get_class(vllm_config), ipc_dir=ipc_dir)
+        super().__init__(vllm_config, recorder, make_executor)
         # vLLM passes executor_fail_callback to EngineCore.__init__; same effect.
         self.model_executor.register_failure_callback(self._executor_failed)
         self.engine_index = engine_index
@@ -107,6 +107,7 @@ class EngineCoreProc(EngineCore):
         self._shutdown_event = threading.Event()
         self.ctx = zmq.Context()
         cfg = vllm_config
+        assert cfg.cache_config.num_gpu_blocks is not None      # sized by EngineCore.__init__
         ready = EngineCoreReadyResponse(engine_index, os.getpid(), cfg.cache_config.num_gpu_blocks,
                                         cfg.cache_config.block_size, cfg.model_config.max_model_len)
         self.output_thread = threading.Thread(target=self.process_output_sockets, args=(output_path,),
@@ -141,7 +142,8 @@ class EngineCoreProc(EngineCore):
         recorder = make_recorder(kwargs["vllm_config"], "engine_core", run_path=kwargs.pop("run_path", None),
                                  process_name="EngineCore_0")
         try:
-            engine_core = EngineCoreProc(*args, recorder=recorder, **kwargs)
+            kwargs["recorder"] = recorder
+            engine_core = EngineCoreProc(*args, **kwargs)
             engine_core.run_busy_loop()
         except SystemExit:
             logger.debug("EngineCore exiting.")

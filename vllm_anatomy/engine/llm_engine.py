@@ -23,6 +23,7 @@ store, so a run recorded from either mode has the engine's steps.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from vllm_anatomy import envs
 from vllm_anatomy.config import VllmConfig
@@ -93,7 +94,8 @@ class LLMEngine:
     def process_inputs(self, request_id: str, prompt: PromptType, params: SamplingParams,
                        arrival_time: float | None = None) -> tuple[str | None, EngineCoreRequest]:
         """Tokenize and validate (raises on bad input); nothing is added yet."""
-        with self.recorder.span("InputProcessor.process_inputs", **{"vllm_anatomy.request_id": request_id}):
+        attrs: dict[str, Any] = {"vllm_anatomy.request_id": request_id}
+        with self.recorder.span("InputProcessor.process_inputs", **attrs):
             return self.input_processor.process_inputs(request_id, prompt, params, arrival_time)
 
     def add_processed_request(self, prompt_text: str | None, request: EngineCoreRequest) -> None:
@@ -139,8 +141,8 @@ class LLMEngine:
         if outputs.scheduler_stats is not None:
             self._record_stats(outputs.scheduler_stats)
         iteration_stats = IterationStats()
-        with self.recorder.span("OutputProcessor.process_outputs",
-                                **{"vllm_anatomy.num_outputs": len(outputs.outputs)}):
+        attrs: dict[str, Any] = {"vllm_anatomy.num_outputs": len(outputs.outputs)}
+        with self.recorder.span("OutputProcessor.process_outputs", **attrs):
             processed = self.output_processor.process_outputs(outputs.outputs, outputs.timestamp,
                                                               iteration_stats)
         # NOTE: counted from the IterationStats, as vLLM's PrometheusStatLogger

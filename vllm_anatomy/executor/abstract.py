@@ -8,7 +8,7 @@ every worker (`collective_rpc`) — a plain call in the same process
 from __future__ import annotations
 
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Literal, overload
 
 from vllm_anatomy.config import VllmConfig
 from vllm_anatomy.core.outputs import ModelRunnerOutput
@@ -59,6 +59,12 @@ class Executor:
         # NOTE: after the KV cache exists: graphs capture its addresses.
         self.collective_rpc("compile_or_warm_up_model")
 
+    @overload
+    def execute_model(self, scheduler_output: SchedulerOutput,
+                      non_block: Literal[False] = False) -> ModelRunnerOutput | None: ...
+    @overload
+    def execute_model(self, scheduler_output: SchedulerOutput,
+                      non_block: Literal[True]) -> Future[ModelRunnerOutput | None]: ...
     def execute_model(self, scheduler_output: SchedulerOutput, non_block: bool = False
                       ) -> ModelRunnerOutput | None | Future[ModelRunnerOutput | None]:
         """Enqueue the step's forward. None: call sample_tokens next; a
@@ -67,6 +73,12 @@ class Executor:
         with self.recorder.span("Executor.execute_model"):
             return self._rpc_output_rank("execute_model", (scheduler_output,), non_block)
 
+    @overload
+    def sample_tokens(self, grammar_output: GrammarOutput | None,
+                      non_block: Literal[False] = False) -> ModelRunnerOutput: ...
+    @overload
+    def sample_tokens(self, grammar_output: GrammarOutput | None,
+                      non_block: Literal[True]) -> Future[ModelRunnerOutput]: ...
     def sample_tokens(self, grammar_output: GrammarOutput | None, non_block: bool = False
                       ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
         """Sample the step's tokens (under grammar_output's bitmask, if any).
