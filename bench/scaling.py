@@ -42,8 +42,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from side_by_side import (Engine, ceilings, run_subprocess, worker_env, write_tiny_model,  # noqa: E402
-                          write_vllm_config)
+from side_by_side import Engine, ceilings, run_subprocess, worker_env, write_models  # noqa: E402
 
 SERIES = ("num_seqs", "context")
 
@@ -162,7 +161,6 @@ def main() -> None:
     import torch
     if not torch.cuda.is_available() and not args.tiny:
         sys.exit("bench/scaling.py needs a CUDA device (or --tiny, the CPU smoke mode)")
-    from throughput import write_random_model                  # bench/throughput.py
 
     copy, mm = ceilings(args.tiny)
     result = {
@@ -193,13 +191,7 @@ def main() -> None:
         return r
 
     with tempfile.TemporaryDirectory() as ours_dir, tempfile.TemporaryDirectory() as vllm_dir:
-        if args.tiny:
-            write_tiny_model(ours_dir)
-            vllm_dir = ours_dir                     # its config names the architecture: vLLM could load it
-        else:
-            write_random_model(ours_dir)
-            torch.cuda.empty_cache()
-            result["vllm_model_config"] = write_vllm_config(vllm_dir)
+        vllm_dir, result["vllm_model_config"] = write_models(ours_dir, vllm_dir, args.tiny)
         result["vllm_anatomy"] = spawn("ours", ours_dir)
         save()
         if not args.skip_vllm:

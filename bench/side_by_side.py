@@ -141,18 +141,27 @@ def write_tiny_model(path: str) -> None:
     0 … 10000), its architecture named so vLLM could load it too, a word-level tokenizer."""
     import torch
     import transformers
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    from throughput import write_word_tokenizer
     cfg = transformers.Qwen3Config(vocab_size=10240, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                    max_position_embeddings=40960, tie_word_embeddings=True)
     cfg.architectures = ["Qwen3ForCausalLM"]
     torch.manual_seed(0)
     transformers.Qwen3ForCausalLM(cfg).save_pretrained(path)
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(cfg.vocab_size)}, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.save(os.path.join(path, "tokenizer.json"))
-    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
-        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "t1", "unk_token": "t0"}, f)
+    write_word_tokenizer(path, cfg.vocab_size)
+
+
+def write_models(ours_dir: str, vllm_dir: str, tiny: bool) -> tuple[str, dict | None]:
+    """Ours: random weights (or the smoke mode's tiny model); vLLM: the config it loads with
+    load_format="dummy" (the tiny model itself in the smoke mode). Returns (vLLM's dir, its config)."""
+    if tiny:
+        write_tiny_model(ours_dir)
+        return ours_dir, None                # its config names the architecture: vLLM could load it
+    import torch
+    from throughput import write_random_model
+    write_random_model(ours_dir)
+    torch.cuda.empty_cache()
+    return vllm_dir, write_vllm_config(vllm_dir)
 
 
 def ceilings(tiny: bool) -> tuple[dict, dict]:

@@ -47,7 +47,6 @@ def write_random_model(path: str, num_hidden_layers: int = 28) -> None:
     """config.json, random bf16 safetensors (transformers' names) and a word-level tokenizer."""
     import transformers
     from safetensors.torch import save_file
-    from tokenizers import Tokenizer, models, pre_tokenizers
     cfg = qwen3_06b_config(num_hidden_layers)
     cfg.save_pretrained(path)
     with torch.device("meta"):
@@ -59,7 +58,13 @@ def write_random_model(path: str, num_hidden_layers: int = 28) -> None:
         w = 1 + 0.1 * noise if p.dim() == 1 else (noise if "embed" in name else noise / p.shape[1] ** 0.5)
         weights[name] = w.to(torch.bfloat16).cpu().contiguous()
     save_file(weights, os.path.join(path, "model.safetensors"))
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(cfg.vocab_size)}, unk_token="t0"))
+    write_word_tokenizer(path, cfg.vocab_size)
+
+
+def write_word_tokenizer(path: str, vocab_size: int) -> None:
+    """A word-level tokenizer over `t0` … `t{vocab_size - 1}` (random-weight models need no real one)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(os.path.join(path, "tokenizer.json"))
     with open(os.path.join(path, "tokenizer_config.json"), "w") as f:

@@ -44,17 +44,13 @@ CPU_PROMPTS = ["The quick brown fox jumps over the lazy dog because",
 def tiny_llama(path: str) -> str:
     """A random Llama small enough that communication is most of a step: 4 layers, hidden 256."""
     import transformers
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    from throughput import write_word_tokenizer
     cfg = transformers.LlamaConfig(vocab_size=4096, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                                    tie_word_embeddings=True)
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(cfg).save_pretrained(path)
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(cfg.vocab_size)}, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.save(os.path.join(path, "tokenizer.json"))
-    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
-        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "t1", "unk_token": "t0"}, f)
+    write_word_tokenizer(path, cfg.vocab_size)
     return path
 
 

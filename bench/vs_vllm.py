@@ -72,8 +72,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from side_by_side import (Engine, ceilings, run_subprocess, worker_env,  # noqa: E402
-                          write_tiny_model, write_vllm_config)
+from side_by_side import Engine, ceilings, run_subprocess, worker_env, write_models  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -297,7 +296,7 @@ def main() -> None:
     import torch
     if not torch.cuda.is_available() and not args.tiny:
         sys.exit("bench/vs_vllm.py needs a CUDA device (or --tiny, the CPU smoke mode)")
-    from throughput import roofline, write_random_model        # bench/throughput.py
+    from throughput import roofline                            # bench/throughput.py
 
     prompts, outs = nano_vllm_workload(plan)
     copy, mm = ceilings(args.tiny)
@@ -333,13 +332,7 @@ def main() -> None:
             json.dump(result, f, indent=2)
 
     with tempfile.TemporaryDirectory() as ours_dir, tempfile.TemporaryDirectory() as vllm_dir:
-        if args.tiny:
-            write_tiny_model(ours_dir)
-            vllm_dir = ours_dir                     # its config names the architecture: vLLM could load it
-        else:
-            write_random_model(ours_dir)
-            torch.cuda.empty_cache()
-            result["vllm_model_config"] = write_vllm_config(vllm_dir)
+        vllm_dir, result["vllm_model_config"] = write_models(ours_dir, vllm_dir, args.tiny)
         gpu_time_phase = [] if args.skip_gpu_time else ["gpu_time"]
         latency_phase = [] if args.skip_latency else ["latency"]
         kw = {"tiny": args.tiny, "timeout_s": args.worker_timeout}
