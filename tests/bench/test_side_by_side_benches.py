@@ -31,6 +31,10 @@ def bench():
     """
     import transformers  # noqa: F401
     saved_path = list(sys.path)
+    # NOTE: in a whole-suite run the repo's own kernels/ package may already be imported as
+    # `kernels` (tests/kernels): set it aside, or bench/throughput.py's `from kernels import
+    # copy_ceiling` would find it instead of bench/kernels.py.
+    saved_modules = {name: sys.modules.pop(name) for name in BENCH_MODULES if name in sys.modules}
     sys.path.insert(0, BENCH)
     try:
         import plot_scaling
@@ -43,6 +47,7 @@ def bench():
         sys.path[:] = saved_path
         for name in BENCH_MODULES:
             sys.modules.pop(name, None)
+        sys.modules.update(saved_modules)
 
 
 @pytest.mark.fast
