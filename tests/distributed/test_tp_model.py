@@ -7,6 +7,7 @@ and every rank ends with the full [T, V] logits (all-gather). They equal the
 unsharded model's to fp32 tolerance, for Llama, Qwen2 and Qwen3, at TP=2 and
 at TP=4 (each KV head replicated on two ranks).
 """
+import pickle
 import queue
 import time
 
@@ -46,7 +47,10 @@ def _rank_main(rank: int, world_size: int, init_method: str, model_dirs: list[st
     ps.init_distributed_environment(world_size, rank, init_method, rank, "gloo")
     ps.initialize_model_parallel(world_size)
     try:
-        results.put((rank, [_run_model(d) for d in model_dirs]))
+        # NOTE: pickled here, by value: a tensor put on a multiprocessing queue travels as a
+        # shared-memory file descriptor the parent fetches from this process, and on a loaded
+        # machine this process could already have exited (EOFError in the parent, seen in CI).
+        results.put((rank, pickle.dumps([_run_model(d) for d in model_dirs])))
     finally:
         ps.destroy_model_parallel()
         ps.destroy_distributed_environment()
@@ -65,7 +69,7 @@ def _run_ranks(world_size: int, model_dirs: list[str]) -> list:
         while len(out) < world_size:
             try:
                 rank, value = results.get(timeout=0.5)
-                out[rank] = value
+                out[rank] = pickle.loads(value)
             except queue.Empty:
                 dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
                 assert not dead, f"a rank exited with {dead}"
