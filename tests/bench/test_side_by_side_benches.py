@@ -18,7 +18,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BENCH = os.path.join(ROOT, "bench")
 FAKE_VLLM = os.path.join(ROOT, "tests", "bench", "fake_vllm")
-BENCH_MODULES = ("vs_vllm", "scaling", "plot_scaling", "side_by_side", "throughput", "kernels")
+BENCH_MODULES = ("vs_vllm", "scaling", "plot_scaling", "side_by_side", "throughput", "kernels", "gpu_breakdown")
 
 
 @pytest.fixture(scope="module")
@@ -37,12 +37,13 @@ def bench():
     saved_modules = {name: sys.modules.pop(name) for name in BENCH_MODULES if name in sys.modules}
     sys.path.insert(0, BENCH)
     try:
+        import gpu_breakdown
         import plot_scaling
         import scaling
         import side_by_side
         import vs_vllm
         yield types.SimpleNamespace(vs_vllm=vs_vllm, scaling=scaling, plot_scaling=plot_scaling,
-                                    side_by_side=side_by_side)
+                                    side_by_side=side_by_side, gpu_breakdown=gpu_breakdown)
     finally:
         sys.path[:] = saved_path
         for name in BENCH_MODULES:
@@ -176,3 +177,26 @@ def test_scaling_tiny_end_to_end_and_plot(tmp_path):
     pytest.importorskip("matplotlib")
     run_bench([os.path.join(BENCH, "plot_scaling.py"), str(out)], tmp_path)
     assert (tmp_path / "scaling.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_gpu_breakdown_counts_overlap_once_and_sorts_kernels_by_kind(bench):
+    gb = bench.gpu_breakdown
+    assert gb.kind_of("_unified_attention_kernel") == "attention"
+    assert gb.kind_of("void flash::flash_fwd_splitkv_kernel<...>") == "attention"
+    assert gb.kind_of("nvjet_tst_128x64_64x4_1x2_h_bz_coopA_NNT") == "gemm"
+    assert gb.kind_of("_rms_norm_kernel") == "norm"
+    assert gb.kind_of("_reshape_and_cache_kernel") == "kv_cache_write"
+    assert gb.kind_of("void at::native::(anonymous namespace)::cunn_SoftMaxForward<4>") == "sampling"
+    assert gb.kind_of("Memcpy HtoD (Pinned -> Device)") == "copy"
+    assert gb.kind_of("some_elementwise_kernel") == "other"
+    # 0-10 attention, 5-15 a GEMM on another stream (overlaps 5 us), idle 15-20, 20-40 a norm.
+    r = gb.breakdown([(20.0, 40.0, "_rms_norm_kernel"), (0.0, 10.0, "_unified_attention_kernel"),
+                      (5.0, 15.0, "gemm_kernel")])
+    assert r["span_s"] == pytest.approx(40e-6)
+    assert r["busy_s"] == pytest.approx(35e-6)                 # the overlap counted once, the gap not at all
+    assert r["busy_fraction"] == pytest.approx(35 / 40)
+    assert r["kernel_s_by_kind"] == pytest.approx({"norm": 20e-6, "attention": 10e-6, "gemm": 10e-6})
+    assert r["launches_by_kind"] == {"norm": 1, "attention": 1, "gemm": 1}
+    twentieths = r["busy_fraction_by_twentieth"]               # 2 us each: 0-15 busy, 15-20 idle, 20-40 busy
+    assert twentieths[:7] == [1.0] * 7 and twentieths[8:10] == [0.0, 0.0] and twentieths[10:] == [1.0] * 10
+    assert twentieths[7] == pytest.approx(0.5)
