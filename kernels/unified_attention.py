@@ -31,11 +31,11 @@ softmax (running max M, running sum L, accumulator acc; all fp32). Tiles that
 every row sees whole skip the masks; only the tiles on the causal diagonal
 (and the sequence's ragged end) pay for them.
 
-NOTE: no split-KV ("3D") decode variant. vLLM adds one for batches too small
-to fill the GPU with (sequence, KV head) programs; at 256 decodes x 1024
-context this 2D kernel already reads K/V at the device-copy rate
-(bench/results/kernels_h200.json), so it would buy nothing there. Small decode
-batches with long contexts are where it would.
+Split-KV ("3D") decode, vLLM's IS_3D path: see the section "3D: split-KV
+decode" below. unified_attention picks it, as vLLM does, only for decode-only
+batches (max_seqlen_q == 1) of at most seq_threshold_3D requests, when the
+caller hands over the softmax_segm_* buffers (the Triton backend allocates
+them once); every other batch runs the 2D kernel above.
 """
 from __future__ import annotations
 
@@ -51,14 +51,19 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _find_seq_idx(query_start_loc_ptr, q_block_global, num_seqs, BLOCK_Q: tl.constexpr):
-    """The last request i with query_start_loc[i] // BLOCK_Q + i <= q_block_global."""
+def _find_seq_idx(query_start_loc_ptr, target_idx, num_seqs, BLOCK_Q: tl.constexpr,
+                  use_q_block_mode: tl.constexpr):
+    """The last request i whose first query block (use_q_block_mode: request i's
+    blocks start at query_start_loc[i] // BLOCK_Q + i) or first query token
+    (otherwise: query_start_loc[i]) is <= target_idx."""
     left = 0
     right = num_seqs
     while left < right:
         mid = (left + right) // 2
-        start = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
-        if start <= q_block_global:
+        start = tl.load(query_start_loc_ptr + mid)
+        if use_q_block_mode:
+            start = start // BLOCK_Q + mid
+        if start <= target_idx:
             left = mid + 1
         else:
             right = mid
@@ -127,6 +132,26 @@ def _attend_tile(acc, m_i, l_i, q, tile_start, num_keys, causal_limit,
     return acc, m_new, l_i
 
 
+@triton.jit
+def _attend_tiles(acc, m_i, l_i, q, tile_lo, tile_hi, num_unmasked_tiles, num_keys, causal_limit,
+                  bt_row, k_base, v_base, offs_d, d_mask,
+                  stride_kc_block, stride_kc_off, stride_vc_block, stride_vc_off, scale_log2,
+                  BLOCK_SIZE: tl.constexpr, TILE_SIZE: tl.constexpr, PAD_D: tl.constexpr,
+                  DOT_FP32: tl.constexpr):
+    """Tiles tile_lo .. tile_hi - 1: first those every row sees whole (no masks), then the rest."""
+    for t in range(tile_lo, tl.minimum(tile_hi, num_unmasked_tiles)):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, t * TILE_SIZE, num_keys, causal_limit, bt_row, k_base, v_base,
+            offs_d, d_mask, stride_kc_block, stride_kc_off, stride_vc_block, stride_vc_off,
+            scale_log2, BLOCK_SIZE, TILE_SIZE, PAD_D, False, DOT_FP32)
+    for t in range(tl.maximum(tile_lo, num_unmasked_tiles), tile_hi):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, t * TILE_SIZE, num_keys, causal_limit, bt_row, k_base, v_base,
+            offs_d, d_mask, stride_kc_block, stride_kc_off, stride_vc_block, stride_vc_off,
+            scale_log2, BLOCK_SIZE, TILE_SIZE, PAD_D, True, DOT_FP32)
+    return acc, m_i, l_i
+
+
 @triton.jit(do_not_specialize=["num_seqs"])   # per-step sizes: see launch.py
 def _unified_attention_kernel(
     query_ptr, key_cache_ptr, value_cache_ptr, output_ptr,
@@ -156,7 +181,7 @@ def _unified_attention_kernel(
     q_block_global = tl.num_programs(1) - 1 - tl.program_id(1)
     kv_head = tl.program_id(0)
 
-    seq_idx = _find_seq_idx(query_start_loc_ptr, q_block_global, num_seqs, BLOCK_Q)
+    seq_idx = _find_seq_idx(query_start_loc_ptr, q_block_global, num_seqs, BLOCK_Q, True)
     q_start = tl.load(query_start_loc_ptr + seq_idx)
     q_block_local = q_block_global - (q_start // BLOCK_Q + seq_idx)
     query_len = tl.load(query_start_loc_ptr + seq_idx + 1) - q_start
@@ -195,23 +220,179 @@ def _unified_attention_kernel(
     bt_row = block_table_ptr + seq_idx.to(tl.int64) * stride_bt
     k_base = key_cache_ptr + kv_head * stride_kc_head
     v_base = value_cache_ptr + kv_head * stride_vc_head
-    for t in range(0, num_unmasked_tiles):
-        acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, t * TILE_SIZE, num_keys, causal_limit, bt_row, k_base, v_base,
-            offs_d, d_mask, stride_kc_block, stride_kc_off, stride_vc_block, stride_vc_off,
-            scale_log2, BLOCK_SIZE, TILE_SIZE, HEAD_DIM != HEAD_DIM_PADDED, False, DOT_FP32)
-    for t in range(num_unmasked_tiles, tl.cdiv(num_keys, TILE_SIZE)):
-        acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, t * TILE_SIZE, num_keys, causal_limit, bt_row, k_base, v_base,
-            offs_d, d_mask, stride_kc_block, stride_kc_off, stride_vc_block, stride_vc_off,
-            scale_log2, BLOCK_SIZE, TILE_SIZE, HEAD_DIM != HEAD_DIM_PADDED, True, DOT_FP32)
+    acc, m_i, l_i = _attend_tiles(
+        acc, m_i, l_i, q, 0, tl.cdiv(num_keys, TILE_SIZE), num_unmasked_tiles, num_keys,
+        causal_limit, bt_row, k_base, v_base, offs_d, d_mask,
+        stride_kc_block, stride_kc_off, stride_vc_block, stride_vc_off, scale_log2,
+        BLOCK_SIZE, TILE_SIZE, HEAD_DIM != HEAD_DIM_PADDED, DOT_FP32)
 
     out = acc / l_i[:, None]
     o_ptrs = output_ptr + q_tok[:, None] * stride_o_tok + head[:, None] * stride_o_head + offs_d[None, :]
     tl.store(o_ptrs, out.to(output_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
 
 
-def pick_config(max_seqlen_q: int, num_queries_per_kv: int, head_dim: int) -> dict:
+# =====================================================================================
+# 3D: split-KV decode (vLLM's IS_3D path of kernel_unified_attention + reduce_segments)
+# =====================================================================================
+#
+# NOTE: what it replaces, when it wins, why it is exact.
+# - Replaces the 2D launch for decode-only batches of few requests. The 2D grid
+#   has one program per (query block, KV head): 4 decodes x 8 KV heads = 32
+#   programs for the 132 multiprocessors of an H200, each walking its whole
+#   context alone, so most of the GPU idles and the K/V reads run far below the
+#   copy rate. The 3D grid adds an axis of NUM_SEGMENTS_PER_SEQ segments: the
+#   program of segment s covers only tiles s * tiles_per_segment ..
+#   (s + 1) * tiles_per_segment - 1 of its request, with tiles_per_segment =
+#   cdiv(seq_len, NUM_SEGMENTS_PER_SEQ * TILE_SIZE) (segments past the end exit).
+# - Wins when (sequences x KV heads) is small against the GPU, and with very
+#   uneven contexts (the 2D program with the longest context finishes last,
+#   alone). It costs a second launch and a round trip of fp32 partials through
+#   memory (segments x head_dim floats per query head, small next to the K/V
+#   read), so above seq_threshold_3D requests vLLM keeps the 2D kernel.
+# - Exact: each segment runs the same online softmax over its own keys and
+#   stores, unnormalised, its running max m_s, its sum L_s = sum exp2(s - m_s)
+#   and its accumulator acc_s = sum exp2(s - m_s) v. With M = max_s m_s,
+#   softmax(s) @ V = sum_s exp2(m_s - M) acc_s / sum_s exp2(m_s - M) L_s: the
+#   same rescaling the 2D loop applies after every tile, applied once per
+#   segment by reduce_segments. Only the order of the fp32 additions changes.
+
+@triton.jit(do_not_specialize=["num_seqs"])   # per-step sizes: see launch.py
+def _unified_attention_3d_kernel(
+    query_ptr, key_cache_ptr, value_cache_ptr,
+    segm_output_ptr, segm_max_ptr, segm_expsum_ptr,   # fp32 partials [T, num_heads, segments(, D)]
+    block_table_ptr, query_start_loc_ptr, seq_lens_ptr,
+    scale_log2,
+    num_seqs,
+    stride_q_tok, stride_q_head,
+    stride_so_tok, stride_so_head, stride_so_segm,    # softmax_segm_output
+    stride_sm_tok, stride_sm_head,                    # softmax_segm_max / _expsum (segment stride 1)
+    stride_kc_block, stride_kc_off, stride_kc_head,
+    stride_vc_block, stride_vc_off, stride_vc_head,
+    stride_bt,
+    NUM_QUERIES_PER_KV: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PADDED: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    TILE_SIZE: tl.constexpr,
+    NUM_SEGMENTS_PER_SEQ: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    kv_head = tl.program_id(0)
+    q_block_global = tl.program_id(1)
+    segm_idx = tl.program_id(2)
+
+    # The same prologue as the 2D kernel: request, query block, rows, Q.
+    seq_idx = _find_seq_idx(query_start_loc_ptr, q_block_global, num_seqs, BLOCK_Q, True)
+    q_start = tl.load(query_start_loc_ptr + seq_idx)
+    q_block_local = q_block_global - (q_start // BLOCK_Q + seq_idx)
+    query_len = tl.load(query_start_loc_ptr + seq_idx + 1) - q_start
+    if q_block_local * BLOCK_Q >= query_len:
+        return                                    # a surplus program of the upper-bound grid
+    seq_len = tl.load(seq_lens_ptr + seq_idx)
+    tiles_per_segment = tl.cdiv(seq_len, NUM_SEGMENTS_PER_SEQ * TILE_SIZE)
+    if segm_idx * tiles_per_segment * TILE_SIZE >= seq_len:
+        return                                    # past the sequence (reduce_segments skips it too)
+    context_len = seq_len - query_len
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM_PADDED)
+    query_pos = q_block_local * BLOCK_Q + offs_m // NUM_QUERIES_PER_KV
+    head = kv_head * NUM_QUERIES_PER_KV + offs_m % NUM_QUERIES_PER_KV
+    row_mask = (query_pos < query_len) & (offs_m < BLOCK_Q * NUM_QUERIES_PER_KV)
+    d_mask = offs_d < HEAD_DIM
+    q_tok = (q_start + query_pos).to(tl.int64)
+    q = tl.load(query_ptr + q_tok[:, None] * stride_q_tok + head[:, None] * stride_q_head
+                + offs_d[None, :], mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], tl.float32)
+
+    last_q = tl.minimum((q_block_local + 1) * BLOCK_Q, query_len) - 1
+    num_keys = context_len + last_q + 1
+    num_unmasked_tiles = (context_len + q_block_local * BLOCK_Q + 1) // TILE_SIZE
+    causal_limit = context_len + query_pos
+
+    # Only this segment's tiles (for a decode every key is visible: num_keys == seq_len).
+    tile_lo = segm_idx * tiles_per_segment
+    tile_hi = tl.minimum(tile_lo + tiles_per_segment, tl.cdiv(num_keys, TILE_SIZE))
+    acc, m_i, l_i = _attend_tiles(
+        acc, m_i, l_i, q, tile_lo, tile_hi, num_unmasked_tiles, num_keys, causal_limit,
+        block_table_ptr + seq_idx.to(tl.int64) * stride_bt,
+        key_cache_ptr + kv_head * stride_kc_head, value_cache_ptr + kv_head * stride_vc_head,
+        offs_d, d_mask, stride_kc_block, stride_kc_off, stride_vc_block, stride_vc_off, scale_log2,
+        BLOCK_SIZE, TILE_SIZE, HEAD_DIM != HEAD_DIM_PADDED, DOT_FP32)
+
+    # Partials, not normalised: reduce_segments merges the segments.
+    so_ptrs = (segm_output_ptr + q_tok[:, None] * stride_so_tok + head[:, None] * stride_so_head
+               + segm_idx * stride_so_segm + offs_d[None, :])
+    tl.store(so_ptrs, acc, mask=row_mask[:, None] & d_mask[None, :])
+    sm_off = q_tok * stride_sm_tok + head * stride_sm_head + segm_idx
+    tl.store(segm_max_ptr + sm_off, m_i, mask=row_mask)
+    tl.store(segm_expsum_ptr + sm_off, l_i, mask=row_mask)
+
+
+@triton.jit(do_not_specialize=["num_seqs"])
+def reduce_segments(
+    output_ptr, segm_output_ptr, segm_max_ptr, segm_expsum_ptr,
+    query_start_loc_ptr, seq_lens_ptr,
+    num_seqs,
+    stride_o_tok, stride_o_head,
+    stride_so_tok, stride_so_head, stride_so_segm,
+    stride_sm_tok, stride_sm_head,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PADDED: tl.constexpr,
+    TILE_SIZE: tl.constexpr,
+    NUM_SEGMENTS_PER_SEQ: tl.constexpr,
+):
+    """One program per (query token, query head): output = merge of its segments' partials."""
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    seq_idx = _find_seq_idx(query_start_loc_ptr, token, num_seqs, 1, False)
+    # NOTE: a padding token of a CUDA-graph-sized batch belongs to no request
+    # (the padding requests have query_len 0): the 2D kernel leaves its row
+    # alone, and so does this one.
+    if token >= tl.load(query_start_loc_ptr + seq_idx + 1):
+        return
+    seq_len = tl.load(seq_lens_ptr + seq_idx)
+    # The segments the attention kernel ran for this request (the others exited).
+    tiles_per_segment = tl.cdiv(seq_len, NUM_SEGMENTS_PER_SEQ * TILE_SIZE)
+    num_segments = tl.cdiv(seq_len, tiles_per_segment * TILE_SIZE)
+    offs_s = tl.arange(0, NUM_SEGMENTS_PER_SEQ)
+    offs_d = tl.arange(0, HEAD_DIM_PADDED)
+    segm_mask = offs_s < num_segments
+    d_mask = offs_d < HEAD_DIM
+
+    sm_off = token.to(tl.int64) * stride_sm_tok + head * stride_sm_head + offs_s
+    segm_max = tl.load(segm_max_ptr + sm_off, mask=segm_mask, other=float("-inf"))
+    segm_expsum = tl.load(segm_expsum_ptr + sm_off, mask=segm_mask, other=0.0)
+    # NOTE: a segment whose keys the row may not see at all (a prefill's causal
+    # edge; never a decode) holds L = 0 and a placeholder max: no weight.
+    segm_max = tl.where(segm_expsum > 0.0, segm_max, float("-inf"))
+    overall_max = tl.max(segm_max, axis=0)
+    overall_max = tl.where(overall_max > float("-inf"), overall_max, 0.0)
+    weight = tl.exp2(segm_max - overall_max)                              # [SEGMENTS]
+    overall_expsum = tl.sum(segm_expsum * weight, axis=0)
+
+    so_ptrs = (segm_output_ptr + token.to(tl.int64) * stride_so_tok + head * stride_so_head
+               + offs_s[:, None] * stride_so_segm + offs_d[None, :])
+    segm_output = tl.load(so_ptrs, mask=segm_mask[:, None] & d_mask[None, :], other=0.0)
+    acc = tl.sum(segm_output * weight[:, None], axis=0)                   # [D]
+    out = tl.where(overall_expsum == 0.0, 0.0, acc / overall_expsum)
+    o_ptrs = output_ptr + token.to(tl.int64) * stride_o_tok + head * stride_o_head + offs_d
+    tl.store(o_ptrs, out.to(output_ptr.dtype.element_ty), mask=d_mask)
+
+
+# =====================================================================================
+# Launch configuration and the host-side wrapper
+# =====================================================================================
+
+def pick_config(max_seqlen_q: int, num_queries_per_kv: int, head_dim: int,
+                use_3d: bool = False) -> dict:
     """Block shapes for a batch, from host-side ints only (no device read).
 
     Decode-like batches (short queries): 16 rows per program, the smallest
@@ -220,6 +401,11 @@ def pick_config(max_seqlen_q: int, num_queries_per_kv: int, head_dim: int) -> di
     batches: 64 rows, so each K/V tile feeds a larger matrix product.
     """
     pow2 = triton.next_power_of_2(num_queries_per_kv)
+    if use_3d:
+        # NOTE: vLLM's decode tile for 16-bit K/V (_get_tile_size: 16): a
+        # segment of a short context then still spans several tiles.
+        # Not tuned here yet: bench/kernels.py --decode-sweep measures 16/32/64.
+        return dict(block_m=max(16, pow2), tile_size=16, num_warps=4, num_stages=2)
     # NOTE: chosen from sweeps on an H200 (bench/kernels.py; Qwen3-0.6B heads,
     # bf16). Decode 256 x 1024: this shape was the fastest in every run.
     # Prefill: 64 x 64 was the fastest for 4 x 4096 tokens and within 7 % of
@@ -231,25 +417,40 @@ def pick_config(max_seqlen_q: int, num_queries_per_kv: int, head_dim: int) -> di
     return dict(block_m=max(64, pow2), tile_size=64, num_warps=4, num_stages=2)
 
 
+def use_3d_kernel(max_seqlen_q: int, num_seqs: int, seq_threshold_3D: int | None) -> bool:
+    """vLLM's rule: split-KV only for decode-only batches (every query one token)
+    of at most seq_threshold_3D requests. Host ints only."""
+    return seq_threshold_3D is not None and max_seqlen_q <= 1 and num_seqs <= seq_threshold_3D
+
+
 def launch_grid(num_tokens: int, num_seqs: int, num_kv_heads: int, block_q: int) -> tuple[int, int]:
     """(KV heads; query blocks, an upper bound needing no device read)."""
     return (num_kv_heads, num_tokens // block_q + num_seqs)
 
 
 def default_grid(num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads: int,
-                 head_dim: int, max_seqlen_q: int) -> tuple[int, int]:
-    """The grid unified_attention launches with its default block shapes (for tracing)."""
+                 head_dim: int, max_seqlen_q: int,
+                 num_par_softmax_segments: int | None = None) -> tuple[int, ...]:
+    """The grid unified_attention launches with its default block shapes (for tracing);
+    with num_par_softmax_segments (a 3D launch), the segment axis too."""
     num_queries_per_kv = num_heads // num_kv_heads
-    block_m = pick_config(max_seqlen_q, num_queries_per_kv, head_dim)["block_m"]
-    return launch_grid(num_tokens, num_seqs, num_kv_heads, max(1, block_m // num_queries_per_kv))
+    use_3d = num_par_softmax_segments is not None
+    block_m = pick_config(max_seqlen_q, num_queries_per_kv, head_dim, use_3d)["block_m"]
+    grid = launch_grid(num_tokens, num_seqs, num_kv_heads, max(1, block_m // num_queries_per_kv))
+    return grid + (num_par_softmax_segments,) if num_par_softmax_segments is not None else grid
 
 
 def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                       out: torch.Tensor, cu_seqlens_q: torch.Tensor, max_seqlen_q: int,
                       seqused_k: torch.Tensor, max_seqlen_k: int, softmax_scale: float,
-                      block_table: torch.Tensor, *, block_m: int | None = None,
-                      tile_size: int | None = None, num_warps: int | None = None,
-                      num_stages: int | None = None) -> torch.Tensor:
+                      block_table: torch.Tensor, *,
+                      seq_threshold_3D: int | None = None,
+                      num_par_softmax_segments: int | None = None,
+                      softmax_segm_output: torch.Tensor | None = None,
+                      softmax_segm_max: torch.Tensor | None = None,
+                      softmax_segm_expsum: torch.Tensor | None = None,
+                      block_m: int | None = None, tile_size: int | None = None,
+                      num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
     """Causal paged attention over a flat mixed batch; writes out[:T] (vLLM's argument names).
 
     q/out [T, nh, hd]; cu_seqlens_q = query_start_loc [R + 1]; seqused_k =
@@ -258,6 +459,13 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     launch configuration must not read device memory). max_seqlen_k is unused
     here (the loop bound is read per request on the device); kept for the
     signature's sake.
+
+    Split-KV (3D) for a decode-only batch of at most seq_threshold_3D requests,
+    as vLLM: with num_par_softmax_segments segments and fp32 buffers
+    softmax_segm_output [>= T, nh, >= segments, >= hd] and softmax_segm_max /
+    softmax_segm_expsum [>= T, nh, >= segments]. Without them: always 2D.
+    block_m / tile_size / num_warps / num_stages override the chosen path's
+    defaults (benchmarks).
     """
     del max_seqlen_k
     num_tokens, num_heads, head_dim = q.shape
@@ -272,23 +480,59 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     check_launchable(q, _unified_attention_kernel)
     interpreted = is_interpreted(_unified_attention_kernel)
     num_queries_per_kv = num_heads // num_kv_heads
-    cfg = pick_config(max_seqlen_q, num_queries_per_kv, head_dim)
+    use_3d = (num_par_softmax_segments is not None and softmax_segm_output is not None
+              and softmax_segm_max is not None and softmax_segm_expsum is not None
+              and use_3d_kernel(max_seqlen_q, num_seqs, seq_threshold_3D))
+    cfg = pick_config(max_seqlen_q, num_queries_per_kv, head_dim, use_3d)
     block_m = block_m or cfg["block_m"]
     tile_size = tile_size or cfg["tile_size"]
     block_q = max(1, block_m // num_queries_per_kv)
     grid = launch_grid(num_tokens, num_seqs, num_kv_heads, block_q)
-    _unified_attention_kernel[grid](
-        q, key_cache, value_cache, out, block_table, cu_seqlens_q, seqused_k,
-        softmax_scale * LOG2E, num_seqs,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        block_table.stride(0),
+    constexprs = dict(
         NUM_QUERIES_PER_KV=num_queries_per_kv, HEAD_DIM=head_dim,
         HEAD_DIM_PADDED=max(16, triton.next_power_of_2(head_dim)), BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_Q=block_q, TILE_SIZE=tile_size,
         DOT_FP32=(q.dtype == torch.float32 or interpreted),
         num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"])
+    if not use_3d:
+        _unified_attention_kernel[grid](
+            q, key_cache, value_cache, out, block_table, cu_seqlens_q, seqused_k,
+            softmax_scale * LOG2E, num_seqs,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+            value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+            block_table.stride(0), **constexprs)
+        return out
+
+    # 3D: split-KV decode (see the section above), then the merge.
+    assert softmax_segm_output is not None and softmax_segm_max is not None \
+        and softmax_segm_expsum is not None and num_par_softmax_segments is not None
+    segm_output, segm_max, segm_expsum = softmax_segm_output, softmax_segm_max, softmax_segm_expsum
+    num_segments = num_par_softmax_segments
+    assert num_segments >= 1 and num_segments & (num_segments - 1) == 0, "segments: a power of 2"
+    assert segm_output.dtype == segm_max.dtype == segm_expsum.dtype == torch.float32
+    assert segm_output.shape[0] >= num_tokens and segm_output.shape[1] == num_heads \
+        and segm_output.shape[2] >= num_segments and segm_output.shape[3] >= head_dim
+    assert segm_output.stride(3) == 1
+    assert segm_max.shape[:2] == segm_output.shape[:2] and segm_max.shape[2] >= num_segments
+    assert segm_max.stride() == segm_expsum.stride() and segm_max.stride(2) == 1
+    _unified_attention_3d_kernel[grid + (num_segments,)](
+        q, key_cache, value_cache, segm_output, segm_max, segm_expsum,
+        block_table, cu_seqlens_q, seqused_k,
+        softmax_scale * LOG2E, num_seqs,
+        q.stride(0), q.stride(1),
+        segm_output.stride(0), segm_output.stride(1), segm_output.stride(2),
+        segm_max.stride(0), segm_max.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        block_table.stride(0), NUM_SEGMENTS_PER_SEQ=num_segments, **constexprs)
+    reduce_segments[(num_tokens, num_heads)](
+        out, segm_output, segm_max, segm_expsum, cu_seqlens_q, seqused_k, num_seqs,
+        out.stride(0), out.stride(1),
+        segm_output.stride(0), segm_output.stride(1), segm_output.stride(2),
+        segm_max.stride(0), segm_max.stride(1),
+        HEAD_DIM=head_dim, HEAD_DIM_PADDED=constexprs["HEAD_DIM_PADDED"], TILE_SIZE=tile_size,
+        NUM_SEGMENTS_PER_SEQ=num_segments)
     return out
 
 

@@ -171,3 +171,138 @@ def test_configs_gpu(config):
     out, ref = run(requests, 16, 8, 128, torch.bfloat16, seed=2, device="cuda", **config)
     check(out, ref, torch.bfloat16)
 
+
+
+# -- Split-KV ("3D") decode ------------------------------------------------------------------
+
+def segm_buffers(num_tokens, num_heads, num_segments, head_dim, device=DEVICE):
+    """The 3D kernel's fp32 buffers, NaN-filled: a partial it reads but no program wrote shows up."""
+    shape = (num_tokens, num_heads, num_segments)
+    pad = max(16, 1 << (head_dim - 1).bit_length())
+    nan = lambda s: torch.full(s, float("nan"), dtype=torch.float32, device=device)  # noqa: E731
+    return dict(num_par_softmax_segments=num_segments, softmax_segm_output=nan(shape + (pad,)),
+                softmax_segm_max=nan(shape), softmax_segm_expsum=nan(shape))
+
+
+def run_2d_3d(requests, num_heads, num_kv_heads, head_dim, dtype, num_segments, seed=0,
+              device=DEVICE, max_seqlen_q=None, threshold=1 << 20, **config):
+    """Outputs of the 3D path, of the 2D path and of the torch reference; and whether 3D ran."""
+    q, cache, block_table, qsl, seq_lens = make_batch(requests, num_heads, num_kv_heads, head_dim,
+                                                      dtype, seed=seed, device=device)
+    scale = head_dim ** -0.5
+    max_q = max_seqlen_q or max(ql for _, ql in requests)
+    segm = segm_buffers(q.shape[0], num_heads, num_segments, head_dim, device)
+    out3, out2 = torch.full_like(q, float("nan")), torch.full_like(q, float("nan"))
+    unified_attention(q, cache[0], cache[1], out3, qsl, max_q, seq_lens, int(seq_lens.max()), scale,
+                      block_table, seq_threshold_3D=threshold, **segm, **config)
+    unified_attention(q, cache[0], cache[1], out2, qsl, max_q, seq_lens, int(seq_lens.max()), scale,
+                      block_table)
+    ref = unified_attention_ref(q, cache[0], cache[1], qsl, seq_lens, scale, block_table)
+    ran_3d = not segm["softmax_segm_max"].isnan().all()
+    return out3, out2, ref, ran_3d
+
+
+# Decode contexts against 4 segments of 16-key tiles (64 keys per segment round):
+# shorter than one tile, one segment, not a multiple of the tile, exactly
+# segments x tile, longer than segments x tile (several tiles per segment).
+DECODE_CONTEXTS = [0, 5, 15, 16, 37, 63, 64, 100, 200, 257]
+
+
+@pytest.mark.parametrize("num_seqs", [1, 2, 5, len(DECODE_CONTEXTS)])
+@pytest.mark.parametrize("num_queries_per_kv", [1, 3, 8])
+def test_split_kv_decode(num_seqs, num_queries_per_kv):
+    """3D equals the reference and the 2D kernel (fp32: to rounding) for decode batches
+    of 1..N sequences, contexts around and beyond segments x tile, with GQA."""
+    contexts = DECODE_CONTEXTS[-num_seqs:] if num_seqs < 3 else DECODE_CONTEXTS[:num_seqs]
+    requests = [(c, 1) for c in contexts]
+    num_kv_heads = 2 if num_queries_per_kv < 8 else 1
+    out3, out2, ref, ran_3d = run_2d_3d(requests, num_queries_per_kv * num_kv_heads, num_kv_heads,
+                                        64, torch.float32, num_segments=4, tile_size=16,
+                                        seed=num_seqs + num_queries_per_kv)
+    assert ran_3d
+    torch.testing.assert_close(out3, ref, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(out3, out2, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_split_kv_decode_16_segments(dtype):
+    """vLLM's 16 segments and the default 3D tile, 16-bit caches, head_dim 128."""
+    requests = [(c, 1) for c in (3, 70, 300, 600)]
+    out3, out2, ref, ran_3d = run_2d_3d(requests, 4, 2, 128, dtype, num_segments=16, seed=4)
+    assert ran_3d
+    check(out3, ref, dtype)
+    check(out3, out2, dtype)
+
+
+def test_split_kv_exact_for_prefill_chunks():
+    """Nothing in the 3D kernel assumes one query token: forced onto a mixed batch (by
+    claiming max_seqlen_q 1, which the rule reads), segments the causal edge hides
+    from some rows (L = 0) merge to the exact result."""
+    out3, _, ref, ran_3d = run_2d_3d(MIXED, 6, 2, 64, torch.float32, num_segments=4,
+                                     max_seqlen_q=1, tile_size=16, seed=9)
+    assert ran_3d
+    torch.testing.assert_close(out3, ref, atol=2e-5, rtol=2e-5)
+
+
+def test_split_kv_only_for_small_decode_batches():
+    """vLLM's rule: a batch with a prefill, or more decodes than the threshold, runs 2D
+    (the buffers stay untouched)."""
+    _, _, _, ran_3d = run_2d_3d(MIXED, 4, 2, 64, torch.float32, num_segments=4)
+    assert not ran_3d
+    decodes = [(c, 1) for c in (5, 40, 70)]
+    _, _, _, ran_3d = run_2d_3d(decodes, 4, 2, 64, torch.float32, num_segments=4, threshold=2)
+    assert not ran_3d
+    _, _, _, ran_3d = run_2d_3d(decodes, 4, 2, 64, torch.float32, num_segments=4, threshold=3)
+    assert ran_3d
+
+
+def test_split_kv_graph_padding():
+    """A decode batch padded to a CUDA-graph size: padding requests with query_len 0 and
+    seq_len 0, padding tokens in no request. 3D leaves their rows alone, as 2D does."""
+    requests = [(c, 1) for c in (9, 40, 130)]
+    num_heads, num_kv_heads, head_dim, pad = 4, 2, 64, 2
+    q, cache, block_table, qsl, seq_lens = make_batch(requests, num_heads, num_kv_heads, head_dim,
+                                                      torch.float32, seed=2)
+    q = torch.cat([q, torch.randn(pad, num_heads, head_dim, device=q.device)])
+    qsl = torch.cat([qsl, qsl[-1:].repeat(pad)])
+    seq_lens = torch.cat([seq_lens, seq_lens.new_zeros(pad)])
+    block_table = torch.cat([block_table, block_table.new_zeros(pad, block_table.shape[1])])
+    scale = head_dim ** -0.5
+    outs = []
+    for segm in (segm_buffers(q.shape[0], num_heads, 4, head_dim), {}):
+        out = torch.full_like(q, float("nan"))
+        unified_attention(q, cache[0], cache[1], out, qsl, 1, seq_lens, 130, scale, block_table,
+                          seq_threshold_3D=8, tile_size=16, **segm)
+        outs.append(out)
+    ref = unified_attention_ref(q[:3], cache[0], cache[1], qsl[:4], seq_lens[:3], scale, block_table[:3])
+    torch.testing.assert_close(outs[0][:3], ref, atol=2e-5, rtol=2e-5)
+    assert outs[0][3:].isnan().all() and outs[1][3:].isnan().all()
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (16, 8, 128), (32, 4, 128)])
+@pytest.mark.parametrize("num_seqs", [1, 4, 16])
+def test_split_kv_decode_gpu(dtype, num_heads, num_kv_heads, head_dim, num_seqs):
+    """3D at serving sizes: contexts up to 8k, uneven; against the reference and 2D."""
+    gen = torch.Generator().manual_seed(num_seqs)
+    ctx = torch.randint(0, 8192, (num_seqs,), generator=gen).tolist()
+    ctx[0] = 8191 if num_seqs > 1 else 5000
+    out3, out2, ref, ran_3d = run_2d_3d([(c, 1) for c in ctx], num_heads, num_kv_heads, head_dim,
+                                        dtype, num_segments=16, seed=num_seqs, device="cuda")
+    assert ran_3d
+    check(out3, ref, dtype)
+    assert rel_err(out3, out2) < (1e-2 if dtype == torch.bfloat16 else 2e-3)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("num_segments,tile_size", [(8, 16), (16, 32), (32, 64), (16, 64)], ids=str)
+def test_split_kv_configs_gpu(num_segments, tile_size):
+    """Every (segments, tile) the decode sweep of bench/kernels.py times computes the same function."""
+    requests = [(c, 1) for c in (0, 15, 100, 1023, 2047, 4000, 8191)]
+    out3, _, ref, ran_3d = run_2d_3d(requests, 16, 8, 128, torch.bfloat16, num_segments=num_segments,
+                                     seed=3, device="cuda", tile_size=tile_size)
+    assert ran_3d
+    check(out3, ref, torch.bfloat16)
