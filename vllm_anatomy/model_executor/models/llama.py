@@ -21,6 +21,7 @@ Simplified away: pipeline parallelism, quantization, LoRA, sliding window.
 """
 from __future__ import annotations
 
+import os
 from typing import Iterable
 
 import torch
@@ -91,6 +92,8 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, eps=config["rms_norm_eps"])
         self.rotary_emb = get_rope(self.head_dim, config["max_position_embeddings"],
                                    is_neox_style=True, rope_parameters=get_rope_parameters(config))
+        # (the performance seam below; vLLM's pass_config name)
+        self.enable_qk_norm_rope_fusion = qk_norm and _qk_norm_rope_fusion_enabled()
         self.attn = Attention(self.num_heads, self.head_dim, self.scaling, self.num_kv_heads,
                               attn_backend, prefix=f"{prefix}.attn")
 
@@ -98,10 +101,13 @@ class LlamaAttention(nn.Module):
                 kv_cache: torch.Tensor | None,
                 attn_metadata: AttentionMetadata | None) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)        # [T, q_size + 2 * kv_size] (this rank's heads)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if self.qk_norm:
-            q, k = self._qk_norm(q, k)
-        q, k = self.rotary_emb(positions, q, k)
+        if self._use_fused_qk_norm_rope(qkv):     # CUDA, Qwen3: one kernel (see the NOTE there)
+            q, k, v = self._fused_qk_norm_rope(positions, qkv)
+        else:
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            if self.qk_norm:
+                q, k = self._qk_norm(q, k)
+            q, k = self.rotary_emb(positions, q, k)
         attn_output = self.attn(q, k, v, kv_cache, attn_metadata)   # [T, q_size]
         return self.o_proj(attn_output)           # [T, H], summed over the ranks
 
@@ -110,6 +116,38 @@ class LlamaAttention(nn.Module):
         q_by_head = self.q_norm(q.view(num_tokens, self.num_heads, self.head_dim))     # [T, nh, hd]
         k_by_head = self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim))  # [T, nkv, hd]
         return q_by_head.view(num_tokens, self.q_size), k_by_head.view(num_tokens, self.kv_size)
+
+    # ---- performance seam: q_norm + k_norm + RoPE fused (CUDA only) ----
+    # NOTE: what this replaces. On CUDA the three steps above are three Triton
+    # launches per layer on tiny tensors (q_norm and k_norm each one
+    # `_rms_norm_kernel`, RoPE one `_rotary_embedding_kernel`): in a profiled
+    # 256-sequence Qwen3-0.6B run on an H200, 56 of the 113 `_rms_norm_kernel`s
+    # and all 28 `_rotary_embedding_kernel`s of each step, ~2 us each,
+    # launch-bound. kernels/fused_qk_norm_rope.py does all three in one launch,
+    # in place on the qkv output (84 -> 28 launches per step), rounding as the
+    # unfused ops round. It mirrors v0.27.1's `fused_qk_norm_rope` op, which the
+    # QKNormRoPEFusionPass (vllm/compilation/passes/fusion/qk_norm_rope_fusion.py)
+    # pattern-matches in when `compilation_config.pass_config.
+    # enable_qk_norm_rope_fusion` is set. vLLM leaves that flag OFF at every
+    # optimization level (vllm/config/vllm.py, O0-O3): there it is an opt-in;
+    # here it is on by default on CUDA, and off with
+    # VLLM_ANATOMY_ENABLE_QK_NORM_ROPE_FUSION=0 (read when the model is built),
+    # which keeps the unfused kernels for an A/B. The CPU always runs the
+    # readable path above: q_norm -> k_norm -> rotary_emb.
+    def _use_fused_qk_norm_rope(self, qkv: torch.Tensor) -> bool:
+        return (self.enable_qk_norm_rope_fusion and qkv.is_cuda
+                and qkv.dtype == self.q_norm.weight.dtype == self.k_norm.weight.dtype)
+
+    def _fused_qk_norm_rope(self, positions: torch.Tensor, qkv: torch.Tensor
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        from vllm_anatomy.kernels.fused_qk_norm_rope import fused_qk_norm_rope   # lazy: CPU never needs it
+        fused_qk_norm_rope(qkv, self.num_heads, self.num_kv_heads, self.num_kv_heads, self.head_dim,
+                           self.q_norm.variance_epsilon, self.q_norm.weight, self.k_norm.weight,
+                           self.rotary_emb.cos_sin_cache, self.rotary_emb.is_neox_style, positions)
+        # q and k are column views of qkv (row stride q_size + 2 * kv_size), as v
+        # always is: attention and the cache write read them strided, no copy.
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return q, k, v
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -269,6 +307,11 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
 class Qwen3ForCausalLM(LlamaForCausalLM):
     """Qwen3: Llama plus an RMSNorm on each query and key head before RoPE."""
     qk_norm = True
+
+
+def _qk_norm_rope_fusion_enabled() -> bool:
+    """VLLM_ANATOMY_ENABLE_QK_NORM_ROPE_FUSION (default 1): fuse Qwen3's q/k norm and RoPE on CUDA."""
+    return os.environ.get("VLLM_ANATOMY_ENABLE_QK_NORM_ROPE_FUSION", "1") not in ("0", "false", "False")
 
 
 def _lookup(params_dict: dict[str, nn.Parameter], name: str) -> nn.Parameter:
