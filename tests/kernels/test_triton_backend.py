@@ -50,7 +50,8 @@ def run_steps(model, steps, block_size, num_blocks):
 
 
 def make_steps(vocab, lens, seed):
-    """Three steps over four sequences: prefills, a chunk on cached context, decodes."""
+    """Four steps over four sequences: prefills, a chunk on cached context, decodes; the
+    last step decodes only (few requests: the Triton backend's split-KV "3D" path)."""
     gen = torch.Generator().manual_seed(seed)
     tok = lambda n: torch.randint(0, vocab, (n,), generator=gen).tolist()     # noqa: E731
     a, b, c = lens
@@ -58,6 +59,7 @@ def make_steps(vocab, lens, seed):
         [("a", tok(a)), ("b", tok(b // 2))],                     # fresh prefill, first chunk
         [("b", tok(b - b // 2)), ("a", tok(1)), ("c", tok(c))],  # chunk continuing b, decode, prefill
         [("a", tok(1)), ("b", tok(1)), ("c", tok(1)), ("d", tok(5))],
+        [("a", tok(1)), ("b", tok(1)), ("c", tok(1)), ("d", tok(1))],
     ]
 
 
@@ -138,3 +140,56 @@ def test_warm_up_shapes_run_through_each_backend(tmp_path, backend):
     with torch.inference_mode():
         runner._warm_up_shapes()
     assert all(not kv.any() for kv in runner.kv_caches), "warm-up wrote into the KV cache"
+
+
+# -- the split-KV ("3D") decode path: vLLM's threshold and buffers ----------------------------
+
+def test_seq_threshold_3D():
+    """MIN_LAUNCH_GRID_SIZE_2D // num_kv_heads, snapped to the nearest CUDA-graph capture size."""
+    from vllm_anatomy.attention.backends.triton_attn import get_seq_threshold_3D
+    from vllm_anatomy.config import default_capture_sizes
+    assert get_seq_threshold_3D(8) == 16 and get_seq_threshold_3D(12) == 10
+    sizes = default_capture_sizes(512)
+    assert get_seq_threshold_3D(8, sizes) == 16       # Qwen3-0.6B: already a capture size
+    assert get_seq_threshold_3D(12, sizes) == 8       # 10 -> 8 (nearer than 16)
+    assert get_seq_threshold_3D(3, sizes) == 40       # 42 -> 40
+    assert get_seq_threshold_3D(256, sizes) == 0      # MIN_LAUNCH_GRID_SIZE_2D // 256: no 3D
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_backend_decode_batch_split_kv(dtype):
+    """A decode-only batch through the Triton backend (the 3D kernel: 3 requests <=
+    threshold 64) equals the torch backend; every layer's impl shares one set of buffers."""
+    from tests.helpers import build_attn_metadata
+    from tests.kernels.kernel_utils import block_tables_for
+    from tests.kernels.test_unified_attention import check
+    from vllm_anatomy.attention.backends import triton_attn
+    from vllm_anatomy.attention.selector import get_attn_backend
+    num_heads, num_kv_heads, head_dim, block_size = 4, 2, 64, 16
+    seq_lens = [3, 70, 290]
+    num_blocks = sum(-(-s // block_size) for s in seq_lens) + 2
+    block_table = block_tables_for(seq_lens, block_size, num_blocks,
+                                   max(-(-s // block_size) for s in seq_lens), seed=3)
+    _, meta_ctx = build_attn_metadata([s - 1 for s in seq_lens], [s - 1 for s in seq_lens],
+                                      block_table.tolist(), block_size, device=DEVICE)
+    _, meta = build_attn_metadata([1] * 3, seq_lens, block_table.tolist(), block_size, device=DEVICE)
+    torch.manual_seed(3)
+    k1 = torch.randn(meta_ctx.num_actual_tokens, num_kv_heads, head_dim).to(dtype).to(DEVICE)
+    v1, k2, v2 = torch.randn_like(k1), torch.randn(3, num_kv_heads, head_dim).to(dtype).to(DEVICE), None
+    v2 = torch.randn_like(k2)
+    query = (2 * torch.randn(3, num_heads, head_dim)).to(dtype).to(DEVICE)
+    outs, impls = [], []
+    for backend in ("torch", "triton"):
+        impl = get_attn_backend(backend).get_impl_cls()(num_heads, head_dim, num_kv_heads, head_dim ** -0.5)
+        cache = torch.zeros(get_attn_backend(backend).get_kv_cache_shape(
+            num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype, device=DEVICE)
+        impl.do_kv_cache_update(k1, v1, cache, meta_ctx.slot_mapping)
+        impl.do_kv_cache_update(k2, v2, cache, meta.slot_mapping)
+        outs.append(impl.forward(query, cache, meta, torch.empty_like(query)))
+        impls.append(impl)
+    segm = triton_attn.softmax_segm_buffers(num_heads, num_kv_heads, head_dim, torch.device(DEVICE))
+    assert segm.seq_threshold_3D == 64 and segm.num_par_softmax_segments == 16
+    assert impls[1]._segm is segm                     # the same tensors for every layer and step
+    attrs = impls[1]._attention_launch_attrs(query, meta)
+    assert attrs["vllm_anatomy.grid"][-1] == segm.num_par_softmax_segments
+    check(outs[1], outs[0], dtype)

@@ -10,8 +10,15 @@ Simplified here: vLLM's Triton backend views the cache as
 [num_blocks, num_kv_heads, block_size, 2 * head_size] and transposes it; we
 keep abstract.py's [2, num_blocks, block_size, num_kv_heads, head_dim] (the
 FlashAttention layout) for every backend, so kv_cache[0] / kv_cache[1] are the
-key / value caches directly. No sliding window, softcap, alibi, sinks, fp8 or
-split-KV (3D) decode kernel.
+key / value caches directly. No sliding window, softcap, alibi, sinks or fp8.
+
+Split-KV ("3D") decode, as vLLM: a decode-only batch of at most
+seq_threshold_3D requests runs unified_attention's 3D kernel, which needs fp32
+scratch buffers for the per-segment partials. vLLM's
+TritonAttentionMetadataBuilder allocates them once and hands them to the kernel
+through the metadata; we have no per-backend metadata builder, so
+TritonAttentionImpl fetches them (once per device and shape, shared by every
+layer: layers run one after another) from softmax_segm_buffers below.
 
 On a machine without CUDA the kernels run in Triton's interpreter: only when
 TRITON_INTERPRET=1 was set before vllm_anatomy.kernels was imported (tests do
@@ -19,7 +26,11 @@ that in tests/kernels/conftest.py). It is slow; the CPU default stays "torch".
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
+import triton
 
 from vllm_anatomy.attention.backends.abstract import (
     AttentionBackend,
@@ -31,7 +42,77 @@ from vllm_anatomy.kernels import unified_attention as ua
 from vllm_anatomy.tracing.runner_tracer import NULL_KERNEL_TIMER
 
 
+# vLLM's constants (v1/attention/backends/triton_attn.py).
+MIN_LAUNCH_GRID_SIZE_2D = 128  # Minimum launch grid size of 2D kernel
+NUM_PAR_SOFTMAX_SEGMENTS = 16  # Number of parallel tiled softmax segments
+
+# NOTE: the CUDA-graph capture sizes the threshold snaps to (vLLM reads them
+# from compilation_config in its metadata builder; ours has no config): the
+# model runner sets them with set_cudagraph_capture_sizes when full decode
+# graphs are on. Left empty, the threshold is not snapped.
+_cudagraph_capture_sizes: list[int] = []
+
+
+def set_cudagraph_capture_sizes(capture_sizes: Sequence[int]) -> None:
+    """The capture sizes of full decode graphs (empty: none), before the first forward."""
+    _cudagraph_capture_sizes[:] = sorted(capture_sizes)
+
+
+def get_seq_threshold_3D(num_heads_kv: int, capture_sizes: Sequence[int] = ()) -> int:
+    """Decode batches of at most this many requests take the 3D kernel (vLLM's rule).
+
+    The 2D grid has >= num_seqs * num_heads_kv programs: below
+    MIN_LAUNCH_GRID_SIZE_2D of them it leaves the GPU underused. With CUDA
+    graphs, the threshold snaps to the nearest capture size, so that a batch
+    of B requests, padded up to a captured size N, replays the path the rule
+    picks for B (B <= threshold exactly when N <= threshold).
+    NOTE: a threshold of 0 (MIN_LAUNCH_GRID_SIZE_2D = 0: no 3D at all) stays
+    0; vLLM would snap it to the smallest capture size.
+    """
+    threshold = MIN_LAUNCH_GRID_SIZE_2D // num_heads_kv
+    if threshold > 0 and capture_sizes:
+        threshold = min(capture_sizes, key=lambda x: abs(x - threshold))
+    return threshold
+
+
+@dataclass
+class SoftmaxSegmentBuffers:
+    """What vLLM's TritonAttentionMetadataBuilder allocates once for the 3D kernel."""
+    seq_threshold_3D: int
+    num_par_softmax_segments: int
+    softmax_segm_output: torch.Tensor   # [seq_threshold_3D, num_heads_q, segments, headdim_padded] fp32
+    softmax_segm_max: torch.Tensor      # [seq_threshold_3D, num_heads_q, segments] fp32
+    softmax_segm_expsum: torch.Tensor   # [seq_threshold_3D, num_heads_q, segments] fp32
+
+    @classmethod
+    def allocate(cls, seq_threshold_3D: int, num_heads_q: int, headdim: int,
+                 device: torch.device | str,
+                 num_par_softmax_segments: int = NUM_PAR_SOFTMAX_SEGMENTS) -> SoftmaxSegmentBuffers:
+        headdim_padded = triton.next_power_of_2(headdim)
+        shape = (seq_threshold_3D, num_heads_q, num_par_softmax_segments)
+        return cls(seq_threshold_3D, num_par_softmax_segments,
+                   torch.empty(shape + (headdim_padded,), dtype=torch.float32, device=device),
+                   torch.empty(shape, dtype=torch.float32, device=device),
+                   torch.empty(shape, dtype=torch.float32, device=device))
+
+
+_segm_buffers: dict[tuple, SoftmaxSegmentBuffers] = {}
+
+
+def softmax_segm_buffers(num_heads_q: int, num_heads_kv: int, headdim: int,
+                         device: torch.device) -> SoftmaxSegmentBuffers:
+    """The 3D kernel's buffers for these heads on this device: allocated on the first call
+    (the start-up warm-up's first decode, outside any graph capture), then the same tensors
+    every time, so a captured graph replays on valid addresses."""
+    threshold = get_seq_threshold_3D(num_heads_kv, _cudagraph_capture_sizes)
+    key = (str(device), num_heads_q, headdim, threshold, NUM_PAR_SOFTMAX_SEGMENTS)
+    if key not in _segm_buffers:
+        _segm_buffers[key] = SoftmaxSegmentBuffers.allocate(threshold, num_heads_q, headdim, device)
+    return _segm_buffers[key]
+
+
 class TritonAttentionImpl(AttentionImpl):
+    _segm: SoftmaxSegmentBuffers | None = None       # the 3D kernel's buffers, fetched on first use
 
     def do_kv_cache_update(self, key: torch.Tensor, value: torch.Tensor,
                            kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
@@ -50,6 +131,7 @@ class TritonAttentionImpl(AttentionImpl):
         # batch); the kernel never writes them. Zero them so that the output
         # equals the torch reference everywhere (a slice by a host int: no sync).
         output[num_actual_tokens:].zero_()
+        segm = self._segm_buffers(query.device)
         with attn_metadata.kernel_timer.kernel("unified_attention",
                                                lambda: self._attention_launch_attrs(query, attn_metadata)):
             ua.unified_attention(
@@ -57,8 +139,18 @@ class TritonAttentionImpl(AttentionImpl):
                 out=output[:num_actual_tokens],
                 cu_seqlens_q=attn_metadata.query_start_loc, max_seqlen_q=attn_metadata.max_query_len,
                 seqused_k=attn_metadata.seq_lens, max_seqlen_k=attn_metadata.max_seq_len,
-                softmax_scale=self.scale, block_table=attn_metadata.block_table)
+                softmax_scale=self.scale, block_table=attn_metadata.block_table,
+                seq_threshold_3D=segm.seq_threshold_3D,
+                num_par_softmax_segments=segm.num_par_softmax_segments,
+                softmax_segm_output=segm.softmax_segm_output, softmax_segm_max=segm.softmax_segm_max,
+                softmax_segm_expsum=segm.softmax_segm_expsum)
         return output
+
+    def _segm_buffers(self, device: torch.device) -> SoftmaxSegmentBuffers:
+        segm = self._segm
+        if segm is None or segm.softmax_segm_output.device != device:
+            segm = self._segm = softmax_segm_buffers(self.num_heads, self.num_kv_heads, self.head_dim, device)
+        return segm
 
     # The launch attributes a timed kernel's span carries, from host-side values only (no device read).
     def _cache_launch_attrs(self, key: torch.Tensor) -> dict:
@@ -76,8 +168,14 @@ class TritonAttentionImpl(AttentionImpl):
         # Q read + O written, and every request's K and V read once (GQA packed).
         moved = (2 * num_tokens * self.num_heads * self.head_dim * item
                  + 2 * num_keys * self.num_kv_heads * self.head_dim * item)
+        segm = self._segm_buffers(query.device)
+        use_3d = ua.use_3d_kernel(attn_metadata.max_query_len, attn_metadata.num_reqs, segm.seq_threshold_3D)
+        segments = segm.num_par_softmax_segments if use_3d else None
+        if segments is not None:
+            # 3D: the fp32 partials (acc, max, sum per segment), written then read by the merge.
+            moved += 2 * num_tokens * self.num_heads * segments * (self.head_dim + 2) * 4
         grid = ua.default_grid(num_tokens, attn_metadata.num_reqs, self.num_heads, self.num_kv_heads,
-                               self.head_dim, attn_metadata.max_query_len)
+                               self.head_dim, attn_metadata.max_query_len, segments)
         return {"vllm_anatomy.grid": list(grid), "vllm_anatomy.num_tokens": num_tokens,
                 "vllm_anatomy.num_reqs": attn_metadata.num_reqs, "vllm_anatomy.bytes": moved}
 
