@@ -246,7 +246,7 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, attn_metadata)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """hidden_states [R, H] -> logits [R, V] float32, on every rank.
+        """hidden_states [R, H] -> logits [R, V] in the model's dtype, on every rank.
 
         vLLM: LogitsProcessor (model_executor/layers/logits_processor.py). The
         runner passes only the rows at logits_indices (each request's last
@@ -257,11 +257,16 @@ class LlamaForCausalLM(nn.Module):
         token from the same logits (same seeds), so each rank's copy of the
         batch (token_ids_cpu, the next step's input_ids) stays identical with
         no broadcast of the sampled ids. Only the output rank reports them.
+        NOTE: no upcast here, as v0.27.1's LogitsProcessor returns the lm_head's
+        dtype: the Sampler casts to float32 itself (after raw logprobs, which
+        log_softmax in float32), so the sampled tokens are the same, and a bf16
+        model skips writing an fp32 copy of [R, V] every step. The grammar
+        bitmask (xgrammar) masks bf16/fp16 logits in place as well.
         """
         logits = F.linear(hidden_states, self.lm_head.weight)      # [R, V / N]
         if self.lm_head.tp_size > 1:
             logits = tensor_model_parallel_all_gather(logits)      # [R, V], rank-ordered columns
-        return logits.float()
+        return logits
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load (checkpoint name, tensor) pairs; returns the parameter names fully loaded."""
