@@ -166,3 +166,57 @@ def test_sampled_ids_in_range_and_dtype(v):
     assert out.sampled_token_ids.shape == (3,)
     assert out.sampled_token_ids.dtype == torch.int64
     assert ((out.sampled_token_ids >= 0) & (out.sampled_token_ids < v)).all()
+
+
+# -- the fused sampling seam (sampler.py NOTE; the kernel: tests/kernels/test_sampling.py) ----------
+
+@pytest.fixture
+def fused_calls(monkeypatch):
+    """Let the seam consider CPU tensors, and record fused_sample's calls instead of running it."""
+    import vllm_anatomy.model_executor.sampler as sampler_mod
+    calls = []
+
+    def fake_fused_sample(logits, temperature):
+        calls.append(logits.shape)
+        return logits.argmax(-1)
+
+    monkeypatch.setattr(sampler_mod, "FUSED_SAMPLING_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(sampler_mod, "USE_FUSED_SAMPLING", True)
+    monkeypatch.setattr(sampler_mod, "fused_sample", fake_fused_sample)
+    return calls
+
+
+def test_fused_path_taken_for_temperature_only_batches(fused_calls):
+    logits = logits_rows(4)
+    sampler(logits, md(4, temperature=0.6))
+    sampler(logits, md(4, temperature=[0.0, 0.6, 1.0, 0.0]))           # mixed greedy / random
+    out = sampler(logits, md(4, temperature=0.6, max_num_logprobs=2))   # logprobs: from the raw logits
+    assert fused_calls == [logits.shape] * 3
+    assert out.logprobs_tensors is not None
+    torch.testing.assert_close(out.logprobs_tensors.logprobs[:, 1:],
+                               torch.log_softmax(logits, -1).topk(2, dim=-1).values)
+
+
+@pytest.mark.parametrize("case", ["all_greedy", "top_k", "top_p", "min_p", "seeded", "min_tokens",
+                                  "logit_bias", "switched_off", "not_cuda"])
+def test_fused_path_falls_back(fused_calls, monkeypatch, case):
+    import vllm_anatomy.model_executor.sampler as sampler_mod
+    logits = logits_rows(4)
+    meta = {
+        "all_greedy": md(4),
+        "top_k": md(4, temperature=0.6, top_k=5),
+        "top_p": md(4, temperature=0.6, top_p=0.9),
+        "min_p": md(4, temperature=0.6, min_p=0.1),
+        "seeded": md(4, temperature=0.6, generators={2: torch.Generator().manual_seed(0)}),
+    }.get(case) or md(4, temperature=0.6)
+    if case == "min_tokens":
+        meta.min_tokens = {1: [3]}
+    if case == "logit_bias":
+        meta.logit_bias = (torch.tensor([0]), torch.tensor([3]), torch.tensor([5.0]))
+    if case == "switched_off":
+        monkeypatch.setattr(sampler_mod, "USE_FUSED_SAMPLING", False)
+    if case == "not_cuda":
+        monkeypatch.setattr(sampler_mod, "FUSED_SAMPLING_DEVICES", ("cuda",))
+    out = sampler(logits, meta)
+    assert fused_calls == []
+    assert out.sampled_token_ids.shape == (4,)

@@ -16,9 +16,37 @@ vllm/v1/sample/ops/topk_topp_sampler.py. The order of operations is vLLM's:
 
 Simplified here: no penalties, allowed/bad words, custom logits processors,
 structured-output bitmask, or spec-decode rejection sampler.
+
+NOTE: the fused sampling path (a performance seam; the steps above are the
+idea). On CUDA, when the batch uses nothing but temperature (some rows may be
+greedy) -- no top-k, top-p, min-p, min_tokens, logit_bias or per-request
+seeds -- steps 2-7 run as ONE Triton kernel, gumbel_sample
+(kernels/sampling.py): it reads each row's logits once, in their own dtype,
+and returns argmax(logits / T - log E) with E ~ Exp(1) per token (greedy rows:
+argmax(logits)). That is the exponential race of random_sample below written
+in log space (the Gumbel-max trick): probs_i / E_i = exp(logits_i / T - lse) / E_i
+and log is monotonic, so the same token wins with the same probability, with
+no float32 copy, softmax, noise tensor or division over [R, V] (on an H200,
+batch 256, those passes were ~6 % of a throughput run's GPU time). The
+distribution is the torch path's; the individual draws are not (other random
+numbers): which is why seeded requests (their own generators, reproducible
+token for token) always take the torch path.
+Its random numbers: one int64 drawn from torch's generator of the logits'
+device each step (fused_sample), the key of the kernel's Philox; the row and
+token are its counter. torch.manual_seed (Worker.init_device) therefore makes
+a run reproducible, as with the torch path, and every TP rank draws the same.
+Switch: USE_FUSED_SAMPLING below, from the environment variable
+VLLM_ANATOMY_FUSED_SAMPLING (set it to 0 for the torch path everywhere).
+vLLM v0.27.1's Sampler has no such path: FlashInfer's sampler
+(topk_topp_sampler.py, forward_cuda) serves only batches with top-k/top-p and
+no per-request generators, and without top-k/top-p it falls back to the torch
+exponential race (forward_native), as ours does here. The fused kernel mirrors
+the Triton gumbel_sample of v0.27.1's second GPU model runner
+(vllm/v1/worker/gpu/sample/gumbel.py), which seeds each request itself.
 """
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -26,6 +54,11 @@ from torch import nn
 
 from vllm_anatomy.model_executor.sampling_metadata import SamplingMetadata
 from vllm_anatomy.sampling_params import _SAMPLING_EPS
+
+# The fused sampling seam (see the NOTE at the top); the lead's A/B switch.
+USE_FUSED_SAMPLING = os.environ.get("VLLM_ANATOMY_FUSED_SAMPLING", "1") != "0"
+# Devices it runs on (Triton kernels need CUDA; tests add "cpu" under TRITON_INTERPRET=1).
+FUSED_SAMPLING_DEVICES = ("cuda",)
 
 
 class LogprobsTensors(NamedTuple):
@@ -48,12 +81,16 @@ class Sampler(nn.Module):
         # NOTE: vLLM's default logprobs mode is "raw": the model's own
         # distribution, before temperature / top-k / top-p reshape it.
         raw_logprobs = self.compute_logprobs(logits) if num_logprobs is not None else None
-        logits = logits.to(torch.float32)
-        if sampling_metadata.min_tokens:
-            logits = apply_min_tokens(logits, sampling_metadata.min_tokens)
-        if sampling_metadata.logit_bias is not None:
-            logits = apply_logit_bias(logits, sampling_metadata.logit_bias)
-        sampled = self.sample(logits, sampling_metadata)
+        if fused_sampling_applies(logits, sampling_metadata):
+            assert sampling_metadata.temperature is not None
+            sampled = fused_sample(logits, sampling_metadata.temperature)
+        else:
+            logits = logits.to(torch.float32)
+            if sampling_metadata.min_tokens:
+                logits = apply_min_tokens(logits, sampling_metadata.min_tokens)
+            if sampling_metadata.logit_bias is not None:
+                logits = apply_logit_bias(logits, sampling_metadata.logit_bias)
+            sampled = self.sample(logits, sampling_metadata)
         logprobs_tensors = None
         if raw_logprobs is not None and num_logprobs is not None:
             logprobs_tensors = self.gather_logprobs(raw_logprobs, num_logprobs, sampled)
@@ -100,6 +137,28 @@ class Sampler(nn.Module):
         return LogprobsTensors(torch.cat([token_ids, topk_ids], dim=1),
                                torch.cat([token_logprobs, topk_logprobs], dim=1),
                                ranks)
+
+
+def fused_sampling_applies(logits: torch.Tensor, md: SamplingMetadata) -> bool:
+    """True when gumbel_sample gives exactly the torch path's distribution (NOTE at the top).
+
+    All-greedy batches stay on the torch path: it is one argmax already, and
+    they draw no random numbers there."""
+    return (USE_FUSED_SAMPLING and logits.device.type in FUSED_SAMPLING_DEVICES
+            and not md.all_greedy and md.temperature is not None
+            and md.top_k is None and md.top_p is None and md.min_p is None
+            and not md.generators and not md.min_tokens and md.logit_bias is None)
+
+
+def fused_sample(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """logits [R, V] (any float dtype), temperature [R] -> sampled ids [R] int64, in one kernel."""
+    # NOTE: imported here, not at the top: the kernels pick compiled or
+    # interpreted Triton at import, and CPU runs never need them.
+    from vllm_anatomy.kernels.sampling import gumbel_sample
+    # The step's Philox key, from torch's generator of this device: on the
+    # device (no host sync), and reproducible under torch.manual_seed.
+    seed = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=logits.device)
+    return gumbel_sample(logits, temperature, seed)
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
