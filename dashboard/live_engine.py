@@ -212,10 +212,11 @@ def child_main(spec_path: str, status_path: str, wait_for: int | None = None) ->
     try:
         with open(spec_path) as f:
             spec = json.load(f)
-        from vllm_anatomy.engine.arg_utils import EngineArgs
+        from vllm_anatomy.engine.arg_utils import EngineArgs, teaching_attention_backend
         from vllm_anatomy.tracing.factory import make_recorder
         three = spec.get("processes") == 3
-        engine_args = {**spec["engine_args"], **({"distributed_executor_backend": "mp"} if three else {})}
+        engine_args = {"attention_backend": teaching_attention_backend(), **spec["engine_args"],
+                       **({"distributed_executor_backend": "mp"} if three else {})}
         config = EngineArgs(model=spec.get("model"), trace_level="full", trace_dir=spec["trace_dir"],
                             **engine_args).create_engine_config()
         # NOTE: the recorder (and with it the run store) is made before the engine,

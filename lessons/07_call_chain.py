@@ -37,6 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import httpx  # noqa: E402
 import psutil  # noqa: E402
 from _common import LESSON_TRACE_DIR, Stopwatch, check, dashboard_link, open_run, say, title  # noqa: E402
+from vllm_anatomy.engine.arg_utils import teaching_attention_backend  # noqa: E402
 
 # The `vllm-anatomy` entry point, run with this interpreter.
 _CLI = "import sys; from vllm_anatomy.entrypoints.cli.main import main; sys.exit(main(sys.argv[1:]))"
@@ -66,6 +67,7 @@ class Server:
         self.port = free_port()
         cmd = [sys.executable, "-c", _CLI, "serve", "--port", str(self.port), "--max-model-len", "512",
                "--trace-level", "full", "--trace-dir", trace_dir, "--distributed-executor-backend", "mp",
+               "--attention-backend", teaching_attention_backend(),
                "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning"]
         # NOTE: three processes share the machine's cores: one intra-op thread each.
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}

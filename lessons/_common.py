@@ -26,6 +26,7 @@ import urllib.request
 from dataclasses import dataclass
 
 from vllm_anatomy import LLM, SamplingParams
+from vllm_anatomy.engine.arg_utils import teaching_attention_backend
 from vllm_anatomy.outputs import RequestOutput
 from vllm_anatomy.tracing.reader import Run, open_run
 
@@ -50,9 +51,10 @@ class RecordedRun:
 
 
 def make_llm(**engine_args) -> LLM:
-    """An LLM on the default model that records a run store at level "full"."""
+    """An LLM on the default model that records a run store at level "full" (attention: the torch reference on a CPU)."""
     engine_args.setdefault("trace_level", "full")
     engine_args.setdefault("trace_dir", LESSON_TRACE_DIR)
+    engine_args.setdefault("attention_backend", teaching_attention_backend())
     return LLM(**engine_args)
 
 

@@ -97,7 +97,9 @@ def test_selector():
 def test_engine_args_select_the_cpu_backend_on_cpu_only():
     from vllm_anatomy.engine.arg_utils import EngineArgs
     assert EngineArgs(attention_backend="cpu")._resolve_attention_backend("cpu") == "cpu"
-    assert EngineArgs()._resolve_attention_backend("cpu") == "torch"          # the readable reference stays the default
+    assert EngineArgs()._resolve_attention_backend("cpu") == "cpu"            # auto: each device's fast path
+    assert EngineArgs()._resolve_attention_backend("cuda:0") == "triton"
+    assert EngineArgs(attention_backend="torch")._resolve_attention_backend("cpu") == "torch"
     with pytest.raises(ValueError, match="runs on the CPU"):
         EngineArgs(attention_backend="cpu")._resolve_attention_backend("cuda:0")
     with pytest.raises(ValueError, match="auto, torch, cpu or triton"):
