@@ -1,6 +1,7 @@
 """Kernel benchmark on the GPU: achieved bytes/s and FLOP/s against ceilings measured here.
 
     python bench/kernels.py [--out bench/results/kernels_h200.json] [--quick]
+    python bench/kernels.py --decode-sweep [--out bench/results/decode_split_kv_h200.json] [--quick]
 
 Ceilings, measured in the same run: a large device-to-device copy (bytes read
 + bytes written per second) and a large bf16 matmul (FLOP/s), both on random
@@ -20,6 +21,14 @@ Each attention case sweeps a few block shapes (the kernel's default is
 reported too). Times: median of CUDA-event timings of CUDA-graph replays
 (10 launches per graph) after warm-up; "eager ms" adds the host launch cost.
 Prints a table and writes the JSON. DESIGN.md §8 states the targets.
+
+--decode-sweep measures only the split-KV ("3D") decode path against the 2D
+kernel (to choose seq_threshold_3D): decode batches {1, 4, 16, 64, 256} x
+context {1k, 4k, 8k}, and two realistic batches (256 and 16 decodes, contexts
+uniform in [100, 2048], seeded); 2D with its default shape, 3D with
+{8, 16, 32} segments x tile {16, 32, 64} (--quick: 16 segments, tiles 16, 64),
+forced whatever the batch size. Bytes = the K/V actually read (sum of
+seq_lens) + q + out + block table.
 """
 from __future__ import annotations
 
@@ -36,6 +45,9 @@ import triton
 from vllm_anatomy.kernels.reshape_and_cache import reshape_and_cache
 from vllm_anatomy.kernels.unified_attention import (pick_config, unified_attention,
                                                     unified_attention_ref)
+
+DEFAULT_OUT = os.path.join(os.path.dirname(__file__), "results", "kernels_h200.json")
+DEFAULT_SWEEP_OUT = os.path.join(os.path.dirname(__file__), "results", "decode_split_kv_h200.json")
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 16, 8, 128, 16
 DTYPE = torch.bfloat16
@@ -240,14 +252,119 @@ def reshape_and_cache_case(copy_bw: float, num_tokens: int) -> dict:
             "fraction": bw / copy_bw}
 
 
+# -- split-KV ("3D") decode vs 2D --------------------------------------------------------------
+
+SWEEP_BATCHES = (1, 4, 16, 64, 256)
+SWEEP_CONTEXTS = (1024, 4096, 8192)
+REALISTIC_BATCHES, REALISTIC_CONTEXTS = (256, 16), (100, 2048)   # contexts uniform in [lo, hi]
+
+
+def split_kv_case(requests, configs_3d, copy_bw: float, segm: dict, seed: int = 0) -> dict:
+    """One decode batch: the 2D kernel (default shape) and the 3D kernel per (segments, tile),
+    each forced (seq_threshold_3D = the batch size); 3D checked against 2D."""
+    q, cache, block_table, qsl, seq_lens = paged_batch(requests, seed)
+    batch = len(requests)
+    num_keys = int(seq_lens.sum())
+    nbytes = (2 * num_keys * NUM_KV_HEADS * HEAD_DIM * 2 + 2 * batch * NUM_HEADS * HEAD_DIM * 2
+              + int(sum(triton.cdiv(int(s), BLOCK_SIZE) for s in seq_lens.tolist())) * 4)
+    max_k, scale = int(seq_lens.max()), HEAD_DIM ** -0.5
+    out2, out3 = torch.empty_like(q), torch.empty_like(q)
+
+    def launch_2d():
+        unified_attention(q, cache[0], cache[1], out2, qsl, 1, seq_lens, max_k, scale, block_table)
+
+    def launch_3d(num_segments, tile_size):
+        return lambda: unified_attention(
+            q, cache[0], cache[1], out3, qsl, 1, seq_lens, max_k, scale, block_table,
+            seq_threshold_3D=batch, num_par_softmax_segments=num_segments, tile_size=tile_size,
+            softmax_segm_output=segm["output"], softmax_segm_max=segm["max"],
+            softmax_segm_expsum=segm["expsum"])
+
+    def stats(ms):
+        return {"ms": ms, "bytes_per_s": nbytes / ms * 1e3, "fraction": nbytes / ms * 1e3 / copy_bw}
+    res_2d = stats(time_ms(launch_2d))
+    launch_2d()
+    res_3d = []
+    for num_segments, tile_size in configs_3d:
+        r = {"num_segments": num_segments, "tile_size": tile_size,
+             **stats(time_ms(launch_3d(num_segments, tile_size)))}
+        out3.fill_(float("nan"))
+        launch_3d(num_segments, tile_size)()
+        r["rel_err_vs_2d"] = float((out3.double() - out2.double()).norm() / out2.double().norm())
+        res_3d.append(r)
+    best = min(res_3d, key=lambda r: r["ms"])
+    default_16 = next((r for r in res_3d if r["num_segments"] == 16
+                       and r["tile_size"] == pick_config(1, NUM_HEADS // NUM_KV_HEADS, HEAD_DIM,
+                                                         use_3d=True)["tile_size"]), best)
+    return {"batch": batch, "num_keys": num_keys, "bytes": nbytes, "2d": res_2d, "3d": res_3d,
+            "3d_default": default_16, "3d_best": best,
+            "speedup_3d_default": res_2d["ms"] / default_16["ms"],
+            "speedup_3d_best": res_2d["ms"] / best["ms"]}
+
+
+def decode_sweep(copy_bw: float, quick: bool) -> dict:
+    configs_3d = ([(16, 16), (16, 64)] if quick
+                  else list(itertools.product((8, 16, 32), (16, 32, 64))))
+    max_segments = max(n for n, _ in configs_3d)
+    shape = (max(SWEEP_BATCHES + REALISTIC_BATCHES), NUM_HEADS, max_segments)
+    segm = {"output": torch.empty(shape + (HEAD_DIM,), device="cuda", dtype=torch.float32),
+            "max": torch.empty(shape, device="cuda", dtype=torch.float32),
+            "expsum": torch.empty(shape, device="cuda", dtype=torch.float32)}
+    cases = []
+    for context in SWEEP_CONTEXTS:
+        for batch in SWEEP_BATCHES:
+            case = split_kv_case([(context - 1, 1)] * batch, configs_3d, copy_bw, segm)
+            cases.append({"context": context, **case})
+    realistic = []
+    lo, hi = REALISTIC_CONTEXTS
+    for batch in REALISTIC_BATCHES:
+        g = torch.Generator().manual_seed(batch)
+        ctx = torch.randint(lo, hi + 1, (batch,), generator=g).tolist()
+        realistic.append({"context": f"uniform[{lo}, {hi}]", "seed": batch,
+                          **split_kv_case([(c - 1, 1) for c in ctx], configs_3d, copy_bw, segm)})
+    return {"configs_3d": configs_3d, "cases": cases, "realistic": realistic}
+
+
+def print_decode_sweep(sweep: dict) -> None:
+    print(f"{'context':>18} {'batch':>5} {'2D ms':>8} {'2D of copy':>10} {'3D16 ms':>8} "
+          f"{'best 3D ms':>10} {'(segs, tile)':>12} {'best of copy':>12} {'2D/best3D':>9} {'err':>8}")
+    for c in sweep["cases"] + sweep["realistic"]:
+        b = c["3d_best"]
+        print(f"{c['context']:>18} {c['batch']:5d} {c['2d']['ms']:8.4f} {c['2d']['fraction']:10.1%} "
+              f"{c['3d_default']['ms']:8.4f} {b['ms']:10.4f} {str((b['num_segments'], b['tile_size'])):>12} "
+              f"{b['fraction']:12.1%} {c['speedup_3d_best']:9.2f} {b['rel_err_vs_2d']:8.1e}")
+    for context in SWEEP_CONTEXTS:
+        wins = [c["batch"] for c in sweep["cases"] if c["context"] == context and c["speedup_3d_default"] > 1]
+        print(f"context {context}: 3D (16 segments, default tile) faster than 2D at batches {wins}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
-                                                  "kernels_h200.json"))
+    ap.add_argument("--out", default=None, help=f"JSON path (default {DEFAULT_OUT}, "
+                    f"with --decode-sweep {DEFAULT_SWEEP_OUT})")
     ap.add_argument("--quick", action="store_true", help="smaller sweeps and copy")
+    ap.add_argument("--decode-sweep", action="store_true",
+                    help="only the split-KV (3D) vs 2D decode sweep (see the module docstring)")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "bench/kernels.py needs a CUDA device"
     torch.manual_seed(0)
+    if args.decode_sweep:
+        args.out = args.out or DEFAULT_SWEEP_OUT
+        copy = copy_ceiling(quick=True)
+        sweep = decode_sweep(copy["bytes_per_s"], args.quick)
+        result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                  "triton": triton.__version__, "dtype": str(DTYPE),
+                  "heads": {"q": NUM_HEADS, "kv": NUM_KV_HEADS, "head_dim": HEAD_DIM},
+                  "block_size": BLOCK_SIZE, "copy_ceiling": copy, "decode_split_kv": sweep}
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"\n{result['device']}  torch {torch.__version__}  triton {triton.__version__}  "
+              f"copy {copy['bytes_per_s'] / 1e12:.2f} TB/s")
+        print_decode_sweep(sweep)
+        print(f"wrote {args.out}")
+        return
+    args.out = args.out or DEFAULT_OUT
 
     copy = copy_ceiling(args.quick)
     mm = matmul_ceiling()
