@@ -255,6 +255,9 @@ def _unified_attention_kernel(
 #   softmax(s) @ V = sum_s exp2(m_s - M) acc_s / sum_s exp2(m_s - M) L_s: the
 #   same rescaling the 2D loop applies after every tile, applied once per
 #   segment by reduce_segments. Only the order of the fp32 additions changes.
+# vLLM compiles both paths from one kernel_unified_attention (an IS_3D
+# constexpr); here the 3D one is a kernel of its own, so the 2D kernel reads
+# without branches. They share _attend_tiles (the loop over K/V tiles).
 
 @triton.jit(do_not_specialize=["num_seqs"])   # per-step sizes: see launch.py
 def _unified_attention_3d_kernel(
