@@ -59,6 +59,9 @@ class RotaryEmbedding(nn.Module):
         # torch does. Everywhere else (the CPU path, and the kernel's oracle)
         # plain torch. The torch code handles only rotary_dim == head_size
         # (get_rope builds no other), so the kernel is used only then.
+        # (Qwen3 on CUDA does not come here: LlamaAttention fuses its q/k
+        # norms and this RoPE into one kernel, kernels/fused_qk_norm_rope.py,
+        # reading cos_sin_cache and is_neox_style from this layer.)
         if query.is_cuda and self.rotary_dim == self.head_size:
             return self.forward_cuda(positions, query, key)
         return self.forward_native(positions, query, key)
