@@ -45,18 +45,28 @@ NOTE: Exp(1) noise from a uniform u in [0, 1) as E = -log(1 - u), not
 small u, where fp32 resolves values down to 2**-31 (near u = 1 its spacing
 is 2**-24). vLLM writes -log1p(-u) with libdevice's log1p; here the series
 u + u^2/2 + u^3/3 + u^4/4 covers u < 1/64 (error below fp32's rounding) and
--log(1 - u) the rest, with plain tl.log, which Triton's interpreter also
-runs. u = 0 is clamped to tl.rand's smallest step (as vLLM does), so no
-token can get infinite noise.
+-log(1 - u) the rest. u = 0 is clamped to tl.rand's smallest step (as vLLM
+does), so no token can get infinite noise.
+
+NOTE: the scores are kept in base 2: log2(e) * (logits / T - ln E) =
+logits * (log2(e) / T) - log2(E2) + const, with E2 = E * log2(e) = -log2(1 - u):
+the same argmax, and on the GPU log2 is one hardware instruction
+(lg2.approx.f32, FAST_LOG2) where tl.log / tl.log2 compile to a ~15-instruction
+libdevice routine; the kernel takes two logs per token, and was compute-bound
+with them (~97 instructions per token in SASS). lg2.approx is off by at most
+~2**-22 (absolute, for 1 - u in [1/2, 1)): E2 relative to 1e-5 at u = 1/64,
+far below the logits' own bf16 rounding (2**-8). Triton's interpreter has no
+libdevice: there (FAST_LOG2 off) it is tl.log2.
 """
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 from triton.language.random import uint_to_uniform_float
 
-from vllm_anatomy.kernels.launch import check_launchable
+from vllm_anatomy.kernels.launch import check_launchable, is_interpreted
 from vllm_anatomy.sampling_params import _SAMPLING_EPS
 
 # NOTE: 4096 logits per program: 38 programs per row of a 151,936-token
@@ -65,25 +75,35 @@ from vllm_anatomy.sampling_params import _SAMPLING_EPS
 BLOCK_SIZE = 4096
 # tl.rand's smallest positive value (1 step of its 31-bit uniform).
 _TL_RAND_MIN = tl.constexpr(4.6566127342e-10)
+_LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
-def _exponential_noise(bits):
-    """Random 32-bit words -> Exp(1) samples, fp32, finite and > 0."""
+def _log2(x, FAST_LOG2: tl.constexpr):
+    if FAST_LOG2:
+        return libdevice.fast_log2f(x)                               # lg2.approx.f32
+    else:
+        return tl.log2(x)
+
+
+@triton.jit
+def _exponential_noise(bits, FAST_LOG2: tl.constexpr):
+    """Random 32-bit words -> E2 = E * log2(e), E ~ Exp(1); fp32, finite and > 0."""
     u = tl.maximum(uint_to_uniform_float(bits), _TL_RAND_MIN)       # [2**-31, 1)
-    series = u * (1.0 + u * (0.5 + u * (1.0 / 3.0 + u * 0.25)))      # -log1p(-u), small u
-    return tl.where(u < 0.015625, series, -tl.log(1.0 - u))
+    series = u * _LOG2E * (1.0 + u * (0.5 + u * (1.0 / 3.0 + u * 0.25)))   # -log2(1 - u), small u
+    return tl.where(u < 0.015625, series, -_log2(1.0 - u, FAST_LOG2))
 
 
 @triton.jit
-def _sub_block_argmax(logits_ptr, row_start, col_start, vocab_size, bits, temp, inv_temp,
-                      best_score, best_id, SAMPLING_EPS: tl.constexpr, SUB: tl.constexpr):
+def _sub_block_argmax(logits_ptr, row_start, col_start, vocab_size, bits, temp, scale,
+                      best_score, best_id, SAMPLING_EPS: tl.constexpr, SUB: tl.constexpr,
+                      FAST_LOG2: tl.constexpr):
     """Fold logits [col_start, col_start + SUB) of a row into the running (best score, its id)."""
     col = col_start + tl.arange(0, SUB)
     mask = col < vocab_size
     x = tl.load(logits_ptr + row_start + col, mask=mask, other=float("-inf")).to(tl.float32)
-    # Greedy rows: the logits themselves. Others: logits / T - log E.
-    noisy = x * inv_temp - tl.log(_exponential_noise(bits))
+    # Greedy rows: the logits themselves. Others: log2(e) * (logits / T - ln E) + const.
+    noisy = x * scale - _log2(_exponential_noise(bits, FAST_LOG2), FAST_LOG2)
     score = tl.where(temp < SAMPLING_EPS, x, noisy)
     score = tl.where(mask, score, float("-inf"))
     top, idx = tl.max(score, axis=0, return_indices=True)
@@ -103,13 +123,14 @@ def _gumbel_sample_kernel(
     num_blocks,                    # NB (the local arrays' row stride)
     SAMPLING_EPS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    FAST_LOG2: tl.constexpr,       # lg2.approx (GPU) or tl.log2 (interpreter)
 ):
     row = tl.program_id(0).to(tl.int64)
     block_idx = tl.program_id(1)
     SUB: tl.constexpr = BLOCK_SIZE // 4
     temp = tl.load(temp_ptr + row).to(tl.float32)
-    # Greedy rows' noise is computed and then ignored (1 / 1: no inf/nan).
-    inv_temp = 1.0 / tl.where(temp < SAMPLING_EPS, 1.0, temp)
+    # Greedy rows' noise is computed and then ignored (no division by 0: no inf/nan).
+    scale = _LOG2E / tl.where(temp < SAMPLING_EPS, 1.0, temp)
     seed = tl.load(seed_ptr)
     # Philox counter: the row in the high 32 bits, this program's lane in the low.
     counter = (row << 32) | (block_idx * SUB + tl.arange(0, SUB)).to(tl.int64)
@@ -118,14 +139,11 @@ def _gumbel_sample_kernel(
     start = block_idx * BLOCK_SIZE
     best_score = float("-inf")
     best_id = start.to(tl.int64)
-    best_score, best_id = _sub_block_argmax(logits_ptr, row_start, start, vocab_size, bits0, temp,
-                                            inv_temp, best_score, best_id, SAMPLING_EPS, SUB)
-    best_score, best_id = _sub_block_argmax(logits_ptr, row_start, start + SUB, vocab_size, bits1,
-                                            temp, inv_temp, best_score, best_id, SAMPLING_EPS, SUB)
-    best_score, best_id = _sub_block_argmax(logits_ptr, row_start, start + 2 * SUB, vocab_size, bits2,
-                                            temp, inv_temp, best_score, best_id, SAMPLING_EPS, SUB)
-    best_score, best_id = _sub_block_argmax(logits_ptr, row_start, start + 3 * SUB, vocab_size, bits3,
-                                            temp, inv_temp, best_score, best_id, SAMPLING_EPS, SUB)
+    for j in tl.static_range(4):               # sub-block j takes Philox word j
+        bits = bits0 if j == 0 else (bits1 if j == 1 else (bits2 if j == 2 else bits3))
+        best_score, best_id = _sub_block_argmax(
+            logits_ptr, row_start, start + j * SUB, vocab_size, bits, temp, scale,
+            best_score, best_id, SAMPLING_EPS, SUB, FAST_LOG2)
     tl.store(local_argmax_ptr + row * num_blocks + block_idx, best_id)
     tl.store(local_max_ptr + row * num_blocks + block_idx, best_score)
 
@@ -162,7 +180,8 @@ def gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, seed: torch.T
     _gumbel_sample_kernel[(num_rows, num_blocks)](
         local_argmax, local_max, logits, logits.stride(0),
         temperature.to(torch.float32), seed, vocab_size, num_blocks,
-        SAMPLING_EPS=_SAMPLING_EPS, BLOCK_SIZE=block)
+        SAMPLING_EPS=_SAMPLING_EPS, BLOCK_SIZE=block,
+        FAST_LOG2=not is_interpreted(_gumbel_sample_kernel))
     # The best block of each row (the first, on a tie: the lowest token id).
     best_block = local_max.argmax(dim=-1, keepdim=True)                       # [R, 1]
     return local_argmax.gather(-1, best_block).view(-1)                       # [R]
