@@ -19,6 +19,9 @@ ratio vs off and the added ms per step (medians over the rounds of each
 round's paired figures), and the median paired difference of single steps
 (adding excluded). The span exporter's thread of one engine may run during
 another's step: a little of a traced level's cost can land on its neighbours.
+Also per level: the process's CPU ms per step (time.process_time: every
+thread, the exporters' included), which a loaded machine disturbs far less
+than the wall clock (it still counts a neighbour level's exporter thread).
 
 Prints a table and writes bench/results/tracing_host_cost_cpu.json.
 """
@@ -70,16 +73,18 @@ def run_round(engines: dict, prompts: list, params, tag: str, order: list[str]) 
     """Add the batch to every engine, then step them in turn until all are done."""
     rounds: dict[str, dict] = {}
     for lvl in order:
-        engine, t = engines[lvl], time.perf_counter()
+        engine, t, c = engines[lvl], time.perf_counter(), time.process_time()
         for i, prompt in enumerate(prompts):
             engine.add_request(f"{tag}-{i}", prompt, params)
-        rounds[lvl] = {"add_s": time.perf_counter() - t, "steps_s": [], "tokens": 0}
+        rounds[lvl] = {"add_s": time.perf_counter() - t, "steps_s": [], "tokens": 0,
+                       "cpu_s": time.process_time() - c}
     active = list(order)
     while active:
         for lvl in list(active):
-            engine, t = engines[lvl], time.perf_counter()
+            engine, t, c = engines[lvl], time.perf_counter(), time.process_time()
             outputs = engine.step()
             rounds[lvl]["steps_s"].append(time.perf_counter() - t)
+            rounds[lvl]["cpu_s"] += time.process_time() - c
             rounds[lvl]["tokens"] += sum(len(o.outputs[0].token_ids) for o in outputs if o.finished)
             if not engine.has_unfinished_requests():
                 active.remove(lvl)
@@ -122,12 +127,19 @@ def ms_per_step(res: dict) -> float:
     return 1e3 * (res["add_s"] + sum(res["steps_s"])) / len(res["steps_s"])
 
 
+def cpu_ms_per_step(res: dict) -> float:
+    """A round's process CPU ms per engine step (adding included; every thread of the process)."""
+    return 1e3 * res["cpu_s"] / len(res["steps_s"])
+
+
 def summarise(samples: dict[str, list[dict]], requests: int) -> dict[str, dict]:
     off = samples.get("off")
     out = {}
     for lvl, rounds in samples.items():
         ms = [ms_per_step(r) for r in rounds]
+        cpu = [cpu_ms_per_step(r) for r in rounds]
         res = {"ms_per_step_rounds": ms, "ms_per_step_best": min(ms), "ms_per_step_median": statistics.median(ms),
+               "cpu_ms_per_step_rounds": cpu, "cpu_ms_per_step_median": statistics.median(cpu),
                "us_per_request_step": 1e3 * statistics.median(ms) / requests,
                "add_ms_per_request": statistics.median(1e3 * r["add_s"] / requests for r in rounds),
                "steps_per_round": len(rounds[0]["steps_s"])}
@@ -135,6 +147,7 @@ def summarise(samples: dict[str, list[dict]], requests: int) -> dict[str, dict]:
             base = [ms_per_step(r) for r in off]
             added = statistics.median(x - o for x, o in zip(ms, base))
             step_diffs = [1e3 * (x - o) for r, ro in zip(rounds, off) for x, o in zip(r["steps_s"], ro["steps_s"])]
+            res["added_cpu_ms_per_step"] = statistics.median(x - o for x, o in zip(cpu, map(cpu_ms_per_step, off)))
             res.update({"throughput_ratio_vs_off": statistics.median(o / x for x, o in zip(ms, base)),
                         "added_ms_per_step": added, "added_us_per_request_step": 1e3 * added / requests,
                         "added_ms_per_step_paired_steps": statistics.median(step_diffs),
@@ -147,12 +160,13 @@ def summarise(samples: dict[str, list[dict]], requests: int) -> dict[str, dict]:
 def print_table(table: dict[str, dict]) -> None:
     nan = float("nan")
     print(f"\n{'level':<6} {'ms/step':>8} {'(best)':>7} {'µs/req-step':>12} {'x off':>7} {'+ms/step':>9} "
-          f"{'+µs/req-step':>13} {'+ms/step (steps)':>17} {'+ms/req add':>12}")
+          f"{'+µs/req-step':>13} {'+ms/step (steps)':>17} {'+ms/req add':>12} {'cpu ms/step':>12} {'+cpu ms':>8}")
     for lvl, r in table.items():
         print(f"{lvl:<6} {r['ms_per_step_median']:>8.2f} {r['ms_per_step_best']:>7.2f} "
               f"{r['us_per_request_step']:>12.1f} {r.get('throughput_ratio_vs_off', nan):>7.3f} "
               f"{r.get('added_ms_per_step', nan):>9.2f} {r.get('added_us_per_request_step', nan):>13.1f} "
-              f"{r.get('added_ms_per_step_paired_steps', nan):>17.2f} {r.get('added_ms_per_request_add', nan):>12.3f}")
+              f"{r.get('added_ms_per_step_paired_steps', nan):>17.2f} {r.get('added_ms_per_request_add', nan):>12.3f} "
+              f"{r['cpu_ms_per_step_median']:>12.2f} {r.get('added_cpu_ms_per_step', nan):>8.2f}")
     print("(medians over rounds; x off and the added figures pair each level's round, or step, with off's)")
 
 

@@ -120,6 +120,8 @@ def test_request_waits_for_its_grammar_without_blocking_the_queue():
     assert so.num_scheduled_tokens == {"plain": 1, "slow": 4}
     assert slow.status == RequestStatus.RUNNING
     assert s.last_step_record.grammar_ready_req_ids == ["slow"]
+    # (what the tracer's grammar spans read; kept with the step record off too, as below level full)
+    assert s.last_grammar_ready_req_ids == ["slow"]
 
 
 def test_failed_compile_finishes_that_request_alone():

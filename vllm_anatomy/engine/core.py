@@ -96,11 +96,11 @@ class EngineCore:
             # Block-pool events (allocate / free / hit / evict) are kept only for
             # a tracer that drains them every step.
             scheduler_cls = vllm_config.scheduler_config.get_scheduler_cls()
-            # (and the step record is built only for a recorder that reads it)
+            # (and the step record is built only for a recorder that reads it: the step snapshots)
             self.scheduler = scheduler_cls(vllm_config, num_gpu_blocks,
                                            enable_kv_cache_events=self.step_tracer.drains_kv_cache_events,
                                            structured_output_manager=self.structured_output_manager,
-                                           record_steps=self.recorder.enabled)
+                                           record_steps=self.recorder.wants_snapshots)
             self.step_tracer.watch(self.scheduler)
         # The model's vocabulary, which every token id of a request must index
         # (read after the executor: an in-process worker fills hf_config).

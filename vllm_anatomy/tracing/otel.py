@@ -137,7 +137,7 @@ class OTelSpan(SpanHandle):
                 # through C-level passes (len, item, cache look-up), none in Python.
                 if set(map(len, headers)) <= {1}:
                     links = list(map(link_for, map(_TRACEPARENT, headers)))
-                    pending.extend([link for link in links if link is not None])
+                    pending.extend(links if None not in links else [link for link in links if link is not None])
                     return
             except (KeyError, TypeError):     # another spelling or shape: one by one
                 pass

@@ -35,6 +35,7 @@ the quiet-call count are drained, and exist only for this tracer).
 from __future__ import annotations
 
 import contextlib
+import operator
 import time
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
@@ -54,6 +55,7 @@ REQUEST_ID = "vllm_anatomy.request_id"
 TRACED_KV_CACHE_MANAGER_METHODS = ["get_computed_blocks", "allocate_slots"]
 
 StepObserver = Callable[["SchedulerOutput"], None]
+_TRACE_HEADERS = operator.attrgetter("trace_headers")
 
 
 class StepSnapshotter:
@@ -140,9 +142,8 @@ class StepTracer:
         its compile as a span in the request's own trace, and its state
         transition as an event on the step span that promoted it."""
         scheduler = self.scheduler
-        record, requests = scheduler.last_step_record, scheduler.requests
-        ready = record.grammar_ready_req_ids if record is not None else []
-        for req_id in [*ready, *scheduler.grammar_compile_error_reqs]:
+        requests = scheduler.requests
+        for req_id in [*scheduler.last_grammar_ready_req_ids, *scheduler.grammar_compile_error_reqs]:
             request = requests[req_id]
             so = request.structured_output_request
             # NOTE: these requests' grammars were compiled (or failed): both times are set.
@@ -201,7 +202,10 @@ class StepTrace:
                              "vllm_anatomy.num_reqs": len(scheduler_output.num_scheduled_tokens)})
         if tracer.links_requests:
             requests = tracer.scheduler.requests
-            span.add_links([requests[req_id].trace_headers for req_id in scheduler_output.num_scheduled_tokens])
+            # NOTE: [requests[req_id].trace_headers for req_id in ...], as C-level
+            # passes (a step links to every request it serves: 256 at batch 256).
+            span.add_links(list(map(_TRACE_HEADERS, map(requests.__getitem__,
+                                                         scheduler_output.num_scheduled_tokens))))
             tracer.record_grammar_compiles(span)
         for observe in tracer.on_launch:
             observe(scheduler_output)

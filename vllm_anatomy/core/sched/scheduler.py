@@ -115,6 +115,8 @@ class Scheduler(SchedulerInterface):
         self.grammar_compile_error_reqs: set[str] = set()
         # Requests promoted WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR -> WAITING this step (for the record).
         self._grammar_ready_req_ids: list[str] = []
+        # Those the last schedule() promoted (teaching extra, as last_step_record: the tracer's grammar spans).
+        self.last_grammar_ready_req_ids: list[str] = []
         self.kv_cache_manager = KVCacheManager(
             num_gpu_blocks, self.block_size, self.max_model_len,
             enable_caching=self.cache_config.enable_prefix_caching, log_stats=log_stats,
@@ -166,12 +168,12 @@ class Scheduler(SchedulerInterface):
         assert len(self.running) <= self.max_num_running_reqs
         scheduler_output = self._make_scheduler_output(step, total_num_scheduled_tokens)
         self.prev_step_scheduled_req_ids = set(step.num_scheduled_tokens)
-        # NOTE: only tracing reads the record (step snapshots, grammar spans);
-        # EngineCore turns it off when tracing is off, since at batch 256
-        # building it costs about a fifth of schedule() (bench/host_cost.py).
+        # NOTE: only the step snapshots (trace level full) read the record;
+        # EngineCore turns it off below that, since at batch 256 building it
+        # costs about a fifth of schedule() (bench/host_cost.py).
         if self.record_steps:
             self.last_step_record = self._make_step_record(step)
-        self._grammar_ready_req_ids = []
+        self.last_grammar_ready_req_ids, self._grammar_ready_req_ids = self._grammar_ready_req_ids, []
         self._update_after_schedule(scheduler_output)
         return scheduler_output
 
