@@ -21,8 +21,9 @@ NOTE: the fused sampling path (a performance seam; the steps above are the
 idea). On CUDA, when the batch uses nothing but temperature (some rows may be
 greedy) -- no top-k, top-p, min-p, min_tokens, logit_bias or per-request
 seeds -- steps 2-7 run as ONE Triton kernel, gumbel_sample
-(kernels/sampling.py): it reads each row's logits once, in their own dtype,
-and returns argmax(logits / T - log E) with E ~ Exp(1) per token (greedy rows:
+(kernels/sampling.py; around it, a 1-element seed draw and a [R, V / 4096]
+pick of each row's best block): it reads each row's logits once, in their own
+dtype, and returns argmax(logits / T - log E) with E ~ Exp(1) per token (greedy rows:
 argmax(logits)). That is the exponential race of random_sample below written
 in log space (the Gumbel-max trick): probs_i / E_i = exp(logits_i / T - lse) / E_i
 and log is monotonic, so the same token wins with the same probability, with
