@@ -15,6 +15,14 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # NOTE: vLLM's default is 1; ours is 0 for now: the lessons, notebooks and
     # many tests read the engine's scheduler and executor in this process.
     "VLLM_ENABLE_V1_MULTIPROCESSING": lambda: bool(int(os.getenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0"))),
+    # Ours, not vLLM's: the performance seams' off switches, for A/B runs (set to 0).
+    # Qwen3's q/k norm + RoPE in one launch on CUDA (model_executor/models/llama.py),
+    # read when the model is built.
+    "VLLM_ANATOMY_ENABLE_QK_NORM_ROPE_FUSION":
+        lambda: os.getenv("VLLM_ANATOMY_ENABLE_QK_NORM_ROPE_FUSION", "1") not in ("0", "false", "False"),
+    # Temperature-only batches sampled in one read of the logits on CUDA
+    # (model_executor/sampler.py, kernels/sampling.py), read when the sampler is imported.
+    "VLLM_ANATOMY_FUSED_SAMPLING": lambda: os.getenv("VLLM_ANATOMY_FUSED_SAMPLING", "1") != "0",
 }
 
 

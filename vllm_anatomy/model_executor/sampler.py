@@ -47,17 +47,17 @@ the Triton gumbel_sample of v0.27.1's second GPU model runner
 """
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
 from torch import nn
 
+from vllm_anatomy import envs
 from vllm_anatomy.model_executor.sampling_metadata import SamplingMetadata
 from vllm_anatomy.sampling_params import _SAMPLING_EPS
 
 # The fused sampling seam (see the NOTE at the top); the lead's A/B switch.
-USE_FUSED_SAMPLING = os.environ.get("VLLM_ANATOMY_FUSED_SAMPLING", "1") != "0"
+USE_FUSED_SAMPLING: bool = envs.VLLM_ANATOMY_FUSED_SAMPLING
 # Devices it runs on (Triton kernels need CUDA; tests add "cpu" under TRITON_INTERPRET=1).
 FUSED_SAMPLING_DEVICES = ("cuda",)
 

@@ -21,13 +21,13 @@ Simplified away: pipeline parallelism, quantization, LoRA, sliding window.
 """
 from __future__ import annotations
 
-import os
 from typing import Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vllm_anatomy import envs
 from vllm_anatomy.attention.backends.abstract import AttentionBackend, AttentionMetadata
 from vllm_anatomy.attention.backends.torch_ref import TorchReferenceBackend
 from vllm_anatomy.attention.layer import Attention
@@ -316,7 +316,7 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
 
 def _qk_norm_rope_fusion_enabled() -> bool:
     """VLLM_ANATOMY_ENABLE_QK_NORM_ROPE_FUSION (default 1): fuse Qwen3's q/k norm and RoPE on CUDA."""
-    return os.environ.get("VLLM_ANATOMY_ENABLE_QK_NORM_ROPE_FUSION", "1") not in ("0", "false", "False")
+    return bool(envs.VLLM_ANATOMY_ENABLE_QK_NORM_ROPE_FUSION)
 
 
 def _lookup(params_dict: dict[str, nn.Parameter], name: str) -> nn.Parameter:
