@@ -66,7 +66,7 @@ class AsyncLLM:
         self.request_tracer = make_request_tracer(self.recorder, vllm_config.model_config.model)
         self.tokenizer = get_tokenizer(self.model_config.model)
         self.input_processor = InputProcessor(self.model_config, self.tokenizer)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer, self.request_tracer)
         self.stat_loggers: list = list(stat_loggers or [])
         self.engine_core = EngineCoreClient.make_client(
             multiprocess_mode=multiprocess, asyncio_mode=True, vllm_config=vllm_config,
@@ -138,8 +138,7 @@ class AsyncLLM:
         try:
             await self.engine_core.add_request_async(request)
         except BaseException:
-            self.output_processor.abort_requests([request.request_id])
-            self.request_tracer.abort_all([request.request_id], "error")
+            self.output_processor.abort_requests([request.request_id], trace_reason="error")
             raise
         self._run_output_handler()
         return queue
@@ -177,7 +176,6 @@ class AsyncLLM:
         """Abort requests (unknown or finished ids are ignored)."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         known = self.output_processor.abort_requests(ids)
-        self.request_tracer.abort_all(known)
         # NOTE: a dead engine holds no blocks any more: nothing to free there.
         if known and not self.engine_core.engine_dead:
             await self.engine_core.abort_requests_async(known)
@@ -203,8 +201,6 @@ class AsyncLLM:
                     attrs: dict[str, Any] = {"vllm_anatomy.num_outputs": len(chunk)}
                     with self.recorder.span("OutputProcessor.process_outputs", **attrs):
                         processed = output_processor.process_outputs(chunk, outputs.timestamp, iteration_stats)
-                    self.request_tracer.on_outputs(chunk)
-                    self.request_tracer.abort_all(processed.reqs_to_abort, "stop")
                     # Stop strings finished these here; the engine still runs them.
                     await engine_core.abort_requests_async(processed.reqs_to_abort)
                 self._record_stats(outputs.scheduler_stats, iteration_stats)
@@ -278,8 +274,7 @@ class AsyncLLM:
         output_processor.propagate_error(EngineDeadError(message))
         # NOTE: the error is already in each collector, and an exception there
         # wins over the "abort" output that forgetting the request would add.
-        output_processor.abort_requests(ids)
-        self.request_tracer.abort_all(ids, "error")
+        output_processor.abort_requests(ids, trace_reason="error")
         if not self.engine_core.engine_dead:
             try:
                 await self.engine_core.abort_requests_async(ids)

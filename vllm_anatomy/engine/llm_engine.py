@@ -55,7 +55,7 @@ class LLMEngine:
         self.request_tracer = make_request_tracer(self.recorder, vllm_config.model_config.model)
         self.tokenizer = get_tokenizer(vllm_config.model_config.model)
         self.input_processor = InputProcessor(vllm_config.model_config, self.tokenizer)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer, self.request_tracer)
         self.engine_core_client = EngineCoreClient.make_client(
             multiprocess_mode=multiprocess_mode, asyncio_mode=False, vllm_config=vllm_config,
             recorder=self.recorder)
@@ -109,14 +109,12 @@ class LLMEngine:
             # an engine process instead finishes it with an error output), or
             # the engine is dead: forget it here too, or
             # has_unfinished_requests() would wait for it forever.
-            self.output_processor.abort_requests([request.request_id])
-            self.request_tracer.abort_all([request.request_id], "error")
+            self.output_processor.abort_requests([request.request_id], trace_reason="error")
             raise
         self.counters["vllm:prompt_tokens"] += len(request.prompt_token_ids)
 
     def abort_request(self, request_ids: list[str]) -> None:
         known = self.output_processor.abort_requests(request_ids)
-        self.request_tracer.abort_all(known)
         # NOTE: a dead engine process holds no blocks any more: nothing to free there.
         if not self.engine_core_client.engine_dead:
             self.engine_core_client.abort_requests(known)
@@ -157,8 +155,6 @@ class LLMEngine:
         c["vllm:generation_tokens"] += iteration_stats.num_generation_tokens
         c["vllm:request_success"] += len(iteration_stats.finished_requests)
         c["vllm:num_preemptions"] += iteration_stats.num_preempted_reqs
-        self.request_tracer.on_outputs(outputs.outputs)
-        self.request_tracer.abort_all(processed.reqs_to_abort, "stop")
         # Stop strings finished these on the frontend; free them in the engine.
         self.engine_core_client.abort_requests(processed.reqs_to_abort)
         return processed.request_outputs

@@ -8,7 +8,10 @@ strings, build RequestOutputs, and collect the ids to abort in the engine
 
 With AsyncLLM each request also has a RequestOutputCollector (its `queue`):
 outputs are put there instead of being returned. `process_outputs` also fills
-an IterationStats (vllm_anatomy/metrics/stats.py) for the stat loggers.
+an IterationStats (vllm_anatomy/metrics/stats.py) for the stat loggers, and
+tells the request tracer (tracing/request_tracer.py; a no-op one when tracing
+is off) what changed for a request: its engine events, its first token, its
+finish (vLLM: OutputProcessor.do_tracing, at the finish).
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from vllm_anatomy.engine.protocol import EngineCoreOutput, EngineCoreRequest, Fi
 from vllm_anatomy.metrics.stats import IterationStats, RequestStateStats
 from vllm_anatomy.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from vllm_anatomy.sampling_params import RequestOutputKind
+from vllm_anatomy.tracing.request_tracer import NULL_REQUEST_TRACER, NullRequestTracer, RequestTracer
 
 
 class RequestOutputCollector:
@@ -118,8 +122,9 @@ class OutputProcessorOutput:
 
 class OutputProcessor:
 
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, request_tracer: RequestTracer | NullRequestTracer = NULL_REQUEST_TRACER) -> None:
         self.tokenizer = tokenizer
+        self.request_tracer = request_tracer
         self.request_states: dict[str, RequestState] = {}
         # The caller's id -> the engine's ids made from it (InputProcessor.assign_request_id).
         self.external_req_ids: dict[str, list[str]] = {}
@@ -151,13 +156,14 @@ class OutputProcessor:
             stats=RequestStateStats(arrival_time=request.arrival_time),
         )
 
-    def abort_requests(self, request_ids: list[str]) -> list[str]:
+    def abort_requests(self, request_ids: list[str], trace_reason: str = "abort") -> list[str]:
         """Forget these requests; returns the engine ids that were known.
 
         An id is the engine's (internal) id, or the caller's (external) one,
         which aborts every request made from it (vLLM: `internal=False`).
         NOTE: a request with a collector gets a last output, finish_reason
         "abort", so that a generate() waiting on it ends instead of hanging.
+        trace_reason: the finish reason its trace records ("error": refused, or the engine died).
         """
         aborted = []
         for rid in self._internal_ids(request_ids):
@@ -165,6 +171,7 @@ class OutputProcessor:
             if state is None:
                 continue
             aborted.append(rid)
+            self.request_tracer.finish(rid, trace_reason, state.metrics.num_generation_tokens)
             if state.queue is not None:
                 state.finish_reason = str(FinishReason.ABORT)
                 state.metrics.finished_time = time.monotonic()
@@ -205,17 +212,21 @@ class OutputProcessor:
         reqs_to_abort: list[str] = []
         now = time.monotonic()
         engine_core_timestamp = now if engine_core_timestamp is None else engine_core_timestamp
-        request_states = self.request_states
+        request_states, tracer = self.request_states, self.request_tracer
         for eco in engine_core_outputs:
             state = request_states.get(eco.request_id)
             if state is None:   # aborted by the user while in flight
                 continue
             new_token_ids = eco.new_token_ids
-            # 1) Stats and timestamps.
+            # 1) Stats and timestamps (and the trace, where something changed).
             if iteration_stats is not None:
                 iteration_stats.update_from_output(eco, engine_core_timestamp, state.is_prefilling,
                                                    len(state.prompt_token_ids), state.stats)
+            if eco.events:
+                tracer.on_engine_events(eco.request_id, eco.events)
             if new_token_ids:
+                if state.is_prefilling:
+                    tracer.on_first_token(eco.request_id)
                 self._update_metrics(state, eco, now)
             # 2) Detokenize, check stop strings.
             finish_reason = eco.finish_reason
@@ -251,6 +262,7 @@ class OutputProcessor:
         state.stop_reason = stop_reason
         state.metrics.finished_time = now
         self._pop_state(state.request_id)
+        self.request_tracer.finish(state.request_id, state.finish_reason, state.metrics.num_generation_tokens)
         if not eco.finished:  # finished here (stop string), engine still runs it
             reqs_to_abort.append(state.request_id)
         if iteration_stats is not None:

@@ -50,6 +50,8 @@ TRACER_NAME = "vllm_anatomy"
 _KINDS = {"internal": SpanKind.INTERNAL, "server": SpanKind.SERVER, "client": SpanKind.CLIENT,
           "producer": SpanKind.PRODUCER, "consumer": SpanKind.CONSUMER}
 _SCALARS = (str, bool, int, float)
+# (headers tuple, its links): the last batch of links OTelSpan.add_links made from a tuple.
+_links_memo: tuple[tuple | None, list[Link]] = (None, [])
 
 
 def _extend_links(span: trace.Span, links: list[Link]) -> None:
@@ -129,15 +131,29 @@ class OTelSpan(SpanHandle):
             pending.append(link)
 
     def add_links(self, headers: Iterable[dict | None]) -> None:
-        headers = headers if isinstance(headers, (list, tuple)) else list(headers)
+        global _links_memo
         pending = self._pending
+        if pending is not None:
+            # NOTE: the same tuple as the last call's (a step serving the same
+            # requests as the step before: StepTracer.request_headers): the same
+            # links, made once. A tuple cannot change, and the memo holds it,
+            # so its identity is not reused by another.
+            memo = _links_memo
+            if headers is memo[0]:
+                pending.extend(memo[1])
+                return
+        headers = headers if isinstance(headers, (list, tuple)) else list(headers)
         if pending is not None:
             try:
                 # NOTE: our own headers (a traceparent alone each): the batch goes
                 # through C-level passes (len, item, cache look-up), none in Python.
                 if set(map(len, headers)) <= {1}:
                     links = list(map(link_for, map(_TRACEPARENT, headers)))
-                    pending.extend(links if None not in links else [link for link in links if link is not None])
+                    if None in links:
+                        links = [link for link in links if link is not None]
+                    pending.extend(links)
+                    if type(headers) is tuple:
+                        _links_memo = (headers, links)
                     return
             except (KeyError, TypeError):     # another spelling or shape: one by one
                 pass

@@ -15,6 +15,14 @@ and span events for the request's journey:
 The span's W3C context goes into EngineCoreRequest.trace_headers, so the
 engine side (in this process or another) can parent and link to it.
 
+Who calls what: the frontend (LLMEngine, AsyncLLM) opens the span (on_add);
+the OutputProcessor, in its one loop over a step's outputs, reports what
+changed — engine events, the first token, the finish (with the output token
+count it keeps anyway), an abort — as vLLM's OutputProcessor does its
+tracing (do_tracing, at a request's finish). NOTE: so a step costs the
+tracer nothing for a request whose state did not change (at batch 256
+nearly all of them), instead of a look-up per request per step.
+
 With tracing off the frontend holds a NullRequestTracer instead: the same
 calls, each a no-op.
 """
@@ -25,19 +33,11 @@ import os
 import time
 from typing import Any
 
-from vllm_anatomy.engine.protocol import EngineCoreEventType, EngineCoreOutput, EngineCoreRequest
+from vllm_anatomy.engine.protocol import EngineCoreEvent, EngineCoreEventType, EngineCoreRequest
 from vllm_anatomy.tracing.recorder import _NULL_SPAN, Recorder, SpanHandle
 
 # Engine events turned into span events (QUEUED is recorded by the frontend itself).
 _ENGINE_EVENTS = {EngineCoreEventType.SCHEDULED: "SCHEDULED", EngineCoreEventType.PREEMPTED: "PREEMPTED"}
-
-
-class _Traced:
-    __slots__ = ("span", "num_output_tokens")
-
-    def __init__(self, span: SpanHandle) -> None:
-        self.span = span
-        self.num_output_tokens = 0
 
 
 class RequestTracer:
@@ -45,7 +45,8 @@ class RequestTracer:
     def __init__(self, recorder: Recorder, model_name: str) -> None:
         self.recorder = recorder
         self.model_name = model_name
-        self.requests: dict[str, _Traced] = {}
+        # The open span of each request (until it finishes).
+        self.requests: dict[str, SpanHandle] = {}
 
     def on_add(self, request: EngineCoreRequest) -> SpanHandle:
         """Open the request's span (child of request.trace_headers' span if any) and
@@ -68,7 +69,7 @@ class RequestTracer:
                                         kind="server", **attrs)
         span.add_event("QUEUED")
         request.trace_headers = span.trace_headers()
-        self.requests[request.request_id] = _Traced(span)
+        self.requests[request.request_id] = span
         return span
 
     def adding(self, request: EngineCoreRequest) -> contextlib.AbstractContextManager:
@@ -76,43 +77,32 @@ class RequestTracer:
         (an in-process EngineCore.add_request nests under it)."""
         return self.recorder.use_span(self.on_add(request))
 
-    def on_outputs(self, outputs: list[EngineCoreOutput]) -> None:
-        # NOTE: runs for every request of every step: the common case (a new
-        # token, no engine event, not finished) is one look-up and one add.
-        requests = self.requests
-        for eco in outputs:
-            t = requests.get(eco.request_id)
-            if t is None:
-                continue
-            if eco.events:
-                self._engine_events(t, eco.events)
-            new_token_ids = eco.new_token_ids
-            if new_token_ids:
-                if not t.num_output_tokens:
-                    t.span.add_event("FIRST_TOKEN")
-                t.num_output_tokens += len(new_token_ids)
-            if eco.finish_reason is not None:
-                self.finish(eco.request_id, str(eco.finish_reason))
-
-    def _engine_events(self, t: _Traced, events) -> None:
+    def on_engine_events(self, request_id: str, events: list[EngineCoreEvent]) -> None:
+        """The engine's events of one request (SCHEDULED, PREEMPTED), at the engine's times."""
+        span = self.requests.get(request_id)
+        if span is None:
+            return
         for ev in events:
             name = _ENGINE_EVENTS.get(ev.type)
             if name is not None:
-                t.span.add_event(name, time_ns=self._from_monotonic(ev.timestamp))
+                span.add_event(name, time_ns=self._from_monotonic(ev.timestamp))
 
-    def finish(self, request_id: str, reason: str) -> None:
-        t = self.requests.pop(request_id, None)
-        if t is None:
+    def on_first_token(self, request_id: str) -> None:
+        """Its first output token reached the frontend."""
+        span = self.requests.get(request_id)
+        if span is not None:
+            span.add_event("FIRST_TOKEN")
+
+    def finish(self, request_id: str, reason: str, num_output_tokens: int) -> None:
+        """End the request's span: `reason` (length, stop, abort, error, ...), the output tokens it got."""
+        span = self.requests.pop(request_id, None)
+        if span is None:
             return
-        t.span.set_attribute("gen_ai.usage.output_tokens", t.num_output_tokens)
-        t.span.set_attribute("gen_ai.response.finish_reasons", [reason])
+        span.set_attribute("gen_ai.usage.output_tokens", num_output_tokens)
+        span.set_attribute("gen_ai.response.finish_reasons", [reason])
         attrs: dict[str, Any] = {"vllm_anatomy.finish_reason": reason}
-        t.span.add_event("FINISHED", **attrs)
-        t.span.end()
-
-    def abort_all(self, request_ids: list[str], reason: str = "abort") -> None:
-        for rid in request_ids:
-            self.finish(rid, reason)
+        span.add_event("FINISHED", **attrs)
+        span.end()
 
     def _from_monotonic(self, ts: float) -> int:
         # NOTE: engine event times are time.monotonic() of the engine's host (the
@@ -129,14 +119,17 @@ class NullRequestTracer:
     def adding(self, request: EngineCoreRequest) -> contextlib.AbstractContextManager:
         return _NULL_SPAN
 
-    def on_outputs(self, outputs: list[EngineCoreOutput]) -> None:
+    def on_engine_events(self, request_id: str, events: list[EngineCoreEvent]) -> None:
         pass
 
-    def finish(self, request_id: str, reason: str) -> None:
+    def on_first_token(self, request_id: str) -> None:
         pass
 
-    def abort_all(self, request_ids: list[str], reason: str = "abort") -> None:
+    def finish(self, request_id: str, reason: str, num_output_tokens: int) -> None:
         pass
+
+
+NULL_REQUEST_TRACER = NullRequestTracer()
 
 
 def make_request_tracer(recorder: Recorder, model_path: str) -> RequestTracer | NullRequestTracer:

@@ -100,6 +100,9 @@ class StepTracer:
         self.traced_kv_calls: TracedCalls | None = None
         self.on_launch: list[StepObserver] = []
         self.on_update: list[StepObserver] = []
+        # The requests the last step linked to, and their trace headers (request_headers).
+        self._linked_req_ids: list[str] = []
+        self._linked_headers: tuple[dict | None, ...] = ()
 
     @property
     def drains_kv_cache_events(self) -> bool:
@@ -136,6 +139,23 @@ class StepTracer:
     def start_step(self) -> StepTrace:
         """Open the next step's EngineCore.step span (not current until `with trace:`)."""
         return StepTrace(self)
+
+    def request_headers(self, scheduler_output: SchedulerOutput) -> tuple[dict | None, ...]:
+        """The trace headers of the requests a step serves, in its order: what its span links to.
+
+        NOTE: steady decoding serves the same requests in the same order step
+        after step; then this is last step's own tuple, no request is looked
+        up (at batch 256, 256 cache-cold look-ups per step), and the recorder
+        reuses the links it made from it (OTelSpan.add_links). A step that
+        schedules a new request looks them all up: it may reuse the id of a
+        finished one."""
+        req_ids = list(scheduler_output.num_scheduled_tokens)
+        if scheduler_output.scheduled_new_reqs or req_ids != self._linked_req_ids:
+            requests = self.scheduler.requests
+            self._linked_req_ids = req_ids
+            # ([requests[req_id].trace_headers for req_id in req_ids], as C-level passes)
+            self._linked_headers = tuple(map(_TRACE_HEADERS, map(requests.__getitem__, req_ids)))
+        return self._linked_headers
 
     def record_grammar_compiles(self, step_span: SpanHandle) -> None:
         """For each request whose grammar the last schedule() found compiled (or failed):
@@ -201,11 +221,7 @@ class StepTrace:
                              "vllm_anatomy.num_scheduled_tokens": scheduler_output.total_num_scheduled_tokens,
                              "vllm_anatomy.num_reqs": len(scheduler_output.num_scheduled_tokens)})
         if tracer.links_requests:
-            requests = tracer.scheduler.requests
-            # NOTE: [requests[req_id].trace_headers for req_id in ...], as C-level
-            # passes (a step links to every request it serves: 256 at batch 256).
-            span.add_links(list(map(_TRACE_HEADERS, map(requests.__getitem__,
-                                                         scheduler_output.num_scheduled_tokens))))
+            span.add_links(tracer.request_headers(scheduler_output))
             tracer.record_grammar_compiles(span)
         for observe in tracer.on_launch:
             observe(scheduler_output)
