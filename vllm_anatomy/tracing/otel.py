@@ -26,7 +26,7 @@ import contextlib
 import operator
 import os
 import time
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Sequence, cast
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -148,9 +148,8 @@ class OTelSpan(SpanHandle):
                 # NOTE: our own headers (a traceparent alone each): the batch goes
                 # through C-level passes (len, item, cache look-up), none in Python.
                 if set(map(len, headers)) <= {1}:
-                    links = list(map(link_for, map(_TRACEPARENT, headers)))
-                    if None in links:
-                        links = [link for link in links if link is not None]
+                    found = list(map(link_for, map(_TRACEPARENT, headers)))
+                    links = cast("list[Link]", found) if None not in found else [lk for lk in found if lk is not None]
                     pending.extend(links)
                     if type(headers) is tuple:
                         _links_memo = (headers, links)
