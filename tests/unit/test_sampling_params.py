@@ -38,3 +38,20 @@ def test_request_round_trips_through_msgpack():
     req = EngineCoreRequest("r1", [1, 2, 3], sp, 12.5, trace_headers={"traceparent": "00-ab-cd-01"})
     back = msgspec.msgpack.decode(msgspec.msgpack.encode(req), type=EngineCoreRequest)
     assert back == req
+
+
+def test_clone_is_as_independent_as_a_deep_copy():
+    """The engine keeps a clone of each request's params (vLLM deep-copies them): changing the
+    clone's mutable fields must leave the caller's params as they were."""
+    from vllm_anatomy.sampling_params import StructuredOutputsParams
+    sp = SamplingParams(temperature=0.6, max_tokens=10, stop=["a", "b"], stop_token_ids=[3],
+                        logit_bias={1: 2.0}, structured_outputs=StructuredOutputsParams(choice=["x", "y"]))
+    clone = sp.clone()
+    assert clone == sp and clone is not sp
+    clone.stop.append("c")
+    clone.stop_token_ids.append(4)
+    clone.logit_bias[5] = -1.0
+    clone.structured_outputs.choice.append("z")
+    assert sp.stop == ["a", "b"] and sp.stop_token_ids == [3] and sp.logit_bias == {1: 2.0}
+    assert sp.structured_outputs.choice == ["x", "y"]
+    assert SamplingParams().clone() == SamplingParams()
