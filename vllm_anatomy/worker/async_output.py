@@ -28,7 +28,7 @@ thread; ours call it on the worker's own loop (executor/worker_proc.py).
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Callable, Iterator, NamedTuple, cast
+from typing import TYPE_CHECKING, Callable, Iterator, cast
 
 import numpy as np
 import torch
@@ -42,12 +42,6 @@ if TYPE_CHECKING:
     from vllm_anatomy.worker.gpu_input_batch import CachedRequestState, InputBatch
     from vllm_anatomy.worker.cpu_gpu_buffer import CpuGpuBuffer
     from vllm_anatomy.worker.gpu_model_runner import ExecuteModelState, GPUModelRunner
-
-
-class Placeholder(NamedTuple):
-    """Where a -1 stands for a sampled token: the request and its output index."""
-    req_id: str
-    output_index: int
 
 
 class AsyncSchedulingMixin:
@@ -71,16 +65,21 @@ class AsyncSchedulingMixin:
         invalid = state.discard_request_indices.tolist()
         invalid_set = set(invalid)
         batch.prev_sampled_token_ids = sampler_output.sampled_token_ids          # [R] on the device
-        batch.prev_req_id_to_index = {r: i for i, r in enumerate(req_ids) if i not in invalid_set}
+        # (every row sampled, most steps: {r: i for i, r in enumerate(req_ids)} as one C-level pass)
+        batch.prev_req_id_to_index = ({r: i for i, r in enumerate(req_ids) if i not in invalid_set} if invalid
+                                      else dict(zip(req_ids, range(len(req_ids)))))
         batch.prev_req_ids = req_ids if not invalid else None
         rows = self.sampling_rows(len(req_ids), state.discard_request_indices)
-        output_indices = self.cache_sampled_tokens(req_ids, rows, [-1] * len(rows))
-        placeholders: list[Placeholder | None] = [None] * len(req_ids)
-        for i, output_index in zip(rows.tolist(), output_indices):
-            placeholders[i] = Placeholder(req_ids[i], output_index)
+        output_indices: list[int | None] = list(self.cache_sampled_tokens(req_ids, rows, [-1] * len(rows)))
+        if invalid:
+            # A discarded row (a partial prefill chunk) has no placeholder: None at its index.
+            by_row: list[int | None] = [None] * len(req_ids)
+            for i, output_index in zip(rows.tolist(), output_indices):
+                by_row[i] = output_index
+            output_indices = by_row
         return AsyncGPUModelRunnerOutput(
             self.tracer, state.scheduler_output.step_id, req_ids, sampler_output, invalid,
-            PlaceholderFill(self.requests, batch, placeholders), dict(batch.num_logprobs),
+            PlaceholderFill(self.requests, batch, req_ids, output_indices), dict(batch.num_logprobs),
             self.async_output_copy_stream, self.tracer.snapshots.take(cast("GPUModelRunner", self)),
             state.error_req_ids)
 
@@ -133,13 +132,18 @@ class AsyncSchedulingMixin:
 
 
 class PlaceholderFill:
-    """The -1s one step left in the runner's token copies, and how to replace them."""
+    """The -1s one step left in the runner's token copies, and how to replace them.
+
+    Per batch row of that step: its request (req_ids) and the index in the
+    request's output_token_ids where its -1 stands (output_indices; None for
+    a row that sampled nothing kept)."""
 
     def __init__(self, requests: dict[str, CachedRequestState], input_batch: InputBatch,
-                 placeholders: list[Placeholder | None]) -> None:
+                 req_ids: list[str], output_indices: list[int | None]) -> None:
         self.requests = requests
         self.input_batch = input_batch
-        self.placeholders = placeholders
+        self.req_ids = req_ids
+        self.output_indices = output_indices
 
     def fill(self, sampled: list[int]) -> None:
         """The real ids have arrived; write them over the -1s.
@@ -152,17 +156,17 @@ class PlaceholderFill:
         batch = self.input_batch
         requests, index = self.requests, batch.req_id_to_index
         rows, cols, tokens = [], [], []
-        for placeholder, token in zip(self.placeholders, sampled):
-            if placeholder is None or (state := requests.get(placeholder.req_id)) is None:
+        for req_id, output_index, token in zip(self.req_ids, self.output_indices, sampled):
+            if output_index is None or (state := requests.get(req_id)) is None:
                 continue
             out = state.output_token_ids
-            if placeholder.output_index >= len(out) or out[placeholder.output_index] != -1:
+            if output_index >= len(out) or out[output_index] != -1:
                 continue
-            out[placeholder.output_index] = token
-            row = index.get(placeholder.req_id)
+            out[output_index] = token
+            row = index.get(req_id)
             if row is not None:
                 rows.append(row)
-                cols.append(state.num_prompt_tokens + placeholder.output_index)
+                cols.append(state.num_prompt_tokens + output_index)
                 tokens.append(token)
         batch.token_ids_cpu[rows, cols] = tokens
 

@@ -476,8 +476,14 @@ class GPUModelRunner(ModelRunnerStartupMixin, AsyncSchedulingMixin):
                                         state.error_req_ids)
 
     def sampling_rows(self, num_reqs: int, discard_request_indices: np.ndarray) -> np.ndarray:
-        """Rows whose sampled token is kept (all but partial prefill chunks)."""
-        return np.setdiff1d(self.arange_np[:num_reqs], discard_request_indices)          # [V]
+        """Rows whose sampled token is kept (all but partial prefill chunks), ascending. Read only:
+        with nothing discarded (a decode step) it is a view of arange_np."""
+        rows = self.arange_np[:num_reqs]                                                   # [R]
+        if not len(discard_request_indices):
+            return rows
+        keep = np.ones(num_reqs, dtype=bool)
+        keep[discard_request_indices] = False
+        return rows[keep]                                                                  # [V]
 
     def cache_sampled_tokens(self, req_ids: list[str], rows: np.ndarray, tokens: list[int]) -> list[int]:
         """Append one token per row to the runner's own copy of each request's

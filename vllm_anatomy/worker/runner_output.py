@@ -29,5 +29,6 @@ def make_model_runner_output(req_ids: list[str], sampled: list[int], invalid_req
             n = num_logprobs.get(req_id)
             logprobs.append(LogprobsLists([token_ids[i][:n + 1]], [token_logprobs[i][:n + 1]], [ranks[i]])
                             if n is not None and valid[i] else None)
-    return ModelRunnerOutput(req_ids=list(req_ids), req_id_to_index={r: i for i, r in enumerate(req_ids)},
+    # (req_id_to_index: {r: i for i, r in enumerate(req_ids)}, as one C-level pass)
+    return ModelRunnerOutput(req_ids=list(req_ids), req_id_to_index=dict(zip(req_ids, range(len(req_ids)))),
                              sampled_token_ids=valid, logprobs=logprobs, error_req_ids=error_req_ids)
