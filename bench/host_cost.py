@@ -168,7 +168,8 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[16, 64, 256])
     ap.add_argument("--modes", type=int, nargs="+", default=[1, 0], help="async scheduling: 1 on, 0 off")
     ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--before", help="git rev to measure side by side (a temporary worktree)")
+    ap.add_argument("--before", help="git rev to measure side by side (a temporary worktree), or a directory "
+                    "holding a tree")
     ap.add_argument("--after", help="git rev for the 'after' side (default: this working tree, which must "
                                     "then stay untouched while the bench runs)")
     ap.add_argument("--tokenizer", help="a tokenizer directory (e.g. the default model's byte-level BPE) "
@@ -194,6 +195,8 @@ def main() -> None:
     worktrees = []
 
     def worktree(rev: str) -> str:
+        if os.path.isdir(rev):
+            return rev          # a tree already checked out (e.g. `git archive REV | tar -x -C DIR`)
         path = tempfile.mkdtemp(prefix=f"host_cost_{rev}_")
         subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", path, rev], check=True, capture_output=True)
         worktrees.append(path)

@@ -146,10 +146,12 @@ class KVCacheManager:
             num_tokens_to_compute = request.num_computed_tokens + num_new_tokens
             if num_tokens_to_compute + num_lookahead_tokens <= \
                     len(self.manager.req_to_blocks.get(request.request_id, ())) * self.block_size:
-                if self.enable_caching:
-                    # NOTE: cache_blocks caps at the request's block hashes, which
-                    # cover its known tokens only: the min() with num_tokens below
-                    # would change nothing.
+                # NOTE: cache_blocks caps at the request's block hashes, which
+                # cover its known tokens only: the min() with num_tokens below
+                # would change nothing. Most steps have no hash past the cached
+                # blocks (the check cache_blocks starts with), so no call.
+                if self.enable_caching and \
+                        self.manager.num_cached_block.get(request.request_id, 0) < len(request.block_hashes):
                     self.manager.cache_blocks(request, num_tokens_to_compute)
                 return self.empty_kv_cache_blocks
         new_computed_block_list = list(new_computed_blocks.blocks[0]) if new_computed_blocks else []

@@ -181,6 +181,9 @@ class Scheduler(SchedulerInterface):
         """Give each RUNNING request the tokens it needs to catch up, in order,
         while the budget lasts; preempt from the back when blocks run out."""
         req_index = 0
+        # (read once: the loop below runs for every running request, every step)
+        max_model_len = self.max_model_len
+        long_prefill_token_threshold = self.scheduler_config.long_prefill_token_threshold
         while req_index < len(self.running) and step.token_budget > 0:
             request = self.running[req_index]
             req_index += 1
@@ -190,7 +193,7 @@ class Scheduler(SchedulerInterface):
             # is the token the latest one samples. The request ends at
             # max_model_len or at max_tokens outputs (check_stop's length cap).
             if request.num_output_placeholders > 0 and (
-                    request.num_computed_tokens + 1 >= self.max_model_len or (
+                    request.num_computed_tokens + 1 >= max_model_len or (
                         request.max_tokens is not None and
                         request.num_computed_tokens + 1 >= request.num_prompt_tokens + request.max_tokens)):
                 continue
@@ -198,9 +201,11 @@ class Scheduler(SchedulerInterface):
             # on: their values are still on the device, but their positions are known.
             num_new_tokens = (request.num_tokens_with_spec + request.num_output_placeholders
                               - request.num_computed_tokens)
+            # (_cap_long_prefill, inline as in v0.27.1)
+            if 0 < long_prefill_token_threshold < num_new_tokens:
+                num_new_tokens = long_prefill_token_threshold
             # Within the budget, and positions must stay below max_model_len.
-            num_new_tokens = min(self._cap_long_prefill(num_new_tokens), step.token_budget,
-                                 self.max_model_len - request.num_computed_tokens)
+            num_new_tokens = min(num_new_tokens, step.token_budget, max_model_len - request.num_computed_tokens)
             if num_new_tokens <= 0:
                 # NOTE: `continue`, not `break` (as in vLLM): later requests may still run.
                 continue
