@@ -80,7 +80,9 @@ def _kept(attributes: Mapping[str, Any]) -> dict | None:
 
 def _fits(plain: Mapping[str, Any], attributes: Mapping[str, Any], maxlen: int | None) -> bool:
     """Would `plain` updated with `attributes` stay within `maxlen` keys?"""
-    return maxlen is None or len(plain) + sum(1 for key in attributes if key not in plain) <= maxlen
+    if maxlen is None or not plain:
+        return maxlen is None or len(attributes) <= maxlen
+    return len(plain) + sum(1 for key in attributes if key not in plain) <= maxlen
 
 
 class SpanSink:
@@ -152,6 +154,9 @@ class LocalSpan(trace.Span, ReadableSpan):
             plain = cast("dict[str, Any]", current) if current is not None else {}
             kept = _kept(attributes) if limits.max_span_attribute_length is None else None
             if kept is not None and _fits(plain, kept, limits.max_span_attributes):
+                if not plain:
+                    self._attributes = kept         # (a new dict, _kept's: the span's own from here)
+                    return
                 for key, value in kept.items():
                     plain.pop(key, None)            # a key set again moves last, as in BoundedAttributes
                     plain[key] = value
