@@ -225,8 +225,6 @@ class OutputProcessor:
             if eco.events:
                 tracer.on_engine_events(eco.request_id, eco.events)
             if new_token_ids:
-                if state.is_prefilling:
-                    tracer.on_first_token(eco.request_id)
                 self._update_metrics(state, eco, now)
             # 2) Detokenize, check stop strings.
             finish_reason = eco.finish_reason
@@ -270,11 +268,11 @@ class OutputProcessor:
                 state.finish_reason, len(state.prompt_token_ids), state.max_tokens_param,
                 state.stats, state.num_cached_tokens)
 
-    @staticmethod
-    def _update_metrics(state: RequestState, eco: EngineCoreOutput, now: float) -> None:
+    def _update_metrics(self, state: RequestState, eco: EngineCoreOutput, now: float) -> None:
         """A new token arrived: the request is no longer prefilling; its timestamps move."""
         m = state.metrics
         if state.is_prefilling:
+            self.request_tracer.on_first_token(state.request_id)
             state.is_prefilling = False
             m.first_token_time = now
             state.num_cached_tokens = eco.num_cached_tokens
