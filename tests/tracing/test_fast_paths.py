@@ -244,6 +244,45 @@ def test_step_links_are_shared_and_batched():
     assert all(a is b for a, b in zip(steps[0].links, steps[1].links))
 
 
+def test_a_repeated_headers_tuple_links_the_same_requests():
+    """Steady decoding: StepTracer hands the same tuple of headers step after step; the links
+    made from it are reused, and a new tuple (the batch changed) gets its own."""
+    rec, exporter = _recorder(fast=True)
+    requests = [rec.start_span("llm_request") for _ in range(3)]
+    same = tuple(r.trace_headers() for r in requests)
+    batches = [same, same, same[1:], tuple(dict(h) for h in same)]
+    for headers in batches:
+        step = rec.start_span("EngineCore.step")
+        step.add_links(headers)
+        step.end()
+    rec.shutdown()
+    ids = {r.span.get_span_context().span_id: i for i, r in enumerate(requests)}
+    steps = [s for s in exporter.get_finished_spans() if s.name == "EngineCore.step"]
+    assert [[ids[lk.context.span_id] for lk in s.links] for s in steps] == [[0, 1, 2], [0, 1, 2], [1, 2], [0, 1, 2]]
+
+
+def test_step_tracer_looks_requests_up_only_when_the_batch_changes():
+    """request_headers: last step's tuple while the same requests run in the same order and none is
+    new (a new request may reuse a finished one's id); otherwise each request's headers afresh."""
+    from types import SimpleNamespace
+
+    from vllm_anatomy.tracing.step_tracer import StepTracer
+    tracer = StepTracer(InMemoryRecorder("spans"), snapshot_at_launch=False)
+    requests = {r: SimpleNamespace(trace_headers={"traceparent": r}) for r in "abc"}
+    tracer.scheduler = SimpleNamespace(requests=requests)
+
+    def step(ids, new=()):
+        return tracer.request_headers(SimpleNamespace(num_scheduled_tokens=dict.fromkeys(ids, 1),
+                                                      scheduled_new_reqs=list(new)))
+    first = step("ab", new="ab")
+    assert first == ({"traceparent": "a"}, {"traceparent": "b"})
+    assert step("ab") is first
+    requests["b"] = SimpleNamespace(trace_headers={"traceparent": "b2"})     # finished, id reused
+    assert step("ab", new="b")[1] == {"traceparent": "b2"}
+    assert step("abc", new="c") == ({"traceparent": "a"}, {"traceparent": "b2"}, {"traceparent": "c"})
+    assert step("ba")[0] == {"traceparent": "b2"}
+
+
 def test_links_take_the_batch_path_on_sdk_spans():
     """On an SDK span (fast path off) the pending links join its BoundedList at once;
     this pins the SDK internals that path relies on (else it falls back to add_link)."""

@@ -149,7 +149,8 @@ class OTelSpan(SpanHandle):
                 # through C-level passes (len, item, cache look-up), none in Python.
                 if set(map(len, headers)) <= {1}:
                     found = list(map(link_for, map(_TRACEPARENT, headers)))
-                    links: list[Link] = cast("list[Link]", found) if None not in found else [lk for lk in found if lk is not None]
+                    links: list[Link] = (cast("list[Link]", found) if None not in found
+                                         else [lk for lk in found if lk is not None])
                     pending.extend(links)
                     if type(headers) is tuple:
                         _links_memo = (headers, links)
