@@ -78,7 +78,7 @@ logger = logging.getLogger(__name__)
 class ExecuteModelState(NamedTuple):
     """What execute_model leaves for sample_tokens."""
     scheduler_output: SchedulerOutput
-    logits: torch.Tensor | None          # [R, V] float32; None for a step with no tokens
+    logits: torch.Tensor | None          # [R, V] in the model's dtype (the Sampler upcasts); None: no tokens
     discard_request_indices: np.ndarray  # rows whose sampled token is thrown away
     error_req_ids: list[str] | None = None  # requests that failed to join the batch this step
 
@@ -151,6 +151,12 @@ class GPUModelRunner(ModelRunnerStartupMixin, AsyncSchedulingMixin):
         if not on_cuda or self.attn_backend_name != "triton":
             compilation_config = type(compilation_config)("NONE", [], 0)
         self.cudagraph_dispatcher = CudagraphDispatcher(compilation_config, self.max_num_reqs)
+        if self.attn_backend_name == "triton":
+            # vLLM's TritonAttentionMetadataBuilder snaps the split-KV threshold to a
+            # capture size, so a padded decode graph replays the path its batch would take.
+            from vllm_anatomy.attention.backends import triton_attn
+            triton_attn.set_cudagraph_capture_sizes(
+                compilation_config.cudagraph_capture_sizes if self.cudagraph_dispatcher.decode_sizes else [])
         self.cudagraph_runner = CUDAGraphRunner()       # empty unless capture_model fills it
         self.cudagraph_decision: CudagraphDecision | None = None
 

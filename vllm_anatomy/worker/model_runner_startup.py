@@ -225,6 +225,10 @@ class ModelRunnerStartupMixin:
         self.sampler(logits, SamplingMetadata(full(1.0, torch.float32), False, True,
                                               full(0.9, torch.float32), full(20, torch.int32),
                                               None, {}, 20))
+        # Temperature alone: on CUDA the fused sampling kernel's batch (sampler.py),
+        # compiled here rather than in the first step that samples that way.
+        self.sampler(logits, SamplingMetadata(full(1.0, torch.float32), False, True,
+                                              None, None, None, {}, None))
 
 
 def _progress(items: list, desc: str):
