@@ -25,6 +25,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 
 import torch
@@ -33,37 +34,17 @@ from vllm_anatomy.kernels.fused_qk_norm_rope import fused_qk_norm_rope
 from vllm_anatomy.model_executor.layers.layernorm import RMSNorm
 from vllm_anatomy.model_executor.layers.rotary_embedding import RotaryEmbedding
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from kernels import time_ms  # noqa: E402  (bench/kernels.py)
+
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, NUM_LAYERS = 16, 8, 128, 28
 MAX_POSITION, EPS, DTYPE = 4096, 1e-6, torch.bfloat16
 TOKENS = [1, 16, 256, 4096]
 
 
-def graph_us(fn, per_graph: int = 20, reps: int = 15) -> float:
-    """Median GPU time of one fn() call, from CUDA-graph replays (as bench/kernels.py)."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(per_graph):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / per_graph)
-    del graph
-    return statistics.median(times)
+def graph_us(fn) -> float:
+    """Median GPU time of one fn() call in µs, from CUDA-graph replays (bench/kernels.py's time_ms)."""
+    return time_ms(fn, per_graph=20) * 1e3
 
 
 def eager_us(fn, calls: int = 50, reps: int = 5) -> float:

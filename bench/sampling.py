@@ -27,6 +27,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 
 import torch
 import triton
@@ -35,6 +36,9 @@ import vllm_anatomy.model_executor.sampler as sampler_mod
 from vllm_anatomy.kernels.sampling import BLOCK_SIZE, gumbel_sample
 from vllm_anatomy.model_executor.sampling_metadata import SamplingMetadata
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from kernels import time_ms  # noqa: E402  (bench/kernels.py)
+
 DEFAULT_OUT = os.path.join(os.path.dirname(__file__), "results", "sampling_h200.json")
 VOCAB = 151936
 ROWS = (1, 16, 64, 256)
@@ -42,31 +46,9 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 TEMPERATURE = 0.6
 
 
-def gpu_ms(fn, reps: int = 15, per_graph: int = 10) -> float:
-    """Median over `reps` of one fn() call's device time, from CUDA-graph replays."""
-    for _ in range(3):                            # compile, allocator
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    with torch.cuda.graph(graph):
-        for _ in range(per_graph):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / per_graph)
-    return statistics.median(times)
+def gpu_ms(fn) -> float:
+    """Median device time of one fn() call, from CUDA-graph replays (bench/kernels.py's time_ms)."""
+    return time_ms(fn)
 
 
 def eager_ms(fn, calls: int = 20, reps: int = 5) -> float:
