@@ -72,6 +72,10 @@ def _check_landing(run_path: str, query: dict[str, str]) -> None:
     from dashboard.components.tabs import TABS
     from vllm_anatomy.tracing.reader import open_run
     with open_run(run_path) as run:
+        # The lessons point a learner at the torch reference backend: on a CPU they run it.
+        from vllm_anatomy.engine.arg_utils import teaching_attention_backend
+        if teaching_attention_backend() == "torch":
+            assert run.meta["config"]["model_config"]["attention_backend"] == "torch", run.meta["config"]
         steps = run.steps()
         if "step" in query:
             step = int(query["step"])
