@@ -18,32 +18,19 @@ Simplified here: no penalties, allowed/bad words, custom logits processors,
 structured-output bitmask, or spec-decode rejection sampler.
 
 NOTE: the fused sampling path (a performance seam; the steps above are the
-idea). On CUDA, when the batch uses nothing but temperature (some rows may be
-greedy) -- no top-k, top-p, min-p, min_tokens, logit_bias or per-request
-seeds -- steps 2-7 run as ONE Triton kernel, gumbel_sample
-(kernels/sampling.py; around it, a 1-element seed draw and a [R, V / 4096]
-pick of each row's best block): it reads each row's logits once, in their own
-dtype, and returns argmax(logits / T - log E) with E ~ Exp(1) per token (greedy rows:
-argmax(logits)). That is the exponential race of random_sample below written
-in log space (the Gumbel-max trick): probs_i / E_i = exp(logits_i / T - lse) / E_i
-and log is monotonic, so the same token wins with the same probability, with
-no float32 copy, softmax, noise tensor or division over [R, V] (on an H200,
-batch 256, those passes were ~6 % of a throughput run's GPU time). The
-distribution is the torch path's; the individual draws are not (other random
-numbers): which is why seeded requests (their own generators, reproducible
-token for token) always take the torch path.
-Its random numbers: one int64 drawn from torch's generator of the logits'
-device each step (fused_sample), the key of the kernel's Philox; the row and
-token are its counter. torch.manual_seed (Worker.init_device) therefore makes
-a run reproducible, as with the torch path, and every TP rank draws the same.
-Switch: USE_FUSED_SAMPLING below, from the environment variable
-VLLM_ANATOMY_FUSED_SAMPLING (set it to 0 for the torch path everywhere).
-vLLM v0.27.1's Sampler has no such path: FlashInfer's sampler
-(topk_topp_sampler.py, forward_cuda) serves only batches with top-k/top-p and
-no per-request generators, and without top-k/top-p it falls back to the torch
-exponential race (forward_native), as ours does here. The fused kernel mirrors
-the Triton gumbel_sample of v0.27.1's second GPU model runner
-(vllm/v1/worker/gpu/sample/gumbel.py), which seeds each request itself.
+idea). On CUDA, a batch that uses temperature and nothing else (no top-k/p,
+min-p, min_tokens, logit_bias or per-request seeds) runs steps 2-7 as one
+Triton kernel (kernels/sampling.py, gumbel_sample): one read of the logits in
+their own dtype, argmax(logits / T - log E) with E ~ Exp(1) per token. That is
+random_sample's exponential race in log space (the Gumbel-max trick), so the
+same token wins with the same probability, without the [R, V] float32 copy,
+softmax, noise and division (~6 % of a 256-sequence run's GPU time on an
+H200). The draws themselves differ (Philox keyed by one int64 per step from
+torch's generator, so torch.manual_seed still reproduces a run): seeded
+requests always take the torch path. Off: VLLM_ANATOMY_FUSED_SAMPLING=0.
+vLLM v0.27.1's Sampler has no such path (FlashInfer's serves top-k/top-p
+batches only); the kernel mirrors its second GPU runner's gumbel_sample
+(vllm/v1/worker/gpu/sample/gumbel.py).
 """
 from __future__ import annotations
 

@@ -118,22 +118,14 @@ class LlamaAttention(nn.Module):
         return q_by_head.view(num_tokens, self.q_size), k_by_head.view(num_tokens, self.kv_size)
 
     # ---- performance seam: q_norm + k_norm + RoPE fused (CUDA only) ----
-    # NOTE: what this replaces. On CUDA the three steps above are three Triton
-    # launches per layer on tiny tensors (q_norm and k_norm each one
-    # `_rms_norm_kernel`, RoPE one `_rotary_embedding_kernel`): in a profiled
-    # 256-sequence Qwen3-0.6B run on an H200, 56 of the 113 `_rms_norm_kernel`s
-    # and all 28 `_rotary_embedding_kernel`s of each step, ~2 us each,
-    # launch-bound. kernels/fused_qk_norm_rope.py does all three in one launch,
-    # in place on the qkv output (84 -> 28 launches per step), rounding as the
-    # unfused ops round. It mirrors v0.27.1's `fused_qk_norm_rope` op, which the
-    # QKNormRoPEFusionPass (vllm/compilation/passes/fusion/qk_norm_rope_fusion.py)
-    # pattern-matches in when `compilation_config.pass_config.
-    # enable_qk_norm_rope_fusion` is set. vLLM leaves that flag OFF at every
-    # optimization level (vllm/config/vllm.py, O0-O3): there it is an opt-in;
-    # here it is on by default on CUDA, and off with
-    # VLLM_ANATOMY_ENABLE_QK_NORM_ROPE_FUSION=0 (read when the model is built),
-    # which keeps the unfused kernels for an A/B. The CPU always runs the
-    # readable path above: q_norm -> k_norm -> rotary_emb.
+    # NOTE: what this replaces. On CUDA, q_norm, k_norm and RoPE above are three
+    # launch-bound Triton kernels per layer on tiny tensors (~2 us each; 84 of a
+    # Qwen3-0.6B step's launches). kernels/fused_qk_norm_rope.py does all three
+    # in one launch, in place on the qkv output, rounding as the unfused ops
+    # round. It is v0.27.1's `fused_qk_norm_rope` op, which vLLM pattern-matches
+    # in only with pass_config.enable_qk_norm_rope_fusion (off at O0-O3); ours is
+    # on by default on CUDA, off with VLLM_ANATOMY_ENABLE_QK_NORM_ROPE_FUSION=0
+    # (read when the model is built). The CPU always runs the readable path.
     def _use_fused_qk_norm_rope(self, qkv: torch.Tensor) -> bool:
         return (self.enable_qk_norm_rope_fusion and qkv.is_cuda
                 and qkv.dtype == self.q_norm.weight.dtype == self.k_norm.weight.dtype)
