@@ -23,8 +23,9 @@ reported too). Times: median of CUDA-event timings of CUDA-graph replays
 Prints a table and writes the JSON. DESIGN.md §8 states the targets.
 
 --decode-sweep measures only the split-KV ("3D") decode path against the 2D
-kernel (to choose seq_threshold_3D): decode batches {1, 4, 16, 64, 256} x
-context {1k, 4k, 8k}, and two realistic batches (256 and 16 decodes, contexts
+kernel (to choose seq_threshold_3D): decode batches {1, 4, 16, 24, 32, 48, 64, 256}
+x context {1k, 4k, 8k} (24-48: where 2D's (KV head, sequence) grid is one ragged
+wave on 132 multiprocessors), and three realistic batches (256, 32 and 16 decodes, contexts
 uniform in [100, 2048], seeded); 2D with its default shape, 3D with
 {8, 16, 32} segments x tile {16, 32, 64} (--quick: 16 segments, tiles 16, 64),
 forced whatever the batch size. Bytes = the K/V actually read (sum of
@@ -254,9 +255,9 @@ def reshape_and_cache_case(copy_bw: float, num_tokens: int) -> dict:
 
 # -- split-KV ("3D") decode vs 2D --------------------------------------------------------------
 
-SWEEP_BATCHES = (1, 4, 16, 64, 256)
+SWEEP_BATCHES = (1, 4, 16, 24, 32, 48, 64, 256)
 SWEEP_CONTEXTS = (1024, 4096, 8192)
-REALISTIC_BATCHES, REALISTIC_CONTEXTS = (256, 16), (100, 2048)   # contexts uniform in [lo, hi]
+REALISTIC_BATCHES, REALISTIC_CONTEXTS = (256, 32, 16), (100, 2048)   # contexts uniform in [lo, hi]
 
 
 def split_kv_case(requests, configs_3d, copy_bw: float, segm: dict, seed: int = 0) -> dict:
