@@ -40,6 +40,14 @@ class FailingForwardExecutor(UniProcExecutor):
         return super().execute_model(scheduler_output, non_block)
 
 
+class HangingShutdownExecutor(FailingForwardExecutor):
+    """Fails the batch, then never finishes shutting down (a stuck flush, a thread that
+    will not stop): the dead engine's exit watchdog must end the process anyway."""
+
+    def shutdown(self):
+        time.sleep(3600)
+
+
 def start_client(vllm_config, executor_class=None) -> SyncMPClient:
     # NOTE: the spawned engine inherits the environment: one OpenMP thread (shared CPUs).
     os.environ["OMP_NUM_THREADS"] = "1"
@@ -206,6 +214,24 @@ def test_fatal_step_error_is_reported_as_engine_dead(vllm_config):
             c.add_request(request("later", PROMPTS[0], **GREEDY))
         with pytest.raises(EngineDeadError):
             c.get_output()
+    finally:
+        c.shutdown()
+
+
+def test_dead_engine_stuck_in_shutdown_still_exits(vllm_config, monkeypatch):
+    """After a fatal error the engine's shutdown hangs: faulthandler's watchdog (armed once the
+    frontend was told) dumps the stacks and ends the process with 1, so no dead engine lingers."""
+    monkeypatch.setenv("VLLM_ANATOMY_DEAD_ENGINE_EXIT_TIMEOUT_S", "3")   # the spawned engine inherits it
+    c = start_client(vllm_config, HangingShutdownExecutor)
+    try:
+        c.add_request(request("bad", PROMPTS[0], temperature=0.0, max_tokens=2))
+        with pytest.raises(EngineDeadError, match="EngineCore died: IndexError"):
+            while True:
+                c.get_output()
+        t0 = time.monotonic()
+        c.resources.engine_proc.join(30)
+        assert c.resources.engine_proc.exitcode == 1, "the watchdog's exit code"
+        assert time.monotonic() - t0 < 25      # 3 s and the start of a loaded machine, not the hour
     finally:
         c.shutdown()
 

@@ -15,6 +15,7 @@ The client side (SyncMPClient, AsyncMPClient) is engine/core_client_mp.py.
 """
 from __future__ import annotations
 
+import faulthandler
 import functools
 import logging
 import os
@@ -28,6 +29,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from vllm_anatomy import envs
 from vllm_anatomy.config import VllmConfig
 from vllm_anatomy.engine.core import EngineCore
 from vllm_anatomy.engine.protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
@@ -153,6 +155,11 @@ class EngineCoreProc(EngineCore):
             else:
                 logger.exception("EngineCore encountered a fatal error.")
                 engine_core._send_engine_dead(e)
+                # NOTE: the frontend already knows (ENGINE_CORE_DEAD): a dead engine
+                # must not linger, whatever its shutdown or the interpreter's exit
+                # waits on. Past this timeout, faulthandler writes every thread's
+                # stack to stderr (the place to look) and the process exits with 1.
+                faulthandler.dump_traceback_later(envs.VLLM_ANATOMY_DEAD_ENGINE_EXIT_TIMEOUT_S, exit=True)
             raise
         finally:
             if engine_core is not None:
