@@ -125,8 +125,10 @@ def test_live_run_shows_start_up_stages_then_its_first_step(server, page):
     _settle(page)
     t0 = time.monotonic()
     start.click()
-    page.get_by_text("Start-up").first.wait_for()
-    page.get_by_text("start process").first.wait_for()
+    # NOTE: visible matches only: the start strip's card (collapsed once a run starts) also
+    # says "start-up", and a hidden first match would be waited on until the timeout.
+    page.get_by_text("Start-up").locator("visible=true").first.wait_for()
+    page.get_by_text("start process").locator("visible=true").first.wait_for()
     page.screenshot(path=os.path.join(SHOTS, "shell-live-starting.png"), full_page=False)
     first = page.get_by_text(re.compile(r"Step \d+ of \d+ committed")).first
     first.wait_for(timeout=240_000)
