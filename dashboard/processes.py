@@ -12,7 +12,12 @@ processes) has
     WorkerProc · worker_busy_loop    Worker.* and GPUModelRunner.* (one lane per worker pid)
     device                           GPU.* spans (CUDA runs)
 A one-process run (LLM / LLMEngine with UniProcExecutor) is labelled as such: its
-engine loop and its in-process worker calls are two lanes of the same thread.
+engine loop and its in-process worker calls are two lanes of the same thread. An
+offline run with worker processes (LLM with tensor_parallel_size > 1, or the mp
+executor) has the LLM process's two lanes (frontend calls, EngineCore.step in-process)
+and one WorkerProc lane per rank. Worker lanes are named by their tensor-parallel
+rank (the run meta's `ranks`), in rank order; only the output rank (0) answers
+execute_model and sample_tokens, as in vLLM's MultiprocExecutor.
 
 Hops (for one step; a ZMQ hop's latency runs from the sending span's start, before
 encoding, to the receiving span's end, after decoding: the two spans overlap in time): ③ EngineCoreRequest over ZMQ (frontend send → input thread →
@@ -84,7 +89,10 @@ class Hop:
 
 
 def layout(src: RunSource) -> dict:
-    """How many processes the run had and the lanes to draw, in order: [(lane key, label)]."""
+    """How many processes the run had and the lanes to draw, in order: [(lane key, label)].
+    single: one process; inproc_engine: EngineCore runs in the frontend's process (offline
+    LLM) while the workers are processes of their own; output_pids: the workers whose
+    replies the executor reads (the output rank's)."""
     pids = src.pids
     single = set(pids) <= {"frontend"} and len(pids.get("frontend", ())) <= 1
     lanes = []
@@ -94,30 +102,40 @@ def layout(src: RunSource) -> dict:
                  (f"{BUSY}:{pid}", f"single process · pid {pid} · EngineCore.step (in-process)"),
                  (f"{WORKER}:{pid}", f"single process · pid {pid} · worker (UniProcExecutor: a plain call)"),
                  (f"{DEVICE}:{pid}", f"device · pid {pid}")]
-        return {"single": True, "lanes": lanes}
+        return {"single": True, "inproc_engine": True, "lanes": lanes, "output_pids": {pid}}
+    ranks = src.ranks
+    workers = sorted(pids.get("worker", ()), key=lambda p: (ranks.get(p, len(ranks)), p))
+    inproc = not pids.get("engine_core") and bool(workers)
     for pid in sorted(pids.get("frontend", ())):
-        lanes.append((f"{FRONT}:{pid}", f"API server · pid {pid} · event loop"))
+        if inproc:
+            lanes += [(f"{FRONT}:{pid}", f"LLM process · pid {pid} · frontend calls (LLM / LLMEngine)"),
+                      (f"{BUSY}:{pid}", f"LLM process · pid {pid} · EngineCore.step (in-process)")]
+        else:
+            lanes.append((f"{FRONT}:{pid}", f"API server · pid {pid} · event loop"))
     for pid in sorted(pids.get("engine_core", ())):
         lanes += [(f"{IN}:{pid}", f"EngineCoreProc · pid {pid} · input thread"),
                   (f"{BUSY}:{pid}", f"EngineCoreProc · pid {pid} · busy loop"),
                   (f"{OUT}:{pid}", f"EngineCoreProc · pid {pid} · output thread")]
-    for pid in sorted(pids.get("worker", ())):
-        lanes += [(f"{WORKER}:{pid}", f"WorkerProc · pid {pid} · worker_busy_loop"),
-                  (f"{DEVICE}:{pid}", f"device · pid {pid}")]
-    return {"single": False, "lanes": lanes}
+    for pid in workers:
+        rank = f" rank {ranks[pid]}" if pid in ranks else ""
+        lanes += [(f"{WORKER}:{pid}", f"WorkerProc{rank} · pid {pid} · worker_busy_loop"),
+                  (f"{DEVICE}:{pid}", f"device{rank} · pid {pid}")]
+    # NOTE: runs recorded before the meta had `ranks` had one worker: it is the output rank.
+    output = {p for p, r in ranks.items() if r == 0} or set(workers[:1])
+    return {"single": False, "inproc_engine": inproc, "lanes": lanes, "output_pids": output}
 
 
-def lane_of(span, single: bool) -> str | None:
+def lane_of(span, lay: dict) -> str | None:
     if span.name in SKIP:
         return None
     a = span.attributes
     if a.get("vllm_anatomy.lane") == "device":
         return f"{DEVICE}:{span.pid}"
     kind = span.process_kind
-    if kind == "engine_core" or (single and span.name.startswith(ENGINE_SIDE)):
+    if kind == "engine_core" or (lay["inproc_engine"] and kind != "worker" and span.name.startswith(ENGINE_SIDE)):
         thread = a.get("vllm_anatomy.thread")
         return f"{IN if thread == 'input' else OUT if thread == 'output' else BUSY}:{span.pid}"
-    if kind == "worker" or (single and span.name.startswith(WORKER_SIDE)):
+    if kind == "worker" or (lay["single"] and span.name.startswith(WORKER_SIDE)):
         return f"{WORKER}:{span.pid}"
     return f"{FRONT}:{span.pid}"
 
@@ -215,7 +233,9 @@ def _shm_hops(src: RunSource, step: int, in_step: list, lay: dict) -> list[Hop]:
             # response queue later, by whatever busy-loop call comes after the worker answered.
             t_back = ex.end_ns if ex.end_ns >= w.end_ns else min(
                 (x.start_ns for x in in_step if x.pid == ex.pid and x.start_ns >= w.end_ns), default=None)
-            if t_back is not None:
+            # NOTE: every rank reads the one broadcast; only the output rank writes a reply
+            # (unique_reply_rank): the other ranks' results stay where they are.
+            if t_back is not None and w.pid in lay["output_pids"]:
                 hops.append(Hop(marker, what_up if ex.end_ns >= w.end_ns else f"{what_up} (read later: non_block)",
                                 "shared-memory ring (worker_response_mq)", f"{WORKER}:{w.pid}",
                                 f"{BUSY}:{ex.pid}", w.end_ns, t_back, up_bytes,
@@ -229,7 +249,7 @@ def _output_hops(src: RunSource, step: int, near: list, in_step: list, lay: dict
     hops: list[Hop] = []
     spans: list = []
     upd = _first(in_step, "Scheduler.update_from_output")
-    if upd is not None and not lay["single"]:
+    if upd is not None and not lay["inproc_engine"]:
         out = _first(near, "EngineCoreProc.process_output_sockets", upd.end_ns - 1)
         if out is not None:
             hops.append(Hop("⑪", "EngineCoreOutputs → output thread", "output_queue (thread → thread)",
@@ -247,7 +267,7 @@ def _output_hops(src: RunSource, step: int, near: list, in_step: list, lay: dict
             if proc is not None:
                 spans.append(proc)
                 t1 = max(t1, proc.end_ns)
-    elif lay["single"]:
+    elif lay["inproc_engine"]:
         proc = _first(near, "OutputProcessor.process_outputs", upd.end_ns - 1 if upd else t1)
         if proc is not None:
             spans.append(proc)
@@ -262,7 +282,7 @@ def _drawn(spans: list, lay: dict, t0: int, t1: int) -> tuple[list[dict], int, i
         if s.span_id in seen:
             continue
         seen.add(s.span_id)
-        lane = lane_of(s, lay["single"])
+        lane = lane_of(s, lay)
         if lane is None or s.name.endswith((" http receive", " http send")):
             continue
         drawn.append({"name": s.name, "lane": lane, "start_ns": s.start_ns, "end_ns": s.end_ns,

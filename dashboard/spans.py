@@ -53,20 +53,33 @@ def _depths(spans) -> dict[str, int]:
     return depth
 
 
-def _span_rows(spans, host_device: bool) -> list[dict]:
+def _span_rows(spans, host_device: bool, ranks: dict[int, int] | None = None) -> list[dict]:
+    """One row per span; its lane is its process ("worker rank 1 · pid 4242" for a rank of a
+    tensor-parallel run: `ranks` maps pid -> rank)."""
+    ranks = ranks or {}
     step_of = {s.trace_id: s.step_id for s in spans if s.name == "EngineCore.step"}
     depth = _depths(spans)
+    # NOTE: with several ranks every rank runs the same device work on its own slice of the
+    # model at the same time: the device lane is the output rank's (0), not N overlapping copies.
+    device_pids = {p for p, r in ranks.items() if r == 0} if len(ranks) > 1 else None
     rows = []
     for s in spans:
         a = s.attributes
+        rank = ranks.get(s.pid) if s.process_kind == "worker" else None
+        lane = f"worker rank {rank} · pid {s.pid}" if rank is not None else f"{s.process_kind} · pid {s.pid}"
         base = {"name": s.name, "start_ns": s.start_ns, "end_ns": s.end_ns,
                 "step_id": s.step_id if s.step_id is not None else step_of.get(s.trace_id),
                 "request_id": s.request_id, "depth": depth[s.span_id],
                 "sync_wait_ms": a.get("vllm_anatomy.sync_wait_ms"),
-                "lane": f"{s.process_kind} · pid {s.pid}", "host_timing": False, "device_row": None,
+                "lane": lane, "rank": rank, "host_timing": False, "device_row": None,
                 **{col: a.get(key) for key, col in ATTR_COLUMNS.items()}}
         if base["grid"] is not None:
             base["grid"] = str(list(base["grid"]))
+        if device_pids is not None and s.pid not in device_pids and (
+                a.get("vllm_anatomy.lane") == "device" or (host_device and s.name in DEVICE_WORK)):
+            if a.get("vllm_anatomy.lane") != "device":
+                rows.append(base)
+            continue
         if a.get("vllm_anatomy.lane") == "device":
             rows.append({**base, "lane": DEVICE_LANE, "depth": 0, "device_row": device_row(s.name)})
             continue
@@ -81,10 +94,11 @@ def span_table(path: str, version: tuple, device: str) -> pd.DataFrame | RunErro
     try:
         with open_run(path) as run:
             spans = run.spans()
+            ranks = {int(r["pid"]): int(r["rank"]) for r in run.meta.get("ranks") or [] if "pid" in r and "rank" in r}
     except (TraceStoreError, sqlite3.Error, OSError) as e:
         return RunError(f"{path}: cannot read spans ({e})")
     has_device_spans = any(s.attributes.get("vllm_anatomy.lane") == "device" for s in spans)
-    df = pd.DataFrame(_span_rows(spans, host_device=not has_device_spans))
+    df = pd.DataFrame(_span_rows(spans, host_device=not has_device_spans, ranks=ranks))
     if not df.empty:
         df["dur_ms"] = (df["end_ns"] - df["start_ns"]) / 1e6
         df["kernel_layer"] = kernel_layers(df)

@@ -171,8 +171,11 @@ def _communication_account(src: RunSource, mine: dict[int, dict], token_steps: l
     coll = {op: [0, 0] for op in COLLECTIVES}
     have_counts = False
     served_traces = {src.step_spans[s].trace_id for s in mine if s in src.step_spans}
+    # NOTE: every rank joins every collective: count one rank's (rank 0), as the article counts
+    # "2 all-reduces per layer", not one per rank.
+    rank0 = {pid for pid, r in src.ranks.items() if r == 0}
     for w in src.spans("Worker.execute_model"):
-        if w.trace_id in served_traces:
+        if w.trace_id in served_traces and (not rank0 or w.pid in rank0):
             for op in COLLECTIVES:
                 if f"vllm_anatomy.num_{op}" in w.attributes:
                     have_counts = True
@@ -185,9 +188,10 @@ def _communication_account(src: RunSource, mine: dict[int, dict], token_steps: l
     ipc = {"ZMQ messages (EngineCoreRequest in + EngineCoreOutputs out)": (1 + len(token_steps)) if three else 0,
            "shared-memory messages (execute_model, sample_tokens and their replies)": 4 * n_steps if shm else 0}
     if have_counts:
-        comm_why = (f"{coll['all_reduce'][0]} all-reduce(s) ({coll['all_reduce'][1] / MB:.2f} MB handed to them) over "
-                    f"the {n_steps} steps that served it: {coll['all_reduce'][0] / max(n_steps, 1):.0f} per step "
-                    f"(TP {src.tp}); the steps serve its neighbours too, so this is the traffic it shared.")
+        comm_why = (f"{coll['all_reduce'][0]} all-reduce(s) ({coll['all_reduce'][1] / MB:.2f} MB handed to them by "
+                    f"each rank) over the {n_steps} steps that served it: {coll['all_reduce'][0] / max(n_steps, 1):.0f} "
+                    f"per step (TP {src.tp}, each joined by all {src.tp} ranks); the steps serve its neighbours too, "
+                    "so this is the traffic it shared.")
     else:
         comm_why = (f"0 collectives: tensor-parallel size {src.tp} — the model's weights live on one device, so every "
                     "layer's output is already whole there and nothing needs to be all-reduced. (The article's "

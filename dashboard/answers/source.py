@@ -118,6 +118,11 @@ class RunSource:
             return run.spans(name)
 
     @functools.cached_property
+    def ranks(self) -> dict[int, int]:
+        """pid -> tensor-parallel rank of each worker process, from the run meta ({} before it had them)."""
+        return {int(r["pid"]): int(r["rank"]) for r in self.meta.get("ranks") or [] if "pid" in r and "rank" in r}
+
+    @functools.cached_property
     def pids(self) -> dict[str, set[int]]:
         """process kind -> pids that wrote spans."""
         with open_run(self.path) as run:

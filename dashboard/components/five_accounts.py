@@ -46,8 +46,8 @@ def five_accounts(path: str, request_id: str | None, key: str = "fa", links: boo
             st.markdown("**:material/swap_horiz: communication**")
             c = f["collectives"]
             if f["have_counts"]:
-                st.markdown(f"**{c['all_reduce'][0]} all-reduces** over {len(f['steps'])} steps  \n"
-                            f"{c['all_reduce'][1] / 2 ** 20:,.2f} MB handed to them")
+                st.markdown(f"**{c['all_reduce'][0]} all-reduces** over {len(f['steps'])} steps, each joined by "
+                            f"every rank  \n{c['all_reduce'][1] / 2 ** 20:,.2f} MB handed to them per rank")
             else:
                 st.markdown("**0 collectives**  \none device: nothing to all-reduce")
             st.markdown("  \n".join(f"{v} {k.split(' (')[0]}" for k, v in f["ipc"].items()))

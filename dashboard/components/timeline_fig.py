@@ -61,6 +61,13 @@ def rows_of(df: pd.DataFrame) -> list[tuple[str, str]]:
     device lane last (phases, layers, kernels)."""
     lanes = df.sort_values("start_ns").drop_duplicates("lane")["lane"].tolist()
     lanes = [x for x in lanes if x != "device"] + (["device"] if "device" in lanes else [])
+    # The ranks of a tensor-parallel run in rank order, where the first of them started.
+    if "rank" in df and df["rank"].notna().any():
+        rank_of = dict(zip(df["lane"], df["rank"]))
+        ranked = sorted((x for x in lanes if x != "device" and pd.notna(rank_of.get(x))), key=lambda x: int(rank_of[x]))
+        at = min(lanes.index(x) for x in ranked)
+        rest = [x for x in lanes if x not in ranked]
+        lanes = rest[:at] + ranked + rest[at:]
     out = []
     for lane in lanes:
         levels = df.loc[df["lane"] == lane, "level"].unique().tolist()

@@ -13,7 +13,7 @@ from dashboard import data, state
 from dashboard.answers.cached import source
 from dashboard.components.code_ref import code_ref
 from dashboard.components.nav import open_view, point_data, selected_points
-from dashboard.processes import chain_rows, step_view
+from dashboard.processes import BUSY, chain_rows, step_view
 
 ss = st.session_state
 FIG_KEY = "proc_fig"
@@ -41,7 +41,7 @@ def figure(view: dict, step: int) -> go.Figure:
     fig = go.Figure()
     _add_spans(fig, view, lanes, y_of, ms, x_max)
     if not view["layout"]["single"]:
-        _add_boundaries(fig, lanes)
+        _add_boundaries(fig, lanes, view["layout"]["inproc_engine"])
     _add_hops(fig, view, y_of, ms)
     fig.update_layout(barmode="overlay", height=max(340, 84 * n + 90), uniformtext={"minsize": 12, "mode": "hide"}, margin={"l": 10, "r": 10, "t": 30, "b": 40},
                       plot_bgcolor="#FFFFFF", paper_bgcolor="#FFFFFF", font={"size": 13, "color": "#222"},
@@ -65,8 +65,10 @@ def _add_spans(fig: go.Figure, view: dict, lanes: list, y_of: dict, ms, x_max: f
             continue
         y = y_of[s["lane"]] + (0.24 if s["outer"] else -0.08)
         short = s["name"].split(".")[-1] if not s["name"].startswith("POST ") else s["name"]
+        # A rank's collectives (GroupCoordinator.all_reduce, ...) dark inside its orange forward.
+        color = "#222222" if s["name"].startswith("GroupCoordinator.") else COLORS.get(kind, "#999")
         fig.add_bar(orientation="h", base=[start], x=[max(end - start, x_max * 0.002)], y=[y],
-                    width=0.16 if s["outer"] else 0.36, marker_color=COLORS.get(kind, "#999"),
+                    width=0.16 if s["outer"] else 0.36, marker_color=color,
                     marker_line_width=0, opacity=0.45 if s["outer"] else 0.9, showlegend=False,
                     text=[short] if not s["outer"] and (end - start) > x_max * 0.08 else None,
                     textposition="inside", insidetextanchor="start", textfont={"size": 12, "color": "#FFFFFF"},
@@ -74,10 +76,11 @@ def _add_spans(fig: go.Figure, view: dict, lanes: list, y_of: dict, ms, x_max: f
                                   f"<br>{dict(lanes).get(s['lane'], s['lane'])}<extra></extra>")
 
 
-def _add_boundaries(fig: go.Figure, lanes: list) -> None:
+def _add_boundaries(fig: go.Figure, lanes: list, inproc_engine: bool) -> None:
     """Process boundaries between groups of lanes, each named by what crosses it."""
     n = len(lanes)
-    groups = [GROUP_OF.get(k.split(":")[0], 0) for k, _ in lanes]
+    # An in-process engine's loop is a lane of the frontend's process: no boundary between them.
+    groups = [0 if inproc_engine and k.startswith(f"{BUSY}:") else GROUP_OF.get(k.split(":")[0], 0) for k, _ in lanes]
     names = {1: "process boundary ① · ZMQ + msgspec (EngineCoreRequest ↓ / EngineCoreOutputs ↑)",
              2: "process boundary ② · shared-memory MessageQueue (SchedulerOutput ↓ / ModelRunnerOutput ↑)"}
     for i in range(1, n):
@@ -92,6 +95,7 @@ def _add_boundaries(fig: go.Figure, lanes: list) -> None:
 def _add_hops(fig: go.Figure, view: dict, y_of: dict, ms) -> None:
     """Hops: an arrow each, and a clickable marker at the receiving end."""
     xs, ys, texts, cds, hovers, pos = [], [], [], [], [], []
+    arrivals: dict[str, int] = {}
     for h in view["hops"]:
         if h.src_lane not in y_of or h.dst_lane not in y_of:
             continue
@@ -104,7 +108,9 @@ def _add_hops(fig: go.Figure, view: dict, y_of: dict, ms) -> None:
         ys.append(yb)
         label = f"{h.marker} {_size(h.nbytes) if h.nbytes else ''} {h.latency_us / 1000:.2f} ms".replace("  ", " ")
         texts.append(label if "thread" not in h.boundary else "")
-        pos.append("top right" if yb > ya or len(pos) % 2 == 0 else "bottom right")
+        # Labels of hops that end on the same lane alternate above and below it.
+        arrivals[h.dst_lane] = arrivals.get(h.dst_lane, -1) + 1
+        pos.append("top right" if arrivals[h.dst_lane] % 2 == 0 else "bottom right")
         cds.append([h.step, h.request or "", HOP_TAB.get(h.marker, "scheduler")])
         hovers.append(f"<b>{h.marker} {h.what}</b><br>{h.boundary}<br>{_size(h.nbytes)}"
                       f"{' (' + h.size_from + ')' if h.size_from else ''}<br>latency {h.latency_us:,.0f} µs"
@@ -147,6 +153,14 @@ def main() -> None:
                 "recorded with the engine in-process (LLM / LLMEngine, UniProcExecutor) — the frontend, the engine "
                 "loop and the worker are one Python thread, so ③ and ⑤ are plain function calls, not messages. "
                 "Start a live run with **three processes** (Start page) to see the ZMQ and shared-memory hops.",
+                icon=":material/info:")
+    elif not src.pids.get("engine_core"):
+        workers = len(src.pids.get("worker", ()))
+        st.info(f"**The engine in the LLM's process, {workers} worker process{'es' if workers > 1 else ''}**"
+                + (f" (tensor parallelism: {src.tp} ranks)" if src.tp > 1 else "") + ": requests reach "
+                "EngineCore by a plain call (no ③ over ZMQ), while every step's SchedulerOutput crosses the "
+                "shared-memory ring ⑤ to every rank. Each rank runs its slice of the model and joins the others' "
+                "in collectives (GroupCoordinator.all_reduce: the Timeline shows them); only rank 0 answers.",
                 icon=":material/info:")
     c1, c2, c3 = st.columns([3, 1, 1], vertical_alignment="bottom")
     step = c1.selectbox("step", steps, index=idx, key="proc_step", format_func=lambda s: f"step {s}",

@@ -131,6 +131,9 @@ def flagged(flags: dict[int, str], cursor: int | None, steps: list[int]) -> None
 def _window_caption(win: pd.DataFrame, a: int, b: int) -> None:
     """The window in one line: its spans, its sync points and what ran on the device."""
     sync = win[(win["name"] == "GPUModelRunner._bookkeeping_sync") & (win["lane"] != "device")]
+    ranks = win["rank"].dropna().nunique() if "rank" in win else 0
+    if ranks > 1:       # each rank syncs with its own device: count the output rank's
+        sync = sync[sync["rank"].isna() | (sync["rank"] == 0)]
     dev = win[(win["lane"] == "device") & ~win["host_timing"]]
     if dev.empty:
         device = ("no GPU: the device lane shows the host's own timings of the device work — every step is eager "
@@ -145,6 +148,9 @@ def _window_caption(win: pd.DataFrame, a: int, b: int) -> None:
                   f"forward{'s' * (n_eager != 1)}; eager steps add a row of decoder layers and one of kernel "
                   f"launches (hover a kernel: grid, tokens, bytes, GB/s; one step's device lane, larger: the "
                   f"inspector's Worker tab)")
+    if ranks > 1:
+        device += (f"; {ranks} tensor-parallel ranks, each a worker lane (its GroupCoordinator spans are its "
+                   f"collectives), the device lane and the sync points rank 0's")
     st.caption(f"{len(win)} spans in steps {a}–{b} · {len(sync)} sync points, total wait "
                f"{sync['sync_wait_ms'].fillna(0).sum():.2f} ms · {device}.")
 

@@ -19,6 +19,7 @@ from tests.dashboard.conftest import FIXTURE_SPEC, H200_SAMPLE
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not os.path.exists(H200_SAMPLE), reason="samples/h200-smollm2-full.sqlite not shipped")]
 SAMPLE = os.path.basename(H200_SAMPLE)
+TP_SAMPLE = os.path.join(os.path.dirname(H200_SAMPLE), "cpu-smollm2-tp3-full.sqlite")
 TITLES = {"inspector": "Step inspector", "journey": "Request journey", "processes": "Processes"}
 
 
@@ -28,6 +29,8 @@ def server(tmp_path_factory):
     from dashboard.live import LiveRun
     samples = tmp_path_factory.mktemp("st_samples")
     shutil.copy(H200_SAMPLE, samples / SAMPLE)
+    if os.path.exists(TP_SAMPLE):
+        shutil.copy(TP_SAMPLE, samples / os.path.basename(TP_SAMPLE))
     trace = tmp_path_factory.mktemp("st_traces")
     live = LiveRun.start({**FIXTURE_SPEC, "processes": 3}, str(trace))     # recorded while the server starts
     try:
@@ -165,32 +168,79 @@ def test_processes_view_three_processes_and_hop_click(server, browser):
                 assert any(want in t for t in ticks), (want, ticks)
             assert not _small_chart_text(pg), _small_chart_text(pg)
             if w == 1440:
-                # click a hop's marker: it opens its step in the inspector
-                pts = pg.evaluate("""() => [...document.querySelectorAll('.st-key-proc_fig path.point')]
-                    .map(e => e.getBoundingClientRect()).filter(r => r.width > 1 && r.top >= 0 && r.bottom <= innerHeight)
-                    .map(r => ({x: r.x + r.width / 2, y: r.y + r.height / 2}))""")
-                assert pts
-                clicked = False
-                for pt in pts:
-                    pg.mouse.move(pt["x"] - 20, pt["y"] - 20)
-                    pg.mouse.move(pt["x"], pt["y"], steps=3)
-                    pg.wait_for_timeout(300)
-                    label = pg.evaluate("() => [...document.querySelectorAll('.hoverlayer text')].map(t => t.textContent).join(' ')")
-                    m = re.search(r"open step (\d+)", label)
-                    if m:
-                        pg.mouse.click(pt["x"], pt["y"])
-                        clicked = int(m[1])
-                        break
-                assert clicked == first, (clicked, first)
-                pg.get_by_role("heading", name="Step inspector", exact=True).wait_for()
-                pg.wait_for_function(f"location.search.includes('step={first}')")
-                _settle(pg)
-                assert _query(pg.url)["page"] == "inspector" and _query(pg.url)["step"] == str(first)
-                pg.screenshot(path=os.path.join(SHOTS, "processes-hop-click-landed.png"))
+                _click_a_hop(pg, first, "processes-hop-click-landed.png")
         finally:
             external = list(pg.external)
             ctx.close()
         assert not external, external[:5]
+
+
+def _click_a_hop(pg, step: int, shot: str) -> None:
+    """Click a hop's marker in view: it opens its step in the inspector."""
+    pts = pg.evaluate("""() => [...document.querySelectorAll('.st-key-proc_fig path.point')]
+        .map(e => e.getBoundingClientRect()).filter(r => r.width > 1 && r.top >= 0 && r.bottom <= innerHeight)
+        .map(r => ({x: r.x + r.width / 2, y: r.y + r.height / 2}))""")
+    assert pts
+    clicked = False
+    for pt in pts:
+        pg.mouse.move(pt["x"] - 20, pt["y"] - 20)
+        pg.mouse.move(pt["x"], pt["y"], steps=3)
+        pg.wait_for_timeout(300)
+        label = pg.evaluate("() => [...document.querySelectorAll('.hoverlayer text')].map(t => t.textContent).join(' ')")
+        m = re.search(r"open step (\d+)", label)
+        if m:
+            pg.mouse.click(pt["x"], pt["y"])
+            clicked = int(m[1])
+            break
+    assert clicked == step, (clicked, step)
+    pg.get_by_role("heading", name="Step inspector", exact=True).wait_for()
+    pg.wait_for_function(f"location.search.includes('step={step}')")
+    _settle(pg)
+    assert _query(pg.url)["page"] == "inspector" and _query(pg.url)["step"] == str(step)
+    pg.screenshot(path=os.path.join(SHOTS, shot))
+
+
+@pytest.mark.skipif(not os.path.exists(TP_SAMPLE), reason="samples/cpu-smollm2-tp3-full.sqlite not shipped")
+def test_tensor_parallel_sample_shows_its_ranks(server, browser):
+    """The TP=3 sample: Processes names the in-process engine and the three ranks (top to bottom
+    in rank order), a hop click lands; the Timeline has a lane per rank, in order, and says so."""
+    base = server[0]
+    run = os.path.basename(TP_SAMPLE)
+    ctx, pg = _page(browser)
+    try:
+        _open(pg, f"{base}/processes?run={run}&page=processes&step=30", "Processes")
+        pg.get_by_text("The engine in the LLM's process, 3 worker processes").wait_for()
+        pg.locator(".st-key-proc_fig").scroll_into_view_if_needed()
+        for _ in range(40):
+            pg.wait_for_timeout(250)
+            ticks = pg.evaluate("() => [...document.querySelectorAll('.st-key-proc_fig .ytick text')]"
+                                ".sort((a, b) => a.getBoundingClientRect().y - b.getBoundingClientRect().y)"
+                                ".map(t => t.textContent)")
+            if ticks:
+                break
+        assert not any("API server" in t for t in ticks), ticks
+        assert any("EngineCore.step (in-process)" in t for t in ticks), ticks
+        ranks = [int(re.search(r"rank (\d+)", t)[1]) for t in ticks if t.startswith("WorkerProc")]
+        assert ranks == [0, 1, 2], ticks
+        assert not _small_chart_text(pg), _small_chart_text(pg)
+        pg.screenshot(path=os.path.join(SHOTS, "processes-tp3-1440.png"))
+        _click_a_hop(pg, 30, "processes-tp3-hop-click-landed.png")
+
+        pg.goto(f"{base}/timeline?run={run}&page=timeline&step=30")
+        pg.get_by_role("heading", name="Timeline", exact=True).wait_for()
+        _settle(pg)
+        assert pg.locator("[data-testid='stException']").count() == 0
+        pg.get_by_text(re.compile(r"3 tensor-parallel ranks, each a worker lane")).wait_for()
+        ticks = pg.evaluate("() => [...document.querySelectorAll('.ytick text')]"
+                            ".sort((a, b) => a.getBoundingClientRect().y - b.getBoundingClientRect().y)"
+                            ".map(t => t.textContent)")
+        ranks = [int(re.search(r"worker rank (\d+)", t)[1]) for t in ticks if "worker rank" in t]
+        assert ranks == [0, 1, 2], ticks
+        pg.screenshot(path=os.path.join(SHOTS, "timeline-tp3-1440.png"))
+    finally:
+        external = list(pg.external)
+        ctx.close()
+    assert not external, external[:5]
 
 
 def test_processes_view_labels_one_process_runs(server, browser):
