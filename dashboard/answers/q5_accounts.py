@@ -154,14 +154,22 @@ def _time_account(src: RunSource, span, ev: dict[str, list[int]], mine: dict[int
 def _memory_account(src: RunSource, mine: dict[int, dict]) -> tuple[dict, float | None, str]:
     """Its KV blocks at their peak against the pool and the weights; the bytes of a block; where the weights' size comes from."""
     from dashboard.components.kv_memory import MB, block_bytes
-    per_block = block_bytes(src.meta, src.mr(src.steps[0]), src.block_size)
+    mr0 = src.mr(src.steps[0])
+    per_block = block_bytes(src.meta, mr0, src.block_size)
+    if src.tp > 1:
+        # NOTE: the weights are one rank's (the article's "per GPU"), so the KV is too: a rank holds
+        # its own KV heads of every block (its worker's kv_cache_shape; replicated heads when
+        # TP > num_kv_heads), not the whole block the run meta's kv_cache_bytes_per_block counts.
+        rank_meta = {k: v for k, v in src.meta.items() if k != "kv_cache_bytes_per_block"}
+        per_block = block_bytes(rank_meta, mr0) if mr0.get("kv_cache_shape") else (
+            per_block / src.tp if per_block else None)
     peak_blocks, peak_step = _peak_blocks(mine)
     pool = (src.kv(src.steps[0]).get("num_gpu_blocks") or 0) - 1
     weights, weights_from = src.weight_bytes()
     mem = {"peak KV blocks": peak_blocks, "at step": peak_step,
            "KV MB": peak_blocks * per_block / MB if per_block else None,
            "pool MB": pool * per_block / MB if per_block else None, "pool blocks": pool,
-           "weights MB": weights / MB if weights else None}
+           "weights MB": weights / MB if weights else None, "per rank": src.tp > 1}
     return mem, per_block, weights_from
 
 
@@ -231,7 +239,7 @@ def _why(time: dict, mem: dict, cpu: dict, n_steps: int, preempted: int) -> list
                    f"({100 * time['queue ms'] / time['TTFT ms']:.0f} %) was waiting in the queue, not computing: "
                    "the time account alone cannot say whether the GPU was slow or the pool was full.")
     if mem["KV MB"] is not None and mem["weights MB"]:
-        why.append(f"Its KV peaked at {mem['KV MB']:.2f} MB — "
+        why.append(f"Its KV peaked at {mem['KV MB']:.2f} MB{' per rank' if mem.get('per rank') else ''} — "
                    f"{100 * mem['peak KV blocks'] / max(mem['pool blocks'], 1):.0f} % of the pool but "
                    f"{100 * mem['KV MB'] / mem['weights MB']:.2f} % of the {mem['weights MB']:.0f} MB of weights: "
                    "tiny next to the model, yet the scarce resource that decides who runs.")
@@ -252,7 +260,8 @@ def _rows(time: dict, mem: dict, comm: dict, cpu: dict, n_steps: int, path: list
                                           f"{_f(time['ITL mean ms'])} ms, max {_f(time['ITL max ms (step ends)'])} ms")},
             {"account": "memory", "value": (f"{mem['peak KV blocks']} KV blocks at step {mem['at step']} = "
                                             f"{_f(mem['KV MB'], 2)} MB, pool {mem['pool blocks']} blocks = "
-                                            f"{_f(mem['pool MB'], 1)} MB, weights {_f(mem['weights MB'], 0)} MB")},
+                                            f"{_f(mem['pool MB'], 1)} MB, weights {_f(mem['weights MB'], 0)} MB"
+                                            + (" (each per rank)" if mem.get("per rank") else ""))},
             {"account": "communication", "value": comm["text"]},
             {"account": "CPU", "value": ", ".join(f"{k} {t:.2f} ms" for k, (t, _) in cpu["rows"].items())
              + f" — {cpu['total']:.2f} ms over its {n_steps} steps, its share {cpu['share']:.2f} ms"},

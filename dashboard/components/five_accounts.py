@@ -41,7 +41,8 @@ def five_accounts(path: str, request_id: str | None, key: str = "fa", links: boo
         with cols[1]:
             st.markdown("**:material/memory: memory**")
             st.markdown(f"**KV {_n(m['KV MB'], 2)} MB** ({m['peak KV blocks']} blocks, peak at step {m['at step']})  \n"
-                        f"pool {_n(m['pool MB'])} MB ({m['pool blocks']} blocks)  \nweights {_n(m['weights MB'], 0)} MB")
+                        f"pool {_n(m['pool MB'])} MB ({m['pool blocks']} blocks)  \nweights {_n(m['weights MB'], 0)} MB"
+                        + ("  \n(each per rank)" if m.get("per rank") else ""))
         with cols[2]:
             st.markdown("**:material/swap_horiz: communication**")
             c = f["collectives"]

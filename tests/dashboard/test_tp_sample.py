@@ -88,3 +88,12 @@ def test_communication_account_counts_each_collective_once(src):
     assert f["collectives"]["all_gather"][0] == len(f["steps"])      # the logits, once per step
     assert "each joined by all 3 ranks" in next(r["value"] for r in ans.tables["the five accounts"]
                                                if r["account"] == "communication")
+
+
+def test_memory_account_is_per_rank_like_the_weights(src):
+    mem = q5_accounts.answer(src).facts["memory"]
+    # a rank holds 1 of the 3 KV heads of every block: 30 layers x K,V x 16 tokens x 64 dims x fp32
+    per_rank_block = 30 * 2 * 16 * 1 * 64 * 4
+    assert mem["per rank"]
+    assert mem["KV MB"] == pytest.approx(mem["peak KV blocks"] * per_rank_block / 2 ** 20)
+    assert mem["weights MB"] == pytest.approx(134_515_008 * 4 / 3 / 2 ** 20, rel=1e-6)
