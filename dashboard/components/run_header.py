@@ -60,6 +60,8 @@ def header_fields(meta: dict, name: str | None = None, mr: dict | None = None) -
     kv = None
     if blocks is not None:
         kv = f"{blocks:,}" + (f" ({mb(blocks * per_block)})" if per_block else f" (MB {NOT_RECORDED})")
+        if per_block and isinstance(tp, int) and tp > 1:
+            kv = kv[:-1] + f" over {tp} ranks)"      # every rank holds its own KV heads of each block
     budget = _get(cfg, "scheduler_config", "max_num_batched_tokens")
     rows = [
         ("run", name, "the run store's file name (its name in the URL)"),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 
 import streamlit as st
 
@@ -54,6 +55,12 @@ def sample_label(r: dict) -> str:
 def gpu_sample(samples: list[dict]) -> dict | None:
     """The first readable sample recorded on a GPU, if any."""
     return next((r for r in samples if not r.get("error") and is_gpu(r)), None)
+
+
+def tp_sample(samples: list[dict]) -> dict | None:
+    """The first readable tensor-parallel sample (`-tp<N>` in its file name), if any."""
+    return next((r for r in samples if not r.get("error") and re.search(r"-tp\d+", os.path.basename(r["path"]))),
+                None)
 
 
 def open_sample(path: str, page: str | None = "inspector") -> None:

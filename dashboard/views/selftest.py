@@ -99,7 +99,7 @@ def _question(q, path: str, version: tuple) -> None:
         else:
             st.markdown(f"**Answer, from this run ({a.subject}).** {a.summary}")
             if q.key == "q5":
-                five_accounts(path, a.facts["request"], key="st_fa", links=False)
+                five_accounts(path, a.facts["request"], key="st_fa", links=False, page="selftest")
             elif a.chain:
                 _chain(a.chain)
             _show_me(a, q.key)

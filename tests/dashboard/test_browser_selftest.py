@@ -237,6 +237,23 @@ def test_tensor_parallel_sample_shows_its_ranks(server, browser):
         ranks = [int(re.search(r"worker rank (\d+)", t)[1]) for t in ticks if "worker rank" in t]
         assert ranks == [0, 1, 2], ticks
         pg.screenshot(path=os.path.join(SHOTS, "timeline-tp3-1440.png"))
+
+        # A run on one device has 0 collectives: its five accounts offer the TP sample, which has them.
+        pg.goto(f"{base}/journey?run={SAMPLE}&page=journey&step=15&request=7")
+        pg.get_by_role("heading", name="Request journey", exact=True).wait_for()
+        _settle(pg)
+        pg.get_by_text("The five accounts of this request").click()
+        pg.get_by_text("0 collectives").first.wait_for()
+        pg.get_by_role("button", name=re.compile("See them in a TP run")).click()
+        pg.wait_for_function(f"location.search.includes('run={run}')")
+        pg.get_by_role("heading", name="Request journey", exact=True).wait_for()
+        _settle(pg)
+        assert _query(pg.url)["page"] == "journey"
+        pg.get_by_text("The five accounts of this request").click()
+        pg.get_by_text(re.compile(r"\d+ all-reduces over \d+ steps, each joined by every rank")).first.wait_for()
+        pg.get_by_text("(each per rank)").first.wait_for()
+        assert pg.locator("[data-testid='stException']").count() == 0
+        pg.screenshot(path=os.path.join(SHOTS, "journey-tp3-five-accounts.png"))
     finally:
         external = list(pg.external)
         ctx.close()

@@ -97,3 +97,10 @@ def test_memory_account_is_per_rank_like_the_weights(src):
     assert mem["per rank"]
     assert mem["KV MB"] == pytest.approx(mem["peak KV blocks"] * per_rank_block / 2 ** 20)
     assert mem["weights MB"] == pytest.approx(134_515_008 * 4 / 3 / 2 ** 20, rel=1e-6)
+
+
+def test_run_header_says_the_kv_blocks_are_over_the_ranks(src):
+    from dashboard.components.run_header import header_fields
+    fields = {k: v for k, v, _ in header_fields(src.meta, os.path.basename(TP_SAMPLE), src.mr(src.steps[0]))}
+    assert fields["TP"] == "3"
+    assert re.fullmatch(r"24 \(\d+\.\d+ MB over 3 ranks\)", fields["KV blocks"]), fields["KV blocks"]
