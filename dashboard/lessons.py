@@ -41,6 +41,7 @@ class Facts:
     records: dict[int, dict] = field(default_factory=dict)
     statuses: dict[str, dict[int, str]] = field(default_factory=dict)
     reasons: dict[str, str] = field(default_factory=dict)    # request -> finish reason (stop, length, abort)
+    tp: int = 1                                              # the run's tensor_parallel_size
 
     def finishes(self) -> list[tuple[int, str]]:
         """(step, request) for every request that left the queues after being in them, in step order."""
@@ -144,6 +145,11 @@ def _graph_step(f: Facts) -> Found:
     return (int(pick["step"].iloc[0]), None) if not pick.empty else (None, None)
 
 
+def _tensor_parallel(f: Facts) -> Found:
+    """A TP run's busiest step (every step of it has the collectives; None on one device)."""
+    return _argmax("tokens")(f) if f.tp > 1 else (None, None)
+
+
 LESSONS = [
     Lesson("admit", "WAITING → RUNNING: the scheduler admits a request",
            "A new request waits in the FCFS queue until schedule() gives it tokens from the budget and "
@@ -210,6 +216,14 @@ LESSONS = [
            "The CPU schedules and prepares inputs; the device runs the forward pass; _bookkeeping_sync is "
            "where the CPU waits for sampled tokens.", "the ▼ sync markers on the timeline", "timeline",
            lambda f: _graph_step(f) if _graph_step(f)[0] is not None else _argmax("tokens")(f), cli=(6,)),
+    Lesson("tp", "Tensor parallelism: one SchedulerOutput, N ranks, all-reduces in every layer",
+           "With tensor_parallel_size N the weights are split over N worker processes: QKV and gate_up by "
+           "columns, o_proj and down_proj by rows, so each rank ends those two with a partial sum that an "
+           "all-reduce joins (2 per layer, and the embedding's); the logits are all-gathered. The scheduler "
+           "never knows: one SchedulerOutput is broadcast to every rank, and only rank 0 answers.",
+           "a WorkerProc lane per rank and the broadcast ⑤ to each (Processes); each rank's "
+           "GroupCoordinator.all_reduce spans (Timeline); the communication account (Self-test, Q5)",
+           "processes", _tensor_parallel),
 ]
 BY_KEY = {lesson.key: lesson for lesson in LESSONS}
 

@@ -9,14 +9,15 @@ import streamlit as st
 from dashboard import data, spans, state
 from dashboard.components.code_ref import code_ref
 from dashboard.components.nav import TABS, link, open_view
+from dashboard.components.run_picker import open_sample, tp_sample
 from dashboard.lessons import CLI_LESSONS, LESSONS, Facts
 
 ss = st.session_state
 
 
 def _where(lesson, step: int, request: str | None) -> str:
-    page = {"inspector": "Step inspector", "timeline": "Timeline", "journey": "Request journey"}.get(lesson.page,
-                                                                                                 lesson.page)
+    page = {"inspector": "Step inspector", "timeline": "Timeline", "journey": "Request journey",
+            "processes": "Processes"}.get(lesson.page, lesson.page)
     tab = f", {TABS[lesson.tab]} tab" if lesson.tab else ""
     req = f", req {request}" if request else ""
     return f"{page}{tab}, step {step}{req}"
@@ -35,6 +36,13 @@ def lesson_card(lesson, found: tuple[int | None, str | None]) -> None:
         c1, c2 = st.columns([5, 2], vertical_alignment="center")
         c1.markdown(f"**{lesson.title}**  \n{lesson.idea}  \n*Look at:* {lesson.look_at}{_cli(lesson)}")
         if step is None:
+            if lesson.key == "tp":
+                c2.caption("not in this run — one device, nothing to split")
+                tp = tp_sample(data.runs_in(state.samples_dir()))
+                if tp is not None:
+                    c2.button("Open the TP sample", key="lesson_tp_sample", icon=":material/call_split:",
+                              on_click=open_sample, args=(tp["path"], "lessons"))
+                return
             c2.caption("not in this run — needs a GPU: open the GPU sample run (sidebar)" if lesson.key == "cudagraph"
                        else "not in this run — try the matching scenario on the Live run page, or the CLI lesson")
             return
@@ -54,8 +62,10 @@ def main() -> None:
     reqs = spans.request_table(path, version)
     reasons = {} if isinstance(reqs, data.RunError) else {
         str(r["request_id"]): (r["finish_reasons"] or [""])[0] for r in reqs}
+    info = data.run_info(path, version)
+    pc = {} if isinstance(info, data.RunError) else (info["meta"].get("config") or {}).get("parallel_config") or {}
     facts = Facts(df, records if isinstance(records, dict) else {}, statuses if isinstance(statuses, dict) else {},
-                  reasons)
+                  reasons, tp=int(pc.get("tensor_parallel_size") or pc.get("world_size") or 1))
     found = [(lesson, lesson.find(facts)) for lesson in LESSONS]
     n = sum(f[0] is not None for _, f in found)
     st.caption(f"{n} of {len(found)} concepts appear in this run ({len(df)} steps). Each card opens the step, tab "

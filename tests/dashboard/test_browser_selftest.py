@@ -254,6 +254,27 @@ def test_tensor_parallel_sample_shows_its_ranks(server, browser):
         pg.get_by_text("(each per rank)").first.wait_for()
         assert pg.locator("[data-testid='stException']").count() == 0
         pg.screenshot(path=os.path.join(SHOTS, "journey-tp3-five-accounts.png"))
+
+        # The Lessons page of a one-device run: its tensor-parallelism card opens the TP sample's Lessons page,
+        # where the card finds the run's busiest step and opens Processes there.
+        pg.goto(f"{base}/lessons?run={SAMPLE}&page=lessons")
+        pg.get_by_role("heading", name="Lessons", exact=True).wait_for()
+        _settle(pg)
+        pg.locator(".st-key-card_tp").get_by_role("button", name=re.compile("Open the TP sample")).click()
+        pg.wait_for_function(f"location.search.includes('run={run}')")
+        pg.get_by_role("heading", name="Lessons", exact=True).wait_for()
+        _settle(pg)
+        card = pg.locator(".st-key-card_tp")
+        card.scroll_into_view_if_needed()
+        button = card.get_by_role("button", name=re.compile(r"Open step \d+"))
+        step = int(re.search(r"Open step (\d+)", button.inner_text())[1])
+        pg.screenshot(path=os.path.join(SHOTS, "lessons-tp3-card.png"))
+        button.click()
+        pg.get_by_role("heading", name="Processes", exact=True).wait_for()
+        pg.wait_for_function(f"location.search.includes('step={step}')")
+        _settle(pg)
+        assert pg.locator("[data-testid='stException']").count() == 0
+        pg.get_by_text("The engine in the LLM's process, 3 worker processes").wait_for()
     finally:
         external = list(pg.external)
         ctx.close()

@@ -104,3 +104,12 @@ def test_run_header_says_the_kv_blocks_are_over_the_ranks(src):
     fields = {k: v for k, v, _ in header_fields(src.meta, os.path.basename(TP_SAMPLE), src.mr(src.steps[0]))}
     assert fields["TP"] == "3"
     assert re.fullmatch(r"24 \(\d+\.\d+ MB over 3 ranks\)", fields["KV blocks"]), fields["KV blocks"]
+
+
+def test_the_tensor_parallel_lesson_card_finds_only_tp_runs():
+    import pandas as pd
+
+    from dashboard.lessons import BY_KEY, Facts
+    df = pd.DataFrame({"step": [1, 2, 3], "tokens": [5, 40, 1]})
+    assert BY_KEY["tp"].find(Facts(df, tp=3)) == (2, None)      # the busiest step: the most all-reduce bytes
+    assert BY_KEY["tp"].find(Facts(df)) == (None, None)
