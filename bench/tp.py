@@ -17,7 +17,10 @@ the share of the forward spent in collectives: on the CPU from the host spans
 `GroupCoordinator.*` within `GPUModelRunner._model_forward`; on the GPU from
 the device-lane spans `GPU.collective.*` within `GPU.model_forward` (an eager
 run: a graph replay has no events between its kernels).
-Prints a table and writes JSON (bench/results/tp_cpu.json, tp_h200.json).
+The GPU rows also carry each TP size's roofline floor (bench/throughput.py's model with
+N GPUs' measured copy and matmul rates) and the fraction of it reached; NVLink
+multicast stays off in every process (NO_MULTICAST).
+Prints a table and writes JSON (bench/results/tp_cpu.json, tp_h200x<GPUs>.json).
 """
 from __future__ import annotations
 
@@ -105,6 +108,7 @@ def comm_share(model: str | None, tp: int, prompts: list, params, on_gpu: bool, 
     forward_ns = sum(f.duration_ns for f in forward)
     return {"timing": "cuda_event" if on_gpu else "host", "forward_s": forward_ns / 1e9,
             "collective_s": sum(c.duration_ns for c in inside) / 1e9,
+            "collective_ms_per_step": sum(c.duration_ns for c in inside) / 1e6 / max(len(forward), 1),
             "share_of_forward": sum(c.duration_ns for c in inside) / forward_ns if forward_ns else None,
             "num_all_reduce_per_step": max((s.attributes.get("vllm_anatomy.num_all_reduce", 0) for s in steps),
                                            default=0),
@@ -182,9 +186,18 @@ def cpu(args) -> dict:
             "gloo_allreduce_us": latency}
 
 
+# NOTE: NVLink multicast stays off in every process this starts (the shared GPU machines
+# require it: a program that uses it can take the host's GPUs out of service); the ranks
+# inherit this environment.
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
 def gpu(args) -> dict:
-    from throughput import workload, write_random_model, qwen3_06b_config  # bench/throughput.py
+    from kernels import copy_ceiling, matmul_ceiling  # bench/kernels.py
+    from throughput import qwen3_06b_config, roofline, workload, write_random_model  # bench/throughput.py
     from vllm_anatomy import SamplingParams
+    for k, v in NO_MULTICAST.items():
+        os.environ.setdefault(k, v)
     count = torch.cuda.device_count()
     sizes = [tp for tp in (args.tp or [1, 2, 4, 8]) if tp <= count]
     prompts, outs = workload(args.num_seqs, args.min_len, args.max_len, qwen3_06b_config().vocab_size)
@@ -204,9 +217,17 @@ def gpu(args) -> dict:
                     r["comm"] = comm_share(path, tp, token_prompts[:32], short, on_gpu=True, max_model_len=4096)
                 rows.append(r)
     base = next(r["tok_per_s"] for r in rows if r["tp"] == 1 and not r["async_scheduling"])
+    # The floor of each TP size: bench/throughput.py's roofline with N GPUs' copy and matmul
+    # rates (each rank reads 1/N of the weights and of the KV: its heads).
+    copy, mm = copy_ceiling(quick=False)["bytes_per_s"], matmul_ceiling()["flop_per_s"]
     for r in rows:
         r["vs_tp1_sync"] = r["tok_per_s"] / base
+        floor = roofline(prompts, outs, copy * r["tp"], mm * r["tp"])
+        r["floor_tok_per_s"] = floor["floor_tok_per_s"]
+        r["fraction_of_floor"] = r["tok_per_s"] / floor["floor_tok_per_s"]
     return {"bench": "tp_gpu", "gpu": torch.cuda.get_device_name(), "gpus": count, "torch": torch.__version__,
+            "copy_ceiling_bytes_per_s": copy, "matmul_ceiling_flop_per_s": mm,
+            "env": {k: os.environ.get(k) for k in NO_MULTICAST},
             "workload": {"num_seqs": args.num_seqs, "min_len": args.min_len, "max_len": args.max_len,
                          "output_tokens": sum(outs), "prompt_tokens": sum(map(len, prompts))},
             "rows": rows}
@@ -214,14 +235,17 @@ def gpu(args) -> dict:
 
 def print_table(result: dict) -> None:
     print(f"{'model':36}{'TP':>4}{'threads':>9}{'sched':>7}{'out tok/s':>11}{'vs TP=1':>9}"
-          f"{'comm share':>12}{'AR/step':>9}")
+          f"{'comm share':>12}{'AR/step':>9}{'comm ms/step':>14}{'of floor':>10}")
     for r in result["rows"]:
         comm = r.get("comm") or {}
-        share = comm.get("share_of_forward")
+        share, per_step, floor = comm.get("share_of_forward"), comm.get("collective_ms_per_step"), \
+            r.get("fraction_of_floor")
         print(f"{r.get('model', 'Qwen3-0.6B shape'):36}{r['tp']:>4}{r['threads_per_process']:>9}"
               f"{'async' if r['async_scheduling'] else 'sync':>7}{r['tok_per_s']:>11.1f}"
               f"{r.get('vs_tp1_same_threads', r.get('vs_tp1_sync', 1.0)):>8.2f}x"
-              f"{'' if share is None else f'{100 * share:.0f} %':>12}{comm.get('num_all_reduce_per_step', ''):>9}")
+              f"{'' if share is None else f'{100 * share:.0f} %':>12}{comm.get('num_all_reduce_per_step', ''):>9}"
+              f"{'' if per_step is None else f'{per_step:.3f}':>14}"
+              f"{'' if floor is None else f'{100 * floor:.1f} %':>10}")
 
 
 def main() -> None:
@@ -243,7 +267,7 @@ def main() -> None:
     for r in result["rows"]:
         r.pop("tokens", None)
     print_table(result)
-    out = args.out or ("bench/results/tp_h200.json" if args.gpu else "bench/results/tp_cpu.json")
+    out = args.out or (f"bench/results/tp_h200x{result['gpus']}.json" if args.gpu else "bench/results/tp_cpu.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:
         json.dump(result, f, indent=2)
