@@ -23,6 +23,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # Temperature-only batches sampled in one read of the logits on CUDA
     # (model_executor/sampler.py, kernels/sampling.py), read when the sampler is imported.
     "VLLM_ANATOMY_FUSED_SAMPLING": lambda: os.getenv("VLLM_ANATOMY_FUSED_SAMPLING", "1") != "0",
+    # Linear layers on a CPU multiply with oneDNN on a weight prepacked once
+    # (model_executor/layers/utils.py), read when a model is loaded.
+    "VLLM_ANATOMY_CPU_ONEDNN_GEMM": lambda: os.getenv("VLLM_ANATOMY_CPU_ONEDNN_GEMM", "1") != "0",
     # Seconds a dead EngineCore process may spend shutting down after a fatal
     # error before it dumps every thread's stack to stderr and exits (core_proc.py).
     "VLLM_ANATOMY_DEAD_ENGINE_EXIT_TIMEOUT_S":

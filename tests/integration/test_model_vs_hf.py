@@ -66,8 +66,11 @@ def test_paged_logits_match_hf(model, hf_model, prompts):
     assert any(b != a + 1 for a, b in zip(table, table[1:])), "block table should be non-contiguous"
     expected1 = [ref[1][:-1], ref[0][:split], ref[2][:-1], ref[3][:-1]]
     expected2 = [ref[2][-1:], ref[0][split:], ref[3][-1:], ref[1][-1:]]
+    # NOTE: fp32 logits of magnitude ~10-20 after 30 layers; on a CPU our linears run oneDNN
+    # (layers/utils.py) and HF's MKL, whose additions come in another order: up to ~1.1e-4
+    # apart. A wrong mask, position or block is off by far more (and the greedy tests check tokens).
     for got, want in zip(step1 + step2, expected1 + expected2):
-        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(got, want, atol=5e-4, rtol=1e-4)
 
 
 def greedy_paged(model, prompts, eos_token_id):

@@ -115,9 +115,13 @@ class LinearBase(nn.Module):
         assert loaded_shard_id is None, f"{type(self).__name__} is not packed"
         default_weight_loader(param, loaded_weight)
 
+    # x @ W.T (+ b). NOTE: on a CPU, loading swaps in oneDNN on a prepacked copy of
+    # the weight (layers/utils.py: dispatch_cpu_unquantized_gemm, vLLM's name).
+    gemm = staticmethod(F.linear)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, input_size_per_partition] -> [T, output_size_per_partition]
-        return F.linear(x, self.weight, self.bias)
+        return self.gemm(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.input_size_per_partition}, out_features={self.output_size_per_partition}, "
@@ -176,7 +180,7 @@ class RowParallelLinear(LinearBase):
         # x: [T, input_size / N] -> [T, output_size]
         # NOTE: only rank 0 adds the bias: the all-reduce sums it once, not N times.
         bias = self.bias if self.tp_rank == 0 else None
-        output = F.linear(x, self.weight, bias)
+        output = self.gemm(x, self.weight, bias)
         if self.reduce_results and self.tp_size > 1:
             output = tensor_model_parallel_all_reduce(output)
         return output

@@ -74,6 +74,9 @@ class ParallelLMHead(VocabParallelEmbedding):
     and gathered there across the ranks.
     """
 
+    # hidden @ weight.T; on a CPU, oneDNN on a prepacked copy (layers/utils.py), as LinearBase.gemm.
+    gemm = staticmethod(F.linear)
+
     def tie_weights(self, embed_tokens: VocabParallelEmbedding) -> "ParallelLMHead":
         """Share the embedding's weight (tie_word_embeddings): one tensor, two uses
         (with N ranks, the same V/N rows on each rank)."""

@@ -24,7 +24,6 @@ from __future__ import annotations
 from typing import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from vllm_anatomy import envs
@@ -255,7 +254,7 @@ class LlamaForCausalLM(nn.Module):
         model skips writing an fp32 copy of [R, V] every step. The grammar
         bitmask (xgrammar) masks bf16/fp16 logits in place as well.
         """
-        logits = F.linear(hidden_states, self.lm_head.weight)      # [R, V / N]
+        logits = self.lm_head.gemm(hidden_states, self.lm_head.weight, None)   # [R, V / N]
         if self.lm_head.tp_size > 1:
             logits = tensor_model_parallel_all_gather(logits)      # [R, V], rank-ordered columns
         return logits
