@@ -20,6 +20,7 @@ import sqlite3
 import pandas as pd
 import streamlit as st
 
+from dashboard.answers.source import worker_ranks
 from dashboard.data import RunError
 from vllm_anatomy.tracing.reader import TraceStoreError, open_run
 
@@ -75,16 +76,13 @@ def _span_rows(spans, host_device: bool, ranks: dict[int, int] | None = None) ->
                 **{col: a.get(key) for key, col in ATTR_COLUMNS.items()}}
         if base["grid"] is not None:
             base["grid"] = str(list(base["grid"]))
-        if device_pids is not None and s.pid not in device_pids and (
-                a.get("vllm_anatomy.lane") == "device" or (host_device and s.name in DEVICE_WORK)):
-            if a.get("vllm_anatomy.lane") != "device":
-                rows.append(base)
-            continue
+        on_device_lane = device_pids is None or s.pid in device_pids
         if a.get("vllm_anatomy.lane") == "device":
-            rows.append({**base, "lane": DEVICE_LANE, "depth": 0, "device_row": device_row(s.name)})
+            if on_device_lane:
+                rows.append({**base, "lane": DEVICE_LANE, "depth": 0, "device_row": device_row(s.name)})
             continue
         rows.append(base)
-        if host_device and s.name in DEVICE_WORK:
+        if host_device and s.name in DEVICE_WORK and on_device_lane:
             rows.append({**base, "lane": DEVICE_LANE, "depth": 0, "host_timing": True, "device_row": "phases"})
     return rows
 
@@ -94,7 +92,7 @@ def span_table(path: str, version: tuple, device: str) -> pd.DataFrame | RunErro
     try:
         with open_run(path) as run:
             spans = run.spans()
-            ranks = {int(r["pid"]): int(r["rank"]) for r in run.meta.get("ranks") or [] if "pid" in r and "rank" in r}
+            ranks = worker_ranks(run.meta)
     except (TraceStoreError, sqlite3.Error, OSError) as e:
         return RunError(f"{path}: cannot read spans ({e})")
     has_device_spans = any(s.attributes.get("vllm_anatomy.lane") == "device" for s in spans)

@@ -75,12 +75,13 @@ def record_one_process(trace_dir: str, tp: int = 1) -> str:
     from vllm_anatomy import LLM, SamplingParams
     llm = LLM(trace_level="full", trace_dir=trace_dir, tensor_parallel_size=tp, **ENGINE_ARGS)
     engine = llm.llm_engine
-    on_gpu = device_tag()[0] != "cpu"
+    tag, device_words = device_tag()
+    on_gpu = tag != "cpu"
     how = ("one process (the offline LLM), async scheduling as on any GPU" if tp == 1 else
            f"the offline LLM with {tp} tensor-parallel ranks, each a worker process "
            f"({'NCCL' if on_gpu else 'gloo'})")
     engine.recorder.set_run_meta("description", DESCRIPTION.format(
-        device=device_tag()[1], graphs="CUDA graphs on, " if on_gpu else "", how=how,
+        device=device_words, graphs="CUDA graphs on, " if on_gpu else "", how=how,
         flags="--processes 1" if tp == 1 else f"--tp {tp}"))
     conversations = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]
                      for q in QUESTIONS + [LONG]]

@@ -153,16 +153,14 @@ def _time_account(src: RunSource, span, ev: dict[str, list[int]], mine: dict[int
 
 def _memory_account(src: RunSource, mine: dict[int, dict]) -> tuple[dict, float | None, str]:
     """Its KV blocks at their peak against the pool and the weights; the bytes of a block; where the weights' size comes from."""
-    from dashboard.components.kv_memory import MB, block_bytes
+    from dashboard.components.kv_memory import MB, block_bytes, rank_block_bytes
     mr0 = src.mr(src.steps[0])
     per_block = block_bytes(src.meta, mr0, src.block_size)
     if src.tp > 1:
         # NOTE: the weights are one rank's (the article's "per GPU"), so the KV is too: a rank holds
         # its own KV heads of every block (its worker's kv_cache_shape; replicated heads when
         # TP > num_kv_heads), not the whole block the run meta's kv_cache_bytes_per_block counts.
-        rank_meta = {k: v for k, v in src.meta.items() if k != "kv_cache_bytes_per_block"}
-        per_block = block_bytes(rank_meta, mr0) if mr0.get("kv_cache_shape") else (
-            per_block / src.tp if per_block else None)
+        per_block = rank_block_bytes(src.meta, mr0) or (per_block / src.tp if per_block else None)
     peak_blocks, peak_step = _peak_blocks(mine)
     pool = (src.kv(src.steps[0]).get("num_gpu_blocks") or 0) - 1
     weights, weights_from = src.weight_bytes()

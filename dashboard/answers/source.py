@@ -21,6 +21,17 @@ EVENT_METHOD = {"hit": "BlockPool.touch", "evict": "BlockPool._maybe_evict_cache
                 "free": "BlockPool.free_blocks", "reset": "BlockPool.reset_prefix_cache"}
 
 
+def tensor_parallel_size(meta: dict) -> int:
+    """The run's TP size from its config (world_size in runs recorded before tensor_parallel_size)."""
+    pc = (meta.get("config") or {}).get("parallel_config") or {}
+    return int(pc.get("tensor_parallel_size") or pc.get("world_size") or 1)
+
+
+def worker_ranks(meta: dict) -> dict[int, int]:
+    """pid -> tensor-parallel rank of each worker process, from the run meta ({} before it had them)."""
+    return {int(r["pid"]): int(r["rank"]) for r in meta.get("ranks") or [] if "pid" in r and "rank" in r}
+
+
 class RunSource:
     def __init__(self, path: str, scan: dict | None = None, statuses: dict | None = None) -> None:
         self.path = path
@@ -37,7 +48,7 @@ class RunSource:
         self.max_model_len = int(sc.get("max_model_len") or (cfg.get("model_config") or {}).get("max_model_len") or 0)
         pc = cfg.get("parallel_config") or {}
         self.backend = pc.get("distributed_executor_backend") or "uni"
-        self.tp = int(pc.get("tensor_parallel_size") or pc.get("world_size") or 1)
+        self.tp = tensor_parallel_size(self.meta)
 
     # -- snapshots --------------------------------------------------------------------------
     @functools.lru_cache(maxsize=256)
@@ -119,8 +130,7 @@ class RunSource:
 
     @functools.cached_property
     def ranks(self) -> dict[int, int]:
-        """pid -> tensor-parallel rank of each worker process, from the run meta ({} before it had them)."""
-        return {int(r["pid"]): int(r["rank"]) for r in self.meta.get("ranks") or [] if "pid" in r and "rank" in r}
+        return worker_ranks(self.meta)
 
     @functools.cached_property
     def pids(self) -> dict[str, set[int]]:

@@ -5,14 +5,12 @@ run's own values. One function, drawn on the Self-test page and on the Request
 journey page."""
 from __future__ import annotations
 
-import os
-
 import streamlit as st
 
-from dashboard import data, state
+from dashboard import data
 from dashboard.answers.cached import answer
 from dashboard.components.nav import link, open_view
-from dashboard.components.run_picker import open_sample, tp_sample
+from dashboard.components.run_picker import tp_sample_button
 
 
 def _n(x, nd: int = 1, unit: str = "") -> str:
@@ -56,7 +54,7 @@ def five_accounts(path: str, request_id: str | None, key: str = "fa", links: boo
                             f"every rank  \n{c['all_reduce'][1] / 2 ** 20:,.2f} MB handed to them per rank")
             else:
                 st.markdown("**0 collectives**  \none device: nothing to all-reduce")
-                _tp_sample_button(path, key, page)
+                tp_sample_button(f"{key}_tp_sample", page, "See them in a TP run", current=path)
             st.markdown("  \n".join(f"{v} {k.split(' (')[0]}" for k, v in f["ipc"].items()))
         with cols[3]:
             st.markdown("**:material/developer_board: CPU (host)**")
@@ -77,13 +75,3 @@ def five_accounts(path: str, request_id: str | None, key: str = "fa", links: boo
                 bc[i].button(f"Show me: {s.label} →", key=f"{key}_show_{i}", on_click=open_view,
                              args=(s.page, s.step, s.tab, s.request), help=s.where)
                 bc[i].markdown(f"[{s.where}]({link(s.page, s.step, s.tab, s.request)})")
-
-
-def _tp_sample_button(path: str, key: str, page: str) -> None:
-    """A run on one device has no collectives to show: open the shipped TP sample, where they are."""
-    tp = tp_sample(data.runs_in(state.samples_dir()))
-    if tp is None or os.path.abspath(tp["path"]) == os.path.abspath(path):
-        return
-    st.button("See them in a TP run", key=f"{key}_tp_sample", icon=":material/call_split:", on_click=open_sample,
-              args=(tp["path"], page), help=f"{os.path.basename(tp['path'])}: " + (tp.get("description") or
-              "a tensor-parallel run") + " — every rank all-reduces after o_proj and down_proj of every layer.")

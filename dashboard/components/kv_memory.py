@@ -47,12 +47,22 @@ def block_bytes(meta: dict, mr: dict | None = None, block_size: int | None = Non
     per = meta.get("kv_cache_bytes_per_block")
     if isinstance(per, (int, float)) and per > 0:
         return int(per)
+    per = rank_block_bytes(meta, mr)
+    if per is not None:
+        return per
+    bs = block_size or ((meta.get("config") or {}).get("cache_config") or {}).get("block_size")
+    return _from_model_dir(meta, int(bs)) if bs else None
+
+
+def rank_block_bytes(meta: dict, mr: dict | None) -> int | None:
+    """Bytes of one KV block in one worker's cache (its own KV heads), from its step snapshot
+    (`kv_cache_shape`, `num_kv_cache_layers`) and the meta's dtype; None when they are absent.
+    With tensor parallelism this is one rank's share; the meta's kv_cache_bytes_per_block is all ranks'."""
     shape, layers = (mr or {}).get("kv_cache_shape"), (mr or {}).get("num_kv_cache_layers")
     nbytes = _dtype_bytes(meta)
     if shape and layers and nbytes and len(shape) >= 2 and shape[1]:
         return int(math.prod(shape) // shape[1] * layers * nbytes)
-    bs = block_size or ((meta.get("config") or {}).get("cache_config") or {}).get("block_size")
-    return _from_model_dir(meta, int(bs)) if bs else None
+    return None
 
 
 def mb(nbytes: float | None) -> str:

@@ -63,6 +63,18 @@ def tp_sample(samples: list[dict]) -> dict | None:
                 None)
 
 
+def tp_sample_button(key: str, page: str, label: str, current: str | None = None, where=st, **kw) -> bool:
+    """A button that opens the shipped tensor-parallel sample on `page` (unless it is the run
+    `current`); False when there is none to open."""
+    tp = tp_sample(data.runs_in(state.samples_dir()))
+    if tp is None or (current is not None and os.path.abspath(tp["path"]) == os.path.abspath(current)):
+        return False
+    where.button(label, key=key, icon=":material/call_split:", on_click=open_sample, args=(tp["path"], page),
+                 help=f"{os.path.basename(tp['path'])}: " + (tp.get("description") or "a tensor-parallel run")
+                 + " — every rank all-reduces after o_proj and down_proj of every layer.", **kw)
+    return True
+
+
 def open_sample(path: str, page: str | None = "inspector") -> None:
     """Callback: open a sample run at its first CUDA graph replay (the last step if none)."""
     state.open_run(path, data.first_graph_step(path))

@@ -7,9 +7,10 @@ from __future__ import annotations
 import streamlit as st
 
 from dashboard import data, spans, state
+from dashboard.answers.source import tensor_parallel_size
 from dashboard.components.code_ref import code_ref
 from dashboard.components.nav import TABS, link, open_view
-from dashboard.components.run_picker import open_sample, tp_sample
+from dashboard.components.run_picker import tp_sample_button
 from dashboard.lessons import CLI_LESSONS, LESSONS, Facts
 
 ss = st.session_state
@@ -38,10 +39,7 @@ def lesson_card(lesson, found: tuple[int | None, str | None]) -> None:
         if step is None:
             if lesson.key == "tp":
                 c2.caption("not in this run — one device, nothing to split")
-                tp = tp_sample(data.runs_in(state.samples_dir()))
-                if tp is not None:
-                    c2.button("Open the TP sample", key="lesson_tp_sample", icon=":material/call_split:",
-                              on_click=open_sample, args=(tp["path"], "lessons"))
+                tp_sample_button("lesson_tp_sample", "lessons", "Open the TP sample", where=c2)
                 return
             c2.caption("not in this run — needs a GPU: open the GPU sample run (sidebar)" if lesson.key == "cudagraph"
                        else "not in this run — try the matching scenario on the Live run page, or the CLI lesson")
@@ -63,9 +61,8 @@ def main() -> None:
     reasons = {} if isinstance(reqs, data.RunError) else {
         str(r["request_id"]): (r["finish_reasons"] or [""])[0] for r in reqs}
     info = data.run_info(path, version)
-    pc = {} if isinstance(info, data.RunError) else (info["meta"].get("config") or {}).get("parallel_config") or {}
     facts = Facts(df, records if isinstance(records, dict) else {}, statuses if isinstance(statuses, dict) else {},
-                  reasons, tp=int(pc.get("tensor_parallel_size") or pc.get("world_size") or 1))
+                  reasons, tp=1 if isinstance(info, data.RunError) else tensor_parallel_size(info["meta"]))
     found = [(lesson, lesson.find(facts)) for lesson in LESSONS]
     n = sum(f[0] is not None for _, f in found)
     st.caption(f"{n} of {len(found)} concepts appear in this run ({len(df)} steps). Each card opens the step, tab "

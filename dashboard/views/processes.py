@@ -13,7 +13,7 @@ from dashboard import data, state
 from dashboard.answers.cached import source
 from dashboard.components.code_ref import code_ref
 from dashboard.components.nav import open_view, point_data, selected_points
-from dashboard.processes import BUSY, chain_rows, step_view
+from dashboard.processes import BUSY, chain_rows, layout, step_view
 
 ss = st.session_state
 FIG_KEY = "proc_fig"
@@ -154,7 +154,7 @@ def main() -> None:
                 "loop and the worker are one Python thread, so ③ and ⑤ are plain function calls, not messages. "
                 "Start a live run with **three processes** (Start page) to see the ZMQ and shared-memory hops.",
                 icon=":material/info:")
-    elif not src.pids.get("engine_core"):
+    elif layout(src)["inproc_engine"]:
         workers = len(src.pids.get("worker", ()))
         st.info(f"**The engine in the LLM's process, {workers} worker process{'es' if workers > 1 else ''}**"
                 + (f" (tensor parallelism: {src.tp} ranks)" if src.tp > 1 else "") + ": requests reach "
