@@ -19,7 +19,7 @@ the device-lane spans `GPU.collective.*` within `GPU.model_forward` (an eager
 run: a graph replay has no events between its kernels).
 The GPU rows also carry each TP size's roofline floor (bench/throughput.py's model with
 N GPUs' measured copy and matmul rates) and the fraction of it reached; NVLink
-multicast stays off in every process (NO_MULTICAST).
+multicast stays off in every process (distributed/utils.py: NO_NVLINK_MULTICAST).
 Prints a table and writes JSON (bench/results/tp_cpu.json, tp_h200x<GPUs>.json).
 """
 from __future__ import annotations
@@ -186,18 +186,12 @@ def cpu(args) -> dict:
             "gloo_allreduce_us": latency}
 
 
-# NOTE: NVLink multicast stays off in every process this starts (the shared GPU machines
-# require it: a program that uses it can take the host's GPUs out of service); the ranks
-# inherit this environment.
-NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-
-
 def gpu(args) -> dict:
     from kernels import copy_ceiling, matmul_ceiling  # bench/kernels.py
     from throughput import qwen3_06b_config, roofline, workload, write_random_model  # bench/throughput.py
     from vllm_anatomy import SamplingParams
-    for k, v in NO_MULTICAST.items():
-        os.environ.setdefault(k, v)
+    from vllm_anatomy.distributed.utils import NO_NVLINK_MULTICAST, disable_nvlink_multicast
+    disable_nvlink_multicast()          # every rank inherits it (the shared machines require it)
     count = torch.cuda.device_count()
     sizes = [tp for tp in (args.tp or [1, 2, 4, 8]) if tp <= count]
     prompts, outs = workload(args.num_seqs, args.min_len, args.max_len, qwen3_06b_config().vocab_size)
@@ -227,7 +221,7 @@ def gpu(args) -> dict:
         r["fraction_of_floor"] = r["tok_per_s"] / floor["floor_tok_per_s"]
     return {"bench": "tp_gpu", "gpu": torch.cuda.get_device_name(), "gpus": count, "torch": torch.__version__,
             "copy_ceiling_bytes_per_s": copy, "matmul_ceiling_flop_per_s": mm,
-            "env": {k: os.environ.get(k) for k in NO_MULTICAST},
+            "env": {k: os.environ.get(k) for k in NO_NVLINK_MULTICAST},
             "workload": {"num_seqs": args.num_seqs, "min_len": args.min_len, "max_len": args.max_len,
                          "output_tokens": sum(outs), "prompt_tokens": sum(map(len, prompts))},
             "rows": rows}

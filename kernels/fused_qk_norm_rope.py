@@ -52,6 +52,7 @@ import triton
 import triton.language as tl
 
 from vllm_anatomy.kernels.launch import check_launchable
+from vllm_anatomy.kernels.rotary_embedding import _token_cos_sin
 
 
 @triton.jit
@@ -120,17 +121,8 @@ def _fused_qk_norm_rope_kernel(
     IS_NEOX: tl.constexpr,
     BLOCK_T: tl.constexpr,
 ):
-    tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)               # [BLOCK_T]
-    tok_mask = tok < num_tokens
-    tok64 = tok.to(tl.int64)
-    pos = tl.load(positions_ptr + tok, mask=tok_mask, other=0).to(tl.int64)
-    i = tl.arange(0, ROT_HALF_PADDED)[None, :]
-    cs_mask = tok_mask[:, None] & (i < ROT_HALF)
-    cs = cos_sin_ptr + pos[:, None] * stride_cos_sin + i                    # [BLOCK_T, R]
-    # NOTE: cast to the activations' dtype first, as the torch layer does.
-    dtype = qkv_ptr.dtype.element_ty
-    cos = tl.load(cs, mask=cs_mask, other=0.0).to(dtype).to(tl.float32)[:, None, :]
-    sin = tl.load(cs + ROT_HALF, mask=cs_mask, other=0.0).to(dtype).to(tl.float32)[:, None, :]
+    tok64, tok_mask, cos, sin = _token_cos_sin(positions_ptr, cos_sin_ptr, num_tokens, stride_cos_sin,
+                                               qkv_ptr, ROT_HALF, ROT_HALF_PADDED, BLOCK_T)
     _norm_rope_heads(qkv_ptr, q_weight_ptr, tok64, tok_mask, stride_qkv_tok, eps, cos, sin,
                      NUM_Q_HEADS, Q_HEADS_PADDED, HEAD_SIZE, ROT_HALF, ROT_HALF_PADDED,
                      PASS_PADDED, IS_NEOX)

@@ -81,6 +81,24 @@ def _rotate_heads(
         tl.store(dst + p, tl.load(src + p, mask=pmask), mask=pmask)
 
 
+@triton.jit
+def _token_cos_sin(positions_ptr, cos_sin_ptr, num_tokens, stride_cos_sin, like_ptr,
+                   ROT_HALF: tl.constexpr, ROT_HALF_PADDED: tl.constexpr, BLOCK_T: tl.constexpr):
+    """This program's BLOCK_T tokens and the cos, sin rows of their positions,
+    [BLOCK_T, 1, ROT_HALF_PADDED] fp32 (a head axis to broadcast over)."""
+    tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)               # [BLOCK_T]
+    tok_mask = tok < num_tokens
+    pos = tl.load(positions_ptr + tok, mask=tok_mask, other=0).to(tl.int64)
+    i = tl.arange(0, ROT_HALF_PADDED)[None, :]
+    cs_mask = tok_mask[:, None] & (i < ROT_HALF)
+    cs = cos_sin_ptr + pos[:, None] * stride_cos_sin + i                    # [BLOCK_T, R]
+    # NOTE: cast to the activations' dtype first, as the torch layer does.
+    dtype = like_ptr.dtype.element_ty
+    cos = tl.load(cs, mask=cs_mask, other=0.0).to(dtype).to(tl.float32)[:, None, :]
+    sin = tl.load(cs + ROT_HALF, mask=cs_mask, other=0.0).to(dtype).to(tl.float32)[:, None, :]
+    return tok.to(tl.int64), tok_mask, cos, sin
+
+
 @triton.jit(do_not_specialize=["num_tokens"])   # per-step sizes: see launch.py
 def _rotary_embedding_kernel(
     positions_ptr,                     # [T]
@@ -96,17 +114,8 @@ def _rotary_embedding_kernel(
     IS_NEOX: tl.constexpr,
     BLOCK_T: tl.constexpr,
 ):
-    tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)               # [BLOCK_T]
-    tok_mask = tok < num_tokens
-    tok64 = tok.to(tl.int64)
-    pos = tl.load(positions_ptr + tok, mask=tok_mask, other=0).to(tl.int64)
-    i = tl.arange(0, ROT_HALF_PADDED)[None, :]
-    cs_mask = tok_mask[:, None] & (i < ROT_HALF)
-    cs = cos_sin_ptr + pos[:, None] * stride_cos_sin + i                    # [BLOCK_T, R]
-    # NOTE: cast to the query's dtype first, as the torch layer does.
-    dtype = q_out_ptr.dtype.element_ty
-    cos = tl.load(cs, mask=cs_mask, other=0.0).to(dtype).to(tl.float32)[:, None, :]
-    sin = tl.load(cs + ROT_HALF, mask=cs_mask, other=0.0).to(dtype).to(tl.float32)[:, None, :]
+    tok64, tok_mask, cos, sin = _token_cos_sin(positions_ptr, cos_sin_ptr, num_tokens, stride_cos_sin,
+                                               q_out_ptr, ROT_HALF, ROT_HALF_PADDED, BLOCK_T)
     _rotate_heads(q_ptr, q_out_ptr, tok64, tok_mask, stride_q_tok, cos, sin,
                   NUM_Q_HEADS, Q_HEADS_PADDED, HEAD_SIZE, ROT_HALF, ROT_HALF_PADDED,
                   PASS_PADDED, IS_NEOX)

@@ -152,6 +152,43 @@ def _attend_tiles(acc, m_i, l_i, q, tile_lo, tile_hi, num_unmasked_tiles, num_ke
     return acc, m_i, l_i
 
 
+@triton.jit
+def _load_query_rows(query_ptr, q_start, q_block_local, query_len, kv_head, stride_q_tok, stride_q_head,
+                     NUM_QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr,
+                     HEAD_DIM_PADDED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
+                     DOT_FP32: tl.constexpr):
+    """One program's rows: BLOCK_Q query tokens x the NUM_QUERIES_PER_KV query heads of
+    `kv_head`, row r = (token r // NUM_QUERIES_PER_KV, head r % NUM_QUERIES_PER_KV).
+    Returns Q [BLOCK_M, HEAD_DIM_PADDED] and the indices the epilogue stores with."""
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM_PADDED)
+    query_pos = q_block_local * BLOCK_Q + offs_m // NUM_QUERIES_PER_KV    # [BLOCK_M] index in the query
+    head = kv_head * NUM_QUERIES_PER_KV + offs_m % NUM_QUERIES_PER_KV     # [BLOCK_M] query head
+    # NOTE: when NUM_QUERIES_PER_KV is not a power of two, BLOCK_M is padded
+    # and the last rows would belong to a token of the next block: mask them.
+    row_mask = (query_pos < query_len) & (offs_m < BLOCK_Q * NUM_QUERIES_PER_KV)
+    d_mask = offs_d < HEAD_DIM
+    q_tok = (q_start + query_pos).to(tl.int64)
+    q = tl.load(query_ptr + q_tok[:, None] * stride_q_tok + head[:, None] * stride_q_head
+                + offs_d[None, :], mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+    return q, q_tok, head, query_pos, row_mask, offs_d, d_mask
+
+
+@triton.jit
+def _causal_bounds(context_len, q_block_local, query_len, query_pos,
+                   BLOCK_Q: tl.constexpr, TILE_SIZE: tl.constexpr):
+    """The last query token of this block sees keys up to context_len + its index:
+    no tile past that is needed (the causal bound, per block). The first token sees
+    keys 0 .. context_len + its index: tiles wholly below that need no mask.
+    Returns (num_keys, num_unmasked_tiles, causal_limit [BLOCK_M] last visible key)."""
+    last_q = tl.minimum((q_block_local + 1) * BLOCK_Q, query_len) - 1
+    num_keys = context_len + last_q + 1
+    num_unmasked_tiles = (context_len + q_block_local * BLOCK_Q + 1) // TILE_SIZE
+    return num_keys, num_unmasked_tiles, context_len + query_pos
+
+
 @triton.jit(do_not_specialize=["num_seqs"])   # per-step sizes: see launch.py
 def _unified_attention_kernel(
     query_ptr, key_cache_ptr, value_cache_ptr, output_ptr,
@@ -190,32 +227,15 @@ def _unified_attention_kernel(
     seq_len = tl.load(seq_lens_ptr + seq_idx)
     context_len = seq_len - query_len
 
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM_PADDED)
-    query_pos = q_block_local * BLOCK_Q + offs_m // NUM_QUERIES_PER_KV    # [BLOCK_M] index in the query
-    head = kv_head * NUM_QUERIES_PER_KV + offs_m % NUM_QUERIES_PER_KV     # [BLOCK_M] query head
-    # NOTE: when NUM_QUERIES_PER_KV is not a power of two, BLOCK_M is padded
-    # and the last rows would belong to a token of the next block: mask them.
-    row_mask = (query_pos < query_len) & (offs_m < BLOCK_Q * NUM_QUERIES_PER_KV)
-    d_mask = offs_d < HEAD_DIM
-
-    q_tok = (q_start + query_pos).to(tl.int64)
-    q = tl.load(query_ptr + q_tok[:, None] * stride_q_tok + head[:, None] * stride_q_head
-                + offs_d[None, :], mask=row_mask[:, None] & d_mask[None, :], other=0.0)
-    if DOT_FP32:
-        q = q.to(tl.float32)
+    q, q_tok, head, query_pos, row_mask, offs_d, d_mask = _load_query_rows(
+        query_ptr, q_start, q_block_local, query_len, kv_head, stride_q_tok, stride_q_head,
+        NUM_QUERIES_PER_KV, HEAD_DIM, HEAD_DIM_PADDED, BLOCK_M, BLOCK_Q, DOT_FP32)
+    num_keys, num_unmasked_tiles, causal_limit = _causal_bounds(
+        context_len, q_block_local, query_len, query_pos, BLOCK_Q, TILE_SIZE)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], tl.float32)
-
-    # The last query token of this block sees keys up to context_len + its index:
-    # no tile past that is needed (the causal bound, per block). The first token
-    # sees keys 0 .. context_len + its index: tiles wholly below that need no mask.
-    last_q = tl.minimum((q_block_local + 1) * BLOCK_Q, query_len) - 1
-    num_keys = context_len + last_q + 1
-    num_unmasked_tiles = (context_len + q_block_local * BLOCK_Q + 1) // TILE_SIZE
-    causal_limit = context_len + query_pos                               # [BLOCK_M] last visible key
 
     bt_row = block_table_ptr + seq_idx.to(tl.int64) * stride_bt
     k_base = key_cache_ptr + kv_head * stride_kc_head
@@ -286,7 +306,7 @@ def _unified_attention_3d_kernel(
     q_block_global = tl.program_id(1)
     segm_idx = tl.program_id(2)
 
-    # The same prologue as the 2D kernel: request, query block, rows, Q.
+    # The same prologue as the 2D kernel: request, query block, rows, Q (_load_query_rows).
     seq_idx = _find_seq_idx(query_start_loc_ptr, q_block_global, num_seqs, BLOCK_Q, True)
     q_start = tl.load(query_start_loc_ptr + seq_idx)
     q_block_local = q_block_global - (q_start // BLOCK_Q + seq_idx)
@@ -299,26 +319,15 @@ def _unified_attention_3d_kernel(
         return                                    # past the sequence (reduce_segments skips it too)
     context_len = seq_len - query_len
 
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM_PADDED)
-    query_pos = q_block_local * BLOCK_Q + offs_m // NUM_QUERIES_PER_KV
-    head = kv_head * NUM_QUERIES_PER_KV + offs_m % NUM_QUERIES_PER_KV
-    row_mask = (query_pos < query_len) & (offs_m < BLOCK_Q * NUM_QUERIES_PER_KV)
-    d_mask = offs_d < HEAD_DIM
-    q_tok = (q_start + query_pos).to(tl.int64)
-    q = tl.load(query_ptr + q_tok[:, None] * stride_q_tok + head[:, None] * stride_q_head
-                + offs_d[None, :], mask=row_mask[:, None] & d_mask[None, :], other=0.0)
-    if DOT_FP32:
-        q = q.to(tl.float32)
+    q, q_tok, head, query_pos, row_mask, offs_d, d_mask = _load_query_rows(
+        query_ptr, q_start, q_block_local, query_len, kv_head, stride_q_tok, stride_q_head,
+        NUM_QUERIES_PER_KV, HEAD_DIM, HEAD_DIM_PADDED, BLOCK_M, BLOCK_Q, DOT_FP32)
+    num_keys, num_unmasked_tiles, causal_limit = _causal_bounds(
+        context_len, q_block_local, query_len, query_pos, BLOCK_Q, TILE_SIZE)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], tl.float32)
-
-    last_q = tl.minimum((q_block_local + 1) * BLOCK_Q, query_len) - 1
-    num_keys = context_len + last_q + 1
-    num_unmasked_tiles = (context_len + q_block_local * BLOCK_Q + 1) // TILE_SIZE
-    causal_limit = context_len + query_pos
 
     # Only this segment's tiles (for a decode every key is visible: num_keys == seq_len).
     tile_lo = segm_idx * tiles_per_segment

@@ -9,20 +9,18 @@ model (9 query heads, 3 KV heads) shards only by 3, so its case needs 3.
 
     python3 -m pytest -q -m gpu tests/gpu/test_tp_gpu.py
 """
-import os
 
 import pytest
 import torch
 
 from tests.gpu.conftest import NUM_BLOCKS
+from vllm_anatomy.distributed.utils import disable_nvlink_multicast
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices or more")]
 
-# NOTE: NVLink multicast stays off in every process this starts (the shared GPU machines
-# require it); the worker processes inherit the environment.
-for _k, _v in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}.items():
-    os.environ.setdefault(_k, _v)
+# NVLink multicast stays off in every process this starts; the workers inherit it.
+disable_nvlink_multicast()
 
 
 def _tokens(model_dir: str, tp: int, enforce_eager: bool) -> tuple[list[list[int]], dict]:
