@@ -31,17 +31,22 @@ def plot(result: dict, out: str) -> None:
         floor = result["floor"][series]
         xs = [f["x"] for f in floor]
         ax.plot(xs, [f["floor_tok_per_s"] for f in floor], "k--", lw=1, label="roofline floor")
+        drawn = {key: result[key][series] for key, _, _ in ENGINES
+                 if result.get(key) and "error" not in result[key]}
         for key, label, color in ENGINES:
-            r = result.get(key)
-            if not r or "error" in r:
+            if key not in drawn:
                 continue
-            points = r[series]
+            points = drawn[key]
             ys = [p["tok_per_s"] for p in points]
             ax.plot([p["x"] for p in points], ys, "o-", color=color,
-                    label=label.format(version=r.get("settings", {}).get("version", "")))
-            for p in points:
+                    label=label.format(version=result[key].get("settings", {}).get("version", "")))
+            for i, p in enumerate(points):
+                # The label goes above the point when this engine is the faster one there, below
+                # when it is the slower one, so that crossing lines do not stack their labels.
+                others = [q[i]["tok_per_s"] for k, q in drawn.items() if k != key and i < len(q)]
+                above = all(p["tok_per_s"] >= y for y in others)
                 ax.annotate(f"{100 * p['fraction_of_floor']:.0f}%", (p["x"], p["tok_per_s"]), fontsize=7,
-                            color=color, textcoords="offset points", xytext=(0, 6 if key == "vllm_anatomy" else -11),
+                            color=color, textcoords="offset points", xytext=(0, 6 if above else -11),
                             ha="center")
         ax.set_xscale("log", base=2 if series == "context" else 4)
         ax.set_yscale("log")
