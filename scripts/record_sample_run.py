@@ -11,8 +11,10 @@ tight engine so that one short run shows everything the dashboard can explain:
 - a long prompt with max_num_batched_tokens=128: chunked prefill, mixed steps;
 - 24 KV blocks (16 tokens each) for 8 requests: preemption (recompute) and resumption;
 - requests that finish early, whose freed blocks later requests reuse;
-- pure-decode steps padded to a capture size and replayed as CUDA graphs,
-  eager prefill steps with per-layer and per-kernel device spans.
+- the GPU's default graphs (FULL_AND_PIECEWISE), capped at 64 tokens so that all three
+  ways a forward runs appear: pure-decode steps replayed as one full CUDA graph (padded
+  to a capture size), mixed steps of at most 64 tokens as graph pieces around eager
+  attention, and larger prefill steps eager, with per-layer and per-kernel device spans.
 `--processes 1` (the default): the offline LLM in one process, with the GPU's
 defaults (async scheduling on, warm-up before the first request).
 `--processes 3`: as `vllm-anatomy serve` runs it — the API server, EngineCoreProc
@@ -57,7 +59,13 @@ LONG = ("Summarise this paragraph in one sentence: The engine keeps a paged key-
 SYSTEM = "You are a concise, friendly assistant. Answer briefly and plainly."
 
 
-ENGINE_ARGS = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=128, num_gpu_blocks_override=24)
+# NOTE: max_cudagraph_capture_size 64 < max_num_batched_tokens 128: a step of more than 64
+# tokens has no piecewise graph and runs eager, so the sample keeps eager steps (the only
+# ones whose layers and kernels the device lane can time one by one). On a CPU: ignored.
+ENGINE_ARGS = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=128, num_gpu_blocks_override=24,
+                   cudagraph_mode="FULL_AND_PIECEWISE", max_cudagraph_capture_size=64)
+GRAPHS = ("CUDA graphs on (FULL_AND_PIECEWISE, captured up to 64 tokens"
+          ": larger steps run eager, their kernels timed one by one), ")
 DESCRIPTION = ("Shipped sample: SmolLM2-135M-Instruct on {device}, trace level full, {graphs}"
                "{how} (scripts/record_sample_run.py {flags}).")
 
@@ -81,7 +89,7 @@ def record_one_process(trace_dir: str, tp: int = 1) -> str:
            f"the offline LLM with {tp} tensor-parallel ranks, each a worker process "
            f"({'NCCL' if on_gpu else 'gloo'})")
     engine.recorder.set_run_meta("description", DESCRIPTION.format(
-        device=device_words, graphs="CUDA graphs on, " if on_gpu else "", how=how,
+        device=device_words, graphs=GRAPHS if on_gpu else "", how=how,
         flags="--processes 1" if tp == 1 else f"--tp {tp}"))
     conversations = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]
                      for q in QUESTIONS + [LONG]]
@@ -107,7 +115,7 @@ def record_three_processes(trace_dir: str) -> str:
                         **ENGINE_ARGS).create_engine_config()
     recorder = make_recorder(config, "frontend")
     recorder.set_run_meta("description", DESCRIPTION.format(
-        device=device_tag()[1], graphs="CUDA graphs on, ",
+        device=device_tag()[1], graphs=GRAPHS,
         how="three processes (API server, EngineCoreProc, a worker behind the shared-memory ring)",
         flags="--processes 3"))
     prompts = [{"text": q, "system": SYSTEM, "arrive_step": 2 * i} for i, q in enumerate(QUESTIONS)]
@@ -173,6 +181,7 @@ def check(path: str, processes: int, tp: int = 1, on_gpu: bool = True) -> dict:
            "processes": len({s.pid for s in spans}) >= processes}
     if on_gpu:
         out |= {"graph_replay": "FULL" in modes,
+                "piecewise_step": "PIECEWISE" in modes,
                 "kernel_spans": any(s.name.startswith("GPU.kernel.") for s in spans),
                 "layer_spans": any(s.name == "GPU.layer" for s in spans)}
     if tp > 1:

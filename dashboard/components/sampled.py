@@ -12,10 +12,11 @@ from dashboard.theme import CUDAGRAPH_COLORS, chip, req_chip
 
 
 def sizes_text(sizes: list[int]) -> str:
-    """Capture sizes, abbreviated past 8: `1, 2, 4, 8, 16, …, 512; 51 graphs`."""
+    """Capture sizes, abbreviated past 8: `1, 2, 4, 8, 16, …, 512; 51 sizes` (a size is one full graph,
+    one set of piecewise graphs, or both: FULL_AND_PIECEWISE captures both up to max_num_seqs)."""
     if len(sizes) <= 8:
         return ", ".join(map(str, sizes))
-    return f"{', '.join(map(str, sizes[:5]))}, …, {sizes[-1]}; {len(sizes)} graphs"
+    return f"{', '.join(map(str, sizes[:5]))}, …, {sizes[-1]}; {len(sizes)} sizes"
 
 
 def _decodes(n: int) -> str:

@@ -91,6 +91,15 @@ def eager_vs_graph(win: pd.DataFrame) -> str | None:
             f"`_bookkeeping_sync` ({wait_g:.2f} ms).")
 
 
+def _captures_text(caps: pd.DataFrame, sizes: list[int]) -> str:
+    """`15 CUDA graph captures (11 piecewise, 4 full; sizes 1, 2, 4, 8, 16, …, 64)`: FULL_AND_PIECEWISE
+    captures the graph pieces of every size and a full graph for the sizes a decode-only batch can reach."""
+    modes = caps["cudagraph_mode"].dropna().value_counts() if "cudagraph_mode" in caps else pd.Series(dtype=int)
+    kinds = ", ".join(f"{int(modes[m])} {m.lower()}" for m in ("PIECEWISE", "FULL") if m in modes)
+    what = f"{kinds}; " if len(modes) > 1 else ""
+    return f"{len(caps)} CUDA graph captures ({what}sizes {sizes_text(sizes).split(';')[0]})"
+
+
 def startup(df: pd.DataFrame) -> None:
     """Spans before the first step (engine start-up: load, KV cache, warm-up, CUDA graph capture)."""
     steps = df[df["name"] == "EngineCore.step"]
@@ -102,8 +111,7 @@ def startup(df: pd.DataFrame) -> None:
     up = up.sort_values("start_ns")
     caps = up[up["name"] == "CUDAGraph.capture"]
     sizes = sorted(set(caps["cudagraph_size"].dropna().astype(int)))  # piecewise and full share sizes
-    summary = (f" · {len(caps)} CUDA graphs captured (sizes {sizes_text(sizes).split(';')[0]}) in "
-               f"{caps['dur_ms'].sum():.0f} ms" if not caps.empty else "")
+    summary = f" · {_captures_text(caps, sizes)} in {caps['dur_ms'].sum():.0f} ms" if not caps.empty else ""
     with st.expander(f"Start-up: {len(up)} spans before the first step{summary}"):
         st.dataframe(pd.DataFrame({"span": ["· " * int(d) + n for d, n in zip(up["depth"], up["name"])],
                                    "ms": up["dur_ms"].round(2),

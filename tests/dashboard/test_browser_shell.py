@@ -70,7 +70,7 @@ def test_every_page_is_offline_with_a_run_header_and_no_deploy_button(server, pa
             header.wait_for()
             text = header.inner_text()
             for needle in (f"run {SAMPLE}", "model SmolLM2-135M-Instruct", "device cuda", "dtype bfloat16",
-                           "CUDA graphs FULL_DECODE_ONLY", "block size 16 tokens", "KV blocks 24",
+                           "CUDA graphs FULL_AND_PIECEWISE (sizes 1–64)", "block size 16 tokens", "KV blocks 24",
                            "token budget 128 / step", "max_num_seqs 8", "trace full",
                            f"async scheduling {_sample_async()}"):
                 assert needle in " ".join(text.split()), (name, needle, text)

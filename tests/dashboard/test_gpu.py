@@ -52,7 +52,7 @@ def test_execution_mode_text():
         "cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": [1, 2, 4, 8, 16, 24, 32, 40, 48, 56]}}}
     head, why = execution_mode(gpu, {"mode": "FULL", "num_tokens": 5, "num_padded_tokens": 8,
                                      "reason": "pure decode, padded 5 -> 8"})
-    assert head == "CUDA graph replay · 5 decodes padded to 8 (captured sizes 1, 2, 4, 8, 16, …, 56; 10 graphs)"
+    assert head == "CUDA graph replay · 5 decodes padded to 8 (captured sizes 1, 2, 4, 8, 16, …, 56; 10 sizes)"
     assert "3 padding rows get slot -1" in why and "query_len 0" in why
     head, why = execution_mode(gpu, {"mode": "FULL", "num_tokens": 8, "num_padded_tokens": 8, "reason": "pure decode"})
     assert head.startswith("CUDA graph replay · 8 decodes, exactly a captured size") and "no padding" in why
@@ -62,7 +62,7 @@ def test_execution_mode_text():
     head, why = execution_mode(gpu, {"mode": "PIECEWISE", "num_tokens": 37, "num_padded_tokens": 40,
                                      "reason": "mixed batch (max query_len 30): piecewise graphs, attention eager, "
                                                "padded 37 -> 40", "reason_code": "mixed_batch"})
-    assert head == "piecewise CUDA graphs · 37 tokens, padded to 40 (captured sizes 1, 2, 4, 8, 16, …, 56; 10 graphs)"
+    assert head == "piecewise CUDA graphs · 37 tokens, padded to 40 (captured sizes 1, 2, 4, 8, 16, …, 56; 10 sizes)"
     assert "eager attention launch per layer" in why and "captured for 40 tokens" in why
     head, why = execution_mode(gpu, {"mode": "NONE", "num_tokens": 60, "num_padded_tokens": 60,
                                      "reason": "60 decodes > largest graph (56): eager"})
@@ -124,7 +124,7 @@ def test_no_gpu_button_opens_the_gpu_sample_on_a_graph_replay(recorded_run, samp
     assert at.session_state["run_path"] == samples["gpu"] and at.session_state["cursor"] == step
     text = _text(at)
     assert (f"Forward pass: **CUDA graph replay · {d['num_tokens']} decodes padded to {d['num_padded_tokens']} "
-            f"(captured sizes 1, 2, 4, 8, 16, …, 512; {len(default_capture_sizes(512))} graphs)**") in text
+            f"(captured sizes 1, 2, 4, 8, 16, …, 512; {len(default_capture_sizes(512))} sizes)**") in text
     assert not any(b.key == "open_gpu_sample" for b in at.sidebar.button)   # the sample is open now
     # The why (padding rows write slot -1) is the Worker tab's: only the open tab is computed.
     at = _app(monkeypatch, trace_dir, samples["dir"], "inspector", GPU_SAMPLE_NAME, step, WORKER)
@@ -185,7 +185,8 @@ def test_timeline_device_rows(recorded_run, samples, monkeypatch):
         assert needle in spec, needle
     text = _text(at)
     assert "CUDA graph replays and" in text and "row of decoder layers" in text
-    assert any(f"{len(default_capture_sizes(512))} CUDA graphs captured" in e.label for e in at.expander)
+    assert any(f"{len(default_capture_sizes(512))} CUDA graph captures (sizes 1, 2, 4, 8, 16, …, 512)" in e.label
+               for e in at.expander)
     # The span table behind it: kernels mapped to the layer they ran in, one row per device row kind.
     from dashboard import spans
     df = spans.span_table.__wrapped__(samples["gpu"], (), "cuda")
@@ -211,3 +212,15 @@ def test_h200_sample(monkeypatch, tmp_path):
     text = _text(at)
     assert "Forward pass: **CUDA graph replay · " in text
     assert "**Device lane** · step" in text
+
+
+def test_startup_counts_piecewise_and_full_captures():
+    """FULL_AND_PIECEWISE captures graph pieces for every size and full graphs for the decode sizes:
+    the start-up line says how many of each, so 15 captures of 11 sizes add up."""
+    import pandas as pd
+    from dashboard.views.timeline import _captures_text
+    sizes = [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    caps = pd.DataFrame({"cudagraph_mode": ["PIECEWISE"] * 11 + ["FULL"] * 4, "cudagraph_size": sizes + [1, 2, 4, 8]})
+    assert _captures_text(caps, sizes) == "15 CUDA graph captures (11 piecewise, 4 full; sizes 1, 2, 4, 8, 16, …, 64)"
+    full_only = caps[caps["cudagraph_mode"] == "FULL"]
+    assert _captures_text(full_only, [1, 2, 4, 8]) == "4 CUDA graph captures (sizes 1, 2, 4, 8)"

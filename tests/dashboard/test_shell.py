@@ -312,7 +312,7 @@ def test_run_header_shows_the_run_meta(dirs):
         mr = run.snapshot(run.steps()[0], "model_runner")
     kv = dict((label, value) for label, value, _ in header_fields(old_meta, None, mr))["KV blocks"]
     assert kv == "24 (8.44 MB)"            # 2 x 30 layers x 3 heads x 64 x 16 tokens x 2 bytes x 24
-    assert old["CUDA graphs"] == "FULL_DECODE_ONLY (sizes 1–8)" and old["token budget"] == "128 / step"
+    assert old["CUDA graphs"] == "FULL_AND_PIECEWISE (sizes 1–64)" and old["token budget"] == "128 / step"
 
 
 def _meta(path: str) -> dict:

@@ -149,9 +149,25 @@ class ModelRunnerStartupMixin:
             num_reqs = min(num_reqs, self.max_num_reqs)
             query_len = min(query_len, self.max_num_tokens // num_reqs, self.max_model_len)
             num_tokens = num_reqs * query_len
-            self._dummy_step_inputs(num_tokens, query_len=query_len)
+            num_reqs = self._dummy_step_inputs(num_tokens, query_len=query_len)
+            self._warm_up_slot_mapping(num_reqs, num_tokens)
             hidden = self._model_forward(num_tokens, self._dummy_attn_metadata(num_reqs, num_tokens, query_len))
             self._dummy_sampler_run(hidden[:num_reqs])
+
+    def _warm_up_slot_mapping(self, num_reqs: int, num_tokens: int) -> None:
+        """Launch the slot-mapping kernel of _prepare_inputs once, then restore slot -1.
+
+        NOTE: the dummy steps set their slots to -1 directly, so without this the
+        first real step compiled compute_slot_mapping (~0.3 s on a cold Triton
+        cache, billed to the first request's first token). Its slots here point
+        into the null block (every dummy row is block 0); -1 is written back
+        before the forward, so warm-up still writes nothing into the KV cache.
+        Not part of a capture: a graph replays the forward only, after
+        _prepare_inputs has run outside it."""
+        block_table = self.input_batch.block_table
+        block_table.compute_slot_mapping(num_reqs, self.query_start_loc.gpu[:num_reqs + 1],
+                                         self.positions.gpu[:num_tokens], num_tokens)
+        block_table.slot_mapping[:num_tokens].fill_(-1)
 
     @torch.inference_mode()
     def capture_model(self) -> None:
