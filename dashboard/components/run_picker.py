@@ -91,8 +91,8 @@ def gpu_sample_button(samples: list[dict], key: str, **kw) -> bool:
     st.button(f"No GPU here? Open the {sample_hardware(gpu)} sample run", key=key, icon=":material/memory:",
               on_click=open_sample, args=(gpu["path"],),
               help=f"{os.path.basename(gpu['path'])}: " + (gpu.get("description") or "recorded on a GPU at trace "
-                   "level full") + " — CUDA graph replays with padding, eager prefills, per-layer and per-kernel "
-                   "device spans.", **kw)
+                   "level full") + " — full and piecewise CUDA graph replays with padding, eager prefills with "
+                   "per-layer and per-kernel device spans.", **kw)
     return True
 
 

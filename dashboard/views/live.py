@@ -70,14 +70,14 @@ def _strip_body(samples: list[dict], primary: bool) -> None:
     gpu = gpu_sample(samples)
     with c1.container(border=True, height="stretch"):
         st.markdown("**1 · Watch a live run**  \nThe default model (SmolLM2-135M) on this machine, on a guided "
-                    "tour: prefix-cache hits, chunked prefill and a preemption in ~60 steps. Its start-up stages "
+                    "tour: prefix-cache hits, chunked prefill and a preemption in about 40 steps. Its start-up stages "
                     "show below.")
         st.button("Start the guided tour", key="strip_start", icon=":material/play_arrow:", on_click=start_tour,
                   type="primary" if primary else "secondary", width="stretch")
     with c2.container(border=True, height="stretch"):
         if gpu is not None:
-            st.markdown("**2 · Open the GPU sample**  \nA run recorded on an NVIDIA GPU: CUDA-graph replays, "
-                        "eager prefills, per-layer and per-kernel timings on the device lane.")
+            st.markdown("**2 · Open the GPU sample**  \nA run recorded on an NVIDIA GPU: full and piecewise CUDA-graph "
+                        "replays, eager prefills with per-layer and per-kernel timings on the device lane.")
             gpu_sample_button(samples, "strip_gpu_sample", width="stretch")
         else:
             st.markdown("**2 · Open a recorded run**  \nPick any run of the trace directory in the sidebar "
