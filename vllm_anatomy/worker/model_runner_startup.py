@@ -155,7 +155,7 @@ class ModelRunnerStartupMixin:
             self._dummy_sampler_run(hidden[:num_reqs])
 
     def _warm_up_slot_mapping(self, num_reqs: int, num_tokens: int) -> None:
-        """Launch the slot-mapping kernel of _prepare_inputs once, then restore slot -1.
+        """Launch _prepare_inputs' slot-mapping kernel on this dummy step, then restore slot -1.
 
         NOTE: the dummy steps set their slots to -1 directly, so without this the
         first real step compiled compute_slot_mapping (~0.3 s on a cold Triton
@@ -163,7 +163,8 @@ class ModelRunnerStartupMixin:
         into the null block (every dummy row is block 0); -1 is written back
         before the forward, so warm-up still writes nothing into the KV cache.
         Not part of a capture: a graph replays the forward only, after
-        _prepare_inputs has run outside it."""
+        _prepare_inputs has run outside it. The first shape's launch compiles the
+        kernel (its sizes are not specialized); the others cost a few microseconds."""
         block_table = self.input_batch.block_table
         block_table.compute_slot_mapping(num_reqs, self.query_start_loc.gpu[:num_reqs + 1],
                                          self.positions.gpu[:num_tokens], num_tokens)
