@@ -9,7 +9,7 @@ positions < 4096) at T = 1, 16, 256 and 4096 tokens, on one packed qkv output:
             on CUDA: q_norm and k_norm (RMSNorm.forward_cuda, one `_rms_norm_kernel`
             each, on [T, heads, 128] views) then rotary_emb (one
             `_rotary_embedding_kernel`, new q and k tensors);
-  fused     kernels/fused_qk_norm_rope.py: one launch, in place on qkv.
+  fused     vllm_anatomy/kernels/fused_qk_norm_rope.py: one launch, in place on qkv.
 
 Times: `graph_us` = median GPU time per call from CUDA-graph replays (20 calls
 per graph; what a decode step pays inside the engine's graphs); `eager_us` =
@@ -35,7 +35,7 @@ from vllm_anatomy.model_executor.layers.layernorm import RMSNorm
 from vllm_anatomy.model_executor.layers.rotary_embedding import RotaryEmbedding
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from kernels import time_ms  # noqa: E402  (bench/kernels.py)
+from kernel_bench import time_ms  # noqa: E402  (bench/kernel_bench.py)
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, NUM_LAYERS = 16, 8, 128, 28
 MAX_POSITION, EPS, DTYPE = 4096, 1e-6, torch.bfloat16
@@ -43,7 +43,7 @@ TOKENS = [1, 16, 256, 4096]
 
 
 def graph_us(fn) -> float:
-    """Median GPU time of one fn() call in µs, from CUDA-graph replays (bench/kernels.py's time_ms)."""
+    """Median GPU time of one fn() call in µs, from CUDA-graph replays (bench/kernel_bench.py's time_ms)."""
     return time_ms(fn, per_graph=20) * 1e3
 
 

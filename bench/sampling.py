@@ -12,7 +12,7 @@ hands over today, after its .float()). For each case:
   fused        Sampler.forward with USE_FUSED_SAMPLING on: one draw of the
                seed, gumbel_sample (one read of the logits), best block per row
   fused_bNNNN  gumbel_sample alone at another BLOCK_SIZE (the kernel's
-               default is kernels/sampling.py BLOCK_SIZE)
+               default is vllm_anatomy/kernels/sampling.py BLOCK_SIZE)
 
 Times: "gpu ms" is the median of CUDA-event timings of CUDA-graph replays (10
 calls per graph), i.e. device time without the host's launch cost; "eager ms"
@@ -37,7 +37,7 @@ from vllm_anatomy.kernels.sampling import BLOCK_SIZE, gumbel_sample
 from vllm_anatomy.model_executor.sampling_metadata import SamplingMetadata
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from kernels import time_ms  # noqa: E402  (bench/kernels.py)
+from kernel_bench import time_ms  # noqa: E402  (bench/kernel_bench.py)
 
 DEFAULT_OUT = os.path.join(os.path.dirname(__file__), "results", "sampling_h200.json")
 VOCAB = 151936
@@ -47,7 +47,7 @@ TEMPERATURE = 0.6
 
 
 def gpu_ms(fn) -> float:
-    """Median device time of one fn() call, from CUDA-graph replays (bench/kernels.py's time_ms)."""
+    """Median device time of one fn() call, from CUDA-graph replays (bench/kernel_bench.py's time_ms)."""
     return time_ms(fn)
 
 

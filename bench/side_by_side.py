@@ -18,7 +18,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-# NOTE: the smoke mode cannot measure the ceilings (bench/kernels.py times CUDA
+# NOTE: the smoke mode cannot measure the ceilings (bench/kernel_bench.py times CUDA
 # kernels): its rooflines use these nominal rates, and its JSON says so.
 NOMINAL_CPU_CEILINGS = {"bytes_per_s": 1e10, "flop_per_s": 1e11, "nominal": True}
 
@@ -165,11 +165,11 @@ def write_models(ours_dir: str, vllm_dir: str, tiny: bool) -> tuple[str, dict | 
 
 
 def ceilings(tiny: bool) -> tuple[dict, dict]:
-    """(copy, matmul) ceilings: measured on the GPU (bench/kernels.py), nominal in the smoke mode."""
+    """(copy, matmul) ceilings: measured on the GPU (bench/kernel_bench.py), nominal in the smoke mode."""
     if tiny:
         return NOMINAL_CPU_CEILINGS, NOMINAL_CPU_CEILINGS
     import torch
-    from kernels import copy_ceiling, matmul_ceiling          # bench/kernels.py
+    from kernel_bench import copy_ceiling, matmul_ceiling          # bench/kernel_bench.py
     copy, mm = copy_ceiling(quick=False), matmul_ceiling()
     torch.cuda.empty_cache()                                   # its buffers, before the engines start
     return copy, mm

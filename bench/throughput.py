@@ -31,7 +31,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from kernels import copy_ceiling, matmul_ceiling  # noqa: E402  (bench/kernels.py)
+from kernel_bench import copy_ceiling, matmul_ceiling  # noqa: E402  (bench/kernel_bench.py)
 
 
 def qwen3_06b_config(num_hidden_layers: int = 28):

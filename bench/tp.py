@@ -187,7 +187,7 @@ def cpu(args) -> dict:
 
 
 def gpu(args) -> dict:
-    from kernels import copy_ceiling, matmul_ceiling  # bench/kernels.py
+    from kernel_bench import copy_ceiling, matmul_ceiling  # bench/kernel_bench.py
     from throughput import qwen3_06b_config, roofline, workload, write_random_model  # bench/throughput.py
     from vllm_anatomy import SamplingParams
     from vllm_anatomy.distributed.utils import NO_NVLINK_MULTICAST, disable_nvlink_multicast

@@ -1,4 +1,5 @@
 """Fixtures shared by every test directory, and the markers that define the test lanes."""
+import functools
 import json
 import os
 from pathlib import Path
@@ -8,7 +9,7 @@ import pytest
 TESTS_DIR = Path(__file__).parent
 # `make test-fast` runs `pytest -m fast`: the tests of these folders that are not marked
 # slow, gpu or browser (plus any test marked fast by hand).
-FAST_FOLDERS = ("unit", "kernels", "dashboard")
+FAST_FOLDERS = ("unit", "kernel_tests", "dashboard")
 # pytest-timeout's limit for a test marked slow (the default, `timeout` in pyproject.toml, is 600 s).
 SLOW_TIMEOUT_S = 1800
 
@@ -61,3 +62,49 @@ def tiny_llama_dir(tmp_path_factory):
     transformers.LlamaForCausalLM(cfg).save_pretrained(path)
     save_word_level_tokenizer(str(path))
     return str(path)
+
+
+# -- a declared dependency that does not import is an error, never a skip --------------------------
+# NOTE: pytest.importorskip turns any ImportError into a skip. When transformers 5.25 met our old
+# top-level kernels/ folder, `import transformers` raised ImportError: a module guarded by
+# importorskip("transformers") would have vanished from the run as "skipped". Packages that
+# pyproject.toml declares (its dependencies and the test extra) must import; only optional ones
+# (the bench extra's matplotlib, say) may skip.
+
+@functools.lru_cache(maxsize=None)
+def _declared_import_names() -> frozenset[str]:
+    import re
+    import tomllib
+    from importlib import metadata
+    with open(TESTS_DIR.parent / "pyproject.toml", "rb") as f:
+        project = tomllib.load(f)["project"]
+    wanted = {re.split(r"[\s<>=!~\[;]", req, maxsplit=1)[0].lower().replace("_", "-")
+              for req in project["dependencies"] + project["optional-dependencies"]["test"]}
+    return frozenset(top for top, dists in metadata.packages_distributions().items()
+                     if any(d.lower().replace("_", "-") in wanted for d in dists))
+
+
+def _skip_hides_a_broken_dependency(report) -> str | None:
+    import re
+    if not report.skipped or not isinstance(report.longrepr, tuple):
+        return None
+    found = re.search(r"could not import '([\w.]+)'", str(report.longrepr[2]))
+    if found and found[1].split(".")[0] in _declared_import_names():
+        return f"a declared dependency failed to import, which must fail the run: {report.longrepr[2]}"
+    return None
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    outcome = yield
+    report = outcome.get_result()
+    if why := _skip_hides_a_broken_dependency(report):
+        report.outcome, report.longrepr = "failed", why
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if why := _skip_hides_a_broken_dependency(report):
+        report.outcome, report.longrepr = "failed", why

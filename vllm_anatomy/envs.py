@@ -21,7 +21,7 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "VLLM_ANATOMY_ENABLE_QK_NORM_ROPE_FUSION":
         lambda: os.getenv("VLLM_ANATOMY_ENABLE_QK_NORM_ROPE_FUSION", "1") not in ("0", "false", "False"),
     # Temperature-only batches sampled in one read of the logits on CUDA
-    # (model_executor/sampler.py, kernels/sampling.py), read when the sampler is imported.
+    # (model_executor/sampler.py, vllm_anatomy/kernels/sampling.py), read when the sampler is imported.
     "VLLM_ANATOMY_FUSED_SAMPLING": lambda: os.getenv("VLLM_ANATOMY_FUSED_SAMPLING", "1") != "0",
     # Linear layers on a CPU multiply with oneDNN on a weight prepacked once
     # (model_executor/layers/utils.py), read when a model is loaded.

@@ -142,7 +142,7 @@ def launch_bound_note(launches: pd.DataFrame) -> str | None:
     return (f"Launch-bound, not bandwidth-bound: this small model's kernels move {size}, so each launch's fixed cost "
             f"(a few µs to start a grid and drain it) dominates its time, and the achieved rate ({min(rates):.1f}–"
             f"{max(rates):.1f} GB/s here) says nothing about the GPU's ~{PEAK_GBPS:,.0f} GB/s. Large models and "
-            f"batches move MBs to GBs per kernel and approach it; `bench/kernels.py` measures the same kernels at "
+            f"batches move MBs to GBs per kernel and approach it; `bench/kernel_bench.py` measures the same kernels at "
             f"those sizes. CUDA graphs exist for this: one replay pays the launch cost once for the whole forward.")
 
 

@@ -18,22 +18,14 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BENCH = os.path.join(ROOT, "bench")
 FAKE_VLLM = os.path.join(ROOT, "tests", "bench", "fake_vllm")
-BENCH_MODULES = ("vs_vllm", "scaling", "plot_scaling", "side_by_side", "throughput", "kernels", "gpu_breakdown")
+BENCH_MODULES = ("vs_vllm", "scaling", "plot_scaling", "side_by_side", "throughput", "kernel_bench", "gpu_breakdown")
 
 
 @pytest.fixture(scope="module")
 def bench():
-    """The bench scripts as modules, with bench/ on sys.path only while this file's tests run.
-
-    NOTE: bench/kernels.py is a top-level `kernels` there, the name of a PyPI
-    package transformers probes for: transformers is imported first, and the
-    path and the modules are taken away again afterwards.
-    """
-    import transformers  # noqa: F401
+    """The bench scripts as modules, with bench/ on sys.path only while this file's tests run
+    (the path and the modules are taken away again afterwards)."""
     saved_path = list(sys.path)
-    # NOTE: in a whole-suite run the repo's own kernels/ package may already be imported as
-    # `kernels` (tests/kernels): set it aside, or bench/throughput.py's `from kernels import
-    # copy_ceiling` would find it instead of bench/kernels.py.
     saved_modules = {name: sys.modules.pop(name) for name in BENCH_MODULES if name in sys.modules}
     sys.path.insert(0, BENCH)
     try:

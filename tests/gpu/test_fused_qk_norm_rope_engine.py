@@ -1,4 +1,4 @@
-"""The whole engine on the GPU with Qwen3's fused q/k norm + RoPE (kernels/fused_qk_norm_rope.py):
+"""The whole engine on the GPU with Qwen3's fused q/k norm + RoPE (vllm_anatomy/kernels/fused_qk_norm_rope.py):
 the same greedy tokens as with the unfused kernels (VLLM_ANATOMY_ENABLE_QK_NORM_ROPE_FUSION=0)
 and as transformers' greedy generate, fp32, CUDA graphs on (full decode graphs and
 piecewise mixed batches), a batch of mixed lengths with chunked prefill."""

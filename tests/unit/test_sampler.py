@@ -168,7 +168,7 @@ def test_sampled_ids_in_range_and_dtype(v):
     assert ((out.sampled_token_ids >= 0) & (out.sampled_token_ids < v)).all()
 
 
-# -- the fused sampling seam (sampler.py NOTE; the kernel: tests/kernels/test_sampling.py) ----------
+# -- the fused sampling seam (sampler.py NOTE; the kernel: tests/kernel_tests/test_sampling.py) ----------
 
 @pytest.fixture
 def fused_calls(monkeypatch):

@@ -3,7 +3,7 @@
 Ours side: every backticked name in a table's first column imports and
 resolves in this project (the convention is at the top of the doc).
 vLLM side: every backticked `vllm/...` path in the doc, and every `vllm/...`
-path in a docstring under vllm_anatomy/, kernels/ and dashboard/, is a file
+path in a docstring under vllm_anatomy/ and dashboard/, is a file
 (or folder) of vLLM v0.27.1, and every symbol named next to it is defined
 there. vLLM is not installed: the check reads docs/vllm-v0.27.1-symbols.json.gz,
 written by scripts/vllm_manifest.py from the release's wheel.
@@ -29,7 +29,7 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DOC = os.path.join(REPO, "docs", "vllm-mapping.md")
 MANIFEST = os.path.join(REPO, "docs", "vllm-v0.27.1-symbols.json.gz")
-DOCSTRING_ROOTS = ("vllm_anatomy", "kernels", "dashboard")
+DOCSTRING_ROOTS = ("vllm_anatomy", "dashboard")
 
 IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
 DOTTED = re.compile(rf"{IDENT}(?:\.{IDENT})*")

@@ -20,7 +20,7 @@ structured-output bitmask, or spec-decode rejection sampler.
 NOTE: the fused sampling path (a performance seam; the steps above are the
 idea). On CUDA, a batch that uses temperature and nothing else (no top-k/p,
 min-p, min_tokens, logit_bias or per-request seeds) runs steps 2-7 as one
-Triton kernel (kernels/sampling.py, gumbel_sample): one read of the logits in
+Triton kernel (vllm_anatomy/kernels/sampling.py, gumbel_sample): one read of the logits in
 their own dtype, argmax(logits / T - log E) with E ~ Exp(1) per token. That is
 random_sample's exponential race in log space (the Gumbel-max trick), so the
 same token wins with the same probability, without the [R, V] float32 copy,

@@ -22,7 +22,7 @@ layer: layers run one after another) from softmax_segm_buffers below.
 
 On a machine without CUDA the kernels run in Triton's interpreter: only when
 TRITON_INTERPRET=1 was set before vllm_anatomy.kernels was imported (tests do
-that in tests/kernels/conftest.py). It is slow; the CPU default stays "torch".
+that in tests/kernel_tests/conftest.py). It is slow; the CPU default stays "torch".
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """SiluAndMul: the gated activation of a Llama MLP.
 
 Mirrors vllm/model_executor/layers/activation.py (SiluAndMul.forward_native and
-forward_cuda: on CUDA one Triton kernel, kernels/silu_and_mul.py).
+forward_cuda: on CUDA one Triton kernel, vllm_anatomy/kernels/silu_and_mul.py).
 The MLP's gate and up projections are one packed matmul (`gate_up_proj`),
 so the activation receives both halves side by side and splits them.
 """

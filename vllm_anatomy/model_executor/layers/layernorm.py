@@ -2,7 +2,7 @@
 
 Mirrors vllm/model_executor/layers/layernorm.py (RMSNorm.forward_native and
 forward_cuda). vLLM fuses the residual add into the norm (one CUDA kernel,
-`fused_add_rms_norm`); so do we on CUDA (kernels/rms_norm.py, Triton), while
+`fused_add_rms_norm`); so do we on CUDA (vllm_anatomy/kernels/rms_norm.py, Triton), while
 the CPU path is plain torch. The calling convention is the same either way:
 
     x = norm(x)                       # first layer: no residual yet

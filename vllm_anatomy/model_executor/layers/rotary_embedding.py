@@ -55,12 +55,12 @@ class RotaryEmbedding(nn.Module):
         # k); fusing them (with the norms and SiLU*mul) cut a profiled decode
         # step's GPU time by about a third (bench/results/
         # step_overhead_h200_before_fused_kernels.json), so CUDA takes one
-        # Triton launch for q and k (kernels/rotary_embedding.py), rounding as
+        # Triton launch for q and k (vllm_anatomy/kernels/rotary_embedding.py), rounding as
         # torch does. Everywhere else (the CPU path, and the kernel's oracle)
         # plain torch. The torch code handles only rotary_dim == head_size
         # (get_rope builds no other), so the kernel is used only then.
         # (Qwen3 on CUDA does not come here: LlamaAttention fuses its q/k
-        # norms and this RoPE into one kernel, kernels/fused_qk_norm_rope.py,
+        # norms and this RoPE into one kernel, vllm_anatomy/kernels/fused_qk_norm_rope.py,
         # reading cos_sin_cache and is_neox_style from this layer.)
         if query.is_cuda and self.rotary_dim == self.head_size:
             return self.forward_cuda(positions, query, key)

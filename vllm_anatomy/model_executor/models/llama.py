@@ -119,7 +119,7 @@ class LlamaAttention(nn.Module):
     # ---- performance seam: q_norm + k_norm + RoPE fused (CUDA only) ----
     # NOTE: what this replaces. On CUDA, q_norm, k_norm and RoPE above are three
     # launch-bound Triton kernels per layer on tiny tensors (~2 us each; 84 of a
-    # Qwen3-0.6B step's launches). kernels/fused_qk_norm_rope.py does all three
+    # Qwen3-0.6B step's launches). vllm_anatomy/kernels/fused_qk_norm_rope.py does all three
     # in one launch, in place on the qkv output, rounding as the unfused ops
     # round. It is v0.27.1's `fused_qk_norm_rope` op, which vLLM pattern-matches
     # in only with pass_config.enable_qk_norm_rope_fusion (off at O0-O3); ours is

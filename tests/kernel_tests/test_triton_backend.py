@@ -14,7 +14,7 @@ import transformers
 from safetensors.torch import save_file
 
 from tests.helpers import PagedSequences
-from tests.kernels.kernel_utils import DEVICE, rel_err, requires_cuda
+from tests.kernel_tests.kernel_utils import DEVICE, rel_err, requires_cuda
 from vllm_anatomy.config import ModelConfig
 from vllm_anatomy.model_executor.loader import get_model
 
@@ -161,8 +161,8 @@ def test_backend_decode_batch_split_kv(dtype):
     """A decode-only batch through the Triton backend (the 3D kernel: 3 requests <=
     threshold 64) equals the torch backend; every layer's impl shares one set of buffers."""
     from tests.helpers import build_attn_metadata
-    from tests.kernels.kernel_utils import block_tables_for
-    from tests.kernels.test_unified_attention import check
+    from tests.kernel_tests.kernel_utils import block_tables_for
+    from tests.kernel_tests.test_unified_attention import check
     from vllm_anatomy.attention.backends import triton_attn
     from vllm_anatomy.attention.selector import get_attn_backend
     num_heads, num_kv_heads, head_dim, block_size = 4, 2, 64, 16

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from tests.kernels.kernel_utils import DEVICE, DTYPES, requires_cuda
+from tests.kernel_tests.kernel_utils import DEVICE, DTYPES, requires_cuda
 from vllm_anatomy.kernels.reshape_and_cache import reshape_and_cache, reshape_and_cache_ref
 
 

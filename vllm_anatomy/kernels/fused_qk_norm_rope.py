@@ -9,8 +9,8 @@ rotary_embedding` when `pass_config.enable_qk_norm_rope_fusion` is on. Same
 signature and contract: qkv is written in place (q and k columns; v untouched),
 nothing is returned.
 
-Numerics: those of our unfused path, op for op (kernels/rms_norm.py then
-kernels/rotary_embedding.py; the torch layers' forward_native), so the fused
+Numerics: those of our unfused path, op for op (vllm_anatomy/kernels/rms_norm.py then
+vllm_anatomy/kernels/rotary_embedding.py; the torch layers' forward_native), so the fused
 and unfused results differ only by the order of the fp32 sum of squares:
 
     var = mean(x.float() ** 2)                          fp32, per (token, head)
@@ -134,7 +134,7 @@ def _fused_qk_norm_rope_kernel(
 
 def _tokens_per_program(num_heads_q: int, num_heads_k: int, head_dim: int) -> int:
     # NOTE: ~4 K elements of q and k per program, a power of two (as
-    # kernels/rotary_embedding.py). Qwen3-0.6B (16 + 8 heads of 128): one
+    # vllm_anatomy/kernels/rotary_embedding.py). Qwen3-0.6B (16 + 8 heads of 128): one
     # token per program, 256 programs for a batch of 256.
     row = (triton.next_power_of_2(num_heads_q) + triton.next_power_of_2(num_heads_k)) \
         * triton.next_power_of_2(head_dim)

@@ -1,4 +1,4 @@
-"""gumbel_sample (kernels/sampling.py): greedy rows are argmax, temperature rows sample softmax(logits / T).
+"""gumbel_sample (vllm_anatomy/kernels/sampling.py): greedy rows are argmax, temperature rows sample softmax(logits / T).
 
 On CPU the kernel runs in Triton's interpreter (fp32, small vocabularies, a
 few hundred draws: each row is one program there, ~tens of ms); on a GPU
@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tests.kernels.kernel_utils import DEVICE, ON_GPU, requires_cuda
+from tests.kernel_tests.kernel_utils import DEVICE, ON_GPU, requires_cuda
 from vllm_anatomy.kernels import sampling
 from vllm_anatomy.kernels.sampling import gumbel_sample
 from vllm_anatomy.model_executor.sampling_metadata import SamplingMetadata

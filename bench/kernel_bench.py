@@ -1,7 +1,7 @@
 """Kernel benchmark on the GPU: achieved bytes/s and FLOP/s against ceilings measured here.
 
-    python bench/kernels.py [--out bench/results/kernels_h200.json] [--quick]
-    python bench/kernels.py --decode-sweep [--out bench/results/decode_split_kv_h200.json] [--quick]
+    python bench/kernel_bench.py [--out bench/results/kernels_h200.json] [--quick]
+    python bench/kernel_bench.py --decode-sweep [--out bench/results/decode_split_kv_h200.json] [--quick]
 
 Ceilings, measured in the same run: a large device-to-device copy (bytes read
 + bytes written per second) and a large bf16 matmul (FLOP/s), both on random
@@ -347,7 +347,7 @@ def main() -> None:
     ap.add_argument("--decode-sweep", action="store_true",
                     help="only the split-KV (3D) vs 2D decode sweep (see the module docstring)")
     args = ap.parse_args()
-    assert torch.cuda.is_available(), "bench/kernels.py needs a CUDA device"
+    assert torch.cuda.is_available(), "bench/kernel_bench.py needs a CUDA device"
     torch.manual_seed(0)
     if args.decode_sweep:
         args.out = args.out or DEFAULT_SWEEP_OUT

@@ -16,8 +16,8 @@ import pytest
 import torch
 import transformers
 
-from tests.kernels.kernel_utils import DEVICE, assert_close_ulp, rel_err, requires_cuda, ulp
-from tests.kernels.test_triton_backend import load, make_steps, run_steps, write_random_checkpoint
+from tests.kernel_tests.kernel_utils import DEVICE, assert_close_ulp, rel_err, requires_cuda, ulp
+from tests.kernel_tests.test_triton_backend import load, make_steps, run_steps, write_random_checkpoint
 from vllm_anatomy.kernels.fused_qk_norm_rope import fused_qk_norm_rope, fused_qk_norm_rope_ref
 from vllm_anatomy.kernels.rms_norm import rms_norm, rms_norm_ref
 from vllm_anatomy.kernels.rotary_embedding import rotary_embedding, rotary_embedding_ref

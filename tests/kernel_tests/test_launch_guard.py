@@ -1,5 +1,5 @@
 """Without a GPU and without the interpreter, every kernel wrapper refuses CPU
-tensors with one clear error (kernels/launch.py), instead of crashing in Triton."""
+tensors with one clear error (vllm_anatomy/kernels/launch.py), instead of crashing in Triton."""
 import os
 import subprocess
 import sys

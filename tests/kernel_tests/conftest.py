@@ -16,5 +16,5 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
     _early = [m for m in sys.modules if m.startswith("vllm_anatomy.kernels.")]
     if _early and os.environ["TRITON_INTERPRET"] == "1":
-        raise RuntimeError(f"{_early} were imported before tests/kernels/conftest.py set "
+        raise RuntimeError(f"{_early} were imported before tests/kernel_tests/conftest.py set "
                            "TRITON_INTERPRET=1; run with TRITON_INTERPRET=1 in the environment")

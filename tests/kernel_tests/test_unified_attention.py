@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.helpers import build_attn_metadata
-from tests.kernels.kernel_utils import (DEVICE, DTYPES, ON_GPU, assert_close_ulp,
+from tests.kernel_tests.kernel_utils import (DEVICE, DTYPES, ON_GPU, assert_close_ulp,
                                         block_tables_for, rel_err, requires_cuda)
 from vllm_anatomy.attention.backends.torch_ref import TorchReferenceImpl
 from vllm_anatomy.attention.selector import get_attn_backend
@@ -300,7 +300,7 @@ def test_split_kv_decode_gpu(dtype, num_heads, num_kv_heads, head_dim, num_seqs)
 @requires_cuda
 @pytest.mark.parametrize("num_segments,tile_size", [(8, 16), (16, 32), (32, 64), (16, 64)], ids=str)
 def test_split_kv_configs_gpu(num_segments, tile_size):
-    """Every (segments, tile) the decode sweep of bench/kernels.py times computes the same function."""
+    """Every (segments, tile) the decode sweep of bench/kernel_bench.py times computes the same function."""
     requests = [(c, 1) for c in (0, 15, 100, 1023, 2047, 4000, 8191)]
     out3, _, ref, ran_3d = run_2d_3d(requests, 16, 8, 128, torch.bfloat16, num_segments=num_segments,
                                      seed=3, device="cuda", tile_size=tile_size)

@@ -415,13 +415,13 @@ def pick_config(max_seqlen_q: int, num_queries_per_kv: int, head_dim: int,
     pow2 = triton.next_power_of_2(num_queries_per_kv)
     if use_3d:
         # NOTE: vLLM's decode tile for 16-bit K/V is 16 (_get_tile_size); ours
-        # is 64, measured: bench/kernels.py --decode-sweep on an H200
+        # is 64, measured: bench/kernel_bench.py --decode-sweep on an H200
         # (bench/results/decode_split_kv_h200.json), batches 1/4/16 x contexts
         # 1k/4k/8k and 16 decodes of contexts in [100, 2048]: with vLLM's 16
         # segments, tile 64 takes 0.33x the 2D kernel's time (geometric mean),
         # tile 16 0.41x; at 8k x 1 it reads K/V 14x faster than 2D.
         return dict(block_m=max(16, pow2), tile_size=64, num_warps=4, num_stages=2)
-    # NOTE: chosen from sweeps on an H200 (bench/kernels.py; Qwen3-0.6B heads,
+    # NOTE: chosen from sweeps on an H200 (bench/kernel_bench.py; Qwen3-0.6B heads,
     # bf16). Decode 256 x 1024: this shape was the fastest in every run.
     # Prefill: 64 x 64 was the fastest for 4 x 4096 tokens and within 7 % of
     # the fastest for 1 x 4096 (which changes from run to run); since heads

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.kernels.kernel_utils import DEVICE, block_tables_for, requires_cuda
+from tests.kernel_tests.kernel_utils import DEVICE, block_tables_for, requires_cuda
 from vllm_anatomy.kernels.slot_mapping import compute_slot_mapping, compute_slot_mapping_ref
 from vllm_anatomy.worker.block_table import BlockTable
 
