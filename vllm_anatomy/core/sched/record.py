@@ -14,6 +14,9 @@ from typing import TYPE_CHECKING, Any, Literal
 import msgspec
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from vllm_anatomy.core.kv_cache_utils import KVCacheBlock
     from vllm_anatomy.core.request import Request
 
 
@@ -168,11 +171,11 @@ def make_scheduled_record(request: Request, num_scheduled: int, new_block_ids: l
 
 
 def make_spec_decode_record(request: Request, draft_token_ids: list[int], output_token_ids: list[int],
-                            block_ids: list[int], block_size: int) -> SpecDecodeRecord:
+                            blocks: Sequence[KVCacheBlock], block_size: int) -> SpecDecodeRecord:
     """Record a verification; call before num_computed_tokens is rolled back (the drafts are
     then the last len(draft_token_ids) positions computed)."""
     num_accepted = len(output_token_ids) - 1
     first = request.num_computed_tokens - len(draft_token_ids)
     rejected = range(first + num_accepted, first + len(draft_token_ids))
     return SpecDecodeRecord(request.request_id, list(draft_token_ids), num_accepted, list(output_token_ids), first,
-                            [block_ids[pos // block_size] * block_size + pos % block_size for pos in rejected])
+                            [blocks[pos // block_size].block_id * block_size + pos % block_size for pos in rejected])

@@ -35,7 +35,7 @@ from vllm_anatomy.core.request import Request, RequestStatus
 from vllm_anatomy.core.sched.interface import SchedulerInterface
 from vllm_anatomy.core.sched.output import CachedRequestData, GrammarOutput, NewRequestData, SchedulerOutput
 from vllm_anatomy.core.sched.record import (AdmissionStop, DeferReason, PrefixHitRecord, SchedulerStepRecord,
-                                             make_scheduled_record, make_spec_decode_record)
+                                             SpecDecodeRecord, make_scheduled_record, make_spec_decode_record)
 from vllm_anatomy.core.sched.request_queue import RequestQueue, SchedulingPolicy, create_request_queue
 from vllm_anatomy.core.sched.utils import check_stop
 from vllm_anatomy.core.single_type_kv_cache_manager import cdiv
@@ -136,6 +136,9 @@ class Scheduler(SchedulerInterface):
         self.num_spec_tokens = vllm_config.num_speculative_tokens
         self.num_lookahead_tokens = self.num_spec_tokens \
             if speculative_config is not None and speculative_config.uses_draft_model() else 0
+        # This step's verifications, one per request with drafts (teaching extra, as
+        # last_step_record; tracing reads them for the step span's events).
+        self.last_spec_decode_records: list[SpecDecodeRecord] = []
         self.current_step = 0
         self.record_steps = record_steps
         self.last_step_record: SchedulerStepRecord | None = None
@@ -537,6 +540,9 @@ class Scheduler(SchedulerInterface):
         logprobs = model_runner_output.logprobs
         outputs: dict[int, list[EngineCoreOutput]] = defaultdict(list)
         spec_decoding_stats: SpecDecodingStats | None = None
+        self.last_spec_decode_records = []
+        if self.record_steps and self.last_step_record is not None:
+            self.last_step_record.spec_decode = self.last_spec_decode_records
         stopped_running_reqs: set[Request] = set()
         stopped_preempted_reqs: set[Request] = set()
         for req_id, num_tokens_scheduled in scheduler_output.num_scheduled_tokens.items():
@@ -559,10 +565,10 @@ class Scheduler(SchedulerInterface):
                 num_draft_tokens = len(scheduled_spec_token_ids)
                 num_accepted = len(new_token_ids) - 1       # the last one is the recovered or bonus token
                 num_rejected = num_draft_tokens - num_accepted
-                if self.record_steps and self.last_step_record is not None:
-                    self.last_step_record.spec_decode.append(make_spec_decode_record(
-                        request, scheduled_spec_token_ids, new_token_ids,
-                        self.kv_cache_manager.get_block_ids(req_id)[0], self.block_size))
+                # (teaching extra: what was accepted, where the rejected drafts' KV went)
+                self.last_spec_decode_records.append(make_spec_decode_record(
+                    request, scheduled_spec_token_ids, new_token_ids,
+                    self.kv_cache_manager.manager.req_to_blocks[req_id], self.block_size))
                 # NOTE: the rejected drafts' positions were computed (their KV
                 # written) for nothing: roll num_computed_tokens back over them, so
                 # the next step computes those positions again, with the real
