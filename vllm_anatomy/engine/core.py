@@ -200,18 +200,18 @@ class EngineCore:
                 model_output = self.model_executor.sample_tokens(grammar_output)
             outputs = self._update_from_output(scheduler_output, model_output, trace)
         trace.end()
-        model_executed = scheduler_output.total_num_scheduled_tokens > 0
-        self.post_step(model_executed)
-        return outputs, model_executed
+        return outputs, scheduler_output.total_num_scheduled_tokens > 0
 
     def post_step(self, model_executed: bool) -> None:
         """Speculative decoding: hand the drafts the worker proposed after this step to
         the scheduler, for the next schedule() to verify.
 
         NOTE: v0.27.1 calls post_step from its callers (the busy loop,
-        InprocClient) after step(); here step() calls it, so every caller of
-        step() (lessons, tests) gets it. Async scheduling is not combined with
-        speculative decoding here (see EngineArgs), so this is the only path."""
+        InprocClient) after step(); here the step calls it right after
+        update_from_output, so every caller of step() (lessons, tests) gets it
+        and the step's snapshot shows the drafts proposed for the next step.
+        Async scheduling is not combined with speculative decoding here (see
+        EngineArgs), so no step of the batch queue has drafts."""
         if self.check_for_draft_tokens and model_executed:
             draft_token_ids = self.model_executor.take_draft_token_ids()
             if draft_token_ids is not None:
@@ -298,6 +298,7 @@ class EngineCore:
             outputs = self.scheduler.update_from_output(scheduler_output, model_output)
             for client_index, output in errors:
                 outputs.setdefault(client_index, EngineCoreOutputs()).outputs.append(output)
+        self.post_step(model_executed=scheduler_output.total_num_scheduled_tokens > 0)
         # Without async scheduling, the step's snapshot: taken after the update, it shows the step's result.
         trace.updated()
         return outputs

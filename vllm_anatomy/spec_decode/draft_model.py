@@ -1,7 +1,7 @@
 """DraftModelProposer: a small model of the same vocabulary guesses the next K tokens.
 
-Mirrors vllm/v1/spec_decode/draft_model.py (DraftModelProposer, on
-SpecDecodeBaseProposer of llm_base_proposer.py). After the target's step has
+Mirrors vllm/v1/spec_decode/draft_model.py (DraftModelProposer) and its base,
+vllm/v1/spec_decode/llm_base_proposer.py (SpecDecodeBaseProposer). After the target's step has
 been verified and sampled, for every request that sampled a token:
 
   first pass   one forward of the draft model over the tokens the target

@@ -315,6 +315,7 @@ class PrepareInputsIndex(_View):
     seq_lens: list[int]
     discard_request_indices: list[int]
     cudagraph: CudagraphDecisionRecord | None = None
+    num_draft_tokens: list[int] = []
 
 
 class ModelRunnerIndex(_View):
