@@ -109,3 +109,26 @@ def test_speculative_config_defaults_and_errors():
         SpeculativeConfig(num_speculative_tokens=2, method="draft_model")
     with pytest.raises(ValueError, match="not supported"):
         SpeculativeConfig(num_speculative_tokens=2, method="eagle", model="x")
+
+
+def test_batch_propose_equals_one_row_at_a_time():
+    rng = np.random.default_rng(3)
+    for trial in range(200):
+        lo = int(rng.integers(1, 3))
+        hi = lo + int(rng.integers(0, 3))
+        k = int(rng.integers(1, 5))
+        max_len = 48
+        config = VllmConfig(ModelConfig(model="fake", max_model_len=max_len), CacheConfig(),
+                            SchedulerConfig(max_model_len=max_len),
+                            speculative_config=SpeculativeConfig(num_speculative_tokens=k, method="ngram",
+                                                                 prompt_lookup_min=lo, prompt_lookup_max=hi))
+        proposer = NgramProposer(config)
+        rows = int(rng.integers(1, 9))
+        token_ids = rng.integers(0, int(rng.integers(2, 6)), (rows, max_len)).astype(np.int32)
+        num_tokens = rng.integers(1, max_len + 1, rows)
+        sampled = [[1] if rng.random() < 0.8 else [] for _ in range(rows)]
+        got = proposer.propose(k, sampled, num_tokens, token_ids)
+        want = [_find_longest_matched_ngram_and_propose_tokens(token_ids[i, :num_tokens[i]], lo, hi, max_len, k).tolist()
+                if sampled[i] and num_tokens[i] < max_len else [] for i in range(rows)]
+        assert got == want, (trial, got, want)
+

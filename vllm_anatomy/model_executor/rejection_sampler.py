@@ -113,12 +113,12 @@ class RejectionSampler(nn.Module):
         return self.sampler.gather_logprobs(self.sampler.compute_logprobs(logits[rows]), max_num_logprobs, tokens)
 
     @staticmethod
-    def parse_output(output_token_ids: torch.Tensor, vocab_size: int,
+    def parse_output(output_token_ids: torch.Tensor | list[list[int]], vocab_size: int,
                      discard_req_indices: list[int] | tuple = ()) -> tuple[list[list[int]], list]:
-        """[B, max_spec_len + 1] (on the host) -> each request's output tokens, and a
-        mask of kept positions [B][W] (for the logprobs rows). Discarded rows (partial
-        prefill chunks) get []."""
-        rows = output_token_ids.tolist()
+        """[B, max_spec_len + 1] (on the host, or its rows as lists) -> each request's output
+        tokens, and a mask of kept positions [B][W] (for the logprobs rows). Discarded rows
+        (partial prefill chunks) get []."""
+        rows = output_token_ids.tolist() if isinstance(output_token_ids, torch.Tensor) else output_token_ids
         discard = set(discard_req_indices)
         keep = [[0 <= t < vocab_size and i not in discard for t in row] for i, row in enumerate(rows)]
         return [[t for t, k in zip(row, mask) if k] for row, mask in zip(rows, keep)], keep

@@ -25,7 +25,7 @@ def apply_grammar_bitmask(scheduler_output: SchedulerOutput, grammar_output: Gra
     requests; the logits' rows follow the worker's persistent batch (which
     condense() reorders). The rows are re-sorted here into a [R, V/32] mask
     whose other rows are all ones (-1: every token allowed), the way vLLM
-    does it. (No spec decode here: one logits row per request.)
+    does it. (One logits row per request: structured requests get no drafts here.)
     """
     import xgrammar as xgr          # NOTE: imported only by steps that carry a grammar
 

@@ -177,8 +177,7 @@ class SpecDecodeRunnerMixin:
         output = sampler_output.sampled_token_ids                                      # [R, k + 1]
         rows = self._spec_to_list(output)
         discard = state.discard_request_indices.tolist()
-        valid, keep = RejectionSampler.parse_output(torch.tensor(rows) if rows else output.cpu(),
-                                                    self.input_batch.vocab_size, discard)
+        valid, keep = RejectionSampler.parse_output(rows, self.input_batch.vocab_size, discard)
         req_ids = list(self.input_batch.req_ids)
         self.cache_sampled_token_lists(req_ids, valid)
         logprobs = self._spec_logprobs(req_ids, valid, keep, [t.tolist() for t in host_logprobs]) \
