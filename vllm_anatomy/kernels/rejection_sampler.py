@@ -37,6 +37,14 @@ from vllm_anatomy.kernels.launch import check_launchable
 BLOCK_SIZE = 8192
 
 
+@triton.jit
+def _request_drafts(cu_num_draft_tokens_ptr, req_idx):
+    """(first index, number) of request req_idx's drafts in the flat draft lists."""
+    start_idx = (tl.zeros([], dtype=cu_num_draft_tokens_ptr.dtype.element_ty) if req_idx == 0
+                 else tl.load(cu_num_draft_tokens_ptr + req_idx - 1))
+    return start_idx, tl.load(cu_num_draft_tokens_ptr + req_idx) - start_idx
+
+
 @triton.jit(do_not_specialize=["max_spec_len"])
 def rejection_greedy_sample_kernel(
     output_token_ids_ptr,       # [B, max_spec_len + 1]
@@ -51,20 +59,17 @@ def rejection_greedy_sample_kernel(
     is_greedy = True if is_greedy_ptr is None else tl.load(is_greedy_ptr + req_idx)
     if not is_greedy:
         return      # a random row: rejection_random_sample_kernel's
-    start_idx = (tl.zeros([], dtype=cu_num_draft_tokens_ptr.dtype.element_ty) if req_idx == 0
-                 else tl.load(cu_num_draft_tokens_ptr + req_idx - 1))
-    end_idx = tl.load(cu_num_draft_tokens_ptr + req_idx)
-    num_draft_tokens = end_idx - start_idx
+    start_idx, num_draft_tokens = _request_drafts(cu_num_draft_tokens_ptr, req_idx)
 
+    # Walk the drafts while they equal the target's argmax. The target's own token
+    # is written at every position walked: the draft when they agree, the
+    # recovered token at the first position where they do not.
     rejected = False
     for pos in range(num_draft_tokens):
         if not rejected:
-            draft_token_id = tl.load(draft_token_ids_ptr + start_idx + pos)
             target_argmax_id = tl.load(target_argmax_ptr + start_idx + pos).to(tl.int32)
-            # The target's own token is written either way: the draft when they
-            # agree, the recovered token when they do not.
             tl.store(output_token_ids_ptr + req_idx * (max_spec_len + 1) + pos, target_argmax_id)
-            rejected = draft_token_id != target_argmax_id
+            rejected = tl.load(draft_token_ids_ptr + start_idx + pos) != target_argmax_id
     if not rejected:
         bonus_token_id = tl.load(bonus_token_ids_ptr + req_idx)
         tl.store(output_token_ids_ptr + req_idx * (max_spec_len + 1) + num_draft_tokens, bonus_token_id)
@@ -89,10 +94,7 @@ def rejection_random_sample_kernel(
     is_greedy = tl.load(is_greedy_ptr + req_idx)
     if is_greedy:
         return      # a greedy row: rejection_greedy_sample_kernel's
-    start_idx = (tl.zeros([], dtype=cu_num_draft_tokens_ptr.dtype.element_ty) if req_idx == 0
-                 else tl.load(cu_num_draft_tokens_ptr + req_idx - 1))
-    end_idx = tl.load(cu_num_draft_tokens_ptr + req_idx)
-    num_draft_tokens = end_idx - start_idx
+    start_idx, num_draft_tokens = _request_drafts(cu_num_draft_tokens_ptr, req_idx)
 
     rejected = False
     for pos in range(num_draft_tokens):
@@ -133,11 +135,9 @@ def sample_recovered_tokens_kernel(
     NO_DRAFT_PROBS: tl.constexpr,
 ):
     req_idx = tl.program_id(0)
-    start_idx = (tl.zeros([], dtype=cu_num_draft_tokens_ptr.dtype.element_ty) if req_idx == 0
-                 else tl.load(cu_num_draft_tokens_ptr + req_idx - 1))
-    end_idx = tl.load(cu_num_draft_tokens_ptr + req_idx)
+    start_idx, num_draft_tokens = _request_drafts(cu_num_draft_tokens_ptr, req_idx)
     pos = tl.program_id(1)
-    if pos >= end_idx - start_idx:
+    if pos >= num_draft_tokens:
         return      # this request has fewer drafts than the grid's max_spec_len
     token_idx = start_idx + pos
     draft_token_id = tl.load(draft_token_ids_ptr + token_idx)

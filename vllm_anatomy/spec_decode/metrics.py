@@ -55,15 +55,12 @@ class SpecDecodingProm:
 
     def __init__(self, num_spec_tokens: int, labelnames: list[str], labelvalues: list[str],
                  registry: CollectorRegistry) -> None:
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(name, doc, labelnames, registry=registry).labels(*labelvalues)
-
-        self.counter_spec_decode_num_drafts = counter("vllm:spec_decode_num_drafts",
-                                                      "Number of spec decoding drafts.")
-        self.counter_spec_decode_num_draft_tokens = counter("vllm:spec_decode_num_draft_tokens",
-                                                            "Number of draft tokens.")
-        self.counter_spec_decode_num_accepted_tokens = counter("vllm:spec_decode_num_accepted_tokens",
-                                                               "Number of accepted tokens.")
+        counter_specs = [("vllm:spec_decode_num_drafts", "Number of spec decoding drafts."),
+                         ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens."),
+                         ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.")]
+        (self.counter_spec_decode_num_drafts, self.counter_spec_decode_num_draft_tokens,
+         self.counter_spec_decode_num_accepted_tokens) = [
+            Counter(name, doc, labelnames, registry=registry).labels(*labelvalues) for name, doc in counter_specs]
         per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position.",
                           labelnames + ["position"], registry=registry)
         self.counter_spec_decode_num_accepted_tokens_per_pos = [per_pos.labels(*labelvalues, str(pos))
