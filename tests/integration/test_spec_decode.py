@@ -129,3 +129,36 @@ def test_refusals(default_model_dir):
             llm.generate("hello", bad, use_tqdm=False)
     with pytest.raises(ValueError, match="speculative_config"):
         LLM(default_model_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 2, "nope": 1})
+
+
+def test_worker_process_executor(default_model_dir, hf_model, spec_prompts):
+    """The drafts cross the shared-memory RPC (Executor.take_draft_token_ids) from a worker process."""
+    llm = LLM(default_model_dir, max_model_len=512, distributed_executor_backend="mp",
+              speculative_config={"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1,
+                                  "prompt_lookup_max": 3})
+    try:
+        got, _ = _engine_tokens(llm, spec_prompts[-2:])
+        _check_equal(hf_model, spec_prompts[-2:], got)
+        assert llm.get_metrics()["vllm:spec_decode_num_accepted_tokens"] > 0
+    finally:
+        llm.shutdown()
+
+
+def test_structured_output_beside_drafts(default_model_dir, hf_model, spec_prompts, tokenizer):
+    """A structured-output request gets no drafts but shares steps with one that has them: its
+    grammar mask must land on its own logits row (offset by the other rows' draft rows)."""
+    from vllm_anatomy.sampling_params import StructuredOutputsParams
+    choices = ["yes, certainly", "no, never"]
+    llm = LLM(default_model_dir, max_model_len=1024,
+              speculative_config={"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1,
+                                  "prompt_lookup_max": 3})
+    copy = spec_prompts[-1]
+    structured = _chat_ids(tokenizer, "Is the sky blue? Answer yes or no.")
+    outs = llm.generate([{"prompt_token_ids": copy}, {"prompt_token_ids": structured}],
+                        [SamplingParams(temperature=0, max_tokens=MAX_TOKENS),
+                         SamplingParams(temperature=0, max_tokens=16,
+                                        structured_outputs=StructuredOutputsParams(choice=choices))],
+                        use_tqdm=False)
+    _check_equal(hf_model, [copy], [outs[0].outputs[0].token_ids])
+    assert outs[1].outputs[0].text in choices
+    assert llm.get_metrics()["vllm:spec_decode_num_drafts"] > 0

@@ -4,7 +4,7 @@ The reference is the torch code of the same names in
 vllm_anatomy/model_executor/rejection_sampler.py (what a CPU runs); each
 launcher here takes the same arguments and fills the same outputs, so
 RejectionSampler switches between them by module (tests/kernel_tests/
-test_rejection_sampler.py: the same tokens from the same random numbers).
+test_rejection_sampler_kernels.py: the same tokens from the same random numbers).
 
     rejection_greedy_sample   grid (B,): one program per request; greedy rows only
     rejection_random_sample   grid (B,): one program per request; random rows only

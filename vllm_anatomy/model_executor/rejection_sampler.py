@@ -29,7 +29,7 @@ each request's last output token; parse_output turns it into lists.
 Two implementations of the three loops (greedy rows, random rows, recovered
 tokens): the plain torch ones below, which run on a CPU and are the
 reference, and vLLM's Triton kernels (vllm_anatomy/kernels/rejection_sampler.py),
-which run on a GPU; tests/kernel_tests/test_rejection_sampler.py checks that
+which run on a GPU; tests/kernel_tests/test_rejection_sampler_kernels.py checks that
 they give the same tokens from the same random numbers. The random numbers
 (u, and the exponential noise of the recovered-token sample) are drawn by torch
 outside either, per request and from its own generator when it is seeded.

@@ -62,6 +62,7 @@ class ModelRunnerStartupMixin:
     _model_forward: Callable[[int, AttentionMetadata], torch.Tensor]
     drafter: Any                                    # spec decode's proposer, or None (worker/spec_decode_runner.py)
     spec_decode_kv_cache: Callable[[], Any]
+    _warm_up_rejection_sampler: Callable[[], None]
 
     def load_model(self) -> None:
         with self.tracer.span("GPUModelRunner.load_model"):
@@ -144,6 +145,7 @@ class ModelRunnerStartupMixin:
             return
         with self.tracer.span("GPUModelRunner.warm_up"):
             self._warm_up_shapes()
+            self._warm_up_rejection_sampler()      # speculative decoding only
             torch.cuda.synchronize(self.device)
 
     # NOTE: Triton compiles one variant per specialization of its integer

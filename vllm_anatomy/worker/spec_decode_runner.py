@@ -32,6 +32,7 @@ import torch
 from vllm_anatomy.core.outputs import DraftTokenIds, ModelRunnerOutput
 from vllm_anatomy.engine.protocol import LogprobsLists
 from vllm_anatomy.model_executor.rejection_sampler import RejectionSampler
+from vllm_anatomy.model_executor.sampling_metadata import SamplingMetadata
 from vllm_anatomy.spec_decode.metadata import SpecDecodeMetadata
 
 if TYPE_CHECKING:
@@ -84,6 +85,21 @@ class SpecDecodeRunnerMixin:
         # Pinned host rows for the [R, k + 1] verified tokens (the step's one wait).
         self.spec_output_pinned_cpu = torch.zeros(self.max_num_reqs * (self.num_spec_tokens + 1),
                                                   dtype=torch.int32, pin_memory=self.pin_memory)
+
+    def _warm_up_rejection_sampler(self) -> None:
+        """Compile the rejection sampler's Triton kernels at start-up, not in the first
+        request's step: an all-greedy batch (is_greedy None) and a mixed one (vLLM's
+        dummy sampler run does the same with spec-decode metadata)."""
+        if self.rejection_sampler is None:
+            return
+        k, vocab = self.num_spec_tokens, self.input_batch.vocab_size
+        metadata = SpecDecodeMetadata.make_dummy([[0] * k, [1] * k], self.device)
+        logits = torch.zeros(2 * (k + 1), vocab, device=self.device)
+        for temperature in (None, torch.tensor([0.0, 1.0], device=self.device)):
+            sampling_metadata = SamplingMetadata(temperature=temperature, all_greedy=temperature is None,
+                                                 all_random=False, top_p=None, top_k=None, min_p=None,
+                                                 generators={}, max_num_logprobs=None)
+            self.rejection_sampler(metadata, None, logits, sampling_metadata)
 
     # -- _update_states ----------------------------------------------------------------
     def _update_spec_token_ids(self, scheduler_output: SchedulerOutput) -> None:
