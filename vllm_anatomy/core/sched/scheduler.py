@@ -635,7 +635,7 @@ class Scheduler(SchedulerInterface):
     def make_spec_decoding_stats(self, spec_decoding_stats: SpecDecodingStats | None, num_draft_tokens: int,
                                  num_accepted_tokens: int) -> SpecDecodingStats | None:
         if not self.log_stats or not num_draft_tokens:
-            return None
+            return spec_decoding_stats
         if spec_decoding_stats is None:
             spec_decoding_stats = SpecDecodingStats.new(self.num_spec_tokens)
         spec_decoding_stats.observe_draft(num_draft_tokens=num_draft_tokens, num_accepted_tokens=num_accepted_tokens)
