@@ -194,7 +194,8 @@ def runner_scan(path: str, version: tuple) -> dict | RunError:
             cudagraph.append((step_id, c.mode, c.num_tokens, c.num_padded_tokens, c.reason, c.reason_code))
         back = old.get(step_id) if ix.sampled_token_ids is None else None
         tokens.append((step_id, pi.req_ids, pi.seq_lens, pi.discard_request_indices, ix.sampled_token_ids,
-                       *((back.req_indices, back.positions, back.input_ids) if back else ([], [], []))))
+                       *((back.req_indices, back.positions, back.input_ids) if back else ([], [], [])),
+                       pi.num_draft_tokens))
     return {"condense": condense, "cudagraph": cudagraph, "tokens": tokens, "bad_rows": bad}
 
 
@@ -347,17 +348,21 @@ def token_index(path: str, version: tuple) -> dict | RunError:
 def _token_index(scan: dict, runner: list[tuple]) -> dict:
     tokens: dict[str, dict[int, int]] = {req: dict(enumerate(ids)) for req, ids in scan["prompts"].items()}
     sampled: dict[int, dict[str, list]] = {}
-    for step_id, req_ids, seq_lens, discard, direct, req_indices, positions, input_ids in runner:
+    for step_id, req_ids, seq_lens, discard, direct, req_indices, positions, input_ids, num_drafts in runner:
         for row, pos, tok in zip(req_indices, positions, input_ids):      # (runs without sampled ids)
             tokens.setdefault(req_ids[row], {})[pos] = tok
         discard = set(discard)
         sampled[step_id] = {}
         for i, (req, seq_len) in enumerate(zip(req_ids, seq_lens)):
             if i not in discard:
-                tok = direct[i][0] if direct and i < len(direct) and direct[i] else None
-                sampled[step_id][req] = [seq_len, tok]
-                if tok is not None and tok >= 0:
-                    tokens.setdefault(req, {})[seq_len] = tok
+                row = direct[i] if direct and i < len(direct) else []
+                # NOTE: spec decode: a row verified num_drafts[i] drafts; its outputs start at the first draft's position.
+                first = seq_len - (num_drafts[i] if i < len(num_drafts) else 0)
+                tok = row[0] if row else None
+                sampled[step_id][req] = [first, tok]
+                for j, t in enumerate(row):
+                    if t >= 0:
+                        tokens.setdefault(req, {})[first + j] = t
     for step in sampled.values():
         for req, entry in step.items():
             if entry[1] is None:

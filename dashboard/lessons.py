@@ -31,6 +31,7 @@ CLI_LESSONS = {
     7: ("07_call_chain.py", "the call chain from HTTP to the forward, across three processes"),
     8: ("08_latency_table.py", "the latency-magnitude table, measured on your hardware"),
     9: ("09_self_test.py", "the article's self-test, answered from a recorded trace"),
+    10: ("10_speculative_decoding.py", "speculative decoding: fewer rounds, longer rounds (ngram, draft model)"),
 }
 
 

@@ -1,8 +1,9 @@
 """Engine configuration, split the way vLLM splits it (vllm/config/*.py).
 
 ModelConfig (what model, which dtype, how long), CacheConfig (the paged KV
-cache), SchedulerConfig (the token budget), CompilationConfig (CUDA graphs)
-and VllmConfig holding them all.
+cache), SchedulerConfig (the token budget), CompilationConfig (CUDA graphs),
+SpeculativeConfig (speculative decoding, vllm/config/speculative.py) and
+VllmConfig holding them all.
 Users set these through EngineArgs (vllm_anatomy/engine/arg_utils.py) using
 vLLM's argument names.
 """
@@ -158,6 +159,63 @@ def default_capture_sizes(max_size: int) -> list[int]:
 
 
 @dataclass
+class SpeculativeConfig:
+    """Speculative decoding (vllm/config/speculative.py, the fields we implement).
+
+    method "ngram": drafts come from the request's own tokens (prompt lookup:
+    the longest suffix n-gram, prompt_lookup_min..max tokens, that occurred
+    earlier; the K tokens that followed it). method "draft_model": a smaller
+    model of the same vocabulary (`model`, a local HF directory; the target's
+    own directory is allowed: greedy drafts are then always accepted) runs K
+    single-token steps on its own KV cache. As in vLLM, `method` may be left
+    out: "ngram" if model is "ngram", else "draft_model".
+    """
+    num_speculative_tokens: int = 0
+    method: str | None = None
+    model: str | None = None
+    # ngram: the n-gram window (vLLM: both default to 5; one given sets the other).
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+    # draft_model: its config.json, read when the config is built (vLLM: draft_model_config).
+    draft_model_config: "ModelConfig | None" = None
+
+    def __post_init__(self) -> None:
+        # NOTE: the same inference and defaults as vLLM's __post_init__.
+        if self.method is None:
+            self.method = "ngram" if self.model in ("ngram", "[ngram]") else "draft_model"
+        if self.method == "[ngram]":
+            self.method = "ngram"
+        if self.method not in ("ngram", "draft_model"):
+            raise ValueError(f"speculative method {self.method!r} is not supported here "
+                             "(vllm_anatomy implements 'ngram' and 'draft_model')")
+        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens <= 0:
+            raise ValueError("Expected num_speculative_tokens to be greater than zero "
+                             f"({self.num_speculative_tokens}).")
+        if self.method == "ngram":
+            self.model = "ngram"
+            if self.prompt_lookup_min is None and self.prompt_lookup_max is None:
+                self.prompt_lookup_min = self.prompt_lookup_max = 5
+            elif self.prompt_lookup_min is None:
+                self.prompt_lookup_min = self.prompt_lookup_max
+            elif self.prompt_lookup_max is None:
+                self.prompt_lookup_max = self.prompt_lookup_min
+            assert self.prompt_lookup_min is not None and self.prompt_lookup_max is not None
+            if self.prompt_lookup_min < 1:
+                raise ValueError(f"prompt_lookup_min={self.prompt_lookup_min} must be at least 1")
+            if self.prompt_lookup_min > self.prompt_lookup_max:
+                raise ValueError(f"prompt_lookup_min={self.prompt_lookup_min} must "
+                                 f"be <= prompt_lookup_max={self.prompt_lookup_max}")
+        elif self.model is None:
+            raise ValueError("num_speculative_tokens was provided but without speculative model.")
+
+    def use_ngram(self) -> bool:
+        return self.method == "ngram"
+
+    def uses_draft_model(self) -> bool:
+        return self.method == "draft_model"
+
+
+@dataclass
 class VllmConfig:
     model_config: ModelConfig
     cache_config: CacheConfig
@@ -165,3 +223,9 @@ class VllmConfig:
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     observability_config: ObservabilityConfig = field(default_factory=ObservabilityConfig)
     compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
+    speculative_config: SpeculativeConfig | None = None
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        """Draft tokens per request per step (0 without speculative decoding), as vLLM's property."""
+        return self.speculative_config.num_speculative_tokens if self.speculative_config else 0

@@ -25,6 +25,7 @@ from dashboard.components.sampled import execution_mode, execution_panel, sample
 from dashboard.components.scrubber import scrubber
 from dashboard.components.sched_output import scheduler_output
 from dashboard.components.slot_mapping import slot_mapping
+from dashboard.components.spec_decode import spec_decode
 
 
 def finish_reasons(path: str, version: tuple) -> dict[str, str]:
@@ -89,6 +90,7 @@ def main() -> None:
             execution_panel(info["meta"], mr)
             device_lane(step_spans(path, version, info["meta"], step_id), str(info["meta"].get("device")), step_id)
             sampled(info["meta"], step_id, tokens, step["scheduler_output"])
+            spec_decode(info["meta"], step, kv["block_size"])
             pi = mr.get("prepare_inputs")
             if pi:
                 slot_mapping(pi, kv["block_size"])

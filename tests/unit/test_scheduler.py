@@ -442,7 +442,8 @@ def test_snapshot_is_plain_json():
     assert snap["running"][0] == {"request_id": "a", "status": "RUNNING", "num_tokens": 21,
                                   "num_computed_tokens": 20, "num_prompt_tokens": 20,
                                   "num_output_tokens": 1, "num_output_placeholders": 0,
-                                  "num_stale_output_tokens": 0, "num_preemptions": 0, "num_cached_tokens": 0, "block_ids": [1, 2]}
+                                  "num_stale_output_tokens": 0, "num_preemptions": 0, "num_cached_tokens": 0, "block_ids": [1, 2],
+                                  "spec_token_ids": []}
     assert snap["waiting"][0]["status"] == "WAITING" and snap["waiting"][0]["block_ids"] == []
     assert snap["step_record"]["admission_stop_reason"] == "max_num_seqs"
     assert snap["skipped_waiting"] == [] and snap["step_record"]["deferred_req_ids"] == []

@@ -43,7 +43,7 @@ def reference_request_snapshot(req: Request, block_ids: list[int]) -> dict:
             "num_output_tokens": req.num_output_tokens, "num_output_placeholders": req.num_output_placeholders,
             "num_stale_output_tokens": req.num_stale_output_tokens,
             "num_preemptions": req.num_preemptions, "num_cached_tokens": req.num_cached_tokens,
-            "block_ids": block_ids}
+            "block_ids": block_ids, "spec_token_ids": list(req.spec_token_ids)}
 
 
 def reference_scheduler_snapshot(s: Scheduler, kv_cache: dict | None = None) -> dict:

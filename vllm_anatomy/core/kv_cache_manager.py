@@ -6,8 +6,8 @@ this request room for n more tokens" (allocate_slots). Block objects never
 leave this process: the scheduler turns them into block ids (KVCacheBlocks).
 
 Simplified: one KV-cache group (full attention) and no KVCacheCoordinator;
-no KV connector (external tokens), no lookahead for spec decode in practice,
-no watermark, no encoder tokens.
+no KV connector (external tokens), no watermark, no encoder tokens. A draft
+model's slots ahead of the verified tokens are the lookahead (num_lookahead_tokens).
 """
 from __future__ import annotations
 

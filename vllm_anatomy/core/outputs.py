@@ -30,6 +30,17 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
 
 
+class DraftTokenIds(msgspec.Struct, array_like=True, gc=False):
+    """Speculative decoding: the drafts the worker proposed after a step (vllm/v1/outputs.py).
+
+    EngineCore fetches them with Executor.take_draft_token_ids once the step's
+    output is processed, and hands them to Scheduler.update_draft_token_ids."""
+    # [num_reqs] in InputBatch row order
+    req_ids: list[str]
+    # num_reqs x num_draft_tokens (a row may have fewer, or none)
+    draft_token_ids: list[list[int]]
+
+
 class AsyncModelRunnerOutput:
     """A step's output whose tokens are still on their way to the host (async scheduling).
 

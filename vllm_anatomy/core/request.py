@@ -146,7 +146,8 @@ class Request:
         # property read costs ~0.1 us, ten times an attribute read.
         self.num_tokens = len(self._all_token_ids)
         self.num_output_tokens = 0
-        # Draft tokens to verify next step. Always empty: no spec decode here.
+        # Speculative decoding: the draft tokens to verify next step (set by
+        # Scheduler.update_draft_token_ids; emptied when scheduled or preempted).
         self.spec_token_ids: list[int] = []
         # How many of all_token_ids have KV in the cache (advanced optimistically by the scheduler).
         self.num_computed_tokens = 0
@@ -257,6 +258,7 @@ class Request:
             "num_preemptions": self.num_preemptions,
             "num_cached_tokens": self.num_cached_tokens,
             "block_ids": block_ids if block_ids is not None else [],
+            "spec_token_ids": list(self.spec_token_ids),
         }
 
     def __repr__(self) -> str:

@@ -6,16 +6,21 @@ resolved here, once, and the resolved values are what the trace records.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import logging
 import os
 from dataclasses import dataclass, fields
 
 import torch
 
 from vllm_anatomy.config import (CacheConfig, CompilationConfig, ModelConfig, ObservabilityConfig,
-                                 ParallelConfig, SchedulerConfig, VllmConfig, default_capture_sizes)
+                                 ParallelConfig, SchedulerConfig, SpeculativeConfig, VllmConfig,
+                                 default_capture_sizes)
 from vllm_anatomy.distributed.parallel_state import resolve_backend
 from vllm_anatomy.transformers_utils.default_model import resolve_model
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
            "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -62,6 +67,9 @@ class EngineArgs:
     cudagraph_mode: str = "FULL_AND_PIECEWISE"      # | FULL_DECODE_ONLY | NONE
     max_cudagraph_capture_size: int | None = None   # None = min(max_num_batched_tokens, 2048): see below
     cudagraph_capture_sizes: list[int] | None = None
+    # vLLM's --speculative-config: a dict (or its JSON), e.g. {"method": "ngram",
+    # "num_speculative_tokens": 3, "prompt_lookup_max": 4}; None = no speculative decoding.
+    speculative_config: dict | str | None = None
     trace_level: str = "off"                    # off | spans | full
     trace_dir: str | None = None
     otlp_traces_endpoint: str | None = None
@@ -137,11 +145,13 @@ class EngineArgs:
                                    enable_prefix_caching=self.enable_prefix_caching)
         parallel_config = self._parallel_config(device)
         model_config.verify_with_parallel_config(parallel_config)
+        speculative_config = self.create_speculative_config(model_config)
         scheduler_config = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
                                            max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                                            enable_chunked_prefill=self.enable_chunked_prefill,
                                            long_prefill_token_threshold=self.long_prefill_token_threshold,
-                                           async_scheduling=self._resolve_async_scheduling(on_gpu))
+                                           async_scheduling=self._resolve_async_scheduling(on_gpu,
+                                                                                           speculative_config))
         if self.trace_level not in ("off", "spans", "full"):
             raise ValueError(f"trace_level must be one of off, spans, full; got {self.trace_level!r}")
         observability_config = ObservabilityConfig(trace_level=self.trace_level, trace_dir=self.trace_dir,
@@ -150,7 +160,45 @@ class EngineArgs:
         compilation_config = self._compilation_config(on_gpu, max_num_seqs,
                                                       min(max_num_batched_tokens, max_num_seqs * max_model_len))
         return VllmConfig(model_config, cache_config, scheduler_config, parallel_config, observability_config,
-                          compilation_config)
+                          compilation_config, speculative_config)
+
+    def create_speculative_config(self, target: ModelConfig) -> SpeculativeConfig | None:
+        """SpeculativeConfig from the --speculative-config dict (vLLM: create_speculative_config).
+
+        A draft model's config.json is read here: it must have the target's
+        vocabulary (the rejection sampler compares their token ids), and runs on the
+        target's device, dtype, attention backend and max_model_len."""
+        raw = self.speculative_config
+        if raw is None:
+            return None
+        if isinstance(raw, str):
+            try:
+                raw = json.loads(raw)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--speculative-config is not valid JSON: {e}") from e
+        if not isinstance(raw, dict):
+            raise ValueError(f"speculative_config must be a dict (or its JSON), got {type(raw).__name__}")
+        known = {f.name for f in fields(SpeculativeConfig)} - {"draft_model_config"}
+        unknown = set(raw) - known
+        if unknown:
+            raise ValueError(f"unknown speculative_config key(s) {sorted(unknown)}; known here: {sorted(known)}")
+        config = SpeculativeConfig(**raw)
+        if config.uses_draft_model():
+            assert config.model is not None
+            draft_dir = resolve_model(config.model)
+            with open(os.path.join(draft_dir, "config.json")) as f:
+                draft_hf = json.load(f)
+            config.model = draft_dir
+            if draft_hf.get("vocab_size") != target.hf_config.get("vocab_size"):
+                raise ValueError("Target and draft model should have the same vocabulary size. "
+                                 f"Target model vocab_size={target.hf_config.get('vocab_size')}. "
+                                 f"Draft model vocab_size={draft_hf.get('vocab_size')}.")
+            if draft_hf.get("max_position_embeddings", target.max_model_len) < target.max_model_len:
+                raise ValueError(f"the draft model's max_position_embeddings="
+                                 f"{draft_hf['max_position_embeddings']} is below max_model_len="
+                                 f"{target.max_model_len}")
+            config.draft_model_config = dataclasses.replace(target, model=draft_dir, hf_config=draft_hf)
+        return config
 
     def _resolve_executor_backend(self) -> str:
         """vLLM's rule: one rank in-process, several ranks in worker processes."""
@@ -189,11 +237,28 @@ class EngineArgs:
                               distributed_backend=backend, nnodes=nnodes, node_rank=self.node_rank,
                               master_addr=self.master_addr, master_port=self.master_port)
 
-    def _resolve_async_scheduling(self, on_gpu: bool) -> bool:
+    def _resolve_async_scheduling(self, on_gpu: bool, speculative_config: SpeculativeConfig | None = None) -> bool:
         """Default: on a GPU with the in-process executor. With worker processes
         (mp) only when asked for: their busy loop waits for each step's tokens
         before it takes the next call (no async-output thread, see
-        executor/worker_proc.py), so the overlap is the engine's alone."""
+        executor/worker_proc.py), so the overlap is the engine's alone.
+
+        Speculative decoding, as v0.27.1 decides (VllmConfig.__post_init__):
+        by default async scheduling is turned off (with a warning) for the
+        ngram and draft_model methods; asked for explicitly, ngram is an error.
+        v0.27.1 runs draft_model under async scheduling (drafts kept on the
+        device); that path is not implemented here, so it is an error too."""
+        if speculative_config is not None:
+            if self.async_scheduling:
+                if speculative_config.use_ngram():
+                    raise ValueError("Currently, async scheduling is only supported with EAGLE/MTP/Draft "
+                                     "Model/NGram GPU/DSpark kind of speculative decoding")
+                raise ValueError("async scheduling with method='draft_model' is supported by vLLM v0.27.1 but "
+                                 "not implemented in vllm_anatomy: use --no-async-scheduling")
+            if self.async_scheduling is None and on_gpu:
+                logger.warning("Async scheduling not supported with %s-based speculative decoding and will "
+                               "be disabled.", speculative_config.method)
+            return False
         if self.async_scheduling is None:
             return on_gpu and self._resolve_executor_backend() == "uni"
         return self.async_scheduling
@@ -263,6 +328,10 @@ class EngineArgs:
           help="vLLM's compilation_config.cudagraph_mode (those we implement)")
         p("--max-cudagraph-capture-size", type=int, default=None)
         p("--cudagraph-capture-sizes", type=int, nargs="+", default=None)
+        p("--speculative-config", "-sc", default=None,
+          help='speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 3, '
+               '"prompt_lookup_min": 2, "prompt_lookup_max": 4} or {"method": "draft_model", '
+               '"model": DIR, "num_speculative_tokens": 3}')
         p("--trace-level", choices=["off", "spans", "full"], default=d.trace_level)
         p("--trace-dir", default=None)
         p("--otlp-traces-endpoint", default=None)

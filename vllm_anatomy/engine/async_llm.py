@@ -65,7 +65,8 @@ class AsyncLLM:
         self.recorder = recorder if recorder is not None else make_recorder(vllm_config, "frontend")
         self.request_tracer = make_request_tracer(self.recorder, vllm_config.model_config.model)
         self.tokenizer = get_tokenizer(self.model_config.model)
-        self.input_processor = InputProcessor(self.model_config, self.tokenizer)
+        self.input_processor = InputProcessor(self.model_config, self.tokenizer,
+                                              speculative_config=vllm_config.speculative_config)
         self.output_processor = OutputProcessor(self.tokenizer, self.request_tracer)
         self.stat_loggers: list = list(stat_loggers or [])
         self.engine_core = EngineCoreClient.make_client(

@@ -102,6 +102,8 @@ class EngineCore:
                                            structured_output_manager=self.structured_output_manager,
                                            record_steps=self.recorder.wants_snapshots)
             self.step_tracer.watch(self.scheduler)
+        # Speculative decoding: fetch each step's drafts for the scheduler (post_step).
+        self.check_for_draft_tokens = vllm_config.speculative_config is not None
         # The model's vocabulary, which every token id of a request must index
         # (read after the executor: an in-process worker fills hf_config).
         self.vocab_size: int | None = (vllm_config.model_config.hf_config or {}).get("vocab_size")
@@ -143,7 +145,7 @@ class EngineCore:
             raise TypeError(f"request_id must be a string, got {type(request.request_id).__name__}")
         if self.vocab_size is None:      # a model config without hf_config (unit tests)
             return
-        validate_params(request.sampling_params, self.vocab_size)
+        validate_params(request.sampling_params, self.vocab_size, self.vllm_config.speculative_config)
         # NOTE: not the length: a prompt that can never fit is the scheduler's
         # to finish (FINISHED_IGNORED), as in vLLM; a token id past the
         # vocabulary would index past the embedding table for the whole batch.
@@ -199,6 +201,21 @@ class EngineCore:
             outputs = self._update_from_output(scheduler_output, model_output, trace)
         trace.end()
         return outputs, scheduler_output.total_num_scheduled_tokens > 0
+
+    def post_step(self, model_executed: bool) -> None:
+        """Speculative decoding: hand the drafts the worker proposed after this step to
+        the scheduler, for the next schedule() to verify.
+
+        NOTE: v0.27.1 calls post_step from its callers (the busy loop,
+        InprocClient) after step(); here the step calls it right after
+        update_from_output, so every caller of step() (lessons, tests) gets it
+        and the step's snapshot shows the drafts proposed for the next step.
+        Async scheduling is not combined with speculative decoding here (see
+        EngineArgs), so no step of the batch queue has drafts."""
+        if self.check_for_draft_tokens and model_executed:
+            draft_token_ids = self.model_executor.take_draft_token_ids()
+            if draft_token_ids is not None:
+                self.scheduler.update_draft_token_ids(draft_token_ids)
 
     def step_with_batch_queue(self) -> tuple[dict[int, EngineCoreOutputs], bool]:
         """Async scheduling: launch a new step if there is room, then (only once
@@ -281,6 +298,7 @@ class EngineCore:
             outputs = self.scheduler.update_from_output(scheduler_output, model_output)
             for client_index, output in errors:
                 outputs.setdefault(client_index, EngineCoreOutputs()).outputs.append(output)
+        self.post_step(model_executed=scheduler_output.total_num_scheduled_tokens > 0)
         # Without async scheduling, the step's snapshot: taken after the update, it shows the step's result.
         trace.updated()
         return outputs

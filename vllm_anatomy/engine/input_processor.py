@@ -15,10 +15,10 @@ import time
 import uuid
 from typing import Any, Union
 
-from vllm_anatomy.config import ModelConfig
+from vllm_anatomy.config import ModelConfig, SpeculativeConfig
 from vllm_anatomy.engine.protocol import EngineCoreRequest
 from vllm_anatomy.exceptions import VLLMValidationError
-from vllm_anatomy.sampling_params import SamplingParams
+from vllm_anatomy.sampling_params import _SAMPLING_EPS, SamplingParams
 
 # A prompt is text, a list of token ids, or vLLM's dict forms.
 PromptType = Union[str, list[int], dict[str, Any]]
@@ -72,17 +72,25 @@ def validate_prompt_token_ids(ids: list[int], vocab_size: int, max_model_len: in
             f"than the number of text tokens plus one.", parameter="prompt")
 
 
-def validate_params(params: Any, vocab_size: int) -> None:
+def validate_params(params: Any, vocab_size: int, speculative_config: SpeculativeConfig | None = None) -> None:
     """SamplingParams, valid for this model (vLLM: InputProcessor._validate_params)."""
     if not isinstance(params, SamplingParams):
         raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
     params.verify(vocab_size)
+    # NOTE: v0.27.1 (SamplingParams._validate_spec_decode): the rejection
+    # sampler applies temperature, top-k, top-p and min_tokens to every draft
+    # position, but not min_p and logit_bias: refused, not silently ignored.
+    if speculative_config is not None and (params.min_p > _SAMPLING_EPS or params.logit_bias):
+        raise VLLMValidationError("The min_p and logit_bias sampling parameters "
+                                  "are not yet supported with speculative decoding.")
 
 
 class InputProcessor:
 
-    def __init__(self, model_config: ModelConfig, tokenizer, generation_config: dict | None = None) -> None:
+    def __init__(self, model_config: ModelConfig, tokenizer, generation_config: dict | None = None,
+                 speculative_config: SpeculativeConfig | None = None) -> None:
         self.model_config = model_config
+        self.speculative_config = speculative_config
         self.tokenizer = tokenizer
         gen = generation_config if generation_config is not None else load_generation_config(model_config.model)
         eos = gen.get("eos_token_id", tokenizer.eos_token_id)
@@ -111,13 +119,13 @@ class InputProcessor:
     def validate_inputs(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Everything process_inputs refuses, for callers that tokenized already
         (the HTTP server checks before it answers 200 to a stream)."""
-        validate_params(params, self.vocab_size)
+        validate_params(params, self.vocab_size, self.speculative_config)
         validate_prompt_token_ids(prompt_token_ids, self.vocab_size, self.model_config.max_model_len)
 
     def process_inputs(self, request_id: str, prompt: PromptType, params: SamplingParams,
                        arrival_time: float | None = None,
                        trace_headers: dict[str, str] | None = None) -> tuple[str | None, EngineCoreRequest]:
-        validate_params(params, self.vocab_size)
+        validate_params(params, self.vocab_size, self.speculative_config)
         prompt_text, prompt_token_ids = self.tokenize(prompt)
         validate_prompt_token_ids(prompt_token_ids, self.vocab_size, self.model_config.max_model_len)
         params = params.clone()

@@ -54,7 +54,8 @@ class LLMEngine:
         self.recorder = recorder if recorder is not None else make_recorder(vllm_config, "frontend")
         self.request_tracer = make_request_tracer(self.recorder, vllm_config.model_config.model)
         self.tokenizer = get_tokenizer(vllm_config.model_config.model)
-        self.input_processor = InputProcessor(vllm_config.model_config, self.tokenizer)
+        self.input_processor = InputProcessor(vllm_config.model_config, self.tokenizer,
+                                              speculative_config=vllm_config.speculative_config)
         self.output_processor = OutputProcessor(self.tokenizer, self.request_tracer)
         self.engine_core_client = EngineCoreClient.make_client(
             multiprocess_mode=multiprocess_mode, asyncio_mode=False, vllm_config=vllm_config,
@@ -75,6 +76,12 @@ class LLMEngine:
             "vllm:prompt_tokens": 0, "vllm:generation_tokens": 0, "vllm:request_success": 0,
             "vllm_anatomy:engine_steps": 0,
         }
+        if vllm_config.speculative_config is not None:
+            # vLLM's spec-decode counters (spec_decode/metrics.py); per position: `..._per_pos:<p>`.
+            k = vllm_config.speculative_config.num_speculative_tokens
+            self.counters.update({"vllm:spec_decode_num_drafts": 0, "vllm:spec_decode_num_draft_tokens": 0,
+                                  "vllm:spec_decode_num_accepted_tokens": 0,
+                                  **{f"vllm:spec_decode_num_accepted_tokens_per_pos:{p}": 0 for p in range(k)}})
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, recorder: Recorder | None = None,
@@ -165,6 +172,13 @@ class LLMEngine:
         c["vllm_anatomy:engine_steps"] += 1
         c["vllm:prefix_cache_queries"] += stats.prefix_cache_queries
         c["vllm:prefix_cache_hits"] += stats.prefix_cache_hits
+        spec = stats.spec_decoding_stats
+        if spec is not None:
+            c["vllm:spec_decode_num_drafts"] += spec.num_drafts
+            c["vllm:spec_decode_num_draft_tokens"] += spec.num_draft_tokens
+            c["vllm:spec_decode_num_accepted_tokens"] += spec.num_accepted_tokens
+            for pos, n in enumerate(spec.num_accepted_tokens_per_pos):
+                c[f"vllm:spec_decode_num_accepted_tokens_per_pos:{pos}"] += n
 
     def shutdown(self, timeout: float | None = None) -> None:
         """Stop the engine (an engine process: SIGTERM, then SIGKILL after `timeout` s;

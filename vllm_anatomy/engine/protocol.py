@@ -12,6 +12,7 @@ import time
 import msgspec
 
 from vllm_anatomy.sampling_params import SamplingParams
+from vllm_anatomy.spec_decode.metrics import SpecDecodingStats
 
 
 class FinishReason(enum.IntEnum):
@@ -96,6 +97,8 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True, gc=False):
     prefix_cache_requests: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    # Speculative decoding: this step's drafts and acceptances (None without drafts).
+    spec_decoding_stats: SpecDecodingStats | None = None
     # NOTE: no preemption count here (as in v0.27.1): preemptions are counted
     # by the frontend from each request's PREEMPTED event (IterationStats), so
     # they land with the outputs that carry them, whichever step scheduled them.

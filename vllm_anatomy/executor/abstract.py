@@ -11,7 +11,7 @@ from concurrent.futures import Future
 from typing import Any, Literal, overload
 
 from vllm_anatomy.config import VllmConfig
-from vllm_anatomy.core.outputs import ModelRunnerOutput
+from vllm_anatomy.core.outputs import DraftTokenIds, ModelRunnerOutput
 from vllm_anatomy.core.sched.output import GrammarOutput, SchedulerOutput
 from vllm_anatomy.tracing.recorder import NullRecorder, Recorder
 
@@ -85,6 +85,11 @@ class Executor:
         non_block: a Future whose result() waits for the tokens (async scheduling)."""
         with self.recorder.span("Executor.sample_tokens"):
             return self._rpc_output_rank("sample_tokens", (grammar_output,), non_block)
+
+    def take_draft_token_ids(self) -> DraftTokenIds | None:
+        """Speculative decoding: the drafts the workers proposed after the last step
+        (every rank proposes the same; the output rank's answer is kept)."""
+        return self._rpc_output_rank("take_draft_token_ids", ())
 
     def _rpc_output_rank(self, method: str, args: tuple, non_block: bool = False) -> Any:
         """Call every worker; only the output rank's reply matters (vLLM: unique_reply_rank)."""

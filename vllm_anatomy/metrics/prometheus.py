@@ -10,14 +10,16 @@ can build several apps in one process without "Duplicated timeseries" errors.
 NOTE: prometheus_client appends `_total` to counter names on exposition:
 Counter("vllm:prompt_tokens") is scraped as `vllm:prompt_tokens_total`, exactly
 as in vLLM.
-Only the metrics this engine produces are defined (no LoRA, spec decode,
-KV connector or multimodal metrics).
+Only the metrics this engine produces are defined (no LoRA, KV connector or
+multimodal metrics); the spec-decode counters (vllm:spec_decode_*) only with
+speculative decoding on (num_speculative_tokens > 0), as in vLLM.
 """
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
 from vllm_anatomy.engine.protocol import FINISH_REASON_STRINGS, SchedulerStats
+from vllm_anatomy.spec_decode.metrics import SpecDecodingProm
 
 # Buckets as in vLLM's loggers.py.
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -46,7 +48,7 @@ def build_1_2_5_buckets(max_value: int) -> list[int]:
 class PrometheusStatLogger:
 
     def __init__(self, model_name: str, max_model_len: int, engine_index: int = 0,
-                 registry: CollectorRegistry | None = None) -> None:
+                 registry: CollectorRegistry | None = None, num_speculative_tokens: int = 0) -> None:
         # NOTE: without this every counter also exports a `<name>_created`
         # timestamp series; vLLM's /metrics has none (process-wide switch).
         disable_created_metrics()
@@ -56,6 +58,8 @@ class PrometheusStatLogger:
         self._init_scheduler_metrics()
         self._init_iteration_metrics()
         self._init_request_metrics(max_model_len)
+        self.spec_decoding_prom = SpecDecodingProm(num_speculative_tokens, self.labelnames, self.labelvalues,
+                                                   self.registry) if num_speculative_tokens > 0 else None
 
     def _gauge(self, name: str, doc: str) -> Gauge:
         return Gauge(name, doc, self.labelnames, registry=self.registry).labels(*self.labelvalues)
@@ -146,6 +150,8 @@ class PrometheusStatLogger:
         self.gauge_kv_cache_usage.set(s.kv_cache_usage)
         self.counter_prefix_cache_queries.inc(s.prefix_cache_queries)
         self.counter_prefix_cache_hits.inc(s.prefix_cache_hits)
+        if self.spec_decoding_prom is not None and s.spec_decoding_stats is not None:
+            self.spec_decoding_prom.observe(s.spec_decoding_stats)
 
     def _record_iteration_stats(self, it) -> None:
         self.counter_num_preempted_reqs.inc(it.num_preempted_reqs)

@@ -17,8 +17,10 @@ decode for that long; compiled in the pool it overlaps the steps, and the
 scheduler simply passes the request over (WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR)
 until its Future is done, then promotes it to WAITING.
 
-Simplified: one backend (xgrammar), no reasoning parser, no spec decode (one
-bitmask row per request), no parallel bitmask filling for batches > 128.
+Simplified: one backend (xgrammar), no reasoning parser, no parallel bitmask
+filling for batches > 128. With speculative decoding a structured request gets
+no drafts (Scheduler.update_draft_token_ids), so it keeps one bitmask row per
+step (v0.27.1 validates drafts with the grammar and masks every draft position).
 The tokenizer is loaded on the first structured request, not at start-up.
 """
 from __future__ import annotations

@@ -70,7 +70,7 @@ class XgrammarBackend(StructuredOutputBackend):
         else:
             raise ValueError(f"grammar is not of valid supported types. ({request_type!s})")
         # NOTE: v0.27.1 passes max_rollback_tokens (its spec-decode depth); xgrammar
-        # 0.2.9 deprecates it (rollback is always unlimited), and we have no spec decode.
+        # 0.2.9 deprecates it (rollback is always unlimited), and structured requests get no drafts here.
         return XgrammarGrammar(matcher=_xgr().GrammarMatcher(ctx),
                                vocab_size=self.vocab_size, ctx=ctx)
 

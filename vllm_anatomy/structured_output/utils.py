@@ -25,12 +25,16 @@ def apply_grammar_bitmask(scheduler_output: SchedulerOutput, grammar_output: Gra
     requests; the logits' rows follow the worker's persistent batch (which
     condense() reorders). The rows are re-sorted here into a [R, V/32] mask
     whose other rows are all ones (-1: every token allowed), the way vLLM
-    does it. (No spec decode here: one logits row per request.)
+    does it. (One logits row per request: structured requests get no drafts here.)
     """
     import xgrammar as xgr          # NOTE: imported only by steps that carry a grammar
 
     bitmask = grammar_output.grammar_bitmask                                   # [S, ceil(V / 32)] int32
     req_id_to_index = input_batch.req_id_to_index
+    if scheduler_output.scheduled_spec_decode_tokens:
+        # NOTE: speculative decoding: each earlier row's drafts have logits rows
+        # before this row's, so its row is offset by them (as in vLLM).
+        req_id_to_index = _logit_rows(scheduler_output, input_batch)
     sorted_bitmask = np.full((logits.shape[0], bitmask.shape[1]), -1, dtype=np.int32)   # [R, ceil(V / 32)]
     out_indices = []
     for row, req_id in enumerate(grammar_output.structured_output_request_ids):
@@ -44,6 +48,16 @@ def apply_grammar_bitmask(scheduler_output: SchedulerOutput, grammar_output: Gra
     # NOTE: with every row masked, xgrammar needs no index list (one kernel over all rows).
     indices = None if len(out_indices) == logits.shape[0] else out_indices
     xgr.apply_token_bitmask_inplace(logits, mask, indices=indices)
+
+
+def _logit_rows(scheduler_output: SchedulerOutput, input_batch: InputBatch) -> dict[str, int]:
+    """req_id -> its (last) logits row when some requests of the batch have drafts."""
+    spec_tokens = scheduler_output.scheduled_spec_decode_tokens
+    rows, offset = {}, 0
+    for batch_index, req_id in enumerate(input_batch.req_ids):
+        rows[req_id] = batch_index + offset
+        offset += len(spec_tokens.get(req_id, ()))
+    return rows
 
 
 def choice_as_grammar(choice: list[str]) -> str:

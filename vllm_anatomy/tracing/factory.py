@@ -33,6 +33,8 @@ def run_meta(vllm_config) -> dict[str, Any]:
     mc = vllm_config.model_config
     config = dataclasses.asdict(vllm_config)
     config["model_config"].pop("hf_config", None)
+    if (config.get("speculative_config") or {}).get("draft_model_config"):
+        config["speculative_config"]["draft_model_config"].pop("hf_config", None)
     return {"model": mc.model, "device": mc.device, "device_name": device_name(mc.device),
             "trace_level": vllm_config.observability_config.trace_level,
             "kv_cache_bytes_per_block": kv_cache_bytes_per_block(vllm_config),
@@ -45,8 +47,11 @@ def kv_cache_bytes_per_block(vllm_config) -> int | None:
     mc = vllm_config.model_config
     try:
         itemsize = mc.dtype.itemsize if hasattr(mc.dtype, "itemsize") else 4
-        return (2 * mc.num_hidden_layers * vllm_config.cache_config.block_size * mc.num_kv_heads * mc.head_dim
-                * itemsize)
+        # NOTE: a draft model's layers keep their own K and V in the same blocks (spec_decode/draft_model.py).
+        models = [mc] + ([sc.draft_model_config] if (sc := getattr(vllm_config, "speculative_config", None))
+                         and sc.draft_model_config is not None else [])
+        return sum(2 * m.num_hidden_layers * vllm_config.cache_config.block_size * m.num_kv_heads * m.head_dim
+                   * itemsize for m in models)
     except (KeyError, TypeError, AttributeError, ZeroDivisionError):
         return None
 

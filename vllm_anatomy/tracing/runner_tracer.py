@@ -175,7 +175,8 @@ class StepSnapshots:
             "slot_mapping": _host_list(runner.input_batch.block_table.slot_mapping[:total]),
             "logits_indices": (cu_num_tokens - 1).tolist(),
             "discard_request_indices": runner.discard_request_indices.tolist(),
-            "cudagraph": decision.to_dict()}
+            "cudagraph": decision.to_dict(),
+            "num_draft_tokens": []}     # spec decode: filled by record_spec_decode_inputs when the step has drafts
 
     def take(self, runner: GPUModelRunner) -> dict:
         with paused_gc():

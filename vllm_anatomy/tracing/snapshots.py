@@ -67,6 +67,7 @@ class SchedulerOutputRecord(_Record, omit_defaults=True):
     has_structured_output_requests: bool = False
     pending_structured_output_tokens: bool = False
     step_id: int = 0
+    scheduled_spec_decode_tokens: dict[str, list[int]] = {}   # spec decode: request id -> its drafts this step
 
 
 class RequestRecord(_Record):
@@ -82,15 +83,27 @@ class RequestRecord(_Record):
     num_preemptions: int
     num_cached_tokens: int
     block_ids: list[int]
+    spec_token_ids: list[int] = []           # spec decode: the drafts it will be verified with next step
 
 
 class ScheduledRequestRecord(_Record):
     """SchedulerStepRecord.scheduled[i]: one chunk scheduled this step."""
     request_id: str
-    num_tokens: int
+    num_tokens: int                          # draft tokens included
     kind: str                                # ScheduledKind: prefill_chunk | final_prefill_chunk | decode | resumed
     num_computed_tokens_before: int
     new_block_ids: list[int]
+    draft_token_ids: list[int] = []          # spec decode: the drafts scheduled after its last token
+
+
+class SpecDecodeRecord(_Record):
+    """SchedulerStepRecord.spec_decode[i]: one request's drafts verified this step (spec decode)."""
+    request_id: str
+    draft_token_ids: list[int]               # at positions first_draft_position, +1, ...
+    num_accepted: int                        # the rejection sampler kept the first num_accepted
+    output_token_ids: list[int]              # accepted drafts + one recovered or bonus token
+    first_draft_position: int
+    rejected_slots: list[int] = []           # KV slots the rejected drafts were written to (rewritten next step)
 
 
 class PrefixHitRecord(_Record):
@@ -115,6 +128,7 @@ class SchedulerStepRecord(_Record):
     num_waiting: int
     grammar_ready_req_ids: list[str] = []
     deferred_reasons: dict[str, str] = {}    # request id -> a DeferReason code (runs before: none)
+    spec_decode: list[SpecDecodeRecord] = []     # spec decode: each verification of this step
 
 
 class KVBlockRecord(_Record):
@@ -217,6 +231,7 @@ class PrepareInputsRecord(_Record):
     logits_indices: list[int]
     discard_request_indices: list[int]
     cudagraph: CudagraphDecisionRecord | None = None
+    num_draft_tokens: list[int] = []         # spec decode: drafts per row (logits_indices then has 1 + that per row)
 
 
 class CachedRequestRow(_Record):
@@ -300,6 +315,7 @@ class PrepareInputsIndex(_View):
     seq_lens: list[int]
     discard_request_indices: list[int]
     cudagraph: CudagraphDecisionRecord | None = None
+    num_draft_tokens: list[int] = []
 
 
 class ModelRunnerIndex(_View):

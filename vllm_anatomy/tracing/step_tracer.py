@@ -238,13 +238,32 @@ class StepTrace:
         return self.tracer.recorder.span("Scheduler.update_from_output", **attrs)
 
     def updated(self) -> None:
-        """update_from_output has run: the update observers."""
+        """update_from_output has run: the step's spec-decode verifications (attributes
+        and one event per request), then the update observers."""
         scheduler_output = self._scheduled_output()
+        if scheduler_output.scheduled_spec_decode_tokens:
+            record_spec_decode(self.span, self.tracer.scheduler.last_spec_decode_records)
         for observe in self.tracer.on_update:
             observe(scheduler_output)
 
     def end(self) -> None:
         self.span.end()
+
+
+def record_spec_decode(span: SpanHandle, records: list) -> None:
+    """Speculative decoding on the step span: totals as attributes, and per request an event
+    `spec_decode` with its drafts, how many were accepted, what came out and the slots
+    the rejected drafts' KV went to (core/sched/record.py SpecDecodeRecord)."""
+    span.set_attributes({"vllm_anatomy.spec_decode.num_drafts": len(records),
+                         "vllm_anatomy.spec_decode.num_draft_tokens": sum(len(r.draft_token_ids) for r in records),
+                         "vllm_anatomy.spec_decode.num_accepted_tokens": sum(r.num_accepted for r in records)})
+    for r in records:
+        attrs: dict[str, Any] = {REQUEST_ID: r.request_id, "vllm_anatomy.draft_token_ids": r.draft_token_ids,
+                                 "vllm_anatomy.num_accepted_tokens": r.num_accepted,
+                                 "vllm_anatomy.num_rejected_tokens": len(r.draft_token_ids) - r.num_accepted,
+                                 "vllm_anatomy.output_token_ids": r.output_token_ids,
+                                 "vllm_anatomy.rejected_slots": r.rejected_slots}
+        span.add_event("spec_decode", **attrs)
 
 
 class _ScheduleSpan:

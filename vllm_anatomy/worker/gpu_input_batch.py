@@ -13,8 +13,10 @@ stable identity. Every per-row structure (token_ids_cpu, the block table, the
 sampling arrays, generators) is indexed by row, so whenever a request changes
 row they must all move together — that is what condense() and swap_states() do.
 
-Simplified here: no speculative decoding (num_tokens == num_tokens_no_spec), no
-penalties / allowed token ids / bad words, no LoRA, no multimodal, no pooling.
+Speculative decoding: a step's draft tokens are written into token_ids_cpu after
+num_tokens_no_spec (worker/spec_decode_runner.py); they are not counted as tokens.
+Simplified here: no penalties / allowed token ids / bad words, no LoRA, no
+multimodal, no pooling.
 """
 from __future__ import annotations
 

@@ -45,8 +45,12 @@ tells EngineCore to finish it with FINISHED_ERROR (see _update_states). What
 runs for the whole batch at once (prepare_inputs, the forward, the sampler)
 cannot say which request broke it: an error there is the engine's.
 
-Simplified here: no spec decode, LoRA, multimodal, pooling, pipeline
-parallelism or piecewise graphs.
+Speculative decoding (worker/spec_decode_runner.py, a mixin as well): the
+scheduled drafts join the input ids, logits come for every draft position,
+the RejectionSampler replaces the Sampler, 1 to k + 1 tokens per request come
+back, and the drafter proposes the next drafts after the bookkeeping.
+
+Simplified here: no LoRA, multimodal, pooling or pipeline parallelism.
 """
 from __future__ import annotations
 
@@ -71,6 +75,8 @@ from vllm_anatomy.worker.cudagraph import CUDAGraphMode, CUDAGraphRunner, Cudagr
 from vllm_anatomy.worker.gpu_input_batch import CachedRequestState, InputBatch
 from vllm_anatomy.worker.model_runner_startup import ModelRunnerStartupMixin
 from vllm_anatomy.worker.runner_output import make_model_runner_output
+from vllm_anatomy.worker.spec_decode_runner import SpecDecodeRunnerMixin
+from vllm_anatomy.spec_decode.metadata import SpecDecodeMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -81,9 +87,10 @@ class ExecuteModelState(NamedTuple):
     logits: torch.Tensor | None          # [R, V] in the model's dtype (the Sampler upcasts); None: no tokens
     discard_request_indices: np.ndarray  # rows whose sampled token is thrown away
     error_req_ids: list[str] | None = None  # requests that failed to join the batch this step
+    spec_decode_metadata: SpecDecodeMetadata | None = None   # the step's drafts (spec decode)
 
 
-class GPUModelRunner(ModelRunnerStartupMixin, AsyncSchedulingMixin):
+class GPUModelRunner(ModelRunnerStartupMixin, AsyncSchedulingMixin, SpecDecodeRunnerMixin):
 
     def __init__(self, vllm_config: VllmConfig, device: torch.device | str,
                  recorder: Recorder = NullRecorder(), attn_backend: str | None = None) -> None:
@@ -115,6 +122,7 @@ class GPUModelRunner(ModelRunnerStartupMixin, AsyncSchedulingMixin):
                                       self.device, self.pin_memory, model_config.hf_config["vocab_size"],
                                       self.block_size)
         self.sampler = Sampler()
+        self._init_spec_decode()         # drafter and rejection sampler, with speculative_config
         # self.model: made by load_model (worker/model_runner_startup.py)
         self.kv_caches: list[torch.Tensor] = []
         self.execute_model_state: ExecuteModelState | None = None
@@ -187,7 +195,7 @@ class GPUModelRunner(ModelRunnerStartupMixin, AsyncSchedulingMixin):
                     return None
                 # (device phase: the host-to-device copies of the step's inputs)
                 with tracer.phase("GPUModelRunner._prepare_inputs", "prepare_inputs"):
-                    attn_metadata, logits_indices = self._prepare_inputs(scheduler_output)
+                    attn_metadata, logits_indices, spec_decode_metadata = self._prepare_inputs(scheduler_output)
             decision = self.cudagraph_decision
             assert decision is not None              # made by _prepare_inputs
             with tracer.model_forward(decision):
@@ -201,7 +209,8 @@ class GPUModelRunner(ModelRunnerStartupMixin, AsyncSchedulingMixin):
             with tracer.phase("GPUModelRunner.compute_logits", "compute_logits"):
                 logits = self.model.compute_logits(hidden_states[logits_indices])  # [R, V]
             self.execute_model_state = ExecuteModelState(scheduler_output, logits,
-                                                         self.discard_request_indices, error_req_ids)
+                                                         self.discard_request_indices, error_req_ids,
+                                                         spec_decode_metadata)
         return None
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
@@ -242,6 +251,8 @@ class GPUModelRunner(ModelRunnerStartupMixin, AsyncSchedulingMixin):
         for state in reqs_to_add:
             self._per_request(state.req_id, batch.add_request, state)
         batch.condense()
+        if scheduler_output.scheduled_spec_decode_tokens:
+            self._update_spec_token_ids(scheduler_output)
         batch.refresh_metadata()
 
     def _new_request_state(self, new_req) -> CachedRequestState:
@@ -318,8 +329,10 @@ class GPUModelRunner(ModelRunnerStartupMixin, AsyncSchedulingMixin):
         starts = np.repeat(cu_num_tokens - num_tokens, num_tokens)            # [T] each token's request start
         return cu_num_tokens, self.arange_np[:cu_num_tokens[-1]] - starts     # [R], [T]
 
-    def _prepare_inputs(self, scheduler_output: SchedulerOutput) -> tuple[AttentionMetadata, torch.Tensor]:
-        """Flatten the batch into the model's inputs; return (attn_metadata, logits_indices)."""
+    def _prepare_inputs(self, scheduler_output: SchedulerOutput
+                        ) -> tuple[AttentionMetadata, torch.Tensor, SpecDecodeMetadata | None]:
+        """Flatten the batch into the model's inputs; return (attn_metadata, logits_indices,
+        spec_decode_metadata: None without draft tokens)."""
         batch = self.input_batch
         num_reqs = batch.num_reqs
         # NOTE: first, so this host-to-device copy overlaps the numpy work below.
@@ -361,9 +374,15 @@ class GPUModelRunner(ModelRunnerStartupMixin, AsyncSchedulingMixin):
             self.seq_lens.np[:num_reqs] < batch.num_tokens_no_spec[:num_reqs])[0]
         self.last_prepare_inputs = self.tracer.snapshots.prepare_inputs(
             self, num_scheduled, req_indices, cu_num_tokens, arange, token_indices)
-        # The last scheduled token of each request: the only rows that need logits.
-        logits_indices = self.query_start_loc.gpu[1:num_reqs + 1].long() - 1   # [R]
-        return self._attn_metadata(num_reqs, total, max_query_len), logits_indices
+        # The last scheduled token of each request: the only rows that need logits
+        # (with drafts: every draft position too).
+        spec_decode_metadata = self._calc_spec_decode_metadata(scheduler_output, cu_num_tokens)
+        if spec_decode_metadata is None:
+            logits_indices = self.query_start_loc.gpu[1:num_reqs + 1].long() - 1   # [R]
+        else:
+            logits_indices = spec_decode_metadata.logits_indices                    # [R + drafts]
+            self.record_spec_decode_inputs(self.last_prepare_inputs, spec_decode_metadata)
+        return self._attn_metadata(num_reqs, total, max_query_len), logits_indices, spec_decode_metadata
 
     def _num_scheduled_tokens(self, scheduler_output: SchedulerOutput) -> np.ndarray:
         """Tokens scheduled for each batch row [R]."""
@@ -426,17 +445,25 @@ class GPUModelRunner(ModelRunnerStartupMixin, AsyncSchedulingMixin):
                 # Structured output: forbidden tokens -> -inf, before any sampling rule.
                 with tracer.apply_grammar_bitmask(grammar_output):
                     apply_grammar_bitmask(state.scheduler_output, grammar_output, self.input_batch, state.logits)
-            sampler_output = self._sample(state.logits, state.discard_request_indices)
+            sampler_output = self._sample(state.logits, state.discard_request_indices, state.spec_decode_metadata)
             if self.use_async_scheduling:
                 with tracer.span("GPUModelRunner._bookkeeping_sync"):
                     return self._bookkeeping_async(state, sampler_output)
             with tracer.sync_point("GPUModelRunner._bookkeeping_sync", step_id):
-                output = self._bookkeeping_sync(state, sampler_output)
+                if state.spec_decode_metadata is None:
+                    output = self._bookkeeping_sync(state, sampler_output)
+                else:
+                    output = self._bookkeeping_sync_spec(state, sampler_output)
+            # Speculative decoding: the next step's drafts, from the tokens now on the host.
+            self.propose_draft_token_ids(state.scheduler_output, output.sampled_token_ids,
+                                         state.spec_decode_metadata)
         tracer.snapshots.record(step_id, output.sampled_token_ids, runner=self)
         return output
 
-    def _sample(self, logits: torch.Tensor, discard_request_indices: np.ndarray) -> SamplerOutput:
-        """The Sampler over every row; then a discarded row's seeded generator is rewound.
+    def _sample(self, logits: torch.Tensor, discard_request_indices: np.ndarray,
+                spec_decode_metadata: SpecDecodeMetadata | None = None) -> SamplerOutput:
+        """The Sampler over every row (the RejectionSampler when the step has drafts);
+        then a discarded row's seeded generator is rewound.
 
         NOTE: rewound as if it had not sampled: a seeded request then gets the
         same tokens however its prompt was chunked. (vLLM rewinds the CUDA
@@ -446,7 +473,10 @@ class GPUModelRunner(ModelRunnerStartupMixin, AsyncSchedulingMixin):
         generators = sampling_metadata.generators
         saved_states = {i: generators[i].get_state() for i in discard_request_indices.tolist() if i in generators}
         with self.tracer.phase("GPUModelRunner._sample", "sample"):
-            sampler_output = self.sampler(logits, sampling_metadata)
+            if spec_decode_metadata is None:
+                sampler_output = self.sampler(logits, sampling_metadata)
+            else:
+                sampler_output = self._sample_with_drafts(logits, spec_decode_metadata)
         for i, generator_state in saved_states.items():
             self.input_batch.generators[i].set_state(generator_state)
         return sampler_output

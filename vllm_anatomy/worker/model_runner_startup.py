@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -60,18 +60,26 @@ class ModelRunnerStartupMixin:
     cudagraph_dispatcher: CudagraphDispatcher
     cudagraph_runner: CUDAGraphRunner
     _model_forward: Callable[[int, AttentionMetadata], torch.Tensor]
+    drafter: Any                                    # spec decode's proposer, or None (worker/spec_decode_runner.py)
+    spec_decode_kv_cache: Callable[[], Any]
+    _warm_up_rejection_sampler: Callable[[], None]
 
     def load_model(self) -> None:
         with self.tracer.span("GPUModelRunner.load_model"):
             self.model = get_model(self.model_config, backend=self.attn_backend_name).to(self.device)
             self.tracer.device_timer.watch_layers(self.model.model.layers)
+            if self.drafter is not None:
+                self.drafter.load_model(self.model)     # a draft model (ngram: nothing to load)
 
     def get_kv_cache_bytes_per_block(self) -> int:
         """Bytes one block takes summed over all layers (K and V)."""
         model = self.model
         shape = model.attn_backend.get_kv_cache_shape(1, self.block_size, model.num_kv_heads, model.head_dim)
         itemsize = next(model.parameters()).element_size()
-        return math.prod(shape) * itemsize * model.num_layers
+        # NOTE: a draft model keeps its own K and V in every block (spec_decode/draft_model.py).
+        draft = self.spec_decode_kv_cache()
+        draft_bytes = draft.get_kv_cache_bytes_per_block() if draft is not None else 0
+        return math.prod(shape) * itemsize * model.num_layers + draft_bytes
 
     @torch.inference_mode()
     def determine_num_available_blocks(self) -> int:
@@ -122,6 +130,8 @@ class ModelRunnerStartupMixin:
             dtype = next(model.parameters()).dtype
             self.kv_caches = [torch.zeros(shape, dtype=dtype, device=self.device)
                               for _ in range(model.num_layers)]
+            if (draft := self.spec_decode_kv_cache()) is not None:
+                draft.initialize_kv_cache(num_blocks)
 
     @torch.inference_mode()
     def warm_up(self) -> None:
@@ -135,6 +145,7 @@ class ModelRunnerStartupMixin:
             return
         with self.tracer.span("GPUModelRunner.warm_up"):
             self._warm_up_shapes()
+            self._warm_up_rejection_sampler()      # speculative decoding only
             torch.cuda.synchronize(self.device)
 
     # NOTE: Triton compiles one variant per specialization of its integer

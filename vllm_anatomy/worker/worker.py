@@ -29,7 +29,7 @@ import contextlib
 import torch
 
 from vllm_anatomy.config import VllmConfig
-from vllm_anatomy.core.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
+from vllm_anatomy.core.outputs import AsyncModelRunnerOutput, DraftTokenIds, ModelRunnerOutput
 from vllm_anatomy.core.sched.output import GrammarOutput, SchedulerOutput
 from vllm_anatomy.distributed.parallel_state import (ensure_model_parallel_initialized, get_tp_group,
                                                      init_distributed_environment, resolve_backend)
@@ -120,6 +120,10 @@ class Worker:
                       ) -> ModelRunnerOutput | AsyncModelRunnerOutput:
         with self._span_from(self._rpc_trace_headers, "Worker.sample_tokens"):
             return self.model_runner.sample_tokens(grammar_output)
+
+    def take_draft_token_ids(self) -> DraftTokenIds | None:
+        """Speculative decoding: the drafts proposed after the last step (None without)."""
+        return self.model_runner.take_draft_token_ids()
 
     @contextlib.contextmanager
     def remote_trace_context(self, trace_headers: dict[str, str] | None):

@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from vllm_anatomy.core.outputs import ModelRunnerOutput
+    from vllm_anatomy.core.outputs import DraftTokenIds, ModelRunnerOutput
     from vllm_anatomy.core.request import Request, RequestStatus
     from vllm_anatomy.core.sched.output import GrammarOutput, SchedulerOutput
     from vllm_anatomy.engine.protocol import EngineCoreOutputs, SchedulerStats
@@ -29,6 +29,10 @@ class SchedulerInterface(ABC):
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_runner_output: ModelRunnerOutput) -> dict[int, EngineCoreOutputs]:
         """Apply the sampled tokens; return the outputs per frontend client."""
+
+    @abstractmethod
+    def update_draft_token_ids(self, draft_token_ids: DraftTokenIds) -> None:
+        """Speculative decoding: the drafts proposed for each request, to verify next step."""
 
     @abstractmethod
     def add_request(self, request: Request) -> None:
@@ -57,7 +61,7 @@ class SchedulerInterface(ABC):
         """(num_running, num_waiting)."""
 
     @abstractmethod
-    def make_stats(self) -> SchedulerStats | None: ...
+    def make_stats(self, spec_decoding_stats=None) -> SchedulerStats | None: ...
 
     @abstractmethod
     def reset_prefix_cache(self) -> bool: ...

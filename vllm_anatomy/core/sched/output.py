@@ -71,6 +71,10 @@ class SchedulerOutput(msgspec.Struct, omit_defaults=True, gc=False):
     # Requests preempted in this step (informational; the worker also notices
     # they are simply not scheduled).
     preempted_req_ids: set[str] = set()
+    # Speculative decoding: req_id -> the draft tokens scheduled for it this step
+    # (counted in its num_scheduled_tokens, after its last verified token).
+    # Requests without drafts are absent.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = {}
     # Whether any scheduled request samples under a grammar this step
     # (EngineCore asks the scheduler for a bitmask only then).
     has_structured_output_requests: bool = False

@@ -14,6 +14,9 @@ from typing import TYPE_CHECKING, Any, Literal
 import msgspec
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from vllm_anatomy.core.kv_cache_utils import KVCacheBlock
     from vllm_anatomy.core.request import Request
 
 
@@ -83,10 +86,25 @@ ScheduledKind = Literal["prefill_chunk", "final_prefill_chunk", "decode", "resum
 @dataclass
 class ScheduledRequestRecord:
     request_id: str
-    num_tokens: int                   # scheduled this step
+    num_tokens: int                   # scheduled this step (draft tokens included)
     kind: ScheduledKind
     num_computed_tokens_before: int   # where this chunk starts
     new_block_ids: list[int]          # blocks allocated this step (all blocks if new/resumed)
+    draft_token_ids: list[int] = field(default_factory=list)   # spec decode: the drafts scheduled with it
+
+
+@dataclass
+class SpecDecodeRecord:
+    """One request's draft verification in one step (spec decode; filled by update_from_output)."""
+    request_id: str
+    draft_token_ids: list[int]        # the drafts the step verified, at positions first_draft_position...
+    num_accepted: int                 # how many of them the rejection sampler kept (a prefix)
+    output_token_ids: list[int]       # what the step produced: the accepted drafts + one recovered/bonus token
+    first_draft_position: int
+    # The KV slots the rejected drafts' keys and values were written to. They stay
+    # the request's: num_computed_tokens is rolled back, and the next step writes
+    # the real tokens' KV over them (block_id * block_size + offset, as slot_mapping).
+    rejected_slots: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -115,6 +133,8 @@ class SchedulerStepRecord:
     # Structured output: requests whose grammar finished compiling, promoted
     # WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR -> WAITING by this step.
     grammar_ready_req_ids: list[str] = field(default_factory=list)
+    # Speculative decoding: each request's verification, added when the step's output is processed.
+    spec_decode: list[SpecDecodeRecord] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         # NOTE: msgspec walks dataclasses in C; dataclasses.asdict deep-copies
@@ -137,11 +157,25 @@ def classify_chunk(num_computed_before: int, num_scheduled: int, num_tokens: int
 
 
 def make_scheduled_record(request: Request, num_scheduled: int, new_block_ids: list[int],
-                          resumed: bool) -> ScheduledRequestRecord:
+                          resumed: bool, draft_token_ids: list[int] | None = None) -> ScheduledRequestRecord:
     """Record one scheduled request; call before num_computed_tokens is advanced."""
-    # NOTE: placeholders (async scheduling) are tokens too, only not seen yet.
+    # NOTE: placeholders (async scheduling) are tokens too, only not seen yet;
+    # drafts are not (a decode with drafts is still a decode).
     num_placeholders = request.num_output_placeholders
     num_computed_tokens = request.num_computed_tokens
-    kind = classify_chunk(num_computed_tokens, num_scheduled, request.num_tokens + num_placeholders,
+    drafts = draft_token_ids or []
+    kind = classify_chunk(num_computed_tokens, num_scheduled - len(drafts), request.num_tokens + num_placeholders,
                           request.num_output_tokens + num_placeholders, resumed)
-    return ScheduledRequestRecord(request.request_id, num_scheduled, kind, num_computed_tokens, new_block_ids)
+    return ScheduledRequestRecord(request.request_id, num_scheduled, kind, num_computed_tokens, new_block_ids,
+                                  list(drafts))
+
+
+def make_spec_decode_record(request: Request, draft_token_ids: list[int], output_token_ids: list[int],
+                            blocks: Sequence[KVCacheBlock], block_size: int) -> SpecDecodeRecord:
+    """Record a verification; call before num_computed_tokens is rolled back (the drafts are
+    then the last len(draft_token_ids) positions computed)."""
+    num_accepted = len(output_token_ids) - 1
+    first = request.num_computed_tokens - len(draft_token_ids)
+    rejected = range(first + num_accepted, first + len(draft_token_ids))
+    return SpecDecodeRecord(request.request_id, list(draft_token_ids), num_accepted, list(output_token_ids), first,
+                            [blocks[pos // block_size].block_id * block_size + pos % block_size for pos in rejected])

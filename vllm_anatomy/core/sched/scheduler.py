@@ -6,8 +6,13 @@ schedule() is split for reading into the article's two boxes,
 _schedule_running then _schedule_waiting (v0.27.1 writes one long function).
 
 Simplified: FCFS policy only; one token budget (v0.27.1 also keeps an
-encoder compute budget for multimodal inputs); no spec decode, KV connector, encoder cache,
+encoder compute budget for multimodal inputs); no KV connector, encoder cache,
 LoRA or pipeline parallelism.
+Speculative decoding (as v0.27.1): a request's draft tokens (spec_token_ids,
+set by update_draft_token_ids after each step) are scheduled with it, inside
+the same token budget (scheduled_spec_decode_tokens); a draft model's
+lookahead slots are reserved by allocate_slots; update_from_output rolls
+num_computed_tokens back over the drafts the rejection sampler rejected.
 Structured output: requests wait in WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
 (in skipped_waiting) until their grammar has compiled, get_grammar_bitmask
 builds each step's bitmask, update_from_output advances the grammars. Async scheduling (output
@@ -25,17 +30,18 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from vllm_anatomy.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
-from vllm_anatomy.core.outputs import ModelRunnerOutput
+from vllm_anatomy.core.outputs import DraftTokenIds, ModelRunnerOutput
 from vllm_anatomy.core.request import Request, RequestStatus
 from vllm_anatomy.core.sched.interface import SchedulerInterface
 from vllm_anatomy.core.sched.output import CachedRequestData, GrammarOutput, NewRequestData, SchedulerOutput
 from vllm_anatomy.core.sched.record import (AdmissionStop, DeferReason, PrefixHitRecord, SchedulerStepRecord,
-                                             make_scheduled_record)
+                                             SpecDecodeRecord, make_scheduled_record, make_spec_decode_record)
 from vllm_anatomy.core.sched.request_queue import RequestQueue, SchedulingPolicy, create_request_queue
 from vllm_anatomy.core.sched.utils import check_stop
 from vllm_anatomy.core.single_type_kv_cache_manager import cdiv
 from vllm_anatomy.engine.protocol import (EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs,
                                           LogprobsLists, SchedulerStats)
+from vllm_anatomy.spec_decode.metrics import SpecDecodingStats
 from vllm_anatomy.structured_output import StructuredOutputManager
 from vllm_anatomy.structured_output.backend_types import StructuredOutputGrammar
 
@@ -59,6 +65,8 @@ class StepDecisions:
     preempted_reqs: list[Request] = field(default_factory=list)
     req_to_new_blocks: dict[str, KVCacheBlocks] = field(default_factory=dict)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    # Spec decode: the draft tokens scheduled with each request (a prefix of its spec_token_ids).
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     # For the step record (teaching extra):
     admission_stop_reason: AdmissionStop | None = None
     prefix_hits: list[PrefixHitRecord] = field(default_factory=list)
@@ -121,6 +129,16 @@ class Scheduler(SchedulerInterface):
             num_gpu_blocks, self.block_size, self.max_model_len,
             enable_caching=self.cache_config.enable_prefix_caching, log_stats=log_stats,
             enable_kv_cache_events=enable_kv_cache_events)
+        # Speculative decoding (vLLM's names). NOTE: a draft model writes KV for
+        # its own drafts past the verified tokens, so their slots are reserved
+        # ahead (lookahead); ngram proposes on the host and writes nothing.
+        speculative_config = vllm_config.speculative_config
+        self.num_spec_tokens = vllm_config.num_speculative_tokens
+        self.num_lookahead_tokens = self.num_spec_tokens \
+            if speculative_config is not None and speculative_config.uses_draft_model() else 0
+        # This step's verifications, one per request with drafts (teaching extra, as
+        # last_step_record; tracing reads them for the step span's events).
+        self.last_spec_decode_records: list[SpecDecodeRecord] = []
         self.current_step = 0
         self.record_steps = record_steps
         self.last_step_record: SchedulerStepRecord | None = None
@@ -204,8 +222,10 @@ class Scheduler(SchedulerInterface):
             # (_cap_long_prefill, inline as in v0.27.1)
             if 0 < long_prefill_token_threshold < num_new_tokens:
                 num_new_tokens = long_prefill_token_threshold
-            # Within the budget, and positions must stay below max_model_len.
-            num_new_tokens = min(num_new_tokens, step.token_budget, max_model_len - request.num_computed_tokens)
+            # Within the budget, and positions must stay below max_model_len,
+            # with room for the token this step samples (v0.27.1: "necessary when
+            # using spec decoding": drafts past it are not scheduled).
+            num_new_tokens = min(num_new_tokens, step.token_budget, max_model_len - request.num_computed_tokens - 1)
             if num_new_tokens <= 0:
                 # NOTE: `continue`, not `break` (as in vLLM): later requests may still run.
                 continue
@@ -214,13 +234,23 @@ class Scheduler(SchedulerInterface):
                 break
             step.scheduled_running_reqs.append(request)
             step.assign(request, num_new_tokens, new_blocks)
+            # Speculative decode related: the drafts that fit in num_new_tokens go with it.
+            if request.spec_token_ids:
+                num_scheduled_spec_tokens = (num_new_tokens + request.num_computed_tokens - request.num_tokens
+                                             - request.num_output_placeholders)
+                if num_scheduled_spec_tokens > 0:
+                    step.scheduled_spec_decode_tokens[request.request_id] = \
+                        request.spec_token_ids[:num_scheduled_spec_tokens]
+                # New ones are set by update_draft_token_ids after this step.
+                request.spec_token_ids = []
 
     def _allocate_or_preempt(self, request: Request, num_new_tokens: int,
                              step: StepDecisions) -> KVCacheBlocks | None:
         """allocate_slots for a running request, preempting the lowest-priority
         request until it fits (None: it preempted itself)."""
         while True:
-            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens,
+                                                              num_lookahead_tokens=self.num_lookahead_tokens)
             if new_blocks is not None:
                 return new_blocks
             # Out of blocks: preempt the lowest-priority request and retry.
@@ -284,7 +314,7 @@ class Scheduler(SchedulerInterface):
         num_new_tokens = min(num_new_tokens, step.token_budget)
         new_blocks = self.kv_cache_manager.allocate_slots(
             request, num_new_tokens, num_new_local_computed_tokens, new_computed_blocks,
-            full_sequence_must_fit=True)
+            num_lookahead_tokens=self.num_lookahead_tokens, full_sequence_must_fit=True)
         if new_blocks is None:
             # NOTE: waiting requests never preempt running ones: stop admitting.
             return AdmissionStop.NO_FREE_BLOCKS
@@ -327,14 +357,18 @@ class Scheduler(SchedulerInterface):
             # one, so the output keeps exactly the ids finished before this step.
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids={req.request_id for req in step.preempted_reqs},
+            scheduled_spec_decode_tokens=step.scheduled_spec_decode_tokens,
             step_id=self.current_step,
         )
 
     def _make_step_record(self, step: StepDecisions) -> SchedulerStepRecord:
         """The step's decisions as plain data (teaching extra)."""
+        spec = step.scheduled_spec_decode_tokens
+
         def scheduled(reqs: list[Request], resumed: bool):
             return [make_scheduled_record(req, step.num_scheduled_tokens[req.request_id],
-                                          step.req_to_new_blocks[req.request_id].get_block_ids()[0], resumed)
+                                          step.req_to_new_blocks[req.request_id].get_block_ids()[0], resumed,
+                                          spec.get(req.request_id, []))
                     for req in reqs]
 
         record = SchedulerStepRecord(
@@ -386,6 +420,8 @@ class Scheduler(SchedulerInterface):
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        if request.spec_token_ids:
+            request.spec_token_ids = []     # drafts for a sequence whose KV is gone: proposed anew later
         # NOTE: async scheduling: everything still in flight becomes stale. Its
         # sampled tokens are still delivered (they are the model's real samples
         # for positions the request had reached), but must not touch the reset
@@ -503,6 +539,10 @@ class Scheduler(SchedulerInterface):
         sampled_token_ids = model_runner_output.sampled_token_ids
         logprobs = model_runner_output.logprobs
         outputs: dict[int, list[EngineCoreOutput]] = defaultdict(list)
+        spec_decoding_stats: SpecDecodingStats | None = None
+        self.last_spec_decode_records = []
+        if self.record_steps and self.last_step_record is not None:
+            self.last_step_record.spec_decode = self.last_spec_decode_records
         stopped_running_reqs: set[Request] = set()
         stopped_preempted_reqs: set[Request] = set()
         for req_id, num_tokens_scheduled in scheduler_output.num_scheduled_tokens.items():
@@ -520,6 +560,27 @@ class Scheduler(SchedulerInterface):
             req_index = model_runner_output.req_id_to_index[req_id]
             # NOTE: a non-final prefill chunk samples nothing (empty list).
             new_token_ids = sampled_token_ids[req_index] if sampled_token_ids else []
+            scheduled_spec_token_ids = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
+            if scheduled_spec_token_ids and new_token_ids:
+                num_draft_tokens = len(scheduled_spec_token_ids)
+                num_accepted = len(new_token_ids) - 1       # the last one is the recovered or bonus token
+                num_rejected = num_draft_tokens - num_accepted
+                # (teaching extra: what was accepted, where the rejected drafts' KV went)
+                self.last_spec_decode_records.append(make_spec_decode_record(
+                    request, scheduled_spec_token_ids, new_token_ids,
+                    self.kv_cache_manager.manager.req_to_blocks[req_id], self.block_size))
+                # NOTE: the rejected drafts' positions were computed (their KV
+                # written) for nothing: roll num_computed_tokens back over them, so
+                # the next step computes those positions again, with the real
+                # tokens, over the same slots. A stale count (the request was
+                # preempted meanwhile) predates the preemption's reset.
+                if not output_is_stale:
+                    if request.num_computed_tokens > 0:
+                        request.num_computed_tokens -= num_rejected
+                    if request.num_output_placeholders > 0:
+                        request.num_output_placeholders -= num_rejected
+                spec_decoding_stats = self.make_spec_decoding_stats(spec_decoding_stats, num_draft_tokens,
+                                                                    num_accepted)
             stopped = False
             status_before_stop = request.status
             if new_token_ids:
@@ -551,7 +612,34 @@ class Scheduler(SchedulerInterface):
             outputs[request.client_index].append(self._make_output(request, []))
         self._ignored_reqs = []
         self._finish_grammar_compile_errors(outputs)
-        return self._make_engine_core_outputs(outputs)
+        return self._make_engine_core_outputs(outputs, spec_decoding_stats)
+
+    def update_draft_token_ids(self, draft_token_ids: DraftTokenIds) -> None:
+        """The drafts the worker proposed after the step: what the next schedule() verifies.
+
+        NOTE: called by EngineCore after update_from_output, so a request the
+        step finished is gone, and one still in prefill (its sampled token was
+        a guess mid-prompt) keeps none. Structured-output requests get none
+        either: v0.27.1 checks each draft against the grammar and masks every
+        draft position; here they simply decode one token per step."""
+        for req_id, spec_token_ids in zip(draft_token_ids.req_ids, draft_token_ids.draft_token_ids):
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished():
+                continue
+            if request.is_prefill_chunk or request.use_structured_output:
+                if request.spec_token_ids:
+                    request.spec_token_ids = []
+                continue
+            request.spec_token_ids = spec_token_ids
+
+    def make_spec_decoding_stats(self, spec_decoding_stats: SpecDecodingStats | None, num_draft_tokens: int,
+                                 num_accepted_tokens: int) -> SpecDecodingStats | None:
+        if not self.log_stats or not num_draft_tokens:
+            return spec_decoding_stats
+        if spec_decoding_stats is None:
+            spec_decoding_stats = SpecDecodingStats.new(self.num_spec_tokens)
+        spec_decoding_stats.observe_draft(num_draft_tokens=num_draft_tokens, num_accepted_tokens=num_accepted_tokens)
+        return spec_decoding_stats
 
     def _advance_grammar(self, request: Request, new_token_ids: list[int]) -> bool:
         """Feed the sampled tokens to the request's grammar; True if it refused them.
@@ -610,14 +698,16 @@ class Scheduler(SchedulerInterface):
             # (-1 until first scheduled; max() would cost more than the rest of this call)
             num_cached_tokens=request.num_cached_tokens if request.num_cached_tokens > 0 else 0)
 
-    def _make_engine_core_outputs(self, outputs: dict[int, list[EngineCoreOutput]]) -> dict[int, EngineCoreOutputs]:
+    def _make_engine_core_outputs(self, outputs: dict[int, list[EngineCoreOutput]],
+                                  spec_decoding_stats: SpecDecodingStats | None = None
+                                  ) -> dict[int, EngineCoreOutputs]:
         clients = set(outputs) | set(self.finished_req_ids_dict)
         engine_core_outputs = {
             client: EngineCoreOutputs(outputs=outputs.get(client, []),
                                       finished_requests=self.finished_req_ids_dict.get(client) or None)
             for client in clients}
         self.finished_req_ids_dict = defaultdict(set)
-        stats = self.make_stats()
+        stats = self.make_stats(spec_decoding_stats)
         if stats is not None:
             # NOTE: stats go to one client only (any will do), even with no outputs.
             if not engine_core_outputs:
@@ -679,7 +769,7 @@ class Scheduler(SchedulerInterface):
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
 
-    def make_stats(self) -> SchedulerStats | None:
+    def make_stats(self, spec_decoding_stats: SpecDecodingStats | None = None) -> SchedulerStats | None:
         if not self.log_stats:
             return None
         prefix_stats = self.kv_cache_manager.make_prefix_cache_stats()
@@ -689,7 +779,7 @@ class Scheduler(SchedulerInterface):
             num_skipped_waiting_reqs=len(self.skipped_waiting),
             step_counter=self.current_step, kv_cache_usage=self.kv_cache_manager.usage,
             prefix_cache_requests=prefix_stats.requests, prefix_cache_queries=prefix_stats.queries,
-            prefix_cache_hits=prefix_stats.hits)
+            prefix_cache_hits=prefix_stats.hits, spec_decoding_stats=spec_decoding_stats)
 
     def snapshot(self, kv_cache: dict[str, Any] | None = None) -> dict[str, Any]:
         """kv_cache: KVCacheManager.snapshot() or the same dict built another way

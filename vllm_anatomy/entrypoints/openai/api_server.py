@@ -142,7 +142,10 @@ def init_app_state(engine_client, state, args: argparse.Namespace) -> None:
     state.tokenizer_executor = executor = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
     state.openai_serving_chat = OpenAIServingChat(engine_client, models, executor)
     state.openai_serving_completion = OpenAIServingCompletion(engine_client, models, executor)
-    state.stat_logger = PrometheusStatLogger(models.model_name, model_config.max_model_len)
+    vllm_config = getattr(engine_client, "vllm_config", None)
+    state.stat_logger = PrometheusStatLogger(models.model_name, model_config.max_model_len,
+                                             num_speculative_tokens=vllm_config.num_speculative_tokens
+                                             if vllm_config is not None else 0)
     # NOTE: AsyncLLM calls every logger in `stat_loggers` after each output batch.
     engine_client.stat_loggers.append(state.stat_logger)
 

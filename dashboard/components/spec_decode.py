@@ -1,0 +1,74 @@
+"""Speculative decoding in one step: each request's drafts, which of them the target accepted,
+the token it emitted itself (recovered at the first rejection, or the bonus after all of them),
+and where the rejected drafts' KV went: their slots stay the request's and the next step writes
+the real tokens' keys and values over them (step_record.spec_decode, recorded by
+Scheduler.update_from_output). Below: the drafts proposed for the next step (each running
+request's spec_token_ids). Nothing is drawn for a run without speculative decoding."""
+from __future__ import annotations
+
+import html
+
+import streamlit as st
+
+from dashboard import data
+from dashboard.components.code_ref import code_ref
+from dashboard.theme import chip, req_chip
+
+ACCEPTED = "#2E9E5B"
+REJECTED = "#C0392B"
+UNCHECKED = "#BDBDBD"       # after the first rejection: not even compared
+OWN = "#0072B2"             # the target's own token (recovered or bonus)
+
+
+def _token(meta: dict, tok: int, color: str, label: str) -> str:
+    text = data.decode(meta, [tok])
+    shown = f"{tok} {text!r}" if text is not None else str(tok)
+    return chip(html.escape(shown), color, title=label)
+
+
+def verification_lines(meta: dict, v: dict, block_size: int) -> list[str]:
+    """One verification as HTML lines: drafts (accepted / rejected / unchecked), output, rejected slots."""
+    drafts, n_acc = v["draft_token_ids"], v["num_accepted"]
+    first = v["first_draft_position"]
+    marks = []
+    for j, tok in enumerate(drafts):
+        if j < n_acc:
+            marks.append(_token(meta, tok, ACCEPTED, f"draft {j + 1} at position {first + j}: accepted"))
+        elif j == n_acc:
+            marks.append(_token(meta, tok, REJECTED, f"draft {j + 1} at position {first + j}: rejected"))
+        else:
+            marks.append(_token(meta, tok, UNCHECKED, f"draft {j + 1} at position {first + j}: after a rejection"))
+    own = v["output_token_ids"][-1]
+    kind = "the bonus token: every draft accepted" if n_acc == len(drafts) else \
+        f"the recovered token, instead of draft {n_acc + 1}"
+    lines = [f"{req_chip(v['request_id'])} drafts at positions {first}–{first + len(drafts) - 1}: {' '.join(marks)}",
+             f"&nbsp;&nbsp;→ accepted {n_acc} of {len(drafts)}, then the target's own token "
+             f"{_token(meta, own, OWN, kind)} ({kind}): {len(v['output_token_ids'])} token"
+             f"{'s' if len(v['output_token_ids']) != 1 else ''} this step"]
+    slots = v.get("rejected_slots") or []
+    if slots:
+        where = ", ".join(f"slot {s} (block {s // block_size}, offset {s % block_size}) ← position "
+                          f"{first + n_acc + i}" for i, s in enumerate(slots))
+        lines.append(f"&nbsp;&nbsp;rejected drafts' KV was written to {where}: num_computed_tokens rolls back "
+                     f"to {first + n_acc}, so the next step writes the real tokens there")
+    return lines
+
+
+def spec_decode(meta: dict, step: dict, block_size: int) -> None:
+    scheduler = step["scheduler"]
+    verifications = (scheduler.get("step_record") or {}).get("spec_decode") or []
+    proposed = {r["request_id"]: r.get("spec_token_ids") or [] for r in scheduler.get("running", [])}
+    if not verifications and not any(proposed.values()):
+        return
+    st.markdown("**Speculative decoding** — drafts verified this step")
+    if not verifications:
+        st.caption("no request had drafts this step")
+    lines = [line for v in verifications for line in verification_lines(meta, v, block_size)]
+    st.markdown("<br>".join(lines), unsafe_allow_html=True)
+    nxt = [f"{req_chip(r)} {' '.join(_token(meta, t, UNCHECKED, 'draft for the next step') for t in ids)}"
+           for r, ids in proposed.items() if ids]
+    if nxt:
+        st.markdown("Drafts proposed after this step, to verify next step:<br>" + "<br>".join(nxt),
+                    unsafe_allow_html=True)
+    code_ref("vllm_anatomy/model_executor/rejection_sampler.py",
+             "RejectionSampler · Scheduler.update_from_output (rollback) · propose_draft_token_ids")

@@ -1,0 +1,86 @@
+"""The step inspector on a speculative-decoding run: the Worker tab shows each verification
+(drafts accepted / rejected, the target's own token, the rejected drafts' slots) from the
+recorded step_record.spec_decode, and the token index places a step's several output tokens
+at the drafts' positions. A run with ngram on a copy prompt (some drafts accepted, some not).
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from dashboard.components.spec_decode import verification_lines
+
+pytestmark = pytest.mark.model
+COPY = "Repeat this sentence exactly: the small red boat sails across the quiet blue lake at dawn."
+WORKER_TAB = "Worker (model runner)"
+
+
+@pytest.fixture(scope="module")
+def spec_run(tmp_path_factory):
+    from vllm_anatomy import LLM, SamplingParams
+    from vllm_anatomy.tracing.reader import open_run
+    trace_dir = str(tmp_path_factory.mktemp("spec_traces"))
+    llm = LLM(trace_level="full", trace_dir=trace_dir, max_model_len=1024, attention_backend="torch",
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2,
+                                  "prompt_lookup_max": 4})
+    tok = llm.get_tokenizer()
+    ids = tok.apply_chat_template([{"role": "user", "content": COPY}], tokenize=True, add_generation_prompt=True,
+                                  return_dict=False)
+    out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=30), use_tqdm=False)
+    path = llm.llm_engine.recorder.run_path
+    llm.llm_engine.shutdown()
+    with open_run(path) as run:
+        records = {s: run.snapshot(s)["scheduler"]["step_record"]["spec_decode"] for s in run.steps()}
+    return {"dir": trace_dir, "path": path, "records": {s: r for s, r in records.items() if r},
+            "tokens": list(out[0].outputs[0].token_ids), "prompt_len": len(ids)}
+
+
+def open_inspector(spec_run, monkeypatch, tmp_path, step: int):
+    from streamlit.testing.v1 import AppTest
+
+    from tests.dashboard.conftest import APP
+    monkeypatch.setenv("VLLM_ANATOMY_TRACE_DIR", spec_run["dir"])
+    monkeypatch.setenv("VLLM_ANATOMY_SAMPLES_DIR", str(tmp_path / "no-samples"))
+    at = AppTest.from_file(APP, default_timeout=90)
+    at.query_params.update({"run": os.path.basename(spec_run["path"]), "page": "inspector", "step": str(step),
+                            "tab": WORKER_TAB})
+    return at.run()
+
+
+def test_worker_tab_shows_each_verification(spec_run, monkeypatch, tmp_path):
+    records = spec_run["records"]
+    assert records, "the copy prompt got drafts"
+    # A step with a rejection if there is one, else any step with drafts.
+    step = next((s for s, rs in records.items() if any(r["num_accepted"] < len(r["draft_token_ids"]) for r in rs)),
+                next(iter(records)))
+    at = open_inspector(spec_run, monkeypatch, tmp_path, step)
+    assert not at.exception, at.exception
+    text = "\n".join(m.value for m in at.markdown)
+    assert "Speculative decoding" in text
+    for r in records[step]:
+        assert f"accepted {r['num_accepted']} of {len(r['draft_token_ids'])}" in text
+        for slot in r["rejected_slots"]:
+            assert f"slot {slot} (block {slot // 16}, offset {slot % 16})" in text
+
+
+def test_token_index_puts_verified_tokens_at_their_positions(spec_run):
+    from dashboard import data
+    index = data.token_index(spec_run["path"], data.file_version(spec_run["path"]))
+    req = next(iter(next(iter(spec_run["records"].values()))))["request_id"]
+    known = index["tokens"][req]
+    start = spec_run["prompt_len"]
+    assert [known.get(start + i) for i in range(len(spec_run["tokens"]))] == spec_run["tokens"]
+    for step, records in spec_run["records"].items():
+        for r in records:
+            assert index["sampled"][step][r["request_id"]] == [r["first_draft_position"], r["output_token_ids"][0]]
+
+
+@pytest.mark.fast
+def test_verification_lines_without_a_tokenizer():
+    v = {"request_id": "r", "draft_token_ids": [5, 6, 7], "num_accepted": 1, "output_token_ids": [5, 9],
+         "first_draft_position": 40, "rejected_slots": [121, 122]}
+    lines = verification_lines({"model": ""}, v, 16)
+    joined = "\n".join(lines)
+    assert "positions 40–42" in joined and "accepted 1 of 3" in joined and "recovered token, instead of draft 2" in joined
+    assert "slot 121 (block 7, offset 9) ← position 41" in joined and "rolls back to 41" in joined

@@ -1,0 +1,164 @@
+"""Speculative decoding on the real default model: greedy output equals transformers'
+(and so equals the engine without speculation), token for token, for ngram and
+draft_model, under chunked prefill, preemption and prefix caching; the regime and the
+speculation itself (drafts scheduled, some accepted, some rejected) are asserted from
+the engine's own counters.
+
+Draft models: the target itself (greedy drafts are then always accepted) and a
+6-layer cut of it (write_truncated_draft: mostly rejected, so the rollback and the
+recovered tokens run on every step).
+"""
+import pytest
+
+from tests.integration.test_llm_generate import (MAX_TOKENS, QUESTIONS, RAW, SYSTEM, _chat_ids, _check_equal,
+                                                 _engine_tokens, hf_model, prompts, shared_prefix_prompts,
+                                                 tokenizer)
+from vllm_anatomy import LLM, SamplingParams
+
+pytestmark = pytest.mark.model
+__all__ = ["hf_model", "prompts", "shared_prefix_prompts", "tokenizer", "QUESTIONS", "RAW", "SYSTEM"]
+
+K = 3
+# A copy task: the model repeats its prompt, which prompt lookup (ngram) predicts.
+COPY = "Repeat this sentence exactly: the small red boat sails across the quiet blue lake at dawn."
+
+
+@pytest.fixture(scope="module")
+def truncated_draft(default_model_dir, tmp_path_factory):
+    from vllm_anatomy.transformers_utils.draft_model_utils import write_truncated_draft
+    return write_truncated_draft(default_model_dir, 6, tmp_path_factory.mktemp("draft6"))
+
+
+@pytest.fixture(scope="module")
+def spec_prompts(prompts, tokenizer):
+    return prompts + [_chat_ids(tokenizer, COPY)]
+
+
+def speculative_config(method: str, default_model_dir: str, truncated_draft: str) -> dict:
+    if method == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    model = default_model_dir if method == "draft_self" else truncated_draft
+    return {"method": "draft_model", "model": model, "num_speculative_tokens": K}
+
+
+METHODS = pytest.mark.parametrize("method", ["ngram", "draft_self", "draft_cut"])
+
+
+def check_speculated(llm: LLM, method: str) -> dict:
+    m = llm.get_metrics()
+    assert m["vllm:spec_decode_num_drafts"] > 0 and m["vllm:spec_decode_num_draft_tokens"] > 0, m
+    accepted, drafted = m["vllm:spec_decode_num_accepted_tokens"], m["vllm:spec_decode_num_draft_tokens"]
+    if method == "draft_self":
+        assert accepted == drafted, m              # the target agrees with itself
+    else:
+        assert 0 < accepted < drafted, m           # some accepted, some rejected
+    per_pos = [m[f"vllm:spec_decode_num_accepted_tokens_per_pos:{p}"] for p in range(K)]
+    assert sum(per_pos) == accepted and per_pos == sorted(per_pos, reverse=True)
+    return m
+
+
+@METHODS
+def test_greedy_equals_transformers(default_model_dir, truncated_draft, hf_model, spec_prompts, method):
+    llm = LLM(default_model_dir, max_model_len=2048,
+              speculative_config=speculative_config(method, default_model_dir, truncated_draft))
+    got, _ = _engine_tokens(llm, spec_prompts)
+    _check_equal(hf_model, spec_prompts, got)
+    m = check_speculated(llm, method)
+    if method == "draft_self":
+        # Up to K + 1 tokens per step: far fewer steps than tokens.
+        assert m["vllm_anatomy:engine_steps"] < m["vllm:generation_tokens"] / 2, m
+
+
+@METHODS
+def test_chunked_prefill(default_model_dir, truncated_draft, hf_model, spec_prompts, method):
+    llm = LLM(default_model_dir, max_model_len=2048, max_num_batched_tokens=32,
+              speculative_config=speculative_config(method, default_model_dir, truncated_draft))
+    got, _ = _engine_tokens(llm, spec_prompts)
+    _check_equal(hf_model, spec_prompts, got)
+    assert max(len(p) for p in spec_prompts) > 32
+    check_speculated(llm, method)
+
+
+@METHODS
+def test_preemption(default_model_dir, truncated_draft, hf_model, spec_prompts, method):
+    # 12 usable blocks for 10 requests of ~30-60 tokens (plus drafts, and a draft model's
+    # lookahead): the scheduler must preempt, dropping drafts in flight.
+    llm = LLM(default_model_dir, num_gpu_blocks_override=13, max_model_len=192, enable_prefix_caching=False,
+              speculative_config=speculative_config(method, default_model_dir, truncated_draft))
+    got, _ = _engine_tokens(llm, spec_prompts)
+    _check_equal(hf_model, spec_prompts, got)
+    assert llm.get_metrics()["vllm:num_preemptions"] > 0
+    check_speculated(llm, method)
+
+
+@METHODS
+def test_prefix_caching(default_model_dir, truncated_draft, hf_model, shared_prefix_prompts, method):
+    # NOTE: with a draft model, a hit gives the draft its KV too: it was computed in the
+    # same blocks when the first request filled them.
+    llm = LLM(default_model_dir, max_model_len=2048,
+              speculative_config=speculative_config(method, default_model_dir, truncated_draft))
+    got0, _ = _engine_tokens(llm, shared_prefix_prompts[:1])
+    got1, outs = _engine_tokens(llm, shared_prefix_prompts[1:])
+    _check_equal(hf_model, shared_prefix_prompts, got0 + got1)
+    assert llm.get_metrics()["vllm:prefix_cache_hits"] > 0
+    assert all(o.num_cached_tokens >= 16 for o in outs)
+    assert llm.get_metrics()["vllm:spec_decode_num_drafts"] > 0
+
+
+def test_seeded_random_sampling_reproduces_and_logprobs(default_model_dir, spec_prompts):
+    """Random sampling goes through the rejection sampler: a seeded request gives the same
+    tokens in two runs (batched differently), and every output token has its logprob."""
+    config = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    sp = SamplingParams(temperature=0.8, top_k=50, seed=1234, max_tokens=MAX_TOKENS, logprobs=2)
+    llm = LLM(default_model_dir, max_model_len=2048, speculative_config=config)
+    first = llm.generate([{"prompt_token_ids": spec_prompts[-1]}], sp, use_tqdm=False)[0].outputs[0]
+    both = llm.generate([{"prompt_token_ids": p} for p in (spec_prompts[0], spec_prompts[-1])], sp,
+                        use_tqdm=False)
+    assert both[1].outputs[0].token_ids == first.token_ids
+    assert first.logprobs is not None and len(first.logprobs) == len(first.token_ids)
+    assert all(tok in lp for tok, lp in zip(first.token_ids, first.logprobs))
+
+
+def test_refusals(default_model_dir):
+    config = {"method": "ngram", "num_speculative_tokens": K}
+    with pytest.raises(ValueError, match="async scheduling is only supported"):
+        LLM(default_model_dir, async_scheduling=True, speculative_config=config)
+    llm = LLM(default_model_dir, max_model_len=512, speculative_config=config)
+    for bad in (SamplingParams(min_p=0.1), SamplingParams(logit_bias={5: 1.0})):
+        with pytest.raises(ValueError, match="not yet supported with speculative decoding"):
+            llm.generate("hello", bad, use_tqdm=False)
+    with pytest.raises(ValueError, match="speculative_config"):
+        LLM(default_model_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 2, "nope": 1})
+
+
+def test_worker_process_executor(default_model_dir, hf_model, spec_prompts):
+    """The drafts cross the shared-memory RPC (Executor.take_draft_token_ids) from a worker process."""
+    llm = LLM(default_model_dir, max_model_len=512, distributed_executor_backend="mp",
+              speculative_config={"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1,
+                                  "prompt_lookup_max": 3})
+    try:
+        got, _ = _engine_tokens(llm, spec_prompts[-2:])
+        _check_equal(hf_model, spec_prompts[-2:], got)
+        assert llm.get_metrics()["vllm:spec_decode_num_accepted_tokens"] > 0
+    finally:
+        llm.shutdown()
+
+
+def test_structured_output_beside_drafts(default_model_dir, hf_model, spec_prompts, tokenizer):
+    """A structured-output request gets no drafts but shares steps with one that has them: its
+    grammar mask must land on its own logits row (offset by the other rows' draft rows)."""
+    from vllm_anatomy.sampling_params import StructuredOutputsParams
+    choices = ["yes, certainly", "no, never"]
+    llm = LLM(default_model_dir, max_model_len=1024,
+              speculative_config={"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1,
+                                  "prompt_lookup_max": 3})
+    copy = spec_prompts[-1]
+    structured = _chat_ids(tokenizer, "Is the sky blue? Answer yes or no.")
+    outs = llm.generate([{"prompt_token_ids": copy}, {"prompt_token_ids": structured}],
+                        [SamplingParams(temperature=0, max_tokens=MAX_TOKENS),
+                         SamplingParams(temperature=0, max_tokens=16,
+                                        structured_outputs=StructuredOutputsParams(choice=choices))],
+                        use_tqdm=False)
+    _check_equal(hf_model, [copy], [outs[0].outputs[0].token_ids])
+    assert outs[1].outputs[0].text in choices
+    assert llm.get_metrics()["vllm:spec_decode_num_drafts"] > 0

@@ -1,0 +1,77 @@
+"""A speculative-decoding run's trace: every snapshot decodes strictly into the contract and back
+to what was stored (the spec-decode fields included), and the step spans carry the verification
+totals and one `spec_decode` event per request, matching the step records."""
+from __future__ import annotations
+
+import json
+
+import msgspec
+import pytest
+
+from vllm_anatomy.tracing import snapshots
+from vllm_anatomy.tracing.reader import decode_snapshot, open_run
+
+pytestmark = pytest.mark.model
+COPY = "Repeat this sentence exactly: the small red boat sails across the quiet blue lake at dawn."
+
+
+@pytest.fixture(scope="module")
+def spec_run(default_model_dir, tmp_path_factory):
+    from vllm_anatomy import LLM, SamplingParams
+    llm = LLM(default_model_dir, trace_level="full", trace_dir=str(tmp_path_factory.mktemp("spec_trace")),
+              max_model_len=512, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                     "prompt_lookup_min": 2, "prompt_lookup_max": 4})
+    tok = llm.get_tokenizer()
+    ids = tok.apply_chat_template([{"role": "user", "content": COPY}], tokenize=True, add_generation_prompt=True,
+                                  return_dict=False)
+    llm.generate([{"prompt_token_ids": ids}, "The quick brown fox"], SamplingParams(temperature=0, max_tokens=24),
+                 use_tqdm=False)
+    path = llm.llm_engine.recorder.run_path
+    llm.llm_engine.shutdown()
+    return path
+
+
+def test_snapshots_decode_strictly_and_back(spec_run):
+    with open_run(spec_run) as run:
+        rows = list(run.snapshots())
+        assert not run.bad_rows
+        for s in rows:
+            record = decode_snapshot(s.kind, json.dumps(s.data))
+            assert msgspec.to_builtins(record) == s.data, f"step {s.step_id} {s.kind}"
+        steps = [run.step_snapshot(i) for i in run.steps()]
+    verified = [v for s in steps for v in s.scheduler.step_record.spec_decode]
+    assert verified and any(v.num_accepted > 0 for v in verified)
+    # What was scheduled is what was verified, and the proposed drafts show up before their step.
+    for prev, s in zip(steps, steps[1:]):
+        scheduled = s.scheduler_output.scheduled_spec_decode_tokens
+        assert {v.request_id: v.draft_token_ids for v in s.scheduler.step_record.spec_decode} == \
+            {r: d for r, d in scheduled.items()}
+        proposed = {r.request_id: r.spec_token_ids for r in prev.scheduler.running if r.spec_token_ids}
+        for req_id, drafts in scheduled.items():
+            assert proposed[req_id][:len(drafts)] == drafts
+    assert isinstance(steps[0], snapshots.StepSnapshot)
+
+
+def test_step_spans_carry_the_verifications(spec_run):
+    with open_run(spec_run) as run:
+        records = {i: run.step_snapshot(i).scheduler.step_record.spec_decode for i in run.steps()}
+        spans = {s.attributes.get("vllm_anatomy.step_id"): s for s in run.spans("EngineCore.step")}
+        proposes = run.spans("GPUModelRunner.propose_draft_token_ids")
+    assert proposes and all(p.attributes.get("vllm_anatomy.spec_decode_method") == "ngram" for p in proposes)
+    checked = 0
+    for step, verified in records.items():
+        span = spans[step]
+        events = [e for e in span.events if e["name"] == "spec_decode"]
+        if not verified:
+            assert not events and "vllm_anatomy.spec_decode.num_drafts" not in span.attributes
+            continue
+        assert span.attributes["vllm_anatomy.spec_decode.num_drafts"] == len(verified)
+        assert span.attributes["vllm_anatomy.spec_decode.num_accepted_tokens"] == sum(v.num_accepted for v in verified)
+        by_req = {e["attributes"]["vllm_anatomy.request_id"]: e["attributes"] for e in events}
+        for v in verified:
+            a = by_req[v.request_id]
+            assert a["vllm_anatomy.draft_token_ids"] == v.draft_token_ids
+            assert a["vllm_anatomy.num_rejected_tokens"] == len(v.draft_token_ids) - v.num_accepted
+            assert a.get("vllm_anatomy.rejected_slots", []) == v.rejected_slots
+        checked += 1
+    assert checked > 0
