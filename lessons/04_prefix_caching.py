@@ -16,6 +16,10 @@ physical blocks (ref_cnt counts them). This lesson, on one engine with 13 usable
    allocation takes the free queue from the front and evicts the cached blocks it
    reaches, in LRU order -- chain tails before chain heads.
 5. P6 repeats P1: it hits exactly the part of the chain that survived.
+6. P7 asks for n=3 samples (parallel sampling). The frontend fans it out into three child
+   requests, 0_P7, 1_P7 and 2_P7 (engine/parallel_sampling.py); the prefix cache puts all three
+   on one set of prompt blocks (ref_cnt 3), and a shared block goes back to the free queue only
+   when the last child that holds it finishes -- the article's "shared blocks wait for every holder".
 
 Run:  python lessons/04_prefix_caching.py      (or: vllm-anatomy lesson 4)
 CPU, about 15 s.
@@ -31,13 +35,19 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _common import check, dashboard_link, finish, fixed_len, greedy, make_llm, say, title  # noqa: E402
+from vllm_anatomy import SamplingParams  # noqa: E402
 from vllm_anatomy.core import kv_cache_utils  # noqa: E402
 from vllm_anatomy.tracing.reader import open_run  # noqa: E402
 
 BS, MAX_MODEL_LEN = 16, 192
 PREFIX_TEXT = ("You are the guide of a small museum of computing history. Visitors ask short questions "
                "about old machines; answer in one friendly sentence and never invent dates.")
-QUESTIONS = {"P1": " Who built the first mouse?", "P2": " What did ENIAC compute?", "P3": " Why were punch cards used?"}
+QUESTIONS = {"P1": " Who built the first mouse?", "P2": " What did ENIAC compute?", "P3": " Why were punch cards used?",
+             "P7": " Name an early video game."}
+# P7: three samples of one prompt. NOTE: sampled (temperature > 0): vLLM refuses n > 1 with greedy
+# decoding, whose n answers would be identical. The seed makes the run repeatable (child i: seed + i).
+# Each child ends at its first sentence (a stop string), so they finish at different steps.
+PARALLEL = SamplingParams(n=3, temperature=0.8, seed=7, max_tokens=24, stop=["."])
 UNRELATED = "Rivers carve valleys slowly, grain by grain, over thousands of years of patient water."
 
 
@@ -81,6 +91,9 @@ def main() -> None:
     run_requests(engine, {"P5": (prompt["P5"], 2)})
     prompt["P6"] = list(prompt["P1"])
     run_requests(engine, {"P6": (prompt["P6"], 2)})
+    engine.add_request("P7", {"prompt_token_ids": prompt["P7"]}, PARALLEL)
+    while engine.has_unfinished_requests():
+        engine.step()
     path = finish(llm)
 
     run = open_run(path)
@@ -201,9 +214,45 @@ def main() -> None:
     check(invariant, f"at every one of {len(steps)} steps, each block's ref_cnt equals the number of requests holding it")
 
     print()
-    say(f"""The step inspector's KV cache tab at step {s2} shows the block grid with the three shared
-         blocks at ref_cnt 2 (rc2) and the free queue below it.""")
-    dashboard_link(path, "inspector", s2, tab="kv")
+
+    # 6. parallel sampling: one prompt, three requests, one set of prompt blocks ---------------------
+    children = [f"{i}_P7" for i in range(PARALLEL.n)]
+    s7 = first_step(lambda s: all(c in tables[s] for c in children))
+    shared7 = [b for b in tables[s7][children[0]] if all(b in tables[s7][c] for c in children)]
+    own7 = {c: [b for b in tables[s7][c] if b not in shared7] for c in children}
+    hits7 = {c: hit(c)[1] for c in children}
+    done7 = {c: first_step(lambda s, c=c: s > s7 and c not in tables[s]) for c in children}
+    last7 = max(done7.values())
+    say(f"""P7 asked for n={PARALLEL.n} samples of one {len(prompt['P7'])}-token prompt. The engine never saw
+         a parent: the frontend added three ordinary requests {children} with the same prompt (and seeds
+         {PARALLEL.seed}, {PARALLEL.seed + 1}, {PARALLEL.seed + 2}). The prefix cache did the rest: the prompt's
+         full blocks {shared7} are held by all three at step {s7}
+         ({', '.join(f"block {b} ref_cnt={blocks[s7][b]['ref_cnt']}" for b in shared7)}), so they are stored
+         once and computed at most once (0_P7 itself found {hits7[children[0]]['num_hit_tokens'] if hits7[children[0]] else 0}
+         of its tokens still cached from P6; 1_P7 and 2_P7 found the same blocks, now held by 0_P7). Each child writes only its own
+         last prompt block and its outputs ({', '.join(f"{c}: {own7[c]}" for c in children)} at step {s7}).
+         Each child stopped at its first sentence, at steps {[done7[c] for c in children]}: after each
+         finish the shared blocks' ref_cnt was {[blocks[done7[c]][shared7[0]]['ref_cnt'] for c in sorted(children, key=done7.get)]},
+         and they went back to the free queue (still hashed: a hit for the next such prompt) only at
+         step {last7}, when the last holder finished.""")
+    check(len(shared7) == len(prompt["P7"]) // BS and all(
+        blocks[s7][b]["ref_cnt"] == 3 and sorted(blocks[s7][b]["owners"]) == children for b in shared7),
+          f"n=3: the three child requests hold the prompt's {len(shared7)} full blocks {shared7}, ref_cnt 3")
+    check(all(hits7[c] is not None and hits7[c]["num_hit_tokens"] == len(shared7) * BS for c in children[1:]),
+          f"children 1 and 2 found those blocks by hash: {len(shared7) * BS} hit tokens each, nothing recomputed")
+    check(len({b for c in children for b in own7[c]}) == sum(len(v) for v in own7.values()),
+          "every child's own blocks (the partial prompt block, the outputs) are its alone")
+    held = all(blocks[s][b]["ref_cnt"] == sum(c in tables[s] for c in children)
+               and (b in snaps[s]["scheduler"]["kv_cache"]["free_queue"]) == (s >= last7)
+               for s in steps if s >= s7 for b in shared7) and all(blocks[last7][b]["hash"] for b in shared7)
+    check(held, f"from step {s7} on, each shared block's ref_cnt counts the children still running, and it "
+                f"joins the free queue, still hashed, only at step {last7}, when the last of them finishes")
+
+    print()
+    say(f"""The step inspector's KV cache tab at step {s7} shows the block grid with P7's three shared
+         blocks at ref_cnt 3 (rc3, striped with the three children's colours) and the free queue below
+         it; step {s2} shows P2 and P3 sharing P1's blocks at rc2.""")
+    dashboard_link(path, "inspector", s7, tab="kv")
     run.close()
 
 

@@ -24,6 +24,8 @@ from vllm_anatomy.exceptions import VLLMValidationError
 _SAMPLING_EPS = 1e-5
 # The most top logprobs a request may ask for (vLLM's default max_logprobs).
 MAX_LOGPROBS = 20
+# The most parallel samples one request may ask for (vLLM: VLLM_MAX_N_SEQUENCES).
+MAX_N_SEQUENCES = 16384
 # NOTE: every integer crosses the process boundary as msgpack and lands in
 # int64 tensors (token ids, torch.Generator seeds): one outside 64 bits would
 # fail deep inside the engine. vLLM's protocol bounds seeds the same way.
@@ -72,10 +74,27 @@ class RequestOutputKind(IntEnum):
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     """Sampling parameters, field names as in vLLM.
 
-    Not supported here (a ValueError says so): n > 1, best_of, beam search,
-    penalties, allowed_token_ids, bad_words, prompt_logprobs.
+    n > 1 asks for n samples of one prompt: the frontend fans the request out
+    into n child requests (engine/parallel_sampling.py, ParentRequest), which
+    share the prompt's KV blocks through the prefix cache. As in vLLM, greedy
+    sampling with n > 1 is refused (the n outputs would be identical), and a
+    seed gives child i the seed `seed + i`.
+
+    Penalties (vLLM's semantics, model_executor/penalties.py): presence and
+    frequency count the *output* tokens only (OpenAI's definition);
+    repetition_penalty counts prompt *and* output tokens (the CTRL paper's,
+    transformers' RepetitionPenaltyLogitsProcessor). allowed_token_ids keeps
+    only those tokens; bad_words forbids the last token of each word's token
+    sequence where the output so far ends with the rest of it.
+
+    Not supported here (a ValueError says so): best_of (v0.27.1 has none),
+    beam search, prompt_logprobs.
     """
     n: int = 1
+    # Penalties: 0.0 / 0.0 / 1.0 = off.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0              # 0 (or -1) = disabled
@@ -94,6 +113,15 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     structured_outputs: StructuredOutputsParams | None = None
     # token id -> bias added to its logit before sampling (OpenAI's logit_bias).
     logit_bias: dict[int, float] | None = None
+    # Only these token ids may be sampled (None = all).
+    allowed_token_ids: list[int] | None = None
+    # Words that must not be generated; tokenized by the InputProcessor into
+    # bad_words_token_ids (update_from_tokenizer), which the sampler reads.
+    bad_words: list[str] | None = None
+    # NOTE: vLLM keeps this private (_bad_words_token_ids, read through a
+    # property); here a plain field like eos_token_id: filled on the frontend,
+    # it must cross to the engine process inside the struct.
+    bad_words_token_ids: list[list[int]] | None = None
     # Filled by the InputProcessor from the tokenizer / generation config;
     # None when ignore_eos (the scheduler's check_stop then never sees EOS).
     eos_token_id: int | None = None
@@ -113,9 +141,17 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     def _verify_args(self) -> None:
         for field in ("n", "top_k", "min_tokens", "max_tokens", "seed", "logprobs", "eos_token_id"):
             _check_int(field, getattr(self, field), optional=field in _OPTIONAL)
-        for field in ("temperature", "top_p", "min_p"):
+        for field in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                      "repetition_penalty"):
             _check_float(field, getattr(self, field))
-        _need(self.n == 1, "n", f"must be 1: this engine does not implement parallel sampling (got {self.n}).")
+        _need(self.n >= 1, "n", f"must be at least 1, got {self.n}.")
+        _need(self.n <= MAX_N_SEQUENCES, "n", f"must be at most {MAX_N_SEQUENCES}, got {self.n}.")
+        _need(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty",
+              f"must be in [-2, 2], got {self.presence_penalty}.")
+        _need(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty",
+              f"must be in [-2, 2], got {self.frequency_penalty}.")
+        _need(self.repetition_penalty > 0.0, "repetition_penalty",
+              f"must be greater than zero, got {self.repetition_penalty}.")
         _need(0.0 <= self.temperature <= 2.0, "temperature", f"must be in [0, 2], got {self.temperature}.")
         _need(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}.")
         _need(self.top_k >= 0, "top_k", f"must be 0 or -1 (disabled) or at least 1, got {self.top_k}.")
@@ -133,9 +169,26 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             _need(isinstance(self.stop, list) and all(isinstance(s, str) for s in self.stop), "stop",
                   "must be a string or a list of strings.")
             _need(all(len(s) > 0 for s in self.stop), "stop", "must not contain empty strings.")
-        for field in ("stop_token_ids", "all_stop_token_ids"):
+        for field in ("stop_token_ids", "all_stop_token_ids", "allowed_token_ids"):
             _check_token_id_list(field, getattr(self, field))
+        if self.allowed_token_ids is not None:
+            _need(len(self.allowed_token_ids) > 0, "allowed_token_ids", "must not be empty.")
+        self._verify_bad_words()
         self._verify_logit_bias()
+        # NOTE: vLLM's _verify_greedy_sampling: n greedy samples would all be the same.
+        if self.n > 1:
+            _need(not self.sampling_type_greedy, "n", f"must be 1 when using greedy sampling, got {self.n}.")
+
+    def _verify_bad_words(self) -> None:
+        if self.bad_words is not None:
+            _need(isinstance(self.bad_words, list) and all(isinstance(w, str) for w in self.bad_words),
+                  "bad_words", "must be a list of strings.")
+            _need(all(w for w in self.bad_words), "bad_words", "cannot contain an empty string.")
+        if self.bad_words_token_ids is not None:
+            _need(isinstance(self.bad_words_token_ids, list), "bad_words_token_ids", "must be a list of lists.")
+            for ids in self.bad_words_token_ids:
+                _check_token_id_list("bad_words_token_ids", ids)
+                _need(len(ids) > 0, "bad_words_token_ids", "cannot contain an empty token sequence.")
 
     def _verify_logit_bias(self) -> None:
         if self.logit_bias is None:
@@ -151,11 +204,17 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
 
         NOTE: vLLM 0.27.1 checks logit_bias and allowed_token_ids but not
         stop_token_ids; with min_tokens an out-of-vocabulary stop id indexes
-        past the logits row (issue 14's crash). Here every id is checked.
+        past the logits row (issue 14's crash). Here every id is checked,
+        allowed_token_ids against the model's vocabulary (vLLM: the
+        tokenizer's; the sampler's mask has the logits' width).
         """
-        for field in ("stop_token_ids", "logit_bias", "all_stop_token_ids"):
-            ids = getattr(self, field) or ()
-            bad = [t for t in ids if not 0 <= t < vocab_size]
+        bad_words_ids = [t for ids in self.bad_words_token_ids or () for t in ids]
+        checked: tuple[tuple[str, Any], ...] = (
+            ("stop_token_ids", self.stop_token_ids), ("logit_bias", self.logit_bias),
+            ("all_stop_token_ids", self.all_stop_token_ids), ("allowed_token_ids", self.allowed_token_ids),
+            ("bad_words", bad_words_ids))
+        for field, ids in checked:
+            bad = [t for t in ids or () if not 0 <= t < vocab_size]
             if bad:
                 raise VLLMValidationError(
                     f"{field} contains token id(s) outside the vocabulary [0, {vocab_size}): "
@@ -191,6 +250,32 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         from vllm_anatomy.structured_output.backend_xgrammar import validate_xgrammar_grammar
         validate_xgrammar_grammar(self)
 
+    def update_from_tokenizer(self, tokenizer) -> None:
+        """bad_words -> bad_words_token_ids (vLLM: SamplingParams.update_from_tokenizer).
+
+        NOTE: each word is encoded twice, as it is and with a leading space,
+        so it is forbidden at the start of the text and after a space (where a
+        BPE tokenizer gives it other tokens). The spaced variant is kept only
+        when it is a different sequence of the same length (vLLM's rule).
+        """
+        if not self.bad_words:
+            return
+        token_ids: list[list[int]] = []
+        for bad_word in self.bad_words:
+            plain = tokenizer.encode(bad_word.lstrip(), add_special_tokens=False)
+            spaced = tokenizer.encode(" " + bad_word.lstrip(), add_special_tokens=False)
+            if not plain:
+                raise VLLMValidationError(f"bad_words: {bad_word!r} encodes to no tokens.", parameter="bad_words")
+            token_ids.append(plain)
+            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+                token_ids.append(spaced)
+        self.bad_words_token_ids = token_ids
+
+    @property
+    def no_penalties(self) -> bool:
+        return (self.presence_penalty == 0.0 and self.frequency_penalty == 0.0
+                and self.repetition_penalty == 1.0)
+
     @property
     def sampling_type_greedy(self) -> bool:
         return self.temperature < _SAMPLING_EPS
@@ -203,10 +288,12 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         output spec. copy.deepcopy walked every field of every request's params
         (~40 % of adding 256 requests on a slow CPU)."""
         new = copy.copy(self)
-        for name in ("stop", "stop_token_ids", "all_stop_token_ids"):
+        for name in ("stop", "stop_token_ids", "all_stop_token_ids", "allowed_token_ids", "bad_words"):
             value = getattr(self, name)
             if isinstance(value, list):
                 setattr(new, name, list(value))
+        if self.bad_words_token_ids is not None:
+            new.bad_words_token_ids = [list(ids) for ids in self.bad_words_token_ids]
         if self.logit_bias is not None:
             new.logit_bias = dict(self.logit_bias)
         if self.structured_outputs is not None:

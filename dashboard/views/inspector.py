@@ -19,6 +19,7 @@ from dashboard.components.diff import diff
 from dashboard.components.input_batch import input_batch
 from dashboard.components.kv_memory import block_bytes
 from dashboard.components.nav import TAB_KEY, TABS
+from dashboard.components.parallel_sampling import parallel_sampling_note
 from dashboard.components.prepare_inputs import prepare_inputs
 from dashboard.components.queues import queues, state_machine, transitions
 from dashboard.components.sampled import execution_mode, execution_panel, sampled
@@ -80,6 +81,7 @@ def main() -> None:
         with t_kv:
             block_pool(kv, step.get("block_pool_events", []), prev["scheduler"]["kv_cache"] if prev else None,
                        per_block)
+            parallel_sampling_note(kv)
             block_tables(kv, per_block)
     if t_worker.open is not False:
         with t_worker:

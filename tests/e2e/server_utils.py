@@ -49,6 +49,17 @@ def parse_metrics(text: str) -> dict[str, float]:
     return out
 
 
+def wait_idle(server: "RemoteOpenAIServer", timeout: float = 10.0) -> dict[str, float]:
+    """/metrics once the engine reports no running and no waiting request (or at the timeout)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = server.metrics()
+        if (m["vllm:num_requests_running"] == 0 and m["vllm:num_requests_waiting"] == 0) \
+                or time.monotonic() > deadline:
+            return m
+        time.sleep(0.2)
+
+
 class RemoteOpenAIServer:
 
     def __init__(self, *serve_args: str, api_key: str | None = None, startup_timeout: float = 240,

@@ -107,7 +107,7 @@ BAD_BODIES = [
     # A JSON schema xgrammar cannot compile.
     ("chat/completions", f'{{{CHAT}, "response_format": {{"type": "json_schema", "json_schema": '
                          f'{{"name": "x", "schema": {{"type": "nonsense"}}}}}}}}', "response_format"),
-    ("completions", '{"prompt": "hi", "allowed_token_ids": [1, 2]}', "allowed_token_ids"),
+    ("completions", f'{{"prompt": "hi", "allowed_token_ids": [1, {VOCAB}]}}', "allowed_token_ids"),
     ("completions", '{"prompt": "hi", "min_tokens": 5, "max_tokens": 2}', "min_tokens"),
 ]
 

@@ -1,6 +1,10 @@
 """LLM.generate on the real default model equals transformers' greedy tokens,
 under the scheduler's interesting regimes: defaults, chunked prefill, preemption
-and prefix caching. The regime is asserted from the engine's own counters."""
+and prefix caching. The regime is asserted from the engine's own counters.
+Greedy with repetition_penalty equals transformers' `generate(repetition_penalty=...)`
+(its RepetitionPenaltyLogitsProcessor penalizes prompt and generated tokens, as
+vLLM's does), also under async scheduling (the penalty reads tokens that arrive
+as placeholders) and preemption (a resumed request's output list is rebuilt)."""
 import pytest
 import torch
 
@@ -57,25 +61,26 @@ def shared_prefix_prompts(tokenizer):
 _hf_cache: dict[tuple, list[int]] = {}
 
 
-def hf_greedy(hf_model, ids, max_tokens=MAX_TOKENS, eos=2):
-    key = (tuple(ids), max_tokens)
+def hf_greedy(hf_model, ids, max_tokens=MAX_TOKENS, eos=2, repetition_penalty=1.0):
+    key = (tuple(ids), max_tokens, repetition_penalty)
     if key not in _hf_cache:
         with torch.inference_mode():
             out = hf_model.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False,
-                                    eos_token_id=eos, pad_token_id=eos)
+                                    eos_token_id=eos, pad_token_id=eos, repetition_penalty=repetition_penalty)
         _hf_cache[key] = out[0, len(ids):].tolist()
     return _hf_cache[key]
 
 
-def _engine_tokens(llm, prompts):
+def _engine_tokens(llm, prompts, repetition_penalty=1.0):
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
+                        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, repetition_penalty=repetition_penalty),
+                        use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs], outs
 
 
-def _check_equal(hf_model, prompts, got):
+def _check_equal(hf_model, prompts, got, repetition_penalty=1.0):
     for ids, toks in zip(prompts, got):
-        want = hf_greedy(hf_model, ids)
+        want = hf_greedy(hf_model, ids, repetition_penalty=repetition_penalty)
         assert toks == want, f"prompt {ids[-8:]}...: engine {toks} != transformers {want}"
 
 
@@ -127,3 +132,29 @@ def test_prefix_caching(default_model_dir, hf_model, shared_prefix_prompts, asyn
     m = llm.get_metrics()
     assert m["vllm:prefix_cache_hits"] > 0
     assert all(o.num_cached_tokens >= 16 for o in outs)
+
+
+# -- greedy + repetition_penalty ---------------------------------------------------------------
+PENALTY = 1.3
+
+
+def test_repetition_penalty(default_model_dir, hf_model, prompts):
+    llm = LLM(default_model_dir)
+    got, _ = _engine_tokens(llm, prompts, PENALTY)
+    _check_equal(hf_model, prompts, got, PENALTY)
+    # The test can fail: the penalty changes what plain greedy decoding says.
+    assert sum(hf_greedy(hf_model, p, repetition_penalty=PENALTY) != hf_greedy(hf_model, p) for p in prompts) >= 2
+
+
+def test_repetition_penalty_async_chunked_prefill(default_model_dir, hf_model, prompts):
+    llm = LLM(default_model_dir, max_num_batched_tokens=32, async_scheduling=True)
+    got, _ = _engine_tokens(llm, prompts, PENALTY)
+    _check_equal(hf_model, prompts, got, PENALTY)
+
+
+def test_repetition_penalty_preemption(default_model_dir, hf_model, prompts):
+    llm = LLM(default_model_dir, num_gpu_blocks_override=13, max_model_len=192,
+              enable_prefix_caching=False, async_scheduling=True)
+    got, _ = _engine_tokens(llm, prompts, PENALTY)
+    _check_equal(hf_model, prompts, got, PENALTY)
+    assert llm.get_metrics()["vllm:num_preemptions"] > 0

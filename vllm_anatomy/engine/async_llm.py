@@ -13,8 +13,9 @@ and one background task for everybody:
                     (detokenize, stop strings, put into the collectors)
                     -> abort stop-string finishes in the engine -> stat loggers
 
-Simplified: no n > 1 (ParentRequest fan-out), no LoRA / multimodal. As in
-vLLM, the engine's request id is the caller's id plus a random suffix
+A request with n > 1 is fanned out into n child requests here
+(engine/parallel_sampling.py), which share one collector; the engine sees n
+ordinary requests. Simplified: no LoRA / multimodal. As in vLLM, the engine's request id is the caller's id plus a random suffix
 (InputProcessor.assign_request_id), so two callers may use the same id; the
 RequestOutputs carry the caller's id. The HTTP server tokenizes in its own
 thread pool and passes token ids; a text prompt given here is tokenized on
@@ -33,6 +34,7 @@ from vllm_anatomy.engine.core_client import EngineCoreClient, cancel_task_thread
 from vllm_anatomy.engine.exceptions import EngineDeadError, EngineGenerateError
 from vllm_anatomy.engine.input_processor import InputProcessor, PromptType
 from vllm_anatomy.engine.output_processor import OutputProcessor, RequestOutputCollector
+from vllm_anatomy.engine.parallel_sampling import fan_out
 from vllm_anatomy.engine.protocol import SchedulerStats
 from vllm_anatomy.metrics.stats import IterationStats
 from vllm_anatomy.outputs import RequestOutput
@@ -130,16 +132,23 @@ class AsyncLLM:
             prompt_text, request = self.input_processor.process_inputs(
                 request_id, prompt, params, arrival_time, trace_headers=trace_headers)
             self.input_processor.assign_request_id(request)
+        # NOTE: the collector has the parent's id (n > 1): aborting it aborts every child.
         queue = RequestOutputCollector(params.output_kind, request.request_id)
-        # NOTE: register with the OutputProcessor *before* the engine can answer.
-        self.output_processor.add_request(request, prompt_text, queue)
-        # The request's span (a child of the HTTP span when traceparent came in);
-        # its own context then rides to the engine on the request.
-        self.request_tracer.on_add(request)
+        added: list[str] = []
         try:
-            await self.engine_core.add_request_async(request)
+            for parent_req, index, child in fan_out(request):
+                # NOTE: register with the OutputProcessor *before* the engine can answer.
+                self.output_processor.add_request(child, prompt_text, queue, parent_req, index)
+                added.append(child.request_id)
+                # The request's span (a child of the HTTP span when traceparent came in);
+                # its own context then rides to the engine on the request.
+                self.request_tracer.on_add(child)
+                await self.engine_core.add_request_async(child)
         except BaseException:
-            self.output_processor.abort_requests([request.request_id], trace_reason="error")
+            self.output_processor.abort_requests(added, trace_reason="error")
+            # Siblings the engine already took must not stay there.
+            if added[:-1] and not self.engine_core.engine_dead:
+                await self.engine_core.abort_requests_async(added[:-1])
             raise
         self._run_output_handler()
         return queue

@@ -121,6 +121,13 @@ class InputProcessor:
         (the HTTP server checks before it answers 200 to a stream)."""
         validate_params(params, self.vocab_size, self.speculative_config)
         validate_prompt_token_ids(prompt_token_ids, self.vocab_size, self.model_config.max_model_len)
+        if params.bad_words:
+            # bad_words' token ids come from the tokenizer: checked on a copy, as process_inputs will make them.
+            validate_params(self._with_bad_words_token_ids(params.clone()), self.vocab_size)
+
+    def _with_bad_words_token_ids(self, params: SamplingParams) -> SamplingParams:
+        params.update_from_tokenizer(self.tokenizer)
+        return params
 
     def process_inputs(self, request_id: str, prompt: PromptType, params: SamplingParams,
                        arrival_time: float | None = None,
@@ -129,6 +136,10 @@ class InputProcessor:
         prompt_text, prompt_token_ids = self.tokenize(prompt)
         validate_prompt_token_ids(prompt_token_ids, self.vocab_size, self.model_config.max_model_len)
         params = params.clone()
+        if params.bad_words:
+            # NOTE: tokenized here, on the frontend (vLLM: update_from_tokenizer in
+            # process_inputs); the worker gets token ids, checked against the vocabulary.
+            validate_params(self._with_bad_words_token_ids(params), self.vocab_size)
         max_model_len = self.model_config.max_model_len
         if params.max_tokens is None:
             params.max_tokens = max_model_len - len(prompt_token_ids)

@@ -32,6 +32,7 @@ from vllm_anatomy.engine.core import EngineCore
 from vllm_anatomy.engine.core_client import EngineCoreClient
 from vllm_anatomy.engine.input_processor import InputProcessor, PromptType
 from vllm_anatomy.engine.output_processor import OutputProcessor
+from vllm_anatomy.engine.parallel_sampling import fan_out
 from vllm_anatomy.engine.protocol import EngineCoreRequest
 from vllm_anatomy.metrics.stats import IterationStats
 from vllm_anatomy.outputs import RequestOutput
@@ -106,19 +107,26 @@ class LLMEngine:
             return self.input_processor.process_inputs(request_id, prompt, params, arrival_time)
 
     def add_processed_request(self, prompt_text: str | None, request: EngineCoreRequest) -> None:
-        self.output_processor.add_request(request, prompt_text)
+        """Add a processed request; with n > 1, its n child requests (engine/parallel_sampling.py)."""
+        added: list[str] = []
         try:
-            # (an in-process EngineCore.add_request nests under the request's span)
-            with self.request_tracer.adding(request):
-                self.engine_core_client.add_request(request)
+            for parent_req, index, child in fan_out(request):
+                self.output_processor.add_request(child, prompt_text, None, parent_req, index)
+                added.append(child.request_id)
+                # (an in-process EngineCore.add_request nests under the request's span)
+                with self.request_tracer.adding(child):
+                    self.engine_core_client.add_request(child)
+                self.counters["vllm:prompt_tokens"] += len(child.prompt_token_ids)
         except BaseException:
             # NOTE: refused by EngineCore's own checks (in-process: it raises;
             # an engine process instead finishes it with an error output), or
             # the engine is dead: forget it here too, or
-            # has_unfinished_requests() would wait for it forever.
-            self.output_processor.abort_requests([request.request_id], trace_reason="error")
+            # has_unfinished_requests() would wait for it forever. Siblings the
+            # engine already took are aborted there.
+            self.output_processor.abort_requests(added, trace_reason="error")
+            if added[:-1] and not self.engine_core_client.engine_dead:
+                self.engine_core_client.abort_requests(added[:-1])
             raise
-        self.counters["vllm:prompt_tokens"] += len(request.prompt_token_ids)
 
     def abort_request(self, request_ids: list[str]) -> None:
         known = self.output_processor.abort_requests(request_ids)

@@ -12,6 +12,13 @@ an IterationStats (vllm_anatomy/metrics/stats.py) for the stat loggers, and
 tells the request tracer (tracing/request_tracer.py; a no-op one when tracing
 is off) what changed for a request: its engine events, its first token, its
 finish (vLLM: OutputProcessor.do_tracing, at the finish).
+
+Parallel sampling (n > 1): each child request has its own RequestState, with
+the ParentRequest (engine/parallel_sampling.py) that turns the children's
+outputs into the parent's: its `request_index` is the CompletionOutput's
+index, and the parent decides what goes out (every child output as it comes
+when streaming; one RequestOutput with all n at the end for FINAL_ONLY). The
+children of one parent share one collector.
 """
 from __future__ import annotations
 
@@ -20,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 
 from vllm_anatomy.engine.detokenizer import IncrementalDetokenizer
+from vllm_anatomy.engine.parallel_sampling import ParentRequest
 from vllm_anatomy.engine.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason, LogprobsLists
 from vllm_anatomy.metrics.stats import IterationStats, RequestStateStats
 from vllm_anatomy.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -69,11 +77,19 @@ class RequestOutputCollector:
 
 
 def _merge_request_output(pending: RequestOutput, new: RequestOutput, aggregate: bool) -> None:
-    """Fold `new` into the not-yet-consumed `pending` (vLLM: RequestOutput.add)."""
+    """Fold `new` into the not-yet-consumed `pending` (vLLM: RequestOutput.add).
+
+    NOTE: outputs are matched by their index, not their position: with n > 1
+    each child's outputs arrive on their own, so `new` may carry child 2's
+    output while `pending` holds child 0's (then it is appended)."""
     pending.finished |= new.finished
     pending.metrics = new.metrics
     pending.num_cached_tokens = new.num_cached_tokens
-    for i, completion in enumerate(new.outputs):
+    for completion in new.outputs:
+        i = next((i for i, old in enumerate(pending.outputs) if old.index == completion.index), None)
+        if i is None:
+            pending.outputs.append(completion)
+            continue
         if not aggregate:
             pending.outputs[i] = completion
             continue
@@ -108,6 +124,9 @@ class RequestState:
     max_tokens_param: int | None = None
     is_prefilling: bool = True                        # until the first token arrives
     stats: RequestStateStats = field(default_factory=RequestStateStats)
+    # Parallel sampling: the parent of this child request, and its index among the n.
+    parent_req: ParentRequest | None = None
+    request_index: int = 0
 
     @property
     def finished(self) -> bool:
@@ -128,6 +147,8 @@ class OutputProcessor:
         self.request_states: dict[str, RequestState] = {}
         # The caller's id -> the engine's ids made from it (InputProcessor.assign_request_id).
         self.external_req_ids: dict[str, list[str]] = {}
+        # Parents of n > 1 requests (by the parent's request id), while a child is unfinished.
+        self.parent_requests: dict[str, ParentRequest] = {}
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.request_states)
@@ -136,11 +157,15 @@ class OutputProcessor:
         return bool(self.request_states)
 
     def add_request(self, request: EngineCoreRequest, prompt: str | None,
-                    queue: RequestOutputCollector | None = None) -> None:
+                    queue: RequestOutputCollector | None = None, parent_req: ParentRequest | None = None,
+                    request_index: int = 0) -> None:
+        """Start following one request (with n > 1: one child, its parent and its index)."""
         if request.request_id in self.request_states:
             raise ValueError(f"Request id {request.request_id} already running.")
         params = request.sampling_params
-        external_req_id = request.external_req_id or request.request_id
+        # NOTE: a child reports its parent's caller id (the offline LLMEngine sets none: the parent's own).
+        external_req_id = parent_req.external_req_id if parent_req is not None else \
+            (request.external_req_id or request.request_id)
         self.external_req_ids.setdefault(external_req_id, []).append(request.request_id)
         self.request_states[request.request_id] = RequestState(
             request_id=request.request_id,
@@ -154,13 +179,18 @@ class OutputProcessor:
             queue=queue,
             max_tokens_param=params.max_tokens,
             stats=RequestStateStats(arrival_time=request.arrival_time),
+            parent_req=parent_req,
+            request_index=request_index,
         )
+        if parent_req is not None:
+            self.parent_requests[parent_req.request_id] = parent_req
 
     def abort_requests(self, request_ids: list[str], trace_reason: str = "abort") -> list[str]:
         """Forget these requests; returns the engine ids that were known.
 
-        An id is the engine's (internal) id, or the caller's (external) one,
-        which aborts every request made from it (vLLM: `internal=False`).
+        An id is the engine's (internal) id, the caller's (external) one,
+        which aborts every request made from it (vLLM: `internal=False`), or
+        an n > 1 parent's id, which aborts its unfinished children.
         NOTE: a request with a collector gets a last output, finish_reason
         "abort", so that a generate() waiting on it ends instead of hanging.
         trace_reason: the finish reason its trace records ("error": refused, or the engine died).
@@ -172,18 +202,31 @@ class OutputProcessor:
                 continue
             aborted.append(rid)
             self.request_tracer.finish(rid, trace_reason, state.metrics.num_generation_tokens)
-            if state.queue is not None:
-                state.finish_reason = str(FinishReason.ABORT)
-                state.metrics.finished_time = time.monotonic()
-                if (out := self._make_request_output(state)) is not None:
-                    state.queue.put(out)
+            state.finish_reason = str(FinishReason.ABORT)
+            state.metrics.finished_time = time.monotonic()
+            # NOTE: built even without a collector: a child's parent must see it end.
+            out = self._make_request_output(state)
+            if out is not None and state.queue is not None:
+                state.queue.put(out)
+            self._release_parent(state)
         return aborted
 
     def _internal_ids(self, request_ids: list[str]) -> list[str]:
         ids: list[str] = []
         for rid in request_ids:
-            ids.extend([rid] if rid in self.request_states else self.external_req_ids.get(rid, ()))
+            if rid in self.request_states:
+                ids.append(rid)
+            elif (parent := self.parent_requests.get(rid)) is not None:
+                ids.extend(c for c in sorted(parent.child_requests) if c in self.request_states)
+            else:
+                ids.extend(self.external_req_ids.get(rid, ()))
         return ids
+
+    def _release_parent(self, state: RequestState) -> None:
+        """Forget a child's parent once none of its children is followed any more."""
+        parent = state.parent_req
+        if parent is not None and not any(c in self.request_states for c in parent.child_requests):
+            self.parent_requests.pop(parent.request_id, None)
 
     def _pop_state(self, request_id: str) -> RequestState | None:
         state = self.request_states.pop(request_id, None)
@@ -245,6 +288,8 @@ class OutputProcessor:
                 self._finish_request(state, eco, finish_reason, stop_reason, now, iteration_stats, reqs_to_abort)
             # 3) The RequestOutput: into the request's collector, or returned.
             out = self._make_request_output(state)
+            if finish_reason is not None:
+                self._release_parent(state)
             if out is None:
                 continue
             if state.queue is not None:
@@ -313,11 +358,16 @@ class OutputProcessor:
         state.sent_text_len = state.sent_text_len + len(text) if delta else len(text)
         state.sent_token_len = len(det.token_ids)
         completion = CompletionOutput(
-            index=0, text=text, token_ids=token_ids,
+            index=state.request_index, text=text, token_ids=token_ids,
             cumulative_logprob=state.cumulative_logprob if state.num_logprobs is not None else None,
             logprobs=logprobs if state.num_logprobs is not None else None,
             finish_reason=state.finish_reason, stop_reason=state.stop_reason)
+        outputs = [completion]
+        if state.parent_req is not None:
+            outputs, finished = state.parent_req.get_outputs(state.request_id, completion)
+            if not outputs:
+                return None
         return RequestOutput(request_id=state.external_req_id, prompt=state.prompt,
-                             prompt_token_ids=state.prompt_token_ids, outputs=[completion],
+                             prompt_token_ids=state.prompt_token_ids, outputs=outputs,
                              finished=finished, num_cached_tokens=state.num_cached_tokens,
                              metrics=state.metrics)

@@ -8,6 +8,9 @@ Mirrors vllm/entrypoints/llm.py. Run:
                    SamplingParams(temperature=0, max_tokens=32))
     print(out[0].outputs[0].text)
 
+With SamplingParams(n=3, temperature=0.8) each RequestOutput holds three
+CompletionOutputs (index 0, 1, 2): three child requests on one prompt.
+
 With VLLM_ENABLE_V1_MULTIPROCESSING=1 (vLLM's default; ours is 0) EngineCore
 runs in its own process while this one detokenizes; `llm.shutdown()`, a
 `with LLM(...) as llm:` block, or the interpreter's exit stops it. That process
@@ -108,7 +111,7 @@ class LLM:
                 for out in engine.step():
                     if out.finished:
                         finished[out.request_id] = out
-                        out_tokens += len(out.outputs[0].token_ids)
+                        out_tokens += sum(len(o.token_ids) for o in out.outputs)
                         elapsed = max(time.perf_counter() - start, 1e-9)
                         pbar.set_postfix_str(f"output: {out_tokens / elapsed:.1f} tok/s", refresh=False)
                         pbar.update(1)

@@ -5,8 +5,11 @@ vllm/v1/sample/ops/topk_topp_sampler.py. The order of operations is vLLM's:
 
     1. raw logprobs, if any row asked for logprobs (before anything changes the logits)
     2. logits -> float32
-    2b. logits processors: min_tokens (stop tokens masked for rows that may
+    2a. allowed_token_ids: every other token -> -inf
+    2b. bad words: a token that would complete a banned word -> -inf (bad_words.py)
+    2c. logits processors: min_tokens (stop tokens masked for rows that may
         not stop yet) and logit_bias (added to the biased tokens' logits)
+    2d. penalties: repetition, frequency, presence (penalties.py)
     3. greedy rows: argmax; if every row is greedy, done
     4. temperature
     5. min-p
@@ -14,8 +17,10 @@ vllm/v1/sample/ops/topk_topp_sampler.py. The order of operations is vLLM's:
     7. sample (seeded rows with their own generator)
     8. gather the logprobs of the sampled token and of the top-n tokens, with its rank
 
-Simplified here: no penalties, allowed/bad words, custom logits processors,
-structured-output bitmask, or spec-decode rejection sampler.
+Steps 2a-2d run before the greedy argmax: they change which token is the
+most likely (vLLM: apply_logits_processors). Simplified here: no custom
+logits processors or spec-decode rejection sampler; the structured-output
+bitmask is applied by the runner before the Sampler.
 
 NOTE: the fused sampling path (a performance seam; the steps above are the
 idea). On CUDA, a batch that uses temperature and nothing else (no top-k/p,
@@ -27,7 +32,8 @@ same token wins with the same probability, without the [R, V] float32 copy,
 softmax, noise and division (~6 % of a 256-sequence run's GPU time on an
 H200). The draws themselves differ (Philox keyed by one int64 per step from
 torch's generator, so torch.manual_seed still reproduces a run): seeded
-requests always take the torch path. Off: VLLM_ANATOMY_FUSED_SAMPLING=0.
+requests always take the torch path, as does any batch with penalties, allowed_token_ids or bad
+words. Off: VLLM_ANATOMY_FUSED_SAMPLING=0.
 vLLM v0.27.1's Sampler has no such path (FlashInfer's serves top-k/top-p
 batches only); the kernel mirrors its second GPU runner's gumbel_sample
 (vllm/v1/worker/gpu/sample/gumbel.py).
@@ -40,6 +46,8 @@ import torch
 from torch import nn
 
 from vllm_anatomy import envs
+from vllm_anatomy.model_executor.bad_words import apply_bad_words
+from vllm_anatomy.model_executor.penalties import apply_all_penalties
 from vllm_anatomy.model_executor.sampling_metadata import SamplingMetadata
 from vllm_anatomy.sampling_params import _SAMPLING_EPS
 
@@ -73,16 +81,36 @@ class Sampler(nn.Module):
             assert sampling_metadata.temperature is not None
             sampled = fused_sample(logits, sampling_metadata.temperature)
         else:
-            logits = logits.to(torch.float32)
-            if sampling_metadata.min_tokens:
-                logits = apply_min_tokens(logits, sampling_metadata.min_tokens)
-            if sampling_metadata.logit_bias is not None:
-                logits = apply_logit_bias(logits, sampling_metadata.logit_bias)
+            logits = self.apply_logits_processors(logits.to(torch.float32), sampling_metadata)
             sampled = self.sample(logits, sampling_metadata)
         logprobs_tensors = None
         if raw_logprobs is not None and num_logprobs is not None:
             logprobs_tensors = self.gather_logprobs(raw_logprobs, num_logprobs, sampled)
         return SamplerOutput(sampled, logprobs_tensors)
+
+    def apply_logits_processors(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """Steps 2a-2d, each skipped when no row of the batch uses it. logits [R, V] float32.
+
+        NOTE: `logits.to(float32)` is a new tensor only for bf16/fp16 logits;
+        for fp32 ones (the CPU) it is the runner's own tensor. Each step here
+        therefore returns a new tensor before anything is written in place, so
+        the caller's logits are never modified.
+        """
+        if md.allowed_token_ids_mask is not None:
+            logits = logits.masked_fill(md.allowed_token_ids_mask, float("-inf"))
+        if md.bad_words_token_ids:
+            logits = logits.clone()
+            apply_bad_words(logits, md.bad_words_token_ids, md.output_token_ids)
+        if md.min_tokens:
+            logits = apply_min_tokens(logits, md.min_tokens)
+        if md.logit_bias is not None:
+            logits = apply_logit_bias(logits, md.logit_bias)
+        if not md.no_penalties:
+            assert md.prompt_token_ids is not None and md.frequency_penalties is not None
+            assert md.presence_penalties is not None and md.repetition_penalties is not None
+            logits = apply_all_penalties(logits.clone(), md.prompt_token_ids, md.presence_penalties,
+                                         md.frequency_penalties, md.repetition_penalties, md.output_token_ids)
+        return logits
 
     @staticmethod
     def compute_logprobs(logits: torch.Tensor) -> torch.Tensor:
@@ -135,7 +163,8 @@ def fused_sampling_applies(logits: torch.Tensor, md: SamplingMetadata) -> bool:
     return (USE_FUSED_SAMPLING and logits.device.type in FUSED_SAMPLING_DEVICES
             and not md.all_greedy and md.temperature is not None
             and md.top_k is None and md.top_p is None and md.min_p is None
-            and not md.generators and not md.min_tokens and md.logit_bias is None)
+            and not md.generators and not md.min_tokens and md.logit_bias is None
+            and md.no_penalties and md.allowed_token_ids_mask is None and not md.bad_words_token_ids)
 
 
 def fused_sample(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:

@@ -7,9 +7,8 @@ NOTE: a tensor is None when no row of the batch uses that feature ("all
 default"), so the Sampler can skip the whole operation instead of running it
 with neutral values (top_p = 1.0 everywhere still costs a full sort).
 
-Simplified here: no penalties, allowed/bad words, custom logits processors,
-or prompt logprobs. min_p, min_tokens and logit_bias are fields (as in older
-vLLM), not logits processors.
+Simplified here: no custom logits processors or prompt logprobs. min_p,
+min_tokens and logit_bias are fields (as in older vLLM), not logits processors.
 
 NOTE: every token id held here was checked against the vocabulary when its
 request joined the batch (InputBatch._check_request): the Sampler indexes
@@ -45,3 +44,20 @@ class SamplingMetadata:
     # (rows [B], token ids [B], biases [B]) for every biased (row, token) of
     # the batch; None when no request asked for logit_bias.
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    # Penalties (model_executor/penalties.py). no_penalties: no row uses any,
+    # and then the tensors below are None and output_token_ids may be empty.
+    no_penalties: bool = True
+    # [R, longest prompt] int64, padded with vocab_size; None unless a row has penalties.
+    prompt_token_ids: torch.Tensor | None = None
+    # [R] float32 each (0.0, 0.0, 1.0 = off for a row).
+    frequency_penalties: torch.Tensor | None = None
+    presence_penalties: torch.Tensor | None = None
+    repetition_penalties: torch.Tensor | None = None
+    # Each row's output tokens so far (the InputBatch's lists, shared, not
+    # copied); only filled when penalties or bad words need them, else [].
+    output_token_ids: list[list[int]] = field(default_factory=list)
+    # [R, V] bool, True = token NOT allowed for that row; None when no row uses allowed_token_ids.
+    allowed_token_ids_mask: torch.Tensor | None = None
+    # batch row -> that request's banned token sequences (model_executor/bad_words.py).
+    bad_words_token_ids: dict[int, list[list[int]]] = field(default_factory=dict)

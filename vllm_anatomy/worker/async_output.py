@@ -56,6 +56,8 @@ class AsyncSchedulingMixin:
     async_output_copy_stream: torch.cuda.Stream | None
     sampling_rows: Callable[[int, np.ndarray], np.ndarray]
     cache_sampled_tokens: Callable[[list[str], np.ndarray, list[int]], list[int]]
+    # The last step's output (its -1 placeholders may still wait for their copy).
+    prev_async_output: AsyncGPUModelRunnerOutput | None = None
 
     def _bookkeeping_async(self, state: ExecuteModelState,
                            sampler_output: SamplerOutput) -> AsyncGPUModelRunnerOutput:
@@ -77,11 +79,29 @@ class AsyncSchedulingMixin:
             for i, output_index in zip(rows.tolist(), output_indices):
                 by_row[i] = output_index
             output_indices = by_row
-        return AsyncGPUModelRunnerOutput(
+        output = AsyncGPUModelRunnerOutput(
             self.tracer, state.scheduler_output.step_id, req_ids, sampler_output, invalid,
             PlaceholderFill(self.requests, batch, req_ids, output_indices), dict(batch.num_logprobs),
             self.async_output_copy_stream, self.tracer.snapshots.take(cast("GPUModelRunner", self)),
             state.error_req_ids)
+        self.prev_async_output = output
+        return output
+
+    def update_async_output_token_ids(self) -> None:
+        """Before sampling: if this batch reads its output tokens (penalties, bad
+        words) and last step's ids are still -1 placeholders, wait for them now.
+
+        NOTE: vLLM's InputBatch.update_async_output_token_ids, the same trade:
+        a request with penalties needs the token it sampled last step, which
+        only its copy to the host brings; the wait is for that copy alone (it
+        was enqueued a step ago) and happens only in batches that need it.
+        """
+        prev = self.prev_async_output
+        md = self.input_batch.sampling_metadata
+        if prev is None or md is None or not md.output_token_ids:
+            return
+        if any(ids and ids[-1] == -1 for ids in md.output_token_ids):
+            prev.fill_placeholders()
 
     def _splice_prev_sampled(self, cu_num_tokens: np.ndarray) -> None:
         """Async scheduling: put last step's sampled ids, still on the device,
@@ -225,6 +245,13 @@ class AsyncGPUModelRunnerOutput(AsyncModelRunnerOutput):
             self._ready = torch.cuda.Event(blocking=True)
             self._ready.record(copy_stream)
         return host
+
+    def fill_placeholders(self) -> None:
+        """Wait for the copy, write the real ids over this step's -1s (ahead of get_output;
+        PlaceholderFill.fill is idempotent, so get_output's own fill then changes nothing)."""
+        if self._ready is not None:
+            self._ready.synchronize()
+        self._placeholders.fill(self._host[0].tolist())
 
     def get_output(self) -> ModelRunnerOutput:
         if self._output is not None:

@@ -15,8 +15,14 @@ row they must all move together — that is what condense() and swap_states() do
 
 Speculative decoding: a step's draft tokens are written into token_ids_cpu after
 num_tokens_no_spec (worker/spec_decode_runner.py); they are not counted as tokens.
-Simplified here: no penalties / allowed token ids / bad words, no LoRA, no
-multimodal, no pooling.
+
+Penalties need each row's tokens twice over (vLLM's bookkeeping): the prompt
+(from token_ids_cpu, as a padded [R, longest prompt] tensor) and the output so
+far (req_output_token_ids: per row, the request's own output list, shared
+with its CachedRequestState, so every appended token is seen). Bad words read
+the same output lists.
+
+Simplified here: no LoRA, no multimodal, no pooling.
 """
 from __future__ import annotations
 
@@ -71,6 +77,9 @@ class InputBatch:
 
         self._req_ids: list[str | None] = []
         self.req_id_to_index: dict[str, int] = {}
+        # Per row: the request's output token list (CachedRequestState.output_token_ids, the
+        # same object); read by penalties and bad words. Moves with its row.
+        self.req_output_token_ids: list[list[int] | None] = []
         # Rows freed by remove_request, a min-heap: add_request reuses the
         # lowest one, condense() fills the rest.
         self._removed: list[int] = []
@@ -99,6 +108,23 @@ class InputBatch:
         self.top_p_reqs: set[str] = set()
         self.top_k_reqs: set[str] = set()
         self.min_p_reqs: set[str] = set()
+        # Penalties, per row (0.0 / 0.0 / 1.0 = off) and the requests using each.
+        self.frequency_penalties_cpu_tensor, self.frequency_penalties_cpu, self.frequency_penalties = \
+            self._pair(torch.float32)
+        self.presence_penalties_cpu_tensor, self.presence_penalties_cpu, self.presence_penalties = \
+            self._pair(torch.float32)
+        self.repetition_penalties_cpu_tensor, self.repetition_penalties_cpu, self.repetition_penalties = \
+            self._pair(torch.float32)
+        self.frequency_penalties_reqs: set[str] = set()
+        self.presence_penalties_reqs: set[str] = set()
+        self.repetition_penalties_reqs: set[str] = set()
+        # req_id -> its allowed token ids, and the [R, V] mask built from them (rebuilt
+        # only when such a request joins, leaves or moves row, as for logit_bias).
+        self.allowed_token_ids: dict[str, list[int]] = {}
+        self._allowed_mask_key: tuple = ()
+        self._allowed_mask_cache: torch.Tensor | None = None
+        # req_id -> its bad words as token sequences.
+        self.bad_words_token_ids: dict[str, list[list[int]]] = {}
         # batch row -> generator (seeded requests only); req_id -> logprobs count.
         self.generators: dict[int, torch.Generator] = {}
         self.num_logprobs: dict[str, int] = {}
@@ -119,7 +145,9 @@ class InputBatch:
         # Every per-row numpy array: they move together in condense/swap.
         self._row_arrays = (self.num_tokens_no_spec, self.num_prompt_tokens,
                             self.num_computed_tokens_cpu, self.temperature_cpu,
-                            self.top_p_cpu, self.top_k_cpu, self.min_p_cpu)
+                            self.top_p_cpu, self.top_k_cpu, self.min_p_cpu,
+                            self.frequency_penalties_cpu, self.presence_penalties_cpu,
+                            self.repetition_penalties_cpu)
 
     def _pair(self, dtype: torch.dtype) -> tuple[torch.Tensor, np.ndarray, torch.Tensor]:
         cpu = torch.zeros(self.max_num_reqs, dtype=dtype, pin_memory=self.pin_memory)
@@ -149,8 +177,10 @@ class InputBatch:
         req_id = request.req_id
         if req_index == len(self._req_ids):
             self._req_ids.append(req_id)
+            self.req_output_token_ids.append(request.output_token_ids)
         else:
             self._req_ids[req_index] = req_id
+            self.req_output_token_ids[req_index] = request.output_token_ids
         self.req_id_to_index[req_id] = req_index
 
         num_prompt = request.num_prompt_tokens
@@ -210,6 +240,19 @@ class InputBatch:
             self.min_tokens[req_id] = (sp.min_tokens, stop_ids)
         if sp.logit_bias:
             self.logit_bias[req_id] = dict(sp.logit_bias)
+        self.frequency_penalties_cpu[i] = sp.frequency_penalty
+        if sp.frequency_penalty != 0.0:
+            self.frequency_penalties_reqs.add(req_id)
+        self.presence_penalties_cpu[i] = sp.presence_penalty
+        if sp.presence_penalty != 0.0:
+            self.presence_penalties_reqs.add(req_id)
+        self.repetition_penalties_cpu[i] = sp.repetition_penalty
+        if sp.repetition_penalty != 1.0:
+            self.repetition_penalties_reqs.add(req_id)
+        if sp.allowed_token_ids:
+            self.allowed_token_ids[req_id] = list(sp.allowed_token_ids)
+        if sp.bad_words_token_ids:
+            self.bad_words_token_ids[req_id] = sp.bad_words_token_ids
 
     def remove_request(self, req_id: str) -> int | None:
         """Free a request's row. Leaves a hole: call condense() before running a step."""
@@ -218,12 +261,16 @@ class InputBatch:
             return None
         heapq.heappush(self._removed, req_index)
         self._req_ids[req_index] = None
-        for s in (self.greedy_reqs, self.random_reqs, self.top_p_reqs, self.top_k_reqs, self.min_p_reqs):
+        self.req_output_token_ids[req_index] = None
+        for s in (self.greedy_reqs, self.random_reqs, self.top_p_reqs, self.top_k_reqs, self.min_p_reqs,
+                  self.frequency_penalties_reqs, self.presence_penalties_reqs, self.repetition_penalties_reqs):
             s.discard(req_id)
         self.generators.pop(req_index, None)
         self.num_logprobs.pop(req_id, None)
         self.min_tokens.pop(req_id, None)
         self.logit_bias.pop(req_id, None)
+        self.allowed_token_ids.pop(req_id, None)
+        self.bad_words_token_ids.pop(req_id, None)
         self.block_table.clear_row(req_index)
         return req_index
 
@@ -235,6 +282,8 @@ class InputBatch:
         for req_id, row in ((id2, i1), (id1, i2)):
             if req_id is not None:
                 self.req_id_to_index[req_id] = row
+        out = self.req_output_token_ids
+        out[i1], out[i2] = out[i2], out[i1]
         # Only the live prefix of the token rows matters.
         n = int(max(self.num_tokens_no_spec[i1], self.num_tokens_no_spec[i2]))
         self.token_ids_cpu[[i1, i2], :n] = self.token_ids_cpu[[i2, i1], :n]
@@ -252,6 +301,8 @@ class InputBatch:
         assert req_id is not None and self._req_ids[dst] is None
         self._req_ids[dst], self._req_ids[src] = req_id, None
         self.req_id_to_index[req_id] = dst
+        out = self.req_output_token_ids
+        out[dst], out[src] = out[src], None
         n = int(self.num_tokens_no_spec[src])
         self.token_ids_cpu[dst, :n] = self.token_ids_cpu[src, :n]
         for arr in self._row_arrays:
@@ -284,6 +335,7 @@ class InputBatch:
             moves.append((last, hole))
             last -= 1
         del self._req_ids[self.num_reqs:]
+        del self.req_output_token_ids[self.num_reqs:]
         self.last_condense_moves = moves
         return moves
 
@@ -299,6 +351,10 @@ class InputBatch:
             return dev[:n]
 
         all_greedy = not self.random_reqs
+        no_penalties = not (self.frequency_penalties_reqs or self.presence_penalties_reqs
+                            or self.repetition_penalties_reqs)
+        # NOTE: the output lists go in only when something reads them (vLLM's rule).
+        needs_output_token_ids = not no_penalties or bool(self.bad_words_token_ids)
         self.sampling_metadata = SamplingMetadata(
             temperature=to_device(self.temperature_cpu_tensor, self.temperature, not all_greedy),
             all_greedy=all_greedy,
@@ -310,8 +366,47 @@ class InputBatch:
             max_num_logprobs=max(self.num_logprobs.values()) if self.num_logprobs else None,
             min_tokens=self._rows_below_min_tokens(),
             logit_bias=self._logit_bias_tensors(),
+            no_penalties=no_penalties,
+            prompt_token_ids=None if no_penalties else self._make_prompt_token_ids_tensor(),
+            frequency_penalties=to_device(self.frequency_penalties_cpu_tensor, self.frequency_penalties,
+                                          not no_penalties),
+            presence_penalties=to_device(self.presence_penalties_cpu_tensor, self.presence_penalties,
+                                         not no_penalties),
+            repetition_penalties=to_device(self.repetition_penalties_cpu_tensor, self.repetition_penalties,
+                                           not no_penalties),
+            output_token_ids=list(self.req_output_token_ids) if needs_output_token_ids else [],  # type: ignore[arg-type]
+            allowed_token_ids_mask=self._allowed_token_ids_mask(),
+            bad_words_token_ids={self.req_id_to_index[r]: ids for r, ids in self.bad_words_token_ids.items()},
         )
         return self.sampling_metadata
+
+    def _make_prompt_token_ids_tensor(self) -> torch.Tensor:
+        """[R, longest prompt] int64 on the device: each row's prompt, padded with vocab_size.
+
+        NOTE: rebuilt every step that has penalties (as vLLM does), from
+        token_ids_cpu: a row's prompt never changes, but rows move.
+        """
+        n = self.num_reqs
+        max_prompt_len = int(self.num_prompt_tokens[:n].max())
+        prompt = self.token_ids_cpu[:n, :max_prompt_len].astype(np.int64)          # [R, P]
+        cols = np.arange(max_prompt_len)
+        prompt[cols >= self.num_prompt_tokens[:n, None]] = self.vocab_size         # the padding
+        return torch.from_numpy(prompt).to(self.device, non_blocking=True)
+
+    def _allowed_token_ids_mask(self) -> torch.Tensor | None:
+        """[R, V] bool, True where a row may NOT sample (vLLM's sense); None if no row restricts."""
+        if not self.allowed_token_ids:
+            return None
+        key = (self.num_reqs, *((req_id, self.req_id_to_index[req_id]) for req_id in self.allowed_token_ids))
+        if key != self._allowed_mask_key:
+            mask = torch.zeros((self.num_reqs, self.vocab_size), dtype=torch.bool)
+            for req_id, ids in self.allowed_token_ids.items():
+                row = self.req_id_to_index[req_id]
+                mask[row] = True
+                mask[row, ids] = False
+            self._allowed_mask_key = key
+            self._allowed_mask_cache = mask.to(self.device, non_blocking=True)
+        return self._allowed_mask_cache
 
     def _logit_bias_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """(rows [B], token ids [B], biases [B]) over every biased (row, token); None if none.

@@ -293,6 +293,7 @@ class GPUModelRunner(ModelRunnerStartupMixin, AsyncSchedulingMixin, SpecDecodeRu
         batch.num_computed_tokens_cpu[row] = state.num_computed_tokens
         if resumed:
             batch.block_table.add_row(state.block_ids[0], row)
+            batch.req_output_token_ids[row] = state.output_token_ids    # the list was replaced above
         elif new_block_ids is not None:
             batch.block_table.append_row(new_block_ids[0], row)
         return False
@@ -470,6 +471,8 @@ class GPUModelRunner(ModelRunnerStartupMixin, AsyncSchedulingMixin, SpecDecodeRu
         Philox offset by 4.)"""
         sampling_metadata = self.input_batch.sampling_metadata
         assert sampling_metadata is not None         # made by _update_states' refresh_metadata
+        if self.use_async_scheduling:
+            self.update_async_output_token_ids()
         generators = sampling_metadata.generators
         saved_states = {i: generators[i].get_state() for i in discard_request_indices.tolist() if i in generators}
         with self.tracer.phase("GPUModelRunner._sample", "sample"):

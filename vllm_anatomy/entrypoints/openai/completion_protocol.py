@@ -24,27 +24,28 @@ class CompletionRequest(SamplingRequest):
     suffix: Text | None = None
     best_of: Int64 | None = None
 
-    def get_single_prompt(self) -> str | list[int]:
-        """The one prompt of this request; a batch of several is refused."""
+    def get_prompts(self) -> list[str | list[int]]:
+        """The request's prompts: one, or a batch (a list of texts or of token-id lists), each non-empty."""
         p = self.prompt
+        batch: list[str | list[int]]
         if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            if len(p) != 1:
-                raise VLLMValidationError("prompt: batched prompts (a list of several prompts) are not "
-                                          "supported by this server; send one request per prompt.",
-                                          parameter="prompt")
-            p = p[0]
-        if len(p) == 0:
-            raise VLLMValidationError("prompt must not be empty.", parameter="prompt")
-        # NOTE: a list left here is list[int]: pydantic validated the union, a batch was unwrapped above.
-        return cast("str | list[int]", p)
+            batch = cast("list[str | list[int]]", p)
+        else:
+            # NOTE: a list left here is list[int] (one prompt of token ids): pydantic validated the union.
+            batch = [cast("str | list[int]", p)]
+        for i, prompt in enumerate(batch):
+            if len(prompt) == 0:
+                raise VLLMValidationError("prompt must not be empty." if len(batch) == 1 else
+                                          f"prompt {i} of the batch is empty.", parameter="prompt")
+        return batch
 
     def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
         self.check_unsupported()
         if self.suffix is not None:
             raise VLLMValidationError("suffix is not supported by this engine.", parameter="suffix")
         if self.best_of not in (None, 1):
-            raise VLLMValidationError("best_of must be 1: beam search / best_of is not supported.",
-                                      parameter="best_of")
+            raise VLLMValidationError("best_of is not supported (vLLM v0.27.1 has no best_of); "
+                                      "use n for several samples.", parameter="best_of")
         if self.echo and self.logprobs is not None:
             raise VLLMValidationError("echo with logprobs needs prompt logprobs, which are not supported.",
                                       parameter="echo")

@@ -17,7 +17,10 @@ serving layer, with the engine's own functions.
 Unknown fields are accepted and ignored (as vLLM does), so newer clients keep
 working, except the ones in UNSUPPORTED_FIELDS, which would change the
 answer: those are refused with a 400 naming the field, never silently ignored.
-Not supported either: n > 1, best_of > 1, penalties, suffix, batched prompts.
+Not supported either: best_of > 1 (v0.27.1 has no best_of), suffix.
+Supported as in vLLM: n (n choices, each with its index), presence_penalty,
+frequency_penalty, repetition_penalty, min_p, allowed_token_ids, bad_words,
+and (completions) a list of prompts.
 
 Structured output: `response_format` ({"type": "json_object"} or
 {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}) and
@@ -66,7 +69,7 @@ _LOGIT_BIAS_LIMIT = 100.0
 UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "tools": (None, []), "functions": (None, []),
     "tool_choice": (None, "none"), "function_call": (None, "none"),
-    "allowed_token_ids": (None,), "bad_words": (None, []), "prompt_logprobs": (None,),
+    "prompt_logprobs": (None,),
     "logprob_token_ids": (None,), "use_beam_search": (None, False),
     # NOTE: vLLM v0.27.1 has no guided_* fields any more (it would ignore them);
     # their replacement is structured_outputs, which is supported here.
@@ -197,6 +200,9 @@ class SamplingRequest(OpenAIBaseModel):
     frequency_penalty: float | None = 0.0
     presence_penalty: float | None = 0.0
     repetition_penalty: float | None = None
+    # vLLM extras: only these token ids may be sampled; these words may not be generated.
+    allowed_token_ids: list[TokenId] | None = None
+    bad_words: list[Text] | None = None
     # Token id (a decimal string, as JSON keys are) -> bias added to its logit.
     logit_bias: dict[str, float] | None = None
     user: Text | None = None
@@ -210,13 +216,6 @@ class SamplingRequest(OpenAIBaseModel):
 
     def check_unsupported(self) -> None:
         """Raise VLLMValidationError naming the first field this engine does not implement."""
-        for name in ("frequency_penalty", "presence_penalty"):
-            if getattr(self, name):
-                raise VLLMValidationError(f"{name} is not supported by this engine (leave it at 0).",
-                                          parameter=name)
-        if self.repetition_penalty not in (None, 1.0):
-            raise VLLMValidationError("repetition_penalty is not supported by this engine (leave it at 1).",
-                                      parameter="repetition_penalty")
         if self.stream_options is not None and not self.stream:
             raise VLLMValidationError("stream_options can only be set when stream is true.",
                                       parameter="stream_options")
@@ -257,6 +256,10 @@ class SamplingRequest(OpenAIBaseModel):
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=0 if self.top_k is None else self.top_k,
             min_p=0.0 if self.min_p is None else self.min_p,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
             seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens,
             stop=self.stop, stop_token_ids=self.stop_token_ids, logit_bias=self._logit_bias(),
             structured_outputs=self.extract_structured_outputs(),

@@ -4,6 +4,9 @@ Mirrors vllm/entrypoints/openai/chat_completion/serving.py: render the conversat
 the tokenizer's chat template, tokenize, validate, hand the prompt token ids to
 the engine, and turn RequestOutputs into a ChatCompletionResponse or a stream
 of `chat.completion.chunk` server-sent events ending with `data: [DONE]`.
+With n > 1 there are n choices (the engine's n child requests, engine/
+parallel_sampling.py), each chunk carries one choice and its index, and
+each choice's first chunk carries only the role, as in vLLM.
 
 NOTE: a stream is an async generator wrapping the engine's generator. When the
 client goes away the server closes the stream (see api_server.py), the `finally`
@@ -13,7 +16,7 @@ blocks go back to the pool.
 from __future__ import annotations
 
 import time
-from typing import AsyncGenerator, AsyncIterator
+from typing import AsyncGenerator
 
 from starlette.requests import Request
 
@@ -66,19 +69,19 @@ class OpenAIServingChat(OpenAIServing):
         self._check_text_len(len(text), "messages")
         return text, self.tokenizer.encode(text, add_special_tokens=False)
 
-    async def chat_completion_full_generator(self, result_generator: AsyncIterator[RequestOutput],
+    async def chat_completion_full_generator(self, result_generator: AsyncGenerator[RequestOutput, None],
                                              request_id: str, model_name: str,
                                              num_top: int) -> ChatCompletionResponse:
         final = await self._final_output(result_generator, request_id)
-        output = final.outputs[0]
-        choice = ChatCompletionResponseChoice(
-            index=0, message=ChatMessage(role=self.response_role, content=output.text),
+        choices = [ChatCompletionResponseChoice(
+            index=output.index, message=ChatMessage(role=self.response_role, content=output.text),
             logprobs=self._create_chat_logprobs(output, num_top),
-            finish_reason=output.finish_reason, stop_reason=output.stop_reason)
+            finish_reason=output.finish_reason, stop_reason=output.stop_reason) for output in final.outputs]
         num_prompt_tokens = len(final.prompt_token_ids)
-        usage = UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=len(output.token_ids),
-                          total_tokens=num_prompt_tokens + len(output.token_ids))
-        return ChatCompletionResponse(id=request_id, model=model_name, choices=[choice], usage=usage)
+        num_generated = sum(len(output.token_ids) for output in final.outputs)
+        usage = UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=num_generated,
+                          total_tokens=num_prompt_tokens + num_generated)
+        return ChatCompletionResponse(id=request_id, model=model_name, choices=choices, usage=usage)
 
     async def chat_completion_stream_generator(self, request: ChatCompletionRequest,
                                                result_generator: AsyncGenerator[RequestOutput, None],
@@ -88,34 +91,37 @@ class OpenAIServingChat(OpenAIServing):
         opts = request.stream_options
         include_usage = bool(opts and opts.include_usage)
         continuous_usage = bool(opts and opts.include_usage and opts.continuous_usage_stats)
-        num_prompt_tokens = num_generated = 0
+        num_prompt_tokens = 0
+        previous_num_tokens = [0] * request.n      # tokens generated, per choice
 
         def chunk(choices: list, usage: UsageInfo | None = None) -> str:
             return sse(ChatCompletionStreamResponse(id=request_id, created=created, model=model_name,
                                                     choices=choices, usage=usage).model_dump_json())
 
-        def usage() -> UsageInfo:
-            return UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=num_generated,
-                             total_tokens=num_prompt_tokens + num_generated)
+        def usage(completion_tokens: int) -> UsageInfo:
+            return UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=completion_tokens,
+                             total_tokens=num_prompt_tokens + completion_tokens)
 
-        # The first chunk carries only the role, as OpenAI's does.
-        yield chunk([ChatCompletionResponseStreamChoice(
-            index=0, delta=DeltaMessage(role=self.response_role, content=""))])
+        # Each choice's first chunk carries only the role, as OpenAI's does.
+        for i in range(request.n):
+            yield chunk([ChatCompletionResponseStreamChoice(
+                index=i, delta=DeltaMessage(role=self.response_role, content=""))])
         async for res in result_generator:
-            output = res.outputs[0]
-            raise_if_error(output.finish_reason, request_id)
             num_prompt_tokens = len(res.prompt_token_ids)
-            num_generated += len(output.token_ids)
-            want_logprobs = output.logprobs is not None
-            if not output.text and not output.finished() and not (want_logprobs and output.token_ids):
-                continue   # nothing to show yet (text held back for a possible stop string)
-            choice = ChatCompletionResponseStreamChoice(
-                index=0, delta=DeltaMessage(content=output.text),
-                logprobs=self._create_chat_logprobs(output, num_top),
-                finish_reason=output.finish_reason, stop_reason=output.stop_reason)
-            yield chunk([choice], usage() if continuous_usage else None)
+            for output in res.outputs:
+                i = output.index
+                raise_if_error(output.finish_reason, request_id)
+                previous_num_tokens[i] += len(output.token_ids)
+                want_logprobs = output.logprobs is not None
+                if not output.text and not output.finished() and not (want_logprobs and output.token_ids):
+                    continue   # nothing to show yet (text held back for a possible stop string)
+                choice = ChatCompletionResponseStreamChoice(
+                    index=i, delta=DeltaMessage(content=output.text),
+                    logprobs=self._create_chat_logprobs(output, num_top),
+                    finish_reason=output.finish_reason, stop_reason=output.stop_reason)
+                yield chunk([choice], usage(previous_num_tokens[i]) if continuous_usage else None)
         if include_usage:
-            yield chunk([], usage())
+            yield chunk([], usage(sum(previous_num_tokens)))
 
     def _create_chat_logprobs(self, output: CompletionOutput, num_top: int) -> ChatCompletionLogProbs | None:
         if output.logprobs is None:

@@ -1,14 +1,20 @@
-"""OpenAIServingCompletion: POST /v1/completions (raw text or token-id prompt, no template).
+"""OpenAIServingCompletion: POST /v1/completions (raw text or token-id prompts, no template).
 
-Mirrors vllm/entrypoints/openai/completion/serving.py, for one prompt per
-request (vLLM also takes batches; here a batch of more than one is a 400).
-Non-streaming answers one `text_completion`; streaming sends
-`text_completion` chunks as server-sent events, then `data: [DONE]`.
+Mirrors vllm/entrypoints/openai/completion/serving.py. `prompt` is one prompt
+(a text or a list of token ids) or a batch (a list of texts or of token-id
+lists): one engine request per prompt (id `{request id}-{i}`, as vLLM's),
+their outputs merged as they come (merge_async_iterators). With n > 1 each
+prompt has n choices; choice `prompt index * n + output index` (vLLM's
+numbering). Every prompt is tokenized and validated before any is sent, so
+a bad one is a 400 and nothing runs. Non-streaming answers one
+`text_completion` (choices in that order, usage summed over them);
+streaming sends `text_completion` chunks, each for one choice and carrying
+its index, as server-sent events, then `data: [DONE]`.
 """
 from __future__ import annotations
 
 import time
-from typing import Any, AsyncGenerator, AsyncIterator
+from typing import Any, AsyncGenerator, AsyncIterator, NamedTuple
 
 from starlette.requests import Request
 
@@ -19,6 +25,15 @@ from vllm_anatomy.entrypoints.openai.completion_protocol import (CompletionLogPr
 from vllm_anatomy.entrypoints.openai.protocol import UsageInfo
 from vllm_anatomy.entrypoints.openai.serving_engine import OpenAIServing, raise_if_error, sse
 from vllm_anatomy.outputs import CompletionOutput, RequestOutput
+from vllm_anatomy.sampling_params import SamplingParams
+from vllm_anatomy.utils.async_utils import merge_async_iterators
+
+
+class EngineInput(NamedTuple):
+    """One prompt of the request, ready for the engine."""
+    prompt: dict[str, Any]           # {"prompt_token_ids": [...], "prompt": text (if it was text)}
+    params: SamplingParams
+    echo_text: str | None            # what echo puts before each of its choices (None: no echo)
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -29,7 +44,20 @@ class OpenAIServingCompletion(OpenAIServing):
         self._check_model(request.model)
         request_id = f"cmpl-{self._base_request_id(raw_request)}"
         request.check_unsupported()
-        prompt = request.get_single_prompt()
+        inputs = [await self._render_prompt(request, prompt) for prompt in request.get_prompts()]
+        model_name = self.models.model_name_for(request.model)
+        generators = [self._generate(inp.prompt, inp.params, f"{request_id}-{i}", raw_request)
+                      for i, inp in enumerate(inputs)]
+        result_generator = merge_async_iterators(*generators)
+        echo_texts = [inp.echo_text for inp in inputs]
+        if request.stream:
+            return self._sse_stream(self.completion_stream_generator(
+                request, result_generator, request_id, model_name, echo_texts), result_generator)
+        return await self.completion_full_generator(request, result_generator, request_id, model_name, echo_texts)
+
+    async def _render_prompt(self, request: CompletionRequest, prompt: str | list[int]) -> EngineInput:
+        """Tokenize (a text) and validate one prompt with its own SamplingParams (max_tokens
+        defaults to what is left of max_model_len after *this* prompt)."""
         if isinstance(prompt, str):
             # Same tokenization as the InputProcessor would do (special tokens added).
             prompt_text, prompt_ids = prompt, await self._tokenize(prompt, add_special_tokens=True)
@@ -38,7 +66,6 @@ class OpenAIServingCompletion(OpenAIServing):
         self._validate_prompt_ids(prompt_ids)
         params = request.to_sampling_params(self._default_max_tokens(prompt_ids))
         self._validate_inputs(prompt_ids, params, "max_tokens")
-        model_name = self.models.model_name_for(request.model)
         engine_prompt: dict[str, Any] = {"prompt_token_ids": prompt_ids}
         if prompt_text is not None:
             engine_prompt["prompt"] = prompt_text
@@ -46,65 +73,76 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.echo:
             echo_text = prompt_text if prompt_text is not None else \
                 await self._run_in_tokenizer_thread(self.tokenizer.decode, prompt_ids)
-        generator = self._generate(engine_prompt, params, request_id, raw_request)
-        if request.stream:
-            return self._sse_stream(self.completion_stream_generator(
-                request, generator, request_id, model_name, echo_text), generator)
-        return await self.completion_full_generator(request, generator, request_id, model_name, echo_text)
+        return EngineInput(engine_prompt, params, echo_text)
 
     async def completion_full_generator(self, request: CompletionRequest,
-                                        result_generator: AsyncIterator[RequestOutput], request_id: str,
-                                        model_name: str, echo_text: str | None) -> CompletionResponse:
-        final = await self._final_output(result_generator, request_id)
-        output = final.outputs[0]
-        prefix = echo_text or ""
-        choice = CompletionResponseChoice(
-            index=0, text=prefix + output.text,
-            logprobs=self._create_completion_logprobs(output, request.logprobs, len(prefix)),
-            finish_reason=output.finish_reason, stop_reason=output.stop_reason)
-        num_prompt_tokens = len(final.prompt_token_ids)
-        usage = UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=len(output.token_ids),
-                          total_tokens=num_prompt_tokens + len(output.token_ids))
-        return CompletionResponse(id=request_id, model=model_name, choices=[choice], usage=usage)
+                                        result_generator: AsyncIterator[tuple[int, RequestOutput]],
+                                        request_id: str, model_name: str,
+                                        echo_texts: list[str | None]) -> CompletionResponse:
+        finals = await self._final_outputs(result_generator, len(echo_texts), request_id)
+        choices: list[CompletionResponseChoice] = []
+        num_prompt_tokens = num_generated = 0
+        for final, echo_text in zip(finals, echo_texts):
+            prefix = echo_text or ""
+            for output in final.outputs:             # its n outputs, by index
+                choices.append(CompletionResponseChoice(
+                    index=len(choices), text=prefix + output.text,
+                    logprobs=self._create_completion_logprobs(output, request.logprobs, len(prefix)),
+                    finish_reason=output.finish_reason, stop_reason=output.stop_reason))
+                num_generated += len(output.token_ids)
+            num_prompt_tokens += len(final.prompt_token_ids)
+        usage = UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=num_generated,
+                          total_tokens=num_prompt_tokens + num_generated)
+        return CompletionResponse(id=request_id, model=model_name, choices=choices, usage=usage)
 
     async def completion_stream_generator(self, request: CompletionRequest,
-                                          result_generator: AsyncGenerator[RequestOutput, None],
+                                          result_generator: AsyncIterator[tuple[int, RequestOutput]],
                                           request_id: str, model_name: str,
-                                          echo_text: str | None) -> AsyncGenerator[str, None]:
+                                          echo_texts: list[str | None]) -> AsyncGenerator[str, None]:
         created = int(time.time())
         opts = request.stream_options
         include_usage = bool(opts and opts.include_usage)
         continuous_usage = bool(opts and opts.include_usage and opts.continuous_usage_stats)
-        num_prompt_tokens = num_generated = 0
-        text_offset = 0     # characters already sent (for logprobs' text_offset)
-
-        def usage() -> UsageInfo:
-            return UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=num_generated,
-                             total_tokens=num_prompt_tokens + num_generated)
+        num_choices, num_prompts = request.n, len(echo_texts)
+        # Per choice (prompt index * n + output index): characters sent (logprobs' text_offset),
+        # tokens generated, whether the prompt was echoed. Per prompt: its prompt tokens.
+        previous_text_lens = [0] * (num_choices * num_prompts)
+        previous_num_tokens = [0] * (num_choices * num_prompts)
+        has_echoed = [False] * (num_choices * num_prompts)
+        num_prompt_tokens = [0] * num_prompts
 
         def chunk(choices: list, usage_info: UsageInfo | None = None) -> str:
             return sse(CompletionStreamResponse(id=request_id, created=created, model=model_name,
                                                 choices=choices, usage=usage_info).model_dump_json())
 
-        async for res in result_generator:
-            output = res.outputs[0]
-            raise_if_error(output.finish_reason, request_id)
-            num_prompt_tokens = len(res.prompt_token_ids)
-            num_generated += len(output.token_ids)
-            text = output.text
-            if echo_text is not None:   # the prompt goes first, once
-                text, echo_text = echo_text + text, None
-            if not text and not output.finished() and not (output.logprobs and output.token_ids):
-                continue
-            logprobs = self._create_completion_logprobs(output, request.logprobs,
-                                                        text_offset + len(text) - len(output.text))
-            text_offset += len(text)
-            choice = CompletionResponseStreamChoice(index=0, text=text, logprobs=logprobs,
-                                                    finish_reason=output.finish_reason,
-                                                    stop_reason=output.stop_reason)
-            yield chunk([choice], usage() if continuous_usage else None)
+        async for prompt_idx, res in result_generator:
+            num_prompt_tokens[prompt_idx] = len(res.prompt_token_ids)
+            echo_text = echo_texts[prompt_idx]
+            for output in res.outputs:
+                i = output.index + prompt_idx * num_choices
+                raise_if_error(output.finish_reason, request_id)
+                previous_num_tokens[i] += len(output.token_ids)
+                text = output.text
+                if echo_text is not None and not has_echoed[i]:   # the prompt goes first, once per choice
+                    text, has_echoed[i] = echo_text + text, True
+                if not text and not output.finished() and not (output.logprobs and output.token_ids):
+                    continue
+                logprobs = self._create_completion_logprobs(output, request.logprobs,
+                                                            previous_text_lens[i] + len(text) - len(output.text))
+                previous_text_lens[i] += len(text)
+                choice = CompletionResponseStreamChoice(index=i, text=text, logprobs=logprobs,
+                                                        finish_reason=output.finish_reason,
+                                                        stop_reason=output.stop_reason)
+                usage = None
+                if continuous_usage:    # this choice's prompt and tokens so far (vLLM's numbers)
+                    usage = UsageInfo(prompt_tokens=num_prompt_tokens[prompt_idx],
+                                      completion_tokens=previous_num_tokens[i],
+                                      total_tokens=num_prompt_tokens[prompt_idx] + previous_num_tokens[i])
+                yield chunk([choice], usage)
         if include_usage:
-            yield chunk([], usage())
+            total_prompt, total_generated = sum(num_prompt_tokens), sum(previous_num_tokens)
+            yield chunk([], UsageInfo(prompt_tokens=total_prompt, completion_tokens=total_generated,
+                                      total_tokens=total_prompt + total_generated))
 
     def _create_completion_logprobs(self, output: CompletionOutput, num_top: int | None,
                                     initial_text_offset: int) -> CompletionLogProbs | None:

@@ -30,6 +30,7 @@ from vllm_anatomy.entrypoints.openai.serving_models import OpenAIServingModels
 from vllm_anatomy.exceptions import VLLMValidationError
 from vllm_anatomy.outputs import RequestOutput
 from vllm_anatomy.sampling_params import SamplingParams
+from vllm_anatomy.utils.async_utils import merge_async_iterators
 
 T = TypeVar("T")
 
@@ -186,25 +187,37 @@ class OpenAIServing:
         return self.engine_client.generate(prompt, params, request_id,
                                            trace_headers=self._get_trace_headers(raw_request))
 
+    @classmethod
+    async def _final_output(cls, result_generator: AsyncGenerator[RequestOutput, None],
+                            request_id: str) -> RequestOutput:
+        """Drain one FINAL_ONLY generator; engine errors become OpenAIErrors."""
+        return (await cls._final_outputs(merge_async_iterators(result_generator), 1, request_id))[0]
+
     @staticmethod
-    async def _final_output(result_generator: AsyncIterator[RequestOutput], request_id: str) -> RequestOutput:
-        """Drain a FINAL_ONLY generator; engine errors become OpenAIErrors."""
-        final = None
+    async def _final_outputs(result_generator: AsyncIterator[tuple[int, RequestOutput]], num_prompts: int,
+                             request_id: str) -> list[RequestOutput]:
+        """Drain merged FINAL_ONLY generators ((prompt index, output) pairs) into one final
+        RequestOutput per prompt; engine errors become OpenAIErrors, and a choice the
+        engine failed fails the response (vLLM: _raise_if_error on each)."""
+        finals: list[RequestOutput | None] = [None] * num_prompts
         try:
-            async for final in result_generator:
-                pass
+            async for i, final in result_generator:
+                finals[i] = final
         except EngineDeadError as e:
             raise engine_dead_error(e) from e
         except VLLMValidationError as e:
             raise validation_error(e) from e
-        if final is None:
+        done = [f for f in finals if f is not None]
+        if len(done) != num_prompts:
             raise OpenAIError("The engine returned no output.", "InternalServerError",
                               HTTPStatus.INTERNAL_SERVER_ERROR)
-        raise_if_error(final.outputs[0].finish_reason, request_id)
-        return final
+        for final in done:
+            for output in final.outputs:
+                raise_if_error(output.finish_reason, request_id)
+        return done
 
     async def _sse_stream(self, events: AsyncGenerator[str, None],
-                          result_generator: AsyncGenerator[RequestOutput, None]) -> AsyncGenerator[str, None]:
+                          result_generator: AsyncGenerator) -> AsyncGenerator[str, None]:
         """The SSE frame around a stream's events: an error is reported in the stream
         (the 200 and its headers are already sent), the engine generator is always
         closed, and `data: [DONE]` comes last."""
