@@ -18,6 +18,7 @@ from typing import Any
 
 import msgspec
 
+from vllm_anatomy.engine.stop_strings import stop_strings_limit_error
 from vllm_anatomy.exceptions import VLLMValidationError
 
 # NOTE: vLLM treats temperature below this as greedy (avoids dividing by ~0).
@@ -133,6 +134,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             _need(isinstance(self.stop, list) and all(isinstance(s, str) for s in self.stop), "stop",
                   "must be a string or a list of strings.")
             _need(all(len(s) > 0 for s in self.stop), "stop", "must not contain empty strings.")
+            too_large = stop_strings_limit_error(self.stop)
+            _need(too_large is None, "stop", f"{too_large}")
         for field in ("stop_token_ids", "all_stop_token_ids"):
             _check_token_id_list(field, getattr(self, field))
         self._verify_logit_bias()

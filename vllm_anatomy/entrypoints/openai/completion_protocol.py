@@ -23,6 +23,10 @@ class CompletionRequest(SamplingRequest):
     echo: bool | None = False
     suffix: Text | None = None
     best_of: Int64 | None = None
+    # vLLM extras
+    add_special_tokens: bool = True
+    request_id: Text | None = None
+    return_tokens_as_token_ids: bool | None = None
 
     def get_single_prompt(self) -> str | list[int]:
         """The one prompt of this request; a batch of several is refused."""
