@@ -371,3 +371,33 @@ def test_validation_refuses_constraints_that_can_match_nothing():
         SamplingParams(min_tokens=4, structured_outputs=StructuredOutputsParams(choice=["yes"])).verify(VOCAB_SIZE)
     assert info.value.parameter == "min_tokens"
     SamplingParams(min_tokens=3, structured_outputs=StructuredOutputsParams(choice=["yes"])).verify(VOCAB_SIZE)
+
+
+def test_a_compile_past_its_budget_fails_its_request_with_the_reason():
+    import threading
+    from vllm_anatomy.structured_output import GRAMMAR_ERROR_PREFIX
+    config = make_config()
+    manager = make_manager(config)
+    manager.compile_timeout_s = 0.1
+    done = threading.Event()
+
+    def burning_compile(*args):             # CPU time, as xgrammar's C++ spends it
+        while not done.is_set():
+            sum(range(1000))
+    manager.backend.compile_grammar = burning_compile
+    s = Scheduler(config, num_gpu_blocks=100, structured_output_manager=manager)
+    req = make_request("r", choice="yn")
+    manager.grammar_init(req)
+    s.add_request(req)
+    deadline = time.monotonic() + 300     # (a low-priority thread on a loaded machine: 0.1 s of CPU may take long)
+    while not req.structured_output_request.is_grammar_ready:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    so = s.schedule()
+    outs = s.update_from_output(so, output(so, {}))
+    [out] = [o for eco in outs.values() for o in eco.outputs]
+    assert out.finish_reason == FinishReason.ERROR
+    assert out.stop_reason == f"{GRAMMAR_ERROR_PREFIX}it did not compile within 0.1 s of CPU time"
+    # The compile window ended with the budget (the tracer draws it), though the thread runs on.
+    assert req.structured_output_request.compile_end is not None and manager.executor.num_abandoned == 1
+    done.set()

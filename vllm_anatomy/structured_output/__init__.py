@@ -36,7 +36,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -90,10 +89,9 @@ class StructuredOutputManager:
         request.structured_output_request.compile_start = time.monotonic()
         # NOTE: cancel_if: an abort (or any finish) while the grammar compiles
         # cancels the compile within CANCEL_POLL_S, queued or running.
-        future = self.executor.submit(self._create_grammar, request, timeout=self.compile_timeout_s,
-                                      cancel_if=request.is_finished)
-        future.add_done_callback(lambda f: self._explain_grammar_error(request, f))
-        request.structured_output_request.grammar = future
+        request.structured_output_request.grammar = self.executor.submit(
+            self._create_grammar, request, timeout=self.compile_timeout_s, cancel_if=request.is_finished,
+            on_failure=lambda error: self._grammar_failed(request, error))
 
     def _get_backend(self) -> StructuredOutputBackend:
         """The backend, built by the first compile that needs it (in a pool thread, at its
@@ -129,15 +127,17 @@ class StructuredOutputManager:
                                             "at the start of the output, so it can match nothing")
             return grammar
         finally:
-            struct_request.compile_end = time.monotonic()
+            if struct_request.compile_end is None:      # (an abandoned compile ended long ago)
+                struct_request.compile_end = time.monotonic()
 
     @staticmethod
-    def _explain_grammar_error(request: Request, future: Future) -> None:
-        """A failed or timed-out compile: say why in the request's stop_reason (read
-        when the scheduler finishes it with FINISHED_ERROR)."""
-        if future.cancelled() or future.exception() is None:
-            return
-        error = future.exception()
+    def _grammar_failed(request: Request, error: BaseException) -> None:
+        """A compile failed or ran out of time (before its Future says so): the compile
+        window ends now (an abandoned compile's thread may run on), and the request's
+        stop_reason says why (read when the scheduler finishes it with FINISHED_ERROR)."""
+        struct_request = request.structured_output_request
+        if struct_request is not None and struct_request.compile_end is None:
+            struct_request.compile_end = time.monotonic()
         logger.warning("Request %s: its grammar failed: %r", request.request_id, str(error)[:500])
         request.stop_reason = f"{GRAMMAR_ERROR_PREFIX}{error}"
 

@@ -47,8 +47,12 @@ CANCEL_POLL_S = 0.05
 COMPILE_NICE = 10
 
 
-class GrammarCompileTimeout(TimeoutError):
-    """A compile (or validation) used up its time budget without finishing."""
+class GrammarCompileTimeout(RuntimeError):
+    """A compile (or validation) used up its time budget without finishing.
+
+    NOTE: not a TimeoutError: concurrent.futures' timeout *is* TimeoutError, and a
+    poll that waits 100 us for a Future (StructuredOutputRequest) must not take
+    this failure for "not done yet"."""
 
 
 def compile_budget() -> tuple[int, int]:
@@ -95,6 +99,21 @@ class _Task:
     running: bool = False
     started_at: float = 0.0          # time.monotonic() when its thread started
     cpu_clock: int | None = None     # its thread's CPU-time clock, once running
+    on_failure: Callable[[BaseException], None] | None = None
+
+    def fail(self, error: BaseException) -> None:
+        """on_failure, then the Future (unless it has already ended)."""
+        if self.future.done():
+            return
+        if self.on_failure is not None:
+            try:
+                self.on_failure(error)
+            except Exception:  # noqa: BLE001 - the Future must still end
+                logger.exception("on_failure of a grammar compile failed")
+        try:
+            self.future.set_exception(error)
+        except InvalidStateError:
+            pass
 
     def time_used(self, now: float) -> float:
         """Seconds counted against the timeout so far (0 while queued)."""
@@ -129,9 +148,13 @@ class GrammarCompileExecutor:
 
     # -- public ---------------------------------------------------------------
     def submit(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None,
-               cancel_if: Callable[[], bool] | None = None) -> Future:
+               cancel_if: Callable[[], bool] | None = None,
+               on_failure: Callable[[BaseException], None] | None = None) -> Future:
+        """on_failure(error) runs before the Future fails (fn raised, or its budget ran
+        out), so whoever sees the Future done also sees what on_failure recorded."""
         future: Future = Future()
-        task = _Task(future, fn, args, timeout if timeout is not None and timeout > 0 else None, cancel_if)
+        task = _Task(future, fn, args, timeout if timeout is not None and timeout > 0 else None, cancel_if,
+                     on_failure=on_failure)
         with self._cond:
             if self._shutdown:
                 raise RuntimeError("cannot submit after shutdown")
@@ -198,11 +221,11 @@ class GrammarCompileExecutor:
             logger.info("An abandoned grammar compile ended after its request had gone (%s).",
                         "failed" if error is not None else "result dropped")
             return
+        if error is not None:
+            task.fail(error)
+            return
         try:
-            if error is not None:
-                task.future.set_exception(error)
-            else:
-                task.future.set_result(result)
+            task.future.set_result(result)
         except InvalidStateError:
             pass    # cancelled or timed out meanwhile
 
@@ -252,8 +275,7 @@ class GrammarCompileExecutor:
                     self._cond.wait(max(0.001, min(wake_at) - now) if wake_at else None)
             # NOTE: outside the lock: finishing a Future runs its callbacks (_on_done takes the lock).
             for task in expired:
-                _fail(task.future, GrammarCompileTimeout(
-                    f"it did not compile within {task.timeout:g} s of CPU time"))
+                task.fail(GrammarCompileTimeout(f"it did not compile within {task.timeout:g} s of CPU time"))
             for task in self._tasks_to_cancel():
                 task.future.cancel()
 
@@ -269,9 +291,3 @@ class GrammarCompileExecutor:
                 logger.exception("cancel_if of a grammar compile failed")
         return out
 
-
-def _fail(future: Future, error: BaseException) -> None:
-    try:
-        future.set_exception(error)
-    except InvalidStateError:
-        pass
