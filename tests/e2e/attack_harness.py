@@ -1,7 +1,7 @@
 """Measure what one client's attack does to everyone else: /health latency and a bystander's stream.
 
 Used by tests/e2e/test_isolation.py (one test per row of issue 29) and by
-bench/isolation_attacks.py (the table and JSON). For one attack:
+bench/attacks_under_load.py (the table and JSON). For one attack:
 
   1. a bystander streams a long completion (ignore_eos, greedy); its tokens are
      counted from the stream's continuous usage;

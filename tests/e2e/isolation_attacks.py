@@ -2,7 +2,7 @@
 
 Each `attack(url, model)` sends what one user may send within the body limit and
 returns what came back (statuses, messages, timings), for test_isolation.py to
-check and bench/isolation_attacks.py to tabulate, both while attack_harness.py
+check and bench/attacks_under_load.py to tabulate, both while attack_harness.py
 measures /health and a bystander's stream.
 """
 from __future__ import annotations

@@ -27,7 +27,7 @@ import httpx
 import pytest
 
 from attack_harness import AttackResult, error_of, measure_attack
-from isolation_attacks import (HOSTILE_ID, closed_by_server, f1_deep_schemas, f2_slow_compiles,
+from isolation_attacks import (closed_by_server, f1_deep_schemas, f2_slow_compiles,
                                f3_impossible_constraints, f4_stop_lists, f5_fields, f6_request_ids,
                                f7_idle_connections, open_connection)
 from server_utils import RemoteOpenAIServer
@@ -37,6 +37,7 @@ pytestmark = [pytest.mark.model, pytest.mark.slow]
 MODEL = "smol"
 HEALTH_MAX_S = 2.0
 MIN_RATE_RATIO = 0.5
+WINDOW_S = 4.0          # the bystander's baseline window, and the least of its attack window
 
 
 @pytest.fixture(scope="module")
@@ -48,9 +49,16 @@ def server(tmp_path_factory):
 
 
 def run(server, name: str, attack) -> AttackResult:
-    result = asyncio.run(measure_attack(server.url, MODEL, name, lambda: attack(server.url, MODEL)))
+    result = asyncio.run(measure_attack(server.url, MODEL, name, lambda: attack(server.url, MODEL),
+                                        baseline_s=WINDOW_S, min_attack_s=WINDOW_S))
     print(result.summary())
     return result
+
+
+def attacked(server, name: str, attack) -> tuple[AttackResult, dict]:
+    """(the measurement, what the attacker got back)."""
+    result = run(server, name, attack)
+    return result, result.outcome
 
 
 def _isolated(result: AttackResult) -> bool:
@@ -76,8 +84,7 @@ def assert_400(outcome: dict, param: str, *words: str) -> None:
 
 def test_f1_deep_schemas_are_refused_off_the_event_loop(server):
     attack = f1_deep_schemas
-    result = run(server, "F1 deep schemas", attack)
-    out = result.outcome
+    result, out = attacked(server, "F1 deep schemas", attack)
     for o in out["arrays_300"]:
         assert_400(o, "response_format", "levels deep")
     assert_400(out["objects_150"], "structured_outputs", "levels deep")
@@ -105,8 +112,7 @@ def test_f2_slow_compiles_are_bounded_and_cancelled(server):
                                                            "structured_outputs": {"choice": ["yes", "no"]}})
             before = {"status": r.status_code, "seconds": time.perf_counter() - t0}
         return {**await f2_slow_compiles(url, model), "small_before": before}
-    result = run(server, "F2 slow compiles", attack)
-    out = result.outcome
+    result, out = attacked(server, "F2 slow compiles", attack)
     assert_400(out["optional_2000"], "structured_outputs", "optional properties", "256")
     assert out["optional_2000"]["seconds"] < 10
     assert out["slow_gave_up"], out
@@ -119,8 +125,7 @@ def test_f2_slow_compiles_are_bounded_and_cancelled(server):
 
 def test_f3_impossible_constraints_get_a_400_or_a_clean_stop(server):
     attack = f3_impossible_constraints
-    result = run(server, "F3 impossible constraints", attack)
-    out = result.outcome
+    result, out = attacked(server, "F3 impossible constraints", attack)
     for name in ("regex_matches_nothing", "grammar_root_is_root", "grammar_empty_class"):
         assert_400(out[name], "structured_outputs", "can match no output")
     assert_400(out["choice_shorter_than_min_tokens"], "min_tokens", "can never be reached")
@@ -137,8 +142,7 @@ def test_f3_impossible_constraints_get_a_400_or_a_clean_stop(server):
 
 def test_f4_stop_lists_are_bounded_and_cheap(server):
     attack = f4_stop_lists
-    result = run(server, "F4 stop lists", attack)
-    out = result.outcome
+    result, out = attacked(server, "F4 stop lists", attack)
     assert_400(out["stop_700k"], "stop", "at most 256")
     assert out["stop_at_bound"] == {**out["stop_at_bound"], "status": 200, "tokens": 48}, out
     assert_isolated(result, server, attack)
@@ -146,8 +150,7 @@ def test_f4_stop_lists_are_bounded_and_cheap(server):
 
 def test_f5_fields_change_the_answer_or_are_refused(server):
     attack = f5_fields
-    result = run(server, "F5 request fields", attack)
-    out = result.outcome
+    result, out = attacked(server, "F5 request fields", attack)
     assert_400(out["chat_template"], "chat_template", "--trust-request-chat-template")
     assert_400(out["chat_template_kwargs.chat_template"], "chat_template", "--trust-request-chat-template")
     cont = out["continue_final_message+echo"]
@@ -165,12 +168,10 @@ def test_f5_fields_change_the_answer_or_are_refused(server):
 
 def test_f6_request_ids_are_restricted_and_logs_stay_printable(server):
     attack = f6_request_ids
-    result = run(server, "F6 request ids", attack)
-    out = result.outcome
+    result, out = attacked(server, "F6 request ids", attack)
     assert_400(out["header"], "X-Request-Id", "may contain only")
     assert_400(out["body"], "request_id", "may contain only")
     assert out["safe"]["status"] == 200 and out["safe"]["id"] == "cmpl-client-42.a:b", out
-    assert HOSTILE_ID[:3] == "req"
     log = server.log_file.read_bytes()
     assert b"\x1b" not in log and b"FAKE LOG LINE" not in log
     assert_isolated(result, server, attack)
@@ -204,8 +205,7 @@ def test_f7_idle_and_half_sent_connections_are_closed(guarded_server):
         # More sockets than the server has file descriptors: half silent, half a partial request line.
         return await f7_idle_connections(url, model, num_sockets=300, hold_s=HEADER_TIMEOUT_S + 1.0,
                                          wait_close_s=HEADER_TIMEOUT_S + 5.0, body_wait_s=BODY_TIMEOUT_S + 10.0)
-    result = run(server, "F7 idle connections", attack)
-    out = result.outcome
+    result, out = attacked(server, "F7 idle connections", attack)
     assert out["closed"] == out["sockets"] == 300, out
     assert out["slow_body_closed"] and out["slow_body_closed_after_s"] < BODY_TIMEOUT_S + 5.0, out
     assert_isolated(result, server, attack)

@@ -401,3 +401,30 @@ def test_a_compile_past_its_budget_fails_its_request_with_the_reason():
     # The compile window ended with the budget (the tracer draws it), though the thread runs on.
     assert req.structured_output_request.compile_end is not None and manager.executor.num_abandoned == 1
     done.set()
+
+
+def test_the_engines_recheck_bounds_the_constraint_but_leaves_compiling_to_the_pool():
+    """EngineCore re-checks SamplingParams (validate_params); a constraint is compiled only in
+    the frontend's check and in the engine's low-priority pool, never at normal priority there."""
+    from vllm_anatomy.engine.input_processor import validate_params
+    nothing = SamplingParams(structured_outputs=StructuredOutputsParams(regex=r"[^\s\S]"))
+    validate_params(nothing, VOCAB_SIZE)                               # EngineCore: no compile
+    with pytest.raises(ValueError, match="can match no output"):
+        validate_params(nothing, VOCAB_SIZE, check_grammar=True)      # the frontend
+    huge = SamplingParams(structured_outputs=StructuredOutputsParams(choice=[str(i) for i in range(5000)]))
+    with pytest.raises(ValueError, match="at most 1024"):
+        validate_params(huge, VOCAB_SIZE)                              # the bounds, everywhere
+
+
+def test_the_server_answers_an_engine_side_grammar_failure_with_a_400():
+    from vllm_anatomy.entrypoints.openai.serving_engine import OpenAIError, raise_if_error
+    from vllm_anatomy.structured_output import GRAMMAR_ERROR_PREFIX
+    with pytest.raises(OpenAIError) as info:
+        raise_if_error("error", "cmpl-1", f"{GRAMMAR_ERROR_PREFIX}it did not compile within 20 s of CPU time")
+    assert info.value.status_code == 400
+    assert info.value.response.error.param == "structured_outputs"
+    assert "did not compile within 20 s" in info.value.response.error.message
+    with pytest.raises(OpenAIError) as info:
+        raise_if_error("error", "cmpl-1", None)                 # anything else inside the engine: a 500
+    assert info.value.status_code == 500
+    raise_if_error("stop", "cmpl-1", "\n\n")

@@ -169,9 +169,10 @@ def _compiler_message(err: Exception) -> str:
     return re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(err)).strip()
 
 
-def validate_xgrammar_grammar(sampling_params: SamplingParams) -> None:
+def validate_xgrammar_grammar(sampling_params: SamplingParams, compile_check: bool = True) -> None:
     """Refuse a constraint that is too large (limits.py), that xgrammar cannot
-    compile (with xgrammar's message), or that can match nothing.
+    compile (with xgrammar's message), or that can match nothing (compile_check=False:
+    only the size bounds).
 
     Raises VLLMValidationError (a 400 on the HTTP server).
 
@@ -188,6 +189,8 @@ def validate_xgrammar_grammar(sampling_params: SamplingParams) -> None:
     if so is None or so.json_object:
         return
     check_structured_output_limits(so)
+    if not compile_check:
+        return
     request_type, grammar_spec = get_structured_output_key(so)
     error = _validation_error(request_type, grammar_spec)
     if error is not None:

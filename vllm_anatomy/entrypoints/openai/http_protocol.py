@@ -92,7 +92,7 @@ class GuardedH11Protocol(H11Protocol):
         self._idle_since = 0.0
 
     # -- connection -------------------------------------------------------------
-    def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+    def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)
         self._idle_since = self.loop.time()
         self._header_timer = self.loop.call_later(self.limits.header_read_timeout, self._on_header_timeout)

@@ -108,9 +108,9 @@ def install_log_guard(guard: LogGuard | None = None) -> LogGuard:
     guard = guard or LogGuard()
     root = logging.getLogger()
     if not root.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(name)s: %(message)s"))
-        root.addHandler(handler)
+        stderr = logging.StreamHandler()
+        stderr.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(name)s: %(message)s"))
+        root.addHandler(stderr)
     for name in ("", "uvicorn", "uvicorn.error", "uvicorn.access", "asyncio"):
         for handler in logging.getLogger(name).handlers:
             if guard not in handler.filters:

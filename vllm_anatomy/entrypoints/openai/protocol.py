@@ -225,7 +225,7 @@ class SamplingRequest(OpenAIBaseModel):
         if isinstance(value, list):
             error = stop_strings_limit_error([s if isinstance(s, str) else "" for s in value])
             if error is not None:
-                raise PydanticCustomError("stop_too_large", "stop {error}", {"error": error})
+                raise PydanticCustomError("stop_too_large", "{error}", {"error": error})
         return value
 
     def uses_response_format(self) -> bool:

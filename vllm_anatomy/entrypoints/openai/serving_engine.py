@@ -34,7 +34,9 @@ from starlette.requests import Request
 
 from vllm_anatomy import envs
 from vllm_anatomy.engine.exceptions import EngineDeadError
-from vllm_anatomy.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, SamplingRequest, random_uuid
+from vllm_anatomy.entrypoints.openai.chat_protocol import ChatCompletionRequest
+from vllm_anatomy.entrypoints.openai.completion_protocol import CompletionRequest
+from vllm_anatomy.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, random_uuid
 from vllm_anatomy.entrypoints.openai.serving_models import OpenAIServingModels
 from vllm_anatomy.exceptions import VLLMValidationError
 from vllm_anatomy.outputs import RequestOutput
@@ -133,7 +135,8 @@ class OpenAIServing:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._tokenizer_executor, functools.partial(fn, *args, **kwargs))
 
-    async def _to_sampling_params(self, request: SamplingRequest, default_max_tokens: int) -> SamplingParams:
+    async def _to_sampling_params(self, request: ChatCompletionRequest | CompletionRequest,
+                                  default_max_tokens: int) -> SamplingParams:
         """request.to_sampling_params, in the grammar thread when the request carries a
         structured-output constraint (its check compiles it); inline otherwise."""
         if not request.has_structured_outputs():

@@ -1,18 +1,20 @@
 """What one client's attack does to everyone else (issue 29): /health latency and a bystander's stream.
 
-    .venv/bin/python bench/isolation_attacks.py                    # this checkout ("after")
-    .venv/bin/python bench/isolation_attacks.py --before f7946ad   # and that commit first ("before")
-    .venv/bin/python bench/isolation_attacks.py --only F2,F7       # some rows only
+    .venv/bin/python bench/attacks_under_load.py                    # this checkout ("after")
+    .venv/bin/python bench/attacks_under_load.py --before f7946ad   # and that commit first ("before")
+    .venv/bin/python bench/attacks_under_load.py --only F2,F7       # some rows only
 
 Each row of the issue (F1-F7, tests/e2e/isolation_attacks.py) runs against a live
 `vllm-anatomy serve` (default model, CPU) while tests/e2e/attack_harness.py
 measures: GET /health every 50 ms (worst latency, failures) and one long greedy
-stream (its tokens/s in the 3 s before the attack, and during the attack: at
-least 3 s, or as long as the attack lasts; also its slowest 1-s window).
+stream (its tokens/s in the --window seconds before the attack, and during the
+attack: at least --window seconds, or as long as the attack lasts; also its
+slowest 1-s window). A structured request first warms each server up (xgrammar
+and the vocabulary load on the first one).
 The server runs with 256 file descriptors (F7: more sockets than that), and,
 for "after", --header-read-timeout 2 --body-read-timeout 3 (so F7 fits in seconds).
 
-Prints a table and writes JSON (default bench/results/isolation_attacks_cpu.json).
+Prints a table and writes JSON (default bench/results/attacks_under_load_cpu.json).
 
 NOTE: "before" is another commit's tree (`git archive`), served from a temporary
 directory with the same interpreter and model; its server has no timeout flags.
@@ -31,9 +33,9 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 
 import httpx
+
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "bench"))
@@ -41,35 +43,15 @@ sys.path.insert(0, os.path.join(REPO, "tests", "e2e"))
 from attack_harness import measure_attack  # noqa: E402
 from health_under_load import export_tree  # noqa: E402
 from isolation_attacks import ATTACKS  # noqa: E402
-from serve import free_port  # noqa: E402
+from serve import start_server  # noqa: E402
 
-_SERVE = "import sys; from vllm_anatomy.entrypoints.cli.main import main; sys.exit(main(sys.argv[1:]))"
 MODEL = "smol"
 FD_LIMIT = 256
 AFTER_FLAGS = ["--header-read-timeout", "2", "--body-read-timeout", "3"]
 
 
-def start(root: str, extra: list[str], log_path: str) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    cmd = [sys.executable, "-c", _SERVE, "serve", "--port", str(port), "--served-model-name", MODEL,
-           "--max-model-len", "1024", *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": root}
-    log = open(log_path, "wb")
-    proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=log, stderr=log,
-                            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (FD_LIMIT, FD_LIMIT)))
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with code {proc.returncode} (log: {log_path})")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.terminate()
-    raise TimeoutError("server did not become healthy")
+def _low_fd_limit() -> None:
+    resource.setrlimit(resource.RLIMIT_NOFILE, (FD_LIMIT, FD_LIMIT))
 
 
 def statuses(outcome) -> str:
@@ -91,15 +73,22 @@ def statuses(outcome) -> str:
     return " ".join(f"{s}x{found.count(s)}" for s in sorted(set(found)))
 
 
-def run_label(label: str, root: str, rev: str, rows: list[str], extra: list[str], log_dir: str) -> dict:
+def run_label(label: str, root: str, rev: str, rows: list[str], extra: list[str], log_dir: str,
+              window_s: float) -> dict:
     log_path = os.path.join(log_dir, f"server_{label}.log")
-    proc, url = start(root, extra, log_path)
+    with open(log_path, "wb") as log:
+        proc, url = start_server(["--served-model-name", MODEL, "--max-model-len", "1024", *extra], root=root,
+                                 log=log, preexec_fn=_low_fd_limit)
     results = []
     try:
+        # Not an attack: the first structured request loads xgrammar and the vocabulary (in both processes).
+        httpx.post(f"{url}/v1/completions", timeout=600, json={
+            "model": MODEL, "prompt": "Answer:", "max_tokens": 2, "structured_outputs": {"choice": ["yes", "no"]}})
         for row in rows:
             attack = ATTACKS[row]
             try:
-                result = asyncio.run(measure_attack(url, MODEL, row, lambda a=attack: a(url, MODEL)))
+                result = asyncio.run(measure_attack(url, MODEL, row, lambda a=attack: a(url, MODEL),
+                                                    baseline_s=window_s, min_attack_s=window_s))
                 entry = {**result.as_dict(), "statuses": statuses(result.outcome)}
             except Exception as e:  # noqa: BLE001 - a broken server is a result too
                 entry = {"name": row, "error": f"{type(e).__name__}: {e}"[:300]}
@@ -139,22 +128,24 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--before", default=None, help="a git revision to measure first, as 'before'")
     ap.add_argument("--only", default="", help="comma-separated rows (default: F1-F7)")
-    ap.add_argument("--out", default=os.path.join(REPO, "bench", "results", "isolation_attacks_cpu.json"))
+    ap.add_argument("--window", type=float, default=6.0,
+                    help="seconds of the bystander's baseline window, and the least of its attack window")
+    ap.add_argument("--out", default=os.path.join(REPO, "bench", "results", "attacks_under_load_cpu.json"))
     args = ap.parse_args()
     rows = [r for r in (args.only.split(",") if args.only else ATTACKS) if r]
-    log_dir = tempfile.mkdtemp(prefix="isolation_attacks_logs_")     # the servers' logs (sizes go in the JSON)
+    log_dir = tempfile.mkdtemp(prefix="attacks_under_load_logs_")     # the servers' logs (sizes go in the JSON)
     runs = []
     if args.before:
         tree = export_tree(args.before)
         try:
-            runs.append(run_label("before", tree, args.before, rows, [], log_dir))
+            runs.append(run_label("before", tree, args.before, rows, [], log_dir, args.window))
         finally:
             shutil.rmtree(tree, ignore_errors=True)
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
                           text=True).stdout.strip()
-    runs.append(run_label("after", REPO, f"{head} + working tree", rows, AFTER_FLAGS, log_dir))
+    runs.append(run_label("after", REPO, f"{head} + working tree", rows, AFTER_FLAGS, log_dir, args.window))
     print_table(runs)
-    result = {"bench": "isolation_attacks", "fd_limit": FD_LIMIT,
+    result = {"bench": "attacks_under_load", "fd_limit": FD_LIMIT,
               "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                           "loadavg_at_end": os.getloadavg()},
               "runs": runs}
