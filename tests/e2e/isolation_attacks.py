@@ -129,20 +129,24 @@ async def f4_stop_lists(url: str, model: str) -> dict:
     huge = json.dumps(_completion(model, stop=[f"s{i}" for i in range(700_000)]),
                       separators=(",", ":")).encode()       # ~6.6 MB, under the 8 MiB body limit
     many = [f"never-{i:04d}-" + "z" * 40 for i in range(MAX_STOP_STRINGS)]
-    async with httpx.AsyncClient(base_url=url, timeout=300) as client:
-        over = await _post(client, COMPLETIONS, huge)
-        # At the bound, streamed: matching every token against 256 stop strings.
+    async def stream(client: httpx.AsyncClient, stop: list[str]) -> dict:
         t0 = time.perf_counter()
         tokens = 0
         async with client.stream("POST", COMPLETIONS, json=_completion(
-                model, stop=many, max_tokens=48, ignore_eos=True, stream=True,
+                model, stop=stop, max_tokens=48, ignore_eos=True, stream=True,
                 stream_options={"include_usage": True})) as r:
             status = r.status_code
             async for line in r.aiter_lines():
                 if line.startswith("data: {") and (usage := json.loads(line[6:]).get("usage")):
                     tokens = usage["completion_tokens"]
-    return {"stop_700k": {**over, "body_mb": round(len(huge) / 1e6, 2)},
-            "stop_at_bound": {"status": status, "tokens": tokens, "seconds": round(time.perf_counter() - t0, 3)}}
+        return {"status": status, "tokens": tokens, "seconds": round(time.perf_counter() - t0, 3)}
+
+    async with httpx.AsyncClient(base_url=url, timeout=300) as client:
+        over = await _post(client, COMPLETIONS, huge)
+        # The same stream with one stop string, then with the most accepted (matched every token).
+        one = await stream(client, many[:1])
+        at_bound = await stream(client, many)
+    return {"stop_700k": {**over, "body_mb": round(len(huge) / 1e6, 2)}, "stop_one": one, "stop_at_bound": at_bound}
 
 
 # -- F5: request fields that must change the answer or be refused ------------------------------------

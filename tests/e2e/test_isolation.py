@@ -144,7 +144,10 @@ def test_f4_stop_lists_are_bounded_and_cheap(server):
     attack = f4_stop_lists
     result, out = attacked(server, "F4 stop lists", attack)
     assert_400(out["stop_700k"], "stop", "at most 256")
-    assert out["stop_at_bound"] == {**out["stop_at_bound"], "status": 200, "tokens": 48}, out
+    for name in ("stop_one", "stop_at_bound"):
+        assert out[name] == {**out[name], "status": 200, "tokens": 48}, out
+    # (generous: the machine is shared; what the bound prevents is seconds per token)
+    assert out["stop_at_bound"]["seconds"] <= 3 * out["stop_one"]["seconds"] + 5.0, out
     assert_isolated(result, server, attack)
 
 
