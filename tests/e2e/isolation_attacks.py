@@ -18,6 +18,9 @@ from attack_harness import error_of
 
 # engine/stop_strings.py's bound (a literal, so these attacks also run against older trees).
 MAX_STOP_STRINGS = 256
+# NOTE: the attacks' own generations are short: on a CPU any second sequence in the
+# batch slows the bystander's steps, which is sharing, not harm.
+STREAM_TOKENS = 16
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 
@@ -116,7 +119,7 @@ async def f3_impossible_constraints(url: str, model: str) -> dict:
         "grammar_empty_class": _completion(model, structured_outputs={"grammar": "root ::= [^\\x00-\\U0010FFFF]"}),
         "choice_shorter_than_min_tokens": _completion(model, structured_outputs={"choice": ["yes"]}, min_tokens=4),
         "regex_under_ignore_eos": _completion(model, structured_outputs={"regex": "abc"}, ignore_eos=True),
-        "json_under_min_tokens": _chat(model, response_format={"type": "json_object"}, min_tokens=6, max_tokens=40),
+        "json_under_min_tokens": _chat(model, response_format={"type": "json_object"}, min_tokens=6, max_tokens=12),
     }
     async with httpx.AsyncClient(base_url=url, timeout=300) as client:
         results = await asyncio.gather(*(_post(client, CHAT if "messages" in body else COMPLETIONS, body)
@@ -133,7 +136,7 @@ async def f4_stop_lists(url: str, model: str) -> dict:
         t0 = time.perf_counter()
         tokens = 0
         async with client.stream("POST", COMPLETIONS, json=_completion(
-                model, stop=stop, max_tokens=48, ignore_eos=True, stream=True,
+                model, stop=stop, max_tokens=STREAM_TOKENS, ignore_eos=True, stream=True,
                 stream_options={"include_usage": True})) as r:
             status = r.status_code
             async for line in r.aiter_lines():
