@@ -112,13 +112,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(extra: list[str], root: str = REPO, quiet: bool = False) -> tuple[subprocess.Popen, str]:
+def start_server(extra: list[str], root: str = REPO, quiet: bool = False, log=None,
+                 preexec_fn=None) -> tuple[subprocess.Popen, str]:
     """`vllm-anatomy serve` of the tree at `root` (another checkout: its own package is imported)
-    on a free loopback port, once /health answers: (process, base URL)."""
+    on a free loopback port, once /health answers: (process, base URL). log: an open file for
+    the server's stdout and stderr; preexec_fn: run in the child first (e.g. to lower a limit)."""
     port = free_port()
     cmd = [sys.executable, "-c", _SERVE, "serve", "--port", str(port), *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", **({"PYTHONPATH": root} if root != REPO else {})}
-    proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.DEVNULL if quiet else None)
+    stdout = log if log is not None else (subprocess.DEVNULL if quiet else None)
+    proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=stdout, stderr=log, preexec_fn=preexec_fn)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:

@@ -30,6 +30,15 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # error before it dumps every thread's stack to stderr and exits (core_proc.py).
     "VLLM_ANATOMY_DEAD_ENGINE_EXIT_TIMEOUT_S":
         lambda: float(os.getenv("VLLM_ANATOMY_DEAD_ENGINE_EXIT_TIMEOUT_S", "20")),
+    # Seconds of CPU time a structured-output grammar may take to compile in EngineCore
+    # before its request fails with a 400 (structured_output/compile_executor.py; vLLM
+    # has only VLLM_REGEX_COMPILATION_TIMEOUT_S, 5 s of wall time, for regexes). 0 = none.
+    "VLLM_ANATOMY_GRAMMAR_COMPILE_TIMEOUT_S":
+        lambda: float(os.getenv("VLLM_ANATOMY_GRAMMAR_COMPILE_TIMEOUT_S", "20")),
+    # Seconds of CPU time the HTTP server may spend checking one request's constraint
+    # (compiling it against a byte-level vocabulary, off the event loop) before it answers 400.
+    "VLLM_ANATOMY_GRAMMAR_VALIDATION_TIMEOUT_S":
+        lambda: float(os.getenv("VLLM_ANATOMY_GRAMMAR_VALIDATION_TIMEOUT_S", "5")),
 }
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import msgspec
 
+from vllm_anatomy.engine.stop_strings import stop_strings_limit_error
 from vllm_anatomy.exceptions import VLLMValidationError
 
 # NOTE: vLLM treats temperature below this as greedy (avoids dividing by ~0).
@@ -169,6 +170,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             _need(isinstance(self.stop, list) and all(isinstance(s, str) for s in self.stop), "stop",
                   "must be a string or a list of strings.")
             _need(all(len(s) > 0 for s in self.stop), "stop", "must not contain empty strings.")
+            too_large = stop_strings_limit_error([self.stop] if isinstance(self.stop, str) else self.stop)
+            _need(too_large is None, "stop", f"{too_large}")
         for field in ("stop_token_ids", "all_stop_token_ids", "allowed_token_ids"):
             _check_token_id_list(field, getattr(self, field))
         if self.allowed_token_ids is not None:
@@ -199,8 +202,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             _check_float("logit_bias", bias)
 
     # -- against the model -----------------------------------------------------------
-    def verify(self, vocab_size: int) -> None:
-        """Every token id inside [0, vocab_size) (vLLM: SamplingParams.verify).
+    def verify(self, vocab_size: int, check_structured_outputs: bool = True) -> None:
+        """Every token id inside [0, vocab_size) (vLLM: SamplingParams.verify), and the
+        structured-output constraint (check_structured_outputs=False: only its fields
+        and size bounds, not the compile check).
 
         NOTE: vLLM 0.27.1 checks logit_bias and allowed_token_ids but not
         stop_token_ids; with min_tokens an out-of-vocabulary stop id indexes
@@ -222,9 +227,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         if self.eos_token_id is not None and not 0 <= self.eos_token_id < vocab_size:
             raise VLLMValidationError(f"eos_token_id {self.eos_token_id} is outside the vocabulary.",
                                       parameter="eos_token_id")
-        self._validate_structured_outputs()
+        self._validate_structured_outputs(compile_check=check_structured_outputs)
 
-    def _validate_structured_outputs(self) -> None:
+    def _validate_structured_outputs(self, compile_check: bool = True) -> None:
         """A schema, regex or grammar xgrammar cannot compile is refused here, with
         xgrammar's own message (vLLM: the same check, in the frontend's verify).
 
@@ -248,7 +253,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
                                       "structured_outputs to disable structured outputs.",
                                       parameter="structured_outputs")
         from vllm_anatomy.structured_output.backend_xgrammar import validate_xgrammar_grammar
-        validate_xgrammar_grammar(self)
+        validate_xgrammar_grammar(self, compile_check=compile_check)
 
     def update_from_tokenizer(self, tokenizer) -> None:
         """bad_words -> bad_words_token_ids (vLLM: SamplingParams.update_from_tokenizer).

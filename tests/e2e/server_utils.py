@@ -63,13 +63,18 @@ def wait_idle(server: "RemoteOpenAIServer", timeout: float = 10.0) -> dict[str, 
 class RemoteOpenAIServer:
 
     def __init__(self, *serve_args: str, api_key: str | None = None, startup_timeout: float = 240,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, log_path: str | None = None,
+                 preexec_fn=None) -> None:
+        """log_path: the server's stdout and stderr go to this file (else to the test's);
+        preexec_fn: run in the child before the server starts (e.g. to lower a limit)."""
         self.port = free_port()
         self.api_key = api_key
         cmd = [sys.executable, "-c", _SERVE, "serve", "--port", str(self.port),
                *serve_args, *(["--api-key", api_key] if api_key else [])]
         env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env)
+        self._log = open(log_path, "wb") if log_path else None
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self._log, stderr=self._log,
+                                     preexec_fn=preexec_fn)
         self._wait_healthy(startup_timeout)
 
     @property
@@ -123,6 +128,8 @@ class RemoteOpenAIServer:
                 child.kill()
             except psutil.NoSuchProcess:
                 pass
+        if self._log is not None:
+            self._log.close()
 
     def __enter__(self) -> "RemoteOpenAIServer":
         return self

@@ -281,3 +281,150 @@ def test_exactly_one_constraint():
         StructuredOutputsParams(regex="a", choice=["a"])
     with pytest.raises(ValueError, match="exactly one"):
         StructuredOutputsParams()
+
+
+# -- issue 29: the grammar ends a structured output cleanly; compiles are cancelled ----------
+def test_a_terminated_grammar_stops_the_request_even_under_ignore_eos():
+    """vLLM 0.27.1 samples on after the grammar accepted EOS (ignore_eos) and then fails the
+    request when the grammar refuses the next token; here the grammar's end is the end."""
+    s = make_scheduler()
+    req = make_request("r", choice="yn")
+    req.sampling_params.ignore_eos, req.sampling_params.eos_token_id = True, None
+    add(s, req)
+    for token in (tok("yes"), EOS):
+        so = s.schedule()
+        s.get_grammar_bitmask(so)
+        outs = s.update_from_output(so, output(so, {"r": [token]}))
+    assert finishes(outs) == {"r": FinishReason.STOP}
+    assert req.status == RequestStatus.FINISHED_STOPPED and list(req.output_token_ids) == [tok("yes"), EOS]
+
+
+def test_a_complete_grammar_refusing_a_token_stops_instead_of_failing():
+    """min_tokens masks the stop tokens, the only ones a complete grammar allows: the sampler
+    then picks a token the grammar refuses. The output is complete: stop, without that token."""
+    s = make_scheduler()
+    req = make_request("r", choice="yn")
+    req.sampling_params.min_tokens = 4
+    add(s, req)
+    so = s.schedule()
+    s.get_grammar_bitmask(so)
+    s.update_from_output(so, output(so, {"r": [tok("no")]}))
+    so = s.schedule()
+    assert allowed(s.get_grammar_bitmask(so).grammar_bitmask[0]) == {EOS}
+    outs = s.update_from_output(so, output(so, {"r": [tok("a")]}))     # (what all -inf logits yield)
+    [out] = [o for eco in outs.values() for o in eco.outputs]
+    assert out.finish_reason == FinishReason.STOP and out.new_token_ids == []
+    assert req.status == RequestStatus.FINISHED_STOPPED
+
+
+def test_a_grammar_that_allows_no_token_fails_its_request_with_the_reason():
+    from vllm_anatomy.structured_output import GRAMMAR_ERROR_PREFIX
+    s = make_scheduler()
+    req = Request("empty", [100, 101], SamplingParams(max_tokens=4, eos_token_id=EOS,
+                                                     structured_outputs=StructuredOutputsParams(grammar="root ::= root")))
+    s.structured_output_manager.grammar_init(req)
+    while not req.structured_output_request.is_grammar_ready:
+        time.sleep(0.001)
+    s.add_request(req)
+    so = s.schedule()
+    assert not so.num_scheduled_tokens
+    outs = s.update_from_output(so, output(so, {}))
+    [out] = [o for eco in outs.values() for o in eco.outputs]
+    assert out.finish_reason == FinishReason.ERROR
+    assert out.stop_reason.startswith(GRAMMAR_ERROR_PREFIX) and "can match nothing" in out.stop_reason
+
+
+def test_an_aborted_request_cancels_its_compile():
+    import threading
+    config = make_config()
+    manager = make_manager(config)
+    gate, started = threading.Event(), threading.Event()
+    compile_grammar = manager.backend.compile_grammar
+
+    def slow_compile(*args):
+        started.set()
+        gate.wait(30)               # a compile xgrammar cannot interrupt
+        return compile_grammar(*args)
+    manager.backend.compile_grammar = slow_compile
+    s = Scheduler(config, num_gpu_blocks=100, structured_output_manager=manager)
+    req = make_request("r", choice="yn")
+    manager.grammar_init(req)
+    s.add_request(req)
+    assert started.wait(20)
+    s.finish_requests("r", RequestStatus.FINISHED_ABORTED)
+    future = req.structured_output_request._grammar
+    deadline = time.monotonic() + 20
+    while not future.cancelled():
+        assert time.monotonic() < deadline, "the abort did not cancel the compile"
+        time.sleep(0.01)
+    assert manager.executor.num_abandoned == 1      # its thread ends when the C++ call returns
+    gate.set()
+
+
+def test_validation_refuses_constraints_that_can_match_nothing():
+    for so in (StructuredOutputsParams(regex=r"[^\s\S]"), StructuredOutputsParams(grammar="root ::= root"),
+               StructuredOutputsParams(grammar="root ::= [^\\x00-\\U0010FFFF]")):
+        with pytest.raises(ValueError, match="can match no output") as info:
+            SamplingParams(structured_outputs=so).verify(VOCAB_SIZE)
+        assert info.value.parameter == "structured_outputs"
+    with pytest.raises(ValueError, match="min_tokens=4 can never be reached") as info:
+        SamplingParams(min_tokens=4, structured_outputs=StructuredOutputsParams(choice=["yes"])).verify(VOCAB_SIZE)
+    assert info.value.parameter == "min_tokens"
+    SamplingParams(min_tokens=3, structured_outputs=StructuredOutputsParams(choice=["yes"])).verify(VOCAB_SIZE)
+
+
+def test_a_compile_past_its_budget_fails_its_request_with_the_reason():
+    import threading
+    from vllm_anatomy.structured_output import GRAMMAR_ERROR_PREFIX
+    config = make_config()
+    manager = make_manager(config)
+    manager.compile_timeout_s = 0.1
+    done = threading.Event()
+
+    def burning_compile(*args):             # CPU time, as xgrammar's C++ spends it
+        while not done.is_set():
+            sum(range(1000))
+    manager.backend.compile_grammar = burning_compile
+    s = Scheduler(config, num_gpu_blocks=100, structured_output_manager=manager)
+    req = make_request("r", choice="yn")
+    manager.grammar_init(req)
+    s.add_request(req)
+    deadline = time.monotonic() + 300     # (a low-priority thread on a loaded machine: 0.1 s of CPU may take long)
+    while not req.structured_output_request.is_grammar_ready:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    so = s.schedule()
+    outs = s.update_from_output(so, output(so, {}))
+    [out] = [o for eco in outs.values() for o in eco.outputs]
+    assert out.finish_reason == FinishReason.ERROR
+    assert out.stop_reason == f"{GRAMMAR_ERROR_PREFIX}it did not compile within 0.1 s of CPU time"
+    # The compile window ended with the budget (the tracer draws it), though the thread runs on.
+    assert req.structured_output_request.compile_end is not None and manager.executor.num_abandoned == 1
+    done.set()
+
+
+def test_the_engines_recheck_bounds_the_constraint_but_leaves_compiling_to_the_pool():
+    """EngineCore re-checks SamplingParams (validate_params); a constraint is compiled only in
+    the frontend's check and in the engine's low-priority pool, never at normal priority there."""
+    from vllm_anatomy.engine.input_processor import validate_params
+    nothing = SamplingParams(structured_outputs=StructuredOutputsParams(regex=r"[^\s\S]"))
+    validate_params(nothing, VOCAB_SIZE)                               # EngineCore: no compile
+    with pytest.raises(ValueError, match="can match no output"):
+        validate_params(nothing, VOCAB_SIZE, check_grammar=True)      # the frontend
+    huge = SamplingParams(structured_outputs=StructuredOutputsParams(choice=[str(i) for i in range(5000)]))
+    with pytest.raises(ValueError, match="at most 1024"):
+        validate_params(huge, VOCAB_SIZE)                              # the bounds, everywhere
+
+
+def test_the_server_answers_an_engine_side_grammar_failure_with_a_400():
+    from vllm_anatomy.entrypoints.openai.serving_engine import OpenAIError, raise_if_error
+    from vllm_anatomy.structured_output import GRAMMAR_ERROR_PREFIX
+    with pytest.raises(OpenAIError) as info:
+        raise_if_error("error", "cmpl-1", f"{GRAMMAR_ERROR_PREFIX}it did not compile within 20 s of CPU time")
+    assert info.value.status_code == 400
+    assert info.value.response.error.param == "structured_outputs"
+    assert "did not compile within 20 s" in info.value.response.error.message
+    with pytest.raises(OpenAIError) as info:
+        raise_if_error("error", "cmpl-1", None)                 # anything else inside the engine: a 500
+    assert info.value.status_code == 500
+    raise_if_error("stop", "cmpl-1", "\n\n")

@@ -4,11 +4,18 @@ Mirrors vllm/v1/engine/detokenizer.py (FastIncrementalDetokenizer). NOTE: stop
 *strings* are found here, not in the scheduler: the engine only sees token ids.
 When one matches, the frontend finishes the request and sends an abort back to
 the engine so its blocks are freed (vllm_v1_facts §7.3, §12.14).
+
+NOTE: (ours) the stop strings are matched by one Aho-Corasick automaton fed the
+new characters (stop_strings.py), not by one search per stop string per token
+as in vLLM: the cost of a token no longer grows with the number of stop strings
+(this runs on the HTTP server's event loop). Same answer as vLLM: the stop
+string that ends first, ties by list order.
 """
 from __future__ import annotations
 
 from tokenizers.decoders import DecodeStream
 
+from vllm_anatomy.engine.stop_strings import get_stop_string_automaton
 from vllm_anatomy.sampling_params import RequestOutputKind, SamplingParams
 
 # Prompt tokens fed to a fresh stream so the first output token decodes in
@@ -40,6 +47,9 @@ class IncrementalDetokenizer:
         self.stop_buffer_length = (max(len(s) for s in self.stop) - 1
                                    if self.stop and not self.include_stop_str_in_output else 0)
         self.decode_when_read = params.output_kind == RequestOutputKind.FINAL_ONLY and not self.stop
+        # The stop strings' automaton and where it stands after the text so far.
+        self._stop_automaton = get_stop_string_automaton(tuple(self.stop)) if self.stop else None
+        self._stop_state = 0
         self._output_text = ""
         self.token_ids: list[int] = []
         # token_ids[:_num_decoded] are in _output_text; token_ids[:_num_text_tokens]
@@ -105,25 +115,22 @@ class IncrementalDetokenizer:
             return None
         stop_check_offset = len(self._output_text)
         self._decode_pending()
-        if not self.stop or len(self.token_ids) <= self.min_tokens:
+        if self._stop_automaton is None:
             return None
-        return self._check_stop_strings(stop_check_offset)
+        # NOTE: before min_tokens the automaton still reads the text (a stop
+        # string may begin there) but reports nothing, as vLLM skips the check.
+        return self._check_stop_strings(stop_check_offset, report=len(self.token_ids) > self.min_tokens)
 
-    def _check_stop_strings(self, new_char_offset: int) -> str | None:
-        # Search only where a match can newly appear: the new text plus the
-        # tail of the old text that a stop string could straddle.
+    def _check_stop_strings(self, new_char_offset: int, report: bool) -> str | None:
+        """Feed the new text to the automaton; on a match, truncate the text there."""
+        assert self._stop_automaton is not None
         text = self._output_text
-        best: tuple[int, str] | None = None
-        for s in self.stop:
-            start = max(0, new_char_offset - len(s) + 1)
-            idx = text.find(s, start)
-            if idx != -1 and (best is None or idx < best[0]):
-                best = (idx, s)
-        if best is None:
+        self._stop_state, match = self._stop_automaton.scan(self._stop_state, text, new_char_offset, report)
+        if match is None:
             return None
-        idx, s = best
-        end = idx + len(s) if self.include_stop_str_in_output else idx
-        self._output_text = text[:end]
+        end, index = match
+        s = self.stop[index]
+        self._output_text = text[:end] if self.include_stop_str_in_output else text[:end - len(s)]
         return s
 
     def get_next_output_text(self, finished: bool, delta: bool, sent_len: int) -> str:

@@ -72,11 +72,21 @@ def validate_prompt_token_ids(ids: list[int], vocab_size: int, max_model_len: in
             f"than the number of text tokens plus one.", parameter="prompt")
 
 
-def validate_params(params: Any, vocab_size: int, speculative_config: SpeculativeConfig | None = None) -> None:
-    """SamplingParams, valid for this model (vLLM: InputProcessor._validate_params)."""
+def validate_params(params: Any, vocab_size: int, speculative_config: SpeculativeConfig | None = None,
+                    check_grammar: bool = False) -> None:
+    """SamplingParams, valid for this model (vLLM: InputProcessor._validate_params).
+
+    check_grammar: also check the structured-output constraint (its bounds, then a
+    compile against a byte-level vocabulary: validate_xgrammar_grammar). The frontend
+    does (InputProcessor, below). NOTE: EngineCore's re-check does not: there the
+    grammar's own compile, in the low-priority pool within its CPU budget, is the
+    check (a failure finishes the request with the reason), so no constraint is
+    compiled at normal priority in the engine process (issue 29). vLLM's EngineCore
+    does not re-validate either.
+    """
     if not isinstance(params, SamplingParams):
         raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
-    params.verify(vocab_size)
+    params.verify(vocab_size, check_structured_outputs=check_grammar)
     # NOTE: v0.27.1 (SamplingParams._validate_spec_decode): the rejection
     # sampler applies temperature, top-k, top-p and min_tokens to every draft
     # position, but not min_p and logit_bias: refused, not silently ignored.
@@ -119,7 +129,7 @@ class InputProcessor:
     def validate_inputs(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Everything process_inputs refuses, for callers that tokenized already
         (the HTTP server checks before it answers 200 to a stream)."""
-        validate_params(params, self.vocab_size, self.speculative_config)
+        validate_params(params, self.vocab_size, self.speculative_config, check_grammar=True)
         validate_prompt_token_ids(prompt_token_ids, self.vocab_size, self.model_config.max_model_len)
         if params.bad_words:
             # bad_words' token ids come from the tokenizer: checked on a copy, as process_inputs will make them.
@@ -132,7 +142,7 @@ class InputProcessor:
     def process_inputs(self, request_id: str, prompt: PromptType, params: SamplingParams,
                        arrival_time: float | None = None,
                        trace_headers: dict[str, str] | None = None) -> tuple[str | None, EngineCoreRequest]:
-        validate_params(params, self.vocab_size, self.speculative_config)
+        validate_params(params, self.vocab_size, self.speculative_config, check_grammar=True)
         prompt_text, prompt_token_ids = self.tokenize(prompt)
         validate_prompt_token_ids(prompt_token_ids, self.vocab_size, self.model_config.max_model_len)
         params = params.clone()

@@ -17,22 +17,34 @@ decode for that long; compiled in the pool it overlaps the steps, and the
 scheduler simply passes the request over (WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR)
 until its Future is done, then promotes it to WAITING.
 
+NOTE: (ours; issue 29) the pool is a GrammarCompileExecutor (compile_executor.py),
+not vLLM's plain ThreadPoolExecutor: its threads run at a lower CPU priority and,
+with xgrammar's own threads, use at most half the CPUs (compile_budget), so a
+huge schema cannot take the forward pass's cores; each compile has a CPU-time budget
+(VLLM_ANATOMY_GRAMMAR_COMPILE_TIMEOUT_S) and is cancelled as soon as its request
+finishes or is aborted while it still compiles. A compile that fails, times out,
+or yields a grammar whose first mask allows no token of this vocabulary finishes
+its request with FINISHED_ERROR and says why in stop_reason (GRAMMAR_ERROR_PREFIX):
+the server answers that with a 400, not a 500 (serving_engine.raise_if_error).
+
 Simplified: one backend (xgrammar), no reasoning parser, no parallel bitmask
 filling for batches > 128. With speculative decoding a structured request gets
 no drafts (Scheduler.update_draft_token_ids), so it keeps one bitmask row per
 step (v0.27.1 validates drafts with the grammar and masks every draft position).
-The tokenizer is loaded on the first structured request, not at start-up.
+The tokenizer is loaded by the first compile (in the pool), not at start-up.
 """
 from __future__ import annotations
 
-import multiprocessing
+import logging
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from vllm_anatomy import envs
 from vllm_anatomy.structured_output.backend_types import StructuredOutputBackend, StructuredOutputGrammar
+from vllm_anatomy.structured_output.compile_executor import GrammarCompileExecutor, compile_budget
 from vllm_anatomy.structured_output.request import StructuredOutputRequest
 
 if TYPE_CHECKING:
@@ -42,6 +54,16 @@ if TYPE_CHECKING:
     from vllm_anatomy.core.request import Request
 
 __all__ = ["StructuredOutputManager", "StructuredOutputGrammar", "StructuredOutputRequest"]
+
+logger = logging.getLogger(__name__)
+
+# A request finished with FINISHED_ERROR whose stop_reason starts with this failed
+# because of its own constraint (the rest of stop_reason says how): a 400, not a 500.
+GRAMMAR_ERROR_PREFIX = "structured_outputs: "
+
+
+class GrammarMatchesNothing(ValueError):
+    """The compiled grammar allows no token at all at its start."""
 
 
 class StructuredOutputManager:
@@ -54,21 +76,32 @@ class StructuredOutputManager:
         # NOTE: the scheduler imports this module: torch (and xgrammar) load only
         # with the first structured request (the pure core stays torch-free).
         self._grammar_bitmask: torch.Tensor | None = None
-        # NOTE: compiling is CPU-bound: half the cores (vLLM's choice), not the
-        # default of 5 threads per core.
-        max_workers = max(1, (multiprocessing.cpu_count() + 1) // 2)
-        self.executor = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grammar_compile")
+        # NOTE: compiling is CPU-bound: workers x xgrammar threads = half the CPUs
+        # (vLLM: half the CPUs of workers, 8 xgrammar threads each), at low priority.
+        max_workers, self.compile_threads = compile_budget()
+        self.executor = GrammarCompileExecutor(max_workers, thread_name_prefix="grammar_compile")
+        self.compile_timeout_s: float = envs.VLLM_ANATOMY_GRAMMAR_COMPILE_TIMEOUT_S
+        self._backend_lock = threading.Lock()
 
     def grammar_init(self, request: Request) -> None:
         """Start compiling the request's grammar; request.structured_output_request.grammar
         becomes a Future the scheduler polls."""
         if request.structured_output_request is None:
             return
-        if self.backend is None:
-            # NOTE: in the caller's thread, once: the pool's threads share the compiler.
-            self.backend = self._make_backend()
         request.structured_output_request.compile_start = time.monotonic()
-        request.structured_output_request.grammar = self.executor.submit(self._create_grammar, request)
+        # NOTE: cancel_if: an abort (or any finish) while the grammar compiles
+        # cancels the compile within CANCEL_POLL_S, queued or running.
+        request.structured_output_request.grammar = self.executor.submit(
+            self._create_grammar, request, timeout=self.compile_timeout_s, cancel_if=request.is_finished,
+            on_failure=lambda error: self._grammar_failed(request, error))
+
+    def _get_backend(self) -> StructuredOutputBackend:
+        """The backend, built by the first compile that needs it (in a pool thread, at its
+        low priority: importing xgrammar and reading the vocabulary take seconds of CPU)."""
+        with self._backend_lock:
+            if self.backend is None:
+                self.backend = self._make_backend()
+            return self.backend
 
     def _make_backend(self) -> StructuredOutputBackend:
         from vllm_anatomy.structured_output.backend_xgrammar import XgrammarBackend
@@ -76,18 +109,39 @@ class StructuredOutputManager:
         mc = self.vllm_config.model_config
         vocab_size = (mc.hf_config or {}).get("vocab_size")
         tokenizer = get_tokenizer(mc.model)
-        return XgrammarBackend(self.vllm_config, tokenizer=tokenizer, vocab_size=vocab_size or len(tokenizer))
+        return XgrammarBackend(self.vllm_config, tokenizer=tokenizer, vocab_size=vocab_size or len(tokenizer),
+                               max_threads=self.compile_threads)
 
     def _create_grammar(self, request: Request) -> StructuredOutputGrammar:
         """Runs in the pool. NOTE: an exception stays in the Future: the scheduler
         fails this request alone (FINISHED_ERROR)."""
-        struct_request, backend = request.structured_output_request, self.backend
-        assert struct_request is not None and backend is not None     # (set by grammar_init)
+        struct_request = request.structured_output_request
+        assert struct_request is not None       # (grammar_init checked)
         try:
+            backend = self._get_backend()
             request_type, grammar_spec = struct_request.structured_output_key
-            return backend.compile_grammar(request_type, grammar_spec)
+            grammar = backend.compile_grammar(request_type, grammar_spec)
+            # NOTE: (ours) a grammar whose first mask is empty would make the sampler
+            # pick from all -inf logits (token 0), which the grammar then refuses:
+            # refused here, before the request takes a batch slot.
+            if not grammar.is_terminated() and not grammar.allows_any_token():
+                raise GrammarMatchesNothing("the constraint allows no token of this model's vocabulary "
+                                            "at the start of the output, so it can match nothing")
+            return grammar
         finally:
+            if struct_request.compile_end is None:      # (an abandoned compile ended long ago)
+                struct_request.compile_end = time.monotonic()
+
+    @staticmethod
+    def _grammar_failed(request: Request, error: BaseException) -> None:
+        """A compile failed or ran out of time (before its Future says so): the compile
+        window ends now (an abandoned compile's thread may run on), and the request's
+        stop_reason says why (read when the scheduler finishes it with FINISHED_ERROR)."""
+        struct_request = request.structured_output_request
+        if struct_request is not None and struct_request.compile_end is None:
             struct_request.compile_end = time.monotonic()
+        logger.warning("Request %s: its grammar failed: %r", request.request_id, str(error)[:500])
+        request.stop_reason = f"{GRAMMAR_ERROR_PREFIX}{error}"
 
     def grammar_bitmask(self, requests: dict[str, Request],
                         structured_output_request_ids: list[str]) -> np.ndarray | None:
@@ -122,4 +176,4 @@ class StructuredOutputManager:
     def clear_backend(self) -> None:
         if self.backend is not None:
             self.backend.destroy()
-        self.executor.shutdown(wait=False, cancel_futures=True)
+        self.executor.shutdown()

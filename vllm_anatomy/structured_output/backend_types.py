@@ -57,6 +57,16 @@ class StructuredOutputGrammar(ABC):
     def reset(self) -> None:
         """Back to the start of the grammar."""
 
+    # NOTE: ours, not in v0.27.1's interface (issue 29): what the scheduler asks
+    # to end a request cleanly where vLLM would fail it (docs/architecture.md).
+    @abstractmethod
+    def is_completed(self) -> bool:
+        """True if the output so far is a complete match: a stop token may come next."""
+
+    @abstractmethod
+    def allows_any_token(self) -> bool:
+        """True if at least one token may come next (the next bitmask row is not all zeros)."""
+
 
 @dataclass
 class StructuredOutputBackend(ABC):
@@ -77,3 +87,7 @@ class StructuredOutputBackend(ABC):
     @abstractmethod
     def destroy(self) -> None:
         """Release the compiler."""
+
+    # Threads the compiler may use for one compile (vLLM: always 8; here sized
+    # by StructuredOutputManager so compiles leave the forward pass its cores).
+    max_threads: int = 8

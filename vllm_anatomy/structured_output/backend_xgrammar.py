@@ -11,8 +11,10 @@ which parses the constraint without compiling it against the vocabulary.
 """
 from __future__ import annotations
 
+import functools
 import json
 import re
+import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +23,8 @@ import torch
 from vllm_anatomy.exceptions import VLLMValidationError
 from vllm_anatomy.structured_output.backend_types import (StructuredOutputBackend, StructuredOutputGrammar,
                                                           StructuredOutputOptions)
+from vllm_anatomy.structured_output.limits import check_structured_output_limits
+from vllm_anatomy.structured_output.request import get_structured_output_key
 from vllm_anatomy.structured_output.utils import choice_as_grammar
 
 if TYPE_CHECKING:
@@ -51,7 +55,7 @@ class XgrammarBackend(StructuredOutputBackend):
         # a tiny vocabulary; the engine passes the model's HF tokenizer.
         tokenizer_info = self.tokenizer if isinstance(self.tokenizer, x.TokenizerInfo) else \
             x.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size)
-        self.compiler = x.GrammarCompiler(tokenizer_info, max_threads=8, cache_enabled=True,
+        self.compiler = x.GrammarCompiler(tokenizer_info, max_threads=self.max_threads, cache_enabled=True,
                                           cache_limit_bytes=XGRAMMAR_CACHE_MB * 1024 * 1024)
 
     def compile_grammar(self, request_type: StructuredOutputOptions, grammar_spec: str) -> StructuredOutputGrammar:
@@ -124,6 +128,14 @@ class XgrammarGrammar(StructuredOutputGrammar):
         self.num_processed_tokens = 0
         self.matcher.reset()
 
+    def is_completed(self) -> bool:
+        return self._is_terminated or self.matcher.is_completed()
+
+    def allows_any_token(self) -> bool:
+        bitmask = _xgr().allocate_token_bitmask(1, self.vocab_size)
+        self.matcher.fill_next_token_bitmask(bitmask, 0)
+        return bool(bitmask.any())
+
 
 # JSON-schema string formats xgrammar understands (v0.27.1's list).
 STRING_SUPPORTED_FORMATS = {
@@ -157,37 +169,92 @@ def _compiler_message(err: Exception) -> str:
     return re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(err)).strip()
 
 
-def validate_xgrammar_grammar(sampling_params: SamplingParams) -> None:
-    """Refuse a constraint xgrammar cannot parse, with xgrammar's message.
+def validate_xgrammar_grammar(sampling_params: SamplingParams, compile_check: bool = True) -> None:
+    """Refuse a constraint that is too large (limits.py), that xgrammar cannot
+    compile (with xgrammar's message), or that can match nothing (compile_check=False:
+    only the size bounds).
 
     Raises VLLMValidationError (a 400 on the HTTP server).
+
+    NOTE: (ours) vLLM parses the constraint here (xgrammar's Grammar.from_*);
+    this compiles it against a 257-token byte-level vocabulary instead, which
+    costs about the same (a few ms within the limits) and also gives the first
+    bitmask: all zeros means no output can ever match (regex "[^\\s\\S]", EBNF
+    "root ::= root"), a request that would otherwise sample from all -inf
+    logits and fail inside the engine. The answer is cached by the constraint's
+    text: the HTTP server checks a request several times (protocol, serving,
+    InputProcessor) and pays once, in a worker thread (serving_engine.py).
     """
     so = sampling_params.structured_outputs
-    if so is None:
+    if so is None or so.json_object:
         return
+    check_structured_output_limits(so)
+    if not compile_check:
+        return
+    request_type, grammar_spec = get_structured_output_key(so)
+    error = _validation_error(request_type, grammar_spec)
+    if error is not None:
+        raise VLLMValidationError(error, parameter="structured_outputs")
+    if so.choice is not None and sampling_params.min_tokens > 0:
+        # NOTE: every token holds at least one byte, so a choice of n bytes is at
+        # most n tokens: min_tokens beyond the longest choice can never be met.
+        longest = max(len(c.encode("utf-8")) for c in so.choice)
+        if longest < sampling_params.min_tokens:
+            raise VLLMValidationError(
+                f"min_tokens={sampling_params.min_tokens} can never be reached: the longest "
+                f"structured_outputs choice is {longest} bytes, so at most {longest} tokens.",
+                parameter="min_tokens")
+
+
+# The byte-level vocabulary the validation compiles against: token i < 256 is the
+# byte i, token 256 the stop token.
+_BYTE_VOCAB_SIZE = 257
+_validation_compiler_lock = threading.Lock()
+_validation_compiler: Any = None
+
+
+def _byte_level_compiler():
+    global _validation_compiler
+    with _validation_compiler_lock:
+        if _validation_compiler is None:
+            x = _xgr()
+            info = x.TokenizerInfo([bytes([i]) for i in range(256)] + [b"</s>"], x.VocabType.RAW,
+                                   vocab_size=_BYTE_VOCAB_SIZE, stop_token_ids=[256])
+            _validation_compiler = x.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        return _validation_compiler
+
+
+@functools.lru_cache(maxsize=256)
+def _validation_error(request_type: StructuredOutputOptions, grammar_spec: str) -> str | None:
+    """Why this constraint cannot be served (None: it can). Cached: see validate_xgrammar_grammar."""
     x = _xgr()
+    compiler = _byte_level_compiler()
+    what = {StructuredOutputOptions.JSON: "json schema", StructuredOutputOptions.REGEX: "regex",
+            StructuredOutputOptions.CHOICE: "choices", StructuredOutputOptions.GRAMMAR: "grammar"}[request_type]
     try:
-        if so.regex is not None:
-            what = "regex"
-            x.Grammar.from_regex(so.regex)
-        elif so.choice is not None:
-            what = "choices"
-            x.Grammar.from_ebnf(choice_as_grammar(so.choice))
-        elif so.json is not None:
-            what = "json schema"
-            schema = _load_schema(so.json)
+        if request_type == StructuredOutputOptions.JSON:
+            schema = _load_schema(grammar_spec)
             if has_xgrammar_unsupported_json_features(schema):
-                raise VLLMValidationError("The provided JSON schema contains features not supported by xgrammar.",
-                                          parameter="structured_outputs")
-            x.Grammar.from_json_schema(json.dumps(schema))
-        elif so.grammar is not None:
-            what = "grammar"
-            x.Grammar.from_ebnf(so.grammar)
-    except VLLMValidationError:
-        raise
-    except Exception as err:
-        raise VLLMValidationError(f"Failed to transform {what} into a grammar: {_compiler_message(err)}",
-                                  parameter="structured_outputs") from err
+                return "The provided JSON schema contains features not supported by xgrammar."
+            ctx = compiler.compile_json_schema(grammar_spec, any_whitespace=True)
+        elif request_type == StructuredOutputOptions.REGEX:
+            ctx = compiler.compile_regex(grammar_spec)
+        elif request_type == StructuredOutputOptions.CHOICE:
+            ctx = compiler.compile_grammar(choice_as_grammar(json.loads(grammar_spec)))
+        else:
+            ctx = compiler.compile_grammar(grammar_spec)
+    except VLLMValidationError as err:
+        return str(err)
+    except RecursionError:
+        return f"The {what} is nested too deeply to be compiled."
+    except Exception as err:  # noqa: BLE001 - xgrammar's errors: RuntimeError, ValueError, ...
+        return f"Failed to transform {what} into a grammar: {_compiler_message(err)}"
+    bitmask = x.allocate_token_bitmask(1, _BYTE_VOCAB_SIZE)
+    x.GrammarMatcher(ctx).fill_next_token_bitmask(bitmask, 0)
+    if not bitmask.any():
+        return (f"The structured_outputs {what} can match no output at all (no text satisfies it), "
+                f"so no answer could be generated.")
+    return None
 
 
 def _load_schema(spec: str | dict) -> dict:

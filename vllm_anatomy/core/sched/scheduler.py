@@ -591,7 +591,8 @@ class Scheduler(SchedulerInterface):
                 new_token_ids, stopped = self._update_request_with_output(request, new_token_ids,
                                                                           is_stale=output_is_stale)
             if new_token_ids and self.structured_output_manager.should_advance(request):
-                stopped = self._advance_grammar(request, new_token_ids) or stopped
+                new_token_ids, grammar_stopped = self._advance_grammar(request, new_token_ids)
+                stopped = grammar_stopped or stopped
             if stopped:
                 self._free_request(request)
                 if status_before_stop == RequestStatus.RUNNING:
@@ -641,23 +642,34 @@ class Scheduler(SchedulerInterface):
         spec_decoding_stats.observe_draft(num_draft_tokens=num_draft_tokens, num_accepted_tokens=num_accepted_tokens)
         return spec_decoding_stats
 
-    def _advance_grammar(self, request: Request, new_token_ids: list[int]) -> bool:
-        """Feed the sampled tokens to the request's grammar; True if it refused them.
+    def _advance_grammar(self, request: Request, new_token_ids: list[int]) -> tuple[list[int], bool]:
+        """Feed the sampled tokens to the request's grammar: (the tokens to output, stopped).
 
         NOTE: the bitmask allowed only tokens the grammar accepts, so a refusal
         is a bug (a mask applied to the wrong row, a token sampled without its
         mask): the request fails alone with FINISHED_ERROR, as in vLLM.
+        Ours (issue 29; vLLM 0.27.1 fails these requests): the grammar decides
+        where a structured output ends. Once it has accepted its stop token the
+        request stops (finish_reason "stop"), also under ignore_eos; and when
+        it refuses a token while complete (min_tokens masked the stop tokens,
+        the only tokens it allowed) that token is dropped and the request stops.
         """
         struct_output_request = request.structured_output_request
         assert struct_output_request is not None
         grammar = struct_output_request.grammar
         assert isinstance(grammar, StructuredOutputGrammar)     # compiled: it was scheduled
         if grammar.accept_tokens(request.request_id, new_token_ids):
-            return False
+            if grammar.is_terminated() and not request.is_finished():
+                request.status = RequestStatus.FINISHED_STOPPED
+                return new_token_ids, True
+            return new_token_ids, False
+        if grammar.is_completed():
+            request.status = RequestStatus.FINISHED_STOPPED
+            return [], True     # (one token per step: no spec decode here)
         logger.error("Unexpected: grammar rejected tokens %s for request %s. Terminating request.",
                      new_token_ids, request.request_id)
         request.status = RequestStatus.FINISHED_ERROR
-        return True
+        return new_token_ids, True
 
     def _finish_grammar_compile_errors(self, outputs: dict[int, list[EngineCoreOutput]]) -> None:
         """Requests whose grammar failed to compile end with FINISHED_ERROR (an

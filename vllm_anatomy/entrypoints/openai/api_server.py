@@ -22,6 +22,12 @@ Lifecycle (run_server; entrypoints/launcher.py, as vLLM's launcher.serve_http):
     new requests get 503 at once, in-flight requests end with an error, and
     the server exits with status 1 (vLLM's watchdog) so a supervisor can
     restart it; VLLM_KEEP_ALIVE_ON_ENGINE_DEATH=1 keeps it up answering 503.
+
+Slow and idle clients (ours; issue 29): connections must send their headers
+within --header-read-timeout and their body within --body-read-timeout, idle
+keep-alive connections close after --timeout-keep-alive, and at most
+--limit-concurrency connections are open (http_protocol.py). Log lines are
+escaped and rate-limited (log_guard.py).
 """
 from __future__ import annotations
 from __future__ import annotations
@@ -44,7 +50,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 import vllm_anatomy
 from vllm_anatomy.engine.exceptions import EngineDeadError
 from vllm_anatomy.entrypoints.launcher import UVICORN_GRACEFUL_SHUTDOWN_S, UvicornServer, serve_http
-from vllm_anatomy.entrypoints.openai.cli_args import DEFAULT_MAX_REQUEST_BODY_BYTES
+from vllm_anatomy.entrypoints.openai.cli_args import (DEFAULT_HEADER_READ_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS,
+                                                      DEFAULT_MAX_REQUEST_BODY_BYTES, FD_RESERVE)
+from vllm_anatomy.entrypoints.openai.http_protocol import (ConnectionLimits, GuardedH11Protocol,
+                                                           default_max_connections, raise_fd_limit)
+from vllm_anatomy.entrypoints.openai.log_guard import install_log_guard
 from vllm_anatomy.entrypoints.openai.chat_protocol import ChatCompletionRequest
 from vllm_anatomy.entrypoints.openai.completion_protocol import CompletionRequest
 from vllm_anatomy.entrypoints.openai.protocol import ErrorResponse
@@ -54,6 +64,7 @@ from vllm_anatomy.entrypoints.openai.serving_chat import OpenAIServingChat
 from vllm_anatomy.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from vllm_anatomy.entrypoints.openai.serving_models import BaseModelPath, OpenAIServingModels
 from vllm_anatomy.metrics.prometheus import PrometheusStatLogger
+from vllm_anatomy.structured_output.compile_executor import GrammarCompileExecutor
 
 logger = logging.getLogger("vllm_anatomy.api_server")
 
@@ -140,8 +151,12 @@ def init_app_state(engine_client, state, args: argparse.Namespace) -> None:
     state.openai_serving_models = models = OpenAIServingModels(base_model_paths, model_config.max_model_len)
     # One tokenizer thread for both handlers (vLLM: the renderer's executor).
     state.tokenizer_executor = executor = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
-    state.openai_serving_chat = OpenAIServingChat(engine_client, models, executor)
-    state.openai_serving_completion = OpenAIServingCompletion(engine_client, models, executor)
+    # One low-priority thread checks structured-output constraints (serving_engine.py).
+    state.grammar_executor = grammar = GrammarCompileExecutor(1, thread_name_prefix="grammar_validate")
+    state.openai_serving_chat = OpenAIServingChat(
+        engine_client, models, executor, grammar,
+        trust_request_chat_template=getattr(args, "trust_request_chat_template", False))
+    state.openai_serving_completion = OpenAIServingCompletion(engine_client, models, executor, grammar)
     vllm_config = getattr(engine_client, "vllm_config", None)
     state.stat_logger = PrometheusStatLogger(models.model_name, model_config.max_model_len,
                                              num_speculative_tokens=vllm_config.num_speculative_tokens
@@ -223,19 +238,31 @@ def maybe_instrument_app(app: FastAPI, tracer_provider=None) -> bool:
     return True
 
 
+def connection_limits(args: argparse.Namespace) -> ConnectionLimits:
+    """The per-connection limits from the flags (http_protocol.py)."""
+    max_connections = args.limit_concurrency or default_max_connections(FD_RESERVE, DEFAULT_MAX_CONNECTIONS)
+    return ConnectionLimits(header_read_timeout=getattr(args, "header_read_timeout", DEFAULT_HEADER_READ_TIMEOUT_S),
+                            body_read_timeout=args.body_read_timeout, max_connections=max_connections)
+
+
 async def run_server(args: argparse.Namespace, **uvicorn_kwargs) -> int:
     """Start AsyncLLM (EngineCore in its own process), serve until a signal or the
     engine's death, stop the engine. Returns the exit status: 1 if the engine died."""
     from vllm_anatomy.engine.arg_utils import EngineArgs
     from vllm_anatomy.engine.async_llm import AsyncLLM
 
+    install_log_guard()
+    raise_fd_limit()
     engine_client = AsyncLLM.from_engine_args(EngineArgs.from_cli_args(args), multiprocess=True)
     force_exit = False
     try:
         app = build_app(engine_client, args)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                                 access_log=not args.disable_uvicorn_access_log,
-                                timeout_graceful_shutdown=UVICORN_GRACEFUL_SHUTDOWN_S, **uvicorn_kwargs)
+                                timeout_graceful_shutdown=UVICORN_GRACEFUL_SHUTDOWN_S,
+                                http=GuardedH11Protocol.with_limits(connection_limits(args)),
+                                timeout_keep_alive=args.timeout_keep_alive, **uvicorn_kwargs)
+        install_log_guard()     # again: uvicorn.Config has just set up its own handlers
         server = UvicornServer(config)
         logger.warning("vllm_anatomy OpenAI server on http://%s:%d (model %s)", args.host, args.port,
                        app.state.openai_serving_models.model_name)

@@ -6,7 +6,7 @@ every request shares (strict types, errors, usage, sampling fields) is in protoc
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_serializer
 
@@ -30,6 +30,15 @@ class ChatCompletionMessageParam(OpenAIBaseModel):
             return self.content or ""
         return "".join(part.text for part in self.content)
 
+    def for_template(self) -> dict:
+        """The message as the chat template reads it: role, text content, and every
+        other field the client sent (name, tool_calls, ...), as vLLM passes them on."""
+        extra = {k: v for k, v in (self.model_extra or {}).items() if k not in ("role", "content")}
+        message = {"role": self.role, "content": self.text(), **extra}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
 
 class ChatCompletionRequest(SamplingRequest):
     # Ordered like the OpenAI API reference: https://platform.openai.com/docs/api-reference/chat
@@ -37,8 +46,23 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool | None = False
     top_logprobs: Int64 | None = 0
     max_completion_tokens: Int64 | None = None
-    # vLLM extras
+    # vLLM extras (vLLM's chat_completion/protocol.py; how each changes the prompt: serving_chat.py)
+    echo: bool = False
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    documents: list[dict[str, Any]] | None = None
+    chat_template: Text | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    request_id: Text | None = None
+    return_tokens_as_token_ids: bool | None = None
+
+    def check_unsupported(self) -> None:
+        super().check_unsupported()
+        if self.continue_final_message and self.add_generation_prompt:
+            raise VLLMValidationError("Cannot set both `continue_final_message` and `add_generation_prompt` to "
+                                      "True (add_generation_prompt defaults to true: set it to false).",
+                                      parameter="continue_final_message")
 
     def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
         self.check_unsupported()

@@ -23,6 +23,10 @@ class CompletionRequest(SamplingRequest):
     echo: bool | None = False
     suffix: Text | None = None
     best_of: Int64 | None = None
+    # vLLM extras
+    add_special_tokens: bool = True
+    request_id: Text | None = None
+    return_tokens_as_token_ids: bool | None = None
 
     def get_prompts(self) -> list[str | list[int]]:
         """The request's prompts: one, or a batch (a list of texts or of token-id lists), each non-empty."""

@@ -37,9 +37,10 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
+from vllm_anatomy.engine.stop_strings import stop_strings_limit_error
 from vllm_anatomy.exceptions import VLLMValidationError
 from vllm_anatomy.sampling_params import (INT64_MAX, INT64_MIN, RequestOutputKind, SamplingParams,
                                           StructuredOutputsParams)
@@ -75,6 +76,18 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     # their replacement is structured_outputs, which is supported here.
     "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
     "truncate_prompt_tokens": (None,), "prompt_embeds": (None,),
+    # NOTE: (issue 29) the rest of v0.27.1's request fields that would change the
+    # answer (or what is returned, cached or isolated) and are not implemented here.
+    # Fields that change nothing in vLLM for a text model without a reasoning or
+    # tool parser (include_reasoning, parallel_tool_calls, length_penalty without
+    # beam search, truncation_side without truncate_prompt_tokens,
+    # spaces_between_special_tokens with a fast tokenizer) are accepted, as there.
+    "reasoning_effort": (None,), "thinking_token_budget": (None,), "priority": (None, 0),
+    "return_token_ids": (None, False), "return_token_offsets": (None, False),
+    "return_prompt_text": (None, False), "return_assistant_tokens_mask": (None, False),
+    "cache_salt": (None,), "kv_transfer_params": (None,), "ec_transfer_params": (None,),
+    "vllm_xargs": (None,), "repetition_detection": (None,), "stream_interval": (None, 1),
+    "media_io_kwargs": (None, {}), "mm_processor_kwargs": (None, {}),
 }
 
 
@@ -210,6 +223,24 @@ class SamplingRequest(OpenAIBaseModel):
     # vLLM extra: {"json": schema} | {"regex": ...} | {"choice": [...]} | {"grammar": ...} | {"json_object": true}
     structured_outputs: dict[str, Any] | None = None
 
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _check_stop_size(cls, value: Any) -> Any:
+        """The stop list's bounds (engine/stop_strings.py), checked before pydantic
+        validates each of possibly a million strings on the event loop."""
+        if isinstance(value, list):
+            error = stop_strings_limit_error([s if isinstance(s, str) else "" for s in value])
+            if error is not None:
+                raise PydanticCustomError("stop_too_large", "{error}", {"error": error})
+        return value
+
+    def uses_response_format(self) -> bool:
+        return self.response_format is not None and self.response_format.type != "text"
+
+    def has_structured_outputs(self) -> bool:
+        """Whether the request carries a structured-output constraint (to check off the event loop)."""
+        return self.structured_outputs is not None or self.uses_response_format()
+
     def extract_structured_outputs(self) -> StructuredOutputsParams | None:
         return structured_outputs_from_response_format(structured_outputs_from_dict(self.structured_outputs),
                                                        self.response_format)
@@ -243,8 +274,9 @@ class SamplingRequest(OpenAIBaseModel):
             # the field the client used (response_format or structured_outputs).
             params._validate_structured_outputs()
         except VLLMValidationError as e:
-            uses_response_format = self.response_format is not None and self.response_format.type != "text"
-            raise VLLMValidationError(str(e), parameter="response_format" if uses_response_format
+            if e.parameter == "min_tokens":
+                raise
+            raise VLLMValidationError(str(e), parameter="response_format" if self.uses_response_format()
                                       else "structured_outputs") from e
         return params
 

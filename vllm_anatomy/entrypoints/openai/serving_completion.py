@@ -23,8 +23,9 @@ from vllm_anatomy.entrypoints.openai.completion_protocol import (CompletionLogPr
                                                                  CompletionResponseStreamChoice,
                                                                  CompletionStreamResponse)
 from vllm_anatomy.entrypoints.openai.protocol import UsageInfo
-from vllm_anatomy.entrypoints.openai.serving_engine import OpenAIServing, raise_if_error, sse
-from vllm_anatomy.outputs import CompletionOutput, RequestOutput
+from vllm_anatomy.entrypoints.openai.serving_engine import (OpenAIServing, format_token_id_placeholder,
+                                                            raise_if_error, sse)
+from vllm_anatomy.outputs import CompletionOutput, Logprob, RequestOutput
 from vllm_anatomy.sampling_params import SamplingParams
 from vllm_anatomy.utils.async_utils import merge_async_iterators
 
@@ -42,7 +43,7 @@ class OpenAIServingCompletion(OpenAIServing):
                                 ) -> CompletionResponse | AsyncGenerator[str, None]:
         """Validate everything (VLLMValidationError / OpenAIError -> 4xx), then answer or stream."""
         self._check_model(request.model)
-        request_id = f"cmpl-{self._base_request_id(raw_request)}"
+        request_id = f"cmpl-{self._base_request_id(raw_request, request.request_id)}"
         request.check_unsupported()
         inputs = [await self._render_prompt(request, prompt) for prompt in request.get_prompts()]
         model_name = self.models.model_name_for(request.model)
@@ -59,12 +60,12 @@ class OpenAIServingCompletion(OpenAIServing):
         """Tokenize (a text) and validate one prompt with its own SamplingParams (max_tokens
         defaults to what is left of max_model_len after *this* prompt)."""
         if isinstance(prompt, str):
-            # Same tokenization as the InputProcessor would do (special tokens added).
-            prompt_text, prompt_ids = prompt, await self._tokenize(prompt, add_special_tokens=True)
+            # As the InputProcessor tokenizes (special tokens added, unless the request says no).
+            prompt_text, prompt_ids = prompt, await self._tokenize(prompt, request.add_special_tokens)
         else:
             prompt_text, prompt_ids = None, list(prompt)
         self._validate_prompt_ids(prompt_ids)
-        params = request.to_sampling_params(self._default_max_tokens(prompt_ids))
+        params = await self._to_sampling_params(request, self._default_max_tokens(prompt_ids))
         self._validate_inputs(prompt_ids, params, "max_tokens")
         engine_prompt: dict[str, Any] = {"prompt_token_ids": prompt_ids}
         if prompt_text is not None:
@@ -87,7 +88,8 @@ class OpenAIServingCompletion(OpenAIServing):
             for output in final.outputs:             # its n outputs, by index
                 choices.append(CompletionResponseChoice(
                     index=len(choices), text=prefix + output.text,
-                    logprobs=self._create_completion_logprobs(output, request.logprobs, len(prefix)),
+                    logprobs=self._create_completion_logprobs(output, request.logprobs, len(prefix),
+                                                              request.return_tokens_as_token_ids),
                     finish_reason=output.finish_reason, stop_reason=output.stop_reason))
                 num_generated += len(output.token_ids)
             num_prompt_tokens += len(final.prompt_token_ids)
@@ -120,7 +122,7 @@ class OpenAIServingCompletion(OpenAIServing):
             echo_text = echo_texts[prompt_idx]
             for output in res.outputs:
                 i = output.index + prompt_idx * num_choices
-                raise_if_error(output.finish_reason, request_id)
+                raise_if_error(output.finish_reason, request_id, output.stop_reason)
                 previous_num_tokens[i] += len(output.token_ids)
                 text = output.text
                 if echo_text is not None and not has_echoed[i]:   # the prompt goes first, once per choice
@@ -128,7 +130,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 if not text and not output.finished() and not (output.logprobs and output.token_ids):
                     continue
                 logprobs = self._create_completion_logprobs(output, request.logprobs,
-                                                            previous_text_lens[i] + len(text) - len(output.text))
+                                                            previous_text_lens[i] + len(text) - len(output.text),
+                                                            request.return_tokens_as_token_ids)
                 previous_text_lens[i] += len(text)
                 choice = CompletionResponseStreamChoice(index=i, text=text, logprobs=logprobs,
                                                         finish_reason=output.finish_reason,
@@ -145,21 +148,26 @@ class OpenAIServingCompletion(OpenAIServing):
                                       total_tokens=total_prompt + total_generated))
 
     def _create_completion_logprobs(self, output: CompletionOutput, num_top: int | None,
-                                    initial_text_offset: int) -> CompletionLogProbs | None:
+                                    initial_text_offset: int,
+                                    as_token_ids: bool | None = False) -> CompletionLogProbs | None:
         if output.logprobs is None or num_top is None:
             return None
         out = CompletionLogProbs()
         offset = initial_text_offset
+
+        def token_str(tid: int, lp: Logprob | None) -> str:
+            if as_token_ids:
+                return format_token_id_placeholder(tid)
+            return lp.decoded_token if lp is not None and lp.decoded_token is not None else self.tokenizer.decode([tid])
+
         for token_id, entry in zip(output.token_ids, output.logprobs):
             sampled = entry.get(token_id)
-            token = (sampled.decoded_token if sampled is not None and sampled.decoded_token is not None
-                     else self.tokenizer.decode([token_id]))
+            token = token_str(token_id, sampled)
             out.tokens.append(token)
             out.token_logprobs.append(max(sampled.logprob, -9999.0) if sampled is not None else None)
             # NOTE: like vLLM, the top dict holds the top-k *and* the sampled token.
             out.top_logprobs.append({
-                (lp.decoded_token if lp.decoded_token is not None else self.tokenizer.decode([tid])):
-                    max(lp.logprob, -9999.0)
+                token_str(tid, lp): max(lp.logprob, -9999.0)
                 for tid, lp in entry.items()
                 if tid == token_id or (lp.rank is not None and lp.rank <= num_top)})
             out.text_offset.append(offset)

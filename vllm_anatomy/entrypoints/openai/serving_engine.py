@@ -13,32 +13,50 @@ executor), never on the event loop: the fast tokenizer releases the GIL, so a
 long prompt does not stall /health or other streams. A text longer than
 max_model_len x the longest token (in characters) cannot fit and is refused
 before it is tokenized at all (vLLM's _text_len_check).
+
+NOTE: (ours; issue 29) a structured-output constraint is checked once, off the
+event loop too: to_sampling_params runs in a GrammarCompileExecutor thread (low
+CPU priority, a CPU-time budget: VLLM_ANATOMY_GRAMMAR_VALIDATION_TIMEOUT_S) whenever the
+request carries one, and the checks that follow hit the cache it filled
+(backend_xgrammar.validate_xgrammar_grammar). vLLM parses the constraint on the
+event loop, once per check (three times per request).
 """
 from __future__ import annotations
 
 import asyncio
 import functools
+import re
 from concurrent.futures import Executor, ThreadPoolExecutor
 from http import HTTPStatus
 from typing import AsyncGenerator, AsyncIterator, Callable, TypeVar
 
 from starlette.requests import Request
 
+from vllm_anatomy import envs
 from vllm_anatomy.engine.exceptions import EngineDeadError
+from vllm_anatomy.entrypoints.openai.chat_protocol import ChatCompletionRequest
+from vllm_anatomy.entrypoints.openai.completion_protocol import CompletionRequest
 from vllm_anatomy.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, random_uuid
 from vllm_anatomy.entrypoints.openai.serving_models import OpenAIServingModels
 from vllm_anatomy.exceptions import VLLMValidationError
 from vllm_anatomy.outputs import RequestOutput
 from vllm_anatomy.sampling_params import SamplingParams
+from vllm_anatomy.structured_output import GRAMMAR_ERROR_PREFIX
+from vllm_anatomy.structured_output.compile_executor import GrammarCompileExecutor, GrammarCompileTimeout
 from vllm_anatomy.utils.async_utils import merge_async_iterators
 
 T = TypeVar("T")
 
 # W3C trace context headers copied from HTTP into the engine request (vLLM's TRACE_HEADERS).
 TRACE_HEADERS = ("traceparent", "tracestate")
-# NOTE: vLLM takes X-Request-Id as given, whatever its length; here it is
-# bounded: it is logged, traced and stored with every request.
+# NOTE: vLLM takes X-Request-Id (and the body's request_id) as given; here it is
+# bounded and restricted to characters that are safe in a log line, a trace
+# attribute, a file name and a URL: it is logged, traced and stored with every
+# request, and echoed in the response's id. Anything else is a 400 (issue 29:
+# an ANSI escape sequence went raw into the server log).
 MAX_REQUEST_ID_LEN = 128
+REQUEST_ID_CHARS = "letters, digits and . _ : - + = @ /"
+_REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:\-+=@/]+")
 
 
 class OpenAIError(Exception):
@@ -62,6 +80,14 @@ def create_error_response(message: str, err_type: str = "BadRequestError",
 def validation_error(e: VLLMValidationError) -> OpenAIError:
     """A VLLMValidationError (SamplingParams, the InputProcessor, protocol checks) -> 400 naming the field."""
     return OpenAIError(str(e), param=e.parameter)
+
+
+def grammar_error(stop_reason: str) -> OpenAIError:
+    """The engine refused the request's structured-output constraint after accepting it
+    (it failed to compile, timed out, or allows no token of this vocabulary): the
+    client's constraint, not a server fault, so a 400 that says why."""
+    return OpenAIError(f"The structured_outputs constraint cannot be served: "
+                       f"{stop_reason[len(GRAMMAR_ERROR_PREFIX):]}.", param="structured_outputs")
 
 
 def generation_error(request_id: str) -> OpenAIError:
@@ -89,7 +115,8 @@ def stream_error_event(e: OpenAIError) -> str:
 class OpenAIServing:
 
     def __init__(self, engine_client, models: OpenAIServingModels,
-                 tokenizer_executor: Executor | None = None) -> None:
+                 tokenizer_executor: Executor | None = None,
+                 grammar_executor: GrammarCompileExecutor | None = None) -> None:
         self.engine_client = engine_client
         self.models = models
         self.tokenizer = engine_client.get_tokenizer()
@@ -98,6 +125,9 @@ class OpenAIServing:
         # NOTE: one worker: a HF fast tokenizer must not be used from two
         # threads at once; requests queue for it, the event loop does not.
         self._tokenizer_executor = tokenizer_executor or ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
+        # NOTE: one worker, low priority: checking constraints never takes the
+        # event loop's core, and one slow check ends with its budget, not never.
+        self._grammar_executor = grammar_executor or GrammarCompileExecutor(1, thread_name_prefix="grammar_validate")
         # The most characters one token covers (vLLM: tokenizer.max_chars_per_token).
         self.max_chars_per_token = max(map(len, self.tokenizer.get_vocab()), default=1)
         self.max_input_chars = self.max_model_len * self.max_chars_per_token
@@ -105,6 +135,21 @@ class OpenAIServing:
     async def _run_in_tokenizer_thread(self, fn: Callable[..., T], *args, **kwargs) -> T:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._tokenizer_executor, functools.partial(fn, *args, **kwargs))
+
+    async def _to_sampling_params(self, request: ChatCompletionRequest | CompletionRequest,
+                                  default_max_tokens: int) -> SamplingParams:
+        """request.to_sampling_params, in the grammar thread when the request carries a
+        structured-output constraint (its check compiles it); inline otherwise."""
+        if not request.has_structured_outputs():
+            return request.to_sampling_params(default_max_tokens)
+        timeout = envs.VLLM_ANATOMY_GRAMMAR_VALIDATION_TIMEOUT_S
+        future = self._grammar_executor.submit(request.to_sampling_params, default_max_tokens, timeout=timeout)
+        try:
+            return await asyncio.wrap_future(future)
+        except GrammarCompileTimeout:
+            param = "response_format" if request.uses_response_format() else "structured_outputs"
+            raise OpenAIError(f"The {param} constraint could not be checked within {timeout:g} s of CPU time "
+                              f"(VLLM_ANATOMY_GRAMMAR_VALIDATION_TIMEOUT_S); simplify it.", param=param) from None
 
     def _check_text_len(self, num_chars: int, param: str) -> None:
         """Refuse, before tokenizing it, a text that cannot fit in max_model_len tokens."""
@@ -152,20 +197,19 @@ class OpenAIServing:
                 f"this model's maximum context length is {self.max_model_len} tokens.", param=name)
 
     @staticmethod
-    def _base_request_id(raw_request: Request | None) -> str:
-        """The client's X-Request-Id if it sent one (vLLM honours it too), else a fresh uuid.
+    def _base_request_id(raw_request: Request | None, default: str | None = None) -> str:
+        """The client's X-Request-Id if it sent one (vLLM honours it too), else the
+        body's request_id (`default`), else a fresh uuid.
 
         NOTE: the engine's id is this plus a random suffix (AsyncLLM, via
         InputProcessor.assign_request_id), so two requests with the same header
         both run; the response's `id` is built from the header, as in vLLM.
         """
-        if raw_request is not None:
-            header = raw_request.headers.get("X-Request-Id")
-            if header and len(header) > MAX_REQUEST_ID_LEN:
-                raise OpenAIError(f"X-Request-Id must be at most {MAX_REQUEST_ID_LEN} characters, "
-                                  f"got {len(header)}.", param="X-Request-Id")
-            if header:
-                return header
+        header = raw_request.headers.get("X-Request-Id") if raw_request is not None else None
+        if header:
+            return validate_request_id(header, "X-Request-Id")
+        if default:
+            return validate_request_id(default, "request_id")
         return random_uuid()
 
     def _get_trace_headers(self, raw_request: Request | None) -> dict[str, str] | None:
@@ -213,7 +257,7 @@ class OpenAIServing:
                               HTTPStatus.INTERNAL_SERVER_ERROR)
         for final in done:
             for output in final.outputs:
-                raise_if_error(output.finish_reason, request_id)
+                raise_if_error(output.finish_reason, request_id, output.stop_reason)
         return done
 
     async def _sse_stream(self, events: AsyncGenerator[str, None],
@@ -245,10 +289,29 @@ class OpenAIServing:
                                               HTTPStatus.INTERNAL_SERVER_ERROR))
 
 
-def raise_if_error(finish_reason: str | None, request_id: str) -> None:
-    """finish_reason "error" -> the request failed inside the engine (vLLM: _raise_if_error)."""
+def validate_request_id(value: str, param: str) -> str:
+    """A client-chosen request id, if it is short and made of safe characters (else a 400
+    that does not repeat it: it may hold terminal escape sequences)."""
+    if len(value) > MAX_REQUEST_ID_LEN:
+        raise OpenAIError(f"{param} must be at most {MAX_REQUEST_ID_LEN} characters, got {len(value)}.",
+                          param=param)
+    if not _REQUEST_ID_RE.fullmatch(value):
+        raise OpenAIError(f"{param} may contain only {REQUEST_ID_CHARS}.", param=param)
+    return value
+
+
+def raise_if_error(finish_reason: str | None, request_id: str, stop_reason: int | str | None = None) -> None:
+    """finish_reason "error" -> the request failed inside the engine (vLLM: _raise_if_error),
+    or (ours) the engine refused its grammar, which says why in stop_reason: a 400."""
     if finish_reason == "error":
+        if isinstance(stop_reason, str) and stop_reason.startswith(GRAMMAR_ERROR_PREFIX):
+            raise grammar_error(stop_reason)
         raise generation_error(request_id)
+
+
+def format_token_id_placeholder(token_id: int) -> str:
+    """A logprobs token shown as its id (return_tokens_as_token_ids; vLLM's helper)."""
+    return f"token_id:{token_id}"
 
 
 def sse(payload: str) -> str:
