@@ -249,7 +249,8 @@ def test_apply_grammar_bitmask_follows_the_workers_rows(device):
     bitmask[0, 0] = 1 << 5                  # b may only sample token 5
     bitmask[1, 0] = (1 << 1) | (1 << 2)     # a: tokens 1 and 2
     batch = types.SimpleNamespace(req_id_to_index={"a": 0, "plain": 1, "b": 2})
-    apply_grammar_bitmask(None, GrammarOutput(["b", "a"], bitmask), batch, logits)
+    no_drafts = types.SimpleNamespace(scheduled_spec_decode_tokens={})     # (a SchedulerOutput's one field read)
+    apply_grammar_bitmask(no_drafts, GrammarOutput(["b", "a"], bitmask), batch, logits)
     finite = [set(torch.isfinite(row).nonzero().flatten().tolist()) for row in logits]
     assert finite == [{1, 2}, set(range(VOCAB_SIZE)), {5}]
 
