@@ -77,7 +77,9 @@ def main() -> None:
     pg = st.navigation(sections)
     # Less empty space above each page (Streamlit's default is 6rem): the landing page's
     # start strip and its one primary action fit above the fold at 1440x900.
-    st.markdown("<style>[data-testid='stMainBlockContainer']{padding-top:3rem}</style>", unsafe_allow_html=True)
+    # Inline code never under 12 px (in a caption Streamlit draws it at 0.75 em: 10.5 px).
+    st.markdown("<style>[data-testid='stMainBlockContainer']{padding-top:3rem}"
+                "[data-testid='stMarkdownContainer'] code{font-size:max(0.85em, 12px)}</style>", unsafe_allow_html=True)
     ss = st.session_state
     if not ss.get("booted") or state.query_changed():
         first = not ss.get("booted")

@@ -24,8 +24,11 @@ def _p(text: str, arrive_step: int = 0, system: str | None = None) -> dict:
 SCENARIOS: dict[str, dict] = {
     "tour": {
         "label": "Guided tour: prefix hits, chunked prefill and preemption in one run",
-        "engine_args": {"max_num_batched_tokens": 32, "num_gpu_blocks_override": 9, "max_model_len": 112},
+        "engine_args": {"max_num_batched_tokens": 32, "num_gpu_blocks_override": 9, "max_model_len": 120},
         "max_tokens": 14, "ignore_eos": True,
+        # NOTE: a pause between steps, so the first live minute can be read: at full speed the tour's
+        # ~45 steps pass in seconds on a CPU and it ends on empty queues (the pause is the form's slider).
+        "step_delay_s": 0.6,
         "prompts": [_p("What is a CPU?", 0, MUSEUM), _p("Who built ENIAC?", 3, MUSEUM),
                     _p("What is RAM?", 3, MUSEUM), _p("Name an old computer.", 3, MUSEUM),
                     _p(LONG_TEXT, 5)],

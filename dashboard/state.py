@@ -128,6 +128,8 @@ def apply_query() -> None:
     ss.playing = False
     ss.wanted = {k: qp[k] for k in ("tab", "request") if qp.get(k)}
     ss.wanted_page = qp.get("page")
+    if ss.wanted:
+        ss.scroll_to = qp.get("page") or "*"      # a link that names a tab or a request lands on it (components/focus.py)
     ss.synced = _mine(qp)
 
 
@@ -159,6 +161,8 @@ def sync_query(page: str) -> None:
         want["tab"] = None            # a tab belongs to the page it was asked for
         ss.wanted = {k: v for k, v in ss.get("wanted", {}).items() if k != "tab"}
     ss.last_page = page
+    if ss.get("scroll_to") not in (None, page, "*"):
+        ss.pop("scroll_to")            # asked for another page: never scroll this one later
     for k, v in want.items():
         if v is None:
             if k in st.query_params:
@@ -166,6 +170,11 @@ def sync_query(page: str) -> None:
         elif st.query_params.get(k) != v:
             _set_param(k, v)
     ss.synced = _mine(_query())
+
+
+def set_param(key: str, value: str | None) -> bool:
+    """Set (or delete) a URL parameter from a page or component (False when a widget owns it)."""
+    return _set_param(key, value)
 
 
 def _set_param(key: str, value: str | None) -> bool:
@@ -280,6 +289,8 @@ def goto(step: int, page: str | None = None, tab: str | None = None, request: st
         ss.goto_page = page
     if page or asked:
         ss.wanted_page = page or ss.get("last_page")
+    if asked:
+        ss.scroll_to = page or ss.get("last_page")
     for k, v in asked.items():
         # NOTE: a widget keyed "tab" / "request" (st.tabs(key="tab", bind="query-params"))
         # opens on its session-state value; the URL parameter is for pages that read it

@@ -234,7 +234,7 @@ def test_tensor_parallel_sample_shows_its_ranks(server, browser):
         ticks = pg.evaluate("() => [...document.querySelectorAll('.ytick text')]"
                             ".sort((a, b) => a.getBoundingClientRect().y - b.getBoundingClientRect().y)"
                             ".map(t => t.textContent)")
-        ranks = [int(re.search(r"worker rank (\d+)", t)[1]) for t in ticks if "worker rank" in t]
+        ranks = [int(re.search(r"WorkerProc rank (\d+)", t)[1]) for t in ticks if "WorkerProc rank" in t]
         assert ranks == [0, 1, 2], ticks
         pg.screenshot(path=os.path.join(SHOTS, "timeline-tp3-1440.png"))
 

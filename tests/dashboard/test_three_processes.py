@@ -104,7 +104,7 @@ def test_processes_page_draws_three_processes(three_run):
     assert "POST /v1/chat/completions" in rows["①"] and "MPClient._send_input" in rows["③"]
     assert "Worker.execute_model" in rows["⑤"] and "MPClient._decode_output" in rows["⑪"]
     lanes = [label for _, label in view["layout"]["lanes"]]
-    for want in ("API server", "input thread", "busy loop", "output thread", "worker_busy_loop"):
+    for want in ("API server", "input thread", "run_busy_loop()", "output thread", "worker_busy_loop()"):
         assert any(want in x for x in lanes), (want, lanes)
 
 
