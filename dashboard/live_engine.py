@@ -273,6 +273,8 @@ def child_main(spec_path: str, status_path: str, wait_for: int | None = None) ->
         # as LLMEngine would make it, so the page can follow the start-up spans
         # (load model, KV cache, warm-up) while the engine is still being built.
         recorder = make_recorder(config, "frontend")
+        if spec.get("pair"):        # one side of a pair (views/compare.py): which knob, which side
+            recorder.set_run_meta("pair", spec["pair"])
         status.update(run_path=recorder.run_path, t_imported_ns=time.time_ns())
         write_json(status_path, status)
         run = _run_three_processes if three else _run_in_process

@@ -7,6 +7,7 @@ looked up in the dashboard's run directories, in this order:
     its lessons folder     VLLM_ANATOMY_LESSON_TRACE_DIR (default <trace dir>/lessons)
     the samples directory  VLLM_ANATOMY_SAMPLES_DIR (default <repo>/samples: runs shipped
                            with the repository, e.g. one recorded on an H200)
+    its compare folder     <samples>/compare: the pairs the Compare page ships (not in the sidebar)
 Anything else in `?run=` (a path elsewhere, `..`, a name that is no run store) is
 refused with one message that says nothing about the file system. A path that
 names a file directly inside one of these directories (links printed by older
@@ -70,10 +71,15 @@ def samples_dir() -> str:
     return os.environ.get(SAMPLES_DIR_ENV) or os.path.join(REPO_ROOT, "samples")
 
 
+def compare_dir() -> str:
+    """The pairs of runs shipped for the Compare page (samples/compare, pairs.json names them)."""
+    return os.path.join(samples_dir(), "compare")
+
+
 def run_dirs() -> list[str]:
     """The directories runs are opened from, in lookup order (absolute, without repeats)."""
     out: list[str] = []
-    for d in (trace_dir(), lessons_dir(), samples_dir()):
+    for d in (trace_dir(), lessons_dir(), samples_dir(), compare_dir()):
         d = os.path.abspath(d)
         if d not in out:
             out.append(d)

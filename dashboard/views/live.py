@@ -84,6 +84,13 @@ def _strip_body(samples: list[dict], primary: bool) -> None:
         else:
             st.markdown("**2 · Open a recorded run**  \nPick any run of the trace directory in the sidebar "
                         "(no GPU sample ships with this checkout).")
+    _card_three(c3, samples, gpu)
+    st.page_link("views/compare.py", label="Trade-offs: compare two runs — the same prompts with one knob changed "
+                 "(batch size, chunk size, prefix caching, async scheduling, CUDA graphs, TP), side by side",
+                 icon=":material/compare_arrows:")
+
+
+def _card_three(c3, samples: list[dict], gpu: dict | None) -> None:
     with c3.container(border=True, height="stretch"):
         st.markdown("**3 · Follow the lessons, then the self-test**  \nLesson cards find each concept in the "
                     "open run; the nine CLI lessons (`vllm-anatomy lesson 1` … `9`, the self-test) record their "
@@ -170,8 +177,9 @@ def outputs(s: dict) -> None:
 
 
 def _plain(text: str) -> str:
-    """A message as plain text inside markdown (no stray emphasis, code or links)."""
-    return re.sub(r"([\\`*_\[\]<>#|~$])", r"\\\1", str(text)).replace("\n", "  \n")
+    """A message as plain text inside markdown (no stray emphasis, code, links or LaTeX). Underscores stay:
+    inside a word (max_num_batched_tokens) they are no emphasis."""
+    return re.sub(r"([\\`*\[\]<>#|~$])", r"\\\1", str(text)).replace("\n", "  \n")
 
 
 def follow() -> None:

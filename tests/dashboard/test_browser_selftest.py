@@ -164,7 +164,7 @@ def test_processes_view_three_processes_and_hop_click(server, browser):
                     break
             pg.screenshot(path=os.path.join(SHOTS, f"processes-three-{w}.png"))
             ticks = pg.evaluate("() => [...document.querySelectorAll('.st-key-proc_fig .ytick text')].map(t => t.textContent)")
-            for want in ("API server", "input thread", "busy loop", "output thread", "worker_busy_loop"):
+            for want in ("API server", "input thread", "run_busy_loop()", "output thread", "worker_busy_loop()"):
                 assert any(want in t for t in ticks), (want, ticks)
             assert not _small_chart_text(pg), _small_chart_text(pg)
             if w == 1440:
