@@ -66,6 +66,7 @@ class Knob:
     label: str                   # how the page names it
     what: str                    # one line: what it does
     why: dict                    # account -> the mechanism behind a move in that account
+    lead: tuple = ()             # per account (ACCOUNTS order), the metric its mechanism is about
     needs_gpu: bool = False
     values: tuple = ()           # a default pair (a, b) for the "start a pair" form
     available: bool = True       # False: a place kept for a knob that does not exist yet
@@ -81,7 +82,7 @@ KNOBS = [
           "cpu": "the control plane is paid per step (its size grows a little with the batch): fewer steps, less "
                  "of it in all",
           "request": "more running requests compete for one KV pool: when it runs out the newest is preempted"},
-         values=(2, 8)),
+         lead=("wall_s", "peak_kv_mb", "all_reduces", "host_ms", "max_running"), values=(2, 8)),
     Knob("max_num_batched_tokens", "scheduler_config", "chunk size (max_num_batched_tokens)",
          "the token budget of one step: a longer prompt is prefilled in chunks of at most this",
          {"time": "a larger budget prefills a prompt in fewer steps (a shorter TTFT), but the decodes that share "
@@ -90,15 +91,17 @@ KNOBS = [
           "communication": "collectives are per step: fewer, bigger steps, fewer all-reduces",
           "cpu": "fewer steps for the same tokens: less control plane in all",
           "request": "a prompt longer than the budget is split into partial chunks over several steps"},
-         values=(16, 64)),
+         lead=("ttft_ms", "peak_kv_mb", "all_reduces", "host_ms", "chunked_steps"), values=(16, 64)),
     Knob("enable_prefix_caching", "cache_config", "prefix caching",
          "full KV blocks found by the hash of their tokens are shared instead of recomputed",
          {"time": "hit tokens are not computed again: shorter prefills, an earlier first token",
-          "memory": "a shared block is one block for every request that hits it (ref_cnt > 1)",
+          "memory": "a shared block counts once for every request that hits it (ref_cnt > 1), so the same pool "
+                    "admits more requests at once",
           "communication": "fewer prefill tokens, the same number of steps: the collectives barely move",
-          "cpu": "hashing full blocks and looking them up costs a little per step",
+          "cpu": "hit tokens are neither scheduled nor prepared, so there are fewer steps to plan; hashing full "
+                 "blocks and looking them up adds a little to each",
           "request": "requests with the same system prompt reuse its blocks (the hit tokens)"},
-         values=(False, True)),
+         lead=("ttft_ms", "peak_kv_mb", "all_reduces", "host_ms", "hit_tokens"), values=(False, True)),
     Knob("async_scheduling", "scheduler_config", "async scheduling",
          "step N+1 is scheduled (with placeholder tokens) while step N runs; the sync point moves to "
          "AsyncGPUModelRunnerOutput.get_output (article §五)",
@@ -108,7 +111,7 @@ KNOBS = [
           "communication": "unchanged: the same steps",
           "cpu": "the same control plane, now hidden behind the device's work on a GPU",
           "request": "a request may get one placeholder token scheduled past its end (discarded)"},
-         values=(False, True)),
+         lead=("step_ms", "peak_kv_mb", "all_reduces", "host_ms_per_step", "requests"), values=(False, True)),
     Knob("enforce_eager", "compilation_config", "CUDA graphs (enforce_eager)",
          "pure-decode steps replay a captured graph instead of launching every kernel from Python",
          {"time": "a replay launches the whole forward in one call: the host no longer paces the device",
@@ -116,7 +119,8 @@ KNOBS = [
           "communication": "unchanged: the graphs capture the same collectives",
           "cpu": "no per-kernel launches from Python on replayed steps",
           "request": "unchanged: the scheduler never knows"},
-         needs_gpu=True, values=(True, False)),
+         lead=("step_ms", "pool_mb", "all_reduces", "host_ms_per_step", "requests"), needs_gpu=True,
+         values=(True, False)),
     Knob("tensor_parallel_size", "parallel_config", "tensor parallelism",
          "every layer split over N ranks (worker processes), joined by all-reduces",
          {"time": "on GPUs each rank reads 1/N of the weights per step; on one CPU the ranks share the same cores "
@@ -125,7 +129,7 @@ KNOBS = [
           "communication": "2 all-reduces per layer and 1 for the embedding, every step, on every rank",
           "cpu": "every step is broadcast to N ranks over shared memory",
           "request": "unchanged: one scheduler for all ranks"},
-         values=(1, 3)),
+         lead=("step_ms", "peak_kv_mb", "all_reduces_per_step", "host_ms_per_step", "requests"), values=(1, 3)),
     # NOTE: speculative decoding comes from another helper's branch: when it lands, its engine argument gets
     # a Knob here (why: fewer steps per token, each step longer — "投机解码省轮次但涨每步时间"), and the form
     # offers it.
@@ -276,27 +280,45 @@ def value_text(knob: Knob | None, v) -> str:
 
 
 NOISE = 0.03        # changes under 3 % are called unchanged
+LOWER = {key: lower for _, key, _, _, lower in METRICS}
+
+
+def quality(key: str, d: float) -> str | None:
+    """"better" / "worse" for a move of metric `key` by d, None where neither direction is better."""
+    lower = LOWER.get(key)
+    return None if lower is None or d == 0 else ("better" if (d < 0) == lower else "worse")
+
+
+def _move(a: dict, b: dict, key: str, rel: float) -> str:
+    pct = "×∞" if rel == float("inf") else f"{rel:+.0%}"
+    return f"{LABEL[key]} {fmt(a.get(key), UNIT[key])} → {fmt(b.get(key), UNIT[key])} ({pct})"
 
 
 def sentences(a: dict, b: dict, knobs: list[tuple[Knob, object, object]]) -> dict[str, str]:
-    """Per account: the metric that moved most (relative), its two values, and the knob's mechanism."""
+    """Per account: the metric the knob's mechanism is about (else the one that moved most), its two values,
+    the largest move the other way where the account has one (the trade-off inside it), and the mechanism."""
     out = {}
     knob = knobs[0][0] if len(knobs) == 1 else None
-    for account in ACCOUNTS:
-        moves = []
-        for acc, key, label, unit, _ in METRICS:
-            if acc != account:
-                continue
+    for i, account in enumerate(ACCOUNTS):
+        moves = {}
+        for acc, key, _, _, _ in METRICS:
             d, rel = delta(a.get(key), b.get(key))
-            if d is not None and rel is not None and d != 0:
-                moves.append((abs(rel), key, label, unit, d, rel))
+            if acc == account and d is not None and rel is not None and d != 0 and abs(rel) >= NOISE:
+                moves[key] = (d, rel)
         why = (knob.why.get(account) if knob else None) or ""
-        if not moves or max(m[0] for m in moves) < NOISE:
+        if not moves:
             out[account] = ("unchanged within noise (every " + ACCOUNT_TITLES[account].lower() + " metric moved by "
-                            f"less than {NOISE:.0%})" + (f" — {why}." if why and knob and "unchanged" in why else "."))
+                            f"less than {NOISE:.0%})" + (f" — {why}." if why and "unchanged" in why else "."))
             continue
-        _, key, label, unit, d, rel = max(moves)
-        pct = "×∞" if rel == float("inf") else f"{rel:+.0%}"
-        out[account] = (f"{label} {fmt(a.get(key), unit)} → {fmt(b.get(key), unit)} ({pct})"
-                        + (f" — {why}." if why else "."))
+        biggest = max(moves, key=lambda k: abs(moves[k][1]))
+        lead = knob.lead[i] if knob and len(knob.lead) > i and knob.lead[i] in moves else biggest
+        text = _move(a, b, lead, moves[lead][1])
+        q = quality(lead, moves[lead][0])
+        other = [k for k in moves if k != lead and q and quality(k, moves[k][0]) not in (None, q)]
+        if other:
+            k = max(other, key=lambda k: abs(moves[k][1]))
+            text += f", while {_move(a, b, k, moves[k][1])}"
+        elif biggest != lead and abs(moves[biggest][1]) > abs(moves[lead][1]) + 0.1:
+            text += f"; the largest move: {_move(a, b, biggest, moves[biggest][1])}"
+        out[account] = text + (f" — {why}." if why else ".")
     return out

@@ -24,6 +24,9 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+# NOTE: one intra-op thread, as the live page's engine process (dashboard/live.py): on a small CPU shared
+# with other work, torch's spinning threads made every step several times slower (OMP_NUM_THREADS overrides).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # name -> (knob, a, b, title, what to look at)
 CPU_PAIRS = {

@@ -234,7 +234,9 @@ def compare_view(path_a: str, path_b: str) -> None:
         if isinstance(x, data.RunError):
             state.show_error(x)
             return
-    st.query_params["a"], st.query_params["b"] = os.path.basename(path_a), os.path.basename(path_b)
+    names = (os.path.basename(path_a), os.path.basename(path_b))
+    st.query_params["a"], st.query_params["b"] = names
+    ss.cmp_url = names          # (our own write: not a new link for _from_url)
     for side, path in (("A", path_a), ("B", path_b)):
         value = "; ".join(f"`{k.arg}` = **{cmp.value_text(k, v_a if side == 'A' else v_b)}**"
                           for k, v_a, v_b in knobs)

@@ -43,7 +43,9 @@ def test_a_sentence_per_account_names_the_biggest_move_and_the_mechanism():
     knobs = cmp.knob_of(_meta(max_num_seqs=2), _meta())
     lines = cmp.sentences(a, b, knobs)
     assert set(lines) == set(cmp.ACCOUNTS)
-    assert lines["time"].startswith("engine steps 40 → 20 (-50%)") and "share that cost" in lines["time"]
+    # the metric the knob is about leads; the account's move the other way is named beside it (the trade-off)
+    assert lines["time"].startswith("wall time, first arrival to last finish 10.00 s → 6.00 s (-40%), while "
+                                    "TTFT, median 100 ms → 110 ms (+10%)") and "share that cost" in lines["time"]
     assert lines["memory"].startswith("KV blocks held at the peak 10 blocks → 30 blocks (+200%)")
     assert lines["request"].startswith("preemptions 0 → 2") and "preempted" in lines["request"]
     assert lines["communication"].startswith("unchanged within noise")
