@@ -202,7 +202,10 @@ def engine_args(args: argparse.Namespace, on_cuda: bool, blocks: int, big: int) 
     snapshots list every block), and what the command line asked for."""
     out: dict = {"enable_prefix_caching": False, "num_gpu_blocks_override": blocks, "max_model_len": 1024}
     if on_cuda:
-        out["max_num_seqs"] = big          # CUDA graphs captured up to the batch, not to 512 sequences
+        # CUDA graphs for the decode steps the lesson measures (batch 1 .. big), as the article's setup has them;
+        # the prefills run eager (a 7B model's graph captures up to 2,048 tokens would take minutes).
+        out["max_num_seqs"] = big
+        out["max_cudagraph_capture_size"] = big
     if args.model:
         out["model"] = args.model
     if args.load_format != "auto":

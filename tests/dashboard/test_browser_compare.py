@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 
-from tests.dashboard.browser import SHOTS, new_page, settle, streamlit_server
+from tests.dashboard.browser import SHOTS, settle_drawn, streamlit_server
 from tests.dashboard.conftest import ROOT
 
 COMPARE = os.path.join(ROOT, "samples", "compare")
@@ -27,19 +27,6 @@ def server(tmp_path_factory):
         yield base
 
 
-@pytest.fixture
-def page(browser):
-    ctx, pg = new_page(browser, timeout_ms=120_000)
-    yield pg
-    ctx.close()
-
-
-def _settle(pg) -> None:
-    settle(pg, 600, 600, 180_000)
-    pg.wait_for_function("!document.querySelector('[data-testid=\"stSkeleton\"]')", timeout=180_000)
-    settle(pg, 300, 500, 180_000)
-
-
 def _accounts(pg) -> dict[str, str]:
     items = pg.locator("[data-testid=stMain] li").all_inner_texts()
     return {m[1]: m[2] for t in items if (m := re.match(r"(Time|Memory|Communication|CPU|Request): (.*)", t))}
@@ -50,7 +37,7 @@ def test_a_shipped_pair_side_by_side(server, page):
     page.goto(f"{server}/compare?a={pair['a']['file']}&b={pair['b']['file']}")
     page.get_by_role("heading", name="Compare two runs", exact=True).wait_for()
     page.get_by_text("What moved, and why").wait_for()
-    _settle(page)
+    settle_drawn(page)
     assert page.locator("[data-testid='stException']").count() == 0
     text = " ".join(page.locator("[data-testid=stMain]").inner_text().split())
     assert "max_num_seqs = 2" in text and "max_num_seqs = 8" in text          # each run's value of the knob
@@ -73,17 +60,17 @@ def test_a_shipped_pair_side_by_side(server, page):
 def test_start_a_pair_runs_both_and_compares_them(server, page):
     page.goto(f"{server}/compare")
     page.get_by_role("heading", name="Compare two runs", exact=True).wait_for()
-    _settle(page)
+    settle_drawn(page)
     page.get_by_text("Start a pair").click()
-    _settle(page)
+    settle_drawn(page)
     knob = page.locator("[data-testid=stMain] [aria-label='Change one knob']")
     knob.wait_for()
     knob.click()
     page.get_by_role("option", name=re.compile("prefix caching")).click()
-    _settle(page)
+    settle_drawn(page)
     page.get_by_role("button", name=re.compile("Start the pair")).click()
     page.get_by_text("What moved, and why").wait_for(timeout=600_000)
-    _settle(page)
+    settle_drawn(page)
     lines = _accounts(page)
     assert re.search(r"prefix-cache hit tokens 0 tokens → \d+ tokens", lines["Request"]), lines["Request"]
     assert "system prompt" in lines["Request"]

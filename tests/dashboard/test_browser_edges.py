@@ -21,7 +21,7 @@ import time
 
 import pytest
 
-from tests.dashboard.browser import SHOTS, new_page, settle, streamlit_server
+from tests.dashboard.browser import SHOTS, settle_drawn, streamlit_server
 from tests.dashboard.conftest import H200_SAMPLE
 
 SAMPLES = os.path.dirname(H200_SAMPLE)
@@ -43,24 +43,11 @@ def server(tmp_path_factory):
         yield base
 
 
-@pytest.fixture
-def page(browser):
-    ctx, pg = new_page(browser, timeout_ms=120_000)
-    yield pg
-    ctx.close()
-
-
-def _settle(pg) -> None:
-    settle(pg, 600, 600, 180_000)
-    pg.wait_for_function("!document.querySelector('[data-testid=\"stSkeleton\"]')", timeout=180_000)
-    settle(pg, 300, 500, 180_000)
-
-
 def _open(pg, url: str, heading: str | None) -> None:
     pg.goto(url)
     if heading:
         pg.get_by_role("heading", name=heading, exact=True).wait_for()
-    _settle(pg)
+    settle_drawn(pg)
     exc = pg.locator("[data-testid='stException']")
     assert exc.count() == 0, exc.first.inner_text()[:2000]
 
@@ -91,7 +78,7 @@ def test_1_three_process_tour_runs_to_its_end_without_a_traceback(server, page):
     page.get_by_role("button", name=re.compile("Start live run")).click()
     page.get_by_text(re.compile(r"engine (done|error|crashed|stopped)")).first.wait_for(timeout=480_000)
     page.wait_for_timeout(3000)        # the last full render (views/live.py: live_final)
-    _settle(page)
+    settle_drawn(page)
     _shot(page, "1-three-process-tour-done")
     text = _main_text(page)
     assert "engine done" in text, text[:3000]
@@ -191,7 +178,7 @@ def test_6_deep_links_land_on_the_tab_and_outline_the_request(server, page):
     _open(page, f"{server}/selftest?run={P1}&page=selftest", "Self-test")
     page.locator(".st-key-show_q1_0 button").first.click()
     page.get_by_role("heading", name="Step inspector", exact=True).wait_for()
-    _settle(page)
+    settle_drawn(page)
     _tabs_in_view(page)
     _shot(page, "6-show-me-landed")
 
@@ -241,7 +228,7 @@ def test_8_the_waiting_to_running_card_lights_that_edge(server, page):
     _open(page, f"{server}/lessons?run={P1}&page=lessons", "Lessons")
     page.locator(".st-key-lesson_admit button").first.click()
     page.get_by_role("heading", name="Step inspector", exact=True).wait_for()
-    _settle(page)
+    settle_drawn(page)
     page.locator("[data-testid=stGraphVizChart] svg").first.wait_for()
     assert "WAITING->RUNNING" in _lit_edges(page), _lit_edges(page)
     assert "ARRIVAL" not in _main_text(page)
@@ -300,7 +287,7 @@ def test_10_the_first_live_minute(server, page):
     _open(page, f"{server}/", None)
     page.get_by_role("button", name="Open the self-test").click()
     page.get_by_role("heading", name="Self-test", exact=True).wait_for()
-    _settle(page)
+    settle_drawn(page)
     assert "Answer, from this run" in _main_text(page)          # a sample's answers, not "No run is open"
     _shot(page, "10-selftest-from-the-start-page")
     _open(page, f"{server}/", None)

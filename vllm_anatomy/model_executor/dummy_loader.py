@@ -71,13 +71,14 @@ def dummy_model_dir(name: str | None) -> str:
     config.json and a tokenizer; else a directory made once under the cache, holding the built-in (or
     the directory's) config.json and the default model's tokenizer files."""
     cfg = builtin_config(name) if name else None
+    key = str(name)
     if cfg is None:
         src = Path(resolve_model(name))             # the default model, or a local directory with config.json
         if (src / "tokenizer.json").is_file() or (src / "tokenizer.model").is_file():
             return str(src)
         cfg = json.loads((src / "config.json").read_text())
-        name = str(src)
-    target = get_cache_dir() / "dummy" / _safe(name)
+        key = str(src)
+    target = get_cache_dir() / "dummy" / _safe(key)
     config_json = json.dumps(cfg, indent=1, sort_keys=True)
     if not _complete(target, config_json):
         tok_dir = ensure_default_model(quiet=True)
@@ -88,7 +89,7 @@ def dummy_model_dir(name: str | None) -> str:
         for f in TOKENIZER_FILES:
             if (tok_dir / f).is_file():
                 shutil.copy(tok_dir / f, tmp / f)
-        (tmp / "README.txt").write_text(f"load_format='dummy' for {name}: its config.json and the default model's "
+        (tmp / "README.txt").write_text(f"load_format='dummy' for {key}: its config.json and the default model's "
                                         f"tokenizer ({tok_dir.name}); no weights (random at load time).\n")
         shutil.rmtree(target, ignore_errors=True)
         os.replace(tmp, target)
