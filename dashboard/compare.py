@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import pandas as pd
 
+from dashboard.answers.source import weight_bytes_of
 from vllm_anatomy.tracing.reader import open_run
 
 ACCOUNTS = ("time", "memory", "communication", "cpu", "request")
@@ -216,8 +217,8 @@ def summary(path: str, steps: pd.DataFrame, reqs: list[dict]) -> dict:
         if per_block:
             out["peak_kv_mb"] = out["peak_blocks"] * per_block / tp / 2 ** 20
             out["pool_mb"] = (int(blocks) - 1) * per_block / tp / 2 ** 20
-    weights = meta.get("model_weight_bytes")
-    out["weights_mb"] = weights / 2 ** 20 if isinstance(weights, (int, float)) and weights else None
+    weights, _ = weight_bytes_of(meta, tp)
+    out["weights_mb"] = weights / 2 ** 20 if weights else None
     # communication
     out["ranks"] = tp
     ranks = {int(r["pid"]): int(r["rank"]) for r in meta.get("ranks") or [] if "pid" in r and "rank" in r}

@@ -231,6 +231,9 @@ def test_tensor_parallel_sample_shows_its_ranks(server, browser):
         _settle(pg)
         assert pg.locator("[data-testid='stException']").count() == 0
         pg.get_by_text(re.compile(r"3 tensor-parallel ranks, each a worker lane")).wait_for()
+        # (the chart draws after the caption under it on a loaded machine: wait for its lane names)
+        pg.wait_for_function("() => [...document.querySelectorAll('.ytick text')]"
+                             ".some(t => t.textContent.includes('WorkerProc rank'))", timeout=120_000)
         ticks = pg.evaluate("() => [...document.querySelectorAll('.ytick text')]"
                             ".sort((a, b) => a.getBoundingClientRect().y - b.getBoundingClientRect().y)"
                             ".map(t => t.textContent)")
