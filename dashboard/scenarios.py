@@ -86,9 +86,9 @@ def build_spec(scenario: str, prompts: list[dict], engine_args: dict, max_tokens
 # prompt arriving mid-run (chunked prefill next to decodes), more requests than a small
 # max_num_seqs admits, and a KV pool small enough to fill.
 PAIR_WORKLOAD = {
-    "engine_args": {"max_num_batched_tokens": 64, "num_gpu_blocks_override": 24, "max_model_len": 160,
+    "engine_args": {"max_num_batched_tokens": 64, "num_gpu_blocks_override": 18, "max_model_len": 160,
                     "max_num_seqs": 8},
-    "max_tokens": 12, "ignore_eos": True,
+    "max_tokens": 24, "ignore_eos": True,
     "prompts": [_p(q, i // 2, MUSEUM) for i, q in enumerate(
         ("What is a CPU?", "Who built ENIAC?", "What is RAM?", "Name an old computer.",
          "What was the Altair 8800?", "What is a transistor?"))] + [_p(LONG_TEXT, 2)],

@@ -58,10 +58,10 @@ def test_a_spec_the_api_server_would_refuse_is_refused_before_it_starts(tmp_path
 def test_every_scenario_fits_its_max_model_len(default_model_dir):
     """Every shipped scenario runs the same in one process and in three (check_prompts passes)."""
     from dashboard.live_engine import SpecRefused, check_prompts
-    from dashboard.scenarios import SCENARIOS, build_spec
+    from dashboard.scenarios import PAIR_WORKLOAD, SCENARIOS, build_spec
     from vllm_anatomy.transformers_utils.tokenizer import get_tokenizer
     tok = get_tokenizer(default_model_dir)
-    for name, sc in SCENARIOS.items():
+    for name, sc in {**SCENARIOS, "pair": PAIR_WORKLOAD}.items():
         spec = build_spec(name, sc["prompts"], sc["engine_args"], sc["max_tokens"], sc["ignore_eos"])
         check_prompts(tok, spec, sc["engine_args"].get("max_model_len", 8192))
     with pytest.raises(SpecRefused, match=r"prompt 5 .* > max_model_len 112"):    # the tour as it crashed
