@@ -186,8 +186,9 @@ def follow() -> None:
     s = ss.live.status()
     controls(s)
     if s["state"] in ("error", "crashed"):
-        st.error("The live engine failed. What it said:  \n" + _plain(s.get("error") or "no message"),
-                 icon=":material/error:")
+        refused = str(s.get("error") or "").startswith("Not started:")
+        st.error(("The live run was refused before it started:" if refused else "The live engine failed. What it "
+                  "said:") + "  \n" + _plain(s.get("error") or "no message"), icon=":material/error:")
         st.caption(f"The engine's full log: `{ss.live.log_path}`")
     for i, why in sorted((s.get("refused") or {}).items()):
         st.warning(f"Request {int(i) + 1} was refused by the API server (the other requests ran on): "
