@@ -36,11 +36,12 @@ PAGES = [  # (file under views/, title, icon, url_path, section)
     ("journey", "Request journey", ":material/route:", "journey", "Explore"),
     ("metrics", "Metrics over time", ":material/monitoring:", "metrics", "Explore"),
     ("processes", "Processes", ":material/lan:", "processes", "Explore"),
+    ("compare", "Compare two runs", ":material/compare_arrows:", "compare", "Explore"),
     ("lessons", "Lessons", ":material/school:", "lessons", "Learn"),
     ("selftest", "Self-test", ":material/quiz:", "selftest", "Learn"),
     ("mapping", "Code map", ":material/map:", "mapping", "Learn"),
 ]
-NO_RUN_HEADER = ("mapping",)    # pages about the code, not about a run
+NO_RUN_HEADER = ("mapping", "compare")    # about the code, or about two runs (each gets its header there)
 
 
 def build_pages() -> dict[str, st.Page]:
@@ -77,7 +78,10 @@ def main() -> None:
     pg = st.navigation(sections)
     # Less empty space above each page (Streamlit's default is 6rem): the landing page's
     # start strip and its one primary action fit above the fold at 1440x900.
-    st.markdown("<style>[data-testid='stMainBlockContainer']{padding-top:3rem}</style>", unsafe_allow_html=True)
+    # Inline code never under 12 px (in a caption Streamlit draws it at 0.75 em: 10.5 px).
+    st.markdown("<style>[data-testid='stMainBlockContainer']{padding-top:3rem}"
+                "[data-testid='stMarkdownContainer'] code, [data-testid='stCaptionContainer'] code"
+                "{font-size:max(0.85em, 12px) !important}</style>", unsafe_allow_html=True)
     ss = st.session_state
     if not ss.get("booted") or state.query_changed():
         first = not ss.get("booted")

@@ -98,17 +98,22 @@ def _scheduled(pred: Callable[[dict, dict], bool]) -> Callable[[Facts], Found]:
 
 
 def _admitted(f: Facts) -> Found:
-    """The first step where a request becomes RUNNING from WAITING (or on arrival), and that request:
-    the step whose state machine lights WAITING → RUNNING."""
-    best: tuple[int, str] | None = None
+    """The first step where a request that waited (WAITING in an earlier step's queues) becomes
+    RUNNING, and that request: the step whose state machine lights WAITING → RUNNING with the
+    request in the waiting queue just before. Only when no request ever waited: the first one
+    admitted in the step it arrived (the diagram lights arrival → WAITING → RUNNING then)."""
+    waited: tuple[int, str] | None = None
+    on_arrival: tuple[int, str] | None = None
     for req, seen in f.statuses.items():
         steps = sorted(seen)
         for i, b in enumerate(steps):
             if seen[b] == "RUNNING":
-                if (i == 0 or seen[steps[i - 1]] == "WAITING") and (best is None or b < best[0]):
-                    best = (b, req)
+                if i > 0 and seen[steps[i - 1]] == "WAITING":
+                    waited = min(waited or (b, req), (b, req))
+                elif i == 0:
+                    on_arrival = min(on_arrival or (b, req), (b, req))
                 break
-    return best if best else (None, None)
+    return waited or on_arrival or (None, None)
 
 
 def _preempted(f: Facts) -> Found:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -159,6 +160,15 @@ def _stop_proc(proc: subprocess.Popen, timeout: float = 5.0) -> None:
 atexit.register(lambda: _discard_warm())
 
 
+def last_error_line(log: str) -> str | None:
+    """The line of a log that says what went wrong (a traceback's closing `SomeError: ...` line),
+    else its last non-empty line; None for an empty log. The page shows this line, never the
+    traceback (the log file keeps it)."""
+    lines = [ln.strip() for ln in log.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if re.match(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b:?", ln)]
+    return (errors or lines or [None])[-1]
+
+
 class LiveRun:
     """Handle on one engine child process (kept in st.session_state)."""
 
@@ -190,7 +200,9 @@ class LiveRun:
         st["returncode"] = rc
         if rc is not None and st["state"] in ("starting", "warm", "loading", "running"):
             st["state"] = "crashed"
-            st["error"] = f"the engine process exited with code {rc}.\n" + self.log_tail()
+            last = last_error_line(self.log_tail())
+            st["error"] = f"the engine process exited with code {rc}" + (f". The last it said: {last}" if last else
+                                                                         " without a word.")
         return st
 
     def startup(self, status: dict | None = None, marks: dict[str, int] | None = None) -> list[dict]:

@@ -7,9 +7,11 @@ processes) has
                                  InputProcessor, MPClient._send_input / _decode_output,
                                  OutputProcessor
     EngineCoreProc · input thread    EngineCoreProc.process_input_sockets (one span per message)
-    EngineCoreProc · busy loop       EngineCore.add_request, EngineCore.step and its children
+    EngineCoreProc · run_busy_loop() EngineCore.add_request, EngineCore.step and its children (the
+                                     article's process tree, §六: the main thread's stack ends in
+                                     run_busy_loop() → step())
     EngineCoreProc · output thread   EngineCoreProc.process_output_sockets (one span per message)
-    WorkerProc · worker_busy_loop    Worker.* and GPUModelRunner.* (one lane per worker pid)
+    WorkerProc · worker_busy_loop()  Worker.* and GPUModelRunner.* (one lane per worker pid)
     device                           GPU.* spans (CUDA runs)
 A one-process run (LLM / LLMEngine with UniProcExecutor) is labelled as such: its
 engine loop and its in-process worker calls are two lanes of the same thread. An
@@ -35,6 +37,7 @@ from dataclasses import dataclass
 import msgspec
 
 from dashboard.answers.source import RunSource
+from dashboard.theme import short_req_id
 
 FRONT, IN, BUSY, OUT, WORKER, DEVICE = "frontend", "input", "busy", "output", "worker", "device"
 ENGINE_SIDE = ("EngineCore.", "Scheduler.", "Executor.", "KVCacheManager.", "EngineCoreProc.")
@@ -88,6 +91,23 @@ class Hop:
         return (self.t_recv - self.t_send) / 1e3
 
 
+def process_name(kind: str, pid: int, kinds: dict[str, set[int]], rank: int | None = None) -> str:
+    """A process's name as every page says it (the lanes here, the Timeline's): "single process",
+    "LLM process" (the offline LLM with worker processes), "API server", "EngineCoreProc",
+    "WorkerProc rank R" — and its pid."""
+    if kind == "worker":
+        return f"WorkerProc{'' if rank is None else f' rank {rank}'} · pid {pid}"
+    if kind == "engine_core":
+        return f"EngineCoreProc · pid {pid}"
+    if kind == "frontend":
+        if kinds.get("engine_core"):
+            return f"API server · pid {pid}"
+        if kinds.get("worker"):
+            return f"LLM process · pid {pid}"
+        return f"single process · pid {pid}"
+    return f"{kind} · pid {pid}"
+
+
 def layout(src: RunSource) -> dict:
     """How many processes the run had and the lanes to draw, in order: [(lane key, label)].
     single: one process; inproc_engine: EngineCore runs in the frontend's process (offline
@@ -114,11 +134,11 @@ def layout(src: RunSource) -> dict:
             lanes.append((f"{FRONT}:{pid}", f"API server · pid {pid} · event loop"))
     for pid in sorted(pids.get("engine_core", ())):
         lanes += [(f"{IN}:{pid}", f"EngineCoreProc · pid {pid} · input thread"),
-                  (f"{BUSY}:{pid}", f"EngineCoreProc · pid {pid} · busy loop"),
+                  (f"{BUSY}:{pid}", f"EngineCoreProc · pid {pid} · run_busy_loop()"),
                   (f"{OUT}:{pid}", f"EngineCoreProc · pid {pid} · output thread")]
     for pid in workers:
         rank = f" rank {ranks[pid]}" if pid in ranks else ""
-        lanes += [(f"{WORKER}:{pid}", f"WorkerProc{rank} · pid {pid} · worker_busy_loop"),
+        lanes += [(f"{WORKER}:{pid}", f"WorkerProc{rank} · pid {pid} · worker_busy_loop()"),
                   (f"{DEVICE}:{pid}", f"device{rank} · pid {pid}")]
     # NOTE: runs recorded before the meta had `ranks` had one worker: it is the output rank.
     output = {p for p, r in ranks.items() if r == 0} or set(workers[:1])
@@ -173,10 +193,14 @@ def step_view(src: RunSource, step: int) -> dict:
     hops = _arrival_hops(near, sends, step)
     t0 = min([t0] + [snd.start_ns for snd in sends])
     # Also the HTTP and add_request spans of those requests.
-    extra = [s for s in near if (s.name in ("AsyncLLM.add_request", "InputProcessor.process_inputs",
-                                            "EngineCore.add_request", "EngineCoreProc.process_input_sockets",
-                                            "MPClient._send_input")
-                                 and str(s.request_id or s.attributes.get("vllm_anatomy.request_id")) in admitted)]
+    # NOTE: AsyncLLM.add_request knows the client's id (the engine's id adds a suffix: InputProcessor.
+    # assign_request_id) and the tokenizer's span none: both are found by the request trace they share
+    # with the send, or by their id being the head of an admitted one.
+    traces = {snd.trace_id for snd in sends}
+    extra = [s for s in near if s.name in ("AsyncLLM.add_request", "InputProcessor.process_inputs",
+                                           "EngineCore.add_request", "EngineCoreProc.process_input_sockets",
+                                           "MPClient._send_input")
+             and (s.trace_id in traces or _owns(s.request_id or s.attributes.get("vllm_anatomy.request_id"), admitted))]
     https = [s for s in near if s.name.startswith("POST ") and not s.name.endswith((" http receive", " http send"))
              and any(s.start_ns <= x.start_ns <= s.end_ns for x in sends)]
     hops += _shm_hops(src, step, in_step, lay)
@@ -184,6 +208,11 @@ def step_view(src: RunSource, step: int) -> dict:
     hops += output_hops
     drawn, t0, t1 = _drawn(in_step + extra + output_spans + https, lay, t0, t1)
     return {"layout": lay, "spans": drawn, "hops": hops, "t0": t0, "t1": t1, "admitted": admitted}
+
+
+def _owns(rid, admitted: list[str]) -> bool:
+    """Is `rid` an admitted request's id, or the client's id it was made from (`<id>-<suffix>`)?"""
+    return rid is not None and any(a == str(rid) or a.startswith(f"{rid}-") for a in admitted)
 
 
 def _arrival_hops(near: list, sends: list, step: int) -> list[Hop]:
@@ -196,11 +225,11 @@ def _arrival_hops(near: list, sends: list, step: int) -> list[Hop]:
         add = _first(near, "EngineCore.add_request", snd.start_ns, lambda s: str(s.request_id) == rid)
         if rcv is not None:
             pid_e = rcv.pid
-            hops.append(Hop("③", f"EngineCoreRequest {rid[:18]}", "ZMQ + msgspec", f"{FRONT}:{snd.pid}",
+            hops.append(Hop("③", f"EngineCoreRequest {short_req_id(rid)}", "ZMQ + msgspec", f"{FRONT}:{snd.pid}",
                             f"{IN}:{pid_e}", snd.start_ns, rcv.end_ns, rcv.attributes.get("vllm_anatomy.message_bytes"),
                             "recorded", step, rid))
             if add is not None:
-                hops.append(Hop("③", "Request → busy loop", "input_queue (thread → thread)", f"{IN}:{pid_e}",
+                hops.append(Hop("③", "Request → run_busy_loop()", "input_queue (thread → thread)", f"{IN}:{pid_e}",
                                 f"{BUSY}:{pid_e}", rcv.end_ns, add.start_ns, None, "", step, rid))
     return hops
 
@@ -294,6 +323,27 @@ def _drawn(spans: list, lay: dict, t0: int, t1: int) -> tuple[list[dict], int, i
     return drawn, t0, t1
 
 
+def forward_mode(view: dict) -> str | None:
+    """The step's CUDA-graph mode (FULL, PIECEWISE, NONE) from its forward spans; None on a CPU run."""
+    for s in view["spans"]:
+        if s["name"] in ("GPU.model_forward", "GPUModelRunner._model_forward"):
+            mode = s["attrs"].get("vllm_anatomy.cudagraph_mode")
+            if mode:
+                return str(mode)
+    return None
+
+
+def _no_kernel_why(view: dict) -> str:
+    """Why a step has no attention-kernel span (⑧) on this run."""
+    mode = forward_mode(view)
+    on_cuda = any(s["lane"].startswith(f"{DEVICE}:") for s in view["spans"])
+    if mode == "FULL":
+        return "inside this step's CUDA graph replay (⑨): a replay records no span per kernel"
+    if on_cuda:
+        return "no kernel span recorded for this step (kernel spans need trace level full)"
+    return "a CPU run: attention is torch code on the CPU, no CUDA kernel launch"
+
+
 def chain_rows(view: dict, step: int) -> list[dict]:
     """①–⑪: the article's link, this run's span(s) in the step's view, where, how long."""
     lanes = dict(view["layout"]["lanes"])
@@ -309,14 +359,16 @@ def chain_rows(view: dict, step: int) -> list[dict]:
                          "process · thread": "; ".join(where), "ms (sum)": round(total, 3)})
         else:
             why = ("not in this step (no request arrived here)" if marker in ("①", "②", "③") else
-                   "not in this run (a CUDA run records device spans)" if marker in ("⑧", "⑨") else
+                   _no_kernel_why(view) if marker in ("⑧", "⑨") else
                    "a plain call in one process: no span of its own" if view["layout"]["single"] else "not recorded")
             if marker == "①" and not any(s["name"].startswith("POST ") for s in view["spans"]):
                 why = "not in this step/run (no HTTP server: requests came through LLM / AsyncLLM)" \
                     if not view.get("admitted") else "not in this run (no HTTP server: LLM / AsyncLLM)"
             if marker == "⑨":
-                why = "eager forward this step (no CUDA graph replay)" if any(
-                    s["name"] == "GPU.model_forward" for s in view["spans"]) else why
+                mode = forward_mode(view) if any(s["name"] == "GPU.model_forward" for s in view["spans"]) else None
+                why = ("piecewise CUDA graphs this step (not a pure decode batch: attention runs eager between the "
+                       "graph pieces)" if mode == "PIECEWISE" else "eager forward this step (no CUDA graph replay)"
+                       if mode is not None else "a CPU run: no CUDA graphs")
             rows.append({"#": marker, "the article": what, "this run's spans": "—", "process · thread": why,
                          "ms (sum)": "—"})
     return rows

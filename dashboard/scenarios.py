@@ -14,7 +14,9 @@ LONG_TEXT = ("Paged attention stores the key and value vectors of every token in
              "Summarise this paragraph in one sentence.")
 
 ENGINE_ARG_NAMES = ("max_num_batched_tokens", "num_gpu_blocks_override", "block_size", "max_num_seqs",
-                    "enable_prefix_caching", "max_model_len")
+                    "enable_prefix_caching", "max_model_len", "async_scheduling", "enforce_eager",
+                    "tensor_parallel_size")
+BOOL_ARGS = ("enable_prefix_caching", "async_scheduling", "enforce_eager")   # passed even when False
 
 
 def _p(text: str, arrive_step: int = 0, system: str | None = None) -> dict:
@@ -24,8 +26,11 @@ def _p(text: str, arrive_step: int = 0, system: str | None = None) -> dict:
 SCENARIOS: dict[str, dict] = {
     "tour": {
         "label": "Guided tour: prefix hits, chunked prefill and preemption in one run",
-        "engine_args": {"max_num_batched_tokens": 32, "num_gpu_blocks_override": 9, "max_model_len": 112},
+        "engine_args": {"max_num_batched_tokens": 32, "num_gpu_blocks_override": 9, "max_model_len": 120},
         "max_tokens": 14, "ignore_eos": True,
+        # NOTE: a pause between steps, so the first live minute can be read: at full speed the tour's
+        # ~45 steps pass in seconds on a CPU and it ends on empty queues (the pause is the form's slider).
+        "step_delay_s": 0.6,
         "prompts": [_p("What is a CPU?", 0, MUSEUM), _p("Who built ENIAC?", 3, MUSEUM),
                     _p("What is RAM?", 3, MUSEUM), _p("Name an old computer.", 3, MUSEUM),
                     _p(LONG_TEXT, 5)],
@@ -69,7 +74,37 @@ def build_spec(scenario: str, prompts: list[dict], engine_args: dict, max_tokens
                ignore_eos: bool, step_delay_s: float = 0.0) -> dict:
     """What dashboard/live.py runs: engine arguments without Nones, and the requests."""
     args = {k: v for k, v in engine_args.items() if k in ENGINE_ARG_NAMES and v not in (None, 0, "")}
-    if "enable_prefix_caching" in engine_args:
-        args["enable_prefix_caching"] = bool(engine_args["enable_prefix_caching"])
+    for k in BOOL_ARGS:         # (False is a choice: async scheduling off on a GPU, prefix caching off)
+        if engine_args.get(k) is not None:
+            args[k] = bool(engine_args[k])
     return {"scenario": scenario, "engine_args": args, "max_tokens": int(max_tokens),
             "ignore_eos": bool(ignore_eos), "prompts": prompts, "step_delay_s": float(step_delay_s)}
+
+
+# -- pairs: the same prompts twice, one engine argument changed (views/compare.py) ----------------
+# A workload where every knob below moves something: a shared system prompt (prefix hits), a long
+# prompt arriving mid-run (chunked prefill next to decodes), more requests than a small
+# max_num_seqs admits, and a KV pool small enough to fill.
+PAIR_WORKLOAD = {
+    "engine_args": {"max_num_batched_tokens": 64, "num_gpu_blocks_override": 18, "max_model_len": 160,
+                    "max_num_seqs": 8},
+    "max_tokens": 24, "ignore_eos": True,
+    "prompts": [_p(q, i // 2, MUSEUM) for i, q in enumerate(
+        ("What is a CPU?", "Who built ENIAC?", "What is RAM?", "Name an old computer.",
+         "What was the Altair 8800?", "What is a transistor?"))] + [_p(LONG_TEXT, 2)],
+}
+
+
+def pair_specs(knob: str, a, b, processes: int = 1) -> tuple[dict, dict]:
+    """The pair workload twice, `knob` (an engine argument: components/compare knobs) set to a, then b."""
+    w = PAIR_WORKLOAD
+    specs = []
+    for side, value in (("a", a), ("b", b)):
+        spec = build_spec(f"pair:{knob}", w["prompts"], {**w["engine_args"], knob: value}, w["max_tokens"],
+                          w["ignore_eos"])
+        spec["engine_args"][knob] = value          # (even a 0 or False: it is the point of the pair)
+        spec["pair"] = {"knob": knob, "a": a, "b": b, "side": side}
+        if processes == 3:
+            spec["processes"] = 3
+        specs.append(spec)
+    return specs[0], specs[1]

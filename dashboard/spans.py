@@ -55,9 +55,14 @@ def _depths(spans) -> dict[str, int]:
 
 
 def _span_rows(spans, host_device: bool, ranks: dict[int, int] | None = None) -> list[dict]:
-    """One row per span; its lane is its process ("worker rank 1 · pid 4242" for a rank of a
+    """One row per span; its lane is its process, named as the Processes page names it
+    (dashboard/processes.py: process_name; "WorkerProc rank 1 · pid 4242" for a rank of a
     tensor-parallel run: `ranks` maps pid -> rank)."""
+    from dashboard.processes import process_name
     ranks = ranks or {}
+    kinds: dict[str, set[int]] = {}
+    for s in spans:
+        kinds.setdefault(s.process_kind, set()).add(s.pid)
     step_of = {s.trace_id: s.step_id for s in spans if s.name == "EngineCore.step"}
     depth = _depths(spans)
     # NOTE: with several ranks every rank runs the same device work on its own slice of the
@@ -67,7 +72,7 @@ def _span_rows(spans, host_device: bool, ranks: dict[int, int] | None = None) ->
     for s in spans:
         a = s.attributes
         rank = ranks.get(s.pid) if s.process_kind == "worker" else None
-        lane = f"worker rank {rank} · pid {s.pid}" if rank is not None else f"{s.process_kind} · pid {s.pid}"
+        lane = process_name(s.process_kind, s.pid, kinds, rank)
         base = {"name": s.name, "start_ns": s.start_ns, "end_ns": s.end_ns,
                 "step_id": s.step_id if s.step_id is not None else step_of.get(s.trace_id),
                 "request_id": s.request_id, "depth": depth[s.span_id],

@@ -7,6 +7,7 @@ looked up in the dashboard's run directories, in this order:
     its lessons folder     VLLM_ANATOMY_LESSON_TRACE_DIR (default <trace dir>/lessons)
     the samples directory  VLLM_ANATOMY_SAMPLES_DIR (default <repo>/samples: runs shipped
                            with the repository, e.g. one recorded on an H200)
+    its compare folder     <samples>/compare: the pairs the Compare page ships (not in the sidebar)
 Anything else in `?run=` (a path elsewhere, `..`, a name that is no run store) is
 refused with one message that says nothing about the file system. A path that
 names a file directly inside one of these directories (links printed by older
@@ -70,10 +71,15 @@ def samples_dir() -> str:
     return os.environ.get(SAMPLES_DIR_ENV) or os.path.join(REPO_ROOT, "samples")
 
 
+def compare_dir() -> str:
+    """The pairs of runs shipped for the Compare page (samples/compare, pairs.json names them)."""
+    return os.path.join(samples_dir(), "compare")
+
+
 def run_dirs() -> list[str]:
     """The directories runs are opened from, in lookup order (absolute, without repeats)."""
     out: list[str] = []
-    for d in (trace_dir(), lessons_dir(), samples_dir()):
+    for d in (trace_dir(), lessons_dir(), samples_dir(), compare_dir()):
         d = os.path.abspath(d)
         if d not in out:
             out.append(d)
@@ -128,6 +134,8 @@ def apply_query() -> None:
     ss.playing = False
     ss.wanted = {k: qp[k] for k in ("tab", "request") if qp.get(k)}
     ss.wanted_page = qp.get("page")
+    if ss.wanted:
+        ss.scroll_to = qp.get("page") or "*"      # a link that names a tab or a request lands on it (components/focus.py)
     ss.synced = _mine(qp)
 
 
@@ -159,6 +167,8 @@ def sync_query(page: str) -> None:
         want["tab"] = None            # a tab belongs to the page it was asked for
         ss.wanted = {k: v for k, v in ss.get("wanted", {}).items() if k != "tab"}
     ss.last_page = page
+    if ss.get("scroll_to") not in (None, page, "*"):
+        ss.pop("scroll_to")            # asked for another page: never scroll this one later
     for k, v in want.items():
         if v is None:
             if k in st.query_params:
@@ -166,6 +176,11 @@ def sync_query(page: str) -> None:
         elif st.query_params.get(k) != v:
             _set_param(k, v)
     ss.synced = _mine(_query())
+
+
+def set_param(key: str, value: str | None) -> bool:
+    """Set (or delete) a URL parameter from a page or component (False when a widget owns it)."""
+    return _set_param(key, value)
 
 
 def _set_param(key: str, value: str | None) -> bool:
@@ -280,6 +295,8 @@ def goto(step: int, page: str | None = None, tab: str | None = None, request: st
         ss.goto_page = page
     if page or asked:
         ss.wanted_page = page or ss.get("last_page")
+    if asked:
+        ss.scroll_to = page or ss.get("last_page")
     for k, v in asked.items():
         # NOTE: a widget keyed "tab" / "request" (st.tabs(key="tab", bind="query-params"))
         # opens on its session-state value; the URL parameter is for pages that read it

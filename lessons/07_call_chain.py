@@ -96,7 +96,7 @@ class Server:
         root = psutil.Process(self.proc.pid)
         for p in [root, *root.children(recursive=True)]:
             try:
-                self.family[p.pid] = " ".join(p.cmdline())[:60]
+                self.family[p.pid] = " ".join(p.cmdline())[:300]
             except psutil.NoSuchProcess:
                 pass
         return self.family
@@ -120,6 +120,13 @@ class Server:
                 child.kill()
             except psutil.NoSuchProcess:
                 pass
+
+
+def serving_and_helpers(family: dict[int, str]) -> tuple[list[int], list[int]]:
+    """The server's processes split into the three that serve (API server, engine core, worker) and
+    Python's helpers (multiprocessing's resource tracker: it only tracks shared memory to clean up)."""
+    helpers = [pid for pid, cmd in family.items() if "resource_tracker" in cmd or "semaphore_tracker" in cmd]
+    return [pid for pid in family if pid not in helpers], helpers
 
 
 def export(run_path: str, fmt: str, out: str) -> dict:
@@ -152,11 +159,16 @@ def main() -> None:
                  and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
     [run_path] = [os.path.join(trace_dir, f) for f in os.listdir(trace_dir) if f.endswith(".sqlite")]
 
-    say(f"""The server started in {startup.seconds:.1f} s as {len(family)} processes, answered one
+    serving, helpers = serving_and_helpers(family)
+    extra = (f" (plus {len(helpers)} helper of Python's multiprocessing, its resource tracker, which only "
+             "cleans up shared memory)" if helpers else "")
+    say(f"""The server started in {startup.seconds:.1f} s as {len(serving)} processes{extra}, answered one
         chat request ({answer['usage']['prompt_tokens']} prompt tokens, {answer['usage']['completion_tokens']}
         generated: {answer['choices'][0]['message']['content']!r}) in {request_time.seconds:.2f} s,
         and was stopped. The request carried traceparent {traceparent}. All three processes wrote
         spans into one run store; we export it with the CLI, as a learner would.""")
+    check(len(serving) == 3, f"three serving processes (API server, EngineCoreProc, worker): pids {serving}"
+          + (f"; {len(helpers)} multiprocessing helper besides" if helpers else ""))
     check(not leftovers, f"the server and all {len(family) - 1} of its child processes are gone")
 
     jaeger_path = os.path.join(trace_dir, "run.jaeger.json")

@@ -1,9 +1,9 @@
 """Engine configuration, split the way vLLM splits it (vllm/config/*.py).
 
-ModelConfig (what model, which dtype, how long), CacheConfig (the paged KV
-cache), SchedulerConfig (the token budget), CompilationConfig (CUDA graphs),
-SpeculativeConfig (speculative decoding, vllm/config/speculative.py) and
-VllmConfig holding them all.
+ModelConfig (what model, which dtype, how long), LoadConfig (how its weights
+are loaded), CacheConfig (the paged KV cache), SchedulerConfig (the token
+budget), CompilationConfig (CUDA graphs), SpeculativeConfig (speculative
+decoding, vllm/config/speculative.py) and VllmConfig holding them all.
 Users set these through EngineArgs (vllm_anatomy/engine/arg_utils.py) using
 vLLM's argument names.
 """
@@ -57,6 +57,23 @@ class ModelConfig:
         for key, what in (("intermediate_size", "MLP intermediate size"), ("vocab_size", "Vocabulary size")):
             if c[key] % tp:
                 raise ValueError(f"{what} ({c[key]}) must be divisible by tensor parallel size ({tp}).")
+
+
+@dataclass
+class LoadConfig:
+    """How the model's weights are loaded (vllm/config/load.py, same name). load_format:
+    "auto" / "safetensors" read the checkpoint (model_executor/loader.py: DefaultModelLoader);
+    "dummy" fills random values into the config's shapes (model_executor/dummy_loader.py),
+    to measure a model whose weights are not on this machine (the article's Llama-2-7B)."""
+    load_format: str = "auto"
+
+    def __post_init__(self) -> None:
+        self.load_format = self.load_format.lower()
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}; got {self.load_format!r}")
+
+
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
 
 
 @dataclass
@@ -224,6 +241,7 @@ class VllmConfig:
     observability_config: ObservabilityConfig = field(default_factory=ObservabilityConfig)
     compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
     speculative_config: SpeculativeConfig | None = None
+    load_config: LoadConfig = field(default_factory=LoadConfig)
 
     @property
     def num_speculative_tokens(self) -> int:

@@ -96,17 +96,22 @@ def answer(src: RunSource, step: int | None = None, req: str | None = None) -> A
                f"goes to **slot {slot}** = block {slot // bs} × {bs} + offset {slot % bs}."
                + (f" The graph replay was padded {cg['num_tokens']} → {cg['num_padded_tokens']} tokens: padding "
                   "slots are -1 (nothing written)." if padded else ""))
+    write, eager = kv_write(src, step, tok, slot, bs, cg.get("mode"))
+    show = [ShowMe(f"step {step}, Worker tab (slot_mapping, block tables)", "inspector", step, "worker", req)]
+    if eager is not None and eager != step:
+        show.append(ShowMe(f"step {eager}: an eager step, its reshape_and_cache launches on the device lane",
+                           "inspector", eager, "worker"))
     return Answer(
         ok=True, subject=f"request {req} at step {step}", summary=summary,
-        chain=_chain(req, row, len(req_ids), bs, slot, walked, seq_len),
+        chain=_chain(req, row, len(req_ids), bs, slot, walked, seq_len, write),
         tables={"block_table as the kernel receives it": _block_table(rows, req_ids, width, max_blocks),
                 "per request": _per_request(pi, req_ids, bs),
                 "slot_mapping, split": _slot_mapping_split(pi, req_ids, tok, bs),
                 f"blocks request {req} walks": [{"block #": j, "physical block": b,
                                                  "tokens": f"{j * bs}–{min((j + 1) * bs, seq_len) - 1}",
                                                  "K/V read": min(bs, seq_len - j * bs)} for j, b in enumerate(walked)]},
-        show_me=[ShowMe(f"step {step}, Worker tab (slot_mapping, block tables)", "inspector", step, "worker", req)],
-        facts={"step": step, "request": req, "seq_len": seq_len, "walked": walked, "slot": slot, "position": pos,
+        show_me=show,
+        facts={"kv_write": write, "eager_step": eager, "step": step, "request": req, "seq_len": seq_len, "walked": walked, "slot": slot, "position": pos,
                "slot_ok": slot_ok, "block_table": {rid: list(next(x for x in rows.values() if str(x['req_id']) == rid)["block_ids"])
                                                    for rid in req_ids if any(str(x['req_id']) == rid for x in rows.values())},
                "seq_lens": list(pi["seq_lens"]), "query_start_loc": list(qsl), "candidates": cands})
@@ -143,7 +148,48 @@ def _per_request(pi: dict, req_ids: list[str], bs: int) -> list[dict]:
             for i, rid in enumerate(req_ids)]
 
 
-def _chain(req: str, row: dict, num_reqs: int, bs: int, slot: int, walked: list[int], seq_len: int) -> list[dict]:
+def kernel_spans(src: RunSource, name: str, step: int) -> list:
+    """The step's device spans of one kernel (`GPU.kernel.<name>`), in launch order (the output rank's)."""
+    out = [s for s in src.spans(f"GPU.kernel.{name}")
+           if (s.step_id if s.step_id is not None else s.attributes.get("vllm_anatomy.step_id")) == step]
+    if src.ranks:
+        first = {p for p, r in src.ranks.items() if r == 0}
+        out = [s for s in out if s.pid in first] or out
+    return sorted(out, key=lambda s: s.start_ns)
+
+
+def kv_write(src: RunSource, step: int, tok: int, slot: int, bs: int, mode: str | None) -> tuple[str, int | None]:
+    """Where the trail meets the kernel: what this step's reshape_and_cache launches did with batch token
+    `tok` (its slot), or why the step recorded none; and an eager step of the run that did record them."""
+    launches = kernel_spans(src, "reshape_and_cache", step)
+    eager = next((s for s in src.steps if kernel_spans(src, "reshape_and_cache", s)), None) \
+        if not launches else step
+    where = f"slot {slot} (block {slot // bs}, offset {slot % bs})"
+    if launches:
+        a = launches[0].attributes
+        us = sum(x.duration_ns for x in launches) / len(launches) / 1e3
+        grid = a.get("vllm_anatomy.grid")
+        return (f"{len(launches)} launches of `reshape_and_cache` in this step, one per layer, each over "
+                f"{a.get('vllm_anatomy.num_tokens', '?')} tokens" + (f" (grid {list(grid)})" if grid else "")
+                + f", {us:.1f} µs on average: batch token {tok} (this request's query) → {where} of every "
+                "layer's cache", eager)
+    if mode == "FULL":
+        why = ("this step replayed one CUDA graph (FULL): the kernel ran inside it, once per layer, and a replay "
+               "records no span per kernel")
+    elif mode == "PIECEWISE":
+        why = ("this step ran piecewise CUDA graphs: the K/V write is captured in each layer's graph piece (only "
+               "attention runs eager between them), so the launch has no span of its own")
+    elif str(src.meta.get("device", "")).startswith("cuda"):
+        why = "no kernel span recorded for this step (kernel spans need trace level full)"
+    else:
+        why = ("a CPU run: the attention backend writes K/V with a tensor copy, not a kernel launch, so there is "
+               "no launch to time")
+    return (f"the new K/V goes to {where} of every layer's cache — {why}"
+            + (f"; step {eager} was eager and shows the launches" if eager is not None else ""), eager)
+
+
+def _chain(req: str, row: dict, num_reqs: int, bs: int, slot: int, walked: list[int], seq_len: int,
+           write: str) -> list[dict]:
     """From the scheduler's block ids to the kernel's walk, with this request's values."""
     return [{"#": "1", "call": "SchedulerOutput block ids → _update_states", "what happened here":
              f"request {req}'s InputBatch row {row['index']} holds {ids(row['block_ids'])}"},
@@ -151,7 +197,7 @@ def _chain(req: str, row: dict, num_reqs: int, bs: int, slot: int, walked: list[
              f"block_table[:{num_reqs}] copied to the device, rows zero-padded"},
             {"#": "3", "call": "_prepare_inputs", "what happened here":
              f"positions → slot_mapping (block_table[pos // {bs}] × {bs} + pos % {bs}), seq_lens, query_start_loc"},
-            {"#": "4", "call": "reshape_and_cache", "what happened here":
-             f"request {req}'s new K/V written to slot {slot} (block {slot // bs}, offset {slot % bs})"},
+            {"#": "4", "call": "reshape_and_cache (Attention.do_kv_cache_update)", "what happened here":
+             f"request {req}: {write}"},
             {"#": "5", "call": "unified_attention (decode)", "what happened here":
              f"reads K/V of blocks {ids(walked)} ({seq_len} tokens) for its one query"}]

@@ -147,18 +147,38 @@ class RunSource:
 
     def weight_bytes(self) -> tuple[int | None, str]:
         """Bytes of the model's weights as the run held them (per rank), and where the number comes from."""
-        recorded = self.meta.get("model_weight_bytes")
-        if isinstance(recorded, (int, float)) and recorded > 0:
-            return int(recorded), "recorded in the run meta"
-        from dashboard.components.kv_memory import DTYPE_BYTES
-        dtype = str(((self.meta.get("config") or {}).get("model_config") or {}).get("dtype") or "")
-        nbytes = DTYPE_BYTES.get(dtype.replace("torch.", ""))
-        params = _safetensors_params(str(self.meta.get("model") or ""))
-        if params is None or not nbytes:
-            return None, "not recorded in this run, and the model's files are not on this machine"
-        return params * nbytes // max(self.tp, 1), (f"{params:,} parameters in the model's safetensors "
-                                                    f"× {nbytes} B ({dtype.replace('torch.', '')})"
-                                                    + (f" ÷ TP {self.tp}" if self.tp > 1 else ""))
+        return weight_bytes_of(self.meta, self.tp)
+
+
+def weight_bytes_of(meta: dict, tp: int = 1) -> tuple[int | None, str]:
+    """Bytes of a run's weights per rank, and where the number comes from: the run meta, else the model's
+    safetensors, else (a load_format="dummy" run: no weights file) its config.json's parameter count."""
+    recorded = meta.get("model_weight_bytes")
+    if isinstance(recorded, (int, float)) and recorded > 0:
+        return int(recorded), "recorded in the run meta"
+    from dashboard.components.kv_memory import DTYPE_BYTES
+    dtype = str(((meta.get("config") or {}).get("model_config") or {}).get("dtype") or "")
+    nbytes = DTYPE_BYTES.get(dtype.replace("torch.", ""))
+    model = str(meta.get("model") or "")
+    params, where = _safetensors_params(model), "in the model's safetensors"
+    if params is None:
+        params, where = _config_params(model), "from the model's config.json (random weights: load_format dummy)"
+    if params is None or not nbytes:
+        return None, "not recorded in this run, and the model's files are not on this machine"
+    return params * nbytes // max(tp, 1), (f"{params:,} parameters {where} × {nbytes} B "
+                                           f"({dtype.replace('torch.', '')})" + (f" ÷ TP {tp}" if tp > 1 else ""))
+
+
+def _config_params(model_dir: str) -> int | None:
+    """A Llama-family config.json's parameter count (vllm_anatomy.model_executor.dummy_configs.num_parameters)."""
+    import json
+
+    from vllm_anatomy.model_executor.dummy_configs import num_parameters
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            return num_parameters(json.load(f))
+    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+        return None
 
 
 def _safetensors_params(model_dir: str) -> int | None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import streamlit as st
 
+from dashboard.components.queues import move_text
 from dashboard.theme import req_chip
 
 
@@ -13,9 +14,9 @@ def changes(prev: dict | None, step: dict, moves: list[tuple[str, str, str]]) ->
     by_kind: dict[str, list[str]] = {}
     for req, a, b in moves:
         if (a, b) != ("RUNNING", "RUNNING"):       # running on is not a change
-            by_kind.setdefault(f"{a} → {b}", []).append(req)
+            by_kind.setdefault(move_text(a, b), []).append(req)
     for k, reqs in by_kind.items():
-        out.append(f"{k.replace('ARRIVAL', 'arrived')}: " + " ".join(req_chip(r) for r in reqs))
+        out.append(f"{k}: " + " ".join(req_chip(r) for r in reqs))
     for h in rec.get("prefix_hits", []):
         if h["num_hit_tokens"]:
             out.append(f"prefix-cache hit: {req_chip(h['request_id'])} {h['num_hit_tokens']} of "

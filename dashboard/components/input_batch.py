@@ -7,8 +7,9 @@ import pandas as pd
 import streamlit as st
 
 from dashboard.components.code_ref import code_ref
+from dashboard.components.focus import style_focus
 from dashboard.components.kv_memory import blocks_mb
-from dashboard.theme import chip
+from dashboard.theme import chip, short_req_id
 
 
 def input_batch(mr: dict, per_block: int | None = None) -> None:
@@ -16,10 +17,11 @@ def input_batch(mr: dict, per_block: int | None = None) -> None:
     rows = ib.get("rows", [])
     st.markdown(f"**InputBatch** · num_reqs {ib.get('num_reqs', 0)}")
     if rows:
-        st.dataframe(pd.DataFrame([{"row": r["index"], "req": r["req_id"], "block_ids": str(r["block_ids"]),
-                                    "KV": blocks_mb(len(r["block_ids"]), per_block),
-                                    "num_tokens": r["num_tokens"], "num_prompt_tokens": r["num_prompt_tokens"],
-                                    "num_computed_tokens": r["num_computed_tokens"]} for r in rows]),
+        st.dataframe(style_focus(pd.DataFrame([{"row": r["index"], "req": short_req_id(r["req_id"]),
+                                                "block_ids": str(r["block_ids"]),
+                                                "KV": blocks_mb(len(r["block_ids"]), per_block),
+                                                "num_tokens": r["num_tokens"], "num_prompt_tokens": r["num_prompt_tokens"],
+                                                "num_computed_tokens": r["num_computed_tokens"]} for r in rows])),
                      hide_index=True, width="stretch", key="input_batch_rows",
                      column_config={"row": st.column_config.NumberColumn(help="row index in the persistent batch "
                                                                          "(= row of the block table and sampling "

@@ -53,6 +53,7 @@ def load_scenario() -> None:
     ss.lf_block_size = int(sc["engine_args"].get("block_size", 16))
     ss.lf_prefix = bool(sc["engine_args"].get("enable_prefix_caching", True))
     ss.lf_max_tokens, ss.lf_ignore_eos = sc["max_tokens"], sc["ignore_eos"]
+    ss.lf_delay = float(sc.get("step_delay_s", 0.0))
 
 
 def live_form() -> dict | None:
@@ -75,7 +76,7 @@ def live_form() -> dict | None:
             b.number_input("max_tokens", 1, 512, key="lf_max_tokens")
             a.checkbox("enable_prefix_caching", key="lf_prefix")
             b.checkbox("ignore_eos", key="lf_ignore_eos", help="generate exactly max_tokens")
-            st.slider("pause between steps (s), to watch it live", 0.0, 2.0, 0.0, 0.1, key="lf_delay")
+            st.slider("pause between steps (s), to watch it live", 0.0, 2.0, step=0.1, key="lf_delay")
         st.radio("Processes", [1, 3], key="lf_processes", horizontal=True, format_func=PROCESSES.get,
                  help="three: the engine starts as `vllm-anatomy serve` starts it — the OpenAI API server (this "
                       "run's frontend), EngineCoreProc in its own process, the worker behind the shared-memory "

@@ -8,7 +8,8 @@ import pandas as pd
 import streamlit as st
 
 from dashboard.components.code_ref import code_ref
-from dashboard.theme import request_color
+from dashboard.components.focus import style_focus
+from dashboard.theme import request_color, short_req_id
 
 MAX_COLS = 256
 
@@ -33,7 +34,7 @@ def token_tensors(pi: dict, block_size: int | None = None) -> pd.DataFrame:
 
 def request_tensors(pi: dict) -> pd.DataFrame:
     qsl = pi["query_start_loc"]
-    return pd.DataFrame({"req": pi["req_ids"], "num_scheduled_tokens": pi["num_scheduled_tokens"],
+    return pd.DataFrame({"req": [short_req_id(r) for r in pi["req_ids"]], "num_scheduled_tokens": pi["num_scheduled_tokens"],
                          "query_start_loc": qsl[:-1], "query_end": qsl[1:], "seq_lens": pi["seq_lens"],
                          "logits_indices": pi["logits_indices"][:len(pi["req_ids"])],
                          "sampled": [i not in set(pi.get("discard_request_indices", []))
@@ -64,7 +65,7 @@ def prepare_inputs(pi: dict | None, block_size: int | None = None) -> None:
     st.caption("Columns are the batch's tokens (first row of each request outlined in its colour). "
                + (f"`block_id` and `offset` split `slot_mapping`: slot = block_id × {block_size} + offset; "
                   "-1 = a padding token that writes no KV. " if block_size else ""))
-    st.dataframe(request_tensors(pi), hide_index=True, width="stretch", column_config=REQUEST_HELP)
+    st.dataframe(style_focus(request_tensors(pi)), hide_index=True, width="stretch", column_config=REQUEST_HELP)
     st.caption("`discard_request_indices`: the rows (requests) whose sampled token is thrown away because they are "
                "in the middle of a chunked prefill — their last token is not the prompt's last, so there is nothing "
                "to sample yet (`sampled` False above). This step: "

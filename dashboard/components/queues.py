@@ -99,7 +99,25 @@ def _wrap(status: str) -> str:
 
 
 def _ids(reqs: list[str]) -> str:
-    return ", ".join(short_req_id(r) for r in reqs[:4]) + (f" +{len(reqs) - 4}" if len(reqs) > 4 else "")
+    """At most two ids, one a line (DOT's \\n): a lit edge's label stays narrow, so the diagram is not
+    scaled down to fit its column (its text stays at 12 px or more)."""
+    return "\\n".join(short_req_id(r) for r in reqs[:2]) + (f" +{len(reqs) - 2}" if len(reqs) > 2 else "")
+
+
+# NOTE: a request that arrives and is scheduled in the same step is never WAITING in a snapshot,
+# but schedule() took it from the waiting queue: the diagram lights both edges it passed.
+SAME_STEP = {(ARRIVAL, "RUNNING"): (ARRIVAL, "WAITING", "RUNNING")}
+
+
+def _edges(move: tuple[str, str]) -> list[tuple[str, str]]:
+    path = SAME_STEP.get(move)
+    return list(zip(path, path[1:])) if path else article_edges(move)
+
+
+def move_text(a: str, b: str) -> str:
+    """A move in words, through the statuses the diagram lights: "arrived → WAITING → RUNNING"."""
+    path = SAME_STEP.get((a, b)) or (a, b)
+    return " → ".join("arrived" if s == ARRIVAL else s for s in path)
 
 
 def state_machine_dot(moves: list[tuple[str, str, str]]) -> str:
@@ -109,7 +127,7 @@ def state_machine_dot(moves: list[tuple[str, str, str]]) -> str:
     edges the article draws for it."""
     lit: dict[tuple[str, str], list[str]] = {}
     for req, a, b in moves:
-        for edge in article_edges((a, b)):
+        for edge in _edges((a, b)):
             lit.setdefault(edge, []).append(req)
     lines = ["digraph G {", 'rankdir=LR; bgcolor="transparent"; nodesep=0.12; ranksep=0.55; margin=0;',
              f'node [shape=box style="rounded,filled" fontname="Helvetica" fontsize=15 margin="0.08,0.04" '
@@ -144,7 +162,7 @@ def state_machine_dot(moves: list[tuple[str, str, str]]) -> str:
 
 def state_machine(moves: list[tuple[str, str, str]]) -> None:
     st.graphviz_chart(state_machine_dot(moves), width="stretch")
-    moved = ", ".join(f"req {short_req_id(r)}: {a} → {b}" for r, a, b in moves if (a, b) != ("RUNNING", "RUNNING")) \
+    moved = ", ".join(f"req {short_req_id(r)}: {move_text(a, b)}" for r, a, b in moves if (a, b) != ("RUNNING", "RUNNING")) \
         or "no status changed in this step"
     st.caption(f"This step: {moved}. Solid edges are the article's diagram (§四.1), dashed ones what this engine "
                "also does, grey dashed boxes the statuses it never enters (hover for why). NOTE: as in vLLM's "

@@ -84,6 +84,10 @@ def header_fields(meta: dict, name: str | None = None, mr: dict | None = None) -
          else str(_get(cfg, "scheduler_config", "max_num_seqs")), "running requests at most (scheduler_config.max_num_seqs)"),
         ("trace", meta.get("trace_level"), "trace level: off | spans | full (full = per-step snapshots)"),
     ]
+    if _get(cfg, "load_config", "load_format") == "dummy":
+        rows.insert(2, ("weights", "random (load_format dummy)", "load_config.load_format='dummy': the model's "
+                        "config, random weights (model_executor/dummy_loader.py) — its times are the real model's, "
+                        "its text is noise"))
     return rows
 
 

@@ -41,15 +41,30 @@ def is_gpu(r: dict) -> bool:
     return str(r.get("device") or "").startswith("cuda")
 
 
+def sample_variant(stem: str) -> tuple[str, str]:
+    """(what sets a sample apart, the rest of its name): `smollm2-full-3proc` → ("3 processes",
+    "smollm2"), `smollm2-tp3-full` → ("TP 3", "smollm2"), `smollm2-full` → ("1 process", "smollm2")."""
+    parts = [p for p in stem.split("-") if p and p != "full"]
+    what = []
+    for p in list(parts):
+        m = re.fullmatch(r"(\d+)proc", p) or re.fullmatch(r"tp(\d+)", p)
+        if m:
+            what.append(f"{m[1]} processes" if p.endswith("proc") else f"TP {m[1]}")
+            parts.remove(p)
+    return (" · ".join(what) or "1 process"), "-".join(parts)
+
+
 def sample_label(r: dict) -> str:
-    """`sample · H200 · smollm2-full` for samples/h200-smollm2-full.sqlite (short: the sidebar is narrow)."""
+    """`sample · H200 · 3 processes · smollm2` for samples/h200-smollm2-full-3proc.sqlite: what sets it apart
+    first (the sidebar is narrow: a clipped label still tells two samples apart)."""
     name = os.path.basename(r["path"])
     if r.get("error"):
         return f"⚠ sample · {name} (unreadable)"
     hw, stem = sample_hardware(r), os.path.splitext(name)[0]
     if stem.lower().startswith(hw.lower() + "-"):
         stem = stem[len(hw) + 1:]
-    return f"sample · {hw} · {stem}"
+    what, rest = sample_variant(stem)
+    return f"sample · {hw} · {what}" + (f" · {rest}" if rest else "")
 
 
 def gpu_sample(samples: list[dict]) -> dict | None:

@@ -7,11 +7,12 @@ import pandas as pd
 import streamlit as st
 
 from dashboard.components.code_ref import code_ref
-from dashboard.theme import req_chip
+from dashboard.components.focus import style_focus
+from dashboard.theme import req_chip, short_req_id
 
 
 # Key columns first (req, its blocks, its tokens), so they show without scrolling sideways.
-HELP = {"req": st.column_config.TextColumn("req", help="request id", width="small"),
+HELP = {"req": st.column_config.TextColumn("req", help="request id, shortened as on the chips (prefix + its last 8 characters; hover a chip for the whole id)", width="medium"),
         "block_ids": st.column_config.TextColumn("block_ids", help="NewRequestData.block_ids: every KV block the "
                                                  "request holds (the worker copies them into its block table)",
                                                  width="medium"),
@@ -32,7 +33,7 @@ HELP = {"req": st.column_config.TextColumn("req", help="request id", width="smal
 
 
 def _new_table(new: list[dict], n_sched: dict) -> pd.DataFrame:
-    return pd.DataFrame([{"req": r["req_id"], "block_ids": str(r["block_ids"][0] if r["block_ids"] else []),
+    return pd.DataFrame([{"req": short_req_id(r["req_id"]), "block_ids": str(r["block_ids"][0] if r["block_ids"] else []),
                           "scheduled tokens": n_sched.get(r["req_id"], 0), "prompt tokens": len(r["prompt_token_ids"]),
                           "prefix-cached": r["num_computed_tokens"]} for r in new])
 
@@ -42,7 +43,7 @@ def _cached_table(c: dict, n_sched: dict) -> pd.DataFrame:
     rows = []
     for i, req in enumerate(c["req_ids"]):
         nb = c["new_block_ids"][i]
-        rows.append({"req": req, "new_block_ids": str(nb[0] if nb else []), "scheduled tokens": n_sched.get(req, 0),
+        rows.append({"req": short_req_id(req), "new_block_ids": str(nb[0] if nb else []), "scheduled tokens": n_sched.get(req, 0),
                      "num_computed_tokens": c["num_computed_tokens"][i],
                      "num_output_tokens": c["num_output_tokens"][i], "resumed": req in resumed})
     return pd.DataFrame(rows)
@@ -55,12 +56,12 @@ def scheduler_output(so: dict, rec: dict) -> None:
     st.markdown(f"`scheduled_new_reqs` ({len(so['scheduled_new_reqs'])}) — first time on the worker: the whole "
                 f"request (prompt, sampling params, block_ids)")
     if so["scheduled_new_reqs"]:
-        st.dataframe(_new_table(so["scheduled_new_reqs"], n_sched), hide_index=True, width="stretch",
+        st.dataframe(style_focus(_new_table(so["scheduled_new_reqs"], n_sched)), hide_index=True, width="stretch",
                      column_config=HELP, key="sched_new")
     st.markdown(f"`scheduled_cached_reqs` ({len(so['scheduled_cached_reqs']['req_ids'])}) — already on the worker: "
                 f"only what changed")
     if so["scheduled_cached_reqs"]["req_ids"]:
-        st.dataframe(_cached_table(so["scheduled_cached_reqs"], n_sched), hide_index=True, width="stretch",
+        st.dataframe(style_focus(_cached_table(so["scheduled_cached_reqs"], n_sched)), hide_index=True, width="stretch",
                      column_config=HELP, key="sched_cached")
     pre = " ".join(req_chip(r) for r in rec.get("preempted_req_ids", [])) or "none"
     fin = " ".join(req_chip(r) for r in so.get("finished_req_ids", [])) or "none"

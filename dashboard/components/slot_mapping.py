@@ -14,7 +14,7 @@ import plotly.graph_objects as go
 import streamlit as st
 
 from dashboard.components.code_ref import code_ref
-from dashboard.theme import request_color, style_figure, text_on
+from dashboard.theme import request_color, short_req_id, style_figure, text_on
 
 MAX_BLOCKS = 40
 ROW_PX = 26
@@ -41,12 +41,12 @@ def slot_figure(df: pd.DataFrame, block_size: int) -> go.Figure:
     for req, g in real.groupby("req", sort=False):
         color = request_color(req)
         fig.add_scatter(x=g["offset"].tolist(), y=[f"block {b}" for b in g["block"]], mode="markers+text",
-                        name=f"req {req}", showlegend=not many,
+                        name=f"req {short_req_id(req)}", showlegend=not many,
                         marker=dict(color=color, size=22, symbol="square", line=dict(color="white", width=1)),
                         text=[str(p) for p in g["position"]], textposition="middle center",
                         textfont=dict(color=text_on(color), size=12),
                         customdata=g[["token", "position", "block", "offset", "input_id", "slot"]].values.tolist(),
-                        hovertemplate="batch token %{customdata[0]} · req " + str(req) + " position %{customdata[1]}"
+                        hovertemplate="batch token %{customdata[0]} · req " + short_req_id(req) + " position %{customdata[1]}"
                                       "<br>slot %{customdata[5]} = block %{customdata[2]} × " + str(block_size) +
                                       " + offset %{customdata[3]}<br>input_id %{customdata[4]}<extra></extra>")
     fig.update_layout(height=90 + ROW_PX * max(1, len(blocks)), margin=dict(l=10, r=10, t=36, b=50),
@@ -59,7 +59,27 @@ def slot_figure(df: pd.DataFrame, block_size: int) -> go.Figure:
     return fig
 
 
-def slot_mapping(pi: dict, block_size: int) -> None:
+def kv_write_note(step_spans: pd.DataFrame | None, mode: str | None, device: str) -> str:
+    """Where these slots are written: this step's reshape_and_cache launches (one per layer), or
+    why the step has none of its own (a graph replay, graph pieces, a CPU run)."""
+    k = None if step_spans is None else step_spans[step_spans["name"] == "GPU.kernel.reshape_and_cache"]
+    if k is not None and not k.empty:
+        return (f"`reshape_and_cache` writes each token's K and V to its slot, in every layer: **{len(k)} launches** "
+                f"this step (one per layer, {k['dur_ms'].mean() * 1e3:.1f} µs on average; the kernels row of the "
+                "device lane above).")
+    if mode == "FULL":
+        why = "it ran inside this step's CUDA graph replay, once per layer; a replay has no span per kernel"
+    elif mode == "PIECEWISE":
+        why = ("it is captured in each layer's graph piece (only attention runs eager between the pieces), so it has "
+               "no span of its own")
+    elif device.startswith("cuda"):
+        why = "no kernel span was recorded for this step"
+    else:
+        why = "on a CPU the backend writes K and V with a tensor copy: no kernel launch to time"
+    return f"`reshape_and_cache` writes each token's K and V to its slot, in every layer — {why}."
+
+
+def slot_mapping(pi: dict, block_size: int, write_note: str | None = None) -> None:
     df = slot_rows(pi, block_size)
     st.markdown(f"**slot_mapping** · {len(df)} tokens → KV slots: slot = block_id × {block_size} + offset")
     if df.empty:
@@ -74,4 +94,6 @@ def slot_mapping(pi: dict, block_size: int) -> None:
                "after the request's last token."
                + (f" First {MAX_BLOCKS} of {n_blocks} blocks shown." if n_blocks > MAX_BLOCKS else "")
                + (f" {pad} padding slot{'s' * (pad != 1)} (-1) write nothing." if pad else ""))
+    if write_note:
+        st.markdown(f":material/edit_note: {write_note}")
     code_ref("vllm_anatomy/worker/block_table.py", "BlockTable.compute_slot_mapping")

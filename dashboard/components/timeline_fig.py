@@ -25,6 +25,11 @@ from dashboard.components.device_lane import bar_label, family, hover_text
 from dashboard.theme import FONT_PX, INK, MIN_FONT_PX, span_color, style_figure
 
 SYNC = "GPUModelRunner._bookkeeping_sync"
+# NOTE: with async scheduling the wait moves out of _bookkeeping_sync: the sampled ids are
+# copied on a side stream and AsyncGPUModelRunnerOutput.get_output waits for them, one step
+# later (article §五). A sync point is any of these spans that recorded a wait.
+ASYNC_SYNC = "AsyncGPUModelRunnerOutput.get_output"
+SYNC_SPANS = (SYNC, ASYNC_SYNC)
 # The spans of one engine step, in order, and their short labels.
 MAIN_SPANS = {"Scheduler.schedule": "Scheduler.schedule", "GPUModelRunner._update_states": "_update_states",
               "GPUModelRunner._prepare_inputs": "_prepare_inputs", "GPUModelRunner._model_forward": "_model_forward",
@@ -155,16 +160,31 @@ def _add_span_bars(fig: go.Figure, df: pd.DataFrame) -> None:
                     hovertext=hover_text(g), hovertemplate="%{hovertext}<extra></extra>")
 
 
+def sync_points(df: pd.DataFrame) -> pd.DataFrame:
+    """The spans where the CPU waited for the GPU: _bookkeeping_sync of a synchronous step,
+    AsyncGPUModelRunnerOutput.get_output with async scheduling (a _bookkeeping_sync that
+    recorded no wait is not one: with async scheduling nothing waits there)."""
+    rows = df[df["name"].isin(SYNC_SPANS) & (df["lane"] != "device")]
+    if rows["sync_wait_ms"].notna().any():
+        rows = rows[rows["sync_wait_ms"].notna()]
+    else:       # (runs recorded before the wait was an attribute: the sync span itself)
+        rows = rows[rows["name"] == SYNC]
+    return rows
+
+
 def _add_sync_points(fig: go.Figure, df: pd.DataFrame) -> None:
     """A marker where the CPU waited for the GPU (the sync point), with how long."""
-    sync = df[(df["name"] == SYNC) & (df["lane"] != "device")]
+    sync = sync_points(df)
     if not sync.empty:
+        moved = bool((sync["name"] == ASYNC_SYNC).any())
         fig.add_scatter(x=(sync["start_ms"] + sync["dur_ms"]).tolist(), y=sync["row"].tolist(), mode="markers",
-                        name="sync point (CPU waits for the GPU)",
+                        name=("sync point (async: get_output)" if moved
+                              else "sync point (CPU waits for the GPU)"),
                         marker=dict(symbol="triangle-down", size=12, color="#C8404F", line=dict(color=INK, width=1)),
                         customdata=[[int(s) if pd.notna(s) else -1] for s in sync["step_id"]],
-                        text=[f"sync wait {w or 0:.2f} ms" for w in sync["sync_wait_ms"].fillna(0)],
-                        hovertemplate="_bookkeeping_sync · step %{customdata[0]}<br>%{text}<extra></extra>")
+                        text=[f"{n.split('.')[-1]} · sync wait {w or 0:.3f} ms"
+                              for n, w in zip(sync["name"], sync["sync_wait_ms"].fillna(0))],
+                        hovertemplate="step %{customdata[0]} · %{text}<extra></extra>")
 
 
 def _add_labels(fig: go.Figure, labels: list[tuple[float, int, str]]) -> None:
@@ -185,7 +205,7 @@ def _staircase(df: pd.DataFrame, step: int | None) -> list[tuple[float, int, str
     m = df[(df["step_id"] == step) & df["name"].isin(list(MAIN_SPANS)) & (df["lane"] != "device")]
     # NOTE: with tensor parallelism every rank runs the same spans: label the first rank's
     # (the lane listed first), not N copies of each.
-    workers = [lane for lane in dict.fromkeys(m["lane"]) if str(lane).startswith("worker")]
+    workers = [lane for lane in dict.fromkeys(m["lane"]) if str(lane).startswith("WorkerProc")]
     if len(workers) > 1:
         m = m[~m["lane"].isin(workers[1:])]
     m = m.sort_values("start_ns")

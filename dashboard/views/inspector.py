@@ -11,11 +11,13 @@ from __future__ import annotations
 import streamlit as st
 
 from dashboard import data, spans, state
+from dashboard.answers.cached import source
 from dashboard.components.block_pool import block_pool
 from dashboard.components.block_tables import block_tables
 from dashboard.components.budget import budget
 from dashboard.components.device_lane import device_lane
 from dashboard.components.diff import diff
+from dashboard.components.focus import focus_anchor
 from dashboard.components.input_batch import input_batch
 from dashboard.components.kv_memory import block_bytes
 from dashboard.components.nav import TAB_KEY, TABS
@@ -25,8 +27,9 @@ from dashboard.components.queues import queues, state_machine, transitions
 from dashboard.components.sampled import execution_mode, execution_panel, sampled
 from dashboard.components.scrubber import scrubber
 from dashboard.components.sched_output import scheduler_output
-from dashboard.components.slot_mapping import slot_mapping
+from dashboard.components.slot_mapping import kv_write_note, slot_mapping
 from dashboard.components.spec_decode import spec_decode
+from dashboard.components.tensor_parallel import tp_facts, tp_line, tp_panel
 
 
 def finish_reasons(path: str, version: tuple) -> dict[str, str]:
@@ -72,6 +75,10 @@ def main() -> None:
     state_machine(moves)
     head, _ = execution_mode(info["meta"], (mr.get("prepare_inputs") or {}).get("cudagraph"))
     st.markdown(f":material/memory: Forward pass: **{head}** — why, and the device lane: *Worker* tab")
+    tp = tp_facts(source(path, version), step_id) if info["meta"].get("ranks") else None
+    if tp is not None:
+        st.markdown(tp_line(tp))
+    focus_anchor()        # the request a link named, and where a link that names a tab lands
     t_sched, t_kv, t_worker = st.tabs(list(TABS.values()), key=TAB_KEY, bind="query-params")
     if t_sched.open is not False:
         with t_sched:
@@ -90,12 +97,16 @@ def main() -> None:
                 state.show_error(tokens)
                 tokens = {"sampled": {}, "tokens": {}}
             execution_panel(info["meta"], mr)
-            device_lane(step_spans(path, version, info["meta"], step_id), str(info["meta"].get("device")), step_id)
+            if tp is not None:
+                tp_panel(tp)
+            lane = step_spans(path, version, info["meta"], step_id)
+            device_lane(lane, str(info["meta"].get("device")), step_id)
             sampled(info["meta"], step_id, tokens, step["scheduler_output"])
             spec_decode(info["meta"], step, kv["block_size"])
             pi = mr.get("prepare_inputs")
             if pi:
-                slot_mapping(pi, kv["block_size"])
+                mode = (pi.get("cudagraph") or {}).get("mode")
+                slot_mapping(pi, kv["block_size"], kv_write_note(lane, mode, str(info["meta"].get("device"))))
             prepare_inputs(pi, kv["block_size"])
             input_batch(mr, per_block)
 

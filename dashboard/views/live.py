@@ -6,6 +6,7 @@ Pause/resume following, stop the engine."""
 from __future__ import annotations
 
 import os
+import re
 
 import streamlit as st
 
@@ -15,7 +16,7 @@ from dashboard.components.budget import budget
 from dashboard.components.code_ref import code_ref
 from dashboard.components.live_form import live_form
 from dashboard.components.queues import queues
-from dashboard.components.run_picker import gpu_sample, gpu_sample_button
+from dashboard.components.run_picker import gpu_sample, gpu_sample_button, open_sample
 from dashboard import live as live_mod
 from dashboard.live import STARTUP_SPANS, LiveRun
 from dashboard.scenarios import SCENARIOS, build_spec
@@ -44,7 +45,8 @@ def start(spec: dict) -> None:
 def start_tour() -> None:
     """Callback of the start strip's primary button: the guided-tour scenario as it is."""
     sc = SCENARIOS["tour"]
-    ss.pending_spec = build_spec("tour", sc["prompts"], sc["engine_args"], sc["max_tokens"], sc["ignore_eos"])
+    ss.pending_spec = build_spec("tour", sc["prompts"], sc["engine_args"], sc["max_tokens"], sc["ignore_eos"],
+                                 sc.get("step_delay_s", 0.0))
 
 
 def start_strip(samples: list[dict], compact: bool) -> None:
@@ -70,8 +72,8 @@ def _strip_body(samples: list[dict], primary: bool) -> None:
     gpu = gpu_sample(samples)
     with c1.container(border=True, height="stretch"):
         st.markdown("**1 · Watch a live run**  \nThe default model (SmolLM2-135M) on this machine, on a guided "
-                    "tour: prefix-cache hits, chunked prefill and a preemption in about 40 steps. Its start-up stages "
-                    "show below.")
+                    "tour: prefix-cache hits, chunked prefill and a preemption in about 47 steps, 0.6 s apart so "
+                    "you can follow them. Its start-up stages show below.")
         st.button("Start the guided tour", key="strip_start", icon=":material/play_arrow:", on_click=start_tour,
                   type="primary" if primary else "secondary", width="stretch")
     with c2.container(border=True, height="stretch"):
@@ -82,12 +84,26 @@ def _strip_body(samples: list[dict], primary: bool) -> None:
         else:
             st.markdown("**2 · Open a recorded run**  \nPick any run of the trace directory in the sidebar "
                         "(no GPU sample ships with this checkout).")
+    _card_three(c3, samples, gpu)
+    st.page_link("views/compare.py", label="Trade-offs: compare two runs — the same prompts with one knob changed "
+                 "(batch size, chunk size, prefix caching, async scheduling, CUDA graphs, TP), side by side",
+                 icon=":material/compare_arrows:")
+
+
+def _card_three(c3, samples: list[dict], gpu: dict | None) -> None:
     with c3.container(border=True, height="stretch"):
         st.markdown("**3 · Follow the lessons, then the self-test**  \nLesson cards find each concept in the "
                     "open run; the nine CLI lessons (`vllm-anatomy lesson 1` … `9`, the self-test) record their "
                     "own runs and print links back here.")
         st.page_link("views/lessons.py", label="Open the lesson cards", icon=":material/school:", width="stretch")
-        st.page_link("views/selftest.py", label="Open the self-test", icon=":material/quiz:", width="stretch")
+        sample = None if ss.get("run_path") else (gpu or next((r for r in samples if not r.get("error")), None))
+        if sample is None:
+            st.page_link("views/selftest.py", label="Open the self-test", icon=":material/quiz:", width="stretch")
+        else:
+            # NOTE: the self-test answers from a run: with none open, the link opens a shipped sample on it.
+            st.button("Open the self-test", key="strip_selftest", icon=":material/quiz:", width="stretch",
+                      on_click=open_sample, args=(sample["path"], "selftest"),
+                      help=f"no run is open: opens the sample {os.path.basename(sample['path'])} on the Self-test page")
 
 
 def stop() -> None:
@@ -147,7 +163,7 @@ def latest_step(path: str) -> None:
     st.markdown(f"#### Step {ss.cursor} of {len(steps)} committed")
     c1, c2 = st.columns([2, 3])
     with c1:
-        budget(step["scheduler"]["step_record"])
+        budget(step["scheduler"]["step_record"], html_bar=True)
         queues(step)
     with c2:
         block_pool(step["scheduler"]["kv_cache"], step.get("block_pool_events", []), None)
@@ -160,12 +176,23 @@ def outputs(s: dict) -> None:
                     unsafe_allow_html=True)
 
 
+def _plain(text: str) -> str:
+    """A message as plain text inside markdown (no stray emphasis, code, links or LaTeX). Underscores stay:
+    inside a word (max_num_batched_tokens) they are no emphasis."""
+    return re.sub(r"([\\`*\[\]<>#|~$])", r"\\\1", str(text)).replace("\n", "  \n")
+
+
 def follow() -> None:
     s = ss.live.status()
     controls(s)
     if s["state"] in ("error", "crashed"):
-        st.error("The live engine failed. What it said:", icon=":material/error:")
-        st.code(s.get("error") or "no message", language=None)
+        refused = str(s.get("error") or "").startswith("Not started:")
+        st.error(("The live run was refused before it started:" if refused else "The live engine failed. What it "
+                  "said:") + "  \n" + _plain(s.get("error") or "no message"), icon=":material/error:")
+        st.caption(f"The engine's full log: `{ss.live.log_path}`")
+    for i, why in sorted((s.get("refused") or {}).items()):
+        st.warning(f"Request {int(i) + 1} was refused by the API server (the other requests ran on): "
+                   + _plain(why), icon=":material/block:")
     path = s.get("run_path")
     if path and ss.get("live_run_seen") != path:
         ss.live_run_seen, ss.run_path = path, path

@@ -13,6 +13,7 @@ from dashboard import data, state
 from dashboard.answers.cached import source
 from dashboard.components.code_ref import code_ref
 from dashboard.components.nav import open_view, point_data, selected_points
+from dashboard.components.tensor_parallel import article_line, tp_facts
 from dashboard.processes import BUSY, chain_rows, layout, step_view
 
 ss = st.session_state
@@ -43,6 +44,7 @@ def figure(view: dict, step: int) -> go.Figure:
     if not view["layout"]["single"]:
         _add_boundaries(fig, lanes, view["layout"]["inproc_engine"])
     _add_hops(fig, view, y_of, ms)
+    ticks = _lane_ticks(view, lanes)
     fig.update_layout(barmode="overlay", height=max(340, 84 * n + 90), uniformtext={"minsize": 12, "mode": "hide"}, margin={"l": 10, "r": 10, "t": 30, "b": 40},
                       plot_bgcolor="#FFFFFF", paper_bgcolor="#FFFFFF", font={"size": 13, "color": "#222"},
                       clickmode="event+select", hovermode="closest",
@@ -51,7 +53,21 @@ def figure(view: dict, step: int) -> go.Figure:
                       yaxis={"tickvals": list(range(n)), "ticktext": [label for _, label in reversed(lanes)],
                              "range": [-0.6, n - 0.4], "automargin": True,
                              "tickfont": {"size": 13, "color": "#222"}})
+    fig.update_yaxes(ticktext=[ticks[k] for k, _ in reversed(lanes)])
     return fig
+
+
+def _lane_ticks(view: dict, lanes: list) -> dict[str, str]:
+    """Each lane's label; a rank's lane also says what its collectives took (a second line), since
+    they are drawn as one thin row of ticks under its forward."""
+    out = {}
+    for key, label in lanes:
+        coll = [s for s in view["spans"] if s["lane"] == key and s["name"].startswith("GroupCoordinator.")]
+        if coll:
+            ms = sum(s["end_ns"] - s["start_ns"] for s in coll) / 1e6
+            label += f"<br><span style='font-size:12px'>{len(coll)} collectives · {ms:,.0f} ms</span>"
+        out[key] = label
+    return out
 
 
 def _add_spans(fig: go.Figure, view: dict, lanes: list, y_of: dict, ms, x_max: float) -> None:
@@ -63,12 +79,14 @@ def _add_spans(fig: go.Figure, view: dict, lanes: list, y_of: dict, ms, x_max: f
         start, end = max(ms(s["start_ns"]), 0), min(ms(s["end_ns"]), x_max)
         if end < start:
             continue
-        y = y_of[s["lane"]] + (0.24 if s["outer"] else -0.08)
+        coll = s["name"].startswith("GroupCoordinator.")
+        # A rank's collectives (GroupCoordinator.all_reduce, ...): a thin dark row under its forward, so the
+        # forward stays readable (61 of them per step would stripe it solid).
+        y = y_of[s["lane"]] + (0.24 if s["outer"] else -0.36 if coll else -0.08)
         short = s["name"].split(".")[-1] if not s["name"].startswith("POST ") else s["name"]
-        # A rank's collectives (GroupCoordinator.all_reduce, ...) dark inside its orange forward.
-        color = "#222222" if s["name"].startswith("GroupCoordinator.") else COLORS.get(kind, "#999")
+        color = "#222222" if coll else COLORS.get(kind, "#999")
         fig.add_bar(orientation="h", base=[start], x=[max(end - start, x_max * 0.002)], y=[y],
-                    width=0.16 if s["outer"] else 0.36, marker_color=color,
+                    width=0.16 if s["outer"] else 0.1 if coll else 0.36, marker_color=color,
                     marker_line_width=0, opacity=0.45 if s["outer"] else 0.9, showlegend=False,
                     text=[short] if not s["outer"] and (end - start) > x_max * 0.08 else None,
                     textposition="inside", insidetextanchor="start", textfont={"size": 12, "color": "#FFFFFF"},
@@ -93,9 +111,13 @@ def _add_boundaries(fig: go.Figure, lanes: list, inproc_engine: bool) -> None:
 
 
 def _add_hops(fig: go.Figure, view: dict, y_of: dict, ms) -> None:
-    """Hops: an arrow each, and a clickable marker at the receiving end."""
-    xs, ys, texts, cds, hovers, pos = [], [], [], [], [], []
+    """Hops: an arrow each, a clickable marker at the receiving end, and a label on a white ground
+    (over the lane's bars): one per kind of hop — the same message to every rank is labelled once
+    (the others say it in their hover) — anchored leftwards near the right edge, so it is never cut."""
+    xs, ys, cds, hovers = [], [], [], []
     arrivals: dict[str, int] = {}
+    labelled: set = set()
+    x_max = ms(view["t1"])
     for h in view["hops"]:
         if h.src_lane not in y_of or h.dst_lane not in y_of:
             continue
@@ -107,17 +129,21 @@ def _add_hops(fig: go.Figure, view: dict, y_of: dict, ms) -> None:
         xs.append(xb)
         ys.append(yb)
         label = f"{h.marker} {_size(h.nbytes) if h.nbytes else ''} {h.latency_us / 1000:.2f} ms".replace("  ", " ")
-        texts.append(label if "thread" not in h.boundary else "")
-        # Labels of hops that end on the same lane alternate above and below it.
-        arrivals[h.dst_lane] = arrivals.get(h.dst_lane, -1) + 1
-        pos.append("top right" if arrivals[h.dst_lane] % 2 == 0 else "bottom right")
+        group = (h.marker, h.what, h.src_lane if h.dst_lane.startswith("worker") else h.dst_lane)
+        if "thread" not in h.boundary and group not in labelled:
+            labelled.add(group)
+            # Labels of hops that end on the same lane alternate above and below it.
+            arrivals[h.dst_lane] = arrivals.get(h.dst_lane, -1) + 1
+            right = xb > 0.72 * x_max
+            fig.add_annotation(x=xb, y=yb, text=label, showarrow=False, xanchor="right" if right else "left",
+                               xshift=-9 if right else 9, yshift=13 if arrivals[h.dst_lane] % 2 == 0 else -13,
+                               font={"size": 12, "color": "#222"}, bgcolor="rgba(255,255,255,0.9)", borderpad=1)
         cds.append([h.step, h.request or "", HOP_TAB.get(h.marker, "scheduler")])
         hovers.append(f"<b>{h.marker} {h.what}</b><br>{h.boundary}<br>{_size(h.nbytes)}"
                       f"{' (' + h.size_from + ')' if h.size_from else ''}<br>latency {h.latency_us:,.0f} µs"
                       f"<br>click: open step {h.step} in the inspector")
     if xs:
-        fig.add_scatter(x=xs, y=ys, mode="markers+text", text=texts, textposition=pos,
-                        textfont={"size": 12, "color": "#222"}, customdata=cds, hovertext=hovers,
+        fig.add_scatter(x=xs, y=ys, mode="markers", customdata=cds, hovertext=hovers,
                         hoverinfo="text", marker={"size": 12, "color": "#B8860B", "symbol": "diamond",
                                                   "line": {"width": 1, "color": "#222"}}, showlegend=False)
 
@@ -160,8 +186,8 @@ def main() -> None:
                 + (f" (tensor parallelism: {src.tp} ranks)" if src.tp > 1 else "") + ": requests reach "
                 "EngineCore by a plain call (no ③ over ZMQ), while every step's SchedulerOutput crosses the "
                 "shared-memory ring ⑤ to every rank. Each rank runs its slice of the model and joins the others' "
-                "in collectives (GroupCoordinator.all_reduce: the Timeline shows them); only rank 0 answers.",
-                icon=":material/info:")
+                "in collectives (GroupCoordinator.all_reduce: the thin dark row under each rank's forward); only "
+                "rank 0 answers.", icon=":material/info:")
     c1, c2, c3 = st.columns([3, 1, 1], vertical_alignment="bottom")
     step = c1.selectbox("step", steps, index=idx, key="proc_step", format_func=lambda s: f"step {s}",
                         on_change=lambda: state.goto(int(ss.proc_step)))
@@ -174,20 +200,26 @@ def main() -> None:
     view = step_view(src, step)
     st.plotly_chart(figure(view, step), width="stretch", key=FIG_KEY, on_select=_on_hop, selection_mode="points",
                     config={"displayModeBar": False})
+    tp = tp_facts(src, step)
+    if tp is not None:
+        ar = tp["counts"].get("all_reduce")
+        st.markdown(f":material/call_split: **Collectives of step {step}**, on every rank: "
+                    + article_line(ar[0] if ar else None, tp["layers"]) + ".")
     hops = view["hops"]
     if hops:
         st.markdown("**Hops of this step**")
-        st.dataframe(pd.DataFrame([{"#": h.marker, "message": h.what, "boundary": h.boundary,
+        # NOTE: st.table, not st.dataframe: every row and every cell's whole text shows (wrapped).
+        st.table(pd.DataFrame([{"#": h.marker, "message": h.what, "boundary": h.boundary,
                                     "from": dict(view["layout"]["lanes"]).get(h.src_lane, h.src_lane),
                                     "to": dict(view["layout"]["lanes"]).get(h.dst_lane, h.dst_lane),
                                     "size": "— (a hand-over inside the process)" if "thread" in h.boundary
                                     else _size(h.nbytes) + (f" ({h.size_from})" if h.size_from else ""),
-                                    "latency µs": round(h.latency_us, 1)} for h in hops]).astype(str),
-                     hide_index=True, width="stretch")
+                                    "latency µs": round(h.latency_us, 1)} for h in hops]).astype(str).set_index("#"),
+                 border="horizontal")
     elif not lay_single:
         st.caption("No hop recorded for this step.")
     st.markdown("**The article's chain ①–⑪, in this step**")
-    st.dataframe(pd.DataFrame(chain_rows(view, step)).astype(str), hide_index=True, width="stretch")
+    st.table(pd.DataFrame(chain_rows(view, step)).astype(str).set_index("#"), border="horizontal")
     code_ref("dashboard/processes.py", "layout, step_view (lanes and hops from the spans), CHAIN")
 
 

@@ -16,6 +16,7 @@ from dashboard.answers.cached import answer, source
 from dashboard.components.code_ref import code_ref
 from dashboard.components.five_accounts import five_accounts
 from dashboard.components.nav import link, open_view
+from dashboard.theme import short_req_id
 
 ss = st.session_state
 ANSWER_FILES = {"q1": "q1_allocation", "q2": "q2_update_states", "q3": "q3_block_table", "q4": "q4_finish",
@@ -31,6 +32,9 @@ def _table(rows: list[dict], key: str) -> None:
         st.caption("(none)")
         return
     df = pd.DataFrame(rows)
+    for col in ("request", "req"):     # request ids as the chips show them (components/queues.py)
+        if col in df:
+            df[col] = df[col].map(lambda v: short_req_id(v) if isinstance(v, str) else v)
     st.dataframe(df.astype(str), hide_index=True, width="stretch", key=key,
                  row_height=32 if len(df) < 30 else None)
 
@@ -119,11 +123,26 @@ def _question(q, path: str, version: tuple) -> None:
         code_ref(f"dashboard/answers/{ANSWER_FILES[q.key]}.py", "how this answer is computed from the run store")
 
 
+def _no_run() -> None:
+    """No run open: the questions need one — open a shipped sample here, or start the tour."""
+    from dashboard.components.run_picker import open_sample, sample_label
+    samples = [r for r in data.runs_in(state.samples_dir()) if not r.get("error")]
+    st.info("The answers come from a run, and none is open. Open a shipped sample run here, start the guided "
+            "tour on the Start page, or pick a run in the sidebar.", icon=":material/info:")
+    for i, r in enumerate(samples[:4]):
+        st.button(f"Answer from {sample_label(r)}", key=f"st_sample_{i}", icon=":material/quiz:",
+                  on_click=open_sample, args=(r["path"], "selftest"), type="primary" if i == 0 else "secondary")
+    st.page_link("views/live.py", label="Start the guided tour (Start page)", icon=":material/play_arrow:")
+
+
 def main() -> None:
     st.title("Self-test")
     st.caption("The article's five questions (§九 自测), each answered from **this run's** snapshots and spans — "
                "pick another allocation, step or request to see the same answer with other values. "
                "**Show me** opens the step, tab and request where it happens.")
+    if not ss.get("run_path") and ss.get("run_error") is None:
+        _no_run()
+        return
     cur = state.current()
     if cur is None:
         return

@@ -13,7 +13,7 @@ from dashboard import data, spans, state
 from dashboard.components.code_ref import code_ref
 from dashboard.components.nav import on_click_open, open_view
 from dashboard.components.sampled import sizes_text
-from dashboard.components.timeline_fig import MAIN_SPANS, step_duration_figure, timeline_figure
+from dashboard.components.timeline_fig import ASYNC_SYNC, MAIN_SPANS, step_duration_figure, sync_points, timeline_figure
 
 ss = st.session_state
 MAX_WINDOW = 60
@@ -138,7 +138,7 @@ def flagged(flags: dict[int, str], cursor: int | None, steps: list[int]) -> None
 
 def _window_caption(win: pd.DataFrame, a: int, b: int) -> None:
     """The window in one line: its spans, its sync points and what ran on the device."""
-    sync = win[(win["name"] == "GPUModelRunner._bookkeeping_sync") & (win["lane"] != "device")]
+    sync = sync_points(win)
     ranks = win["rank"].dropna().nunique() if "rank" in win else 0
     if ranks > 1:       # each rank syncs with its own device: count the output rank's
         sync = sync[sync["rank"].isna() | (sync["rank"] == 0)]
@@ -159,8 +159,45 @@ def _window_caption(win: pd.DataFrame, a: int, b: int) -> None:
     if ranks > 1:
         device += (f"; {ranks} tensor-parallel ranks, each a worker lane (its GroupCoordinator spans are its "
                    f"collectives), the device lane and the sync points rank 0's")
-    st.caption(f"{len(win)} spans in steps {a}–{b} · {len(sync)} sync points, total wait "
-               f"{sync['sync_wait_ms'].fillna(0).sum():.2f} ms · {device}.")
+    where = ("`AsyncGPUModelRunnerOutput.get_output` (async scheduling: nothing waits in `_bookkeeping_sync`)"
+             if (sync["name"] == ASYNC_SYNC).any() else "`_bookkeeping_sync`")
+    st.caption(f"{len(win)} spans in steps {a}–{b} · {len(sync)} sync points in {where}, total wait "
+               f"{sync['sync_wait_ms'].fillna(0).sum():.3f} ms · {device}.")
+
+
+# The article's sentence (§五), shown as a tooltip (a machine without CJK fonts shows no boxes).
+ASYNC_ZH = "async scheduling 把最后那个同步点也拿掉了。采样结果留在 GPU，AsyncGPUModelRunnerOutput 在另一条 copy stream 上做 D2H"
+
+
+def async_note(win: pd.DataFrame, meta: dict) -> None:
+    """What async scheduling did to this window's steps (§五: it takes the last sync point away), or,
+    when it is off, where the one sync point is."""
+    on = ((meta.get("config") or {}).get("scheduler_config") or {}).get("async_scheduling")
+    if on is None:
+        return
+    if not on:
+        st.caption(":material/sync: Async scheduling is **off**: each step waits once, in `_bookkeeping_sync` "
+                   "(the ▼ markers), for its sampled tokens before the scheduler runs again — the one CPU-waits-"
+                   "for-GPU point of §五.")
+        return
+    sync = sync_points(win)
+    moved = sync[sync["name"] == ASYNC_SYNC]
+    waits = moved["sync_wait_ms"].fillna(0)
+    steps = win[win["name"] == "EngineCore.step"].sort_values("start_ns")
+    pairs = list(zip(steps.itertuples(), steps.iloc[1:].itertuples()))
+    overlap = [(a.end_ns - b.start_ns) / 1e6 for a, b in pairs if b.start_ns < a.end_ns]
+    box = st.container(border=True, key="async_note")
+    box.markdown(f":material/fast_forward: **Async scheduling is on** — <span title=\"{ASYNC_ZH}\" style=\"border-bottom:1px dotted\">§五</span>: "
+            "it takes the last sync point away. `_bookkeeping_sync` no longer waits: the sampled ids stay on the GPU, "
+            "`AsyncGPUModelRunnerOutput` copies them to the host on a side stream, and `Scheduler.schedule` plans the "
+            "next step with placeholder tokens while this one runs. The wait moves to "
+            "`AsyncGPUModelRunnerOutput.get_output`, **one step later** (the ▼ markers): "
+            + (f"{len(moved)} waits in this window, {waits.sum():.3f} ms in all (at most {waits.max():.3f} ms) — by "
+               "then the GPU has usually finished. " if len(moved) else "no wait recorded in this window. ")
+            + (f"{len(overlap)} of {len(pairs)} consecutive steps overlap (step N+1 starts before step N's span ends, "
+               f"by {sum(overlap) / len(overlap):.2f} ms on average)." if overlap else
+               f"None of the window's {len(pairs)} consecutive step pairs overlap." if pairs else ""),
+            unsafe_allow_html=True)
 
 
 def _eager_step_button(df: pd.DataFrame, steps_df: pd.DataFrame, flags: dict[int, str]) -> None:
@@ -209,6 +246,7 @@ def main() -> None:
     st.plotly_chart(fig, width="stretch", key="timeline_chart", on_select=on_click_open("timeline_chart", "inspector"),
                     selection_mode="points")
     _window_caption(win, a, b)
+    async_note(win, info["meta"])
     line = eager_vs_graph(win)
     if line:
         st.markdown(line)

@@ -116,3 +116,11 @@ def settle(pg, before_ms: int = 400, after_ms: int = 500, timeout_ms: int = 90_0
     pg.wait_for_timeout(before_ms)
     pg.wait_for_function("!document.querySelector('[data-testid=\"stStatusWidget\"]')", timeout=timeout_ms)
     pg.wait_for_timeout(after_ms)
+
+
+def settle_drawn(pg) -> None:
+    """settle, then wait until no element is a loading skeleton any more (a slow machine draws late), and
+    settle again: the page as a reader sees it."""
+    settle(pg, 600, 600, 180_000)
+    pg.wait_for_function("!document.querySelector('[data-testid=\"stSkeleton\"]')", timeout=180_000)
+    settle(pg, 300, 500, 180_000)

@@ -96,6 +96,15 @@ def make_app(recorded_run, monkeypatch, tmp_path):
     return make
 
 
+@pytest.fixture
+def page(browser):
+    """A fresh page (its own session) at 1440x900, two minutes for every wait (modules may define their own)."""
+    from tests.dashboard.browser import new_page
+    ctx, pg = new_page(browser, timeout_ms=120_000)
+    yield pg
+    ctx.close()
+
+
 @pytest.fixture(scope="module")
 def browser():
     """A headless Debian Chromium for a browser-test module (tests/dashboard/browser.py)."""

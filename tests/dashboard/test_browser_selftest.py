@@ -164,7 +164,7 @@ def test_processes_view_three_processes_and_hop_click(server, browser):
                     break
             pg.screenshot(path=os.path.join(SHOTS, f"processes-three-{w}.png"))
             ticks = pg.evaluate("() => [...document.querySelectorAll('.st-key-proc_fig .ytick text')].map(t => t.textContent)")
-            for want in ("API server", "input thread", "busy loop", "output thread", "worker_busy_loop"):
+            for want in ("API server", "input thread", "run_busy_loop()", "output thread", "worker_busy_loop()"):
                 assert any(want in t for t in ticks), (want, ticks)
             assert not _small_chart_text(pg), _small_chart_text(pg)
             if w == 1440:
@@ -231,10 +231,13 @@ def test_tensor_parallel_sample_shows_its_ranks(server, browser):
         _settle(pg)
         assert pg.locator("[data-testid='stException']").count() == 0
         pg.get_by_text(re.compile(r"3 tensor-parallel ranks, each a worker lane")).wait_for()
+        # (the chart draws after the caption under it on a loaded machine: wait for its lane names)
+        pg.wait_for_function("() => [...document.querySelectorAll('.ytick text')]"
+                             ".some(t => t.textContent.includes('WorkerProc rank'))", timeout=120_000)
         ticks = pg.evaluate("() => [...document.querySelectorAll('.ytick text')]"
                             ".sort((a, b) => a.getBoundingClientRect().y - b.getBoundingClientRect().y)"
                             ".map(t => t.textContent)")
-        ranks = [int(re.search(r"worker rank (\d+)", t)[1]) for t in ticks if "worker rank" in t]
+        ranks = [int(re.search(r"WorkerProc rank (\d+)", t)[1]) for t in ticks if "WorkerProc rank" in t]
         assert ranks == [0, 1, 2], ticks
         pg.screenshot(path=os.path.join(SHOTS, "timeline-tp3-1440.png"))
 

@@ -95,7 +95,8 @@ def test_samples_are_listed_and_deep_linkable(recorded_run, samples, monkeypatch
     assert picker.value == samples["cpu"]
     recorded = [o for o in picker.options if not o.startswith("sample · ")]
     assert recorded and picker.options[:len(recorded)] == recorded          # recorded runs first, then samples
-    assert picker.options[len(recorded):] == ["sample · CPU · smollm2-full", "sample · CUDA · synthetic-gpu-full"]
+    assert picker.options[len(recorded):] == ["sample · CPU · 1 process · smollm2",
+                                              "sample · CUDA · 1 process · synthetic-gpu"]
     # The default samples directory is <repo>/samples. Runs are opened by name only
     # (issue 14): a relative path, or any path outside the run dirs, is refused.
     from dashboard import data, state
@@ -208,7 +209,7 @@ def test_h200_sample(monkeypatch, tmp_path):
     _ok(at)
     assert os.path.samefile(at.session_state["run_path"], H200_SAMPLE)
     picker = at.sidebar.selectbox(key="picked_run")
-    assert "sample · H200 · smollm2-full" in picker.options
+    assert "sample · H200 · 1 process · smollm2" in picker.options
     text = _text(at)
     assert "Forward pass: **CUDA graph replay · " in text
     assert "**Device lane** · step" in text

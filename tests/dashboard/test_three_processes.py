@@ -92,7 +92,7 @@ def test_processes_page_draws_three_processes(three_run):
     at.run()
     assert not at.exception, [e.value for e in at.exception]
     assert at.title[0].value == "Processes" and not [i for i in at.info if "One process" in i.value]
-    hops, chain = at.dataframe[0].value, at.dataframe[1].value
+    hops, chain = at.table[0].value, at.table[1].value          # (st.table: whole cells, every row)
     assert {"ZMQ + msgspec", "shared-memory ring (rpc_broadcast_mq)", "shared-memory ring (worker_response_mq)"} \
         <= set(hops["boundary"])
     assert any("EngineCoreProc" in x for x in hops["to"]) and any("WorkerProc" in x for x in hops["to"])
@@ -100,11 +100,11 @@ def test_processes_page_draws_three_processes(three_run):
     view = step_view(src, first)
     zmq_in = [h for h in view["hops"] if h.marker == "③" and "ZMQ" in h.boundary]
     assert zmq_in and all(f"{h.nbytes:,} B" in " ".join(hops["size"]) for h in zmq_in)
-    rows = dict(zip(chain["#"], chain["this run's spans"]))
+    rows = dict(zip(chain.index, chain["this run's spans"]))
     assert "POST /v1/chat/completions" in rows["①"] and "MPClient._send_input" in rows["③"]
     assert "Worker.execute_model" in rows["⑤"] and "MPClient._decode_output" in rows["⑪"]
     lanes = [label for _, label in view["layout"]["lanes"]]
-    for want in ("API server", "input thread", "busy loop", "output thread", "worker_busy_loop"):
+    for want in ("API server", "input thread", "run_busy_loop()", "output thread", "worker_busy_loop()"):
         assert any(want in x for x in lanes), (want, lanes)
 
 

@@ -67,7 +67,7 @@ def test_timeline_lanes_are_ranks_in_order_and_one_device_lane(src):
     df = spans.span_table(TP_SAMPLE, (), "cpu")
     lanes = [lane for lane, _ in rows_of(df.assign(level=df["depth"].map(lambda d: f"depth {d}")))]
     lanes = list(dict.fromkeys(lanes))
-    workers = [x for x in lanes if x.startswith("worker")]
+    workers = [x for x in lanes if x.startswith("WorkerProc")]
     assert [int(re.search(r"rank (\d+)", x)[1]) for x in workers] == [0, 1, 2], lanes
     assert lanes[-1] == "device"
     rank0 = next(p for p, r in src.ranks.items() if r == 0)
@@ -76,7 +76,7 @@ def test_timeline_lanes_are_ranks_in_order_and_one_device_lane(src):
     assert len(forwards) == 3 * len(dev[dev["name"] == "GPUModelRunner._model_forward"])
     # the device lane is rank 0's host timing of its device work, once per step
     assert set(dev["rank"]) == {0}
-    on_rank0 = forwards[forwards["lane"] == f"worker rank 0 · pid {rank0}"]
+    on_rank0 = forwards[forwards["lane"] == f"WorkerProc rank 0 · pid {rank0}"]
     assert sorted(dev.loc[dev["name"] == "GPUModelRunner._model_forward", "start_ns"]) == sorted(on_rank0["start_ns"])
 
 

@@ -14,9 +14,9 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from vllm_anatomy.config import (CacheConfig, CompilationConfig, ModelConfig, ObservabilityConfig,
-                                 ParallelConfig, SchedulerConfig, SpeculativeConfig, VllmConfig,
-                                 default_capture_sizes)
+from vllm_anatomy.config import (LOAD_FORMATS, CacheConfig, CompilationConfig, LoadConfig, ModelConfig,
+                                 ObservabilityConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig,
+                                 VllmConfig, default_capture_sizes)
 from vllm_anatomy.distributed.parallel_state import resolve_backend
 from vllm_anatomy.transformers_utils.default_model import resolve_model
 
@@ -36,6 +36,9 @@ def teaching_attention_backend() -> str:
 @dataclass
 class EngineArgs:
     model: str | None = None            # a local HF directory, or None / the default alias
+    # "dummy": random weights in the config's shapes (a built-in config by its hub name, e.g.
+    # meta-llama/Llama-2-7b-hf, or a directory's config.json): model_executor/dummy_loader.py.
+    load_format: str = "auto"
     dtype: str = "auto"                 # auto = float32 on CPU, bfloat16 on CUDA
     device: str = "auto"                # auto = cuda if available else cpu
     attention_backend: str = "auto"     # auto = triton on CUDA, cpu (the fast CPU path) on CPU; torch = the reference
@@ -111,7 +114,12 @@ class EngineArgs:
         return name
 
     def create_engine_config(self) -> VllmConfig:
-        model_dir = resolve_model(self.model)
+        load_config = LoadConfig(self.load_format)
+        if load_config.load_format == "dummy":
+            from vllm_anatomy.model_executor.dummy_loader import dummy_model_dir
+            model_dir = dummy_model_dir(self.model)
+        else:
+            model_dir = resolve_model(self.model)
         with open(os.path.join(model_dir, "config.json")) as f:
             hf_config = json.load(f)
         device = self._resolve_device()
@@ -160,7 +168,7 @@ class EngineArgs:
         compilation_config = self._compilation_config(on_gpu, max_num_seqs,
                                                       min(max_num_batched_tokens, max_num_seqs * max_model_len))
         return VllmConfig(model_config, cache_config, scheduler_config, parallel_config, observability_config,
-                          compilation_config, speculative_config)
+                          compilation_config, speculative_config, load_config)
 
     def create_speculative_config(self, target: ModelConfig) -> SpeculativeConfig | None:
         """SpeculativeConfig from the --speculative-config dict (vLLM: create_speculative_config).
@@ -296,7 +304,11 @@ class EngineArgs:
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         d = EngineArgs()
         p = parser.add_argument
-        p("--model", default=None, help="local HF model directory (default: SmolLM2-135M-Instruct)")
+        p("--model", default=None, help="local HF model directory (default: SmolLM2-135M-Instruct); with "
+          "--load-format dummy also a built-in config: meta-llama/Llama-2-7b-hf, meta-llama/Llama-2-70b-hf, "
+          "vllm-anatomy/tiny-llama")
+        p("--load-format", choices=list(LOAD_FORMATS), default=d.load_format,
+          help="auto/safetensors: the checkpoint; dummy: random weights in the config's shapes (no download)")
         p("--dtype", default=d.dtype)
         p("--device", default=d.device)
         p("--attention-backend", choices=["auto", "torch", "cpu", "triton"], default=d.attention_backend)

@@ -15,6 +15,10 @@ The order is vLLM's:
      (on a CPU: prepack each linear's weight for oneDNN, layers/utils.py); eval().
 Nothing is downloaded: the directory must exist (see default_model.py for the
 default SmolLM2 model, converted once from its GGUF).
+
+Step 3 is the model loader's (vLLM: get_model_loader(load_config)): DefaultModelLoader
+here, or with load_format="dummy" the DummyModelLoader of dummy_loader.py, which
+fills random values instead (the article's Llama-2-7B without its checkpoint).
 """
 from __future__ import annotations
 
@@ -27,7 +31,7 @@ import torch
 from safetensors import safe_open
 
 from vllm_anatomy.attention.selector import get_attn_backend
-from vllm_anatomy.config import ModelConfig
+from vllm_anatomy.config import LoadConfig, ModelConfig
 from vllm_anatomy.distributed.parallel_state import get_tensor_model_parallel_world_size
 from vllm_anatomy.model_executor.layers.linear import LinearBase
 from vllm_anatomy.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
@@ -35,7 +39,36 @@ from vllm_anatomy.model_executor.layers.vocab_parallel_embedding import Parallel
 from vllm_anatomy.model_executor.models.llama import LlamaForCausalLM, resolve_model_cls
 
 
-def get_model(model_config: ModelConfig, backend: str = "torch") -> LlamaForCausalLM:
+class DefaultModelLoader:
+    """Reads the directory's safetensors shard by shard into the model (vLLM's, same name)."""
+
+    def __init__(self, load_config: LoadConfig) -> None:
+        self.load_config = load_config
+
+    def load_weights(self, model: LlamaForCausalLM, model_config: ModelConfig) -> None:
+        model_dir = Path(model_config.model)
+        # NOTE: one rank reads the whole of every tensor (get_tensor, as before);
+        # N ranks each read slices, ~1/N of the split matrices (get_slice).
+        sharded = get_tensor_model_parallel_world_size() > 1
+        weights = safetensors_weights_iterator(get_safetensors_files(model_dir), as_slices=sharded)
+        with torch.no_grad():
+            loaded = model.load_weights(weights)
+        missing = {name for name, _ in model.named_parameters()} - loaded
+        if missing:
+            raise ValueError(f"{model_dir}: checkpoint lacks weights for {sorted(missing)[:8]}"
+                             f"{' ...' if len(missing) > 8 else ''}")
+
+
+def get_model_loader(load_config: LoadConfig):
+    """The loader for a load format (vLLM: model_loader/__init__.py, same name)."""
+    if load_config.load_format == "dummy":
+        from vllm_anatomy.model_executor.dummy_loader import DummyModelLoader
+        return DummyModelLoader(load_config)
+    return DefaultModelLoader(load_config)
+
+
+def get_model(model_config: ModelConfig, backend: str = "torch",
+              load_config: LoadConfig | None = None) -> LlamaForCausalLM:
     model_dir = Path(model_config.model)
     if not model_config.hf_config:
         model_config.hf_config = load_hf_config(model_dir)
@@ -51,16 +84,7 @@ def get_model(model_config: ModelConfig, backend: str = "torch") -> LlamaForCaus
     dtype = _resolve_dtype(model_config.dtype)
     with set_default_torch_dtype(dtype), torch.device(model_config.device):
         model = model_cls(hf_config, attn_backend)
-    # NOTE: one rank reads the whole of every tensor (get_tensor, as before);
-    # N ranks each read slices, ~1/N of the split matrices (get_slice).
-    sharded = get_tensor_model_parallel_world_size() > 1
-    weights = safetensors_weights_iterator(get_safetensors_files(model_dir), as_slices=sharded)
-    with torch.no_grad():
-        loaded = model.load_weights(weights)
-    missing = {name for name, _ in model.named_parameters()} - loaded
-    if missing:
-        raise ValueError(f"{model_dir}: checkpoint lacks weights for {sorted(missing)[:8]}"
-                         f"{' ...' if len(missing) > 8 else ''}")
+    get_model_loader(load_config or LoadConfig()).load_weights(model, model_config)
     process_weights_after_loading(model)
     return model.eval()
 

@@ -27,7 +27,7 @@ from vllm_anatomy.model_executor.sampling_metadata import SamplingMetadata
 from vllm_anatomy.worker.cudagraph import CUDAGraphMode
 
 if TYPE_CHECKING:
-    from vllm_anatomy.config import CacheConfig, ModelConfig
+    from vllm_anatomy.config import CacheConfig, ModelConfig, VllmConfig
     from vllm_anatomy.model_executor.models.llama import LlamaForCausalLM
     from vllm_anatomy.model_executor.sampler import Sampler
     from vllm_anatomy.tracing.runner_tracer import RunnerTracer
@@ -41,6 +41,7 @@ logger = logging.getLogger(__name__)
 class ModelRunnerStartupMixin:
     # The runner's state these methods read and set (made by GPUModelRunner.__init__).
     model: LlamaForCausalLM                         # set by load_model
+    vllm_config: VllmConfig
     model_config: ModelConfig
     cache_config: CacheConfig
     device: torch.device
@@ -66,7 +67,8 @@ class ModelRunnerStartupMixin:
 
     def load_model(self) -> None:
         with self.tracer.span("GPUModelRunner.load_model"):
-            self.model = get_model(self.model_config, backend=self.attn_backend_name).to(self.device)
+            self.model = get_model(self.model_config, backend=self.attn_backend_name,
+                                   load_config=self.vllm_config.load_config).to(self.device)
             self.tracer.device_timer.watch_layers(self.model.model.layers)
             if self.drafter is not None:
                 self.drafter.load_model(self.model)     # a draft model (ngram: nothing to load)

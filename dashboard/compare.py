@@ -1,0 +1,325 @@
+"""Two runs side by side: the article's last lesson is that no number stands alone —
+"优化一笔常动另一笔" (improving one account often moves another). A pair is the same prompts
+run twice with one engine argument changed (a knob); this module reads both runs and says
+what moved.
+
+    KNOBS                        the engine arguments a pair changes, each with what it does and why
+                                 each account moves (speculative decoding: a place kept for it)
+    knob_of(meta_a, meta_b)      the knob(s) the two runs' configs differ in
+    summary(path, steps, reqs)   one run's five accounts, run level (time, memory, communication,
+                                 CPU, request): {metric key: value}
+    METRICS                      (account, key, label, unit, lower is better)
+    sentences(a, b, knob)        one sentence per account: what moved most, and why
+    series(steps)                per step, aligned by step index: step ms, tokens, KV usage,
+                                 preemptions so far
+
+Everything comes from the two run stores through tracing/reader.py (the step table the other
+pages use, the request spans, the control-plane spans); nothing is typed in by hand but the
+mechanisms the sentences name.
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+import pandas as pd
+
+from dashboard.answers.source import weight_bytes_of
+from vllm_anatomy.tracing.reader import open_run
+
+ACCOUNTS = ("time", "memory", "communication", "cpu", "request")
+ACCOUNT_TITLES = {"time": "Time", "memory": "Memory", "communication": "Communication", "cpu": "CPU",
+                  "request": "Request"}
+CONTROL_PLANE = ("Scheduler.schedule", "GPUModelRunner._update_states", "GPUModelRunner._prepare_inputs",
+                 "GPUModelRunner._bookkeeping_sync", "Scheduler.update_from_output")
+# (account, key, label, unit, lower is better: True / False / None = neither)
+METRICS = [
+    ("time", "wall_s", "wall time, first arrival to last finish", "s", True),
+    ("time", "steps", "engine steps", "", True),
+    ("time", "ttft_ms", "TTFT, median", "ms", True),
+    ("time", "tpot_ms", "TPOT (time per output token), mean", "ms", True),
+    ("time", "step_ms", "step time, median", "ms", None),
+    ("time", "tok_s", "output tokens per second", "tok/s", False),
+    ("memory", "peak_blocks", "KV blocks held at the peak", "blocks", None),
+    ("memory", "peak_kv_mb", "KV memory at the peak", "MB", None),
+    ("memory", "pool_mb", "KV pool", "MB", None),
+    ("memory", "weights_mb", "weights (one rank)", "MB", None),
+    ("communication", "ranks", "tensor-parallel ranks", "", None),
+    ("communication", "all_reduces_per_step", "all-reduces per step", "", True),
+    ("communication", "all_reduces", "all-reduces, whole run", "", True),
+    ("communication", "shm_messages", "shared-memory messages (executor ↔ workers)", "", True),
+    ("cpu", "host_ms_per_step", "control plane per step (schedule, prepare, sync, update)", "ms", True),
+    ("cpu", "host_ms", "control plane, whole run", "ms", True),
+    ("request", "requests", "requests finished", "", None),
+    ("request", "preemptions", "preemptions", "", True),
+    ("request", "hit_tokens", "prefix-cache hit tokens", "tokens", False),
+    ("request", "chunked_steps", "steps carrying a partial prefill chunk", "", None),
+    ("request", "max_running", "most requests running in one step", "", None),
+]
+LABEL = {key: label for _, key, label, _, _ in METRICS}
+UNIT = {key: unit for _, key, _, unit, _ in METRICS}
+
+
+@dataclass(frozen=True)
+class Knob:
+    arg: str                     # the engine argument (EngineArgs / the run meta's config)
+    section: str                 # where the run meta's config keeps it
+    label: str                   # how the page names it
+    what: str                    # one line: what it does
+    why: dict                    # account -> the mechanism behind a move in that account
+    lead: tuple = ()             # per account (ACCOUNTS order), the metric its mechanism is about
+    needs_gpu: bool = False
+    values: tuple = ()           # a default pair (a, b) for the "start a pair" form
+    available: bool = True       # False: a place kept for a knob that does not exist yet
+
+
+KNOBS = [
+    Knob("max_num_seqs", "scheduler_config", "max_num_seqs (batch size)",
+         "how many requests may run in one step",
+         {"time": "every step reads all the weights once: more requests in a step share that cost, so the same "
+                  "tokens take fewer, slightly longer steps",
+          "memory": "each running request holds its KV blocks, so more of them at once hold more of the pool",
+          "communication": "collectives are per step (2 per layer): fewer steps, fewer all-reduces",
+          "cpu": "the control plane is paid per step (its size grows a little with the batch): fewer steps, less "
+                 "of it in all",
+          "request": "more running requests compete for one KV pool: when it runs out the newest is preempted"},
+         lead=("wall_s", "peak_kv_mb", "all_reduces", "host_ms", "max_running"), values=(2, 8)),
+    Knob("max_num_batched_tokens", "scheduler_config", "chunk size (max_num_batched_tokens)",
+         "the token budget of one step: a longer prompt is prefilled in chunks of at most this",
+         {"time": "a larger budget prefills a prompt in fewer steps (a shorter TTFT), but the decodes that share "
+                  "a step with a big chunk wait for it",
+          "memory": "a prompt's blocks are allocated as its chunks are scheduled: bigger chunks fill the pool sooner",
+          "communication": "collectives are per step: fewer, bigger steps, fewer all-reduces",
+          "cpu": "fewer steps for the same tokens: less control plane in all",
+          "request": "a prompt longer than the budget is split into partial chunks over several steps"},
+         lead=("ttft_ms", "peak_kv_mb", "all_reduces", "host_ms", "chunked_steps"), values=(16, 64)),
+    Knob("enable_prefix_caching", "cache_config", "prefix caching",
+         "full KV blocks found by the hash of their tokens are shared instead of recomputed",
+         {"time": "hit tokens are not computed again: shorter prefills, an earlier first token",
+          "memory": "a shared block counts once for every request that hits it (ref_cnt > 1), so the same pool "
+                    "admits more requests at once",
+          "communication": "fewer prefill tokens, the same number of steps: the collectives barely move",
+          "cpu": "hit tokens are neither scheduled nor prepared, so there are fewer steps to plan; hashing full "
+                 "blocks and looking them up adds a little to each",
+          "request": "requests with the same system prompt reuse its blocks (the hit tokens)"},
+         lead=("ttft_ms", "peak_kv_mb", "all_reduces", "host_ms", "hit_tokens"), values=(False, True)),
+    Knob("async_scheduling", "scheduler_config", "async scheduling",
+         "step N+1 is scheduled (with placeholder tokens) while step N runs; the sync point moves to "
+         "AsyncGPUModelRunnerOutput.get_output (article §五)",
+         {"time": "on a GPU the host's Python for the next step overlaps the device's forward: each step costs the "
+                  "larger of the two, not their sum; on a CPU every op is synchronous, so nothing overlaps",
+          "memory": "unchanged: the same requests hold the same blocks",
+          "communication": "unchanged: the same steps",
+          "cpu": "the same control plane, now hidden behind the device's work on a GPU",
+          "request": "a request may get one placeholder token scheduled past its end (discarded)"},
+         lead=("step_ms", "peak_kv_mb", "all_reduces", "host_ms_per_step", "requests"), values=(False, True)),
+    Knob("enforce_eager", "compilation_config", "CUDA graphs (enforce_eager)",
+         "pure-decode steps replay a captured graph instead of launching every kernel from Python",
+         {"time": "a replay launches the whole forward in one call: the host no longer paces the device",
+          "memory": "captured graphs keep their buffers: a little less room for KV blocks",
+          "communication": "unchanged: the graphs capture the same collectives",
+          "cpu": "no per-kernel launches from Python on replayed steps",
+          "request": "unchanged: the scheduler never knows"},
+         lead=("step_ms", "pool_mb", "all_reduces", "host_ms_per_step", "requests"), needs_gpu=True,
+         values=(True, False)),
+    Knob("tensor_parallel_size", "parallel_config", "tensor parallelism",
+         "every layer split over N ranks (worker processes), joined by all-reduces",
+         {"time": "on GPUs each rank reads 1/N of the weights per step; on one CPU the ranks share the same cores "
+                  "and add collectives, so it is slower",
+          "memory": "the weights and the KV heads are split: each rank holds 1/N",
+          "communication": "2 all-reduces per layer and 1 for the embedding, every step, on every rank",
+          "cpu": "every step is broadcast to N ranks over shared memory",
+          "request": "unchanged: one scheduler for all ranks"},
+         lead=("step_ms", "peak_kv_mb", "all_reduces_per_step", "host_ms_per_step", "requests"), values=(1, 3)),
+    # NOTE: speculative decoding comes from another helper's branch: when it lands, its engine argument gets
+    # a Knob here (why: fewer steps per token, each step longer — "投机解码省轮次但涨每步时间"), and the form
+    # offers it.
+    Knob("speculative_config", "speculative_config", "speculative decoding",
+         "draft tokens verified in one step (not in this engine yet)",
+         {"time": "fewer steps per output token, each step longer (the article: 投机解码省轮次但涨每步时间)"},
+         available=False),
+]
+BY_ARG = {k.arg: k for k in KNOBS}
+
+
+def config_value(meta: dict, knob: Knob):
+    """The knob's value in a run's meta config (None when the run did not record it)."""
+    cfg = (meta.get("config") or {}).get(knob.section) or {}
+    if knob.arg == "enforce_eager":      # recorded as the resolved graph mode
+        mode = cfg.get("cudagraph_mode")
+        return None if mode is None else mode == "NONE"
+    return cfg.get(knob.arg)
+
+
+def knob_of(meta_a: dict, meta_b: dict) -> list[tuple[Knob, object, object]]:
+    """The knobs whose values differ between the two runs' configs."""
+    out = []
+    for k in KNOBS:
+        if not k.available:
+            continue
+        a, b = config_value(meta_a, k), config_value(meta_b, k)
+        if a != b:
+            out.append((k, a, b))
+    return out
+
+
+def other_differences(meta_a: dict, meta_b: dict) -> list[str]:
+    """Config fields outside the knobs that differ (a fair pair has none but the knob and the resolved
+    numbers that follow from it)."""
+    ignore = {"trace_dir", "num_gpu_blocks", "model"} | {k.arg for k in KNOBS}
+    out = []
+    for section in sorted(set(meta_a.get("config") or {}) | set(meta_b.get("config") or {})):
+        sa = (meta_a.get("config") or {}).get(section) or {}
+        sb = (meta_b.get("config") or {}).get(section) or {}
+        if not isinstance(sa, dict) or not isinstance(sb, dict):
+            continue
+        for key in sorted(set(sa) | set(sb)):
+            if key not in ignore and sa.get(key) != sb.get(key):
+                out.append(f"{section}.{key}: {sa.get(key)} → {sb.get(key)}")
+    if meta_a.get("model") != meta_b.get("model"):
+        out.append("model")
+    return out
+
+
+# -- one run's accounts -----------------------------------------------------------------------------
+def summary(path: str, steps: pd.DataFrame, reqs: list[dict]) -> dict:
+    """The five accounts of a whole run: `steps` is its step table (data.step_table), `reqs` its request
+    rows (spans.request_table); the rest is read from its spans and meta."""
+    with open_run(path) as run:
+        meta = run.meta
+        step_spans = run.spans("EngineCore.step")
+        control = {name: run.spans(name) for name in CONTROL_PLANE}
+        workers = run.spans("Worker.execute_model")
+    cfg = meta.get("config") or {}
+    tp = int((cfg.get("parallel_config") or {}).get("tensor_parallel_size") or 1)
+    out: dict = {}
+    done = [r for r in reqs if r.get("end_ns")]
+    if done:
+        t0 = min(r["start_ns"] for r in done)
+        t1 = max(r["end_ns"] for r in done)
+        out["wall_s"] = (t1 - t0) / 1e9
+        ttft = [r["ttft_ms"] for r in done if r.get("ttft_ms") is not None]
+        itl = [r["itl_ms"] for r in done if r.get("itl_ms") is not None]
+        out["ttft_ms"] = statistics.median(ttft) if ttft else None
+        out["tpot_ms"] = statistics.mean(itl) if itl else None
+        tokens = sum(r.get("output_tokens") or 0 for r in done)
+        out["tok_s"] = tokens / out["wall_s"] if out["wall_s"] > 0 else None
+    out["requests"] = len(done)
+    out["steps"] = len(steps)
+    durations = [s.duration_ns / 1e6 for s in step_spans]
+    out["step_ms"] = statistics.median(durations) if durations else None
+    # memory: blocks held at the peak (usage x usable blocks), and their bytes
+    blocks = (cfg.get("cache_config") or {}).get("num_gpu_blocks") or \
+        (cfg.get("cache_config") or {}).get("num_gpu_blocks_override")
+    per_block = meta.get("kv_cache_bytes_per_block")
+    if not steps.empty and blocks:
+        out["peak_blocks"] = int(round(float(steps["kv_usage"].max()) * (int(blocks) - 1)))
+        if per_block:
+            out["peak_kv_mb"] = out["peak_blocks"] * per_block / tp / 2 ** 20
+            out["pool_mb"] = (int(blocks) - 1) * per_block / tp / 2 ** 20
+    weights, _ = weight_bytes_of(meta, tp)
+    out["weights_mb"] = weights / 2 ** 20 if weights else None
+    # communication
+    out["ranks"] = tp
+    ranks = {int(r["pid"]): int(r["rank"]) for r in meta.get("ranks") or [] if "pid" in r and "rank" in r}
+    rank0 = {p for p, r in ranks.items() if r == 0}
+    counts = [int(w.attributes.get("vllm_anatomy.num_all_reduce") or 0) for w in workers
+              if "vllm_anatomy.num_all_reduce" in w.attributes and (not rank0 or w.pid in rank0)]
+    out["all_reduces"] = sum(counts)
+    out["all_reduces_per_step"] = statistics.median(counts) if counts else 0
+    backend = (cfg.get("parallel_config") or {}).get("distributed_executor_backend")
+    out["shm_messages"] = 4 * len(steps) if backend == "mp" or tp > 1 else 0
+    # cpu: the control-plane spans on the host (the output rank's where several ranks run them)
+    host = [s.duration_ns / 1e6 for spans in control.values() for s in spans
+            if s.process_kind != "worker" or not rank0 or s.pid in rank0]
+    out["host_ms"] = sum(host)
+    out["host_ms_per_step"] = out["host_ms"] / len(steps) if len(steps) else None
+    # request
+    if not steps.empty:
+        out["preemptions"] = int(steps["preempted"].sum())
+        out["hit_tokens"] = int(steps["hit_tokens"].sum())
+        out["chunked_steps"] = int(steps["chunked"].sum())
+        out["max_running"] = int(steps["running"].max())
+    return out
+
+
+def series(steps: pd.DataFrame, spans_ms: dict[int, float]) -> pd.DataFrame:
+    """Per step (1, 2, ... in order): step ms, tokens scheduled, KV usage (%), preemptions so far."""
+    if steps.empty:
+        return pd.DataFrame(columns=["i", "step", "step_ms", "tokens", "kv_usage", "preemptions"])
+    s = steps.sort_values("step").reset_index(drop=True)
+    return pd.DataFrame({"i": range(1, len(s) + 1), "step": s["step"],
+                         "step_ms": [spans_ms.get(int(x)) for x in s["step"]], "tokens": s["tokens"],
+                         "kv_usage": s["kv_usage"] * 100, "preemptions": s["preempted"].cumsum()})
+
+
+# -- what moved, and why ----------------------------------------------------------------------------
+def delta(a, b) -> tuple[float | None, float | None]:
+    """(b - a, relative change) or Nones where a value is missing."""
+    if a is None or b is None:
+        return None, None
+    d = b - a
+    return d, (d / abs(a) if a else (None if d == 0 else float("inf")))
+
+
+def fmt(v, unit: str = "") -> str:
+    if v is None:
+        return "—"
+    if isinstance(v, bool):
+        return "on" if v else "off"
+    if isinstance(v, float):
+        text = f"{v:,.3f}" if abs(v) < 1 else f"{v:,.2f}" if abs(v) < 100 else f"{v:,.0f}"
+    else:
+        text = f"{v:,}"
+    return f"{text} {unit}".strip()
+
+
+def value_text(knob: Knob | None, v) -> str:
+    if knob is not None and knob.arg == "enforce_eager" and isinstance(v, bool):
+        return "off (eager)" if v else "on"
+    return fmt(v)
+
+
+NOISE = 0.03        # changes under 3 % are called unchanged
+LOWER = {key: lower for _, key, _, _, lower in METRICS}
+
+
+def quality(key: str, d: float) -> str | None:
+    """"better" / "worse" for a move of metric `key` by d, None where neither direction is better."""
+    lower = LOWER.get(key)
+    return None if lower is None or d == 0 else ("better" if (d < 0) == lower else "worse")
+
+
+def _move(a: dict, b: dict, key: str, rel: float) -> str:
+    pct = "×∞" if rel == float("inf") else f"{rel:+.0%}"
+    return f"{LABEL[key]} {fmt(a.get(key), UNIT[key])} → {fmt(b.get(key), UNIT[key])} ({pct})"
+
+
+def sentences(a: dict, b: dict, knobs: list[tuple[Knob, object, object]]) -> dict[str, str]:
+    """Per account: the metric the knob's mechanism is about (else the one that moved most), its two values,
+    the largest move the other way where the account has one (the trade-off inside it), and the mechanism."""
+    out = {}
+    knob = knobs[0][0] if len(knobs) == 1 else None
+    for i, account in enumerate(ACCOUNTS):
+        moves = {}
+        for acc, key, _, _, _ in METRICS:
+            d, rel = delta(a.get(key), b.get(key))
+            if acc == account and d is not None and rel is not None and d != 0 and abs(rel) >= NOISE:
+                moves[key] = (d, rel)
+        why = (knob.why.get(account) if knob else None) or ""
+        if not moves:
+            out[account] = ("unchanged within noise (every " + ACCOUNT_TITLES[account].lower() + " metric moved by "
+                            f"less than {NOISE:.0%})" + (f" — {why}." if why and "unchanged" in why else "."))
+            continue
+        biggest = max(moves, key=lambda k: abs(moves[k][1]))
+        lead = knob.lead[i] if knob and len(knob.lead) > i and knob.lead[i] in moves else biggest
+        text = _move(a, b, lead, moves[lead][1])
+        q = quality(lead, moves[lead][0])
+        other = [k for k in moves if k != lead and q and quality(k, moves[k][0]) not in (None, q)]
+        if other:
+            k = max(other, key=lambda k: abs(moves[k][1]))
+            text += f", while {_move(a, b, k, moves[k][1])}"
+        elif biggest != lead and abs(moves[biggest][1]) > abs(moves[lead][1]) + 0.1:
+            text += f"; the largest move: {_move(a, b, biggest, moves[biggest][1])}"
+        out[account] = text + (f" — {why}." if why else ".")
+    return out
