@@ -15,7 +15,15 @@ and span events for the request's journey:
 The span's W3C context goes into EngineCoreRequest.trace_headers, so the
 engine side (in this process or another) can parent and link to it.
 
-Who calls what: the frontend (LLMEngine, AsyncLLM) opens the span (on_add);
+The span is the request's trace (or, behind the HTTP server, its HTTP span's
+child): it opens when the frontend starts admitting the request
+(`with tracer.admitting(request_id, trace_headers):`, before tokenizing), so
+AsyncLLM.add_request and InputProcessor.process_inputs are its children, and
+its parent is the span named by `trace_headers` (the HTTP span, or an offline
+caller's own span) or none: never a span of ours that ends before it.
+
+Who calls what: the frontend (LLMEngine, AsyncLLM) opens the span (admitting,
+then on_add once the EngineCoreRequest exists);
 the OutputProcessor, in its one loop over a step's outputs, reports what
 changed — engine events, the first token, the finish (with the output token
 count it keeps anyway), an abort — as vLLM's OutputProcessor does its
@@ -29,9 +37,10 @@ calls, each a no-op.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import os
 import time
-from typing import Any
+from typing import Any, Iterator
 
 from vllm_anatomy.engine.protocol import EngineCoreEvent, EngineCoreEventType, EngineCoreRequest
 from vllm_anatomy.tracing.recorder import _NULL_SPAN, Recorder, SpanHandle
@@ -47,10 +56,38 @@ class RequestTracer:
         self.model_name = model_name
         # The open span of each request (until it finishes).
         self.requests: dict[str, SpanHandle] = {}
+        # Spans opened by admitting() whose EngineCoreRequest is not added yet, by request id.
+        self.admitted: dict[str, SpanHandle] = {}
+        # The span admitting() opened in this task / thread (AsyncLLM renames the request inside).
+        self._admitting: contextvars.ContextVar[tuple[str, SpanHandle] | None] = contextvars.ContextVar(
+            "vllm_anatomy_admitting", default=None)
+
+    @contextlib.contextmanager
+    def admitting(self, request_id: str, trace_headers: dict | None) -> Iterator[SpanHandle]:
+        """Open the request's span now (a child of the span `trace_headers` name, else a new
+        trace) and make it current: what is done inside (tokenizing, sending) nests under it.
+        on_add later completes it; if the block raises, it ends there with the error."""
+        attrs: dict[str, Any] = {"vllm_anatomy.request_id": request_id}
+        span = self.recorder.start_span("llm_request", trace_headers=trace_headers, kind="server",
+                                        root=not trace_headers, **attrs)
+        span.add_event("QUEUED")
+        self.admitted[request_id] = span
+        token = self._admitting.set((request_id, span))
+        try:
+            with self.recorder.use_span(span):
+                yield span
+        except BaseException as e:
+            self.admitted.pop(request_id, None)
+            span.set_attribute("vllm_anatomy.error", f"{type(e).__name__}: {e}")
+            span.end()
+            raise
+        finally:
+            self._admitting.reset(token)
 
     def on_add(self, request: EngineCoreRequest) -> SpanHandle:
-        """Open the request's span (child of request.trace_headers' span if any) and
-        replace request.trace_headers with its context."""
+        """Complete the request's span (the one admitting() opened, else a new one: a child
+        of request.trace_headers' span if any) and replace request.trace_headers with its
+        context."""
         sp = request.sampling_params
         attrs: dict[str, Any] = {
             "gen_ai.operation.name": "text_completion",
@@ -65,9 +102,16 @@ class RequestTracer:
         }
         if sp.seed is not None:
             attrs["gen_ai.request.seed"] = sp.seed
-        span = self.recorder.start_span("llm_request", trace_headers=request.trace_headers,
-                                        kind="server", **attrs)
-        span.add_event("QUEUED")
+        span = self.admitted.pop(request.request_id, None)
+        admitting = self._admitting.get()
+        if span is None and admitting is not None:         # (AsyncLLM gave the request its final id)
+            span = self.admitted.pop(admitting[0], None)
+        if span is not None:
+            span.set_attributes(attrs)
+        else:
+            span = self.recorder.start_span("llm_request", trace_headers=request.trace_headers,
+                                            kind="server", **attrs)
+            span.add_event("QUEUED")
         request.trace_headers = span.trace_headers()
         self.requests[request.request_id] = span
         return span
@@ -76,6 +120,11 @@ class RequestTracer:
         """`with tracer.adding(request):` on_add, then its span is current inside
         (an in-process EngineCore.add_request nests under it)."""
         return self.recorder.use_span(self.on_add(request))
+
+    def caller_headers(self, trace_headers: dict | None) -> dict | None:
+        """The parent a request's span should have: `trace_headers` if given (an HTTP
+        request's), else the caller's current span (an offline caller's own span), else None."""
+        return trace_headers or self.recorder.inject_trace_headers() or None
 
     def on_engine_events(self, request_id: str, events: list[EngineCoreEvent]) -> None:
         """The engine's events of one request (SCHEDULED, PREEMPTED), at the engine's times."""
@@ -112,6 +161,12 @@ class RequestTracer:
 
 class NullRequestTracer:
     """Tracing off: RequestTracer's calls, each a no-op."""
+
+    def admitting(self, request_id: str, trace_headers: dict | None) -> contextlib.AbstractContextManager:
+        return _NULL_SPAN
+
+    def caller_headers(self, trace_headers: dict | None) -> dict | None:
+        return trace_headers
 
     def on_add(self, request: EngineCoreRequest) -> SpanHandle:
         return _NULL_SPAN
