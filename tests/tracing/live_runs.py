@@ -31,25 +31,15 @@ def three_process_run(trace_dir: str, max_tokens: int = 8, otlp_endpoint: str | 
 
 
 async def _serve_and_send(config, recorder, max_tokens: int) -> None:
-    import argparse
+    """`vllm-anatomy serve` as the dashboard's live run starts it (AsyncLLM behind the OpenAI app)."""
     import asyncio
-    import socket
+    import os
+    import sys
 
     import httpx
-    import uvicorn
-
-    from vllm_anatomy.engine.async_llm import AsyncLLM
-    from vllm_anatomy.entrypoints.launcher import UvicornServer
-    from vllm_anatomy.entrypoints.openai.api_server import build_app
-    from vllm_anatomy.entrypoints.openai.cli_args import make_arg_parser
-    engine = AsyncLLM(config, multiprocess=True, recorder=recorder)
-    args = make_arg_parser(argparse.ArgumentParser()).parse_args(["--model", config.model_config.model])
-    args.served_model_name = ["live"]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = UvicornServer(uvicorn.Config(build_app(engine, args), host="127.0.0.1", port=port,
-                                          log_level="warning", access_log=False))
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    from dashboard.live_engine import _start_server
+    engine, server, port = _start_server(config, recorder)
     serving = asyncio.create_task(server.serve())
     try:
         while not server.started:

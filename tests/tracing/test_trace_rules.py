@@ -161,63 +161,60 @@ def tp_run(tmp_path_factory):
     return tensor_parallel_run(str(tmp_path_factory.mktemp("tp")))
 
 
+def _checked(path: str, services: int) -> tuple[dict, list]:
+    """(meta, spans) of a fresh run that passed every rule, with one trace per request."""
+    with open_run(path) as run:
+        _assert_clean(check_run(run), services=services)
+        _assert_request_traces(run)
+        return run.meta, run.spans()
+
+
 @pytest.mark.model
 def test_offline_run(offline_run):
-    with open_run(offline_run) as run:
-        report = check_run(run)
-        _assert_clean(report, services=1)
-        _assert_request_traces(run)
+    _checked(offline_run, services=1)
 
 
 @pytest.mark.model
 @pytest.mark.slow
 def test_three_process_run(three_process_run):
-    with open_run(three_process_run) as run:
-        report = check_run(run)
-        _assert_clean(report, services=3)
-        _assert_request_traces(run)
-        spans = run.spans()
-        by_id = {s.span_id: s for s in spans}
-        services = {s.service for s in spans}
-        assert services == {"vllm_anatomy.frontend", "vllm_anatomy.engine_core", "vllm_anatomy.worker"}
-        # The output path of a step is in the step's trace: engine send -> frontend decode -> processing.
-        steps = {s.trace_id for s in spans if s.name == "EngineCore.step"}
-        for name in ("EngineCoreProc.process_output_sockets", "MPClient._decode_output",
-                     "OutputProcessor.process_outputs"):
-            outs = [s for s in spans if s.name == name]
-            assert outs and all(s.trace_id in steps and not s.parent_id for s in outs), name
-            assert all(s.links[0]["attributes"] == {"opentracing.ref_type": "follows_from"} for s in outs)
-        # The worker's spans are within the executor's, which last until the reply is read.
-        for w in (s for s in spans if s.name in ("Worker.execute_model", "Worker.sample_tokens")):
-            parent = by_id[w.parent_id]
-            assert parent.name == w.name.replace("Worker.", "Executor.")
-        # Start-up: one trace, the workers' spans in it.
-        (startup,) = [s for s in spans if s.name == "EngineCore.__init__"]
-        assert {s.process_kind for s in spans if s.trace_id == startup.trace_id} == {"engine_core", "worker"}
-        # Every process' resource is kept, per the semantic conventions.
-        resources = [v for k, v in run.meta.items() if k.startswith("resource.")]
-        assert len(resources) == 3 and all({"service.name", "service.instance.id", "process.pid", "host.name",
-                                            "telemetry.sdk.name"} <= r.keys() for r in resources)
+    meta, spans = _checked(three_process_run, services=3)
+    by_id = {s.span_id: s for s in spans}
+    services = {s.service for s in spans}
+    assert services == {"vllm_anatomy.frontend", "vllm_anatomy.engine_core", "vllm_anatomy.worker"}
+    # The output path of a step is in the step's trace: engine send -> frontend decode -> processing.
+    steps = {s.trace_id for s in spans if s.name == "EngineCore.step"}
+    for name in ("EngineCoreProc.process_output_sockets", "MPClient._decode_output",
+                 "OutputProcessor.process_outputs"):
+        outs = [s for s in spans if s.name == name]
+        assert outs and all(s.trace_id in steps and not s.parent_id for s in outs), name
+        assert all(s.links[0]["attributes"] == {"opentracing.ref_type": "follows_from"} for s in outs)
+    # The worker's spans are within the executor's, which last until the reply is read.
+    for w in (s for s in spans if s.name in ("Worker.execute_model", "Worker.sample_tokens")):
+        parent = by_id[w.parent_id]
+        assert parent.name == w.name.replace("Worker.", "Executor.")
+    # Start-up: one trace, the workers' spans in it.
+    (startup,) = [s for s in spans if s.name == "EngineCore.__init__"]
+    assert {s.process_kind for s in spans if s.trace_id == startup.trace_id} == {"engine_core", "worker"}
+    # Every process' resource is kept, per the semantic conventions.
+    resources = [v for k, v in meta.items() if k.startswith("resource.")]
+    assert len(resources) == 3 and all({"service.name", "service.instance.id", "process.pid", "host.name",
+                                        "telemetry.sdk.name"} <= r.keys() for r in resources)
 
 
 @pytest.mark.model
 @pytest.mark.slow
 def test_tensor_parallel_run(tp_run):
-    with open_run(tp_run) as run:
-        report = check_run(run)
-        _assert_clean(report, services=2)
-        _assert_request_traces(run)
-        spans = run.spans()
-        ranks = {p["pid"]: p["rank"] for p in run.meta["ranks"]}
-        by_id = {s.span_id: s for s in spans}
-        # Rank 0 replies: its Worker spans are the executor's children; the others follow from them.
-        for w in (s for s in spans if s.name in ("Worker.execute_model", "Worker.sample_tokens")):
-            if ranks[w.pid] == 0:
-                assert by_id[w.parent_id].name == w.name.replace("Worker.", "Executor.")
-            else:
-                assert w.parent_id is None and by_id[w.links[0]["span_id"]].name == w.name.replace("Worker.", "Executor.")
-        (startup,) = [s for s in spans if s.name == "EngineCore.__init__"]
-        assert {s.pid for s in spans if s.trace_id == startup.trace_id} >= set(ranks)
+    meta, spans = _checked(tp_run, services=2)
+    ranks = {p["pid"]: p["rank"] for p in meta["ranks"]}
+    by_id = {s.span_id: s for s in spans}
+    # Rank 0 replies: its Worker spans are the executor's children; the others follow from them.
+    for w in (s for s in spans if s.name in ("Worker.execute_model", "Worker.sample_tokens")):
+        if ranks[w.pid] == 0:
+            assert by_id[w.parent_id].name == w.name.replace("Worker.", "Executor.")
+        else:
+            assert w.parent_id is None and by_id[w.links[0]["span_id"]].name == w.name.replace("Worker.", "Executor.")
+    (startup,) = [s for s in spans if s.name == "EngineCore.__init__"]
+    assert {s.pid for s in spans if s.trace_id == startup.trace_id} >= set(ranks)
 
 
 def _assert_request_traces(run) -> None:
@@ -233,5 +230,8 @@ def _assert_request_traces(run) -> None:
         linked = {lk["span_id"] for lk in life.links[1:]}
         served = {sid for sid, st in steps.items() if any(lk["span_id"] == r.span_id for lk in st.links)}
         assert linked == served and served, rid
-        for name in ("EngineCore.add_request", "InputProcessor.process_inputs"):
-            assert [s.trace_id for s in spans if s.name == name and s.request_id == rid] == [r.trace_id], name
+        assert [s.trace_id for s in spans if s.name == "EngineCore.add_request" and s.request_id == rid] == \
+            [r.trace_id]
+    # Tokenizing is part of each request's trace.
+    assert sorted(s.trace_id for s in spans if s.name == "InputProcessor.process_inputs") == \
+        sorted(r.trace_id for r in requests)

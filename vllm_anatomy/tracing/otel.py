@@ -358,20 +358,6 @@ class OTelRecorder(Recorder):
             if token is not None:
                 otel_context.detach(token)
 
-    @contextlib.contextmanager
-    def step_scope(self, handle: SpanHandle) -> Iterator[None]:
-        saved, self._step = self._step, StepRef(handle.trace_headers(), False)
-        try:
-            yield
-        finally:
-            self._step = saved
-
-    def current_step(self) -> StepRef | None:
-        return self._step
-
-    def rpc_trace_headers(self) -> tuple[dict[str, str] | None, dict[str, str] | None]:
-        return inject_trace_headers() or None, self._step.headers if self._step else None
-
     def has_current_span(self) -> bool:
         return trace.get_current_span().get_span_context().is_valid
 

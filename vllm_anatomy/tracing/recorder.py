@@ -96,18 +96,21 @@ class Recorder:
         name the engine step the call works for (current_step())."""
         return contextlib.nullcontext()
 
+    # The engine step being worked on (step_scope; in a worker, remote_parent's step_headers).
+    _step: "StepRef | None" = None
+
     def step_scope(self, handle: "SpanHandle") -> contextlib.AbstractContextManager:
         """Inside: `handle` (an EngineCore.step span) is the step being worked on."""
-        return contextlib.nullcontext()
+        return _StepScope(self, handle)
 
     def current_step(self) -> "StepRef | None":
         """The engine step being worked on: its headers, and whether the caller waits for
         this process' work on it (False: a rank that does not reply follows from it)."""
-        return None
+        return self._step
 
     def rpc_trace_headers(self) -> "tuple[dict[str, str] | None, dict[str, str] | None]":
         """(the current span's headers, the current step's) for a call to another process."""
-        return None, None
+        return self.inject_trace_headers() or None, self._step.headers if self._step else None
 
     def is_current(self, trace_headers: dict | None) -> bool:
         """Do these W3C headers name the current span?"""
@@ -147,6 +150,21 @@ class Recorder:
 
     def shutdown(self) -> None:
         pass
+
+
+class _StepScope:
+    """step_scope(): the step being worked on, inside (a class: entered twice per step)."""
+    __slots__ = ("recorder", "handle", "saved")
+
+    def __init__(self, recorder: Recorder, handle: "SpanHandle") -> None:
+        self.recorder, self.handle = recorder, handle
+
+    def __enter__(self) -> None:
+        self.saved = self.recorder._step
+        self.recorder._step = StepRef(self.handle.trace_headers(), False)
+
+    def __exit__(self, *exc: object) -> None:
+        self.recorder._step = self.saved
 
 
 class SpanHandle:
@@ -435,20 +453,6 @@ class InMemoryRecorder(Recorder):
             yield
         finally:
             self._remote, self._step = saved
-
-    @contextlib.contextmanager
-    def step_scope(self, handle: SpanHandle) -> Iterator[None]:
-        saved, self._step = self._step, StepRef(handle.trace_headers(), False)
-        try:
-            yield
-        finally:
-            self._step = saved
-
-    def current_step(self) -> StepRef | None:
-        return self._step
-
-    def rpc_trace_headers(self) -> tuple[dict[str, str] | None, dict[str, str] | None]:
-        return self.inject_trace_headers() or None, self._step.headers if self._step else None
 
     def is_current(self, trace_headers: dict | None) -> bool:
         ids = parse_traceparent(trace_headers)
