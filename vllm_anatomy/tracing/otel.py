@@ -48,7 +48,7 @@ from vllm_anatomy.tracing.local_span import LocalSpan, SpanSink
 from vllm_anatomy.tracing.recorder import LEVELS, Recorder, SpanHandle, StepRef
 from vllm_anatomy.tracing.span_export import StoreSpanExporter, make_otlp_exporter
 from vllm_anatomy.tracing.store import RunStore, to_json
-from vllm_anatomy.tracing.trace_context import (headers_of, inject_trace_headers, link_for, new_link,
+from vllm_anatomy.tracing.trace_context import (headers_of, link_for, new_link,
                                                 remote_span_context, shared_link)
 
 _TRACEPARENT = operator.itemgetter("traceparent")
@@ -106,6 +106,26 @@ def _attrs(attrs: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+class _Use:
+    """use_span(): make a started span current inside, without ending it; an exception
+    leaving the block is recorded on it, as OpenTelemetry's use_span does (a class: entered
+    for every request's admission and every step)."""
+    __slots__ = ("span", "token")
+
+    def __init__(self, span: trace.Span) -> None:
+        self.span = span
+
+    def __enter__(self) -> trace.Span:
+        self.token = otel_context.attach(trace.set_span_in_context(self.span))
+        return self.span
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        otel_context.detach(self.token)
+        if exc is not None and self.span.is_recording():
+            self.span.record_exception(exc)
+            self.span.set_status(Status(StatusCode.ERROR, f"{exc_type.__name__}: {exc}"))
+
+
 class OTelSpan(SpanHandle):
     """SpanHandle over an OpenTelemetry span (a LocalSpan or the SDK's): what
     span() yields and start_span() returns.
@@ -126,6 +146,10 @@ class OTelSpan(SpanHandle):
             self.span.set_attribute(key, value)
         else:
             self.span.set_attributes(_attrs({key: value}))
+
+    def set_attributes(self, attributes: dict[str, Any]) -> None:
+        """All at once: one pass of the span's attribute bookkeeping, not one per key."""
+        self.span.set_attributes(_attrs(attributes))
 
     def add_event(self, name: str, time_ns: int | None = None, **attrs: Any) -> None:
         self.span.add_event(name, _attrs(attrs), timestamp=time_ns)
@@ -368,7 +392,7 @@ class OTelRecorder(Recorder):
 
     def use_span(self, handle: SpanHandle) -> contextlib.AbstractContextManager:
         assert isinstance(handle, OTelSpan), "a span this recorder started"
-        return trace.use_span(handle.span, end_on_exit=False)
+        return _Use(handle.span)
 
     def event(self, name: str, **attrs: Any) -> None:
         trace.get_current_span().add_event(name, _attrs(attrs))
@@ -378,7 +402,8 @@ class OTelRecorder(Recorder):
             self.store.write_snapshot(step_id, kind, self.process_name, data)
 
     def inject_trace_headers(self) -> dict[str, str]:
-        return inject_trace_headers()
+        # (what inject_trace_headers() writes, without the propagator: see headers_of)
+        return headers_of(trace.get_current_span().get_span_context())
 
     def now_ns(self) -> int:
         return time.time_ns()

@@ -40,7 +40,7 @@ import contextlib
 import contextvars
 import os
 import time
-from typing import Any, Iterator
+from typing import Any
 
 from vllm_anatomy.engine.protocol import EngineCoreEvent, EngineCoreEventType, EngineCoreRequest
 from vllm_anatomy.tracing.recorder import _NULL_SPAN, Recorder, SpanHandle
@@ -62,27 +62,12 @@ class RequestTracer:
         self._admitting: contextvars.ContextVar[tuple[str, SpanHandle] | None] = contextvars.ContextVar(
             "vllm_anatomy_admitting", default=None)
 
-    @contextlib.contextmanager
-    def admitting(self, request_id: str, trace_headers: dict | None) -> Iterator[SpanHandle]:
-        """Open the request's span now (a child of the span `trace_headers` name, else a new
-        trace) and make it current: what is done inside (tokenizing, sending) nests under it.
-        on_add later completes it; if the block raises, it ends there with the error."""
-        attrs: dict[str, Any] = {"vllm_anatomy.request_id": request_id}
-        span = self.recorder.start_span("llm_request", trace_headers=trace_headers, kind="server",
-                                        root=not trace_headers, **attrs)
-        span.add_event("QUEUED")
-        self.admitted[request_id] = span
-        token = self._admitting.set((request_id, span))
-        try:
-            with self.recorder.use_span(span):
-                yield span
-        except BaseException as e:
-            self.admitted.pop(request_id, None)
-            span.set_attribute("vllm_anatomy.error", f"{type(e).__name__}: {e}")
-            span.end()
-            raise
-        finally:
-            self._admitting.reset(token)
+    def admitting(self, request_id: str, trace_headers: dict | None) -> "_Admission":
+        """`with tracer.admitting(request_id, trace_headers):` open the request's span now (a
+        child of the span `trace_headers` name, else a new trace) and make it current: what is
+        done inside (tokenizing, sending) nests under it. on_add later completes it; if the
+        block raises before that, it ends there with the error."""
+        return _Admission(self, request_id, trace_headers)
 
     def on_add(self, request: EngineCoreRequest) -> SpanHandle:
         """Complete the request's span (the one admitting() opened, else a new one: a child
@@ -157,6 +142,36 @@ class RequestTracer:
         # NOTE: engine event times are time.monotonic() of the engine's host (the
         # same host here); shifted onto the recorder's clock.
         return self.recorder.now_ns() - time.monotonic_ns() + int(ts * 1e9)
+
+
+class _Admission:
+    """RequestTracer.admitting (a class: entered once per request)."""
+    __slots__ = ("tracer", "request_id", "trace_headers", "span", "scope", "token")
+
+    def __init__(self, tracer: RequestTracer, request_id: str, trace_headers: dict | None) -> None:
+        self.tracer, self.request_id, self.trace_headers = tracer, request_id, trace_headers
+
+    def __enter__(self) -> SpanHandle:
+        tracer = self.tracer
+        attrs: dict[str, Any] = {"vllm_anatomy.request_id": self.request_id}
+        self.span = span = tracer.recorder.start_span("llm_request", trace_headers=self.trace_headers,
+                                                      kind="server", root=not self.trace_headers, **attrs)
+        span.add_event("QUEUED")
+        tracer.admitted[self.request_id] = span
+        self.token = tracer._admitting.set((self.request_id, span))
+        self.scope = tracer.recorder.use_span(span)
+        self.scope.__enter__()
+        return span
+
+    def __exit__(self, *exc: Any) -> None:
+        tracer = self.tracer
+        try:
+            self.scope.__exit__(*exc)
+        finally:
+            tracer._admitting.reset(self.token)
+            # (refused before on_add took it: it ends here, the error recorded by the scope)
+            if exc[1] is not None and tracer.admitted.pop(self.request_id, None) is not None:
+                self.span.end()
 
 
 class NullRequestTracer:
