@@ -197,8 +197,9 @@ class StepTracer:
         return self._linked_headers
 
     def end_requests(self, req_ids: Any) -> None:
-        """Requests that finished in the engine (EngineCore calls it for the ones it aborts): each one's Request span, in its own trace
-        (a follower of its llm_request: the frontend may have finished it first), from
+        """Requests that finished in the engine (EngineCore also calls it for those it
+        aborts): each one's Request span, in its own trace (a follower of its
+        llm_request: the frontend may have finished it first), from
         EngineCore.add_request to now, linked to every step that scheduled it."""
         lives = self.lives
         for req_id in [r for r in req_ids if r in lives]:
