@@ -26,6 +26,9 @@ from vllm_anatomy.tracing.reader import TraceStoreError, open_run
 
 DEVICE_WORK = ("GPUModelRunner._model_forward", "GPUModelRunner.compute_logits", "GPUModelRunner._sample")
 DEVICE_LANE = "device"
+# Containers the timeline does not draw (runs recorded since issue 30): a step's GPU.step holds its
+# device phases (drawn one by one), a request's Request span its whole life in the engine.
+NOT_DRAWN = frozenset({"GPU.step", "Request"})
 # Span attributes kept as columns (None where a span does not have them).
 ATTR_COLUMNS = {"vllm_anatomy.cudagraph_mode": "cudagraph_mode", "vllm_anatomy.num_padded_tokens": "num_padded_tokens",
                 "vllm_anatomy.cudagraph_reason": "cudagraph_reason", "vllm_anatomy.layer": "layer",
@@ -70,6 +73,8 @@ def _span_rows(spans, host_device: bool, ranks: dict[int, int] | None = None) ->
     device_pids = {p for p, r in ranks.items() if r == 0} if len(ranks) > 1 else None
     rows = []
     for s in spans:
+        if s.name in NOT_DRAWN:
+            continue
         a = s.attributes
         rank = ranks.get(s.pid) if s.process_kind == "worker" else None
         lane = process_name(s.process_kind, s.pid, kinds, rank)

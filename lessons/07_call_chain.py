@@ -10,7 +10,8 @@ What it teaches
     the run store with the export CLI to Jaeger JSON and Perfetto JSON, and walks the chain
     in the exported files:
 
-        HTTP span -> llm_request -> EngineCore.add_request          (request's trace)
+        HTTP span -> llm_request ~> EngineCore.add_request          (request's trace; ~>: follows
+                                                                     from, nothing waits for it)
         EngineCore.step (linked to llm_request) -> Scheduler.schedule
             -> Executor.execute_model -> Worker.execute_model
             -> GPUModelRunner.execute_model -> GPUModelRunner._model_forward   (step's trace)
@@ -188,6 +189,11 @@ def main() -> None:
         refs = [r["spanID"] for r in s["references"] if r["refType"] == "CHILD_OF"]
         return spans.get(refs[0]) if refs else None
 
+    def cause(s):
+        """What a span follows from: its first reference, a FOLLOWS_FROM one into its own trace."""
+        refs = s["references"][:1]
+        return spans.get(refs[0]["spanID"]) if refs and refs[0]["refType"] == "FOLLOWS_FROM" else None
+
     def named(name, **where):
         return [s for s in spans.values() if s["operationName"] == name
                 and all(f(s) for f in where.values())]
@@ -246,9 +252,10 @@ def main() -> None:
           f"the client's trace id {client_trace_id} is kept by the HTTP span, llm_request and add_request")
     check(http is not None and "chat/completions" in http["operationName"] and proc_of[http["spanID"]][0] == "frontend",
           f"llm_request's parent is the HTTP span {http['operationName']!r}, in the API server process")
-    check(parent(add) is request and proc_of[request["spanID"]] == proc_of[http["spanID"]]
+    check(parent(add) is None and cause(add) is request and proc_of[request["spanID"]] == proc_of[http["spanID"]]
           and proc_of[add["spanID"]][0] == "engine_core",
-          "EngineCore.add_request is llm_request's child, and runs in the engine process")
+          "EngineCore.add_request follows from llm_request (in its trace; nothing in the API server waits "
+          "for it), and runs in the engine process")
     n_gen = answer["usage"]["completion_tokens"]
     check(len(steps) == n_gen and all(s["traceID"] != client_trace_id and parent(s) is None for s in steps),
           f"{len(steps)} EngineCore.step spans link to the request, one per generated token, "

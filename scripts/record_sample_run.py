@@ -28,8 +28,11 @@ request's communication account. On a CPU the ranks talk over gloo and the
 answers are shorter (32 tokens: every rank's collectives are spans, so the
 store grows with ranks x steps x layers). The file is named after the
 device (`h200-` on an H200, `cpu-` on a CPU).
-It fails unless the run really contains each of these. The run store is
-checkpointed into one SQLite file.
+It fails unless the run really contains each of these, and unless its traces
+have the shape Jaeger and Perfetto show without complaint (tracing/trace_check.py:
+no clock-skew warning, every span within its parent, one trace per request, no
+trace outside a request, a step or the start-up, no Perfetto overlap). The run
+store is checkpointed into one SQLite file.
 """
 from __future__ import annotations
 
@@ -165,9 +168,12 @@ def main() -> None:
 def check(path: str, processes: int, tp: int = 1, on_gpu: bool = True) -> dict:
     """What the run must show, read back from its run store alone."""
     from vllm_anatomy.tracing.reader import open_run
+    from vllm_anatomy.tracing.trace_check import check_run
     with open_run(path) as run:
         meta = run.meta
         spans = run.spans()
+        shape = check_run(run)
+        print({k: v for k, v in shape.row().items()}, *shape.examples, sep="\n  ")
         records = [run.snapshot(i)["scheduler"]["step_record"] for i in run.steps()]
         events = [e for i in run.steps() for e in (run.snapshot(i).get("block_pool_events") or [])]
     forwards = [s for s in spans if s.name == "GPUModelRunner._model_forward"]
@@ -178,7 +184,10 @@ def check(path: str, processes: int, tp: int = 1, on_gpu: bool = True) -> dict:
            "chunked_prefill": any(x["kind"] == "prefill_chunk" for r in records for x in r["scheduled"]),
            "finish_then_reuse": finished_then_reused,
            "eager_step": "NONE" in modes,
-           "processes": len({s.pid for s in spans}) >= processes}
+           "processes": len({s.pid for s in spans}) >= processes,
+           "trace_shape": not any((shape.jaeger_warnings, shape.strict_violations, shape.missing_parents,
+                                   shape.single_span_traces, shape.other_traces, shape.split_requests,
+                                   shape.perfetto_overlaps, shape.perfetto_unbound_flows))}
     if on_gpu:
         out |= {"graph_replay": "FULL" in modes,
                 "piecewise_step": "PIECEWISE" in modes,

@@ -45,13 +45,16 @@ def _check_trees(spans, kind_of):
     assert request["trace_id"] == CLIENT_TRACE
     http = by_id[request["parent_id"]]
     assert kind_of(http) == "frontend" and "completions" in http["name"]
-    # AsyncLLM.add_request (with InputProcessor.process_inputs inside) runs under the HTTP span.
+    # AsyncLLM.add_request (with InputProcessor.process_inputs inside) runs under the request's span.
     (front_add,) = [s for s in spans if s["name"] == "AsyncLLM.add_request"]
-    assert front_add["parent_id"] == http["span_id"] and kind_of(front_add) == "frontend"
+    assert front_add["parent_id"] == request["span_id"] and kind_of(front_add) == "frontend"
     (tokenize,) = [s for s in spans if s["name"] == "InputProcessor.process_inputs"]
     assert tokenize["parent_id"] == front_add["span_id"]
+    # The engine's side is in the request's trace too, following from its span (nothing in
+    # the frontend waits for it): no parent, its first link the request's span.
     (add,) = [s for s in spans if s["name"] == "EngineCore.add_request"]
-    assert add["parent_id"] == request["span_id"] and add["trace_id"] == CLIENT_TRACE
+    assert add["parent_id"] is None and add["trace_id"] == CLIENT_TRACE
+    assert add["links"][0]["span_id"] == request["span_id"]
     assert kind_of(add) == "engine_core"
     # Steps: their own traces, in the engine process, linked to the request;
     # the worker process' spans are children of the executor's spans.

@@ -102,7 +102,9 @@ def _view(spans) -> list[dict]:
             "events": [(e.name, dict(e.attributes or {}), e.dropped_attributes) for e in s.events],
             "links": [(name.get(lk.context.span_id), dict(lk.attributes or {})) for lk in s.links],
             "status": (s.status.status_code.name, s.status.description), "has_times": s.end_time >= s.start_time,
-            "resource": dict(s.resource.attributes), "scope": s.instrumentation_scope,
+            # (each recorder is a service instance of its own: the rest of the resource is the same)
+            "resource": {k: v for k, v in s.resource.attributes.items() if k != "service.instance.id"},
+            "scope": s.instrumentation_scope,
         })
     return out
 

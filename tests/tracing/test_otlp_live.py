@@ -57,7 +57,8 @@ def _check(spans):
         events = [e["name"] for e in r["events"]]
         assert events[0] == "QUEUED" and events[-1] == "FINISHED" and "FIRST_TOKEN" in events
         assert r["events"][-1]["attributes"]["vllm_anatomy.finish_reason"] == "length"
-        assert r["resource"]["service.name"] and r["resource"]["vllm_anatomy.process.kind"] == "frontend"
+        assert r["resource"]["service.name"] == "vllm_anatomy.frontend"
+        assert r["resource"]["vllm_anatomy.process.kind"] == "frontend" and r["resource"]["service.instance.id"]
     steps = [s for s in spans if s["name"] == "EngineCore.step"]
     assert [s["attributes"]["vllm_anatomy.step_id"] for s in steps] == list(range(1, len(steps) + 1))
     assert all(not any(k.startswith("gen_ai.") for k in s["attributes"]) for s in steps)
@@ -77,6 +78,22 @@ def test_otlp_http(default_model_dir, monkeypatch, tmp_path):
     with HttpReceiver() as rx:
         _run(default_model_dir, rx.endpoint, monkeypatch, "http/protobuf")
     _check(rx.spans)
+
+
+def test_otlp_http_endpoint_alone(default_model_dir, monkeypatch, tmp_path):
+    """Jaeger's documented HTTP form, with no protocol set: spoken to over HTTP, nothing lost."""
+    monkeypatch.chdir(tmp_path)
+    for key in ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"):
+        monkeypatch.delenv(key, raising=False)
+    with HttpReceiver() as rx:
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", rx.endpoint + "/v1/traces")
+        llm = LLM(default_model_dir, trace_level="spans")
+        llm.generate([{"prompt_token_ids": [1, 504, 3458, 2]}, {"prompt_token_ids": [1, 2, 3, 4, 5, 6]}],
+                     SamplingParams(temperature=0.5, top_p=0.9, max_tokens=3, ignore_eos=True, seed=1),
+                     use_tqdm=False)
+        llm.llm_engine.shutdown()
+    _check(rx.spans)
+    assert not list(tmp_path.iterdir()), "an OTLP endpoint from the environment: no run store written"
 
 
 def test_otlp_grpc(default_model_dir, monkeypatch, tmp_path):

@@ -109,3 +109,72 @@ def test_otel_step_keeps_a_link_per_request_beyond_the_sdk_default():
     assert len(steps) == 2
     for s in steps:
         assert len(s.links) == 300 and {link.context.span_id for link in s.links} == expected
+
+
+def _drive_followers(rec):
+    """Followers, explicit parents, a remote caller that waits and one that does not, the step scope."""
+    cause = rec.start_span("EngineCore.step", root=True)
+    step_headers = cause.trace_headers()
+    with rec.step_scope(cause):
+        assert rec.current_step() == (step_headers, False)
+        assert rec.rpc_trace_headers() == (rec.inject_trace_headers() or None, step_headers)
+    assert rec.current_step() is None
+    cause.end()
+    t0 = rec.now_ns()
+    out = rec.record_span("EngineCoreProc.process_output_sockets", t0, t0 + 5, follows_from=step_headers)
+    rec.record_span("MPClient._decode_output", t0 + 6, t0 + 8, follows_from=out)
+    gpu = rec.start_span("GPU.step", start_ns=t0, trace_headers=step_headers)
+    rec.record_span("GPU.model_forward", t0 + 1, t0 + 2, parent=gpu)
+    gpu.end(t0 + 3)
+    with rec.remote_parent(step_headers, follows=True, step_headers=step_headers):
+        assert rec.current_step() == (step_headers, True)
+        with rec.span("Worker.execute_model"):
+            with rec.span("GPUModelRunner.execute_model"):
+                pass
+    with rec.remote_parent(step_headers):
+        with rec.span("Worker.sample_tokens"):
+            pass
+    with rec.span("llm_request") as req:
+        assert rec.is_current(req.trace_headers()) and not rec.is_current(step_headers)
+        rec.start_span("root", root=True).end()
+    return step_headers
+
+
+def test_followers_in_memory():
+    rec = InMemoryRecorder("spans")
+    headers = _drive_followers(rec)
+    by = {s.name: s for s in rec.spans}
+    step = by["EngineCore.step"]
+    assert parse_traceparent(headers) == (step.trace_id, step.span_id)
+    out, dec = by["EngineCoreProc.process_output_sockets"], by["MPClient._decode_output"]
+    assert out.parent_id is None and out.trace_id == step.trace_id and out.links == [(step.trace_id, step.span_id)]
+    assert dec.parent_id is None and dec.trace_id == step.trace_id and dec.links == [(out.trace_id, out.span_id)]
+    assert by["GPU.step"].parent_id == step.span_id and by["GPU.model_forward"].parent_id == by["GPU.step"].span_id
+    worker = by["Worker.execute_model"]
+    assert worker.parent_id is None and worker.links == [(step.trace_id, step.span_id)]
+    assert by["GPUModelRunner.execute_model"].parent_id == worker.span_id
+    assert by["Worker.sample_tokens"].parent_id == step.span_id
+    assert by["root"].parent_id is None and by["root"].trace_id != by["llm_request"].trace_id
+
+
+def test_followers_otel():
+    exporter = InMemorySpanExporter()
+    rec = OTelRecorder("spans", process_kind="worker", exporters=[exporter])
+    _drive_followers(rec)
+    rec.shutdown()
+    by = {s.name: s for s in exporter.get_finished_spans()}
+    step = by["EngineCore.step"]
+    for name, cause in (("EngineCoreProc.process_output_sockets", step), ("MPClient._decode_output",
+                                                                        by["EngineCoreProc.process_output_sockets"]),
+                        ("Worker.execute_model", step)):
+        s = by[name]
+        assert s.parent is None and s.context.trace_id == step.context.trace_id, name
+        (link,) = s.links
+        assert link.context.span_id == cause.context.span_id
+        assert dict(link.attributes) == {"opentracing.ref_type": "follows_from"}
+    assert by["GPUModelRunner.execute_model"].parent.span_id == by["Worker.execute_model"].context.span_id
+    assert by["Worker.sample_tokens"].parent.span_id == step.context.span_id
+    assert by["GPU.model_forward"].parent.span_id == by["GPU.step"].context.span_id
+    assert by["GPU.step"].parent.span_id == step.context.span_id
+    assert by["root"].parent is None and by["root"].context.trace_id != by["llm_request"].context.trace_id
+    assert by["EngineCore.step"].resource.attributes["service.name"] == "vllm_anatomy.worker"

@@ -122,7 +122,9 @@ class AsyncLLM:
         if self.errored:
             raise self.dead_error
         attrs: dict[str, Any] = {"vllm_anatomy.request_id": request_id}
-        with self.recorder.span("AsyncLLM.add_request", **attrs):
+        # The request's span opens first (a child of the HTTP span, or of the caller's): admitting it is part of it.
+        with self.request_tracer.admitting(request_id, self.request_tracer.caller_headers(trace_headers)), \
+                self.recorder.span("AsyncLLM.add_request", **attrs):
             return await self._add_request(request_id, prompt, params, arrival_time, trace_headers)
 
     async def _add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
@@ -209,10 +211,12 @@ class AsyncLLM:
                         await asyncio.sleep(0)
                     chunk = batch[start:start + VLLM_V1_OUTPUT_PROC_CHUNK_SIZE]
                     attrs: dict[str, Any] = {"vllm_anatomy.num_outputs": len(chunk)}
-                    with self.recorder.span("OutputProcessor.process_outputs", **attrs):
+                    # (in the trace of the step that made the outputs: it follows from their last hop)
+                    with self.recorder.span("OutputProcessor.process_outputs", follows_from=outputs.trace_headers,
+                                            **attrs):
                         processed = output_processor.process_outputs(chunk, outputs.timestamp, iteration_stats)
-                    # Stop strings finished these here; the engine still runs them.
-                    await engine_core.abort_requests_async(processed.reqs_to_abort)
+                        # Stop strings finished these here; the engine still runs them.
+                        await engine_core.abort_requests_async(processed.reqs_to_abort)
                 self._record_stats(outputs.scheduler_stats, iteration_stats)
                 self._notify_if_drained()
         except asyncio.CancelledError:

@@ -161,6 +161,7 @@ class EngineCore:
     def abort_requests(self, request_ids: list[str]) -> None:
         """Abort requests; unknown or already finished ids are ignored."""
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        self.step_tracer.end_requests(request_ids)
 
     def has_requests(self) -> bool:
         return self.scheduler.has_requests()
@@ -300,7 +301,7 @@ class EngineCore:
                 outputs.setdefault(client_index, EngineCoreOutputs()).outputs.append(output)
         self.post_step(model_executed=scheduler_output.total_num_scheduled_tokens > 0)
         # Without async scheduling, the step's snapshot: taken after the update, it shows the step's result.
-        trace.updated()
+        trace.updated(outputs)
         return outputs
 
     def _finish_error_requests(self, error_req_ids: list[str] | None) -> list[tuple[int, EngineCoreOutput]]:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import itertools
 import logging
 import multiprocessing
@@ -216,7 +217,9 @@ class MPClient(EngineCoreClient):
             "vllm_anatomy.hop": "zmq", "vllm_anatomy.message_type": request_type.name,
             "vllm_anatomy.message_bytes": len(msg[2]),
             "vllm_anatomy.request_id": getattr(payload, "request_id", None) or ""}
-        with self.recorder.span("MPClient._send_input", **attrs):
+        # (a span in its caller's trace, the request's; none for a call no trace is open for)
+        with self.recorder.span("MPClient._send_input", **attrs) if self.recorder.has_current_span() \
+                else contextlib.nullcontext():
             try:
                 self.input_socket.send_multipart(msg)
             except zmq.ZMQError as e:   # EHOSTUNREACH: the engine's socket is gone
@@ -228,11 +231,17 @@ class MPClient(EngineCoreClient):
         kind_frame, payload = frames
         kind = EngineCoreOutputType(kind_frame)
         if kind == EngineCoreOutputType.OUTPUTS:
-            attrs: dict[str, Any] = {"vllm_anatomy.hop": "zmq", "vllm_anatomy.message_type": kind.name,
-                                     "vllm_anatomy.message_bytes": len(payload)}
-            with self.recorder.span("MPClient._decode_output", **attrs) as span:
-                outputs = self.outputs_decoder.decode(payload)
-                span.set_attribute("vllm_anatomy.num_outputs", len(outputs.outputs))
+            t0 = self.recorder.now_ns()
+            outputs = self.outputs_decoder.decode(payload)
+            if outputs.trace_headers:
+                # In the trace of the step that made them, following the engine's send; the
+                # outputs then name this span to whoever processes them.
+                attrs: dict[str, Any] = {"vllm_anatomy.hop": "zmq", "vllm_anatomy.message_type": kind.name,
+                                         "vllm_anatomy.message_bytes": len(payload),
+                                         "vllm_anatomy.num_outputs": len(outputs.outputs)}
+                span = self.recorder.record_span("MPClient._decode_output", t0, self.recorder.now_ns(),
+                                                 follows_from=outputs.trace_headers, **attrs)
+                outputs.trace_headers = span.trace_headers() or None
             put_outputs(outputs)
         elif kind == EngineCoreOutputType.UTILITY:
             resolve_utility(self.utility_decoder.decode(payload))

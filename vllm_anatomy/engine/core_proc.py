@@ -267,11 +267,16 @@ class EngineCoreProc(EngineCore):
             logger.error("Dropped a malformed message (%d frames): %s", len(frames), e)
             self._refuse_undecodable_add(frames, e)
             return
-        # The ZMQ hop's engine side (input thread): a span per message, with its size.
-        self.recorder.record_span("EngineCoreProc.process_input_sockets", t0, self.recorder.now_ns(), **{
-            "vllm_anatomy.hop": "zmq", "vllm_anatomy.thread": "input", "vllm_anatomy.message_type": request_type.name,
-            "vllm_anatomy.message_bytes": len(payload),
-            "vllm_anatomy.request_id": getattr(request, "request_id", None) or ""})
+        # The ZMQ hop's engine side (input thread): a span per message, with its size, in the
+        # trace of the request it carries (a follower: nothing in the frontend waits for it).
+        cause = self._hop_cause(request_type, request)
+        if cause is not None:
+            attrs: dict[str, Any] = {
+                "vllm_anatomy.hop": "zmq", "vllm_anatomy.thread": "input",
+                "vllm_anatomy.message_type": request_type.name, "vllm_anatomy.message_bytes": len(payload),
+                "vllm_anatomy.request_id": getattr(request, "request_id", None) or ""}
+            self.recorder.record_span("EngineCoreProc.process_input_sockets", t0, self.recorder.now_ns(),
+                                      follows_from=cause, **attrs)
         if request_type == EngineCoreRequestType.ADD:
             try:
                 request = self.preprocess_add_request(request)
@@ -280,9 +285,29 @@ class EngineCoreProc(EngineCore):
                 logger.error("Request %s failed preprocessing: %r", request.request_id, e)
                 self.output_queue.put_nowait((EngineCoreOutputType.OUTPUTS, EngineCoreOutputs(
                     engine_index=self.engine_index, finished_requests={request.request_id},
-                    outputs=[EngineCoreOutput(request.request_id, [], finish_reason=FinishReason.ERROR)])))
+                    outputs=[EngineCoreOutput(request.request_id, [], finish_reason=FinishReason.ERROR)],
+                    trace_headers=request.trace_headers)))
                 return
         self.input_queue.put_nowait((request_type, request))
+
+    def _hop_cause(self, request_type: EngineCoreRequestType, request: Any) -> dict | None:
+        """The trace an input message's hop span joins: an ADD's request, an ABORT's first
+        request still known here; None (no span) for what belongs to no request (UTILITY).
+
+        NOTE: this thread reads the scheduler's request table without the busy loop's
+        lock: one dict look-up, and a Request's trace_headers never change."""
+        if not self.recorder.enabled:
+            return None
+        if request_type == EngineCoreRequestType.ADD:
+            return request.trace_headers
+        if request_type == EngineCoreRequestType.ABORT:
+            scheduler = getattr(self, "scheduler", None)
+            requests = scheduler.requests if scheduler is not None else {}
+            for req_id in request:
+                found = requests.get(req_id)
+                if found is not None and found.trace_headers:
+                    return found.trace_headers
+        return None
 
     def _refuse_undecodable_add(self, frames: list[bytes], error: Exception) -> None:
         """An ADD whose payload does not decode (e.g. sampling params the engine's
@@ -315,13 +340,21 @@ class EngineCoreProc(EngineCore):
             socket.connect(output_path)
             while (item := self.output_queue.get()) is not None:
                 output_type, payload = item
-                t0 = self.recorder.now_ns()
+                # The ZMQ hop's engine side (output thread): a span per message, with its size, in
+                # the trace of the step that made the outputs (a follower: the step is over), and
+                # the outputs name it to the frontend's next hop (EngineCoreOutputs.trace_headers).
+                cause = getattr(payload, "trace_headers", None)
+                attrs: dict[str, Any] = {"vllm_anatomy.hop": "zmq", "vllm_anatomy.thread": "output",
+                                         "vllm_anatomy.message_type": output_type.name}
+                span = self.recorder.start_span("EngineCoreProc.process_output_sockets", follows_from=cause,
+                                                **attrs) if cause else None
+                if span is not None:
+                    payload.trace_headers = span.trace_headers()
                 buf = encoder.encode(payload)
                 socket.send_multipart((output_type.value, buf))
-                # The ZMQ hop's engine side (output thread): a span per message, with its size.
-                self.recorder.record_span("EngineCoreProc.process_output_sockets", t0, self.recorder.now_ns(), **{
-                    "vllm_anatomy.hop": "zmq", "vllm_anatomy.thread": "output",
-                    "vllm_anatomy.message_type": output_type.name, "vllm_anatomy.message_bytes": len(buf)})
+                if span is not None:
+                    span.set_attribute("vllm_anatomy.message_bytes", len(buf))
+                    span.end()
                 if output_type == EngineCoreOutputType.ENGINE_CORE_DEAD:
                     return
 

@@ -103,7 +103,9 @@ class LLMEngine:
                        arrival_time: float | None = None) -> tuple[str | None, EngineCoreRequest]:
         """Tokenize and validate (raises on bad input); nothing is added yet."""
         attrs: dict[str, Any] = {"vllm_anatomy.request_id": request_id}
-        with self.recorder.span("InputProcessor.process_inputs", **attrs):
+        # (the request's span opens here: tokenizing is part of its trace)
+        with self.request_tracer.admitting(request_id, self.request_tracer.caller_headers(None)), \
+                self.recorder.span("InputProcessor.process_inputs", **attrs):
             return self.input_processor.process_inputs(request_id, prompt, params, arrival_time)
 
     def add_processed_request(self, prompt_text: str | None, request: EngineCoreRequest) -> None:
@@ -155,9 +157,12 @@ class LLMEngine:
             self._record_stats(outputs.scheduler_stats)
         iteration_stats = IterationStats()
         attrs: dict[str, Any] = {"vllm_anatomy.num_outputs": len(outputs.outputs)}
-        with self.recorder.span("OutputProcessor.process_outputs", **attrs):
+        # (in the trace of the step that made the outputs: it follows from it)
+        with self.recorder.span("OutputProcessor.process_outputs", follows_from=outputs.trace_headers, **attrs):
             processed = self.output_processor.process_outputs(outputs.outputs, outputs.timestamp,
                                                               iteration_stats)
+            # Stop strings finished these on the frontend; free them in the engine.
+            self.engine_core_client.abort_requests(processed.reqs_to_abort)
         # NOTE: counted from the IterationStats, as vLLM's PrometheusStatLogger
         # does: tokens and finishes of the requests the frontend still follows.
         # A request a stop string finished here runs on in the engine until the
@@ -170,8 +175,6 @@ class LLMEngine:
         c["vllm:generation_tokens"] += iteration_stats.num_generation_tokens
         c["vllm:request_success"] += len(iteration_stats.finished_requests)
         c["vllm:num_preemptions"] += iteration_stats.num_preempted_reqs
-        # Stop strings finished these on the frontend; free them in the engine.
-        self.engine_core_client.abort_requests(processed.reqs_to_abort)
         return processed.request_outputs
 
     def _record_stats(self, stats) -> None:

@@ -111,6 +111,10 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     timestamp: float = 0.0
     # Ids finished in the engine this step (incl. aborted ones).
     finished_requests: set[str] | None = None
+    # Ours (not in vLLM, which traces no step): the W3C context of the last span that
+    # handled these outputs (the step that made them, then each hop): the next hop's
+    # span follows from it, in the step's trace (tracing/step_tracer.py). None untraced.
+    trace_headers: dict[str, str] | None = None
 
     def __post_init__(self) -> None:
         if self.timestamp == 0.0:

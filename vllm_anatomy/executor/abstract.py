@@ -70,8 +70,7 @@ class Executor:
         """Enqueue the step's forward. None: call sample_tokens next; a
         ModelRunnerOutput: nothing to sample (no token scheduled).
         non_block: a Future of that, returned before the worker answers."""
-        with self.recorder.span("Executor.execute_model"):
-            return self._rpc_output_rank("execute_model", (scheduler_output,), non_block)
+        return self._traced_call("Executor.execute_model", "execute_model", (scheduler_output,), non_block)
 
     @overload
     def sample_tokens(self, grammar_output: GrammarOutput | None,
@@ -83,8 +82,24 @@ class Executor:
                       ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
         """Sample the step's tokens (under grammar_output's bitmask, if any).
         non_block: a Future whose result() waits for the tokens (async scheduling)."""
-        with self.recorder.span("Executor.sample_tokens"):
-            return self._rpc_output_rank("sample_tokens", (grammar_output,), non_block)
+        return self._traced_call("Executor.sample_tokens", "sample_tokens", (grammar_output,), non_block)
+
+    def _traced_call(self, span_name: str, method: str, args: tuple, non_block: bool) -> Any:
+        """_rpc_output_rank under a span that lasts until the reply is in: with non_block, until
+        the Future is done (a worker's span for the call then lies within it, as Jaeger expects
+        of a child; the grammar bitmask the host builds meanwhile runs beside it)."""
+        span = self.recorder.start_span(span_name)
+        try:
+            with self.recorder.use_span(span):
+                result = self._rpc_output_rank(method, args, non_block)
+        except BaseException:
+            span.end()
+            raise
+        if non_block and isinstance(result, Future) and self.recorder.enabled:
+            result.add_done_callback(lambda _future: span.end())
+        else:
+            span.end()
+        return result
 
     def take_draft_token_ids(self) -> DraftTokenIds | None:
         """Speculative decoding: the drafts the workers proposed after the last step

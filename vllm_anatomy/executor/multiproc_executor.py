@@ -188,8 +188,10 @@ class MultiprocExecutor(Executor):
         run_path = getattr(self.recorder, "run_path", None)
         init_method = _distributed_init_method(pc)
         first_rank = self.local_world_size * pc.node_rank
+        # (the workers' start-up spans join the caller's, EngineCore.__init__: the start-up trace)
+        trace_headers = self.recorder.inject_trace_headers() or None
         res.unready = [WorkerProc.make_worker_process(self.vllm_config, local_rank, first_rank + local_rank,
-                                                      init_method, handle, self.ipc_dir, run_path)
+                                                      init_method, handle, self.ipc_dir, run_path, trace_headers)
                        for local_rank in range(self.local_world_size)]
         self.workers = res.workers = WorkerProc.wait_for_ready(res.unready, attach=not self.is_headless)
         if rpc_broadcast_mq is None:          # a headless node: node 0's executor drives these workers
@@ -296,9 +298,11 @@ class MultiprocExecutor(Executor):
             raise TypeError("collective_rpc takes a Worker method name (vLLM also takes a "
                             "cloudpickled function; we never pickle).")
         self._check_alive()
+        # The caller's span and the engine step it works for (the workers' spans join them).
+        trace_headers, step_trace_headers = self.recorder.rpc_trace_headers()
         request = RPCRequest(method, [encode_raw(a) for a in args],
                              {k: encode_raw(v) for k, v in (kwargs or {}).items()}, unique_reply_rank,
-                             self.recorder.inject_trace_headers() or None)
+                             trace_headers, step_trace_headers)
         assert self.rpc_broadcast_mq is not None, "a headless node's executor sends no RPCs"
         with self._queue_errors(method):
             self.rpc_broadcast_mq.enqueue(request, timeout=timeout, cancel=self.shutdown_event)

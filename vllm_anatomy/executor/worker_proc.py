@@ -60,6 +60,8 @@ class RPCRequest(msgspec.Struct, array_like=True):
     output_rank: int | None          # only this rank replies; None = every rank
     # The caller's W3C context: the worker's spans join the engine's trace.
     trace_headers: dict[str, str] | None = None
+    # The engine step the call works for (its EngineCore.step span): the device lane's GPU.step hangs under it.
+    step_trace_headers: dict[str, str] | None = None
 
 
 class RPCResponse(msgspec.Struct, array_like=True):
@@ -159,7 +161,8 @@ class WorkerProc:
     """One worker process: a Worker plus the two queues (mirrors vLLM's WorkerProc)."""
 
     def __init__(self, vllm_config: VllmConfig, local_rank: int, rank: int, distributed_init_method: str,
-                 input_shm_handle: Handle | None, ipc_dir: str, run_path: str | None = None) -> None:
+                 input_shm_handle: Handle | None, ipc_dir: str, run_path: str | None = None,
+                 trace_headers: dict[str, str] | None = None) -> None:
         self.rank = rank
         pc = vllm_config.parallel_config
         device = vllm_config.model_config.device
@@ -173,8 +176,10 @@ class WorkerProc:
             if pc.node_rank == 0 else NullRecorder()
         self.worker = Worker(vllm_config, device=device, recorder=self.recorder, local_rank=local_rank,
                              rank=rank, distributed_init_method=distributed_init_method)
-        self.worker.init_device()
-        self.worker.load_model()
+        # (the executor waits for every rank's READY: its start-up spans are children of the engine's)
+        with self.recorder.remote_parent(trace_headers):
+            self.worker.init_device()
+            self.worker.load_model()
         self.peers: list[PeerInfo] | None = None
         # NOTE: after init_device: with several nodes the queues are set up over the world group.
         self._init_message_queues(pc, input_shm_handle, ipc_dir)
@@ -201,15 +206,15 @@ class WorkerProc:
 
     @staticmethod
     def make_worker_process(vllm_config: VllmConfig, local_rank: int, rank: int, distributed_init_method: str,
-                            input_shm_handle: Handle | None, ipc_dir: str,
-                            run_path: str | None = None) -> UnreadyWorkerProcHandle:
+                            input_shm_handle: Handle | None, ipc_dir: str, run_path: str | None = None,
+                            trace_headers: dict[str, str] | None = None) -> UnreadyWorkerProcHandle:
         context = multiprocessing.get_context("spawn")     # NOTE: never fork a process holding threads
         ready_reader, ready_writer = context.Pipe(duplex=False)
         death_reader, death_writer = context.Pipe(duplex=False)
         proc = context.Process(target=WorkerProc.worker_main, name=f"VllmWorker-{rank}", daemon=True,
                                args=(vllm_config, local_rank, rank, distributed_init_method,
                                      _encoder.encode(input_shm_handle), ipc_dir, ready_writer, death_reader,
-                                     run_path))
+                                     run_path, trace_headers))
         proc.start()
         # NOTE: close our copies, so EOF on these pipes means "that process is gone".
         ready_writer.close()
@@ -244,7 +249,8 @@ class WorkerProc:
 
     @staticmethod
     def worker_main(vllm_config: VllmConfig, local_rank: int, rank: int, distributed_init_method: str,
-                    handle_bytes: bytes, ipc_dir: str, ready_pipe, death_pipe, run_path: str | None = None) -> None:
+                    handle_bytes: bytes, ipc_dir: str, ready_pipe, death_pipe, run_path: str | None = None,
+                    trace_headers: dict[str, str] | None = None) -> None:
         shutdown_requested = threading.Event()
         _install_worker_signal_handlers(shutdown_requested)
 
@@ -261,7 +267,8 @@ class WorkerProc:
         proc: WorkerProc | None = None
         try:
             proc = WorkerProc(vllm_config, local_rank, rank, distributed_init_method,
-                              msgspec.msgpack.decode(handle_bytes, type=Handle | None), ipc_dir, run_path)
+                              msgspec.msgpack.decode(handle_bytes, type=Handle | None), ipc_dir, run_path,
+                              trace_headers)
             ready_pipe.send_bytes(_encoder.encode(WorkerReady("READY", proc.worker_response_mq.export_handle(),
                                                               peers=proc.peers)))
             ready_pipe.close()
@@ -293,11 +300,13 @@ class WorkerProc:
                         for i, a in enumerate(request.args)]
                 kwargs = {k: msgspec.msgpack.decode(v, type=kwarg_types.get(k, Any), dec_hook=dec_hook)
                           for k, v in request.kwargs.items()}
-                with self.worker.remote_trace_context(request.trace_headers):
+                # NOTE: the caller waits for the replying ranks only: the others' spans follow from its.
+                with self.worker.remote_trace_context(request.trace_headers, follows=not replies,
+                                                      step_headers=request.step_trace_headers):
                     output = getattr(self.worker, request.method)(*args, **kwargs)
-                if isinstance(output, AsyncModelRunnerOutput):
-                    # NOTE: every rank, so each one's copy of the tokens is filled in.
-                    output = output.get_output()
+                    if isinstance(output, AsyncModelRunnerOutput):
+                        # NOTE: every rank, so each one's copy of the tokens is filled in.
+                        output = output.get_output()
                 response = RPCResponse("SUCCESS", encode_raw(output))
             except Exception:
                 # NOTE: vLLM sends str(e); the whole traceback is more useful to a reader.

@@ -19,10 +19,23 @@ and the padded size): events cannot be recorded between a graph's kernels. A
 piecewise replay (PIECEWISE) has no layer spans either (the layers' hooks run
 only at capture), but its eager attention kernels are timed at level full.
 
+The spans nest as the work ran: one `GPU.step` span per step, from its first
+event to its last, holds the phases; `GPU.model_forward` holds the layers; a
+layer holds its kernels and collectives (a kernel outside every layer sits in
+its phase). GPU.step is a child of the step's EngineCore.step span (the step the
+recorder names when the step is launched: Recorder.current_step), which lasts
+from scheduling to the update after the sync, so it covers the device's work:
+on the article's step timeline the device lane runs beside the host's, inside
+the step. A rank that does not reply makes its GPU.step a follower of the step
+instead (nothing waits for it).
+
 NOTE: device and host clocks differ; we anchor the device timeline at the sync:
 the last event completed just before `synchronize()` returned, so a mark's host
 time is `t_sync - elapsed(mark, last)`. (Anchoring at the first *enqueue* would
-be wrong: the device may start the step long after the CPU enqueued it.)
+be wrong: the device may start the step long after the CPU enqueued it.) An
+estimate is kept between when its event was recorded on the host (the device
+cannot have reached it earlier) and the sync (it had by then): both bounds grow
+in stream order, as the estimates do, so clamping keeps every nesting.
 On a CPU there is no device lane: every op runs synchronously on the host, and
 the host spans (GPUModelRunner._model_forward, ...) are that timeline.
 """
@@ -44,10 +57,13 @@ class DeviceTimer:
         # True while CUDA graphs are captured: an event recorded then would be
         # baked into the graph, so no marks, layer or kernel spans at all.
         self.capturing = False
-        self.marks: list[tuple[str, torch.cuda.Event, dict]] = []
-        # (name, start event, end event, attributes) of layers and kernels.
-        self.intervals: list[tuple[str, torch.cuda.Event, torch.cuda.Event, dict]] = []
-        self._layer_start: torch.cuda.Event | None = None
+        # (phase, event, attributes, host ns the event was recorded at)
+        self.marks: list[tuple[str, torch.cuda.Event, dict, int]] = []
+        # (name, start event, end event, attributes, host ns the start event was recorded at) of layers and kernels.
+        self.intervals: list[tuple[str, torch.cuda.Event, torch.cuda.Event, dict, int]] = []
+        self._layer_start: tuple[torch.cuda.Event, int] | None = None
+        # The engine step the marks belong to (Recorder.current_step at launch; see begin_step).
+        self.step: Any = None
         # (event, host ns it completed at): links device and host clocks.
         self._anchor: tuple[torch.cuda.Event, int] | None = None
         # Events of resolved steps, recorded again by later marks (see resolve).
@@ -62,12 +78,17 @@ class DeviceTimer:
         event.record()
         return event
 
+    def begin_step(self) -> None:
+        """A step is being launched: the engine step its device work belongs to."""
+        if self.enabled:
+            self.step = self.recorder.current_step()
+
     def mark(self, phase: str, **attrs: Any) -> None:
         """The device work enqueued from here on belongs to `phase` (until the next mark)."""
         if self.active:
             if not self.marks:          # a new step: drop layer spans of dummy/warm-up runs
                 self.intervals.clear()
-            self.marks.append((phase, self._event(), attrs))
+            self.marks.append((phase, self._event(), attrs, self.recorder.now_ns()))
 
     @contextlib.contextmanager
     def kernel(self, name: str, describe: Callable[[], dict] | None = None) -> Iterator[None]:
@@ -78,9 +99,9 @@ class DeviceTimer:
         if not self.active:
             yield
             return
-        start = self._event()
+        host_ns, start = self.recorder.now_ns(), self._event()
         yield
-        self.intervals.append((f"GPU.kernel.{name}", start, self._event(), describe() if describe else {}))
+        self.intervals.append((f"GPU.kernel.{name}", start, self._event(), describe() if describe else {}, host_ns))
 
     @contextlib.contextmanager
     def interval(self, span_name: str, **attrs: Any) -> Iterator[None]:
@@ -89,9 +110,9 @@ class DeviceTimer:
         if not self.active:
             yield
             return
-        start = self._event()
+        host_ns, start = self.recorder.now_ns(), self._event()
         yield
-        self.intervals.append((span_name, start, self._event(), attrs))
+        self.intervals.append((span_name, start, self._event(), attrs, host_ns))
 
     def watch_layers(self, layers: torch.nn.ModuleList) -> None:
         """Per-layer spans through forward hooks (cheap no-ops when tracing is off)."""
@@ -103,12 +124,12 @@ class DeviceTimer:
 
     def _layer_pre_hook(self, _module, _args) -> None:
         if self.active:
-            self._layer_start = self._event()
+            self._layer_start = (self._event(), self.recorder.now_ns())
 
     def _layer_post_hook(self, index: int) -> None:
         if self.active and self._layer_start is not None:
-            self.intervals.append(("GPU.layer", self._layer_start, self._event(),
-                                   {"vllm_anatomy.layer": index}))
+            start, host_ns = self._layer_start
+            self.intervals.append(("GPU.layer", start, self._event(), {"vllm_anatomy.layer": index}, host_ns))
             self._layer_start = None
 
     def calibrate(self) -> None:
@@ -127,7 +148,7 @@ class DeviceTimer:
             self.marks.clear()
             self.intervals.clear()
             return None
-        events = StepEvents(self.marks, self.intervals)
+        events = StepEvents(self.marks, self.intervals, self.step)
         self.marks, self.intervals = [], []
         return events
 
@@ -156,15 +177,33 @@ class DeviceTimer:
             # completed by t_sync: never place it later than that.
             shift = min(0, t_sync - (ref_ns + int(ref.elapsed_time(last) * 1e6)))
             at = lambda ev: ref_ns + int(ref.elapsed_time(ev) * 1e6) + shift  # noqa: E731
-        common = {"vllm_anatomy.lane": "device", "vllm_anatomy.step_id": step_id,
-                  "vllm_anatomy.timing": "cuda_event"}
+        # (an event completed after it was recorded on the host, and before the sync returned)
+        when = lambda ev, host_ns: min(max(at(ev), host_ns), t_sync)  # noqa: E731
+        common: dict[str, Any] = {"vllm_anatomy.lane": "device", "vllm_anatomy.step_id": step_id,
+                                  "vllm_anatomy.timing": "cuda_event"}
         # NOTE: a phase ends at the next one's mark: each mark's time is read once
         # (an elapsed_time call each), not once as an end and again as a start.
-        times = [at(ev) for _, ev, _ in events.marks]
-        for (phase, _, attrs), start, end in zip(events.marks, times, times[1:]):
-            self.recorder.record_span(f"GPU.{phase}", start, end, **common, **attrs)
-        for name, start, end, attrs in events.intervals:
-            self.recorder.record_span(name, at(start), at(end), **common, **attrs)
+        times = [when(ev, host_ns) for _, ev, _, host_ns in events.marks]
+        recorder = self.recorder
+        step = events.step
+        where: dict[str, Any] = ({} if step is None else {"follows_from": step.headers} if step.follows
+                                 else {"trace_headers": step.headers})
+        gpu_step = recorder.start_span("GPU.step", start_ns=times[0], **where, **common)
+        # (start, end, handle) of the phases and layers, the parents of what ran inside them
+        holders: list[tuple[int, int, Any]] = []
+        for (phase, _, attrs, _), start, end in zip(events.marks, times, times[1:]):
+            holders.append((start, end, recorder.record_span(f"GPU.{phase}", start, end, parent=gpu_step,
+                                                             **common, **attrs)))
+        resolved = [(name, when(start, host_ns), when(end, host_ns), attrs)
+                    for name, start, end, attrs, host_ns in events.intervals]
+        layers = [(b, e, recorder.record_span(name, b, e, parent=_innermost(holders, b, e, gpu_step),
+                                              **common, **attrs))
+                  for name, b, e, attrs in resolved if name == "GPU.layer"]
+        holders += layers
+        for name, b, e, attrs in resolved:
+            if name != "GPU.layer":
+                recorder.record_span(name, b, e, parent=_innermost(holders, b, e, gpu_step), **common, **attrs)
+        gpu_step.end(times[-1])
         self._recycle(events)
 
     def _recycle(self, events: "StepEvents") -> None:
@@ -177,10 +216,10 @@ class DeviceTimer:
         and, once collected, a destruction too."""
         anchor = self._anchor[0] if self._anchor is not None else None
         spare = self._spare
-        for _, event, _ in events.marks:
+        for _, event, _, _ in events.marks:
             if event is not anchor:
                 spare.append(event)
-        for _, start, end, _ in events.intervals:
+        for _, start, end, _, _ in events.intervals:
             spare.append(start)
             spare.append(end)
         del spare[self.MAX_SPARE_EVENTS:]
@@ -192,7 +231,18 @@ class DeviceTimer:
     ANCHOR_MIN_WAIT_S = 20e-6
 
 
+def _innermost(holders: list[tuple[int, int, Any]], start: int, end: int, default: Any) -> Any:
+    """The shortest of `holders` ((start, end, handle)) that holds [start, end], else `default`."""
+    best, best_len = default, None
+    for b, e, handle in holders:
+        if b <= start and end <= e and (best_len is None or e - b < best_len):
+            best, best_len = handle, e - b
+    return best
+
+
 class StepEvents(NamedTuple):
-    """One step's CUDA events, kept until its sync point (one step later with async scheduling)."""
+    """One step's CUDA events, kept until its sync point (one step later with async scheduling),
+    and the engine step they belong to (Recorder.current_step when it was launched)."""
     marks: list
     intervals: list
+    step: Any = None

@@ -123,6 +123,28 @@ class SpanSink:
                               trace_state=parent.trace_state)
         return LocalSpan(self, name, context, parent, kind, attributes, start_time)
 
+    def start_follower(self, name: str, cause: SpanContext, kind: SpanKind, attributes: Mapping[str, Any] | None,
+                       start_time: int | None = None) -> LocalSpan | None:
+        """A LocalSpan in `cause`'s trace with no parent, its first link naming the cause
+        (recorder.py: "Followers"); None where the SDK's tracer must decide.
+
+        NOTE: the SDK's tracer cannot make one (a span without a parent starts a new
+        trace there); the OTLP data model can, and Jaeger reads the link as a
+        FOLLOWS_FROM reference (opentracing.ref_type, OpenTelemetry's attribute for it)."""
+        if not self.enabled or not cause.is_valid or not cause.trace_flags.sampled:
+            return None
+        flags = cause.trace_flags
+        context = SpanContext(cause.trace_id, self.new_span_id(), is_remote=False,
+                              trace_flags=_SAMPLED_RANDOM if flags.random_trace_id else _SAMPLED,
+                              trace_state=cause.trace_state)
+        span = LocalSpan(self, name, context, None, kind, attributes, start_time)
+        span.extend_links([Link(cause, _FOLLOWS_FROM)])
+        return span
+
+
+# The attribute of a follower's link to its cause (OpenTelemetry's name for OpenTracing's reference type).
+_FOLLOWS_FROM = BoundedAttributes(attributes={"opentracing.ref_type": "follows_from"}, immutable=True)
+
 
 class LocalSpan(trace.Span, ReadableSpan):
     """A recording span: the API's Span to write it, a ReadableSpan to export it."""

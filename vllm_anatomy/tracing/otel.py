@@ -3,8 +3,12 @@
 With local_span.py, trace_context.py (the W3C codec), span_export.py (where
 finished spans go) and the exporters, the only modules that import
 OpenTelemetry. Each process of a run builds one recorder, hence one
-TracerProvider, whose resource names the service and the process (kind,
-name, pid). Spans the SDK's default sampler would record are built by
+TracerProvider, whose resource names the service and the process
+(process_resource: a service per process role, `vllm_anatomy.frontend`,
+`vllm_anatomy.engine_core`, `vllm_anatomy.worker`, unless OTEL_SERVICE_NAME or
+OTEL_RESOURCE_ATTRIBUTES name one; the service instance, pid, runtime and host
+per OpenTelemetry's semantic conventions). The run store keeps each process'
+resource in its meta table (`resource.<pid>`), so the file exports carry it too. Spans the SDK's default sampler would record are built by
 local_span.py (the SDK tracer's per-span work is most of level spans' host
 cost), the others by the provider's tracer. A BatchSpanProcessor feeds
     - the run store (tracing/store.py) when trace_dir is set, and
@@ -25,8 +29,12 @@ import atexit
 import contextlib
 import operator
 import os
+import platform
+import socket
+import sys
 import time
-from typing import Any, Iterable, Sequence, cast
+import uuid
+from typing import Any, Iterable, Iterator, Sequence, cast
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -37,10 +45,10 @@ from opentelemetry.sdk.util import BoundedList
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 
 from vllm_anatomy.tracing.local_span import LocalSpan, SpanSink
-from vllm_anatomy.tracing.recorder import LEVELS, Recorder, SpanHandle
+from vllm_anatomy.tracing.recorder import LEVELS, Recorder, SpanHandle, StepRef
 from vllm_anatomy.tracing.span_export import StoreSpanExporter, make_otlp_exporter
 from vllm_anatomy.tracing.store import RunStore, to_json
-from vllm_anatomy.tracing.trace_context import (headers_of, inject_trace_headers, link_for, new_link,
+from vllm_anatomy.tracing.trace_context import (headers_of, link_for, new_link,
                                                 remote_span_context, shared_link)
 
 _TRACEPARENT = operator.itemgetter("traceparent")
@@ -52,6 +60,15 @@ _KINDS = {"internal": SpanKind.INTERNAL, "server": SpanKind.SERVER, "client": Sp
 _SCALARS = (str, bool, int, float)
 # (headers tuple, its links): the last batch of links OTelSpan.add_links made from a tuple.
 _links_memo: tuple[tuple | None, list[Link]] = (None, [])
+
+
+def _context_of(cause: Any) -> trace.SpanContext | None:
+    """The span context of a cause: a handle of ours, or W3C headers (None for None)."""
+    if cause is None:
+        return None
+    if isinstance(cause, OTelSpan):
+        return cause.span.get_span_context()
+    return remote_span_context(cause)
 
 
 def _extend_links(span: trace.Span, links: list[Link]) -> None:
@@ -89,6 +106,26 @@ def _attrs(attrs: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+class _Use:
+    """use_span(): make a started span current inside, without ending it; an exception
+    leaving the block is recorded on it, as OpenTelemetry's use_span does (a class: entered
+    for every request's admission and every step)."""
+    __slots__ = ("span", "token")
+
+    def __init__(self, span: trace.Span) -> None:
+        self.span = span
+
+    def __enter__(self) -> trace.Span:
+        self.token = otel_context.attach(trace.set_span_in_context(self.span))
+        return self.span
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        otel_context.detach(self.token)
+        if exc is not None and self.span.is_recording():
+            self.span.record_exception(exc)
+            self.span.set_status(Status(StatusCode.ERROR, f"{exc_type.__name__}: {exc}"))
+
+
 class OTelSpan(SpanHandle):
     """SpanHandle over an OpenTelemetry span (a LocalSpan or the SDK's): what
     span() yields and start_span() returns.
@@ -109,6 +146,10 @@ class OTelSpan(SpanHandle):
             self.span.set_attribute(key, value)
         else:
             self.span.set_attributes(_attrs({key: value}))
+
+    def set_attributes(self, attributes: dict[str, Any]) -> None:
+        """All at once: one pass of the span's attribute bookkeeping, not one per key."""
+        self.span.set_attributes(_attrs(attributes))
 
     def add_event(self, name: str, time_ns: int | None = None, **attrs: Any) -> None:
         self.span.add_event(name, _attrs(attrs), timestamp=time_ns)
@@ -177,17 +218,18 @@ class OTelSpan(SpanHandle):
 
 class _Scope:
     """span(): start a span, make it current, end it on exit (faster than a generator)."""
-    __slots__ = ("recorder", "name", "attrs", "links", "handle", "token")
+    __slots__ = ("recorder", "name", "attrs", "links", "follows", "handle", "token")
 
-    def __init__(self, recorder: OTelRecorder, name: str, attrs: dict, links: list | None) -> None:
-        self.recorder, self.name, self.attrs, self.links = recorder, name, attrs, links
+    def __init__(self, recorder: OTelRecorder, name: str, attrs: dict, links: list | None,
+                 follows: trace.SpanContext | None = None) -> None:
+        self.recorder, self.name, self.attrs, self.links, self.follows = recorder, name, attrs, links, follows
 
     def __enter__(self) -> OTelSpan:
         if self.links:
             links = [lk for lk in map(new_link, self.links) if lk is not None]
             span = self.recorder.tracer.start_span(self.name, attributes=_attrs(self.attrs), links=links)
         else:
-            span = self.recorder._new_span(self.name, None, _attrs(self.attrs))
+            span = self.recorder._new_span(self.name, None, _attrs(self.attrs), follows=self.follows)
         self.token = otel_context.attach(trace.set_span_in_context(span))
         self.handle = OTelSpan(span)
         return self.handle
@@ -199,6 +241,44 @@ class _Scope:
             span.set_status(Status(StatusCode.ERROR, f"{exc_type.__name__}: {exc}"))
         otel_context.detach(self.token)
         self.handle.end()
+
+
+def process_resource(process_kind: str, process_name: str, service_name: str | None = None) -> dict[str, Any]:
+    """The resource attributes of one process of a run (OpenTelemetry semantic conventions).
+
+    service.name: `service_name` if given, else what OTEL_SERVICE_NAME or
+    OTEL_RESOURCE_ATTRIBUTES say (Resource.create reads them: left out here), else one
+    service per process role, `vllm_anatomy.<process_kind>`: Jaeger lists each, and its
+    process view tells their instances apart by service.instance.id, pid and host."""
+    from vllm_anatomy import __version__
+    attrs: dict[str, Any] = {
+        "service.namespace": "vllm_anatomy", "service.instance.id": str(uuid.uuid4()),
+        "service.version": __version__,
+        "process.pid": os.getpid(), "process.executable.name": os.path.basename(sys.executable),
+        "process.runtime.name": sys.implementation.name, "process.runtime.version": platform.python_version(),
+        "host.name": socket.gethostname(), "host.arch": _HOST_ARCH.get(platform.machine(), platform.machine()),
+        "os.type": sys.platform if sys.platform != "win32" else "windows",
+        "vllm_anatomy.process.kind": process_kind, "vllm_anatomy.process.name": process_name}
+    env_service = os.environ.get("OTEL_SERVICE_NAME") or _env_resource_attributes().get("service.name")
+    if service_name or not env_service:
+        attrs["service.name"] = service_name or f"vllm_anatomy.{process_kind}"
+    return attrs
+
+
+# platform.machine() -> the semantic conventions' host.arch
+_HOST_ARCH = {"x86_64": "amd64", "AMD64": "amd64", "aarch64": "arm64", "arm64": "arm64", "i686": "x86",
+              "ppc64le": "ppc64", "s390x": "s390x"}
+
+
+def _env_resource_attributes() -> dict[str, str]:
+    """OTEL_RESOURCE_ATTRIBUTES (key=value,... percent-encoded) as a dict."""
+    from urllib.parse import unquote
+    out = {}
+    for item in os.environ.get("OTEL_RESOURCE_ATTRIBUTES", "").split(","):
+        key, sep, value = item.partition("=")
+        if sep and key.strip():
+            out[key.strip()] = unquote(value.strip())
+    return out
 
 
 class OTelRecorder(Recorder):
@@ -213,10 +293,7 @@ class OTelRecorder(Recorder):
         self.store = store
         self.run_path = store.path if store else None
         self.process_name = process_name or f"{process_kind}-{os.getpid()}"
-        service_name = service_name or os.environ.get("OTEL_SERVICE_NAME") or "vllm_anatomy"
-        resource = Resource.create({"service.name": service_name, "process.pid": os.getpid(),
-                                    "vllm_anatomy.process.kind": process_kind,
-                                    "vllm_anatomy.process.name": self.process_name})
+        resource = Resource.create(process_resource(process_kind, self.process_name, service_name))
         # NOTE: OpenTelemetry keeps at most 128 links per span by default and
         # silently drops the rest; a step links to each request it serves, and
         # a batch can be much larger than 128 (OTEL_SPAN_LINK_COUNT_LIMIT wins).
@@ -228,11 +305,16 @@ class OTelRecorder(Recorder):
         # they reach the same processors through the sink.
         self.sink = SpanSink(self.provider, limits, self.tracer, TRACER_NAME)
         if store is not None:
+            # The process, as the exports show it (tracing/exporters).
+            store.set_meta(f"resource.{os.getpid()}", dict(resource.attributes))
             # NOTE: a short delay so the live dashboard (and a crash) lose little.
             self._add_processor(BatchSpanProcessor(StoreSpanExporter(store), schedule_delay_millis=200))
-        live = make_otlp_exporter(otlp_traces_endpoint)
-        for exporter in ([live] if live else []) + list(exporters):
+        self.live_exporter = make_otlp_exporter(otlp_traces_endpoint)
+        for exporter in ([self.live_exporter] if self.live_exporter else []) + list(exporters):
             self._add_processor(BatchSpanProcessor(exporter))
+        # The caller whose work follows (remote_parent(follows=True)), and the step being worked on.
+        self._follow: trace.SpanContext | None = None
+        self._step: StepRef | None = None
         self._closed = False
         atexit.register(self.shutdown)
 
@@ -241,30 +323,76 @@ class OTelRecorder(Recorder):
         self.sink.add_processor(processor)
 
     def _new_span(self, name: str, remote_parent: trace.SpanContext | None, attrs: dict,
-                  start_ns: int | None = None, kind: SpanKind = SpanKind.INTERNAL) -> trace.Span:
-        """A span, not made current, under `remote_parent` if given, else under the current span."""
-        parent = remote_parent if remote_parent is not None else trace.get_current_span().get_span_context()
-        span: trace.Span | None = self.sink.start(name, parent, kind, attrs, start_ns)
+                  start_ns: int | None = None, kind: SpanKind = SpanKind.INTERNAL,
+                  follows: trace.SpanContext | None = None, root: bool = False) -> trace.Span:
+        """A span, not made current: under `remote_parent` if given, else under the current
+        span; or, given `follows`, a follower of that span (recorder.py: "Followers")."""
+        parent: trace.SpanContext | None
+        if root:
+            parent = trace.INVALID_SPAN_CONTEXT
+        elif follows is None and remote_parent is None:
+            parent = trace.get_current_span().get_span_context()
+            if parent is self._follow and parent is not None:
+                follows = parent                # (the top span of a call nothing waits for)
+        else:
+            parent = remote_parent
+        if follows is not None:
+            span: trace.Span | None = self.sink.start_follower(name, follows, kind, attrs, start_ns)
+            if span is not None:
+                return span
+            # NOTE: the SDK's tracer cannot make a follower: a child of the cause instead.
+            remote_parent = follows
+            parent = follows
+        assert parent is not None
+        span = self.sink.start(name, parent, kind, attrs, start_ns)
         if span is None:                    # another sampler, an unsampled parent: the SDK decides
             context = (trace.set_span_in_context(trace.NonRecordingSpan(remote_parent))
-                       if remote_parent is not None else None)
+                       if remote_parent is not None else otel_context.Context() if root else None)
             span = self.tracer.start_span(name, context=context, kind=kind, attributes=attrs, start_time=start_ns)
         return span
 
-    def span(self, name: str, links: list[dict] | None = None, **attrs: Any) -> _Scope:
-        return _Scope(self, name, attrs, links)
+    def span(self, name: str, links: list[dict] | None = None, *, follows_from: Any = None, **attrs: Any) -> _Scope:
+        return _Scope(self, name, attrs, links, _context_of(follows_from))
 
-    def record_span(self, name: str, start_ns: int, end_ns: int, **attrs: Any) -> None:
-        self._new_span(name, None, _attrs(attrs), start_ns).end(end_time=end_ns)
+    def record_span(self, name: str, start_ns: int, end_ns: int, *, parent: SpanHandle | None = None,
+                    follows_from: Any = None, **attrs: Any) -> OTelSpan:
+        span = self._new_span(name, _context_of(parent), _attrs(attrs), start_ns, follows=_context_of(follows_from))
+        span.end(end_time=end_ns)
+        return OTelSpan(span)
 
     def start_span(self, name: str, trace_headers: dict | None = None, kind: str = "internal",
-                   start_ns: int | None = None, **attrs: Any) -> OTelSpan:
-        return OTelSpan(self._new_span(name, remote_span_context(trace_headers), _attrs(attrs), start_ns,
-                                       _KINDS[kind]))
+                   start_ns: int | None = None, *, parent: SpanHandle | None = None,
+                   follows_from: Any = None, root: bool = False, **attrs: Any) -> OTelSpan:
+        remote = _context_of(parent) or remote_span_context(trace_headers)
+        return OTelSpan(self._new_span(name, remote, _attrs(attrs), start_ns, _KINDS[kind],
+                                       follows=_context_of(follows_from), root=root and remote is None))
+
+    @contextlib.contextmanager
+    def remote_parent(self, trace_headers: dict | None, follows: bool = False,
+                      step_headers: dict | None = None) -> Iterator[None]:
+        remote = remote_span_context(trace_headers)
+        saved = self._follow, self._step
+        token = otel_context.attach(trace.set_span_in_context(trace.NonRecordingSpan(remote))) if remote else None
+        self._follow = remote if follows else None
+        self._step = StepRef(step_headers, follows) if step_headers else None
+        try:
+            yield
+        finally:
+            self._follow, self._step = saved
+            if token is not None:
+                otel_context.detach(token)
+
+    def has_current_span(self) -> bool:
+        return trace.get_current_span().get_span_context().is_valid
+
+    def is_current(self, trace_headers: dict | None) -> bool:
+        named = remote_span_context(trace_headers)
+        current = trace.get_current_span().get_span_context()
+        return named is not None and named.span_id == current.span_id and named.trace_id == current.trace_id
 
     def use_span(self, handle: SpanHandle) -> contextlib.AbstractContextManager:
         assert isinstance(handle, OTelSpan), "a span this recorder started"
-        return trace.use_span(handle.span, end_on_exit=False)
+        return _Use(handle.span)
 
     def event(self, name: str, **attrs: Any) -> None:
         trace.get_current_span().add_event(name, _attrs(attrs))
@@ -274,7 +402,8 @@ class OTelRecorder(Recorder):
             self.store.write_snapshot(step_id, kind, self.process_name, data)
 
     def inject_trace_headers(self) -> dict[str, str]:
-        return inject_trace_headers()
+        # (what inject_trace_headers() writes, without the propagator: see headers_of)
+        return headers_of(trace.get_current_span().get_span_context())
 
     def now_ns(self) -> int:
         return time.time_ns()

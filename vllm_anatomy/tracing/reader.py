@@ -84,6 +84,10 @@ class SpanRow:
     pid: int = 0
     step_id: int | None = None
     request_id: str | None = None
+    # (span_details: an instrumentation scope other than ours, a status message; runs before it: these)
+    scope_name: str = "vllm_anatomy"
+    scope_version: str = ""
+    status_message: str = ""
 
     @functools.cached_property
     def links(self) -> list[dict[str, Any]]:
@@ -113,6 +117,7 @@ class Run:
             raise TraceStoreError(f"{path}: no such run store file")
         self.path = path
         self.bad_rows: list[BadRow] = []
+        self._span_details: bool | None = None      # (does the file have the span_details table?)
         try:
             self._conn: sqlite3.Connection | None = connect_readonly(path)     # None once closed
         except sqlite3.DatabaseError as e:   # "file is not a database", "unable to open"
@@ -236,8 +241,12 @@ class Run:
         SQL condition `where` over the spans table's columns, with `args`)."""
         conds = (["name = ?"] if name else []) + ([f"({where})"] if where else [])
         # NOTE: links are checked in SQLite (json_valid: no Python objects) and decoded
-        # only when read (SpanRow.links).
-        sql = (f"SELECT {', '.join(SPAN_COLUMNS)}, json_valid(links) AND json_type(links) = 'array' FROM spans"
+        # only when read (SpanRow.links). span_details (newer runs) is joined on the span's key.
+        details = self._has_span_details()
+        sql = (f"SELECT {', '.join(SPAN_COLUMNS)}, "
+               + ("scope_name, scope_version, status_message, " if details else "")
+               + "json_valid(links) AND json_type(links) = 'array' FROM spans"
+               + (" LEFT JOIN span_details USING (trace_id, span_id)" if details else "")
                + (" WHERE " + " AND ".join(conds) if conds else "") + " ORDER BY start_ns")
         out = []
         with paused_gc():           # (tens of thousands of rows: see index())
@@ -245,11 +254,20 @@ class Run:
                 try:
                     if not r[-1]:
                         raise ValueError("links is not a JSON array")
-                    out.append(_span_row(r[:-1]))
+                    row = _span_row(r[:len(SPAN_COLUMNS)])
+                    if details and r[len(SPAN_COLUMNS)] is not None:
+                        row.scope_name, row.scope_version, row.status_message = r[len(SPAN_COLUMNS):-1]
+                    out.append(row)
                 except (ValueError, TypeError) as e:
                     self.bad_rows.append(BadRow("spans", f"span {r[3]!r} {r[1]} of trace {r[0]}",
                                                 f"malformed JSON ({e})"))
         return out
+
+    def _has_span_details(self) -> bool:
+        if self._span_details is None:
+            self._span_details = bool(self._query(
+                "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'span_details'"))
+        return self._span_details
 
     def processes(self) -> dict[str, set[int]]:
         """process kind -> the pids that wrote spans."""

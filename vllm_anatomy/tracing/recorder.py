@@ -7,6 +7,13 @@ One object is injected (a constructor argument, never a global). It offers
                                           clock (device lane, resolved after a sync)
     start_span(name, ...) -> handle       a long-lived span that is not "current"
                                           (one per request); use_span(handle) nests under it
+    parent= / follows_from=               (keywords of the three) an explicit parent
+                                          handle; or the span that caused this one, when
+                                          nothing waits for it: see "Followers" below
+    remote_parent(headers, follows)       inside: the caller named by W3C headers (another
+                                          process) is the parent (or the cause) of new spans
+    step_scope(handle) / current_step()   the engine step being worked on, for the device
+                                          lane's GPU.step span (tracing/device_timer.py)
     event(name, **attrs)                  a point in time on the current span
     snapshot(kind, data, step_id)         plain, JSON-able state (level "full" only)
     inject_trace_headers()                W3C traceparent of the current span
@@ -16,6 +23,15 @@ One object is injected (a constructor argument, never a global). It offers
 `InMemoryRecorder` keeps everything in lists for tests and lessons. The
 OpenTelemetry-backed recorder lives in tracing/otel.py and is the only place
 that imports OpenTelemetry (with local_span.py).
+
+Followers. A span lies within its parent (Jaeger warns on every span that
+does not, and Perfetto cannot nest it). Work that another span caused but that
+nothing waits for (the engine's half of a request the frontend already
+finished, a step's outputs on their way to the frontend, a tensor-parallel rank
+that does not reply) may outlive its cause: such a span *follows from* it. It
+joins its cause's trace without a parent, its first link naming the cause: what
+Jaeger calls a FOLLOWS_FROM reference (its UI draws the span under the cause and
+checks no containment). `follows_from` takes the cause's W3C headers or handle.
 
 NOTE: the pure core (Scheduler, KVCacheManager, BlockPool, Request) never sees
 a Recorder. It returns records and exposes snapshot(); the orchestration layers
@@ -28,12 +44,18 @@ import gc
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, NamedTuple, TypeAlias
 
 if TYPE_CHECKING:
     from vllm_anatomy.tracing.step_tracer import NullStepTracer, StepTracer
 
 LEVELS = ("off", "spans", "full")
+
+
+class StepRef(NamedTuple):
+    """The engine step a piece of work belongs to (Recorder.current_step)."""
+    headers: dict[str, str]      # W3C headers of its EngineCore.step span
+    follows: bool                # nothing waits for this process' part of it: follow, do not nest
 
 
 class Recorder:
@@ -50,16 +72,53 @@ class Recorder:
     def wants_snapshots(self) -> bool:
         return self.level == "full"
 
-    def span(self, name: str, links: list[dict] | None = None,
+    def span(self, name: str, links: list[dict] | None = None, *, follows_from: "Cause" = None,
              **attrs: Any) -> contextlib.AbstractContextManager:
         raise NotImplementedError
 
-    def record_span(self, name: str, start_ns: int, end_ns: int, **attrs: Any) -> None:
+    def record_span(self, name: str, start_ns: int, end_ns: int, *, parent: "SpanHandle | None" = None,
+                    follows_from: "Cause" = None, **attrs: Any) -> "SpanHandle":
+        """A finished span; returns its handle (for its trace_headers())."""
         raise NotImplementedError
 
     def start_span(self, name: str, trace_headers: dict | None = None, kind: str = "internal",
-                   start_ns: int | None = None, **attrs: Any) -> "SpanHandle":
+                   start_ns: int | None = None, *, parent: "SpanHandle | None" = None,
+                   follows_from: "Cause" = None, root: bool = False, **attrs: Any) -> "SpanHandle":
+        """parent: this handle; else the span named by trace_headers; else the current one
+        (root: none, a new trace). follows_from (instead of a parent): see "Followers" in
+        the module docstring."""
         raise NotImplementedError
+
+    def remote_parent(self, trace_headers: dict | None, follows: bool = False,
+                      step_headers: dict | None = None) -> contextlib.AbstractContextManager:
+        """Inside: the span named by `trace_headers` (a caller in another process) is the
+        parent of the spans started without one (follows: their cause); `step_headers`
+        name the engine step the call works for (current_step())."""
+        return contextlib.nullcontext()
+
+    # The engine step being worked on (step_scope; in a worker, remote_parent's step_headers).
+    _step: "StepRef | None" = None
+
+    def step_scope(self, handle: "SpanHandle") -> contextlib.AbstractContextManager:
+        """Inside: `handle` (an EngineCore.step span) is the step being worked on."""
+        return _StepScope(self, handle)
+
+    def current_step(self) -> "StepRef | None":
+        """The engine step being worked on: its headers, and whether the caller waits for
+        this process' work on it (False: a rank that does not reply follows from it)."""
+        return self._step
+
+    def rpc_trace_headers(self) -> "tuple[dict[str, str] | None, dict[str, str] | None]":
+        """(the current span's headers, the current step's) for a call to another process."""
+        return self.inject_trace_headers() or None, self._step.headers if self._step else None
+
+    def is_current(self, trace_headers: dict | None) -> bool:
+        """Do these W3C headers name the current span?"""
+        return False
+
+    def has_current_span(self) -> bool:
+        """Is a span (of this process, or a remote parent) current?"""
+        return False
 
     def use_span(self, handle: "SpanHandle") -> contextlib.AbstractContextManager:
         raise NotImplementedError
@@ -93,6 +152,21 @@ class Recorder:
         pass
 
 
+class _StepScope:
+    """step_scope(): the step being worked on, inside (a class: entered twice per step)."""
+    __slots__ = ("recorder", "handle", "saved")
+
+    def __init__(self, recorder: Recorder, handle: "SpanHandle") -> None:
+        self.recorder, self.handle = recorder, handle
+
+    def __enter__(self) -> None:
+        self.saved = self.recorder._step
+        self.recorder._step = StepRef(self.handle.trace_headers(), False)
+
+    def __exit__(self, *exc: object) -> None:
+        self.recorder._step = self.saved
+
+
 class SpanHandle:
     """What start_span returns (and what span() yields): a span to annotate."""
 
@@ -121,6 +195,10 @@ class SpanHandle:
 
     def end(self, end_ns: int | None = None) -> None:
         raise NotImplementedError
+
+
+# What a follower follows from: the cause's W3C headers or its handle (None: no cause).
+Cause: TypeAlias = "dict[str, str] | SpanHandle | None"
 
 
 class _NullSpan(SpanHandle):
@@ -161,14 +239,17 @@ class NullRecorder(Recorder):
     """Records nothing. The default everywhere."""
     level = "off"
 
-    def span(self, name: str, links: list[dict] | None = None, **attrs: Any) -> _NullSpan:
+    def span(self, name: str, links: list[dict] | None = None, *, follows_from: "Cause" = None,
+             **attrs: Any) -> _NullSpan:
         return _NULL_SPAN
 
-    def record_span(self, name: str, start_ns: int, end_ns: int, **attrs: Any) -> None:
-        pass
+    def record_span(self, name: str, start_ns: int, end_ns: int, *, parent: "SpanHandle | None" = None,
+                    follows_from: "Cause" = None, **attrs: Any) -> _NullSpan:
+        return _NULL_SPAN
 
     def start_span(self, name: str, trace_headers: dict | None = None, kind: str = "internal",
-                   start_ns: int | None = None, **attrs: Any) -> _NullSpan:
+                   start_ns: int | None = None, *, parent: "SpanHandle | None" = None,
+                   follows_from: "Cause" = None, root: bool = False, **attrs: Any) -> _NullSpan:
         return _NULL_SPAN
 
     def use_span(self, handle: SpanHandle) -> _NullSpan:
@@ -183,6 +264,15 @@ class NullRecorder(Recorder):
     def step_tracer(self, snapshot_at_launch: bool) -> "NullStepTracer":
         from vllm_anatomy.tracing.step_tracer import NullStepTracer
         return NullStepTracer()
+
+
+def _ids_of(cause: Any) -> tuple[int, int] | None:
+    """(trace id, span id) of a RecordedSpan or of W3C headers (None for None)."""
+    if cause is None:
+        return None
+    if isinstance(cause, RecordedSpan):
+        return cause.trace_id, cause.span_id
+    return parse_traceparent(cause)
 
 
 class paused_gc:
@@ -280,7 +370,8 @@ class InMemoryRecorder(Recorder):
     """Keeps spans, events and snapshots in lists: for tests and lessons.
 
     Spans nest by call order (a stack), like OpenTelemetry's current-span context.
-    A span is appended to `spans` when it ends.
+    A span is appended to `spans` when it ends. A follower has no parent, its cause's
+    trace id and the cause as its first link.
     """
 
     def __init__(self, level: str = "full") -> None:
@@ -292,20 +383,34 @@ class InMemoryRecorder(Recorder):
         self.snapshots: list[tuple[str, int | None, Any]] = []
         self._stack: list[RecordedSpan] = []
         self._ids = itertools.count(1)
+        # (remote parent ids, follows) inside remote_parent(); the step of step_scope / remote_parent.
+        self._remote: tuple[tuple[int, int] | None, bool] = (None, False)
+        self._step: StepRef | None = None
 
     def _new_span(self, name: str, parent_ids: tuple[int, int] | None, attrs: dict,
-                  start_ns: int | None = None, kind: str = "internal") -> RecordedSpan:
+                  start_ns: int | None = None, kind: str = "internal", follows: Any = None,
+                  root: bool = False) -> RecordedSpan:
         span_id = next(self._ids)
-        if parent_ids is None and self._stack:
-            parent_ids = (self._stack[-1].trace_id, self._stack[-1].span_id)
-        trace_id, parent = parent_ids if parent_ids else (span_id, None)
+        cause = _ids_of(follows)
+        if cause is None and follows is None and parent_ids is None and not root:
+            if self._stack:
+                parent_ids = (self._stack[-1].trace_id, self._stack[-1].span_id)
+            elif self._remote[1]:
+                cause = self._remote[0]
+            else:
+                parent_ids = self._remote[0]
         start = time.perf_counter_ns() if start_ns is None else start_ns
+        if cause is not None:
+            return RecordedSpan(name, span_id, None, start, attrs=dict(attrs), trace_id=cause[0], kind=kind,
+                                links=[cause], _on_end=self.spans.append)
+        trace_id, parent = parent_ids if parent_ids else (span_id, None)
         return RecordedSpan(name, span_id, parent, start, attrs=dict(attrs), trace_id=trace_id,
                             kind=kind, _on_end=self.spans.append)
 
     @contextlib.contextmanager
-    def span(self, name: str, links: list[dict] | None = None, **attrs: Any) -> Iterator[RecordedSpan]:
-        s = self._new_span(name, None, attrs)
+    def span(self, name: str, links: list[dict] | None = None, *, follows_from: Any = None,
+             **attrs: Any) -> Iterator[RecordedSpan]:
+        s = self._new_span(name, None, attrs, follows=follows_from)
         for headers in links or ():
             s.add_link(headers)
         self._stack.append(s)
@@ -315,14 +420,19 @@ class InMemoryRecorder(Recorder):
             self._stack.pop()
             s.end()
 
-    def record_span(self, name: str, start_ns: int, end_ns: int, **attrs: Any) -> None:
-        self._new_span(name, None, attrs, start_ns=start_ns).end(end_ns)
+    def record_span(self, name: str, start_ns: int, end_ns: int, *, parent: SpanHandle | None = None,
+                    follows_from: Any = None, **attrs: Any) -> RecordedSpan:
+        s = self._new_span(name, _ids_of(parent), attrs, start_ns=start_ns, follows=follows_from)
+        s.end(end_ns)
+        return s
 
     def start_span(self, name: str, trace_headers: dict | None = None, kind: str = "internal",
-                   start_ns: int | None = None, **attrs: Any) -> RecordedSpan:
+                   start_ns: int | None = None, *, parent: SpanHandle | None = None,
+                   follows_from: Any = None, root: bool = False, **attrs: Any) -> RecordedSpan:
         # NOTE: as in OpenTelemetry, the parent is the remote span named by
         # trace_headers, else the current span, else none (a new trace).
-        return self._new_span(name, parse_traceparent(trace_headers), attrs, start_ns, kind)
+        parent_ids = _ids_of(parent) or parse_traceparent(trace_headers)
+        return self._new_span(name, parent_ids, attrs, start_ns, kind, follows=follows_from, root=root)
 
     @contextlib.contextmanager
     def use_span(self, handle: SpanHandle) -> Iterator[RecordedSpan]:
@@ -332,6 +442,24 @@ class InMemoryRecorder(Recorder):
             yield handle
         finally:
             self._stack.pop()
+
+    @contextlib.contextmanager
+    def remote_parent(self, trace_headers: dict | None, follows: bool = False,
+                      step_headers: dict | None = None) -> Iterator[None]:
+        saved = self._remote, self._step
+        self._remote = (parse_traceparent(trace_headers), follows)
+        self._step = StepRef(step_headers, follows) if step_headers else None
+        try:
+            yield
+        finally:
+            self._remote, self._step = saved
+
+    def is_current(self, trace_headers: dict | None) -> bool:
+        ids = parse_traceparent(trace_headers)
+        return bool(self._stack) and ids == (self._stack[-1].trace_id, self._stack[-1].span_id)
+
+    def has_current_span(self) -> bool:
+        return bool(self._stack) or self._remote[0] is not None
 
     def event(self, name: str, **attrs: Any) -> None:
         sid = self._stack[-1].span_id if self._stack else None

@@ -92,6 +92,7 @@ class RunnerTracer:
     def execute_model(self, scheduler_output: SchedulerOutput) -> contextlib.AbstractContextManager:
         attrs: dict[str, Any] = {"vllm_anatomy.step_id": scheduler_output.step_id,
                                  "vllm_anatomy.num_scheduled_tokens": scheduler_output.total_num_scheduled_tokens}
+        self.device_timer.begin_step()        # (the engine step the device lane's spans join)
         return self.recorder.span("GPUModelRunner.execute_model", **attrs)
 
     def apply_grammar_bitmask(self, grammar_output: GrammarOutput) -> contextlib.AbstractContextManager:

@@ -1,11 +1,29 @@
 """Where finished spans go: rows of the run store (StoreSpanExporter, span_to_row)
 and live OTLP (make_otlp_exporter); OTelRecorder hands each a BatchSpanProcessor.
+
+Live OTLP follows OpenTelemetry's exporter configuration
+(specification/protocol/exporter.md), with vLLM's --otlp-traces-endpoint on top:
+    endpoint   the argument (vLLM's flag, used as the traces endpoint), else
+               OTEL_EXPORTER_OTLP_TRACES_ENDPOINT (as is), else OTEL_EXPORTER_OTLP_ENDPOINT
+               (HTTP: + "/v1/traces"); neither: no live export
+    protocol   OTEL_EXPORTER_OTLP_TRACES_PROTOCOL, else OTEL_EXPORTER_OTLP_PROTOCOL, else what
+               the endpoint says: a path ending in /v1/traces or port 4318 (OTLP/HTTP's) is
+               http/protobuf, anything else gRPC (vLLM's default)
+    headers, timeout, compression, certificates: OTEL_EXPORTER_OTLP_[TRACES_]* as the
+               exporters read them
+    OTEL_TRACES_EXPORTER=none turns live export off; OTEL_SDK_DISABLED=true all of it.
+A protocol that contradicts the endpoint (gRPC to a /v1/traces URL), or one the SDK
+cannot speak (http/json), is refused at start-up with a ValueError saying what to set.
+A failed export is counted (CountingExporter) and reported once, with its cause;
+the total lost is logged at shutdown.
 """
 from __future__ import annotations
 
 import functools
+import logging
 import operator
 import os
+import threading
 from typing import Sequence
 from urllib.parse import urlparse
 
@@ -17,6 +35,8 @@ from opentelemetry.trace import Link, SpanKind, StatusCode
 from vllm_anatomy.tracing.store import RunStore, to_json
 from vllm_anatomy.tracing.trace_context import SharedLink, link_dict, plain_attributes
 
+logger = logging.getLogger(__name__)
+TRACER_NAME = "vllm_anatomy"      # (the instrumentation scope of our own spans: otel.py's tracer)
 _KIND_NAMES = {kind: kind.name.lower() for kind in SpanKind}
 _LINK_JSON = operator.attrgetter("json")     # (SharedLink's run-store text)
 _RESOURCE_FIELDS: dict[int, tuple] = {}
@@ -30,6 +50,9 @@ class StoreSpanExporter(SpanExporter):
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         self.store.write_spans([span_to_row(s) for s in spans])
+        details = [row for s in spans if (row := span_details(s)) is not None]
+        if details:
+            self.store.write_span_details(details)
         return SpanExportResult.SUCCESS
 
     def shutdown(self) -> None:
@@ -53,6 +76,19 @@ def span_to_row(s) -> tuple:
             _links_json(links) if links else "[]",
             "UNSET" if status is StatusCode.UNSET else status.name, service, process_kind, pid,
             attrs.get("vllm_anatomy.step_id"), str(request_id) if request_id is not None else None)
+
+
+def span_details(s) -> tuple | None:
+    """(trace id, span id, scope name, scope version, status message) of a span whose
+    instrumentation scope is not ours (e.g. FastAPI's) or whose status has a message;
+    None for the rest (docs/trace-format.md: span_details)."""
+    scope, status = s.instrumentation_scope, s.status
+    name, version = (scope.name, scope.version or "") if scope is not None else ("", "")
+    message = status.description or ""
+    if name == TRACER_NAME and not version and not message:
+        return None
+    ctx = s.context
+    return (_trace_hex(ctx.trace_id), f"{ctx.span_id:016x}", name, version, message)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -86,22 +122,137 @@ def _links_json(links: Sequence[Link]) -> str:
         return "[" + ",".join([lk.json if type(lk) is SharedLink else to_json(link_dict(lk)) for lk in links]) + "]"
 
 
-def make_otlp_exporter(endpoint: str | None) -> SpanExporter | None:
-    """OTLP exporter for `endpoint` (grpc://, http(s)://, host:port) or the OTEL_* env vars."""
+HTTP_PORT, GRPC_PORT = 4318, 4317
+
+
+def otlp_settings(endpoint: str | None) -> tuple[str, str | None] | None:
+    """(protocol, endpoint to hand the exporter: None = let it read the environment) of the
+    live OTLP export, or None when there is none. Raises ValueError for a setting that
+    would lose every span (see the module docstring)."""
     env = os.environ
-    if endpoint is None and not (env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
-                                 or env.get("OTEL_EXPORTER_OTLP_ENDPOINT")):
+    if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
         return None
-    protocol = env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or env.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "grpc"
-    if endpoint and endpoint.startswith("grpc://"):
+    exporters = {x.strip() for x in env.get("OTEL_TRACES_EXPORTER", "otlp").lower().split(",")}
+    if "none" in exporters:
+        return None
+    if "otlp" not in exporters:
+        raise ValueError(f"OTEL_TRACES_EXPORTER={env['OTEL_TRACES_EXPORTER']!r}: vllm_anatomy exports "
+                         "traces over OTLP only (or none)")
+    traces_env, base_env = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"), env.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    if endpoint is None and not (traces_env or base_env):
+        return None
+    named = endpoint or traces_env or base_env
+    assert named is not None
+    if endpoint is None and not traces_env and urlparse(named).path.rstrip("/").endswith("/v1/traces"):
+        raise ValueError(f"OTEL_EXPORTER_OTLP_ENDPOINT={named!r} names the traces path, but it is the base URL "
+                         "(the exporter appends /v1/traces to it): set OTEL_EXPORTER_OTLP_TRACES_ENDPOINT instead")
+    implied = _implied_protocol(named, signal_path=endpoint is not None or bool(traces_env))
+    if named.startswith("grpc://"):
         # NOTE: vLLM's spelling; the gRPC exporter wants http:// (plaintext) or https://.
-        protocol, endpoint = "grpc", "http://" + endpoint[len("grpc://"):]
+        named = "http://" + named[len("grpc://"):]
+        endpoint = named if endpoint is not None else endpoint
+        implied = "grpc"
+    protocol = (env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or env.get("OTEL_EXPORTER_OTLP_PROTOCOL")
+                or implied or "grpc").strip()
+    where = f"the OTLP traces endpoint {named!r}"
+    if protocol == "http/json":
+        raise ValueError("OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL=http/json: the OpenTelemetry Python SDK has no "
+                         "OTLP/JSON exporter; use http/protobuf or grpc")
+    if protocol not in ("grpc", "http/protobuf"):
+        raise ValueError(f"OTLP protocol {protocol!r} is not supported (use grpc or http/protobuf)")
+    if implied is not None and protocol != implied:
+        raise ValueError(f"{where} is an {'OTLP/HTTP' if implied == 'http/protobuf' else 'OTLP/gRPC'} one "
+                         f"({'port 4318 or a /v1/traces path' if implied == 'http/protobuf' else 'port 4317 or grpc://'}), "
+                         f"but the protocol is {protocol}: set OTEL_EXPORTER_OTLP_TRACES_PROTOCOL={implied}, "
+                         f"or give the endpoint of the protocol you set")
+    if protocol == "http/protobuf" and not named.startswith(("http://", "https://")):
+        raise ValueError(f"{where}: OTLP/HTTP needs an http:// or https:// URL")
+    if protocol == "http/protobuf" and endpoint is not None and urlparse(endpoint).path in ("", "/"):
+        endpoint = endpoint.rstrip("/") + "/v1/traces"
+    return protocol, endpoint
+
+
+def _implied_protocol(url: str, signal_path: bool) -> str | None:
+    """What an endpoint says about its protocol: OTLP/HTTP's port or its traces path, gRPC's port."""
+    parsed = urlparse(url if "://" in url else "//" + url)
+    try:
+        port = parsed.port
+    except ValueError:
+        port = None
+    if port == HTTP_PORT or (signal_path and parsed.path.rstrip("/").endswith("/v1/traces")):
+        return "http/protobuf"
+    if port == GRPC_PORT:
+        return "grpc"
+    return None
+
+
+def make_otlp_exporter(endpoint: str | None) -> SpanExporter | None:
+    """The live OTLP exporter (counting its failures), or None; see otlp_settings."""
+    settings = otlp_settings(endpoint)
+    if settings is None:
+        return None
+    protocol, endpoint = settings
     if protocol == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
-        return GrpcExporter(endpoint=endpoint)
-    if protocol == "http/protobuf":
+        inner: SpanExporter = GrpcExporter(endpoint=endpoint)
+    else:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
-        if endpoint and urlparse(endpoint).path in ("", "/"):
-            endpoint = endpoint.rstrip("/") + "/v1/traces"
-        return HttpExporter(endpoint=endpoint)
-    raise ValueError(f"OTLP protocol {protocol!r} is not supported (use grpc or http/protobuf)")
+        inner = HttpExporter(endpoint=endpoint)
+    where = getattr(inner, "_endpoint", None) or endpoint or "(from the environment)"
+    return CountingExporter(inner, f"{protocol} {where}")
+
+
+class CountingExporter(SpanExporter):
+    """A live exporter whose failures are counted and reported once.
+
+    NOTE: the OTLP exporters retry a failing export until their timeout
+    (OTEL_EXPORTER_OTLP_TIMEOUT, 10 s) and then log and drop the batch, again
+    for every batch. Here the first failure is logged once (where, why, how
+    many spans); later ones are only counted, and the total is logged once at
+    shutdown. After a failure the next COOLDOWN_S seconds of batches are
+    dropped at once (counted too): a collector that is not there costs one
+    timeout, not one per batch (or per shutdown flush)."""
+    COOLDOWN_S = 5.0
+
+    def __init__(self, inner: SpanExporter, where: str) -> None:
+        self.inner = inner
+        self.where = where
+        self.exported = self.failed_spans = self.failed_exports = 0
+        self._retry_at = 0.0
+        self._lock = threading.Lock()
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        import time
+        if time.monotonic() < self._retry_at:
+            self._count_failure(len(spans), None)
+            return SpanExportResult.FAILURE
+        why: Exception | None = None
+        try:
+            result = self.inner.export(spans)
+        except Exception as e:                   # noqa: BLE001 (an exporter must not raise into the SDK)
+            result, why = SpanExportResult.FAILURE, e
+        if result is SpanExportResult.SUCCESS:
+            self.exported += len(spans)
+            return result
+        self._retry_at = time.monotonic() + self.COOLDOWN_S
+        self._count_failure(len(spans), why)
+        return result
+
+    def _count_failure(self, num_spans: int, why: Exception | None) -> None:
+        with self._lock:
+            first = self.failed_exports == 0
+            self.failed_exports += 1
+            self.failed_spans += num_spans
+        if first:
+            logger.warning("OTLP trace export to %s failed%s: %d spans lost. Later failures are counted, not "
+                           "logged; the total is logged at shutdown.", self.where,
+                           f" ({why!r})" if why is not None else "", num_spans)
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return self.inner.force_flush(timeout_millis)
+
+    def shutdown(self) -> None:
+        self.inner.shutdown()
+        if self.failed_exports > 1:
+            logger.warning("OTLP trace export to %s: %d of %d spans lost in %d failed exports.", self.where,
+                           self.failed_spans, self.failed_spans + self.exported, self.failed_exports)

@@ -14,7 +14,8 @@ each step, one StepTrace that it tells where the step is:
             ...; span.built(grammar_output)
         with trace.update_from_output():        Scheduler.update_from_output
             ...
-        trace.updated()                         update observers
+        trace.updated(outputs)                  update observers; the outputs carry the step's
+                                                trace context (EngineCoreOutputs.trace_headers)
     trace.end()
 
 What each recorder gets:
@@ -22,7 +23,12 @@ What each recorder gets:
     level spans          the spans above; the step links to every request it
                          serves (nesting would lie: a step serves many
                          requests), and each grammar compiled since the last
-                         step becomes a span in its request's own trace.
+                         step becomes a span in its request's own trace; when a
+                         request finishes, a `Request` span in its own trace (its
+                         life in the engine, from EngineCore.add_request) links to
+                         every step that scheduled it. While a step is current
+                         (`with trace:`) the recorder's step_scope names it: the
+                         device lane hangs its GPU.step span under it.
     level full           also the KV manager's calls inside Scheduler.schedule
                          (traced.py) and, by an observer, the step's snapshot
                          (kind "step", with the block pool's events).
@@ -56,6 +62,20 @@ TRACED_KV_CACHE_MANAGER_METHODS = ["get_computed_blocks", "allocate_slots"]
 
 StepObserver = Callable[["SchedulerOutput"], None]
 _TRACE_HEADERS = operator.attrgetter("trace_headers")
+
+
+class _RequestLife:
+    """A request inside EngineCore, for its `Request` span: its trace, when it came, and
+    the step lists it was part of.
+
+    NOTE: `epochs` holds lists shared by every request of one batch composition: a step
+    appends its headers to the current composition's list once (not once per request),
+    and a request reads all of its lists once, when it finishes."""
+    __slots__ = ("headers", "start_ns", "epochs")
+
+    def __init__(self, headers: dict | None, start_ns: int) -> None:
+        self.headers, self.start_ns = headers, start_ns
+        self.epochs: list[list[dict]] = []
 
 
 class StepSnapshotter:
@@ -103,6 +123,10 @@ class StepTracer:
         # The requests the last step linked to, and their trace headers (request_headers).
         self._linked_req_ids: list[str] = []
         self._linked_headers: tuple[dict | None, ...] = ()
+        # Requests in the engine (for their Request span), and the step headers of the
+        # current batch composition (see _RequestLife).
+        self.lives: dict[str, _RequestLife] = {}
+        self._epoch: list[dict] = []
 
     @property
     def drains_kv_cache_events(self) -> bool:
@@ -127,14 +151,22 @@ class StepTracer:
     def add_request(self, request: Any) -> Iterator[None]:
         """`with tracer.add_request(request):` the EngineCore.add_request span.
 
-        NOTE: parented on the request's own trace (its W3C context rides on
-        the request), so this span joins the request's tree, not the caller's.
-        A request refused inside leaves its span unended (unrecorded)."""
-        span = self.recorder.start_span("EngineCore.add_request", trace_headers=request.trace_headers,
-                                        **{REQUEST_ID: request.request_id})
+        NOTE: in the request's own trace (its W3C context rides on the request), not
+        the caller's: a child of its llm_request span when that is current (the
+        frontend adds it in this process, and waits), else a follower of it
+        (another process: the frontend may finish the request first, e.g. when its
+        client goes away). A request refused inside leaves its span unended (unrecorded)."""
+        start_ns = self.recorder.now_ns()
+        headers = request.trace_headers
+        where: dict[str, Any] = ({"trace_headers": headers} if self.recorder.is_current(headers)
+                                 else {"follows_from": headers})
+        attrs: dict[str, Any] = {REQUEST_ID: request.request_id}
+        span = self.recorder.start_span("EngineCore.add_request", **where, **attrs)
         with self.recorder.use_span(span):
             yield
         span.end()
+        if self.links_requests and headers:
+            self.lives[request.request_id] = _RequestLife(headers, start_ns)
 
     def start_step(self) -> StepTrace:
         """Open the next step's EngineCore.step span (not current until `with trace:`)."""
@@ -155,7 +187,28 @@ class StepTracer:
             self._linked_req_ids = req_ids
             # ([requests[req_id].trace_headers for req_id in req_ids], as C-level passes)
             self._linked_headers = tuple(map(_TRACE_HEADERS, map(requests.__getitem__, req_ids)))
+            # A new batch composition: a new list of step headers for its requests' Request spans.
+            self._epoch = []
+            lives = self.lives
+            for req_id in req_ids:
+                life = lives.get(req_id)
+                if life is not None:
+                    life.epochs.append(self._epoch)
         return self._linked_headers
+
+    def end_requests(self, req_ids: Any) -> None:
+        """Requests that finished in the engine (EngineCore also calls it for those it
+        aborts): each one's Request span, in its own trace (a follower of its
+        llm_request: the frontend may have finished it first), from
+        EngineCore.add_request to now, linked to every step that scheduled it."""
+        lives = self.lives
+        for req_id in [r for r in req_ids if r in lives]:
+            life = lives.pop(req_id)
+            steps = [h for epoch in life.epochs for h in epoch]
+            attrs: dict[str, Any] = {REQUEST_ID: req_id, "vllm_anatomy.num_steps": len(steps)}
+            span = self.recorder.start_span("Request", follows_from=life.headers, start_ns=life.start_ns, **attrs)
+            span.add_links(steps)
+            span.end()
 
     def record_grammar_compiles(self, step_span: SpanHandle) -> None:
         """For each request whose grammar the last schedule() found compiled (or failed):
@@ -169,12 +222,13 @@ class StepTracer:
             # NOTE: these requests' grammars were compiled (or failed): both times are set.
             assert so is not None and so.compile_start is not None and so.compile_end is not None
             failed = isinstance(so.grammar, Exception)
+            # (a follower of its llm_request: the frontend, maybe in another process, waits for nothing)
+            compile_attrs: dict[str, Any] = {
+                REQUEST_ID: req_id, "vllm_anatomy.structured_output_type": so.structured_output_key[0].name,
+                "vllm_anatomy.error": str(so.grammar) if failed else ""}
             span = self.recorder.start_span(
-                "StructuredOutputManager._create_grammar", trace_headers=request.trace_headers,
-                start_ns=self._engine_ns(so.compile_start), **{
-                    REQUEST_ID: req_id,
-                    "vllm_anatomy.structured_output_type": so.structured_output_key[0].name,
-                    "vllm_anatomy.error": str(so.grammar) if failed else ""})
+                "StructuredOutputManager._create_grammar", follows_from=request.trace_headers,
+                start_ns=self._engine_ns(so.compile_start), **compile_attrs)
             span.end(self._engine_ns(so.compile_end))
             attrs: dict[str, Any] = {REQUEST_ID: req_id}
             step_span.add_event(f"WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR -> {'FINISHED_ERROR' if failed else 'WAITING'}",
@@ -192,23 +246,37 @@ class StepTrace:
     whoever processes the step's output: with async scheduling that is the
     next engine step, so consecutive step spans overlap, as the steps do.
     """
-    __slots__ = ("tracer", "span", "scheduler_output", "_scope")
+    __slots__ = ("tracer", "span", "scheduler_output", "_scope", "_step_scope", "_headers")
 
     def __init__(self, tracer: StepTracer) -> None:
         self.tracer = tracer
-        self.span = tracer.recorder.start_span("EngineCore.step")
+        # NOTE: a root: a step is its own trace, whatever span its caller has open.
+        self.span = tracer.recorder.start_span("EngineCore.step", root=True)
         self.scheduler_output: SchedulerOutput | None = None
         self._scope: Any = None
+        self._step_scope: Any = None
+        self._headers: dict | None = None
 
     def __enter__(self) -> StepTrace:
-        """Make the step span current (it stays open on exit)."""
-        self._scope = self.tracer.recorder.use_span(self.span)
+        """Make the step span current (it stays open on exit), and the step being worked on."""
+        recorder = self.tracer.recorder
+        self._scope = recorder.use_span(self.span)
         self._scope.__enter__()
+        self._step_scope = recorder.step_scope(self.span)
+        self._step_scope.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> Any:
         scope, self._scope = self._scope, None
+        step_scope, self._step_scope = self._step_scope, None
+        step_scope.__exit__(*exc)
         return scope.__exit__(*exc)
+
+    def headers(self) -> dict:
+        """The step span's W3C headers (made once)."""
+        if self._headers is None:
+            self._headers = self.span.trace_headers()
+        return self._headers
 
     def schedule(self) -> _ScheduleSpan:
         return _ScheduleSpan(self.tracer)
@@ -221,7 +289,10 @@ class StepTrace:
                              "vllm_anatomy.num_scheduled_tokens": scheduler_output.total_num_scheduled_tokens,
                              "vllm_anatomy.num_reqs": len(scheduler_output.num_scheduled_tokens)})
         if tracer.links_requests:
+            if scheduler_output.finished_req_ids:       # (aborted since the last update: not seen there)
+                tracer.end_requests(scheduler_output.finished_req_ids)
             span.add_links(tracer.request_headers(scheduler_output))
+            tracer._epoch.append(self.headers())
             tracer.record_grammar_compiles(span)
         for observe in tracer.on_launch:
             observe(scheduler_output)
@@ -237,13 +308,22 @@ class StepTrace:
         attrs: dict[str, Any] = {STEP_ID: self._scheduled_output().step_id}
         return self.tracer.recorder.span("Scheduler.update_from_output", **attrs)
 
-    def updated(self) -> None:
+    def updated(self, outputs: dict | None = None) -> None:
         """update_from_output has run: the step's spec-decode verifications (attributes
-        and one event per request), then the update observers."""
+        and one event per request), then the update observers; the requests it finished end
+        their Request spans; `outputs` (EngineCoreOutputs by client) carry the step's trace
+        context to whoever sends or processes them (their output spans follow from it)."""
         scheduler_output = self._scheduled_output()
+        tracer = self.tracer
         if scheduler_output.scheduled_spec_decode_tokens:
-            record_spec_decode(self.span, self.tracer.scheduler.last_spec_decode_records)
-        for observe in self.tracer.on_update:
+            record_spec_decode(self.span, tracer.scheduler.last_spec_decode_records)
+        if tracer.links_requests:
+            tracer.end_requests(tracer.scheduler.finished_req_ids)
+            if outputs:
+                headers = self.headers()
+                for engine_core_outputs in outputs.values():
+                    engine_core_outputs.trace_headers = headers
+        for observe in tracer.on_update:
             observe(scheduler_output)
 
     def end(self) -> None:
@@ -312,6 +392,9 @@ class NullStepTracer:
     def watch(self, scheduler: Scheduler) -> None:
         pass
 
+    def end_requests(self, req_ids: Any) -> None:
+        pass
+
     def add_request(self, request: Any) -> Any:
         return _NULL_SPAN
 
@@ -344,7 +427,7 @@ class NullStepTrace:
     def update_from_output(self) -> NullStepTrace:
         return self
 
-    def updated(self) -> None:
+    def updated(self, outputs: dict | None = None) -> None:
         pass
 
     def end(self) -> None:

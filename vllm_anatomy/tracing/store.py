@@ -6,6 +6,8 @@ Tables (schema documented in docs/trace-format.md, version SCHEMA_VERSION):
     meta(key, value)        (values JSON) schema_version, run_id, model, device, config (JSON),
                             git_commit, start_time_ns, trace_level, end_time_ns
     spans(...)              one row per finished span (OpenTelemetry's model)
+    span_details(...)       the instrumentation scope and status message of the spans that
+                            have them (the scope not ours, a message set); absent in older runs
     snapshots(...)          one row per (step, kind, process) snapshot, JSON
 
 NOTE: WAL mode lets readers (the live dashboard) read while writers write, and
@@ -64,6 +66,10 @@ CREATE TABLE IF NOT EXISTS spans (
     PRIMARY KEY (trace_id, span_id));
 CREATE INDEX IF NOT EXISTS spans_step ON spans(step_id);
 CREATE INDEX IF NOT EXISTS spans_request ON spans(request_id);
+CREATE TABLE IF NOT EXISTS span_details (
+    trace_id TEXT NOT NULL, span_id TEXT NOT NULL,
+    scope_name TEXT NOT NULL, scope_version TEXT NOT NULL, status_message TEXT NOT NULL,
+    PRIMARY KEY (trace_id, span_id));
 CREATE TABLE IF NOT EXISTS snapshots (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
     step_id INTEGER, kind TEXT NOT NULL, process TEXT NOT NULL,
@@ -307,6 +313,10 @@ class RunStore:
     def write_spans(self, rows: list[tuple]) -> None:
         marks = ", ".join("?" * len(SPAN_COLUMNS))
         self._write(f"INSERT OR REPLACE INTO spans ({', '.join(SPAN_COLUMNS)}) VALUES ({marks})", rows)
+
+    def write_span_details(self, rows: list[tuple]) -> None:
+        """(trace_id, span_id, scope_name, scope_version, status_message) rows."""
+        self._write("INSERT OR REPLACE INTO span_details VALUES (?, ?, ?, ?, ?)", rows)
 
     def write_snapshot(self, step_id: int | None, kind: str, process: str, data: Any) -> None:
         """Encode `data` now (the state of this instant) and queue it."""

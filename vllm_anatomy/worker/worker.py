@@ -56,8 +56,6 @@ class Worker:
         # self.model_runner: made by init_device, as in vLLM's Worker
         # Counts this rank's collectives per step (None with one rank: no group).
         self.collective_tracer: CollectiveTracer | None = None
-        # The caller's W3C context during an RPC from another process (see remote_trace_context).
-        self._rpc_trace_headers: dict[str, str] | None = None
 
     def init_device(self) -> None:
         with self.recorder.span("Worker.init_device", device=str(self.device)):
@@ -104,7 +102,7 @@ class Worker:
             self.model_runner.tracer.device_timer.calibrate()
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
-        with self._span_from(self._rpc_trace_headers, "Worker.execute_model") as span:
+        with self.recorder.span("Worker.execute_model") as span:
             tracer = self.collective_tracer
             if tracer is None:
                 return self.model_runner.execute_model(scheduler_output)
@@ -118,34 +116,22 @@ class Worker:
 
     def sample_tokens(self, grammar_output: GrammarOutput | None
                       ) -> ModelRunnerOutput | AsyncModelRunnerOutput:
-        with self._span_from(self._rpc_trace_headers, "Worker.sample_tokens"):
+        with self.recorder.span("Worker.sample_tokens"):
             return self.model_runner.sample_tokens(grammar_output)
 
     def take_draft_token_ids(self) -> DraftTokenIds | None:
         """Speculative decoding: the drafts proposed after the last step (None without)."""
         return self.model_runner.take_draft_token_ids()
 
-    @contextlib.contextmanager
-    def remote_trace_context(self, trace_headers: dict[str, str] | None):
+    def remote_trace_context(self, trace_headers: dict[str, str] | None, follows: bool = False,
+                             step_headers: dict[str, str] | None = None) -> contextlib.AbstractContextManager:
         """During one RPC from another process: the caller's span, as its RPC
         envelope names it, parents this worker's spans (one trace across the
-        boundary). In-process calls need nothing: the caller's span is current."""
-        self._rpc_trace_headers = trace_headers
-        try:
-            yield
-        finally:
-            self._rpc_trace_headers = None
-
-    @contextlib.contextmanager
-    def _span_from(self, trace_headers: dict[str, str] | None, name: str):
-        """A span whose parent is the caller's (the executor's) span, named by the
-        W3C context that came with the call — in this process or from another."""
-        span = self.recorder.start_span(name, trace_headers=trace_headers)
-        try:
-            with self.recorder.use_span(span):
-                yield span
-        finally:
-            span.end()
+        boundary); follows: a rank whose reply nobody reads, whose spans follow from
+        the caller's instead (nothing waits for them to end). `step_headers`: the
+        engine step the call works for (the device lane's GPU.step joins it).
+        In-process calls need nothing: the caller's span and step are current."""
+        return self.recorder.remote_parent(trace_headers, follows=follows, step_headers=step_headers)
 
     def snapshot(self) -> dict:
         return self.model_runner.snapshot()

@@ -1,7 +1,10 @@
 """`vllm-anatomy export RUN --format jaeger|otlp-json|perfetto [-o FILE]`.
 
 Converts a run store (tracing/store.py) into a file a viewer opens: Jaeger's
-UI upload, OTLP JSON, or Chrome trace-event JSON for ui.perfetto.dev.
+UI upload, OTLP JSON, or Chrome trace-event JSON for ui.perfetto.dev. Without
+-o the file goes to the current directory, named after the run
+(`run-....jaeger.json`): never next to the run (the shipped samples live in
+the repository's tracked samples/ folder).
 """
 from __future__ import annotations
 
@@ -16,7 +19,8 @@ def add_parser(sub) -> None:
     p.add_argument("run", help="the run store (.sqlite) to export")
     p.add_argument("--format", required=True, choices=["jaeger", "otlp-json", "perfetto"])
     p.add_argument("-o", "--output", default=None,
-                   help="output file (default: RUN with .<format>.json; '-' for stdout)")
+                   help="output file (default: RUN's name with .<format>.json, in the current directory; "
+                        "'-' for stdout)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -31,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
     if args.output == "-":
         sys.stdout.write(text + "\n")
         return 0
-    out = args.output or f"{os.path.splitext(args.run)[0]}.{args.format}.json"
+    out = args.output or f"{os.path.splitext(os.path.basename(args.run))[0]}.{args.format}.json"
     with open(out, "w") as f:
         f.write(text)
     print(f"wrote {out}")

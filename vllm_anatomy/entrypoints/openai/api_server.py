@@ -36,6 +36,7 @@ import argparse
 import asyncio
 import functools
 import logging
+import os
 from collections.abc import AsyncGenerator
 from concurrent.futures import ThreadPoolExecutor
 from http import HTTPStatus
@@ -234,7 +235,12 @@ def maybe_instrument_app(app: FastAPI, tracer_provider=None) -> bool:
     if isinstance(provider, (trace.ProxyTracerProvider, trace.NoOpTracerProvider)):
         return False
     from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor
-    FastAPIInstrumentor.instrument_app(app, tracer_provider=provider)
+    # NOTE: no ASGI "http receive"/"http send" spans (one per streamed chunk; the disconnect
+    # check's receive outlives the request's span), and no trace for a probe (/health, /ping,
+    # /metrics: a trace of one span each) unless OTEL_PYTHON_FASTAPI_EXCLUDED_URLS says otherwise.
+    excluded = None if os.environ.get("OTEL_PYTHON_FASTAPI_EXCLUDED_URLS") else "/health,/ping,/metrics,/version"
+    FastAPIInstrumentor.instrument_app(app, tracer_provider=provider, excluded_urls=excluded,
+                                       exclude_spans=["receive", "send"])
     return True
 
 
