@@ -118,3 +118,18 @@ def test_abort_mid_generation_frees_blocks(llm):
     engine.step()   # the next step tells the worker to drop it
     assert _no_blocks_held(llm)
     assert "x" not in engine.engine_core.model_executor.driver_worker.model_runner.input_batch.req_id_to_index
+
+
+def test_an_llm_dropped_without_shutdown_gives_its_engine_back(tiny_llama_dir):
+    """EngineCore freezes its start-up heap (gc.freeze, as vLLM's); an LLM that goes out of
+    scope shuts its engine down (a finalizer), so the collector can take the engine's cycles,
+    weights and KV cache back. Without it each dropped LLM stayed for the process's life."""
+    import gc
+    import weakref
+    llm = LLM(tiny_llama_dir, max_model_len=128)
+    llm.generate(["t5 t6 t7"], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    engine, core = weakref.ref(llm.llm_engine), weakref.ref(llm.llm_engine.engine_core)
+    del llm
+    gc.collect()
+    assert engine() is None and core() is None
+    assert gc.get_freeze_count() == 0          # the frozen start-up heap went back to the collector

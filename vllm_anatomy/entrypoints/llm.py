@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import time
+import weakref
 from typing import Sequence
 
 import msgspec
@@ -43,6 +44,12 @@ class LLM:
         self.engine_args = EngineArgs(model=model, **engine_args)
         self.llm_engine = LLMEngine.from_engine_args(self.engine_args, recorder)
         self.request_counter = itertools.count()
+        # NOTE: (ours) an LLM dropped without shutdown() shuts its engine down. EngineCore
+        # gc.freeze()s its start-up heap (as vLLM's does) and the engine's objects form
+        # cycles, so only shutdown's gc.unfreeze() lets the collector take the weights and
+        # the KV cache back: without this, every LLM a notebook or a test file dropped kept
+        # ~1 GB on a CPU for the life of the process. vLLM leaves that to its callers.
+        self._finalizer = weakref.finalize(self, self.llm_engine.shutdown)
 
     def __enter__(self) -> "LLM":
         return self
@@ -52,7 +59,7 @@ class LLM:
 
     def shutdown(self) -> None:
         """Stop the engine (its process, if it has one) and flush the trace. Safe to call twice."""
-        self.llm_engine.shutdown()
+        self._finalizer()
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
