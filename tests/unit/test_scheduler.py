@@ -16,6 +16,7 @@ from vllm_anatomy.core.sched.record import AdmissionStop, DeferReason
 from vllm_anatomy.core.sched.scheduler import Scheduler
 from vllm_anatomy.engine.protocol import EngineCoreEventType, FinishReason, LogprobsLists
 from vllm_anatomy.sampling_params import SamplingParams
+from tests.unit.core_utils import new_scheduler
 
 
 def create_scheduler(max_num_seqs: int = 16, max_num_batched_tokens: int = 8192, block_size: int = 16,
@@ -28,7 +29,7 @@ def create_scheduler(max_num_seqs: int = 16, max_num_batched_tokens: int = 8192,
         SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                         max_model_len=max_model_len, enable_chunked_prefill=enable_chunked_prefill,
                         long_prefill_token_threshold=long_prefill_token_threshold))
-    return Scheduler(config, num_gpu_blocks=num_blocks, log_stats=True)
+    return new_scheduler(config, num_blocks)
 
 
 def create_request(req_id: str, prompt: list[int] | int, block_size: int = 16, max_tokens: int = 16,
@@ -464,8 +465,21 @@ def test_admission_stop_and_defer_codes_are_plain_strings_with_descriptions():
 
 
 def test_kv_cache_must_hold_one_max_len_sequence():
-    with pytest.raises(ValueError):
-        create_scheduler(block_size=4, num_blocks=4, max_model_len=16)
+    """v0.27.1 refuses such a cache at start-up (check_enough_kv_cache_memory, called by
+    EngineCore._initialize_kv_caches), not in the Scheduler, which builds what it is given."""
+    import torch
+
+    from vllm_anatomy.core.kv_cache_utils import check_enough_kv_cache_memory
+    from vllm_anatomy.kv_cache_interface import FullAttentionSpec
+    s = create_scheduler(block_size=4, num_blocks=4, max_model_len=16)       # 3 usable blocks: 12 tokens
+    spec = FullAttentionSpec(block_size=4, num_kv_heads=2, head_size=8, dtype=torch.float16)
+    specs = {"layer.0": spec, "layer.1": spec}
+    page = 2 * spec.page_size_bytes                                          # one block of both layers
+    check_enough_kv_cache_memory(s.vllm_config, specs, 4 * page)             # 16 tokens fit
+    with pytest.raises(ValueError, match="estimated maximum model length is 12"):
+        check_enough_kv_cache_memory(s.vllm_config, specs, 3 * page)
+    with pytest.raises(ValueError, match="No available memory"):
+        check_enough_kv_cache_memory(s.vllm_config, specs, 0)
 
 
 def test_pure_core_does_not_import_torch():
