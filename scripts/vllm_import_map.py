@@ -157,6 +157,15 @@ def _adapters() -> dict[str, dict[str, Any]]:
 
     from vllm_anatomy import config as ours
 
+    @dataclasses.dataclass
+    class MockKVConfig:
+        """vLLM's test helper type (tests/v1/kv_connector/unit/utils.py): a KV connector's
+        test settings. Only its type is needed here; a test that passes one asks for a
+        KV connector, which KVTransferConfig (Missing) then refuses."""
+        matched_tokens: int = 0
+        is_async: bool = False
+        num_defers_before_matching: int = 0
+
     class TestModelConfig(ours.ModelConfig):
         """vLLM's ModelConfig(model=...): our ModelConfig with the model's max length."""
         is_encoder_decoder = False
@@ -164,11 +173,13 @@ def _adapters() -> dict[str, dict[str, Any]]:
 
     def ModelConfig(model: str = "facebook/opt-125m", **kwargs: Any) -> ours.ModelConfig:
         dtype = kwargs.pop("dtype", "auto")
+        if kwargs.pop("runner", "generate") != "generate":
+            raise NotInAnatomy("ModelConfig(runner=...): pooling models")
         max_model_len = kwargs.pop("max_model_len", None) or KNOWN_MODELS.get(model)
         if max_model_len is None:
             raise NotInAnatomy(f"ModelConfig(model={model!r}): unknown test model")
         # (what only loading a real model reads: no meaning here)
-        for key in ("trust_remote_code", "skip_tokenizer_init", "tokenizer", "enforce_eager"):
+        for key in ("trust_remote_code", "skip_tokenizer_init", "tokenizer", "enforce_eager", "tokenizer_mode"):
             kwargs.pop(key, None)
         kept = _split(kwargs, ours.ModelConfig, {})
         return TestModelConfig(model=model, max_model_len=max_model_len,
@@ -189,9 +200,19 @@ def _adapters() -> dict[str, dict[str, Any]]:
             "pipeline_parallel_size": 1, "data_parallel_size": 1}))
 
     def VllmConfig(**kwargs: Any) -> ours.VllmConfig:
+        # (vLLM's VllmConfig has a default for every part)
+        kwargs.setdefault("model_config", ModelConfig())
+        kwargs.setdefault("cache_config", ours.CacheConfig())
+        kwargs.setdefault("scheduler_config", SchedulerConfig(max_model_len=kwargs["model_config"].max_model_len))
         return ours.VllmConfig(**_split(kwargs, ours.VllmConfig, {
             "kv_transfer_config": None, "speculative_config": None, "ec_transfer_config": None,
             "lora_config": None}))
+
+    # (their class attributes: SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS ...)
+    for adapter, cls in ((SchedulerConfig, ours.SchedulerConfig), (CacheConfig, ours.CacheConfig)):
+        for name in dir(cls):
+            if name.isupper():
+                setattr(adapter, name, getattr(cls, name))
 
     config = {"ModelConfig": ModelConfig, "SchedulerConfig": SchedulerConfig, "CacheConfig": CacheConfig,
               "ParallelConfig": ParallelConfig, "VllmConfig": VllmConfig}
@@ -199,14 +220,15 @@ def _adapters() -> dict[str, dict[str, Any]]:
         config["KVEventsConfig"] = ours.KVEventsConfig
 
     from vllm_anatomy.core import kv_cache_utils
-    envs = {"VLLM_USE_V2_MODEL_RUNNER": False, "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES": False}
+    # (vLLM's defaults)
+    envs = {"VLLM_USE_V2_MODEL_RUNNER": False, "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES": True}
     return {
         "vllm.config": config,
         "vllm.utils.hashing": {"sha256": kv_cache_utils.sha256},
         "vllm.envs": envs,
         # (ours: one spec type, a static map; vLLM's registry is for plugins)
         "vllm.v1.core.single_type_kv_cache_manager": {"register_all_kvcache_specs": lambda *a, **k: None},
-        "tests.v1.kv_connector.unit.utils": {"MockKVConfig": Missing("MockKVConfig")},
+        "tests.v1.kv_connector.unit.utils": {"MockKVConfig": MockKVConfig},
     }
 
 
@@ -269,6 +291,11 @@ def main() -> int:
     parser.add_argument("--json", type=Path)
     args, rest = parser.parse_known_args()
     install()
+    # NOTE: vLLM's `tests` package first on the path and imported now: a folder
+    # of test files without __init__.py (prefix_cache/) would otherwise let
+    # `import tests` find this repository's tests/ (a namespace package) first.
+    sys.path.insert(0, str(args.tests.parent))
+    importlib.import_module("tests")
     core = args.tests / "v1" / "core"
     targets = [a for a in rest if Path(a.split("::")[0]).exists()] or [str(core)]
     options = [a for a in rest if a not in targets]

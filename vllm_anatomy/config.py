@@ -9,6 +9,7 @@ vLLM's argument names.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
@@ -73,6 +74,9 @@ class CacheConfig:
 
 @dataclass
 class SchedulerConfig:
+    DEFAULT_MAX_NUM_BATCHED_TOKENS: ClassVar[int] = 2048
+    DEFAULT_MAX_NUM_SEQS: ClassVar[int] = 128
+
     max_num_batched_tokens: int = 2048
     # The scheduler's token budget per step (None: max_num_batched_tokens).
     # NOTE: smaller than max_num_batched_tokens when the worker may add tokens

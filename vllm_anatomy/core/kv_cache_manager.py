@@ -15,17 +15,14 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, overload
+from typing import Any, Literal, overload
 
 from vllm_anatomy.core.block_pool import BlockPoolEvent, short_hash
 from vllm_anatomy.core.kv_cache_coordinator import get_kv_cache_coordinator
 from vllm_anatomy.core.kv_cache_utils import KVCacheBlock, PrefixCacheStats
-from vllm_anatomy.core.request import RequestStatus
+from vllm_anatomy.core.request import Request, RequestStatus
 from vllm_anatomy.distributed.kv_events import BlockStored, KVCacheEvent
 from vllm_anatomy.kv_cache_interface import KVCacheConfig
-
-if TYPE_CHECKING:
-    from vllm_anatomy.core.request import Request
 
 _WAITING, _PREEMPTED = RequestStatus.WAITING, RequestStatus.PREEMPTED
 

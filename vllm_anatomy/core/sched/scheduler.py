@@ -32,7 +32,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from vllm_anatomy.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
-from vllm_anatomy.core.outputs import ModelRunnerOutput
+from vllm_anatomy.core.outputs import LogprobsLists, LogprobsTensors, ModelRunnerOutput
 from vllm_anatomy.core.request import Request, RequestStatus
 from vllm_anatomy.core.sched.interface import SchedulerInterface
 from vllm_anatomy.core.sched.output import CachedRequestData, GrammarOutput, NewRequestData, SchedulerOutput
@@ -41,8 +41,7 @@ from vllm_anatomy.core.sched.record import (AdmissionStop, DeferReason, PrefixHi
 from vllm_anatomy.core.sched.request_queue import RequestQueue, SchedulingPolicy, create_request_queue
 from vllm_anatomy.core.sched.utils import check_stop
 from vllm_anatomy.distributed.kv_events import EventPublisherFactory, KVEventBatch
-from vllm_anatomy.engine.protocol import (EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs,
-                                          LogprobsLists, SchedulerStats)
+from vllm_anatomy.engine.protocol import EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 from vllm_anatomy.structured_output import StructuredOutputManager
 from vllm_anatomy.structured_output.backend_types import StructuredOutputGrammar
 
@@ -575,6 +574,7 @@ class Scheduler(SchedulerInterface):
         # this one. Outputs of requests gone meanwhile are skipped below.
         sampled_token_ids = model_runner_output.sampled_token_ids
         logprobs = model_runner_output.logprobs
+        prompt_logprobs_dict = model_runner_output.prompt_logprobs_dict
         outputs: dict[int, list[EngineCoreOutput]] = defaultdict(list)
         stopped_running_reqs: set[Request] = set()
         stopped_preempted_reqs: set[Request] = set()
@@ -612,10 +612,18 @@ class Scheduler(SchedulerInterface):
                     stopped_running_reqs.add(request)
                 else:
                     stopped_preempted_reqs.add(request)
+            # The request's rows of the step's logprobs (only if it asked).
+            new_logprobs = None
+            if request.sampling_params.logprobs is not None and logprobs is not None:
+                new_logprobs = logprobs.slice_request(req_index, len(new_token_ids))
+            prompt_logprobs_tensors = prompt_logprobs_dict.get(req_id)
             # NOTE: no output for a partial prefill: nothing new to say yet.
             if new_token_ids or stopped:
-                new_logprobs = self._get_logprobs(logprobs[req_index], len(new_token_ids)) if logprobs else None
-                outputs[request.client_index].append(self._make_output(request, new_token_ids, new_logprobs))
+                outputs[request.client_index].append(
+                    self._make_output(request, new_token_ids, new_logprobs, prompt_logprobs_tensors))
+            else:
+                # (the worker returns a prompt's logprobs with its first sampled token, never before)
+                assert not prompt_logprobs_tensors
         if stopped_running_reqs:
             self.running = [req for req in self.running if req not in stopped_running_reqs]
         if stopped_preempted_reqs:
@@ -672,18 +680,11 @@ class Scheduler(SchedulerInterface):
                 return new_token_ids[:num_new], True
         return new_token_ids, False
 
-    @staticmethod
-    def _get_logprobs(logprobs: LogprobsLists | None, num_tokens: int) -> LogprobsLists | None:
-        """The logprobs of the request's first num_tokens sampled tokens (those kept)."""
-        if logprobs is None or num_tokens == 0:
-            return None
-        return LogprobsLists(logprobs.logprob_token_ids[:num_tokens], logprobs.logprobs[:num_tokens],
-                             logprobs.sampled_token_ranks[:num_tokens])
-
-    def _make_output(self, request: Request, new_token_ids: list[int],
-                     new_logprobs: LogprobsLists | None = None) -> EngineCoreOutput:
+    def _make_output(self, request: Request, new_token_ids: list[int], new_logprobs: LogprobsLists | None = None,
+                     prompt_logprobs_tensors: LogprobsTensors | None = None) -> EngineCoreOutput:
         return EngineCoreOutput(
             request_id=request.request_id, new_token_ids=new_token_ids, new_logprobs=new_logprobs,
+            new_prompt_logprobs_tensors=prompt_logprobs_tensors,
             finish_reason=request.get_finished_reason(), stop_reason=request.stop_reason,
             events=request.take_events(), trace_headers=request.trace_headers,
             # (-1 until first scheduled; max() would cost more than the rest of this call)
