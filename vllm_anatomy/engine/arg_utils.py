@@ -12,13 +12,27 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from vllm_anatomy.config import (CacheConfig, CompilationConfig, ModelConfig, ObservabilityConfig,
+from vllm_anatomy.config import (CacheConfig, CompilationConfig, KVEventsConfig, ModelConfig, ObservabilityConfig,
                                  ParallelConfig, SchedulerConfig, VllmConfig, default_capture_sizes)
 from vllm_anatomy.distributed.parallel_state import resolve_backend
 from vllm_anatomy.transformers_utils.default_model import resolve_model
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
            "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def parse_kv_events_config(text: str) -> KVEventsConfig:
+    """--kv-events-config's JSON -> KVEventsConfig (unknown keys are an error)."""
+    try:
+        fields_ = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"--kv-events-config is not valid JSON: {e}") from e
+    if not isinstance(fields_, dict):
+        raise argparse.ArgumentTypeError("--kv-events-config must be a JSON object")
+    try:
+        return KVEventsConfig(**fields_)
+    except (TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(f"--kv-events-config: {e}") from e
 
 
 def teaching_attention_backend() -> str:
@@ -41,9 +55,17 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.92
     enable_prefix_caching: bool = True
     max_num_batched_tokens: int | None = None
+    # The scheduler's token budget (None: max_num_batched_tokens).
+    max_num_scheduled_tokens: int | None = None
     max_num_seqs: int | None = None
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
+    # fcfs | priority (lower `priority` first, then arrival; preemption takes the worst).
+    scheduling_policy: str = "fcfs"
+    # Fraction of the KV-cache blocks left free when admitting beside running requests.
+    watermark: float = 0.0
+    # KV cache events for KV-aware routers (a KVEventsConfig, or its JSON on the command line).
+    kv_events_config: KVEventsConfig | None = None
     # None = on where it pays (a GPU, one in-process worker), as vLLM turns it
     # on by default; on a CPU every op is synchronous, so nothing would overlap.
     async_scheduling: bool | None = None
@@ -137,10 +159,16 @@ class EngineArgs:
                                    enable_prefix_caching=self.enable_prefix_caching)
         parallel_config = self._parallel_config(device)
         model_config.verify_with_parallel_config(parallel_config)
+        if self.max_num_scheduled_tokens is not None and not \
+                0 < self.max_num_scheduled_tokens <= max_num_batched_tokens:
+            raise ValueError(f"max_num_scheduled_tokens ({self.max_num_scheduled_tokens}) must be in "
+                             f"[1, max_num_batched_tokens={max_num_batched_tokens}]")
         scheduler_config = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
+                                           max_num_scheduled_tokens=self.max_num_scheduled_tokens,
                                            max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                                            enable_chunked_prefill=self.enable_chunked_prefill,
                                            long_prefill_token_threshold=self.long_prefill_token_threshold,
+                                           policy=self.scheduling_policy, watermark=self.watermark,
                                            async_scheduling=self._resolve_async_scheduling(on_gpu))
         if self.trace_level not in ("off", "spans", "full"):
             raise ValueError(f"trace_level must be one of off, spans, full; got {self.trace_level!r}")
@@ -150,7 +178,15 @@ class EngineArgs:
         compilation_config = self._compilation_config(on_gpu, max_num_seqs,
                                                       min(max_num_batched_tokens, max_num_seqs * max_model_len))
         return VllmConfig(model_config, cache_config, scheduler_config, parallel_config, observability_config,
-                          compilation_config)
+                          compilation_config, kv_events_config=self._kv_events_config())
+
+    def _kv_events_config(self) -> KVEventsConfig | None:
+        config = self.kv_events_config
+        if isinstance(config, str):
+            config = parse_kv_events_config(config)
+        if config is not None and not isinstance(config, KVEventsConfig):
+            raise ValueError(f"kv_events_config must be a KVEventsConfig or its JSON, got {type(config).__name__}")
+        return config
 
     def _resolve_executor_backend(self) -> str:
         """vLLM's rule: one rank in-process, several ranks in worker processes."""
@@ -245,6 +281,14 @@ class EngineArgs:
         p("--max-num-seqs", type=int, default=None)
         p("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
         p("--long-prefill-token-threshold", type=int, default=0)
+        p("--max-num-scheduled-tokens", type=int, default=None,
+          help="the scheduler's token budget per step (default: max_num_batched_tokens)")
+        p("--scheduling-policy", choices=["fcfs", "priority"], default=d.scheduling_policy,
+          help="fcfs: arrival order; priority: a request's `priority` (lower first), then arrival")
+        p("--watermark", type=float, default=d.watermark,
+          help="fraction of KV-cache blocks kept free when admitting beside running requests")
+        p("--kv-events-config", type=parse_kv_events_config, default=None,
+          help='KV cache events as JSON, e.g. \'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}\'')
         p("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
           help="schedule the next step while the device runs this one (default: on a GPU)")
         p("--distributed-executor-backend", choices=["uni", "mp"], default=None,

@@ -203,6 +203,8 @@ class SamplingRequest(OpenAIBaseModel):
     response_format: ResponseFormat | None = None
     # vLLM extra: {"json": schema} | {"regex": ...} | {"choice": [...]} | {"grammar": ...} | {"json_object": true}
     structured_outputs: dict[str, Any] | None = None
+    # vLLM extra: under --scheduling-policy priority, lower runs first (ignored under fcfs).
+    priority: Int64 = 0
 
     def extract_structured_outputs(self) -> StructuredOutputsParams | None:
         return structured_outputs_from_response_format(structured_outputs_from_dict(self.structured_outputs),

@@ -46,7 +46,7 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.echo:
             echo_text = prompt_text if prompt_text is not None else \
                 await self._run_in_tokenizer_thread(self.tokenizer.decode, prompt_ids)
-        generator = self._generate(engine_prompt, params, request_id, raw_request)
+        generator = self._generate(engine_prompt, params, request_id, raw_request, request.priority)
         if request.stream:
             return self._sse_stream(self.completion_stream_generator(
                 request, generator, request_id, model_name, echo_text), generator)

@@ -182,9 +182,9 @@ class OpenAIServing:
         return headers or None
 
     def _generate(self, prompt, params: SamplingParams, request_id: str,
-                  raw_request: Request | None) -> AsyncGenerator[RequestOutput, None]:
+                  raw_request: Request | None, priority: int = 0) -> AsyncGenerator[RequestOutput, None]:
         return self.engine_client.generate(prompt, params, request_id,
-                                           trace_headers=self._get_trace_headers(raw_request))
+                                           trace_headers=self._get_trace_headers(raw_request), priority=priority)
 
     @staticmethod
     async def _final_output(result_generator: AsyncIterator[RequestOutput], request_id: str) -> RequestOutput:
