@@ -55,7 +55,9 @@ def make_runner(path, recorder=None, device="cpu") -> GPUModelRunner:
 
 
 def new(req_id, prompt, blocks, **sp) -> NewRequestData:
-    return NewRequestData(req_id, list(prompt), SamplingParams(max_tokens=None, **sp), (list(blocks),), 0)
+    return NewRequestData(req_id=req_id, prompt_token_ids=list(prompt),
+                          sampling_params=SamplingParams(max_tokens=None, **sp), block_ids=(list(blocks),),
+                          num_computed_tokens=0)
 
 
 def make_so(step, num_scheduled, new_reqs=(), cached=(), finished=(), preempted=()) -> SchedulerOutput:
@@ -66,7 +68,7 @@ def make_so(step, num_scheduled, new_reqs=(), cached=(), finished=(), preempted=
         new_block_ids=[None if c[2] is None else (list(c[2]),) for c in cached],
         num_computed_tokens=[c[1] for c in cached], num_output_tokens=[0] * len(cached))
     so = SchedulerOutput(list(new_reqs), cd, dict(num_scheduled), sum(num_scheduled.values()),
-                         set(finished), set(preempted), step_id=step)
+                         finished_req_ids=set(finished), preempted_req_ids=set(preempted), step_id=step)
     # Through the wire format, as a worker in another process would receive it.
     return msgspec.msgpack.decode(msgspec.msgpack.encode(so), type=SchedulerOutput)
 

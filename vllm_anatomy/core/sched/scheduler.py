@@ -784,7 +784,13 @@ class Scheduler(SchedulerInterface):
         reset_successful = self.kv_cache_manager.reset_prefix_cache()
         if reset_running_requests and not reset_successful:
             raise RuntimeError("Failed to reset the prefix cache although every running request was preempted")
+        if reset_connector:
+            reset_successful = self.reset_connector_cache() and reset_successful
         return reset_successful
+
+    def reset_connector_cache(self) -> bool:
+        """A KV connector's own cache (offloaded blocks); no connector here: nothing to reset."""
+        return self.connector is None
 
     def shutdown(self) -> None:
         """Stop the KV event publisher (its thread sends what is queued first)."""
