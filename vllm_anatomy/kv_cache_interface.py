@@ -13,6 +13,7 @@ for hybrid models, whose layers need different block tables.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -24,6 +25,21 @@ if TYPE_CHECKING:
 def cdiv(a: int, b: int) -> int:
     """Ceiling division."""
     return -(a // -b)
+
+
+class KVCacheSpecKind(str, Enum):
+    """What kind of attention a group's layers are (KV cache events carry it, so a
+    router can tell which groups' blocks it indexes). Only FULL_ATTENTION occurs here."""
+    FULL_ATTENTION = "full_attention"
+    MLA_ATTENTION = "mla_attention"
+    SLIDING_WINDOW = "sliding_window"
+    SLIDING_WINDOW_MLA = "sliding_window_mla"
+    MAMBA = "mamba"
+    CHUNKED_LOCAL_ATTENTION = "chunked_local_attention"
+    SINK_FULL_ATTENTION = "sink_full_attention"
+    ENCODER_ONLY_ATTENTION = "encoder_only_attention"
+    CROSS_ATTENTION = "cross_attention"
+    UNKNOWN = "unknown"
 
 
 @dataclass(frozen=True)
@@ -91,3 +107,12 @@ class KVCacheConfig:
     def has_mamba_layers(self) -> bool:
         # NOTE: vLLM schedules Mamba groups differently (block-aligned chunks); none here.
         return False
+
+
+def get_kv_cache_spec_kind(kv_cache_spec: KVCacheSpec) -> KVCacheSpecKind:
+    return KVCacheSpecKind.FULL_ATTENTION if isinstance(kv_cache_spec, FullAttentionSpec) else KVCacheSpecKind.UNKNOWN
+
+
+def get_kv_cache_spec_sliding_window(kv_cache_spec: KVCacheSpec) -> int | None:
+    """The group's window (None: full attention, the only kind here)."""
+    return None

@@ -22,7 +22,7 @@ from vllm_anatomy.core.kv_cache_coordinator import get_kv_cache_coordinator
 from vllm_anatomy.core.kv_cache_utils import KVCacheBlock, PrefixCacheStats
 from vllm_anatomy.core.request import Request, RequestStatus
 from vllm_anatomy.distributed.kv_events import BlockStored, KVCacheEvent
-from vllm_anatomy.kv_cache_interface import KVCacheConfig
+from vllm_anatomy.kv_cache_interface import KVCacheConfig, get_kv_cache_spec_kind, get_kv_cache_spec_sliding_window
 
 _WAITING, _PREEMPTED = RequestStatus.WAITING, RequestStatus.PREEMPTED
 
@@ -102,6 +102,10 @@ class KVCacheManager:
         # headroom when admitting. 0.0 (the default) turns it off.
         assert watermark >= 0.0, "watermark must be non-negative"
         self.watermark_blocks = int(watermark * kv_cache_config.num_blocks)
+        # Per group: (its kind, its window), stamped on the group's BlockStored events.
+        self.kv_cache_event_metadata = tuple(
+            (get_kv_cache_spec_kind(group.kv_cache_spec).value, get_kv_cache_spec_sliding_window(group.kv_cache_spec))
+            for group in kv_cache_config.kv_cache_groups)
         # NOTE: shared by every call that returns no blocks (most running
         # requests, most steps: a decode fills its last block 1/block_size at a
         # time), as in vLLM; nested tuples keep it immutable.
@@ -315,9 +319,8 @@ class KVCacheManager:
         events = self.block_pool.take_events()
         for event in events:
             if isinstance(event, BlockStored) and event.group_idx is not None:
-                # (one kind here: full attention, no window)
-                event.kv_cache_spec_kind = "full_attention"
-                event.kv_cache_spec_sliding_window = None
+                event.kv_cache_spec_kind, event.kv_cache_spec_sliding_window = \
+                    self.kv_cache_event_metadata[event.group_idx]
         return events
 
     def take_block_pool_events(self) -> list[BlockPoolEvent]:

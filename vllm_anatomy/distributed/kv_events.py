@@ -79,6 +79,12 @@ class BlockStored(KVCacheEvent):
     # NOTE: LOCAL / REMOTE for events a KV connector relays; None here.
     locality: str | None = None
 
+    def __hash__(self) -> int:
+        # (vLLM counts events per worker in a Counter to keep those every worker saw)
+        return hash((tuple(self.block_hashes), self.parent_block_hash, tuple(self.token_ids), self.block_size,
+                     self.lora_id, self.medium, tuple(self.extra_keys) if self.extra_keys else None,
+                     self.group_idx, self.kv_cache_spec_kind, self.kv_cache_spec_sliding_window, self.locality))
+
 
 class BlockRemoved(KVCacheEvent):
     """Cached blocks were evicted (their memory reused): their hashes no longer hit."""
@@ -86,6 +92,9 @@ class BlockRemoved(KVCacheEvent):
     medium: str | None
     group_idx: int | None = None
     locality: str | None = None
+
+    def __hash__(self) -> int:
+        return hash((tuple(self.block_hashes), self.medium, self.group_idx, self.locality))
 
 
 class AllBlocksCleared(KVCacheEvent):

@@ -54,7 +54,8 @@ class NewRequestData(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False)
 
     def anon_repr(self) -> str:
         """repr without the prompt's tokens (for logs)."""
-        return self._repr(f"prompt_token_ids_len={len(self.prompt_token_ids)}")
+        num = len(self.prompt_token_ids) if self.prompt_token_ids is not None else None
+        return self._repr(f"prompt_token_ids_len={num}")
 
     def _repr(self, prompt: str) -> str:
         shape = self.prompt_embeds.shape if self.prompt_embeds is not None else None
