@@ -111,3 +111,41 @@ def test_kv_events_are_published_over_zmq(tiny_llama_dir, tmp_path):
     # The prompt's two full blocks (40 tokens of 16), as the engine hashed them.
     assert [t for e in stored for t in e.token_ids] == prompt["prompt_token_ids"][:32]
     assert all(e.block_size == 16 and e.kv_cache_spec_kind == "full_attention" for e in stored)
+
+
+def test_openai_requests_carry_priority_to_the_scheduler(tiny_llama_dir):
+    """vLLM's extra request field "priority", through the HTTP layer and AsyncLLM into the Request."""
+    import argparse
+    import asyncio
+
+    import httpx
+
+    from vllm_anatomy.engine.arg_utils import EngineArgs
+    from vllm_anatomy.engine.async_llm import AsyncLLM
+    from vllm_anatomy.entrypoints.openai.api_server import build_app
+    from vllm_anatomy.entrypoints.openai.chat_protocol import ChatCompletionRequest
+
+    assert ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}],
+                                                 "priority": 4}).priority == 4
+    llm = AsyncLLM.from_engine_args(EngineArgs(model=tiny_llama_dir, device="cpu", max_model_len=128,
+                                               scheduling_policy="priority"), multiprocess=False)
+    scheduler = llm.engine_core.engine_core.scheduler
+    seen: list[int] = []
+    add_request = scheduler.add_request
+
+    def spy(request):
+        seen.append(request.priority)
+        add_request(request)
+    scheduler.add_request = spy
+    app = build_app(llm, argparse.Namespace(served_model_name=["tiny"], model=None, api_key=None))
+
+    async def run():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=60) as c:
+            ok = await c.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 2, "priority": -3})
+            bad = await c.post("/v1/completions", json={"prompt": [5], "max_tokens": 1, "priority": "high"})
+            return ok.status_code, bad.status_code
+    try:
+        assert asyncio.run(run()) == (200, 400)
+    finally:
+        llm.shutdown()
+    assert seen == [-3]                                   # the refused one never reached the engine
