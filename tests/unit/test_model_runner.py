@@ -67,7 +67,8 @@ def make_so(step, num_scheduled, new_reqs=(), cached=(), finished=(), preempted=
         new_token_ids=[], all_token_ids={c[0]: c[3] for c in cached if c[3] is not None},
         new_block_ids=[None if c[2] is None else (list(c[2]),) for c in cached],
         num_computed_tokens=[c[1] for c in cached], num_output_tokens=[0] * len(cached))
-    so = SchedulerOutput(list(new_reqs), cd, dict(num_scheduled), sum(num_scheduled.values()),
+    so = SchedulerOutput(scheduled_new_reqs=list(new_reqs), scheduled_cached_reqs=cd,
+                         num_scheduled_tokens=dict(num_scheduled), total_num_scheduled_tokens=sum(num_scheduled.values()),
                          finished_req_ids=set(finished), preempted_req_ids=set(preempted), step_id=step)
     # Through the wire format, as a worker in another process would receive it.
     return msgspec.msgpack.decode(msgspec.msgpack.encode(so), type=SchedulerOutput)

@@ -208,7 +208,7 @@ def test_tight_cache_preempts_and_still_finishes(seed):
         if not s.has_requests():
             break
         so = s.schedule()
-        preemptions += len(so.preempted_req_ids)
+        preemptions += len(so.preempted_req_ids or ())
         check_invariants(s)
         for eco in s.update_from_output(so, fake_worker(s, so, kv_slots)).values():
             for out in eco.outputs:

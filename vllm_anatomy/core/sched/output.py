@@ -92,7 +92,10 @@ class CachedRequestData(msgspec.Struct, omit_defaults=True, gc=False):
         return cls([], set(), [], {}, [], [], [])
 
 
-class SchedulerOutput(msgspec.Struct, omit_defaults=True, gc=False):
+class SchedulerOutput(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
+    """One step's decisions, for the workers. Keyword-only: vLLM's field order, with the
+    fields of features this engine lacks defaulted to their none value between the
+    ones it fills (defaults are left out on the wire and in the trace)."""
     scheduled_new_reqs: list[NewRequestData]
     scheduled_cached_reqs: CachedRequestData
     # req_id -> number of tokens scheduled for it this step.
@@ -105,7 +108,7 @@ class SchedulerOutput(msgspec.Struct, omit_defaults=True, gc=False):
     scheduled_encoder_inputs: dict[str, list[int]] = {}
     num_common_prefix_blocks: list[int] = []
     # Requests finished between the previous step and this one: workers drop their state.
-    finished_req_ids: set[str] = set()
+    finished_req_ids: set[str]
     # NOTE: encoder-cache entries the workers may free (multimodal); none here.
     free_encoder_mm_hashes: list[str] = []
     # Requests preempted since the previous step (by schedule() or
@@ -128,7 +131,8 @@ class SchedulerOutput(msgspec.Struct, omit_defaults=True, gc=False):
 
     @classmethod
     def make_empty(cls) -> "SchedulerOutput":
-        return cls([], CachedRequestData.make_empty(), {}, 0)
+        return cls(scheduled_new_reqs=[], scheduled_cached_reqs=CachedRequestData.make_empty(),
+                   num_scheduled_tokens={}, total_num_scheduled_tokens=0, finished_req_ids=set())
 
 
 class GrammarOutput(msgspec.Struct, array_like=True, gc=False):
