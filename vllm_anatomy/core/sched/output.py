@@ -114,7 +114,9 @@ class SchedulerOutput(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False
     # Requests preempted since the previous step (by schedule() or
     # reset_prefix_cache; informational: the worker also notices they are
     # simply not scheduled).
-    preempted_req_ids: set[str] | None = None
+    # NOTE: default set() (vLLM: None): vLLM's scheduler always sends a set, which
+    # consumers iterate; an empty one equals the default and is left out on the wire.
+    preempted_req_ids: set[str] | None = set()
     # Whether any scheduled request samples under a grammar this step
     # (EngineCore asks the scheduler for a bitmask only then).
     has_structured_output_requests: bool = False

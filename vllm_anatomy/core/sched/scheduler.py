@@ -382,9 +382,8 @@ class Scheduler(SchedulerInterface):
             # NOTE: hand over this set object; _update_after_schedule starts a new
             # one, so the output keeps exactly the ids finished before this step.
             finished_req_ids=self.finished_req_ids,
-            # (the same hand-over: preempted since the last schedule(), here or by reset_prefix_cache;
-            # None when there are none, so that quiet steps leave the field out on the wire)
-            preempted_req_ids=self.reset_preempted_req_ids or None,
+            # (the same hand-over: preempted since the last schedule(), here or by reset_prefix_cache)
+            preempted_req_ids=self.reset_preempted_req_ids,
             step_id=self.current_step,
         )
 
