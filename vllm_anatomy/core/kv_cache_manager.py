@@ -95,6 +95,9 @@ class KVCacheManager:
         self.num_kv_cache_groups = len(kv_cache_config.kv_cache_groups)
         self.block_pool = self.coordinator.block_pool
         self.kv_cache_config = kv_cache_config
+        # Ours: the one group's manager, read directly on allocate_slots' fast path
+        # (every running request, every step).
+        self._full_attention_manager = self.coordinator.single_type_managers[0]
         # Teaching extra (one group): the tokens per block the snapshots report.
         self.block_size = scheduler_block_size
         # NOTE: admitting a request into the last free blocks only to preempt
@@ -198,10 +201,9 @@ class KVCacheManager:
         """
         if num_new_tokens == 0:
             raise ValueError("num_new_tokens must be greater than 0")
-        assert num_external_computed_tokens == 0 and not delay_cache_blocks and num_encoder_tokens == 0, \
-            "KV connectors and encoder-decoder models are not implemented here"
         self._event_context(request, "allocate_slots")
-        if new_computed_blocks is None and not full_sequence_must_fit and not reserved_blocks:
+        if new_computed_blocks is None and not (full_sequence_must_fit or reserved_blocks
+                                                or num_external_computed_tokens):
             # NOTE: the fast path of a running request whose held blocks already
             # have a slot for every new token (a decode, most steps: it fills its
             # last block one token at a time). The full path below would find 0
@@ -209,7 +211,7 @@ class KVCacheManager:
             # through its coordinator, at batch 256 a tenth of schedule().
             # (Uncapped by max_model_len: the cap could only turn a miss into a hit
             # here, and the full path gets those right.)
-            manager = self.coordinator.single_type_managers[0]
+            manager = self._full_attention_manager
             num_tokens_to_compute = request.num_computed_tokens + num_new_tokens
             if num_tokens_to_compute + num_lookahead_tokens <= \
                     len(manager.req_to_blocks.get(request.request_id, ())) * manager.block_size:
@@ -221,6 +223,8 @@ class KVCacheManager:
                         manager.num_cached_block.get(request.request_id, 0) < len(request.block_hashes):
                     self.coordinator.cache_blocks(request, num_tokens_to_compute)
                 return self.empty_kv_cache_blocks
+        assert num_external_computed_tokens == 0 and not delay_cache_blocks and num_encoder_tokens == 0, \
+            "KV connectors and encoder-decoder models are not implemented here"
         new_computed_block_list = (new_computed_blocks.blocks if new_computed_blocks is not None
                                    else self.empty_kv_cache_blocks.blocks)
         request_id = request.request_id
@@ -289,8 +293,7 @@ class KVCacheManager:
         # NOTE: AsyncScheduler calls this for every running request every step;
         # most have no block hash past their cached blocks, hence nothing to do.
         if self.enable_caching and \
-                self.coordinator.single_type_managers[0].num_cached_block.get(request.request_id, 0) \
-                < len(request.block_hashes):
+                self._full_attention_manager.num_cached_block.get(request.request_id, 0) < len(request.block_hashes):
             self._event_context(request, "cache_blocks")
             self.coordinator.cache_blocks(request, num_computed_tokens)
 

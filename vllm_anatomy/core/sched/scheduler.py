@@ -66,6 +66,9 @@ class StepDecisions:
     preempted_reqs: list[Request] = field(default_factory=list)
     # The step's one clock reading (the SCHEDULED / PREEMPTED events carry it).
     scheduled_timestamp: float = 0.0
+    # Priority policy: victims taken back since the running loop last looked
+    # (each stood before the request being scheduled: the loop index moves back).
+    num_unscheduled: int = 0
     req_to_new_blocks: dict[str, KVCacheBlocks] = field(default_factory=dict)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     # For the step record (teaching extra):
@@ -85,6 +88,7 @@ class StepDecisions:
         self.scheduled_running_reqs.remove(request)
         self.token_budget += self.num_scheduled_tokens.pop(request.request_id)
         self.req_to_new_blocks.pop(request.request_id)
+        self.num_unscheduled += 1
 
 
 class Scheduler(SchedulerInterface):
@@ -251,24 +255,24 @@ class Scheduler(SchedulerInterface):
             if num_new_tokens <= 0:
                 # NOTE: `continue`, not `break` (as in vLLM): later requests may still run.
                 continue
-            new_blocks, num_unscheduled = self._allocate_or_preempt(request, num_new_tokens, step)
-            # (a victim scheduled earlier in this loop stood before this request)
-            req_index -= num_unscheduled
+            new_blocks = self._allocate_or_preempt(request, num_new_tokens, step)
+            if step.num_unscheduled:
+                # (a victim scheduled earlier in this loop stood before this request)
+                req_index -= step.num_unscheduled
+                step.num_unscheduled = 0
             if new_blocks is None:
                 break
             step.scheduled_running_reqs.append(request)
             step.assign(request, num_new_tokens, new_blocks)
 
     def _allocate_or_preempt(self, request: Request, num_new_tokens: int,
-                             step: StepDecisions) -> tuple[KVCacheBlocks | None, int]:
+                             step: StepDecisions) -> KVCacheBlocks | None:
         """allocate_slots for a running request, preempting the lowest-priority
-        request until it fits. Returns the new blocks (None: it preempted
-        itself) and how many victims had been scheduled earlier in this step."""
-        num_unscheduled = 0
+        request until it fits (None: it preempted itself)."""
         while True:
             new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
             if new_blocks is not None:
-                return new_blocks, num_unscheduled
+                return new_blocks
             # Out of blocks: preempt the lowest-priority request and retry.
             if self.policy == SchedulingPolicy.PRIORITY:
                 # The largest (priority, arrival_time): it may sit before this
@@ -278,7 +282,6 @@ class Scheduler(SchedulerInterface):
                 self.running.remove(preempted_req)
                 if preempted_req in step.scheduled_running_reqs:
                     step.unassign(preempted_req)
-                    num_unscheduled += 1
             else:
                 # FCFS: the most recently admitted one, running[-1]. NOTE: it
                 # sits after the request being scheduled, so it was never
@@ -288,7 +291,7 @@ class Scheduler(SchedulerInterface):
             self._preempt_request(preempted_req, step.scheduled_timestamp)
             step.preempted_reqs.append(preempted_req)
             if preempted_req is request:
-                return None, num_unscheduled  # it preempted itself: nothing left to free for it
+                return None  # it preempted itself: nothing left to free for it
 
     def _schedule_waiting(self, step: StepDecisions) -> AdmissionStop:
         """Admit WAITING requests in FCFS order with what is left of the budget;
@@ -614,9 +617,9 @@ class Scheduler(SchedulerInterface):
                     stopped_preempted_reqs.add(request)
             # The request's rows of the step's logprobs (only if it asked).
             new_logprobs = None
-            if request.sampling_params.logprobs is not None and logprobs is not None:
+            if logprobs is not None and request.sampling_params.logprobs is not None:
                 new_logprobs = logprobs.slice_request(req_index, len(new_token_ids))
-            prompt_logprobs_tensors = prompt_logprobs_dict.get(req_id)
+            prompt_logprobs_tensors = prompt_logprobs_dict.get(req_id) if prompt_logprobs_dict else None
             # NOTE: no output for a partial prefill: nothing new to say yet.
             if new_token_ids or stopped:
                 outputs[request.client_index].append(
