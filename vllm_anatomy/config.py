@@ -10,6 +10,7 @@ vLLM's argument names.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
@@ -91,14 +92,50 @@ class CacheConfig:
 
 @dataclass
 class SchedulerConfig:
+    DEFAULT_MAX_NUM_BATCHED_TOKENS: ClassVar[int] = 2048
+    DEFAULT_MAX_NUM_SEQS: ClassVar[int] = 128
+
     max_num_batched_tokens: int = 2048
+    # The scheduler's token budget per step (None: max_num_batched_tokens).
+    # NOTE: smaller than max_num_batched_tokens when the worker may add tokens
+    # of its own to a step (vLLM: speculative decoding's drafts).
+    max_num_scheduled_tokens: int | None = None
     max_num_seqs: int = 128
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
+    # "fcfs": first come, first served; "priority": lower `priority` first,
+    # then earlier arrival (and preemption takes the worst of that order).
+    policy: str = "fcfs"
+    # Fraction of the KV-cache blocks left free when admitting a waiting or
+    # preempted request beside running ones (0.0: off, vLLM's default).
+    watermark: float = 0.0
     # Schedule step N+1 while step N runs on the device (AsyncScheduler +
     # EngineCore.step_with_batch_queue). vLLM's default; ours only on a GPU.
     async_scheduling: bool = False
+
+    def __post_init__(self) -> None:
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"Unknown scheduling policy: {self.policy}")
+        if not 0.0 <= self.watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
+        if self.max_num_scheduled_tokens is not None and self.max_num_scheduled_tokens < 0:
+            raise ValueError(f"max_num_scheduled_tokens must be >= 0, got {self.max_num_scheduled_tokens}")
+        self.verify_max_model_len(self.max_model_len)
+
+    def verify_max_model_len(self, max_model_len: int) -> SchedulerConfig:
+        """Refuse budgets with which some request could never be scheduled (vLLM checks them here,
+        at start-up, so that the Scheduler itself builds whatever it is given)."""
+        if self.max_num_batched_tokens < max_model_len and not self.enable_chunked_prefill:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than max_model_len "
+                f"({max_model_len}). This effectively limits the maximum sequence length to "
+                f"max_num_batched_tokens and makes vLLM reject longer sequences. Please increase "
+                f"max_num_batched_tokens or decrease max_model_len.")
+        if self.long_prefill_token_threshold > max_model_len:
+            raise ValueError(f"long_prefill_token_threshold ({self.long_prefill_token_threshold}) cannot be "
+                             f"greater than the max_model_len ({max_model_len}).")
+        return self
 
     @property
     def max_concurrent_batches(self) -> int:
@@ -139,6 +176,33 @@ class ParallelConfig:
     def local_world_size(self) -> int:
         """Ranks on this host."""
         return self.world_size // self.nnodes
+
+
+@dataclass
+class KVEventsConfig:
+    """KV cache events (vllm/config/kv_events.py): BlockStored / BlockRemoved /
+    AllBlocksCleared, published per step over ZMQ for KV-aware routers
+    (vllm_anatomy/distributed/kv_events.py). `--kv-events-config` takes it as JSON."""
+    enable_kv_cache_events: bool = False
+    # "zmq" or "null"; None: zmq when events are on, else null.
+    publisher: str | None = None
+    # PUB address: tcp://*:5557 binds; tcp://host:port connects.
+    endpoint: str = "tcp://*:5557"
+    # ROUTER address where a subscriber asks for missed batches (None: no replay).
+    replay_endpoint: str | None = None
+    # Batches kept for replay.
+    buffer_steps: int = 10_000
+    # ZMQ high-water mark of the PUB socket (past it, messages are dropped).
+    hwm: int = 100_000
+    # Batches queued for the publisher thread.
+    max_queue_size: int = 100_000
+    topic: str = ""
+
+    def __post_init__(self) -> None:
+        if self.publisher is None:
+            self.publisher = "zmq" if self.enable_kv_cache_events else "null"
+        if self.publisher not in ("zmq", "null"):
+            raise ValueError(f"Unknown event publisher '{self.publisher}' (zmq or null)")
 
 
 @dataclass
@@ -242,6 +306,7 @@ class VllmConfig:
     compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
     speculative_config: SpeculativeConfig | None = None
     load_config: LoadConfig = field(default_factory=LoadConfig)
+    kv_events_config: KVEventsConfig | None = None
 
     @property
     def num_speculative_tokens(self) -> int:

@@ -15,6 +15,10 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # NOTE: vLLM's default is 1; ours is 0 for now: the lessons, notebooks and
     # many tests read the engine's scheduler and executor in this process.
     "VLLM_ENABLE_V1_MULTIPROCESSING": lambda: bool(int(os.getenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0"))),
+    # KV cache events (BlockStored / BlockRemoved) carry each block hash as its
+    # last 8 bytes, a 64-bit int (what KV-aware routers index by); 0: the raw bytes.
+    "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES":
+        lambda: bool(int(os.getenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1"))),
     # Ours, not vLLM's: the performance seams' off switches, for A/B runs (set to 0).
     # Qwen3's q/k norm + RoPE in one launch on CUDA (model_executor/models/llama.py),
     # read when the model is built.

@@ -16,6 +16,8 @@ class Logprob:
 
 # One dict per generated token: token id -> Logprob (the sampled token plus the top-n).
 SampleLogprobs = list[dict[int, Logprob]]
+# One per prompt token: None for the first (nothing precedes it), then as SampleLogprobs.
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
@@ -47,6 +49,9 @@ class RequestOutput:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
+    # SamplingParams.prompt_logprobs: each prompt token's logprob and the top-n
+    # (in the first output only when streaming deltas).
+    prompt_logprobs: PromptLogprobs | None
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0

@@ -89,7 +89,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     sequence where the output so far ends with the rest of it.
 
     Not supported here (a ValueError says so): best_of (v0.27.1 has none),
-    beam search, prompt_logprobs.
+    beam search.
     """
     n: int = 1
     # Penalties: 0.0 / 0.0 / 1.0 = off.
@@ -108,6 +108,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None     # number of top logprobs besides the sampled token
+    # Per prompt token (from the second): its logprob and the top-n (-1: the whole vocabulary).
+    prompt_logprobs: int | None = None
+    # Whether the request may start from prefix-cached blocks; None: not when
+    # it asks for prompt_logprobs (they need every prompt token computed).
+    skip_reading_prefix_cache: bool | None = None
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Constrain the output to a JSON schema, regex, choice or grammar (structured output).
@@ -132,6 +137,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if self.prompt_logprobs is True:
+            self.prompt_logprobs = 1
+        if self.skip_reading_prefix_cache is None:
+            self.skip_reading_prefix_cache = self.prompt_logprobs is not None
         if _is_int(self.top_k) and self.top_k == -1:
             self.top_k = 0
         if _is_int(self.seed) and self.seed == -1:
@@ -140,7 +149,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
 
     # -- field by field (type and range) -----------------------------------------
     def _verify_args(self) -> None:
-        for field in ("n", "top_k", "min_tokens", "max_tokens", "seed", "logprobs", "eos_token_id"):
+        for field in ("n", "top_k", "min_tokens", "max_tokens", "seed", "logprobs", "prompt_logprobs",
+                      "eos_token_id"):
             _check_int(field, getattr(self, field), optional=field in _OPTIONAL)
         for field in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                       "repetition_penalty"):
@@ -166,6 +176,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         if self.logprobs is not None:
             _need(0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
                   f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}.")
+        if self.prompt_logprobs is not None:
+            _need(self.prompt_logprobs == -1 or 0 <= self.prompt_logprobs <= MAX_LOGPROBS, "prompt_logprobs",
+                  f"must be -1 (the whole vocabulary) or in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}.")
         if self.stop is not None:
             _need(isinstance(self.stop, list) and all(isinstance(s, str) for s in self.stop), "stop",
                   "must be a string or a list of strings.")
@@ -285,6 +298,19 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     def sampling_type_greedy(self) -> bool:
         return self.temperature < _SAMPLING_EPS
 
+    def update_from_generation_config(self, generation_config: dict[str, Any],
+                                      eos_token_id: int | None = None) -> None:
+        """The model's EOS token (unless ignore_eos), and generation_config's other
+        EOS ids as extra stop ids (vLLM's method; our InputProcessor fills the same fields)."""
+        if not self.ignore_eos:
+            self.eos_token_id = eos_token_id
+        eos_ids = generation_config.get("eos_token_id")
+        if eos_ids is None:
+            return
+        extra = ({eos_ids} if isinstance(eos_ids, int) else set(eos_ids)) - {eos_token_id}
+        if extra:
+            self.all_stop_token_ids = sorted(set(self.all_stop_token_ids or ()) | extra)
+
     def clone(self) -> "SamplingParams":
         """A copy the engine may change without touching the caller's (vLLM: copy.deepcopy).
 
@@ -306,7 +332,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         return new
 
 
-_OPTIONAL = frozenset({"max_tokens", "seed", "logprobs", "eos_token_id"})
+_OPTIONAL = frozenset({"max_tokens", "seed", "logprobs", "prompt_logprobs", "eos_token_id"})
 
 
 def _need(cond: bool, field: str, msg: str) -> None:

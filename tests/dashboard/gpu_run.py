@@ -74,7 +74,7 @@ def make_gpu_like_run(src: str, dst: str, num_layers: int = NUM_LAYERS) -> dict:
         if not pi:
             continue
         n = pi["num_scheduled_tokens"]
-        decision = dispatcher.dispatch(sum(n), len(n), max(n)).to_dict()
+        decision = dispatcher.decide(sum(n), len(n), max(n)).to_dict()
         pi["cudagraph"] = decisions[step_id] = decision
         pis[step_id] = pi
         conn.execute("UPDATE snapshots SET data = ? WHERE id = ?", (to_json(mr), row_id))

@@ -6,6 +6,7 @@ oldest step in flight) in the order EngineCore.step_with_batch_queue does.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 
 from vllm_anatomy.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
@@ -15,6 +16,7 @@ from vllm_anatomy.core.request import Request, RequestStatus
 from vllm_anatomy.core.sched.async_scheduler import AsyncScheduler
 from vllm_anatomy.core.sched.record import DeferReason
 from vllm_anatomy.sampling_params import SamplingParams
+from tests.unit.core_utils import new_scheduler
 
 
 def create_scheduler(block_size=16, num_blocks=1000, max_model_len=256, max_num_batched_tokens=256):
@@ -23,7 +25,7 @@ def create_scheduler(block_size=16, num_blocks=1000, max_model_len=256, max_num_
     config = VllmConfig(ModelConfig(model="fake", max_model_len=max_model_len),
                         CacheConfig(block_size=block_size), sc)
     assert sc.get_scheduler_cls() is AsyncScheduler and sc.max_concurrent_batches == 2
-    return AsyncScheduler(config, num_gpu_blocks=num_blocks, log_stats=True)
+    return new_scheduler(config, num_blocks, AsyncScheduler)
 
 
 def create_request(req_id, prompt, block_size=16, **kw) -> Request:
@@ -224,7 +226,7 @@ def test_a_stale_token_can_finish_a_preempted_request():
     # b's last token is in flight: the scheduler skips b, and a's third block
     # comes from the free pool. Force the preemption by hand, as a smaller pool would.
     s.running.remove(b)
-    s._preempt_request(b)
+    s._preempt_request(b, time.monotonic())
     assert b.num_stale_output_tokens == 1
     p.finish()                                          # the stale token is b's last
     assert p.finish_reasons["b"] == "length" and "b" not in s.requests
@@ -239,7 +241,7 @@ def test_matches_the_synchronous_scheduler_token_for_token():
         s = create_scheduler(block_size=4, num_blocks=12, max_model_len=40, max_num_batched_tokens=24)
         if not async_scheduling:
             from vllm_anatomy.core.sched.scheduler import Scheduler
-            s = Scheduler(s.vllm_config, num_gpu_blocks=12, log_stats=True)
+            s = new_scheduler(s.vllm_config, 12, Scheduler)
         reqs = [create_request(f"r{i}", range(10 * i + 1, 10 * i + 4 + 3 * i), block_size=4,
                                max_tokens=3 + 2 * i, eos_token_id=2) for i in range(6)]
         for r in reqs:

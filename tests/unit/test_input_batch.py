@@ -73,8 +73,7 @@ def check_slots(batch: InputBatch, states: dict[str, CachedRequestState]) -> Non
     bt.commit_block_table(batch.num_reqs)
     rows = np.array(req_indices, dtype=np.int64)
     query_start_loc = torch.tensor(np.searchsorted(rows, np.arange(batch.num_reqs + 1)), dtype=torch.int32)
-    bt.compute_slot_mapping(batch.num_reqs, query_start_loc, torch.tensor(positions, dtype=torch.int64),
-                            bt.max_num_batched_tokens)
+    bt.compute_slot_mapping(batch.num_reqs, query_start_loc, torch.tensor(positions, dtype=torch.int64))
     t = len(expected)
     assert bt.slot_mapping[:t].tolist() == expected
     assert (bt.slot_mapping[t:] == -1).all()
@@ -158,7 +157,7 @@ def test_block_table_append_move_and_overflow():
     bt.commit_block_table(2)
     assert bt.get_device_tensor(2).tolist() == [[4, 9, 1], [6, 0, 0]]
     # Row 0 positions 0..4 -> blocks 4,4,9,9,1; row 1 position 1 -> block 6 offset 1.
-    bt.compute_slot_mapping(2, torch.tensor([0, 5, 6], dtype=torch.int32), torch.tensor([0, 1, 2, 3, 4, 1]), 8)
+    bt.compute_slot_mapping(2, torch.tensor([0, 5, 6], dtype=torch.int32), torch.tensor([0, 1, 2, 3, 4, 1]))
     assert bt.slot_mapping.tolist() == [8, 9, 18, 19, 2, 13, -1, -1]
 
 

@@ -7,16 +7,17 @@ import json
 import pytest
 
 from vllm_anatomy.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
-from vllm_anatomy.core.kv_cache_utils import get_request_block_hasher, sha256
+from vllm_anatomy.core.kv_cache_utils import get_request_block_hasher, make_block_hash_with_group_id, sha256
 from vllm_anatomy.core.request import Request, RequestStatus
 from vllm_anatomy.sampling_params import SamplingParams
+from tests.unit.core_utils import new_kv_cache_manager
 
 BS = 4
 
 
 def make_manager(num_blocks: int = 11, enable_caching: bool = True, max_model_len: int = 40) -> KVCacheManager:
-    return KVCacheManager(num_blocks, BS, max_model_len, enable_caching=enable_caching, log_stats=True,
-                          enable_kv_cache_events=True)
+    return new_kv_cache_manager(num_blocks, BS, max_model_len, record_block_pool_events=True,
+                                enable_caching=enable_caching, log_stats=True)
 
 
 def make_request(req_id: str, prompt: list[int]) -> Request:
@@ -25,7 +26,7 @@ def make_request(req_id: str, prompt: list[int]) -> Request:
 
 def admit(m: KVCacheManager, req: Request, num_new_tokens: int | None = None) -> KVCacheBlocks | None:
     """What the scheduler's WAITING loop does: look up hits, allocate, advance."""
-    hits, num_hits = m.get_computed_blocks(req)
+    hits, num_hits, _ = m.get_computed_blocks(req)
     n = num_new_tokens if num_new_tokens is not None else req.num_tokens - num_hits
     new_blocks = m.allocate_slots(req, n, num_hits, hits, full_sequence_must_fit=True)
     if new_blocks is not None:
@@ -42,14 +43,14 @@ def free_ids(m: KVCacheManager) -> list[int]:
 def test_miss_then_allocation_covers_the_prompt():
     m = make_manager()
     req = make_request("a", list(range(10)))
-    hits, num_hits = m.get_computed_blocks(req)
+    hits, num_hits, _ = m.get_computed_blocks(req)
     assert num_hits == 0 and hits.get_block_ids() == ([],)
     new_blocks = admit(m, req)
     assert new_blocks.get_block_ids() == ([1, 2, 3],)            # cdiv(10, 4) blocks
     assert m.get_block_ids("a") == ([1, 2, 3],)
     # The two full blocks are cached right away; the partial one is not.
     blocks = m.get_blocks("a").blocks[0]
-    assert [b.block_hash for b in blocks] == [*req.block_hashes, None]
+    assert [b.block_hash for b in blocks] == [*(make_block_hash_with_group_id(h, 0) for h in req.block_hashes), None]
 
 
 def test_prefix_hit_shares_blocks_and_is_capped_at_num_tokens_minus_one():
@@ -57,7 +58,7 @@ def test_prefix_hit_shares_blocks_and_is_capped_at_num_tokens_minus_one():
     a = make_request("a", list(range(8)))                        # exactly two full blocks
     admit(m, a)
     b = make_request("b", list(range(8)))                        # the same prompt
-    hits, num_hits = m.get_computed_blocks(b)
+    hits, num_hits, _ = m.get_computed_blocks(b)
     # NOTE: max hit = num_tokens - 1 = 7 tokens -> only one whole block.
     assert num_hits == 4 and hits.get_block_ids() == ([1],)
     admit(m, b)
@@ -66,7 +67,7 @@ def test_prefix_hit_shares_blocks_and_is_capped_at_num_tokens_minus_one():
     assert b.num_computed_tokens == 8
     # One more prompt token and both blocks are hits.
     c = make_request("c", list(range(9)))
-    _, num_hits = m.get_computed_blocks(c)
+    _, num_hits, _ = m.get_computed_blocks(c)
     assert num_hits == 8
 
 
@@ -79,7 +80,7 @@ def test_free_reverse_order_tail_and_front_rule():
     m.free(a)
     # Partial block 4 (unhashed) to the front; hashed 3, 2, 1 (reverse) to the tail.
     assert free_ids(m) == [4, 5, 6, 7, 3, 2, 1]
-    assert m.get_block_ids("a") == ([],) and "a" not in m.manager.num_cached_block
+    assert m.get_block_ids("a") == ([],) and "a" not in m.coordinator.single_type_managers[0].num_cached_block
     # The freed chain is still a hit, and taking it removes the blocks from the queue.
     b = make_request("b", list(range(14)))
     admit(m, b)
@@ -94,10 +95,10 @@ def test_eviction_drops_the_hash_and_later_lookups_miss():
     m.free(a)                                                    # 1, 2 cached and free
     b = make_request("b", list(range(100, 116)))                 # needs all 4 blocks
     assert admit(m, b) is not None
-    evicted = [e for e in m.take_events() if e.kind == "evict"]
+    evicted = [e for e in m.take_block_pool_events() if e.kind == "evict"]
     assert sorted(i for e in evicted for i in e.block_ids) == [1, 2]
     m.free(b)
-    _, num_hits = m.get_computed_blocks(make_request("c", list(range(9))))
+    _, num_hits, _ = m.get_computed_blocks(make_request("c", list(range(9))))
     assert num_hits == 0
 
 
@@ -108,16 +109,16 @@ def test_allocate_slots_returns_none_without_side_effects():
     m.free(a)                                                    # 1, 2 cached, free
     big = make_request("x", list(range(100, 108)))
     admit(m, big)                                                # holds 2 blocks
-    m.take_events()
+    m.take_block_pool_events()
     before = copy.deepcopy(m.snapshot())
     # A request that hits block 1 (free, evictable) but needs 5 blocks in total.
     b = make_request("b", list(range(8)) + list(range(200, 212)))
-    hits, num_hits = m.get_computed_blocks(b)
+    hits, num_hits, _ = m.get_computed_blocks(b)
     assert num_hits == 8
     assert m.allocate_slots(b, b.num_tokens - num_hits, num_hits, hits) is None
     assert m.snapshot() == before                               # nothing touched
-    assert m.take_events() == []
-    assert "b" not in m.manager.req_to_blocks
+    assert m.take_block_pool_events() == []
+    assert "b" not in m.coordinator.single_type_managers[0].req_to_blocks
 
 
 def test_full_sequence_must_fit_gates_admission_not_just_the_chunk():
@@ -133,8 +134,9 @@ def test_hit_blocks_in_the_free_queue_count_as_allocations():
     admit(m, a)
     m.free(a)                                                    # free queue [3, 2, 1]
     b = make_request("b", list(range(8)) + [50, 51, 52, 53])     # hits 1, 2; needs 1 new
-    hits, num_hits = m.get_computed_blocks(b)
-    assert m.manager.get_num_blocks_to_allocate("b", b.num_tokens, list(hits.blocks[0])) == 3
+    hits, num_hits, _ = m.get_computed_blocks(b)
+    assert m.coordinator.single_type_managers[0].get_num_blocks_to_allocate("b", b.num_tokens, list(hits.blocks[0]),
+                                                                           num_hits, num_hits, b.num_tokens) == 3
     assert admit(m, b).get_block_ids() == ([3],)
     assert m.usage == 1.0
 
@@ -144,7 +146,7 @@ def test_lookahead_slots_are_allocated_but_never_cached():
     req = make_request("a", list(range(8)))
     new_blocks = m.allocate_slots(req, 8, num_lookahead_tokens=4)
     assert len(new_blocks.blocks[0]) == 3
-    assert m.manager.num_cached_block["a"] == 2
+    assert m.coordinator.single_type_managers[0].num_cached_block["a"] == 2
     assert m.get_blocks("a").blocks[0][2].block_hash is None
 
 
@@ -155,7 +157,7 @@ def test_decode_grows_blocks_and_caches_newly_full_ones():
     req.append_output_token_ids(4)                               # block 0 now full
     new_blocks = m.allocate_slots(req, 1)
     assert new_blocks.get_block_ids() == ([],)                   # slot 3 is in block 1 already
-    assert m.get_blocks("a").blocks[0][0].block_hash == req.block_hashes[0]
+    assert m.get_blocks("a").blocks[0][0].block_hash == make_block_hash_with_group_id(req.block_hashes[0], 0)
     req.num_computed_tokens += 1
     req.append_output_token_ids(5)
     assert m.allocate_slots(req, 1).get_block_ids() == ([2],)    # slot 4 opens a new block
@@ -167,13 +169,13 @@ def test_decode_fast_path_caches_the_block_it_completed():
     m = make_manager()
     req = make_request("a", [1, 2, 3])
     admit(m, req)
-    m.take_events()
+    m.take_block_pool_events()
     req.append_output_token_ids(4)
     assert m.allocate_slots(req, 1) is m.empty_kv_cache_blocks
-    [event] = m.take_events()
+    [event] = m.take_block_pool_events()
     assert (event.kind, event.request_id, event.call, event.block_ids) == ("cache", "a", "allocate_slots", [1])
     m.cache_blocks(req, 4)                                       # nothing left to cache: no event
-    assert m.take_events() == []
+    assert m.take_block_pool_events() == []
 
 
 def test_block_hashes_of_appended_tokens_match_hashing_at_once():
@@ -245,7 +247,7 @@ def test_snapshot_of_a_gpu_sized_pool_is_sparse_and_bounded():
     m = make_manager(num_blocks=kcm.SNAPSHOT_DENSE_MAX_BLOCKS + 1000, max_model_len=400)
     old = make_request("old", list(range(1, 41)))
     assert admit(m, old) is not None
-    m.take_events()                                   # an earlier step, already recorded
+    m.take_block_pool_events()                                   # an earlier step, already recorded
     new = make_request("new", list(range(100, 121)))
     assert admit(m, new) is not None
     snap = m.snapshot()

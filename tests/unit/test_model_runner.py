@@ -55,7 +55,9 @@ def make_runner(path, recorder=None, device="cpu") -> GPUModelRunner:
 
 
 def new(req_id, prompt, blocks, **sp) -> NewRequestData:
-    return NewRequestData(req_id, list(prompt), SamplingParams(max_tokens=None, **sp), (list(blocks),), 0)
+    return NewRequestData(req_id=req_id, prompt_token_ids=list(prompt),
+                          sampling_params=SamplingParams(max_tokens=None, **sp), block_ids=(list(blocks),),
+                          num_computed_tokens=0)
 
 
 def make_so(step, num_scheduled, new_reqs=(), cached=(), finished=(), preempted=()) -> SchedulerOutput:
@@ -65,8 +67,9 @@ def make_so(step, num_scheduled, new_reqs=(), cached=(), finished=(), preempted=
         new_token_ids=[], all_token_ids={c[0]: c[3] for c in cached if c[3] is not None},
         new_block_ids=[None if c[2] is None else (list(c[2]),) for c in cached],
         num_computed_tokens=[c[1] for c in cached], num_output_tokens=[0] * len(cached))
-    so = SchedulerOutput(list(new_reqs), cd, dict(num_scheduled), sum(num_scheduled.values()),
-                         set(finished), set(preempted), step_id=step)
+    so = SchedulerOutput(scheduled_new_reqs=list(new_reqs), scheduled_cached_reqs=cd,
+                         num_scheduled_tokens=dict(num_scheduled), total_num_scheduled_tokens=sum(num_scheduled.values()),
+                         finished_req_ids=set(finished), preempted_req_ids=set(preempted), step_id=step)
     # Through the wire format, as a worker in another process would receive it.
     return msgspec.msgpack.decode(msgspec.msgpack.encode(so), type=SchedulerOutput)
 
@@ -137,14 +140,15 @@ def test_scenario_matches_transformers_greedy(tiny_llama, device):
     # 1. Two new requests: A whole, B only its first 4-token chunk (discarded sample).
     out = run(make_so(1, {"A": 6, "B": 4}, [new("A", pa, [1, 2], temperature=0),
                                              new("B", pb, [3], temperature=0, logprobs=2)]))
-    assert out.sampled_token_ids[1] == [] and out.logprobs[1] is None
+    # One batched LogprobsLists: a row per request (A's too), as wide as the batch's largest `logprobs` + 1.
+    assert out.sampled_token_ids[1] == [] and out.logprobs.logprob_token_ids.shape == (2, 3)
     # 2. A decodes, B finishes its prompt (2 new blocks), C arrives.
     out = run(make_so(2, {"A": 1, "B": 6, "C": 5}, [new("C", pc, [6, 7], temperature=0)],
                       cached=[("A", 6, None, None), ("B", 4, [4, 5], None)]))
     assert runner.last_prepare_inputs["positions"] == [6, 4, 5, 6, 7, 8, 9, 0, 1, 2, 3, 4]
-    lp = out.logprobs[1]
-    assert out.logprobs[0] is None and len(lp.logprob_token_ids[0]) == 3
-    assert lp.logprob_token_ids[0][0] == toks["B"][0] and lp.sampled_token_ranks == [1]
+    lp = out.logprobs.slice_request(1, 1)
+    assert lp.logprob_token_ids.shape == (1, 3)
+    assert lp.logprob_token_ids[0][0] == toks["B"][0] and lp.sampled_token_ranks.tolist() == [1]
     # 3. A finished: its row 0 is filled by the last row (C).
     out = run(make_so(3, {"B": 1, "C": 1}, cached=[("B", 10, None, None), ("C", 5, None, None)],
                       finished={"A"}))
@@ -188,12 +192,33 @@ def test_logprobs_match_transformers(tiny_llama):
     runner = make_runner(path)
     p = prompt(20, 7)
     out = step(runner, make_so(1, {"x": 7}, [new("x", p, [2, 3], temperature=0, logprobs=3)]))
-    lp = out.logprobs[0]
+    lp = out.logprobs.slice_request(0, 1)
     with torch.no_grad():
         ref = torch.log_softmax(hf(torch.tensor([p])).logits[0, -1].float(), -1)
-    assert lp.logprob_token_ids[0][1:] == ref.topk(3).indices.tolist()
-    torch.testing.assert_close(torch.tensor(lp.logprobs[0]), ref[lp.logprob_token_ids[0]],
+    assert lp.logprob_token_ids[0][1:].tolist() == ref.topk(3).indices.tolist()
+    torch.testing.assert_close(torch.as_tensor(lp.logprobs[0]), ref[torch.as_tensor(lp.logprob_token_ids[0])],
                                rtol=1e-4, atol=1e-4)
+
+
+def test_prompt_logprobs_match_transformers_across_chunks(tiny_llama):
+    """prompt_logprobs=2 over a prompt prefilled in two chunks: nothing after the first,
+    then every position's logprob of the next prompt token, its rank and the top-2."""
+    path, hf = tiny_llama
+    runner = make_runner(path)
+    p = prompt(5, 12)
+    out = step(runner, make_so(1, {"x": 5}, [new("x", p, [2, 3], temperature=0, prompt_logprobs=2)]))
+    assert out.prompt_logprobs_dict == {} and out.sampled_token_ids == [[]]
+    out = step(runner, make_so(2, {"x": 7}, cached=[("x", 5, [4], None)]))
+    plp = out.prompt_logprobs_dict["x"]
+    assert plp.logprob_token_ids.shape == (11, 3) and plp.selected_token_ranks.shape == (11,)
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([p])).logits[0, :-1].float(), -1)     # position i scores p[i + 1]
+    assert plp.logprob_token_ids[:, 0].tolist() == p[1:]
+    assert plp.logprob_token_ids[:, 1:].tolist() == ref.topk(2).indices.tolist()
+    torch.testing.assert_close(plp.logprobs[:, 0], ref[torch.arange(11), torch.tensor(p[1:])], rtol=1e-4, atol=1e-4)
+    expected_ranks = (ref >= ref[torch.arange(11), torch.tensor(p[1:])][:, None]).sum(-1)
+    assert plp.selected_token_ranks.tolist() == expected_ranks.tolist()
+    assert runner.num_prompt_logprobs == {} and runner.in_progress_prompt_logprobs_cpu == {}
 
 
 def seeded_tokens(path, chunks: list[int], seed: int, num_decodes: int = 3, device="cpu") -> list[int]:

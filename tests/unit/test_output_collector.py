@@ -11,7 +11,7 @@ from vllm_anatomy.sampling_params import RequestOutputKind
 
 
 def make_output(text, token_ids, finished=False, finish_reason=None):
-    return RequestOutput("r", None, [1], [CompletionOutput(0, text, list(token_ids),
+    return RequestOutput("r", None, [1], None, [CompletionOutput(0, text, list(token_ids),
                                                           finish_reason=finish_reason)], finished)
 
 

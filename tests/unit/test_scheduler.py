@@ -5,6 +5,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from vllm_anatomy.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
@@ -14,8 +15,10 @@ from vllm_anatomy.core.request import Request, RequestStatus
 from vllm_anatomy.core.sched.output import SchedulerOutput
 from vllm_anatomy.core.sched.record import AdmissionStop, DeferReason
 from vllm_anatomy.core.sched.scheduler import Scheduler
-from vllm_anatomy.engine.protocol import EngineCoreEventType, FinishReason, LogprobsLists
+from vllm_anatomy.core.outputs import LogprobsLists
+from vllm_anatomy.engine.protocol import EngineCoreEventType, FinishReason
 from vllm_anatomy.sampling_params import SamplingParams
+from tests.unit.core_utils import new_scheduler
 
 
 def create_scheduler(max_num_seqs: int = 16, max_num_batched_tokens: int = 8192, block_size: int = 16,
@@ -28,7 +31,7 @@ def create_scheduler(max_num_seqs: int = 16, max_num_batched_tokens: int = 8192,
         SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                         max_model_len=max_model_len, enable_chunked_prefill=enable_chunked_prefill,
                         long_prefill_token_threshold=long_prefill_token_threshold))
-    return Scheduler(config, num_gpu_blocks=num_blocks, log_stats=True)
+    return new_scheduler(config, num_blocks)
 
 
 def create_request(req_id: str, prompt: list[int] | int, block_size: int = 16, max_tokens: int = 16,
@@ -358,14 +361,69 @@ def test_finished_request_is_freed_and_reported_once():
     assert not s.has_requests()
 
 
-def test_logprobs_are_passed_through():
+def test_batched_logprobs_are_sliced_per_request():
+    """One LogprobsLists for the step (row i: request row i; columns: sampled + the batch's
+    top-k); each request that asked gets its rows (slice_request), the others none."""
     s = create_scheduler()
     s.add_request(create_request("a", 4, logprobs=1))
+    s.add_request(create_request("b", 4))                       # no logprobs
+    s.add_request(create_request("c", 4, logprobs=2))
     so = s.schedule()
-    lp = LogprobsLists([[7, 3]], [[-0.1, -2.5]], [0])
-    mro = ModelRunnerOutput(["a"], {"a": 0}, [[7]], logprobs=[lp])
-    out = s.update_from_output(so, mro)[0].outputs[0]
-    assert out.new_logprobs == lp
+    lp = LogprobsLists(np.array([[7, 3, 4], [8, 8, 1], [9, 9, 2]]),
+                       np.array([[-0.1, -2.5, -3.0], [-0.2, -0.2, -4.0], [-0.3, -0.3, -1.5]], dtype=np.float32),
+                       np.array([2, 1, 1]))
+    mro = ModelRunnerOutput(["a", "b", "c"], {"a": 0, "b": 1, "c": 2}, [[7], [8], [9]], logprobs=lp)
+    outs = outputs_by_id(s.update_from_output(so, mro))
+    assert outs["b"].new_logprobs is None
+    a, c = outs["a"].new_logprobs, outs["c"].new_logprobs
+    assert a.logprob_token_ids.tolist() == [[7, 3, 4]] and a.sampled_token_ranks.tolist() == [2]
+    assert c.logprobs.tolist() == [[-0.30000001192092896, -0.30000001192092896, -1.5]]
+    assert a.cu_num_generated_tokens is None
+
+
+def test_logprobs_lists_slice_by_cumulative_counts_and_tensors_concatenate():
+    """cu_num_generated_tokens: where each request's rows start (spec decode: several per request)."""
+    lp = LogprobsLists(np.arange(12).reshape(6, 2), np.zeros((6, 2)), np.arange(6), cu_num_generated_tokens=[0, 1, 4])
+    assert lp.slice_request(1, 3).sampled_token_ranks.tolist() == [1, 2, 3]
+    assert lp.slice_request(2, 2).logprob_token_ids.tolist() == [[8, 9], [10, 11]]
+    import torch
+
+    from vllm_anatomy.core.outputs import LogprobsTensors
+    a = LogprobsTensors(torch.tensor([[1, 2]]), torch.tensor([[-0.5, -1.0]]), torch.tensor([1]))
+    b = LogprobsTensors(torch.tensor([[3, 4], [5, 6]]), torch.tensor([[-0.1, -2.0], [-0.2, -3.0]]),
+                        torch.tensor([1, 2]))
+    both = LogprobsTensors.cat([a, b], cu_num_generated_tokens=[0, 1])
+    assert both.logprob_token_ids.tolist() == [[1, 2], [3, 4], [5, 6]] and both.cu_num_generated_tokens == [0, 1]
+    assert LogprobsTensors.cat([a]) is a
+    lists = both.tolists()
+    assert lists.slice_request(1, 2).sampled_token_ranks.tolist() == [1, 2]
+    empty = LogprobsTensors.empty_cpu(3, 2)
+    assert empty.logprobs.shape == (3, 2) and empty.selected_token_ranks.shape == (3,)
+
+
+def test_model_runner_output_defaults_match_vllm():
+    out = ModelRunnerOutput(req_ids=["a"], req_id_to_index={"a": 0})
+    assert out.sampled_token_ids == [] and out.logprobs is None and out.prompt_logprobs_dict == {}
+    assert out.pooler_output is None and out.kv_connector_output is None and out.num_nans_in_logits is None
+
+
+def test_prompt_logprobs_go_out_with_the_first_token_only():
+    import torch
+
+    from vllm_anatomy.core.outputs import LogprobsTensors
+    s = create_scheduler(max_num_batched_tokens=6, max_model_len=64)
+    req = create_request("a", 10, prompt_logprobs=1)
+    assert req.skip_reading_prefix_cache                          # computes every prompt token
+    s.add_request(req)
+    so = s.schedule()                                             # a 6-token chunk: no output
+    assert so.num_scheduled_tokens == {"a": 6}
+    assert outputs_by_id(s.update_from_output(so, make_output(s, so))) == {}
+    so = s.schedule()                                             # the rest: first token + prompt logprobs
+    plp = LogprobsTensors(torch.zeros(9, 2, dtype=torch.int32), torch.zeros(9, 2), torch.ones(9, dtype=torch.int32))
+    mro = make_output(s, so)
+    mro.prompt_logprobs_dict = {"a": plp}
+    [out] = s.update_from_output(so, mro)[0].outputs
+    assert out.new_token_ids == [7] and out.new_prompt_logprobs_tensors is plp
 
 
 # ---- aborts and FINISHED_IGNORED ------------------------------------------------------------
@@ -465,8 +523,21 @@ def test_admission_stop_and_defer_codes_are_plain_strings_with_descriptions():
 
 
 def test_kv_cache_must_hold_one_max_len_sequence():
-    with pytest.raises(ValueError):
-        create_scheduler(block_size=4, num_blocks=4, max_model_len=16)
+    """v0.27.1 refuses such a cache at start-up (check_enough_kv_cache_memory, called by
+    EngineCore._initialize_kv_caches), not in the Scheduler, which builds what it is given."""
+    import torch
+
+    from vllm_anatomy.core.kv_cache_utils import check_enough_kv_cache_memory
+    from vllm_anatomy.kv_cache_interface import FullAttentionSpec
+    s = create_scheduler(block_size=4, num_blocks=4, max_model_len=16)       # 3 usable blocks: 12 tokens
+    spec = FullAttentionSpec(block_size=4, num_kv_heads=2, head_size=8, dtype=torch.float16)
+    specs = {"layer.0": spec, "layer.1": spec}
+    page = 2 * spec.page_size_bytes                                          # one block of both layers
+    check_enough_kv_cache_memory(s.vllm_config, specs, 4 * page)             # 16 tokens fit
+    with pytest.raises(ValueError, match="estimated maximum model length is 12"):
+        check_enough_kv_cache_memory(s.vllm_config, specs, 3 * page)
+    with pytest.raises(ValueError, match="No available memory"):
+        check_enough_kv_cache_memory(s.vllm_config, specs, 0)
 
 
 def test_pure_core_does_not_import_torch():

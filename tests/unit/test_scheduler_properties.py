@@ -15,12 +15,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from vllm_anatomy.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
-from vllm_anatomy.core.kv_cache_utils import get_request_block_hasher, sha256
+from vllm_anatomy.core.kv_cache_utils import get_request_block_hasher, make_block_hash_with_group_id, sha256
 from vllm_anatomy.core.outputs import ModelRunnerOutput
 from vllm_anatomy.core.request import Request, RequestStatus
 from vllm_anatomy.core.sched.scheduler import Scheduler
 from vllm_anatomy.engine.protocol import FinishReason
 from vllm_anatomy.sampling_params import SamplingParams
+from tests.unit.core_utils import new_scheduler
 
 
 def fake_model(tokens: list[int]) -> int:
@@ -43,7 +44,9 @@ def workloads(draw):
     budget = draw(st.integers(max_model_len if not enable_chunked_prefill else 1, 2 * max_model_len))
     cfg = dict(block_size=block_size, num_blocks=num_blocks, max_model_len=max_model_len, budget=budget,
                enable_chunked_prefill=enable_chunked_prefill, max_num_seqs=draw(st.integers(1, 4)),
-               caching=draw(st.booleans()), threshold=draw(st.sampled_from([0, 0, 3, 8])))
+               caching=draw(st.booleans()),
+               # (SchedulerConfig refuses a threshold past max_model_len, as vLLM's does)
+               threshold=draw(st.sampled_from([t for t in (0, 0, 3, 8) if t <= max_model_len])))
     prefixes = [draw(st.lists(st.integers(0, 49), min_size=0, max_size=max_model_len // 2)) for _ in range(2)]
     reqs = []
     for i in range(draw(st.integers(1, 7))):
@@ -67,13 +70,13 @@ def make_scheduler(cfg) -> Scheduler:
         SchedulerConfig(max_num_batched_tokens=cfg["budget"], max_num_seqs=cfg["max_num_seqs"],
                         max_model_len=cfg["max_model_len"], enable_chunked_prefill=cfg["enable_chunked_prefill"],
                         long_prefill_token_threshold=cfg["threshold"]))
-    return Scheduler(config, num_gpu_blocks=cfg["num_blocks"], log_stats=True, enable_kv_cache_events=True)
+    return new_scheduler(config, cfg["num_blocks"], Scheduler, record_block_pool_events=True)
 
 
 def check_invariants(s: Scheduler) -> None:
     kv = s.kv_cache_manager
     pool = kv.block_pool
-    req_to_blocks = kv.manager.req_to_blocks
+    req_to_blocks = kv.coordinator.single_type_managers[0].req_to_blocks
     # ref_cnt == number of block-table references held by requests.
     refs = Counter(blk.block_id for blocks in req_to_blocks.values() for blk in blocks)
     for blk in pool.blocks[1:]:
@@ -90,15 +93,14 @@ def check_invariants(s: Scheduler) -> None:
         owners.update(blk.block_id for blk in blocks)
     for block_id, n in owners.items():
         assert n == 1 or pool.blocks[block_id].block_hash is not None
-    # Hash map and block hashes agree; a hashed block i of a request holds its hash i.
-    for block_hash, by_id in pool.cached_block_hash_to_block.items():
-        assert by_id and all(blk.block_hash == block_hash for blk in by_id.values())
-    hashed = {blk.block_id for blk in pool.blocks if blk.block_hash is not None}
-    assert hashed == {i for by_id in pool.cached_block_hash_to_block.values() for i in by_id}
+    # Hash map and block hashes agree; a hashed block i of a request holds its hash i (group 0).
+    hashed = [blk for blk in pool.blocks if blk.block_hash is not None]
+    assert all(pool.cached_block_hash_to_block.contain(blk.block_hash, blk.block_id) for blk in hashed)
+    assert len(pool.cached_block_hash_to_block) == len({blk.block_hash for blk in hashed})
     for req_id, blocks in req_to_blocks.items():
         req = s.requests[req_id]
         for i, blk in enumerate(blocks):
-            assert blk.block_hash is None or blk.block_hash == req.block_hashes[i]
+            assert blk.block_hash is None or blk.block_hash == make_block_hash_with_group_id(req.block_hashes[i], 0)
     # Statuses agree with queue membership; only running requests hold blocks.
     running, waiting = set(map(id, s.running)), set(map(id, s.waiting))
     assert not running & waiting and len(s.running) <= s.max_num_running_reqs
@@ -206,7 +208,7 @@ def test_tight_cache_preempts_and_still_finishes(seed):
         if not s.has_requests():
             break
         so = s.schedule()
-        preemptions += len(so.preempted_req_ids)
+        preemptions += len(so.preempted_req_ids or ())
         check_invariants(s)
         for eco in s.update_from_output(so, fake_worker(s, so, kv_slots)).values():
             for out in eco.outputs:

@@ -3,9 +3,9 @@ of every message type, and refusals (no pickle fallback, validated decoding)."""
 import msgspec
 import pytest
 
+from vllm_anatomy.core.outputs import LogprobsLists, LogprobsTensors, ModelRunnerOutput
 from vllm_anatomy.engine.protocol import (EngineCoreEvent, EngineCoreEventType, EngineCoreOutput,
-                                          EngineCoreOutputs, EngineCoreRequest, FinishReason,
-                                          LogprobsLists, SchedulerStats)
+                                          EngineCoreOutputs, EngineCoreRequest, FinishReason, SchedulerStats)
 from vllm_anatomy.engine.serial_utils import (EngineCoreOutputType, EngineCoreReadyResponse,
                                               EngineCoreRequestType, MsgpackDecoder, MsgpackEncoder,
                                               UtilityOutput, UtilityRequest)
@@ -38,8 +38,7 @@ def test_engine_core_request_roundtrip_keeps_params_and_trace_headers():
 
 
 def test_engine_core_outputs_roundtrip():
-    out = EngineCoreOutput("r", [5, 6], LogprobsLists([[5, 1], [6, 2]], [[-0.1, -2.0], [-0.3, -1.0]], [0, 0]),
-                           finish_reason=FinishReason.STOP, stop_reason=2,
+    out = EngineCoreOutput("r", [5, 6], finish_reason=FinishReason.STOP, stop_reason=2,
                            events=[EngineCoreEvent(EngineCoreEventType.QUEUED, 1.5)],
                            trace_headers={"traceparent": "x"}, num_cached_tokens=16)
     outs = EngineCoreOutputs(engine_index=0, outputs=[out], timestamp=99.0,
@@ -86,3 +85,27 @@ def test_encode_into_reuses_a_buffer():
     enc, buf = MsgpackEncoder(), bytearray()
     enc.encode_into(["a", "b"], buf)
     assert MsgpackDecoder(list[str]).decode(buf) == ["a", "b"]
+
+
+def test_logprobs_cross_the_wire_as_numpy_and_tensors():
+    """LogprobsLists (numpy arrays) and prompt logprobs (LogprobsTensors of CPU tensors) round-trip
+    exactly; the decoder rebuilds the tensors although the pure core types them Any."""
+    import numpy as np
+    import torch
+    lp = LogprobsLists(np.array([[5, 1], [6, 2]]), np.array([[-0.1, -2.0], [-0.3, -1.0]], dtype=np.float32),
+                       np.array([1, 1]))
+    plp = LogprobsTensors(torch.tensor([[3, 4]], dtype=torch.int32), torch.tensor([[-0.5, -0.7]]),
+                          torch.tensor([2], dtype=torch.int32))
+    back = roundtrip(EngineCoreOutputs(outputs=[EngineCoreOutput("r", [5, 6], new_logprobs=lp,
+                                                                 new_prompt_logprobs_tensors=plp)]),
+                     EngineCoreOutputs).outputs[0]
+    assert isinstance(back.new_logprobs, LogprobsLists)
+    assert back.new_logprobs.logprob_token_ids.tolist() == [[5, 1], [6, 2]]
+    assert back.new_logprobs.logprobs.dtype == np.float32
+    got = back.new_prompt_logprobs_tensors
+    assert isinstance(got.logprobs, torch.Tensor) and got.logprob_token_ids.dtype == torch.int32
+    assert torch.equal(got.logprobs, plp.logprobs) and got.selected_token_ranks.tolist() == [2]
+    mro = roundtrip(ModelRunnerOutput(["r"], {"r": 0}, [[5]], logprobs=lp, prompt_logprobs_dict={"r": plp}),
+                    ModelRunnerOutput)
+    assert mro.logprobs.slice_request(1, 1).sampled_token_ranks.tolist() == [1]
+    assert torch.equal(mro.prompt_logprobs_dict["r"].logprob_token_ids, plp.logprob_token_ids)

@@ -20,6 +20,7 @@ import pytest
 
 from vllm_anatomy.core import kv_cache_manager as kcm
 from vllm_anatomy.core.kv_cache_manager import KVCacheManager
+from tests.unit.core_utils import new_kv_cache_manager
 from vllm_anatomy.core.kv_cache_utils import get_request_block_hasher, sha256
 from vllm_anatomy.core.request import Request
 from vllm_anatomy.core.sched.scheduler import Scheduler
@@ -104,7 +105,7 @@ def _request(req_id: str, prompt: list[int]) -> Request:
 
 def _admit_chunk(m: KVCacheManager, req: Request, rng: random.Random) -> bool:
     """Schedule the next chunk of req (prefix lookup first if it holds nothing)."""
-    hits, num_hits = (m.get_computed_blocks(req) if req.num_computed_tokens == 0 else (None, 0))
+    hits, num_hits, _ = (m.get_computed_blocks(req) if req.num_computed_tokens == 0 else (None, 0, 0))
     remaining = req.num_tokens - req.num_computed_tokens - num_hits
     n = max(1, min(remaining, rng.randint(1, 12)))
     if m.allocate_slots(req, n, num_hits, hits) is None:
@@ -151,7 +152,7 @@ def _run_random_ops(m: KVCacheManager, seed: int, num_ops: int) -> int:
             held.clear()
             assert m.reset_prefix_cache()
         elif op < 0.95:
-            m.take_events()                                        # someone else drains the events
+            m.take_block_pool_events()                                        # someone else drains the events
         if rng.random() < 0.5:
             assert_same(snapshotter.snapshot(), m.snapshot(), f"seed {seed}, op {step}")
             checked += 1
@@ -165,19 +166,19 @@ def test_kv_snapshot_matches_a_rebuild_under_random_operations(monkeypatch, spar
         # A pool past the dense limit, small enough to fill: shrink the limits.
         monkeypatch.setattr(kcm, "SNAPSHOT_DENSE_MAX_BLOCKS", 12)
         monkeypatch.setattr(kcm, "SNAPSHOT_FREE_QUEUE_HEAD", 3)
-    m = KVCacheManager(24, BS, 60, enable_caching=True, enable_kv_cache_events=seed % 2 == 0)
+    m = new_kv_cache_manager(24, BS, 60, record_block_pool_events=seed % 2 == 0, enable_caching=True)
     assert m.snapshot()["sparse"] is sparse and KVCacheSnapshotter(m).snapshot()["sparse"] is sparse
     assert _run_random_ops(m, seed, 400) > 100
 
 
 def test_kv_snapshot_of_a_large_sparse_pool_matches_a_rebuild():
-    m = KVCacheManager(kcm.SNAPSHOT_DENSE_MAX_BLOCKS + 200, BS, 60, enable_caching=True,
-                       enable_kv_cache_events=True)
+    m = new_kv_cache_manager(kcm.SNAPSHOT_DENSE_MAX_BLOCKS + 200, BS, 60, record_block_pool_events=True,
+                             enable_caching=True)
     assert _run_random_ops(m, 7, 400) > 100 and m.snapshot()["sparse"]
 
 
 def test_kv_snapshot_is_not_changed_by_later_steps():
-    m = KVCacheManager(24, BS, 60, enable_caching=True, enable_kv_cache_events=True)
+    m = new_kv_cache_manager(24, BS, 60, record_block_pool_events=True, enable_caching=True)
     a = _request("a", list(range(10)))
     snapshotter = KVCacheSnapshotter(m)
     assert _admit_chunk(m, a, random.Random(0))

@@ -190,7 +190,7 @@ def test_prefix_cache_hashes_only_real_tokens():
     # The next schedule caches block 0 (its tokens are all computed by then); its drafts
     # reach positions 17..19 of block 1, which holds 1 real token: not hashed, not cached.
     s.schedule()
-    assert len(req.block_hashes) == 1 and s.kv_cache_manager.manager.num_cached_block["a"] == 1
+    assert len(req.block_hashes) == 1 and s.kv_cache_manager.coordinator.single_type_managers[0].num_cached_block["a"] == 1
 
 
 def test_step_record_says_what_was_accepted_and_where_rejected_slots_are():

@@ -10,8 +10,10 @@ so the diagram the dashboard draws from these definitions is the engine's own.
 """
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future
 
+from tests.unit.core_utils import new_scheduler
 from tests.unit.test_async_scheduler import Pipeline
 from tests.unit.test_async_scheduler import create_request as create_async_request
 from tests.unit.test_async_scheduler import create_scheduler as create_async_scheduler
@@ -126,7 +128,7 @@ def structured_scenarios() -> set:
     # Promoted, but no room for it in the KV cache: WAITING for now.
     config = make_config()
     config.cache_config.enable_prefix_caching = False    # the test prompts share their first tokens
-    s = Scheduler(config, num_gpu_blocks=6, structured_output_manager=make_manager(config))   # 5 usable
+    s = new_scheduler(config, 6, Scheduler, make_manager(config))   # 5 usable
     w = Watcher(s)
     w.add(make_structured_request("p1", prompt_len=30))
     w.add(make_structured_request("p2", prompt_len=30))
@@ -160,7 +162,7 @@ def stale_token_scenarios() -> set:
         p.finish()
         w.look()
         s.running.remove(b)
-        s._preempt_request(b)                             # as a smaller pool would
+        s._preempt_request(b, time.monotonic())                             # as a smaller pool would
         w.look()
         p.finish()                                        # the stale token ends b
         w.look()

@@ -38,6 +38,7 @@ from vllm_anatomy.sampling_params import SamplingParams, StructuredOutputsParams
 from vllm_anatomy.structured_output import StructuredOutputManager
 from vllm_anatomy.structured_output.backend_xgrammar import XgrammarBackend
 from vllm_anatomy.structured_output.utils import apply_grammar_bitmask
+from tests.unit.core_utils import new_scheduler
 
 # A raw vocabulary: id = index. 0 is EOS (xgrammar's stop token). Ids 18, 19 are
 # padding rows of the "model's" vocabulary: never allowed.
@@ -65,7 +66,7 @@ def make_manager(config: VllmConfig) -> StructuredOutputManager:
 def make_scheduler(**kw) -> Scheduler:
     config = make_config(**kw)
     cls = AsyncScheduler if kw.get("async_scheduling") else Scheduler
-    return cls(config, num_gpu_blocks=100, structured_output_manager=make_manager(config))
+    return new_scheduler(config, 100, cls, make_manager(config))
 
 
 def make_request(req_id: str, prompt_len: int = 4, choice: str | None = None, max_tokens: int = 8) -> Request:

@@ -1,15 +1,16 @@
 """KV-cache block metadata, the free-block queue and prefix-cache block hashing.
 
 Mirrors vllm/v1/core/kv_cache_utils.py (KVCacheBlock, FreeKVCacheBlockQueue,
-hash_block_tokens, init_none_hash, get_request_block_hasher) plus
-PrefixCacheStats from vllm/v1/metrics/stats.py. Only bookkeeping lives here:
-a KVCacheBlock describes a slice of the KV tensor on the device, it never
-holds any KV data itself.
+hash_block_tokens, generate_block_hash_extra_keys, init_none_hash,
+get_request_block_hasher, the BlockHashWithGroupId helpers,
+check_enough_kv_cache_memory) plus PrefixCacheStats from
+vllm/v1/metrics/stats.py. Only bookkeeping lives here: a KVCacheBlock
+describes a slice of the KV tensor on the device, it never holds any KV data itself.
 
-Simplified: one KV-cache group, so a block's hash key is the plain BlockHash
-(vLLM appends a 4-byte group id: BlockHashWithGroupId); only SHA-256 over
-pickle is offered (vLLM also has sha256_cbor and xxhash variants); extra hash
-keys are only the cache salt (no LoRA, no multimodal, no prompt embeds).
+Simplified: one KV-cache group (every key's group id is 0); only SHA-256
+over pickle is offered (vLLM also has sha256_cbor and xxhash variants); the
+only extra hash key is the cache salt (no LoRA, multimodal or prompt-embeds
+keys: none of those inputs exist here).
 """
 from __future__ import annotations
 
@@ -18,13 +19,45 @@ import os
 import pickle
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NewType, Protocol, cast
+from typing import TYPE_CHECKING, Any, NewType, Protocol, TypeAlias, cast
+
+from vllm_anatomy import envs
+from vllm_anatomy.kv_cache_interface import KVCacheSpec
 
 if TYPE_CHECKING:
+    from vllm_anatomy.config import VllmConfig
     from vllm_anatomy.core.request import Request
 
 # The bytes of one block's chained hash (32 bytes for SHA-256).
 BlockHash = NewType("BlockHash", bytes)
+# A block hash with its KV-cache group id appended (4 bytes, big-endian): the
+# key of the prefix-cache map. NOTE: hybrid models cache the same tokens once
+# per group (each group has its own blocks); with one group the id is always 0.
+BlockHashWithGroupId = NewType("BlockHashWithGroupId", bytes)
+# A block hash as KV cache events publish it: bytes, or (the default) a 64-bit int.
+ExternalBlockHash: TypeAlias = bytes | int
+
+
+def make_block_hash_with_group_id(block_hash: BlockHash, group_id: int) -> BlockHashWithGroupId:
+    """Append the group id to the hash (plain bytes: no tuple allocated per key)."""
+    return BlockHashWithGroupId(block_hash + group_id.to_bytes(4, "big", signed=False))
+
+
+def get_block_hash(key: BlockHashWithGroupId) -> BlockHash:
+    """The block hash part of a key."""
+    return BlockHash(key[:-4])
+
+
+def get_group_id(key: BlockHashWithGroupId) -> int:
+    """The KV-cache group id part of a key."""
+    return int.from_bytes(key[-4:], "big", signed=False)
+
+
+def maybe_convert_block_hash(hash_bytes: BlockHash) -> ExternalBlockHash:
+    """A block hash as KV cache events carry it (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)."""
+    if not envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES:
+        return hash_bytes
+    return int.from_bytes(hash_bytes, byteorder="big") & ((1 << 64) - 1)
 
 
 def sha256(input: Any) -> bytes:
@@ -79,14 +112,21 @@ def hash_block_tokens(
     return BlockHash(hash_fn((parent_block_hash, tuple(curr_block_token_ids), extra_keys)))
 
 
-def generate_block_hash_extra_keys(request: Request, start_token_idx: int) -> tuple[Any, ...] | None:
-    """Extra keys of one block: only the cache salt, and only on the first block.
+def generate_block_hash_extra_keys(request: Request, start_token_idx: int, end_token_idx: int,
+                                   start_mm_idx: int) -> tuple[tuple[Any, ...] | None, int]:
+    """Extra keys of the block [start_token_idx, end_token_idx), and the index of the
+    first multimodal input the next block may hold.
 
-    NOTE: salting block 0 is enough: every later hash chains from it.
+    The only extra key here is the cache salt, on the first block: salting
+    block 0 is enough, every later hash chains from it. NOTE: vLLM adds a
+    LoRA name (every block), (multimodal input hash, its offset in the block)
+    for each image the block covers, and prompt-embedding hashes; the
+    multimodal index lets the hasher resume where the last block stopped.
+    With none of those inputs here the index comes back unchanged.
     """
     if start_token_idx == 0 and request.cache_salt:
-        return ("cache_salt", request.cache_salt)
-    return None
+        return (request.cache_salt,), start_mm_idx
+    return None, start_mm_idx
 
 
 class RequestBlockHasher(Protocol):
@@ -118,7 +158,7 @@ def get_request_block_hasher(
         while start_token_idx + block_size <= num_tokens:
             end_token_idx = start_token_idx + block_size
             block_tokens = request.all_token_ids[start_token_idx:end_token_idx]
-            extra_keys = generate_block_hash_extra_keys(request, start_token_idx)
+            extra_keys, _ = generate_block_hash_extra_keys(request, start_token_idx, end_token_idx, 0)
             block_hash = hash_block_tokens(hash_fn, prev_block_hash, block_tokens, extra_keys)
             new_block_hashes.append(block_hash)
             prev_block_hash = block_hash
@@ -135,14 +175,18 @@ class KVCacheBlock:
     """Metadata of one KV-cache block (block_size token slots of every layer).
 
     NOTE: eq=False: blocks compare by identity (a field-wise __eq__ would walk
-    the free list through prev/next). Simplified: no `pool` back-reference and
-    no `_block_hash_num_tokens` (vLLM's finer-grained hybrid hashing).
+    the free list through prev/next).
     """
     block_id: int
     # How many requests hold this block. 0 => it sits in the free queue.
     ref_cnt: int = 0
-    # Set only when the block is full and cached (see block_hash).
-    _block_hash: BlockHash | None = None
+    # The prefix-cache key (block hash + group id), set only while the block
+    # is full and cached (see set_block_hash).
+    _block_hash: BlockHashWithGroupId | None = None
+    # Prefix tokens the hash covers. NOTE: vLLM's finer-grained hashing for
+    # hybrid models can key a block at a boundary inside it; here it is always
+    # the end of the block.
+    _block_hash_num_tokens: int | None = None
     # Doubly linked free list; touched only by FreeKVCacheBlockQueue.
     prev_free_block: KVCacheBlock | None = None
     next_free_block: KVCacheBlock | None = None
@@ -150,26 +194,33 @@ class KVCacheBlock:
     is_null: bool = False
 
     @property
-    def block_hash(self) -> BlockHash | None:
+    def block_hash(self) -> BlockHashWithGroupId | None:
         return self._block_hash
 
-    @block_hash.setter
-    def block_hash(self, block_hash: BlockHash) -> None:
+    @property
+    def block_hash_num_tokens(self) -> int | None:
+        return self._block_hash_num_tokens
+
+    def set_block_hash(self, block_hash: BlockHashWithGroupId, num_tokens: int | None = None) -> None:
+        """Key the block in the prefix cache (BlockPool.cache_full_blocks)."""
         # NOTE: a block is hashed once; re-hashing without reset_hash() would
         # leave a stale entry in BlockPool.cached_block_hash_to_block.
-        assert self._block_hash is None, "The block already has a hash. This should not happen."
+        assert self._block_hash is None and self._block_hash_num_tokens is None, \
+            "The block already has a hash. This should not happen."
         self._block_hash = block_hash
+        self._block_hash_num_tokens = num_tokens
 
     def reset_hash(self) -> None:
         """Forget the hash (the block is evicted from the prefix cache)."""
         self._block_hash = None
+        self._block_hash_num_tokens = None
 
     def __repr__(self) -> str:
         prev_id = self.prev_free_block.block_id if self.prev_free_block else None
         next_id = self.next_free_block.block_id if self.next_free_block else None
-        short_block_hash = self._block_hash.hex()[:8] if self._block_hash else None
         return (f"KVCacheBlock(block_id={self.block_id}, ref_cnt={self.ref_cnt}, "
-                f"block_hash={short_block_hash}, prev_free_block={prev_id}, next_free_block={next_id})")
+                f"_block_hash={self._block_hash!r}, _block_hash_num_tokens={self._block_hash_num_tokens}, "
+                f"prev_free_block={prev_id}, next_free_block={next_id})")
 
 
 class FreeKVCacheBlockQueue:
@@ -270,6 +321,35 @@ class FreeKVCacheBlockQueue:
             ids.append(block.block_id)
             block = block.next_free_block
         return ids
+
+
+def check_enough_kv_cache_memory(vllm_config: VllmConfig, kv_cache_spec: dict[str, KVCacheSpec],
+                                 available_memory: int) -> None:
+    """Refuse a KV cache that cannot hold one sequence of max_model_len tokens.
+
+    NOTE: such a request could never be admitted (its blocks never fit), so
+    the engine would wait for it forever: vLLM refuses the configuration at
+    start-up (EngineCore._initialize_kv_caches), as here. available_memory:
+    the bytes of the usable blocks (EngineCore passes the pool without its
+    null block).
+    """
+    if not kv_cache_spec:
+        return
+    max_model_len = vllm_config.model_config.max_model_len
+    if available_memory <= 0:
+        raise ValueError("No available memory for the cache blocks. Try increasing `gpu_memory_utilization` "
+                         "(on a CPU: the KV-cache space) when initializing the engine.")
+    needed_memory = sum(spec.max_memory_usage_bytes(vllm_config) for spec in kv_cache_spec.values())
+    if needed_memory > available_memory:
+        bytes_per_token = sum(spec.page_size_bytes / spec.block_size for spec in kv_cache_spec.values())
+        block_size = next(iter(kv_cache_spec.values())).block_size
+        estimated_max_len = int(available_memory // bytes_per_token) // block_size * block_size
+        raise ValueError(
+            f"To serve at least one request with the model's max seq len ({max_model_len}), "
+            f"{needed_memory / 2**30:.4f} GiB KV cache is needed, which is larger than the available KV cache "
+            f"memory ({available_memory / 2**30:.4f} GiB). Based on the available memory, the estimated maximum "
+            f"model length is {estimated_max_len}. Try increasing `gpu_memory_utilization` or decreasing "
+            f"`max_model_len` when initializing the engine.")
 
 
 @dataclass

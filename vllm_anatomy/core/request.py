@@ -8,9 +8,10 @@ Structured output: a request with SamplingParams.structured_outputs carries a
 StructuredOutputRequest (its constraint and its grammar, compiling) and starts
 in WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR instead of WAITING.
 
-Simplified: no pooling, LoRA, multimodal, prompt embeds,
-KV transfer or streaming-input sessions; FCFS only, so no __lt__ for a
-priority heap. Async scheduling keeps vLLM's num_output_placeholders,
+Simplified: no pooling, LoRA, multimodal, prompt embeds, KV transfer or
+streaming-input sessions: vLLM's arguments for those are accepted only in
+their "none" value (pooling_params=None, mm_features empty, lora_request=None,
+...). Async scheduling keeps vLLM's num_output_placeholders,
 num_in_flight_tokens and num_stale_output_tokens (see core/sched/async_scheduler.py).
 """
 from __future__ import annotations
@@ -107,19 +108,39 @@ class Request:
         request_id: str,
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
-        arrival_time: float | None = None,
+        pooling_params: None = None,
         client_index: int = 0,
-        priority: int = 0,
+        arrival_time: float | None = None,
+        prompt_embeds: None = None,
+        prompt_is_token_ids: None = None,
+        mm_features: list | None = None,
+        lora_request: None = None,
         cache_salt: str | None = None,
+        priority: int = 0,
         trace_headers: dict[str, str] | None = None,
         block_hasher: RequestBlockHasher | None = None,
-        external_req_id: str | None = None,
+        resumable: bool = False,
+        reasoning_ended: bool | None = None,
+        reasoning_parser_kwargs: dict[str, Any] | None = None,
+        abort_immediately: bool = False,
     ) -> None:
+        # NOTE: vLLM's pooling models (embeddings), prompt embeddings, images
+        # (mm_features), LoRA adapters, streaming-input sessions (resumable),
+        # reasoning parsers and KV connectors' abort-at-once requests have no
+        # counterpart here: only their "none" values are accepted.
+        if pooling_params is not None or prompt_embeds is not None or prompt_is_token_ids is not None \
+                or mm_features or lora_request is not None or resumable or abort_immediately:
+            raise NotImplementedError("pooling, prompt embeddings, multimodal inputs, LoRA and streaming "
+                                      "input are not implemented here")
+        if sampling_params is None:
+            raise ValueError("sampling_params and pooling_params can't both be unset")
         self.request_id = request_id
-        self.external_req_id = external_req_id or request_id
         self.client_index = client_index
+        # Lower is scheduled first under the priority policy (then arrival_time).
         self.priority = priority
         self.sampling_params = sampling_params
+        self.pooling_params = pooling_params
+        self.lora_request = lora_request
         self.structured_output_request = StructuredOutputRequest.from_sampling_params(sampling_params)
         self.arrival_time = arrival_time if arrival_time is not None else time.time()
         # NOTE: a structured request cannot be scheduled before its grammar exists.
@@ -127,11 +148,19 @@ class Request:
                        if self.structured_output_request is not None else RequestStatus.WAITING)
         self.events: list[EngineCoreEvent] = []
         self.stop_reason: int | str | None = None
+        # NOTE: P/D disaggregation's per-request KV transfer parameters; none here.
+        self.kv_transfer_params: dict[str, Any] | None = None
         # NOTE: the frontend fills max_tokens (max_model_len - prompt) when the
         # user gives none; None here means "no cap but max_model_len".
         self.max_tokens = sampling_params.max_tokens
         self.cache_salt = cache_salt
         self.trace_headers = trace_headers
+        self.mm_features: list = []
+        self.prompt_embeds = prompt_embeds
+        self.resumable = resumable
+        # A request asking for prompt logprobs computes every prompt token:
+        # it must not start from cached blocks (KVCacheManager.get_computed_blocks).
+        self.skip_reading_prefix_cache = self.get_skip_reading_prefix_cache()
 
         self.prompt_token_ids = prompt_token_ids
         self.num_prompt_tokens = len(prompt_token_ids)
@@ -167,6 +196,15 @@ class Request:
         # (they are real samples), but must not touch the reset counters; the
         # request is not readmitted until they have all arrived.
         self.num_stale_output_tokens = 0
+        # ... unless the preemption dropped them (reset_prefix_cache with running
+        # requests resumes them at once: a late token would land out of order).
+        self.drop_stale_output = False
+        # NOTE: hybrid models mark a shared prefix worth keeping cached (see
+        # KVCacheManager.get_computed_blocks); always 0 here.
+        self.shared_prefix_boundary = 0
+        # NaNs the model produced in this request's logits (vLLM counts them
+        # with VLLM_COMPUTE_NANS_IN_LOGITS); not counted here.
+        self.num_nans_in_logits = 0
 
         self.block_hashes: list[BlockHash] = []
         self._block_hasher = block_hasher
@@ -188,7 +226,6 @@ class Request:
             cache_salt=request.cache_salt,
             trace_headers=request.trace_headers,
             block_hasher=block_hasher,
-            external_req_id=request.external_req_id,
         )
 
     def append_output_token_ids(self, token_ids: int | list[int]) -> None:
@@ -219,6 +256,19 @@ class Request:
     @property
     def use_structured_output(self) -> bool:
         return self.structured_output_request is not None
+
+    @property
+    def num_encoder_inputs(self) -> int:
+        return len(self.mm_features)
+
+    @property
+    def has_encoder_inputs(self) -> bool:
+        """NOTE: images / audio a multimodal model encodes first; never here."""
+        return self.num_encoder_inputs > 0
+
+    def get_skip_reading_prefix_cache(self) -> bool:
+        skip = self.sampling_params.skip_reading_prefix_cache
+        return skip if skip is not None else False
 
     # NOTE: both run for every request every step. They read module-level
     # names rather than RequestStatus.X: on Python 3.11 each attribute read on
@@ -260,6 +310,17 @@ class Request:
             "block_ids": block_ids if block_ids is not None else [],
             "spec_token_ids": list(self.spec_token_ids),
         }
+
+    def __lt__(self, other: Request) -> bool:
+        """The priority policy's order: lower priority value, then earlier arrival,
+        then request id (then identity: a strict order for the heap)."""
+        if self.priority != other.priority:
+            return self.priority < other.priority
+        if self.arrival_time != other.arrival_time:
+            return self.arrival_time < other.arrival_time
+        if self.request_id != other.request_id:
+            return self.request_id < other.request_id
+        return id(self) < id(other)
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, {self.status.name}, num_tokens={self.num_tokens}, "

@@ -1,12 +1,25 @@
-"""Tensor parallelism over torch.distributed (vLLM: vllm/distributed/)."""
-from vllm_anatomy.distributed.communication_op import (tensor_model_parallel_all_gather,
-                                                       tensor_model_parallel_all_reduce)
-from vllm_anatomy.distributed.parallel_state import (destroy_distributed_environment, destroy_model_parallel,
-                                                     get_tensor_model_parallel_rank,
-                                                     get_tensor_model_parallel_world_size, get_tp_group,
-                                                     get_world_group, init_distributed_environment,
-                                                     initialize_model_parallel)
+"""Tensor parallelism over torch.distributed (vLLM: vllm/distributed/), and KV cache events (kv_events.py).
 
-__all__ = ["tensor_model_parallel_all_gather", "tensor_model_parallel_all_reduce", "destroy_distributed_environment",
-           "destroy_model_parallel", "get_tensor_model_parallel_rank", "get_tensor_model_parallel_world_size",
-           "get_tp_group", "get_world_group", "init_distributed_environment", "initialize_model_parallel"]
+NOTE: the tensor-parallel names load on first use (PEP 562), so that the pure
+core, which imports distributed.kv_events, does not import torch.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_LAZY = {
+    "tensor_model_parallel_all_gather": "communication_op", "tensor_model_parallel_all_reduce": "communication_op",
+    "destroy_distributed_environment": "parallel_state", "destroy_model_parallel": "parallel_state",
+    "get_tensor_model_parallel_rank": "parallel_state", "get_tensor_model_parallel_world_size": "parallel_state",
+    "get_tp_group": "parallel_state", "get_world_group": "parallel_state",
+    "init_distributed_environment": "parallel_state", "initialize_model_parallel": "parallel_state",
+}
+
+__all__ = list(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

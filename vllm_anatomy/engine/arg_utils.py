@@ -14,9 +14,9 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from vllm_anatomy.config import (LOAD_FORMATS, CacheConfig, CompilationConfig, LoadConfig, ModelConfig,
-                                 ObservabilityConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig,
-                                 VllmConfig, default_capture_sizes)
+from vllm_anatomy.config import (LOAD_FORMATS, CacheConfig, CompilationConfig, KVEventsConfig, LoadConfig,
+                                 ModelConfig, ObservabilityConfig, ParallelConfig, SchedulerConfig,
+                                 SpeculativeConfig, VllmConfig, default_capture_sizes)
 from vllm_anatomy.distributed.parallel_state import resolve_backend
 from vllm_anatomy.transformers_utils.default_model import resolve_model
 
@@ -24,6 +24,20 @@ logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
            "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def parse_kv_events_config(text: str) -> KVEventsConfig:
+    """--kv-events-config's JSON -> KVEventsConfig (unknown keys are an error)."""
+    try:
+        fields_ = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"--kv-events-config is not valid JSON: {e}") from e
+    if not isinstance(fields_, dict):
+        raise argparse.ArgumentTypeError("--kv-events-config must be a JSON object")
+    try:
+        return KVEventsConfig(**fields_)
+    except (TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(f"--kv-events-config: {e}") from e
 
 
 def teaching_attention_backend() -> str:
@@ -49,9 +63,17 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.92
     enable_prefix_caching: bool = True
     max_num_batched_tokens: int | None = None
+    # The scheduler's token budget (None: max_num_batched_tokens).
+    max_num_scheduled_tokens: int | None = None
     max_num_seqs: int | None = None
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
+    # fcfs | priority (lower `priority` first, then arrival; preemption takes the worst).
+    scheduling_policy: str = "fcfs"
+    # Fraction of the KV-cache blocks left free when admitting beside running requests.
+    watermark: float = 0.0
+    # KV cache events for KV-aware routers (a KVEventsConfig, or its JSON on the command line).
+    kv_events_config: KVEventsConfig | None = None
     # None = on where it pays (a GPU, one in-process worker), as vLLM turns it
     # on by default; on a CPU every op is synchronous, so nothing would overlap.
     async_scheduling: bool | None = None
@@ -154,10 +176,16 @@ class EngineArgs:
         parallel_config = self._parallel_config(device)
         model_config.verify_with_parallel_config(parallel_config)
         speculative_config = self.create_speculative_config(model_config)
+        if self.max_num_scheduled_tokens is not None and not \
+                0 < self.max_num_scheduled_tokens <= max_num_batched_tokens:
+            raise ValueError(f"max_num_scheduled_tokens ({self.max_num_scheduled_tokens}) must be in "
+                             f"[1, max_num_batched_tokens={max_num_batched_tokens}]")
         scheduler_config = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
+                                           max_num_scheduled_tokens=self.max_num_scheduled_tokens,
                                            max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                                            enable_chunked_prefill=self.enable_chunked_prefill,
                                            long_prefill_token_threshold=self.long_prefill_token_threshold,
+                                           policy=self.scheduling_policy, watermark=self.watermark,
                                            async_scheduling=self._resolve_async_scheduling(on_gpu,
                                                                                            speculative_config))
         if self.trace_level not in ("off", "spans", "full"):
@@ -168,7 +196,8 @@ class EngineArgs:
         compilation_config = self._compilation_config(on_gpu, max_num_seqs,
                                                       min(max_num_batched_tokens, max_num_seqs * max_model_len))
         return VllmConfig(model_config, cache_config, scheduler_config, parallel_config, observability_config,
-                          compilation_config, speculative_config, load_config)
+                          compilation_config, speculative_config, load_config,
+                          kv_events_config=self._kv_events_config())
 
     def create_speculative_config(self, target: ModelConfig) -> SpeculativeConfig | None:
         """SpeculativeConfig from the --speculative-config dict (vLLM: create_speculative_config).
@@ -206,6 +235,14 @@ class EngineArgs:
                                  f"{draft_hf['max_position_embeddings']} is below max_model_len="
                                  f"{target.max_model_len}")
             config.draft_model_config = dataclasses.replace(target, model=draft_dir, hf_config=draft_hf)
+        return config
+
+    def _kv_events_config(self) -> KVEventsConfig | None:
+        config = self.kv_events_config
+        if isinstance(config, str):
+            config = parse_kv_events_config(config)
+        if config is not None and not isinstance(config, KVEventsConfig):
+            raise ValueError(f"kv_events_config must be a KVEventsConfig or its JSON, got {type(config).__name__}")
         return config
 
     def _resolve_executor_backend(self) -> str:
@@ -322,6 +359,14 @@ class EngineArgs:
         p("--max-num-seqs", type=int, default=None)
         p("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
         p("--long-prefill-token-threshold", type=int, default=0)
+        p("--max-num-scheduled-tokens", type=int, default=None,
+          help="the scheduler's token budget per step (default: max_num_batched_tokens)")
+        p("--scheduling-policy", choices=["fcfs", "priority"], default=d.scheduling_policy,
+          help="fcfs: arrival order; priority: a request's `priority` (lower first), then arrival")
+        p("--watermark", type=float, default=d.watermark,
+          help="fraction of KV-cache blocks kept free when admitting beside running requests")
+        p("--kv-events-config", type=parse_kv_events_config, default=None,
+          help='KV cache events as JSON, e.g. \'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}\'')
         p("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
           help="schedule the next step while the device runs this one (default: on a GPU)")
         p("--distributed-executor-backend", choices=["uni", "mp"], default=None,

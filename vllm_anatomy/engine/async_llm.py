@@ -117,22 +117,24 @@ class AsyncLLM:
     # -- requests ---------------------------------------------------------------
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                           arrival_time: float | None = None,
-                          trace_headers: dict[str, str] | None = None) -> RequestOutputCollector:
-        """Validate and send one request; returns the collector its outputs arrive in."""
+                          trace_headers: dict[str, str] | None = None,
+                          priority: int = 0) -> RequestOutputCollector:
+        """Validate and send one request; returns the collector its outputs arrive in.
+        priority: under --scheduling-policy priority, lower runs first."""
         if self.errored:
             raise self.dead_error
         attrs: dict[str, Any] = {"vllm_anatomy.request_id": request_id}
         # The request's span opens first (a child of the HTTP span, or of the caller's): admitting it is part of it.
         with self.request_tracer.admitting(request_id, self.request_tracer.caller_headers(trace_headers)), \
                 self.recorder.span("AsyncLLM.add_request", **attrs):
-            return await self._add_request(request_id, prompt, params, arrival_time, trace_headers)
+            return await self._add_request(request_id, prompt, params, arrival_time, trace_headers, priority)
 
     async def _add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                            arrival_time: float | None,
-                           trace_headers: dict[str, str] | None) -> RequestOutputCollector:
+                           trace_headers: dict[str, str] | None, priority: int = 0) -> RequestOutputCollector:
         with self.recorder.span("InputProcessor.process_inputs"):
             prompt_text, request = self.input_processor.process_inputs(
-                request_id, prompt, params, arrival_time, trace_headers=trace_headers)
+                request_id, prompt, params, arrival_time, trace_headers=trace_headers, priority=priority)
             self.input_processor.assign_request_id(request)
         # NOTE: the collector has the parent's id (n > 1): aborting it aborts every child.
         queue = RequestOutputCollector(params.output_kind, request.request_id)
@@ -156,7 +158,7 @@ class AsyncLLM:
         return queue
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str,
-                       *, trace_headers: dict[str, str] | None = None
+                       *, trace_headers: dict[str, str] | None = None, priority: int = 0
                        ) -> AsyncGenerator[RequestOutput, None]:
         """Stream the request's RequestOutputs until one says finished.
 
@@ -165,7 +167,8 @@ class AsyncLLM:
         """
         q: RequestOutputCollector | None = None
         try:
-            q = await self.add_request(request_id, prompt, sampling_params, trace_headers=trace_headers)
+            q = await self.add_request(request_id, prompt, sampling_params, trace_headers=trace_headers,
+                                       priority=priority)
             finished = False
             while not finished:
                 # NOTE: get_nowait first: no suspension when an output is ready.
@@ -241,8 +244,10 @@ class AsyncLLM:
         """Queue lengths and KV-cache usage, asked from the engine now."""
         return await self.engine_core.get_scheduler_stats_async()
 
-    async def reset_prefix_cache(self) -> bool:
-        return await self.engine_core.reset_prefix_cache_async()
+    async def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        """Forget the cached blocks; with reset_running_requests the running requests are
+        preempted first (they recompute their KV), else False while any holds blocks."""
+        return await self.engine_core.reset_prefix_cache_async(reset_running_requests, reset_connector)
 
     # -- shutdown -------------------------------------------------------------------
     async def drain(self, timeout: float, abort_now: asyncio.Event | None = None) -> list[str]:

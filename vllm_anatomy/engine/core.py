@@ -54,7 +54,8 @@ from concurrent.futures import Future
 
 
 from vllm_anatomy.config import VllmConfig
-from vllm_anatomy.core.kv_cache_utils import get_request_block_hasher, init_none_hash, sha256
+from vllm_anatomy.core.kv_cache_utils import (check_enough_kv_cache_memory, get_request_block_hasher,
+                                              init_none_hash, sha256)
 from vllm_anatomy.core.outputs import ModelRunnerOutput
 from vllm_anatomy.core.request import Request, RequestStatus
 from vllm_anatomy.core.sched.output import GrammarOutput, SchedulerOutput
@@ -62,6 +63,7 @@ from vllm_anatomy.engine.input_processor import validate_params, validate_prompt
 from vllm_anatomy.engine.protocol import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest,
                                           FinishReason, SchedulerStats)
 from vllm_anatomy.executor.abstract import Executor
+from vllm_anatomy.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheSpec
 from vllm_anatomy.structured_output import StructuredOutputManager
 from vllm_anatomy.tracing.recorder import NullRecorder, Recorder
 from vllm_anatomy.tracing.step_tracer import NullStepTrace, StepTrace
@@ -89,18 +91,18 @@ class EngineCore:
             executor_class = executor_class or Executor.get_class(vllm_config)
             self.model_executor = executor_class(vllm_config, self.recorder)
             with self.recorder.span("EngineCore._initialize_kv_caches"):
-                num_gpu_blocks = self.model_executor.determine_num_available_blocks()
-                cache_config.num_gpu_blocks = num_gpu_blocks
-                self.model_executor.initialize_from_config(num_gpu_blocks)
+                kv_cache_config = self._initialize_kv_caches(vllm_config)
             self.structured_output_manager = StructuredOutputManager(vllm_config)
-            # Block-pool events (allocate / free / hit / evict) are kept only for
-            # a tracer that drains them every step.
             scheduler_cls = vllm_config.scheduler_config.get_scheduler_cls()
-            # (and the step record is built only for a recorder that reads it: the step snapshots)
-            self.scheduler = scheduler_cls(vllm_config, num_gpu_blocks,
-                                           enable_kv_cache_events=self.step_tracer.drains_kv_cache_events,
+            self.scheduler = scheduler_cls(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
                                            structured_output_manager=self.structured_output_manager,
-                                           record_steps=self.recorder.wants_snapshots)
+                                           block_size=cache_config.block_size, log_stats=True)
+            # Teaching extras: the dashboard's block events (allocate / free / hit /
+            # evict) only for a tracer that drains them every step, and the step
+            # record only for a recorder that reads it (the step snapshots).
+            self.scheduler.kv_cache_manager.block_pool.record_block_pool_events = \
+                self.step_tracer.drains_kv_cache_events
+            self.scheduler.record_steps = self.recorder.wants_snapshots
             self.step_tracer.watch(self.scheduler)
         # Speculative decoding: fetch each step's drafts for the scheduler (post_step).
         self.check_for_draft_tokens = vllm_config.speculative_config is not None
@@ -121,6 +123,42 @@ class EngineCore:
         # CPU that was ~25 % of the step time.
         gc.collect()
         gc.freeze()
+
+    def _initialize_kv_caches(self, vllm_config: VllmConfig) -> KVCacheConfig:
+        """Size the KV cache (the workers measure their memory), check that one
+        max_model_len sequence fits, allocate it; the scheduler's KVCacheConfig.
+
+        NOTE: v0.27.1 refuses a KV cache too small for one sequence here, at
+        start-up (check_enough_kv_cache_memory), not in the Scheduler: such a
+        request could never be admitted.
+        """
+        num_gpu_blocks = self.model_executor.determine_num_available_blocks()
+        kv_cache_spec = self._get_kv_cache_spec(vllm_config)
+        page_size = sum(spec.page_size_bytes for spec in kv_cache_spec.values())
+        # (the usable blocks: block 0 is the null block)
+        check_enough_kv_cache_memory(vllm_config, kv_cache_spec, (num_gpu_blocks - 1) * page_size)
+        vllm_config.cache_config.num_gpu_blocks = num_gpu_blocks
+        self.model_executor.initialize_from_config(num_gpu_blocks)
+        # NOTE: one group: every layer is full attention. vLLM also lists the
+        # workers' tensors (kv_cache_tensors); ours allocate their own.
+        layer_names = list(kv_cache_spec)
+        group_spec = next(iter(kv_cache_spec.values()), None) or FullAttentionSpec(
+            block_size=vllm_config.cache_config.block_size, num_kv_heads=1, head_size=1,
+            dtype=vllm_config.model_config.dtype)
+        return KVCacheConfig(num_blocks=num_gpu_blocks, kv_cache_tensors=[],
+                             kv_cache_groups=[KVCacheGroupSpec(layer_names, group_spec)])
+
+    @staticmethod
+    def _get_kv_cache_spec(vllm_config: VllmConfig) -> dict[str, KVCacheSpec]:
+        """Each attention layer's KV-cache format (vLLM asks the workers: get_kv_cache_spec).
+        Empty for a model config without hf_config (unit tests with a stand-in executor)."""
+        model_config = vllm_config.model_config
+        if not model_config.hf_config:
+            return {}
+        spec = FullAttentionSpec(block_size=vllm_config.cache_config.block_size,
+                                 num_kv_heads=model_config.num_kv_heads, head_size=model_config.head_dim,
+                                 dtype=model_config.dtype)
+        return {f"model.layers.{i}.self_attn.attn": spec for i in range(model_config.num_hidden_layers)}
 
     # -- requests ---------------------------------------------------------------
     def preprocess_add_request(self, request: EngineCoreRequest) -> Request:
@@ -178,9 +216,11 @@ class EngineCore:
                               step_counter=self.scheduler.current_step,
                               kv_cache_usage=self.scheduler.get_kv_cache_usage())
 
-    def reset_prefix_cache(self) -> bool:
-        """Forget all cached blocks; False if some blocks are still in use."""
-        return self.scheduler.reset_prefix_cache()
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        """Forget all cached blocks. False if some blocks are still in use, unless
+        reset_running_requests: then the running requests are preempted first
+        (they recompute their KV) and it always succeeds."""
+        return self.scheduler.reset_prefix_cache(reset_running_requests, reset_connector)
 
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.get_num_unfinished_requests()
@@ -326,6 +366,7 @@ class EngineCore:
                 for req in requests]
 
     def shutdown(self) -> None:
+        self.scheduler.shutdown()
         self.structured_output_manager.clear_backend()
         self.model_executor.shutdown()
         # NOTE: frozen objects are never collected; a process that builds

@@ -74,7 +74,11 @@ class EngineCoreClient:
     async def get_scheduler_stats_async(self) -> SchedulerStats:
         raise NotImplementedError
 
-    async def reset_prefix_cache_async(self) -> bool:
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        raise NotImplementedError
+
+    async def reset_prefix_cache_async(self, reset_running_requests: bool = False,
+                                       reset_connector: bool = False) -> bool:
         raise NotImplementedError
 
     def has_steps_in_flight(self) -> bool:
@@ -116,8 +120,8 @@ class InprocClient(EngineCoreClient):
     def get_scheduler_stats(self) -> SchedulerStats:
         return self.engine_core.get_scheduler_stats()
 
-    def reset_prefix_cache(self) -> bool:
-        return self.engine_core.reset_prefix_cache()
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        return self.engine_core.reset_prefix_cache(reset_running_requests, reset_connector)
 
     def shutdown(self, timeout: float | None = None) -> None:
         self.engine_core.shutdown()
@@ -176,8 +180,9 @@ class AsyncInprocClient(InprocClient):
     async def get_scheduler_stats_async(self) -> SchedulerStats:
         return msgspec.convert(await self.call_utility_async("get_scheduler_stats"), SchedulerStats)
 
-    async def reset_prefix_cache_async(self) -> bool:
-        return await self.call_utility_async("reset_prefix_cache")
+    async def reset_prefix_cache_async(self, reset_running_requests: bool = False,
+                                       reset_connector: bool = False) -> bool:
+        return await self.call_utility_async("reset_prefix_cache", reset_running_requests, reset_connector)
 
     def shutdown(self, timeout: float | None = None) -> None:
         self._executor.shutdown(wait=True)

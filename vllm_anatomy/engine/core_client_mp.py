@@ -335,8 +335,8 @@ class SyncMPClient(MPClient):
     def get_scheduler_stats(self) -> SchedulerStats:
         return msgspec.convert(self.call_utility("get_scheduler_stats"), SchedulerStats)
 
-    def reset_prefix_cache(self) -> bool:
-        return self.call_utility("reset_prefix_cache")
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        return self.call_utility("reset_prefix_cache", reset_running_requests, reset_connector)
 
 
 class AsyncMPClient(MPClient):
@@ -423,5 +423,6 @@ class AsyncMPClient(MPClient):
     async def get_scheduler_stats_async(self) -> SchedulerStats:
         return msgspec.convert(await self.call_utility_async("get_scheduler_stats"), SchedulerStats)
 
-    async def reset_prefix_cache_async(self) -> bool:
-        return await self.call_utility_async("reset_prefix_cache")
+    async def reset_prefix_cache_async(self, reset_running_requests: bool = False,
+                                       reset_connector: bool = False) -> bool:
+        return await self.call_utility_async("reset_prefix_cache", reset_running_requests, reset_connector)

@@ -141,7 +141,11 @@ class InputProcessor:
 
     def process_inputs(self, request_id: str, prompt: PromptType, params: SamplingParams,
                        arrival_time: float | None = None,
-                       trace_headers: dict[str, str] | None = None) -> tuple[str | None, EngineCoreRequest]:
+                       trace_headers: dict[str, str] | None = None,
+                       priority: int = 0) -> tuple[str | None, EngineCoreRequest]:
+        """priority: under --scheduling-policy priority, lower runs first (ignored under fcfs)."""
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise TypeError(f"priority must be an int, got {type(priority).__name__}")
         validate_params(params, self.vocab_size, self.speculative_config, check_grammar=True)
         prompt_text, prompt_token_ids = self.tokenize(prompt)
         validate_prompt_token_ids(prompt_token_ids, self.vocab_size, self.model_config.max_model_len)
@@ -161,6 +165,7 @@ class InputProcessor:
             prompt_token_ids=prompt_token_ids,
             sampling_params=params,
             arrival_time=time.time() if arrival_time is None else arrival_time,
+            priority=priority,
             trace_headers=trace_headers,
         )
         return prompt_text, req

@@ -96,17 +96,19 @@ class LLMEngine:
         return cls(vllm_config, recorder, multiprocess_mode=enable_multiprocessing)
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                    arrival_time: float | None = None) -> None:
-        self.add_processed_request(*self.process_inputs(request_id, prompt, params, arrival_time))
+                    arrival_time: float | None = None, priority: int = 0) -> None:
+        self.add_processed_request(*self.process_inputs(request_id, prompt, params, arrival_time,
+                                                        priority=priority))
 
     def process_inputs(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                       arrival_time: float | None = None) -> tuple[str | None, EngineCoreRequest]:
+                       arrival_time: float | None = None, priority: int = 0) -> tuple[str | None, EngineCoreRequest]:
         """Tokenize and validate (raises on bad input); nothing is added yet."""
         attrs: dict[str, Any] = {"vllm_anatomy.request_id": request_id}
         # (the request's span opens here: tokenizing is part of its trace)
         with self.request_tracer.admitting(request_id, self.request_tracer.caller_headers(None)), \
                 self.recorder.span("InputProcessor.process_inputs", **attrs):
-            return self.input_processor.process_inputs(request_id, prompt, params, arrival_time)
+            return self.input_processor.process_inputs(request_id, prompt, params, arrival_time,
+                                                       priority=priority)
 
     def add_processed_request(self, prompt_text: str | None, request: EngineCoreRequest) -> None:
         """Add a processed request; with n > 1, its n child requests (engine/parallel_sampling.py)."""
@@ -129,6 +131,9 @@ class LLMEngine:
             if added[:-1] and not self.engine_core_client.engine_dead:
                 self.engine_core_client.abort_requests(added[:-1])
             raise
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        return self.engine_core_client.reset_prefix_cache(reset_running_requests, reset_connector)
 
     def abort_request(self, request_ids: list[str]) -> None:
         known = self.output_processor.abort_requests(request_ids)

@@ -27,10 +27,11 @@ import time
 from dataclasses import dataclass, field
 
 from vllm_anatomy.engine.detokenizer import IncrementalDetokenizer
+from vllm_anatomy.core.outputs import LogprobsLists, LogprobsTensors
 from vllm_anatomy.engine.parallel_sampling import ParentRequest
-from vllm_anatomy.engine.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason, LogprobsLists
+from vllm_anatomy.engine.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason
 from vllm_anatomy.metrics.stats import IterationStats, RequestStateStats
-from vllm_anatomy.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from vllm_anatomy.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, RequestOutput
 from vllm_anatomy.sampling_params import RequestOutputKind
 from vllm_anatomy.tracing.request_tracer import NULL_REQUEST_TRACER, NullRequestTracer, RequestTracer
 
@@ -114,6 +115,9 @@ class RequestState:
     num_logprobs: int | None
     metrics: RequestMetrics
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    # The prompt's logprobs (SamplingParams.prompt_logprobs), once they arrive with the first token.
+    prompt_logprobs: PromptLogprobs | None = None
+    sent_prompt_logprobs: bool = False
     cumulative_logprob: float = 0.0
     sent_text_len: int = 0
     sent_token_len: int = 0
@@ -281,6 +285,8 @@ class OutputProcessor:
                 self._trim_tokens_after_stop(state)
             if eco.new_logprobs is not None:
                 self._append_logprobs(state, eco.new_logprobs)
+            if eco.new_prompt_logprobs_tensors is not None:
+                self._set_prompt_logprobs(state, eco.new_prompt_logprobs_tensors)
             if finish_reason is None:
                 if state.output_kind == RequestOutputKind.FINAL_ONLY:
                     continue    # LLM.generate(): nothing to build before the request finishes
@@ -334,16 +340,30 @@ class OutputProcessor:
                 del det.token_ids[n:]
                 return
 
+    def _logprob_entry(self, ids: list[int], vals: list[float], rank: int) -> dict[int, Logprob]:
+        """One position: the scored token (its rank) then the top-n (ranks 1..n)."""
+        entry: dict[int, Logprob] = {}
+        for i, (tid, val) in enumerate(zip(ids, vals)):
+            if tid in entry:
+                continue
+            entry[tid] = Logprob(val, rank if i == 0 else i, self.tokenizer.decode([tid]))
+        return entry
+
     def _append_logprobs(self, state: RequestState, lp: LogprobsLists) -> None:
-        for ids, vals, rank in zip(lp.logprob_token_ids, lp.logprobs, lp.sampled_token_ranks):
-            entry: dict[int, Logprob] = {}
-            for i, (tid, val) in enumerate(zip(ids, vals)):
-                if tid in entry:
-                    continue
-                entry[tid] = Logprob(val, rank if i == 0 else i,
-                                     self.tokenizer.decode([tid]))
-            state.logprobs.append(entry)
+        # NOTE: the step's rows are as wide as the batch's largest `logprobs`:
+        # keep this request's own top-n (+1: the sampled token).
+        assert state.num_logprobs is not None
+        width = state.num_logprobs + 1
+        ids_rows, val_rows = lp.logprob_token_ids[:, :width].tolist(), lp.logprobs[:, :width].tolist()
+        for ids, vals, rank in zip(ids_rows, val_rows, lp.sampled_token_ranks.tolist()):
+            state.logprobs.append(self._logprob_entry(ids, vals, rank))
             state.cumulative_logprob += vals[0]
+
+    def _set_prompt_logprobs(self, state: RequestState, tensors: LogprobsTensors) -> None:
+        """All of the prompt's logprobs at once (they come with the first output token)."""
+        ids_rows, val_rows = tensors.logprob_token_ids.tolist(), tensors.logprobs.tolist()
+        state.prompt_logprobs = [None] + [self._logprob_entry(ids, vals, rank) for ids, vals, rank
+                                          in zip(ids_rows, val_rows, tensors.selected_token_ranks.tolist())]
 
     def _make_request_output(self, state: RequestState) -> RequestOutput | None:
         finished = state.finished
@@ -362,12 +382,18 @@ class OutputProcessor:
             cumulative_logprob=state.cumulative_logprob if state.num_logprobs is not None else None,
             logprobs=logprobs if state.num_logprobs is not None else None,
             finish_reason=state.finish_reason, stop_reason=state.stop_reason)
+        # (a delta stream carries the prompt's logprobs once, in the first output that has them)
+        prompt_logprobs = state.prompt_logprobs
+        if delta and state.sent_prompt_logprobs:
+            prompt_logprobs = None
         outputs = [completion]
         if state.parent_req is not None:
             outputs, finished = state.parent_req.get_outputs(state.request_id, completion)
             if not outputs:
                 return None
+        state.sent_prompt_logprobs |= prompt_logprobs is not None
         return RequestOutput(request_id=state.external_req_id, prompt=state.prompt,
-                             prompt_token_ids=state.prompt_token_ids, outputs=outputs,
+                             prompt_token_ids=state.prompt_token_ids, prompt_logprobs=prompt_logprobs,
+                             outputs=outputs,
                              finished=finished, num_cached_tokens=state.num_cached_tokens,
                              metrics=state.metrics)

@@ -11,6 +11,7 @@ import time
 
 import msgspec
 
+from vllm_anatomy.core.outputs import LogprobsLists, LogprobsTensors
 from vllm_anatomy.sampling_params import SamplingParams
 from vllm_anatomy.spec_decode.metrics import SpecDecodingStats
 
@@ -60,20 +61,15 @@ class EngineCoreEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
         return cls(event_type, time.monotonic() if timestamp is None else timestamp)
 
 
-class LogprobsLists(msgspec.Struct, array_like=True, gc=False):
-    """Per sampled token: ids [sampled, top1..topk], their logprobs, and the sampled token's rank.
-
-    Row i of each list belongs to the i-th new token of the request.
-    """
-    logprob_token_ids: list[list[int]]
-    logprobs: list[list[float]]
-    sampled_token_ranks: list[int]
-
-
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     request_id: str
     new_token_ids: list[int]
+    # The request's rows of the step's logprobs (LogprobsLists.slice_request):
+    # row i belongs to new_token_ids[i]; columns [sampled, top-1, ..., top-k],
+    # k the largest `logprobs` of that step's batch (the frontend keeps its own k).
     new_logprobs: LogprobsLists | None = None
+    # With the first output token: the prompt's logprobs (row i: prompt token i + 1).
+    new_prompt_logprobs_tensors: LogprobsTensors | None = None
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     events: list[EngineCoreEvent] | None = None

@@ -74,13 +74,33 @@ def _refuse(obj: Any) -> Any:
         f"there is no pickle fallback.")
 
 
+# msgpack extension type of a CPU tensor (prompt logprobs cross the wire as LogprobsTensors).
+TENSOR_EXT = 1
+
+
 def enc_hook(obj: Any) -> Any:
     """numpy arrays as [dtype, shape, raw bytes] (vLLM's encoder sends them as
     raw buffers too: the grammar bitmask crosses to the workers this way);
-    anything else msgspec cannot encode is refused."""
+    CPU tensors as a msgpack extension (ext_hook rebuilds them whatever the
+    declared type: the pure core declares tensor fields Any, it does not
+    import torch); anything else msgspec cannot encode is refused."""
     if isinstance(obj, np.ndarray):
         return (obj.dtype.str, obj.shape, np.ascontiguousarray(obj).tobytes())
+    if type(obj).__name__ == "Tensor" and type(obj).__module__ == "torch":
+        array = obj.detach().cpu().numpy()       # (int32 / int64 / float32 here: numpy has them all)
+        return msgspec.msgpack.Ext(TENSOR_EXT, msgspec.msgpack.encode(
+            (array.dtype.str, array.shape, np.ascontiguousarray(array).tobytes())))
     return _refuse(obj)
+
+
+def ext_hook(code: int, data: memoryview) -> Any:
+    """The inverse of enc_hook for a tensor."""
+    if code != TENSOR_EXT:
+        raise TypeError(f"Unknown msgpack extension type {code}")
+    import torch
+    dtype, shape, raw = msgspec.msgpack.decode(data)
+    # (a writable copy: torch warns on, and must not write through, a read-only buffer)
+    return torch.from_numpy(np.frombuffer(raw, dtype=np.dtype(dtype)).reshape(shape).copy())
 
 
 def dec_hook(t: type, obj: Any) -> Any:
@@ -110,7 +130,7 @@ class MsgpackDecoder:
 
     def __init__(self, t: Any = Any) -> None:
         self.type = t
-        self.decoder = msgspec.msgpack.Decoder(t, dec_hook=dec_hook)
+        self.decoder = msgspec.msgpack.Decoder(t, dec_hook=dec_hook, ext_hook=ext_hook)
 
     def decode(self, buf: bytes | bytearray | memoryview) -> Any:
         """Decode; a payload that is not valid msgpack of `t` raises msgspec.DecodeError."""

@@ -70,7 +70,8 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, *, priority: list[int] | None = None) -> list[RequestOutput]:
+        """priority: one per prompt (under --scheduling-policy priority, lower runs first)."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                 and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -88,10 +89,13 @@ class LLM:
         # ask for FINAL_ONLY outputs: the frontend then builds one RequestOutput per
         # request, not one per request per step (each copying the whole text so far).
         params_list = [_final_only(sp) for sp in params_list]
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"The lengths of prompts ({len(prompts)}) and priority ({len(priority)}) must be the same.")
+        priorities = priority if priority is not None else [0] * len(prompts)
         # NOTE: tokenize and validate every prompt before adding any, so a bad one loses nothing.
         engine = self.llm_engine
-        processed = [engine.process_inputs(str(next(self.request_counter)), p, sp)
-                     for p, sp in zip(prompts, params_list)]
+        processed = [engine.process_inputs(str(next(self.request_counter)), p, sp, priority=prio)
+                     for p, sp, prio in zip(prompts, params_list, priorities)]
         for prompt_text, request in processed:
             engine.add_processed_request(prompt_text, request)
         return self._run_engine(len(prompts), use_tqdm)
@@ -106,6 +110,11 @@ class LLM:
                                                                 return_dict=False)}
                    for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        """Forget every cached block (e.g. after loading new weights); False while a request
+        holds blocks, unless reset_running_requests preempts them first."""
+        return self.llm_engine.reset_prefix_cache(reset_running_requests, reset_connector)
 
     def _run_engine(self, num_requests: int, use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine

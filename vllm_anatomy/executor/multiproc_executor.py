@@ -65,7 +65,7 @@ from typing import Any, Callable
 import msgspec
 
 from vllm_anatomy.config import ParallelConfig
-from vllm_anatomy.engine.serial_utils import dec_hook
+from vllm_anatomy.engine.serial_utils import dec_hook, ext_hook
 from vllm_anatomy.executor.abstract import Executor
 from vllm_anatomy.executor.shm_broadcast import MessageQueue, MessageQueueCancelled, unlink_shm_segments
 from vllm_anatomy.executor.worker_proc import (MAX_CHUNK_BYTES, WORKER_READY_TIMEOUT_S, RPCRequest,
@@ -323,7 +323,8 @@ class MultiprocExecutor(Executor):
                 raise RuntimeError(f"Worker (rank {rank}) failed in {method}. "
                                    f"Worker traceback:\n{response.error}")
         return_type = worker_method_types(method)[2]
-        results = [msgspec.msgpack.decode(r.result, type=return_type, dec_hook=dec_hook) for r in responses]
+        results = [msgspec.msgpack.decode(r.result, type=return_type, dec_hook=dec_hook, ext_hook=ext_hook)
+                   for r in responses]
         return results[0] if single else results
 
     @contextlib.contextmanager

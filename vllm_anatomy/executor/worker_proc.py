@@ -38,7 +38,7 @@ from vllm_anatomy.config import ParallelConfig, VllmConfig
 from vllm_anatomy.core.outputs import AsyncModelRunnerOutput
 from vllm_anatomy.distributed.parallel_state import (destroy_distributed_environment, destroy_model_parallel,
                                                      get_world_group)
-from vllm_anatomy.engine.serial_utils import dec_hook, enc_hook
+from vllm_anatomy.engine.serial_utils import dec_hook, enc_hook, ext_hook
 from vllm_anatomy.executor.shm_broadcast import Handle, MessageQueue, MessageQueueCancelled
 from vllm_anatomy.tracing.factory import make_recorder
 from vllm_anatomy.tracing.recorder import NullRecorder
@@ -296,9 +296,10 @@ class WorkerProc:
             try:
                 arg_types, kwarg_types, _ = worker_method_types(request.method)
                 args = [msgspec.msgpack.decode(a, type=arg_types[i] if i < len(arg_types) else Any,
-                                               dec_hook=dec_hook)
+                                               dec_hook=dec_hook, ext_hook=ext_hook)
                         for i, a in enumerate(request.args)]
-                kwargs = {k: msgspec.msgpack.decode(v, type=kwarg_types.get(k, Any), dec_hook=dec_hook)
+                kwargs = {k: msgspec.msgpack.decode(v, type=kwarg_types.get(k, Any), dec_hook=dec_hook,
+                                                    ext_hook=ext_hook)
                           for k, v in request.kwargs.items()}
                 # NOTE: the caller waits for the replying ranks only: the others' spans follow from its.
                 with self.worker.remote_trace_context(request.trace_headers, follows=not replies,

@@ -46,6 +46,7 @@ import torch
 from torch import nn
 
 from vllm_anatomy import envs
+from vllm_anatomy.core.outputs import LogprobsTensors
 from vllm_anatomy.model_executor.bad_words import apply_bad_words
 from vllm_anatomy.model_executor.penalties import apply_all_penalties
 from vllm_anatomy.model_executor.sampling_metadata import SamplingMetadata
@@ -55,13 +56,6 @@ from vllm_anatomy.sampling_params import _SAMPLING_EPS
 USE_FUSED_SAMPLING: bool = envs.VLLM_ANATOMY_FUSED_SAMPLING
 # Devices it runs on (Triton kernels need CUDA; tests add "cpu" under TRITON_INTERPRET=1).
 FUSED_SAMPLING_DEVICES = ("cuda",)
-
-
-class LogprobsTensors(NamedTuple):
-    """(vLLM keeps this in v1/outputs.py.) Column 0 is the sampled token, then the top-n."""
-    logprob_token_ids: torch.Tensor    # [R, 1 + max_num_logprobs] int64
-    logprobs: torch.Tensor             # [R, 1 + max_num_logprobs] float32
-    selected_token_ranks: torch.Tensor  # [R] int64, 1 = the most likely token
 
 
 class SamplerOutput(NamedTuple):

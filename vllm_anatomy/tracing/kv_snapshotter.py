@@ -19,7 +19,7 @@ the popped block's old hash), touch (prefix hits), free_blocks,
 cache_full_blocks and reset_prefix_cache. The snapshotter wraps those five
 methods *on this pool instance*, from outside, and notes the blocks each call
 names; the pool's own code knows nothing of it. Not the pool's KV cache events:
-they exist only with enable_kv_cache_events, and take_events() hands them to
+they exist only with record_block_pool_events, and take_block_pool_events() hands them to
 whoever asks first (the step snapshot drains them every step), so the blocks
 they name could be gone before a snapshot reads them.
 
@@ -87,7 +87,7 @@ class KVCacheSnapshotter:
             free = pool.free_block_queue.get_free_block_ids()
         else:
             free = pool.free_block_queue.get_free_block_ids(kv_cache_manager_module.SNAPSHOT_FREE_QUEUE_HEAD)
-            listed = {0, *free, *(i for event in pool.kv_event_queue for i in event.block_ids)}
+            listed = {0, *free, *(i for event in pool.block_pool_event_queue for i in event.block_ids)}
             kept = self.rows
             self.rows = {i: kept.get(i) or self._make_row(i) for i in sorted(listed)}
         return {
@@ -100,13 +100,13 @@ class KVCacheSnapshotter:
             "blocks": list(self.rows.values()),
             "free_queue": free,
             "req_to_block_ids": tables,
-            "num_cached_block": dict(manager.manager.num_cached_block),
+            "num_cached_block": dict(manager.coordinator.single_type_managers[0].num_cached_block),
         }
 
     # -- block-id lists ---------------------------------------------------------
     def _sync_tables(self) -> dict[str, list[int]]:
         """Bring each request's cached ids up to its block list; return copies."""
-        live = self.manager.manager.req_to_blocks
+        live = self.manager.coordinator.single_type_managers[0].req_to_blocks
         cache = self.tables
         tables = {}
         for req_id, blocks in live.items():
@@ -173,7 +173,8 @@ class KVCacheSnapshotter:
         if len(holders) < 2:
             return list(holders)
         if self.order is None:
-            self.order = {req_id: i for i, req_id in enumerate(self.manager.manager.req_to_blocks)}
+            self.order = {req_id: i for i, req_id in
+                          enumerate(self.manager.coordinator.single_type_managers[0].req_to_blocks)}
         return sorted(holders, key=self.order.__getitem__)
 
 
@@ -203,8 +204,10 @@ def _watch_block_pool(pool: BlockPool, touched: Callable[[list[int]], None]) -> 
 
     @functools.wraps(cache_full_blocks)
     def watched_cache_full_blocks(request, blocks: list[KVCacheBlock], num_cached_blocks: int,
-                                  num_full_blocks: int, block_size: int) -> None:
-        cache_full_blocks(request, blocks, num_cached_blocks, num_full_blocks, block_size)
+                                  num_full_blocks: int, block_size: int, kv_cache_group_id: int,
+                                  block_mask: list[bool] | None = None) -> None:
+        cache_full_blocks(request, blocks, num_cached_blocks, num_full_blocks, block_size, kv_cache_group_id,
+                          block_mask)
         touched([block.block_id for block in blocks[num_cached_blocks:num_full_blocks]])
 
     @functools.wraps(reset_prefix_cache)

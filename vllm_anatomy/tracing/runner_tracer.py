@@ -164,8 +164,7 @@ class StepSnapshots:
                        cu_num_tokens: np.ndarray, arange: np.ndarray, token_indices: np.ndarray) -> dict:
         """What _prepare_inputs computed: its intermediate arrays, and what it left in the runner's buffers."""
         total, num_reqs = len(req_indices), len(num_scheduled_tokens)
-        decision = runner.cudagraph_decision
-        assert decision is not None, "_prepare_inputs dispatched the step first"
+        # (its "cudagraph" entry is added by _determine_batch_execution_and_padding, which runs next)
         return {
             "req_ids": list(runner.input_batch.req_ids), "num_scheduled_tokens": num_scheduled_tokens.tolist(),
             "req_indices": req_indices.tolist(), "cu_num_tokens": cu_num_tokens.tolist(),
@@ -176,7 +175,6 @@ class StepSnapshots:
             "slot_mapping": _host_list(runner.input_batch.block_table.slot_mapping[:total]),
             "logits_indices": (cu_num_tokens - 1).tolist(),
             "discard_request_indices": runner.discard_request_indices.tolist(),
-            "cudagraph": decision.to_dict(),
             "num_draft_tokens": []}     # spec decode: filled by record_spec_decode_inputs when the step has drafts
 
     def take(self, runner: GPUModelRunner) -> dict:

@@ -100,7 +100,7 @@ class StepSnapshotter:
                 "time": time.time(),
                 "scheduler_output": msgspec.to_builtins(scheduler_output),
                 "scheduler": self.scheduler.snapshot(kv_cache=self.kv_cache_snapshotter.snapshot()),
-                "block_pool_events": msgspec.to_builtins(self.scheduler.kv_cache_manager.take_events()),
+                "block_pool_events": msgspec.to_builtins(self.scheduler.kv_cache_manager.take_block_pool_events()),
             }, step_id=step_id)
 
 

@@ -39,8 +39,9 @@ def _describe_result(result: Any) -> dict[str, Any] | None:
         return {"vllm_anatomy.new_block_ids": [block.block_id for block in result.blocks[0]]}
     if result is None:                      # allocate_slots: no room -> preemption or stop admitting
         return {"vllm_anatomy.result": "None"}
-    if isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], int):
-        return {"vllm_anatomy.num_computed_tokens": result[1]}   # get_computed_blocks: (blocks, hit tokens)
+    if isinstance(result, tuple) and len(result) == 3 and isinstance(result[1], int):
+        # get_computed_blocks: (blocks, hit tokens, shared_prefix_boundary)
+        return {"vllm_anatomy.num_computed_tokens": result[1]}
     return {}
 
 

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, cast
 import numpy as np
 import torch
 
-from vllm_anatomy.core.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
+from vllm_anatomy.core.outputs import AsyncModelRunnerOutput, LogprobsTensors, ModelRunnerOutput
 from vllm_anatomy.worker.runner_output import make_model_runner_output
 
 if TYPE_CHECKING:
@@ -81,9 +81,9 @@ class AsyncSchedulingMixin:
             output_indices = by_row
         output = AsyncGPUModelRunnerOutput(
             self.tracer, state.scheduler_output.step_id, req_ids, sampler_output, invalid,
-            PlaceholderFill(self.requests, batch, req_ids, output_indices), dict(batch.num_logprobs),
+            PlaceholderFill(self.requests, batch, req_ids, output_indices),
             self.async_output_copy_stream, self.tracer.snapshots.take(cast("GPUModelRunner", self)),
-            state.error_req_ids)
+            state.error_req_ids, state.prompt_logprobs_dict)
         self.prev_async_output = output
         return output
 
@@ -165,7 +165,7 @@ class PlaceholderFill:
         self.req_ids = req_ids
         self.output_indices = output_indices
 
-    def fill(self, sampled: list[int]) -> None:
+    def fill(self, sampled: list[list[int]]) -> None:
         """The real ids have arrived; write them over the -1s.
 
         NOTE: by now the next step has run _update_states, so rows may have
@@ -176,9 +176,10 @@ class PlaceholderFill:
         batch = self.input_batch
         requests, index = self.requests, batch.req_id_to_index
         rows, cols, tokens = [], [], []
-        for req_id, output_index, token in zip(self.req_ids, self.output_indices, sampled):
+        for req_id, output_index, row_tokens in zip(self.req_ids, self.output_indices, sampled):
             if output_index is None or (state := requests.get(req_id)) is None:
                 continue
+            token = row_tokens[0]
             out = state.output_token_ids
             if output_index >= len(out) or out[output_index] != -1:
                 continue
@@ -194,18 +195,21 @@ class PlaceholderFill:
 class AsyncGPUModelRunnerOutput(AsyncModelRunnerOutput):
 
     def __init__(self, tracer: RunnerTracer, step_id: int, req_ids: list[str], sampler_output: SamplerOutput,
-                 invalid_req_indices: list[int], placeholders: PlaceholderFill, num_logprobs: dict[str, int],
+                 invalid_req_indices: list[int], placeholders: PlaceholderFill,
                  copy_stream: torch.cuda.Stream | None, snapshot: dict | None,
-                 error_req_ids: list[str] | None = None) -> None:
+                 error_req_ids: list[str] | None = None,
+                 prompt_logprobs_dict: dict[str, LogprobsTensors | None] | None = None) -> None:
         self._tracer = tracer
         self._step_id = step_id
         self._req_ids = req_ids
         self._invalid_req_indices = invalid_req_indices
         self._placeholders = placeholders
-        self._num_logprobs = num_logprobs
         self._snapshot = snapshot
         self._error_req_ids = error_req_ids
-        device_tensors = (sampler_output.sampled_token_ids, *(sampler_output.logprobs_tensors or ()))
+        self._prompt_logprobs_dict = prompt_logprobs_dict
+        # [R, 1] sampled ids, then (with logprobs) the three logprob tensors.
+        device_tensors = (sampler_output.sampled_token_ids.view(-1, 1),
+                          *(sampler_output.logprobs_tensors or ())[:3])
         self._has_logprobs = sampler_output.logprobs_tensors is not None
         tracer.device_mark("d2h")
         self._ready: torch.cuda.Event | None = None
@@ -263,11 +267,11 @@ class AsyncGPUModelRunnerOutput(AsyncModelRunnerOutput):
                 tracer.wait(self._ready)
                 self._device_tensors = ()          # copied: the device memory may go
             self.sync_wait_s = tracer.wait_s
-            sampled = self._host[0].tolist()
-            self._placeholders.fill(sampled)
+            valid_sampled_token_ids = self._host[0].tolist()            # [R][1]
+            self._placeholders.fill(valid_sampled_token_ids)
             self._output = make_model_runner_output(
-                self._req_ids, sampled, self._invalid_req_indices, self._num_logprobs,
-                [t.tolist() for t in self._host[1:]] if self._has_logprobs else None,
-                self._error_req_ids)
+                self._req_ids, valid_sampled_token_ids, self._invalid_req_indices,
+                LogprobsTensors(*self._host[1:4]).tolists() if self._has_logprobs else None,
+                self._prompt_logprobs_dict, self._error_req_ids)
         tracer.snapshots.record(self._step_id, self._output.sampled_token_ids, snapshot=self._snapshot)
         return self._output

@@ -99,14 +99,17 @@ class BlockTable:
         self.block_table[:num_reqs].copy_(self.block_table_cpu[:num_reqs], non_blocking=True)
 
     def compute_slot_mapping(self, num_reqs: int, query_start_loc: torch.Tensor,
-                             positions: torch.Tensor, pad_to: int) -> None:
-        """slot_mapping[:pad_to] for this step's tokens, PAD_SLOT_ID (-1) past them.
+                             positions: torch.Tensor) -> None:
+        """slot_mapping for this step's tokens, PAD_SLOT_ID (-1) for the rest of the buffer.
 
         query_start_loc [R + 1] and positions [T] are the step's inputs where
-        the kernels read them, after commit_block_table. Padding (a CUDA-graph
-        batch, pad_to > T) must not write into any real slot: the KV write skips -1.
+        the kernels read them, after commit_block_table. NOTE: the whole tail
+        is -1 (as vLLM's kernel writes it), so whatever padding the CUDA-graph
+        dispatcher decides on later (a graph of N >= T tokens) writes into no
+        real slot: the KV write skips -1.
         On a GPU this is the Triton kernel (vLLM's _compute_slot_mapping_kernel);
         on a CPU, numpy on the same tensors."""
+        pad_to = self.slot_mapping.shape[0]
         if self.device.type == "cuda":
             from vllm_anatomy.kernels.slot_mapping import compute_slot_mapping
             compute_slot_mapping(self.block_table, query_start_loc, positions, self.block_size, num_reqs,

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import bisect
 import enum
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -80,12 +81,15 @@ class CUDAGraphMode(enum.Enum):
 
 @dataclass(frozen=True)
 class BatchDescriptor:
-    """The padded batch a graph is captured for and replayed on (vllm/forward_context.py;
-    no LoRA fields). A full graph is keyed by (num_tokens, num_reqs, uniform=True),
-    piecewise graphs by num_tokens alone (num_reqs None)."""
+    """The padded batch a graph is captured for and replayed on (vllm/forward_context.py).
+    A full graph is keyed by (num_tokens, num_reqs, uniform=True), piecewise
+    graphs by num_tokens alone (num_reqs None)."""
     num_tokens: int
     num_reqs: int | None = None
     uniform: bool = False    # every request has the same query length (here: 1, a decode)
+    # NOTE: vLLM captures graphs per number of active LoRA adapters; no LoRA here.
+    has_lora: bool = False
+    num_active_loras: int = 0
 
 
 class CudagraphReason(str, enum.Enum):
@@ -99,7 +103,7 @@ class CudagraphReason(str, enum.Enum):
 
 @dataclass(frozen=True)
 class CudagraphDecision:
-    """What the dispatcher decided for one step (plain data, recorded in the trace)."""
+    """dispatch()'s (mode, batch descriptor) for one step, with why (ours: plain data, recorded in the trace)."""
     mode: CUDAGraphMode                # runtime mode: FULL (a graph) | PIECEWISE (pieces) | NONE (eager)
     batch_descriptor: BatchDescriptor  # num_tokens: what the forward runs on (padded for a graph)
     num_tokens: int                    # tokens scheduled
@@ -149,33 +153,61 @@ class CudagraphDispatcher:
     def padded_size(self, num_tokens: int) -> int | None:
         return self._padded(self.capture_sizes, num_tokens)
 
-    def dispatch(self, num_tokens: int, num_reqs: int, max_query_len: int) -> CudagraphDecision:
-        # NOTE: "uniform decode" = every request has exactly one query token,
-        # so the batch's shape is fully described by its size: the only kind
-        # of batch one full graph per size can serve (attention included).
-        def decision(mode: CUDAGraphMode, desc: BatchDescriptor, code: CudagraphReason,
-                     reason: str) -> CudagraphDecision:
-            return CudagraphDecision(mode, desc, num_tokens, code, reason)
-        if not self.enabled:
-            return decision(CUDAGraphMode.NONE, BatchDescriptor(num_tokens), CudagraphReason.CUDAGRAPHS_OFF,
-                            "CUDA graphs off (eager mode)")
-        uniform_decode = max_query_len == 1 and num_tokens == num_reqs
-        padded = self._padded(self.decode_sizes, num_tokens) if uniform_decode else None
-        if padded is not None:
-            return decision(CUDAGraphMode.FULL, BatchDescriptor(padded, padded, uniform=True),
-                            CudagraphReason.PURE_DECODE, f"pure decode{_pad(num_tokens, padded)}")
-        padded = self._padded(self.piecewise_sizes, num_tokens)
-        if padded is not None:
+    def dispatch(self, num_tokens: int, uniform_decode: bool = False, has_lora: bool = False,
+                 num_active_loras: int = 0, valid_modes: AbstractSet[CUDAGraphMode] | None = None,
+                 invalid_modes: AbstractSet[CUDAGraphMode] | None = None) -> tuple[CUDAGraphMode, BatchDescriptor]:
+        """The runtime mode of a batch of num_tokens tokens and the (padded) batch it replays.
+
+        uniform_decode: every request has exactly one query token, so the
+        batch's shape is fully described by its size: the only kind of batch
+        one full graph per size can serve (attention included).
+        valid_modes / invalid_modes: restrict the modes (vLLM: cascade attention
+        rules out FULL; a forced-eager step allows only NONE).
+        has_lora / num_active_loras: NOTE: LoRA batches replay graphs captured
+        per adapter count; no LoRA here.
+        """
+        assert not has_lora, "LoRA is not implemented here"
+        allowed = set(valid_modes or (CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL))
+        allowed -= set(invalid_modes or ())
+        assert allowed, f"No allowed cudagraph modes: valid_modes={valid_modes}, invalid_modes={invalid_modes}"
+        eager = CUDAGraphMode.NONE, BatchDescriptor(num_tokens)
+        if not self.enabled or num_tokens > self.max_size or allowed <= {CUDAGraphMode.NONE}:
+            return eager
+        if CUDAGraphMode.FULL in allowed and uniform_decode:
+            padded = self._padded(self.decode_sizes, num_tokens)
+            if padded is not None:
+                return CUDAGraphMode.FULL, BatchDescriptor(padded, padded, uniform=True)
+        if CUDAGraphMode.PIECEWISE in allowed:
+            padded = self._padded(self.piecewise_sizes, num_tokens)
+            if padded is not None:
+                return CUDAGraphMode.PIECEWISE, BatchDescriptor(padded)
+        return eager
+
+    def describe(self, mode: CUDAGraphMode, batch_descriptor: BatchDescriptor, num_tokens: int,
+                 max_query_len: int, uniform_decode: bool) -> CudagraphDecision:
+        """Ours: dispatch()'s answer with the reason for it, as a code and a sentence (for the trace)."""
+        def decision(code: CudagraphReason, reason: str) -> CudagraphDecision:
+            return CudagraphDecision(mode, batch_descriptor, num_tokens, code, reason)
+        padded = batch_descriptor.num_tokens
+        if mode is CUDAGraphMode.FULL:
+            return decision(CudagraphReason.PURE_DECODE, f"pure decode{_pad(num_tokens, padded)}")
+        if mode is CUDAGraphMode.PIECEWISE:
             what = f"{num_tokens} decodes" if uniform_decode else f"mixed batch (max query_len {max_query_len})"
-            return decision(CUDAGraphMode.PIECEWISE, BatchDescriptor(padded), CudagraphReason.MIXED_BATCH,
+            return decision(CudagraphReason.MIXED_BATCH,
                             f"{what}: piecewise graphs, attention eager{_pad(num_tokens, padded)}")
-        largest = max(self.decode_sizes + self.piecewise_sizes)
+        if not self.enabled:
+            return decision(CudagraphReason.CUDAGRAPHS_OFF, "CUDA graphs off (eager mode)")
         if not uniform_decode and not self.piecewise_sizes:
-            return decision(CUDAGraphMode.NONE, BatchDescriptor(num_tokens), CudagraphReason.PREFILL_IN_BATCH,
-                            f"prefill in batch (max query_len {max_query_len}): eager")
+            return decision(CudagraphReason.PREFILL_IN_BATCH, f"prefill in batch (max query_len {max_query_len}): eager")
         what = "decodes" if uniform_decode else "tokens"
-        return decision(CUDAGraphMode.NONE, BatchDescriptor(num_tokens), CudagraphReason.BATCH_TOO_LARGE,
-                        f"{num_tokens} {what} > largest graph ({largest}): eager")
+        largest = max(self.decode_sizes + self.piecewise_sizes)
+        return decision(CudagraphReason.BATCH_TOO_LARGE, f"{num_tokens} {what} > largest graph ({largest}): eager")
+
+    def decide(self, num_tokens: int, num_reqs: int, max_query_len: int) -> CudagraphDecision:
+        """Ours: dispatch() and describe() for a batch of num_reqs requests, the longest query max_query_len."""
+        uniform_decode = max_query_len == 1 and num_tokens == num_reqs
+        mode, batch_descriptor = self.dispatch(num_tokens, uniform_decode=uniform_decode)
+        return self.describe(mode, batch_descriptor, num_tokens, max_query_len, uniform_decode)
 
 
 def _pad(num_tokens: int, padded: int) -> str:

@@ -62,7 +62,8 @@ import torch
 
 from vllm_anatomy.attention.backends.abstract import AttentionMetadata
 from vllm_anatomy.config import VllmConfig
-from vllm_anatomy.core.outputs import EMPTY_MODEL_RUNNER_OUTPUT, AsyncModelRunnerOutput, ModelRunnerOutput
+from vllm_anatomy.core.outputs import (EMPTY_MODEL_RUNNER_OUTPUT, AsyncModelRunnerOutput, LogprobsTensors,
+                                      ModelRunnerOutput)
 from vllm_anatomy.core.sched.output import GrammarOutput, SchedulerOutput
 from vllm_anatomy.model_executor.loader import load_hf_config
 from vllm_anatomy.model_executor.sampler import Sampler, SamplerOutput
@@ -71,9 +72,11 @@ from vllm_anatomy.tracing.recorder import NullRecorder, Recorder
 from vllm_anatomy.tracing.runner_tracer import RunnerTracer
 from vllm_anatomy.worker.async_output import AsyncSchedulingMixin
 from vllm_anatomy.worker.cpu_gpu_buffer import CpuGpuBuffer
-from vllm_anatomy.worker.cudagraph import CUDAGraphMode, CUDAGraphRunner, CudagraphDecision, CudagraphDispatcher
+from vllm_anatomy.worker.cudagraph import (BatchDescriptor, CUDAGraphMode, CUDAGraphRunner, CudagraphDecision,
+                                           CudagraphDispatcher)
 from vllm_anatomy.worker.gpu_input_batch import CachedRequestState, InputBatch
 from vllm_anatomy.worker.model_runner_startup import ModelRunnerStartupMixin
+from vllm_anatomy.worker.prompt_logprobs import PromptLogprobsMixin
 from vllm_anatomy.worker.runner_output import make_model_runner_output
 from vllm_anatomy.worker.spec_decode_runner import SpecDecodeRunnerMixin
 from vllm_anatomy.spec_decode.metadata import SpecDecodeMetadata
@@ -88,9 +91,11 @@ class ExecuteModelState(NamedTuple):
     discard_request_indices: np.ndarray  # rows whose sampled token is thrown away
     error_req_ids: list[str] | None = None  # requests that failed to join the batch this step
     spec_decode_metadata: SpecDecodeMetadata | None = None   # the step's drafts (spec decode)
+    # Prompt logprobs of the requests whose prompt completed this step (prompt_logprobs).
+    prompt_logprobs_dict: dict[str, LogprobsTensors | None] | None = None
 
 
-class GPUModelRunner(ModelRunnerStartupMixin, AsyncSchedulingMixin, SpecDecodeRunnerMixin):
+class GPUModelRunner(ModelRunnerStartupMixin, AsyncSchedulingMixin, SpecDecodeRunnerMixin, PromptLogprobsMixin):
 
     def __init__(self, vllm_config: VllmConfig, device: torch.device | str,
                  recorder: Recorder = NullRecorder(), attn_backend: str | None = None) -> None:
@@ -130,6 +135,7 @@ class GPUModelRunner(ModelRunnerStartupMixin, AsyncSchedulingMixin, SpecDecodeRu
         self.last_prepare_inputs: dict | None = None
         self.discard_request_indices = np.empty(0, dtype=np.int64)
         self.use_async_scheduling = scheduler_config.async_scheduling
+        self._init_prompt_logprobs()
         self._init_step_buffers(on_cuda)
         self._init_cudagraphs(vllm_config.compilation_config, on_cuda)
 
@@ -141,7 +147,8 @@ class GPUModelRunner(ModelRunnerStartupMixin, AsyncSchedulingMixin, SpecDecodeRu
         self.seq_lens = self._make_buffer(self.max_num_reqs, dtype=torch.int32)
         self.arange_np = np.arange(max(self.max_num_reqs + 1, self.max_model_len, self.max_num_tokens),
                                    dtype=np.int64)
-        self.sampled_token_ids_pinned_cpu = torch.zeros(self.max_num_reqs, dtype=torch.int64,
+        # [R, 1]: one sampled token per request (vLLM: [R, 1 + drafts] with spec decode).
+        self.sampled_token_ids_pinned_cpu = torch.zeros((self.max_num_reqs, 1), dtype=torch.int64,
                                                         pin_memory=self.pin_memory)
         self.transfer_event = torch.cuda.Event() if on_cuda else None
         # Async scheduling: (destination in input_ids, source row of
@@ -195,22 +202,34 @@ class GPUModelRunner(ModelRunnerStartupMixin, AsyncSchedulingMixin, SpecDecodeRu
                     return None
                 # (device phase: the host-to-device copies of the step's inputs)
                 with tracer.phase("GPUModelRunner._prepare_inputs", "prepare_inputs"):
-                    attn_metadata, logits_indices, spec_decode_metadata = self._prepare_inputs(scheduler_output)
+                    num_reqs = self.input_batch.num_reqs
+                    num_scheduled_tokens_np = self._num_scheduled_tokens(scheduler_output)         # [R]
+                    max_num_scheduled_tokens = int(num_scheduled_tokens_np.max())
+                    logits_indices, spec_decode_metadata = self._prepare_inputs(scheduler_output,
+                                                                                num_scheduled_tokens_np)
+                    num_tokens_unpadded = int(num_scheduled_tokens_np.sum())
+                    cudagraph_mode, batch_desc, _, _, _ = self._determine_batch_execution_and_padding(
+                        num_tokens_unpadded, num_reqs, num_scheduled_tokens_np, max_num_scheduled_tokens,
+                        use_cascade_attn=False)
+                    attn_metadata = self._attn_metadata(num_reqs, num_tokens_unpadded, max_num_scheduled_tokens)
             decision = self.cudagraph_decision
-            assert decision is not None              # made by _prepare_inputs
+            assert decision is not None              # made by _determine_batch_execution_and_padding
             with tracer.model_forward(decision):
-                if decision.mode is CUDAGraphMode.FULL:
-                    hidden_states = self.cudagraph_runner.replay(decision.num_padded_tokens)  # [N, H]
-                elif decision.mode is CUDAGraphMode.PIECEWISE:
-                    hidden_states = self.cudagraph_runner.replay_piecewise(decision.num_padded_tokens,
-                                                                           attn_metadata)     # [N, H]
+                if cudagraph_mode is CUDAGraphMode.FULL:
+                    hidden_states = self.cudagraph_runner.replay(batch_desc.num_tokens)               # [N, H]
+                elif cudagraph_mode is CUDAGraphMode.PIECEWISE:
+                    hidden_states = self.cudagraph_runner.replay_piecewise(batch_desc.num_tokens,
+                                                                           attn_metadata)             # [N, H]
                 else:
-                    hidden_states = self._model_forward(attn_metadata.num_actual_tokens, attn_metadata)  # [T, H]
+                    hidden_states = self._model_forward(num_tokens_unpadded, attn_metadata)             # [T, H]
+            # Prompt logprobs (requests that asked for them): from every prompt position's hidden state.
+            prompt_logprobs_dict = self._get_prompt_logprobs_dict(hidden_states[:num_tokens_unpadded],
+                                                                  scheduler_output.num_scheduled_tokens)
             with tracer.phase("GPUModelRunner.compute_logits", "compute_logits"):
                 logits = self.model.compute_logits(hidden_states[logits_indices])  # [R, V]
             self.execute_model_state = ExecuteModelState(scheduler_output, logits,
                                                          self.discard_request_indices, error_req_ids,
-                                                         spec_decode_metadata)
+                                                         spec_decode_metadata, prompt_logprobs_dict)
         return None
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
@@ -225,6 +244,7 @@ class GPUModelRunner(ModelRunnerStartupMixin, AsyncSchedulingMixin, SpecDecodeRu
         for req_id in scheduler_output.finished_req_ids:
             self.requests.pop(req_id, None)
             self.failed_req_ids.pop(req_id, None)
+            self._remove_prompt_logprobs_request(req_id)
             batch.remove_request(req_id)
         # 2. Rows not scheduled this step (preempted, or skipped for lack of
         # budget) leave the batch, but their CachedRequestState stays: they
@@ -261,6 +281,7 @@ class GPUModelRunner(ModelRunnerStartupMixin, AsyncSchedulingMixin, SpecDecodeRu
         if sampling_params.seed is not None and not sampling_params.sampling_type_greedy:
             generator = torch.Generator(device=self.device)
             generator.manual_seed(sampling_params.seed)
+        self._add_prompt_logprobs_request(new_req.req_id, sampling_params.prompt_logprobs)
         # NOTE: copy the block-id lists: we extend them in place later, and
         # in-process (UniProcExecutor) they may be the scheduler's own lists.
         return CachedRequestState(new_req.req_id, new_req.prompt_token_ids, sampling_params, generator,
@@ -330,51 +351,55 @@ class GPUModelRunner(ModelRunnerStartupMixin, AsyncSchedulingMixin, SpecDecodeRu
         starts = np.repeat(cu_num_tokens - num_tokens, num_tokens)            # [T] each token's request start
         return cu_num_tokens, self.arange_np[:cu_num_tokens[-1]] - starts     # [R], [T]
 
-    def _prepare_inputs(self, scheduler_output: SchedulerOutput
-                        ) -> tuple[AttentionMetadata, torch.Tensor, SpecDecodeMetadata | None]:
-        """Flatten the batch into the model's inputs; return (attn_metadata, logits_indices,
-        spec_decode_metadata: None without draft tokens)."""
+    def _prepare_inputs(self, scheduler_output: SchedulerOutput,
+                        num_scheduled_tokens: np.ndarray) -> tuple[torch.Tensor, SpecDecodeMetadata | None]:
+        """Flatten the batch into the model's inputs: input_ids, positions,
+        query_start_loc, seq_lens and slot_mapping, written into the persistent
+        buffers (and copied to the device).
+
+        num_scheduled_tokens: [R] tokens of each batch row this step (drafts included).
+        Returns (logits_indices, spec_decode_metadata): the rows that need logits, and
+        speculative decoding's (which rows verify drafts; None without draft tokens).
+        Positions are computed on the host and copied. (v0.27.1 computes
+        positions_np the same way, then recomputes the device copy from
+        num_computed_tokens on the device: under async speculative decoding
+        the device knows how many drafts were accepted before the host does.)
+        """
         batch = self.input_batch
         num_reqs = batch.num_reqs
         # NOTE: first, so this host-to-device copy overlaps the numpy work below.
         batch.block_table.commit_block_table(num_reqs)
-        num_scheduled = self._num_scheduled_tokens(scheduler_output)         # [R]
-        total = int(num_scheduled.sum())
-        max_query_len = int(num_scheduled.max())
-        # The CUDA-graph decision comes first: a graph step pads the batch, and
-        # the padding must be written into the static buffers below.
-        self.cudagraph_decision = decision = self.cudagraph_dispatcher.dispatch(total, num_reqs, max_query_len)
-        padded = decision.num_padded_tokens
-        req_indices = np.repeat(self.arange_np[:num_reqs], num_scheduled)     # [T] row of each token
-        cu_num_tokens, arange = self._get_cumsum_and_arange(num_scheduled)    # [R], [T]
+        total = int(num_scheduled_tokens.sum())
+        req_indices = np.repeat(self.arange_np[:num_reqs], num_scheduled_tokens)     # [T] row of each token
+        cu_num_tokens, arange = self._get_cumsum_and_arange(num_scheduled_tokens)   # [R], [T]
         positions_np = self.positions.np[:total]
         np.add(batch.num_computed_tokens_cpu[req_indices], arange, out=positions_np)   # [T]
         # token_ids_cpu is [max_num_reqs, max_model_len]; flattened, (row, pos) is row * max_model_len + pos.
         token_indices = positions_np + req_indices * self.max_model_len       # [T]
         self.input_ids.np[:total] = batch.token_ids_cpu.ravel()[token_indices]
-        self._fill_query_start_loc_and_seq_lens(num_reqs, cu_num_tokens, num_scheduled, total)
-        # NOTE: in a full graph, padding tokens are padding requests (one token
-        # each) with query_len 0 and seq_len 0; piecewise, attention runs eager
-        # on the real requests only.
-        num_padded_reqs = num_reqs + (padded - total) if decision.mode is CUDAGraphMode.FULL else num_reqs
+        self._fill_query_start_loc_and_seq_lens(num_reqs, cu_num_tokens, num_scheduled_tokens, total)
         self.input_ids.copy_to_gpu(total)
         self.positions.copy_to_gpu(total)
-        self.query_start_loc.copy_to_gpu(num_padded_reqs + 1)
-        self.seq_lens.copy_to_gpu(num_padded_reqs)
+        # NOTE: the whole buffers: past the real requests query_start_loc stays
+        # at `total` and seq_lens at 0, which is what a padded full-graph batch
+        # reads for its padding requests (query_len 0, seq_len 0).
+        self.query_start_loc.copy_to_gpu()
+        self.seq_lens.copy_to_gpu()
         if batch.prev_sampled_token_ids is not None:
             self._splice_prev_sampled(cu_num_tokens)
         # NOTE: from the block table and positions already on the device: on a
-        # GPU a Triton kernel, as in vLLM (worker/block_table.py).
+        # GPU a Triton kernel, as in vLLM (worker/block_table.py). Every slot
+        # past the real tokens is -1, whatever padding the step is given later.
         with self.tracer.compute_slot_mapping(num_reqs, total):
-            batch.block_table.compute_slot_mapping(num_reqs, self.query_start_loc.gpu,
-                                                   self.positions.gpu[:total], padded)
+            batch.block_table.compute_slot_mapping(num_reqs, self.query_start_loc.gpu[:num_reqs + 1],
+                                                   self.positions.gpu[:total])
         # NOTE: a partial prefill chunk ends before the request's last token, so
         # its "next token" would be a guess in the middle of the prompt. It is
         # sampled anyway (simpler, batched) and discarded in _bookkeeping_sync.
         self.discard_request_indices = np.nonzero(
             self.seq_lens.np[:num_reqs] < batch.num_tokens_no_spec[:num_reqs])[0]
         self.last_prepare_inputs = self.tracer.snapshots.prepare_inputs(
-            self, num_scheduled, req_indices, cu_num_tokens, arange, token_indices)
+            self, num_scheduled_tokens, req_indices, cu_num_tokens, arange, token_indices)
         # The last scheduled token of each request: the only rows that need logits
         # (with drafts: every draft position too).
         spec_decode_metadata = self._calc_spec_decode_metadata(scheduler_output, cu_num_tokens)
@@ -383,7 +408,31 @@ class GPUModelRunner(ModelRunnerStartupMixin, AsyncSchedulingMixin, SpecDecodeRu
         else:
             logits_indices = spec_decode_metadata.logits_indices                    # [R + drafts]
             self.record_spec_decode_inputs(self.last_prepare_inputs, spec_decode_metadata)
-        return self._attn_metadata(num_reqs, total, max_query_len), logits_indices, spec_decode_metadata
+        return logits_indices, spec_decode_metadata
+
+    def _determine_batch_execution_and_padding(
+            self, num_tokens: int, num_reqs: int, num_scheduled_tokens_np: np.ndarray,
+            max_num_scheduled_tokens: int, use_cascade_attn: bool = False, allow_microbatching: bool = True,
+            force_eager: bool = False) -> tuple[CUDAGraphMode, BatchDescriptor, bool, None, None]:
+        """The step's CUDA-graph mode and padded batch (vLLM's method of this name).
+
+        Returns (cudagraph_mode, batch_descriptor, should_ubatch,
+        num_tokens_across_dp, cudagraph_stats). NOTE: the last three are for
+        micro-batching (two overlapped halves of a batch), data parallelism
+        (ranks pad to a common size) and CUDA-graph statistics; always False /
+        None here. The decision, with its reason, is kept in
+        `self.cudagraph_decision` for the trace.
+        """
+        uniform_decode = max_num_scheduled_tokens == 1 and num_tokens == num_reqs
+        cudagraph_mode, batch_descriptor = self.cudagraph_dispatcher.dispatch(
+            num_tokens, uniform_decode=uniform_decode,
+            valid_modes={CUDAGraphMode.NONE} if force_eager else None,
+            invalid_modes={CUDAGraphMode.FULL} if use_cascade_attn else None)
+        self.cudagraph_decision = self.cudagraph_dispatcher.describe(
+            cudagraph_mode, batch_descriptor, num_tokens, max_num_scheduled_tokens, uniform_decode)
+        if self.last_prepare_inputs is not None:
+            self.last_prepare_inputs["cudagraph"] = self.cudagraph_decision.to_dict()
+        return cudagraph_mode, batch_descriptor, False, None, None
 
     def _num_scheduled_tokens(self, scheduler_output: SchedulerOutput) -> np.ndarray:
         """Tokens scheduled for each batch row [R]."""
@@ -484,8 +533,9 @@ class GPUModelRunner(ModelRunnerStartupMixin, AsyncSchedulingMixin, SpecDecodeRu
             self.input_batch.generators[i].set_state(generator_state)
         return sampler_output
 
-    def _to_list(self, sampled_token_ids: torch.Tensor) -> list[int]:
-        """The sampled ids on the host: the step's one wait for the device (vLLM's _to_list).
+    def _to_list(self, sampled_token_ids: torch.Tensor) -> list[list[int]]:
+        """The sampled ids [R, 1] on the host, one list per request: the step's one
+        wait for the device (vLLM's _to_list).
 
         NOTE: an event sync, not .tolist() on a device tensor: that is a
         stream-wide sync which would also block other streams' copies (vLLM
@@ -503,16 +553,14 @@ class GPUModelRunner(ModelRunnerStartupMixin, AsyncSchedulingMixin, SpecDecodeRu
         logprobs_tensors = sampler_output.logprobs_tensors
         self.tracer.device_mark("d2h")
         # NOTE: enqueued before _to_list's event, so its wait covers these copies too.
-        host_logprobs = [t.to("cpu", non_blocking=True) for t in logprobs_tensors] \
-            if logprobs_tensors is not None else None
-        sampled = self._to_list(sampler_output.sampled_token_ids)
+        host_logprobs = logprobs_tensors.to_cpu_nonblocking() if logprobs_tensors is not None else None
+        valid_sampled_token_ids = self._to_list(sampler_output.sampled_token_ids.view(-1, 1))   # [R][1]
         req_ids = self.input_batch.req_ids
         rows = self.sampling_rows(len(req_ids), state.discard_request_indices)
-        self.cache_sampled_tokens(req_ids, rows, [sampled[i] for i in rows.tolist()])
-        return make_model_runner_output(req_ids, sampled, state.discard_request_indices.tolist(),
-                                        self.input_batch.num_logprobs,
-                                        [t.tolist() for t in host_logprobs] if host_logprobs is not None else None,
-                                        state.error_req_ids)
+        self.cache_sampled_tokens(req_ids, rows, [valid_sampled_token_ids[i][0] for i in rows.tolist()])
+        return make_model_runner_output(req_ids, valid_sampled_token_ids, state.discard_request_indices.tolist(),
+                                        host_logprobs.tolists() if host_logprobs is not None else None,
+                                        state.prompt_logprobs_dict, state.error_req_ids)
 
     def sampling_rows(self, num_reqs: int, discard_request_indices: np.ndarray) -> np.ndarray:
         """Rows whose sampled token is kept (all but partial prefill chunks), ascending. Read only:

@@ -180,7 +180,7 @@ class ModelRunnerStartupMixin:
         kernel (its sizes are not specialized); the others cost a few microseconds."""
         block_table = self.input_batch.block_table
         block_table.compute_slot_mapping(num_reqs, self.query_start_loc.gpu[:num_reqs + 1],
-                                         self.positions.gpu[:num_tokens], num_tokens)
+                                         self.positions.gpu[:num_tokens])
         block_table.slot_mapping[:num_tokens].fill_(-1)
 
     @torch.inference_mode()

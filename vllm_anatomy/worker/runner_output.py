@@ -7,28 +7,19 @@ its tokens in get_output.
 """
 from __future__ import annotations
 
-from vllm_anatomy.core.outputs import ModelRunnerOutput
-from vllm_anatomy.engine.protocol import LogprobsLists
+from vllm_anatomy.core.outputs import LogprobsLists, LogprobsTensors, ModelRunnerOutput
 
 
-def make_model_runner_output(req_ids: list[str], sampled: list[int], invalid_req_indices: list[int],
-                             num_logprobs: dict[str, int], host_logprobs: list[list] | None,
+def make_model_runner_output(req_ids: list[str], valid_sampled_token_ids: list[list[int]],
+                             invalid_req_indices: list[int], logprobs_lists: LogprobsLists | None,
+                             prompt_logprobs_dict: dict[str, LogprobsTensors | None] | None = None,
                              error_req_ids: list[str] | None = None) -> ModelRunnerOutput:
-    """One token per row ([] for a discarded row) and, for rows that asked,
-    the sampled token's logprob and the top-n.
-
-    host_logprobs: the sampler's (token ids, logprobs, ranks) as lists, or None."""
-    valid = [[token] for token in sampled]
+    """valid_sampled_token_ids: [num_reqs][1] as _to_list returns them; the rows of
+    invalid_req_indices (partial prefill chunks) are emptied here, in place.
+    logprobs_lists: every row's logprobs (the scheduler slices out those that asked)."""
     for i in invalid_req_indices:
-        valid[i] = []
-    logprobs = None
-    if host_logprobs is not None:
-        token_ids, token_logprobs, ranks = host_logprobs
-        logprobs = []
-        for i, req_id in enumerate(req_ids):
-            n = num_logprobs.get(req_id)
-            logprobs.append(LogprobsLists([token_ids[i][:n + 1]], [token_logprobs[i][:n + 1]], [ranks[i]])
-                            if n is not None and valid[i] else None)
+        valid_sampled_token_ids[i].clear()
     # (req_id_to_index: {r: i for i, r in enumerate(req_ids)}, as one C-level pass)
     return ModelRunnerOutput(req_ids=list(req_ids), req_id_to_index=dict(zip(req_ids, range(len(req_ids)))),
-                             sampled_token_ids=valid, logprobs=logprobs, error_req_ids=error_req_ids)
+                             sampled_token_ids=valid_sampled_token_ids, logprobs=logprobs_lists,
+                             prompt_logprobs_dict=prompt_logprobs_dict or {}, error_req_ids=error_req_ids)

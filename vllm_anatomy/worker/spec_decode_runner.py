@@ -29,8 +29,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 import torch
 
-from vllm_anatomy.core.outputs import DraftTokenIds, ModelRunnerOutput
-from vllm_anatomy.engine.protocol import LogprobsLists
+from vllm_anatomy.core.outputs import DraftTokenIds, LogprobsLists, LogprobsTensors, ModelRunnerOutput
 from vllm_anatomy.model_executor.rejection_sampler import RejectionSampler
 from vllm_anatomy.model_executor.sampling_metadata import SamplingMetadata
 from vllm_anatomy.spec_decode.metadata import SpecDecodeMetadata
@@ -188,16 +187,14 @@ class SpecDecodeRunnerMixin:
         (the step's one wait), appended to the runner's token copies; then the next drafts."""
         logprobs_tensors = sampler_output.logprobs_tensors
         self.tracer.device_mark("d2h")
-        host_logprobs = [t.to("cpu", non_blocking=True) for t in logprobs_tensors] \
-            if logprobs_tensors is not None else None
+        host_logprobs = logprobs_tensors.to_cpu_nonblocking() if logprobs_tensors is not None else None
         output = sampler_output.sampled_token_ids                                      # [R, k + 1]
         rows = self._spec_to_list(output)
         discard = state.discard_request_indices.tolist()
         valid, keep = RejectionSampler.parse_output(rows, self.input_batch.vocab_size, discard)
         req_ids = list(self.input_batch.req_ids)
         self.cache_sampled_token_lists(req_ids, valid)
-        logprobs = self._spec_logprobs(req_ids, valid, keep, [t.tolist() for t in host_logprobs]) \
-            if host_logprobs is not None else None
+        logprobs = self._spec_logprobs(keep, host_logprobs) if host_logprobs is not None else None
         return ModelRunnerOutput(req_ids=req_ids, req_id_to_index=dict(zip(req_ids, range(len(req_ids)))),
                                  sampled_token_ids=valid, logprobs=logprobs, error_req_ids=state.error_req_ids)
 
@@ -225,23 +222,18 @@ class SpecDecodeRunnerMixin:
             batch.num_tokens_no_spec[row] = end
             self.requests[req_ids[row]].output_token_ids.extend(tokens)
 
-    def _spec_logprobs(self, req_ids: list[str], valid: list[list[int]], keep: list[list[bool]],
-                       host_logprobs: list[list]) -> list[LogprobsLists | None]:
-        """One LogprobsLists per row, a row of it per kept token (the rejection sampler
-        computed them for every position of [R, k + 1], row-major)."""
-        token_ids, token_logprobs, ranks = host_logprobs
+    def _spec_logprobs(self, keep: list[list[bool]], host_logprobs: LogprobsTensors) -> LogprobsLists:
+        """The step's logprobs as v0.27.1 carries them: one batched LogprobsLists whose rows
+        are the kept positions of [R, k + 1] (row-major; the rejection sampler computed one for
+        every position), request i's rows starting at cu_num_generated_tokens[i]."""
         width = len(keep[0]) if keep else 0
-        num_logprobs = self.input_batch.num_logprobs
-        out: list[LogprobsLists | None] = []
-        for i, req_id in enumerate(req_ids):
-            n = num_logprobs.get(req_id)
-            if n is None or not valid[i]:
-                out.append(None)
-                continue
-            flat = [i * width + j for j, k in enumerate(keep[i]) if k]
-            out.append(LogprobsLists([token_ids[f][:n + 1] for f in flat], [token_logprobs[f][:n + 1] for f in flat],
-                                     [ranks[f] for f in flat]))
-        return out
+        flat = [i * width + j for i, row in enumerate(keep) for j, kept in enumerate(row) if kept]
+        cu_num_generated_tokens = [0]
+        for row in keep:
+            cu_num_generated_tokens.append(cu_num_generated_tokens[-1] + sum(row))
+        lists = host_logprobs.tolists()                   # (host tensors: the copy has landed by now)
+        return LogprobsLists(lists.logprob_token_ids[flat], lists.logprobs[flat], lists.sampled_token_ranks[flat],
+                             cu_num_generated_tokens[:-1])
 
     # -- after bookkeeping: the next drafts ----------------------------------------------
     def propose_draft_token_ids(self, scheduler_output: SchedulerOutput, sampled_token_ids: list[list[int]],

@@ -39,8 +39,10 @@ class SchedulerInterface(ABC):
         """Queue a new request."""
 
     @abstractmethod
-    def finish_requests(self, request_ids: str | Iterable[str], finished_status: RequestStatus) -> None:
-        """Finish requests from outside (aborts); unknown ids are ignored."""
+    def finish_requests(self, request_ids: str | Iterable[str] | None,
+                        finished_status: RequestStatus) -> list[Request]:
+        """Finish requests from outside (aborts; None: all); unknown ids are ignored.
+        Returns the requests it finished."""
 
     @abstractmethod
     def get_num_unfinished_requests(self) -> int: ...
@@ -64,7 +66,12 @@ class SchedulerInterface(ABC):
     def make_stats(self, spec_decoding_stats=None) -> SchedulerStats | None: ...
 
     @abstractmethod
-    def reset_prefix_cache(self) -> bool: ...
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        """Forget the cached blocks (with reset_running_requests: preempting the running requests first)."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Release what the scheduler started (the KV event publisher)."""
 
     @abstractmethod
     def snapshot(self, kv_cache: dict[str, Any] | None = None) -> dict[str, Any]:

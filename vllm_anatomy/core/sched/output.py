@@ -7,30 +7,62 @@ full once; after that only the diff (CachedRequestData).
 """
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 import numpy as np
 
 from vllm_anatomy.sampling_params import SamplingParams
 
 
-class NewRequestData(msgspec.Struct, omit_defaults=True, gc=False):
-    """A request the worker has not seen (or one resumed after preemption in vLLM's V2 runner)."""
+class NewRequestData(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
+    """A request the worker has not seen (or one resumed after preemption in vLLM's V2 runner).
+
+    NOTE: vLLM's fields for what this engine has no counterpart of are kept at
+    their "none" value: mm_features (images / audio), pooling_params (pooling
+    models), lora_request, prompt_embeds / prompt_is_token_ids (embeddings as
+    the prompt), prefill_token_ids (vLLM's V2 model runner). Keyword-only: the
+    defaults of those sit between the fields a worker reads.
+    """
     req_id: str
     prompt_token_ids: list[int]
+    mm_features: list = []
     sampling_params: SamplingParams
+    pooling_params: None = None
     # One list per KV-cache group (we have exactly one group: full attention).
     block_ids: tuple[list[int], ...]
     num_computed_tokens: int
+    lora_request: None = None
+    prompt_embeds: Any = None
+    prompt_is_token_ids: None = None
+    prefill_token_ids: list[int] | None = None
 
     @classmethod
-    def from_request(cls, request, block_ids: tuple[list[int], ...]) -> "NewRequestData":
+    def from_request(cls, request, block_ids: tuple[list[int], ...],
+                     prefill_token_ids: list[int] | None = None) -> "NewRequestData":
         return cls(
             req_id=request.request_id,
             prompt_token_ids=list(request.prompt_token_ids),
             sampling_params=request.sampling_params,
             block_ids=block_ids,
             num_computed_tokens=request.num_computed_tokens,
+            prefill_token_ids=prefill_token_ids,
         )
+
+    def __repr__(self) -> str:
+        return self._repr(f"prompt_token_ids={self.prompt_token_ids}")
+
+    def anon_repr(self) -> str:
+        """repr without the prompt's tokens (for logs)."""
+        num = len(self.prompt_token_ids) if self.prompt_token_ids is not None else None
+        return self._repr(f"prompt_token_ids_len={num}")
+
+    def _repr(self, prompt: str) -> str:
+        shape = self.prompt_embeds.shape if self.prompt_embeds is not None else None
+        return (f"NewRequestData(req_id={self.req_id},{prompt},mm_features={self.mm_features},"
+                f"sampling_params={self.sampling_params},block_ids={self.block_ids},"
+                f"num_computed_tokens={self.num_computed_tokens},lora_request={self.lora_request},"
+                f"prompt_embeds_shape={shape})")
 
 
 class CachedRequestData(msgspec.Struct, omit_defaults=True, gc=False):
@@ -60,21 +92,33 @@ class CachedRequestData(msgspec.Struct, omit_defaults=True, gc=False):
         return cls([], set(), [], {}, [], [], [])
 
 
-class SchedulerOutput(msgspec.Struct, omit_defaults=True, gc=False):
+class SchedulerOutput(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
+    """One step's decisions, for the workers. Keyword-only: vLLM's field order, with the
+    fields of features this engine lacks defaulted to their none value between the
+    ones it fills (defaults are left out on the wire and in the trace)."""
     scheduled_new_reqs: list[NewRequestData]
     scheduled_cached_reqs: CachedRequestData
     # req_id -> number of tokens scheduled for it this step.
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
+    # Speculative decoding: req_id -> the draft tokens scheduled for it this step
+    # (counted in its num_scheduled_tokens, after its last verified token);
+    # requests without drafts are absent.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = {}
+    # NOTE: vLLM's multimodal encoder inputs to run, and cascade attention's shared
+    # prefix (per KV-cache group); none here, so empty.
+    scheduled_encoder_inputs: dict[str, list[int]] = {}
+    num_common_prefix_blocks: list[int] = []
     # Requests finished between the previous step and this one: workers drop their state.
     finished_req_ids: set[str]
-    # Requests preempted in this step (informational; the worker also notices
-    # they are simply not scheduled).
-    preempted_req_ids: set[str] = set()
-    # Speculative decoding: req_id -> the draft tokens scheduled for it this step
-    # (counted in its num_scheduled_tokens, after its last verified token).
-    # Requests without drafts are absent.
-    scheduled_spec_decode_tokens: dict[str, list[int]] = {}
+    # NOTE: encoder-cache entries the workers may free (multimodal); none here.
+    free_encoder_mm_hashes: list[str] = []
+    # Requests preempted since the previous step (by schedule() or
+    # reset_prefix_cache; informational: the worker also notices they are
+    # simply not scheduled).
+    # NOTE: default set() (vLLM: None): vLLM's scheduler always sends a set, which
+    # consumers iterate; an empty one equals the default and is left out on the wire.
+    preempted_req_ids: set[str] | None = set()
     # Whether any scheduled request samples under a grammar this step
     # (EngineCore asks the scheduler for a bitmask only then).
     has_structured_output_requests: bool = False
@@ -82,6 +126,8 @@ class SchedulerOutput(msgspec.Struct, omit_defaults=True, gc=False):
     # flight, so its grammar cannot say yet what this step may sample; the
     # engine samples this step only after that token is processed.
     pending_structured_output_tokens: bool = False
+    # NOTE: a KV connector's per-step plan (loads / saves); none here.
+    kv_connector_metadata: None = None
     # Teaching extra (not in vLLM): which step this is. NOTE: the trace
     # context does not ride here: the executor carries it beside the call
     # (in-process: the current span; to a worker process: the RPC envelope).
@@ -89,7 +135,8 @@ class SchedulerOutput(msgspec.Struct, omit_defaults=True, gc=False):
 
     @classmethod
     def make_empty(cls) -> "SchedulerOutput":
-        return cls([], CachedRequestData.make_empty(), {}, 0, set())
+        return cls(scheduled_new_reqs=[], scheduled_cached_reqs=CachedRequestData.make_empty(),
+                   num_scheduled_tokens={}, total_num_scheduled_tokens=0, finished_req_ids=set())
 
 
 class GrammarOutput(msgspec.Struct, array_like=True, gc=False):

@@ -1,11 +1,15 @@
-"""The waiting queue: FCFSRequestQueue.
+"""The waiting queue: FCFSRequestQueue, or PriorityRequestQueue (--scheduling-policy priority).
 
-Mirrors vllm/v1/core/sched/request_queue.py. Simplified: only the FCFS policy
-(vLLM also has PriorityRequestQueue, a heap ordered by (priority, arrival_time)).
+Mirrors vllm/v1/core/sched/request_queue.py. Under FCFS the queue is a deque
+in arrival order, and a preempted request goes back to its front. Under the
+priority policy it is a heap ordered like Request.__lt__: lower `priority`
+first, then earlier arrival_time, then request id; "prepending" a request is
+just adding it (the heap puts it where its priority says).
 """
 from __future__ import annotations
 
 import enum
+import heapq
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -15,7 +19,7 @@ from vllm_anatomy.core.request import Request
 
 class SchedulingPolicy(enum.Enum):
     FCFS = "fcfs"
-    PRIORITY = "priority"   # not implemented here
+    PRIORITY = "priority"
 
 
 class RequestQueue(ABC):
@@ -38,6 +42,9 @@ class RequestQueue(ABC):
 
     @abstractmethod
     def remove_requests(self, requests: Iterable[Request]) -> None: ...
+
+    @abstractmethod
+    def __bool__(self) -> bool: ...
 
     @abstractmethod
     def __len__(self) -> int: ...
@@ -80,8 +87,70 @@ class FCFSRequestQueue(deque, RequestQueue):
         self.clear()
         self.extend(filtered)
 
+    def __bool__(self) -> bool:
+        return len(self) > 0
+
+    def __len__(self) -> int:
+        return deque.__len__(self)
+
+    def __iter__(self) -> Iterator[Request]:
+        return deque.__iter__(self)
+
+
+class PriorityRequestQueue(RequestQueue):
+    """A heap of requests: the smallest (priority, arrival_time, request_id) first."""
+
+    def __init__(self) -> None:
+        self._heap: list[Request] = []
+
+    def add_request(self, request: Request) -> None:
+        heapq.heappush(self._heap, request)
+
+    def pop_request(self) -> Request:
+        if not self._heap:
+            raise IndexError("pop from empty heap")
+        return heapq.heappop(self._heap)
+
+    def peek_request(self) -> Request:
+        if not self._heap:
+            raise IndexError("peek from empty heap")
+        return self._heap[0]
+
+    def prepend_request(self, request: Request) -> None:
+        """NOTE: a heap has no front: the request goes where its priority puts it
+        (a preempted request keeps its arrival_time, so it is still ahead of
+        later arrivals of its priority)."""
+        self.add_request(request)
+
+    def prepend_requests(self, requests: RequestQueue) -> None:
+        for request in requests:
+            self.add_request(request)
+
+    def remove_request(self, request: Request) -> None:
+        self._heap.remove(request)
+        heapq.heapify(self._heap)
+
+    def remove_requests(self, requests: Iterable[Request]) -> None:
+        to_remove = requests if isinstance(requests, set) else set(requests)
+        self._heap = [req for req in self._heap if req not in to_remove]
+        heapq.heapify(self._heap)
+
+    def __bool__(self) -> bool:
+        return bool(self._heap)
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __iter__(self) -> Iterator[Request]:
+        """In priority order (pops a copy of the heap)."""
+        heap = self._heap[:]
+        while heap:
+            yield heapq.heappop(heap)
+
 
 def create_request_queue(policy: SchedulingPolicy) -> RequestQueue:
+    if policy == SchedulingPolicy.PRIORITY:
+        return PriorityRequestQueue()
     if policy == SchedulingPolicy.FCFS:
         return FCFSRequestQueue()
-    raise ValueError(f"Scheduling policy {policy.value!r} is not implemented here (only 'fcfs').")
+    raise ValueError(f"Unknown scheduling policy: {policy}")

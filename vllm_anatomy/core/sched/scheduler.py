@@ -5,14 +5,20 @@ _update_after_schedule, update_from_output, finish_requests, make_stats).
 schedule() is split for reading into the article's two boxes,
 _schedule_running then _schedule_waiting (v0.27.1 writes one long function).
 
-Simplified: FCFS policy only; one token budget (v0.27.1 also keeps an
-encoder compute budget for multimodal inputs); no KV connector, encoder cache,
-LoRA or pipeline parallelism.
+Policies: FCFS (the default) or priority (--scheduling-policy priority: the
+waiting queues are heaps ordered by (priority, arrival_time), and a running
+request short of blocks preempts the worst of that order, even one already
+scheduled in this step, whose tokens go back to the budget).
+KV cache events: the block pool's BlockStored / BlockRemoved / AllBlocksCleared
+are published once per step (update_from_output) when --kv-events-config asks.
 Speculative decoding (as v0.27.1): a request's draft tokens (spec_token_ids,
 set by update_draft_token_ids after each step) are scheduled with it, inside
 the same token budget (scheduled_spec_decode_tokens); a draft model's
 lookahead slots are reserved by allocate_slots; update_from_output rolls
 num_computed_tokens back over the drafts the rejection sampler rejected.
+Simplified: one token budget (v0.27.1 also keeps an encoder compute budget for
+multimodal inputs); no KV connector, encoder cache, LoRA or pipeline
+parallelism (their attributes exist, set to None).
 Structured output: requests wait in WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
 (in skipped_waiting) until their grammar has compiled, get_grammar_bitmask
 builds each step's bitmask, update_from_output advances the grammars. Async scheduling (output
@@ -24,13 +30,14 @@ Teaching extras: `last_step_record` and `snapshot()`.
 from __future__ import annotations
 
 import logging
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from vllm_anatomy.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
-from vllm_anatomy.core.outputs import DraftTokenIds, ModelRunnerOutput
+from vllm_anatomy.core.outputs import DraftTokenIds, LogprobsLists, LogprobsTensors, ModelRunnerOutput
 from vllm_anatomy.core.request import Request, RequestStatus
 from vllm_anatomy.core.sched.interface import SchedulerInterface
 from vllm_anatomy.core.sched.output import CachedRequestData, GrammarOutput, NewRequestData, SchedulerOutput
@@ -38,9 +45,8 @@ from vllm_anatomy.core.sched.record import (AdmissionStop, DeferReason, PrefixHi
                                              SpecDecodeRecord, make_scheduled_record, make_spec_decode_record)
 from vllm_anatomy.core.sched.request_queue import RequestQueue, SchedulingPolicy, create_request_queue
 from vllm_anatomy.core.sched.utils import check_stop
-from vllm_anatomy.core.single_type_kv_cache_manager import cdiv
-from vllm_anatomy.engine.protocol import (EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs,
-                                          LogprobsLists, SchedulerStats)
+from vllm_anatomy.distributed.kv_events import EventPublisherFactory, KVEventBatch
+from vllm_anatomy.engine.protocol import EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 from vllm_anatomy.spec_decode.metrics import SpecDecodingStats
 from vllm_anatomy.structured_output import StructuredOutputManager
 from vllm_anatomy.structured_output.backend_types import StructuredOutputGrammar
@@ -49,6 +55,7 @@ logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from vllm_anatomy.config import VllmConfig
+    from vllm_anatomy.kv_cache_interface import KVCacheConfig
 
 
 @dataclass
@@ -63,6 +70,11 @@ class StepDecisions:
     scheduled_new_reqs: list[Request] = field(default_factory=list)
     scheduled_resumed_reqs: list[Request] = field(default_factory=list)
     preempted_reqs: list[Request] = field(default_factory=list)
+    # The step's one clock reading (the SCHEDULED / PREEMPTED events carry it).
+    scheduled_timestamp: float = 0.0
+    # Priority policy: victims taken back since the running loop last looked
+    # (each stood before the request being scheduled: the loop index moves back).
+    num_unscheduled: int = 0
     req_to_new_blocks: dict[str, KVCacheBlocks] = field(default_factory=dict)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     # Spec decode: the draft tokens scheduled with each request (a prefix of its spec_token_ids).
@@ -78,6 +90,14 @@ class StepDecisions:
         self.num_scheduled_tokens[request.request_id] = num_new_tokens
         self.token_budget -= num_new_tokens
 
+    def unassign(self, request: Request) -> None:
+        """Take back a running request scheduled earlier in this step (the priority
+        policy preempted it): its tokens return to the budget."""
+        self.scheduled_running_reqs.remove(request)
+        self.token_budget += self.num_scheduled_tokens.pop(request.request_id)
+        self.req_to_new_blocks.pop(request.request_id)
+        self.num_unscheduled += 1
+
 
 class Scheduler(SchedulerInterface):
 
@@ -85,26 +105,55 @@ class Scheduler(SchedulerInterface):
     # none here (the tokens are known before the next schedule), 1 in AsyncScheduler.
     placeholders_per_sampling_step = 0
 
-    def __init__(self, vllm_config: VllmConfig, num_gpu_blocks: int, log_stats: bool = True,
-                 enable_kv_cache_events: bool = False,
-                 structured_output_manager: StructuredOutputManager | None = None,
-                 record_steps: bool = True) -> None:
-        """structured_output_manager: EngineCore's (None: one of its own, which
-        loads the tokenizer only when a structured request arrives).
-        record_steps: keep `last_step_record` (teaching extra; see schedule())."""
+    def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
+                 structured_output_manager: StructuredOutputManager, block_size: int,
+                 hash_block_size: int | None = None, mm_registry: Any = None,
+                 include_finished_set: bool = False, log_stats: bool = False) -> None:
+        """kv_cache_config: the KV cache EngineCore built (its blocks and groups);
+        structured_output_manager: EngineCore's (it compiles grammars in a thread
+        pool); block_size / hash_block_size: tokens per block and per block hash
+        (equal: one group); include_finished_set: put each client's finished ids
+        in EngineCoreOutputs.finished_requests (vLLM: for data-parallel front-ends).
+        mm_registry: NOTE: vLLM's multimodal registry, which sizes the encoder
+        budget and cache; no multimodal models here (None)."""
         self.vllm_config = vllm_config
-        self.structured_output_manager = structured_output_manager or StructuredOutputManager(vllm_config)
         self.scheduler_config = vllm_config.scheduler_config
         self.cache_config = vllm_config.cache_config
+        self.kv_cache_config = kv_cache_config
+        self.kv_events_config = vllm_config.kv_events_config
+        self.parallel_config = vllm_config.parallel_config
         self.log_stats = log_stats
+        self.structured_output_manager = structured_output_manager
+        # Finished since the last update_from_output(), per client; None unless
+        # include_finished_set.
+        self.finished_req_ids_dict: dict[int, set[str]] | None = \
+            defaultdict(set) if include_finished_set else None
+        # The requests the last schedule() gave tokens: who the worker's persistent batch holds.
+        self.prev_step_scheduled_req_ids: set[str] = set()
         self.max_num_running_reqs = self.scheduler_config.max_num_seqs
-        self.max_num_scheduled_tokens = self.scheduler_config.max_num_batched_tokens
+        self.max_num_scheduled_tokens = (self.scheduler_config.max_num_scheduled_tokens
+                                         if self.scheduler_config.max_num_scheduled_tokens is not None
+                                         else self.scheduler_config.max_num_batched_tokens)
         self.max_model_len = vllm_config.model_config.max_model_len
-        self.block_size = self.cache_config.block_size
-        self._check_config(num_gpu_blocks)
+        self.enable_kv_cache_events = (self.kv_events_config is not None
+                                       and self.kv_events_config.enable_kv_cache_events)
+        # NOTE: what vLLM runs beside the scheduler and we do not: a KV connector
+        # (disaggregated prefill / KV offloading), an encoder-cache connector and
+        # an encoder cache (multimodal inputs). Their attributes exist, empty.
+        self.connector = None
+        self.ec_connector = None
+        self.encoder_cache_manager = None
+        self.kv_event_publisher = EventPublisherFactory.create(self.kv_events_config)
+
+        num_gpu_blocks = self.cache_config.num_gpu_blocks
+        assert num_gpu_blocks is not None and num_gpu_blocks > 0
+        self.block_size = block_size
 
         self.requests: dict[str, Request] = {}
-        self.policy = SchedulingPolicy.FCFS
+        try:
+            self.policy = SchedulingPolicy(self.scheduler_config.policy)
+        except ValueError as e:
+            raise ValueError(f"Unknown scheduling policy: {self.scheduler_config.policy}") from e
         self.waiting = create_request_queue(self.policy)
         # Waiting requests passed over by an earlier step (a grammar still
         # compiling, or a preempted request whose in-flight output had not
@@ -113,10 +162,8 @@ class Scheduler(SchedulerInterface):
         self.running: list[Request] = []
         # Finished since the last schedule(): the workers drop their state for these.
         self.finished_req_ids: set[str] = set()
-        # The requests the last schedule() gave tokens: who the worker's persistent batch holds.
-        self.prev_step_scheduled_req_ids: set[str] = set()
-        # Finished since the last update_from_output(), per client (the frontend cleans up).
-        self.finished_req_ids_dict: dict[int, set[str]] = defaultdict(set)
+        # Preempted since the last schedule() (by it, or by reset_prefix_cache).
+        self.reset_preempted_req_ids: set[str] = set()
         # Prompts longer than max_model_len: finished on the next update, never scheduled.
         self._ignored_reqs: list[Request] = []
         # Requests whose grammar failed to compile: finished (FINISHED_ERROR) on the next update.
@@ -125,36 +172,32 @@ class Scheduler(SchedulerInterface):
         self._grammar_ready_req_ids: list[str] = []
         # Those the last schedule() promoted (teaching extra, as last_step_record: the tracer's grammar spans).
         self.last_grammar_ready_req_ids: list[str] = []
-        self.kv_cache_manager = KVCacheManager(
-            num_gpu_blocks, self.block_size, self.max_model_len,
-            enable_caching=self.cache_config.enable_prefix_caching, log_stats=log_stats,
-            enable_kv_cache_events=enable_kv_cache_events)
         # Speculative decoding (vLLM's names). NOTE: a draft model writes KV for
         # its own drafts past the verified tokens, so their slots are reserved
         # ahead (lookahead); ngram proposes on the host and writes nothing.
+        # (use_eagle: vLLM's EAGLE drafts one more block; no EAGLE here.)
         speculative_config = vllm_config.speculative_config
+        self.use_eagle = False
         self.num_spec_tokens = vllm_config.num_speculative_tokens
         self.num_lookahead_tokens = self.num_spec_tokens \
             if speculative_config is not None and speculative_config.uses_draft_model() else 0
         # This step's verifications, one per request with drafts (teaching extra, as
         # last_step_record; tracing reads them for the step span's events).
         self.last_spec_decode_records: list[SpecDecodeRecord] = []
+        if hash_block_size is None:
+            hash_block_size = block_size
+        self.hash_block_size = hash_block_size
+        self.kv_cache_manager = KVCacheManager(
+            kv_cache_config=kv_cache_config, max_model_len=self.max_model_len,
+            enable_caching=self.cache_config.enable_prefix_caching, use_eagle=self.use_eagle,
+            log_stats=self.log_stats, enable_kv_cache_events=self.enable_kv_cache_events,
+            scheduler_block_size=self.block_size, hash_block_size=hash_block_size,
+            watermark=self.scheduler_config.watermark)
         self.current_step = 0
-        self.record_steps = record_steps
+        # Teaching extra: keep `last_step_record` (why schedule() did what it
+        # did); EngineCore turns it off unless a tracer snapshots steps.
+        self.record_steps = True
         self.last_step_record: SchedulerStepRecord | None = None
-
-    def _check_config(self, num_gpu_blocks: int) -> None:
-        # NOTE: both checks guarantee progress. vLLM makes them at start-up
-        # (SchedulerConfig and check_enough_kv_cache_memory).
-        if cdiv(self.max_model_len, self.block_size) > num_gpu_blocks - 1:
-            raise ValueError(f"The KV cache ({num_gpu_blocks - 1} usable blocks of {self.block_size} tokens) "
-                             f"cannot hold one sequence of max_model_len={self.max_model_len} tokens: "
-                             f"such a request could never be admitted. Decrease max_model_len.")
-        if not self.scheduler_config.enable_chunked_prefill and \
-                self.max_num_scheduled_tokens < self.max_model_len:
-            raise ValueError(f"max_num_batched_tokens ({self.max_num_scheduled_tokens}) is smaller than "
-                             f"max_model_len ({self.max_model_len}) with chunked prefill disabled: "
-                             f"longer prompts could never be scheduled.")
 
     def schedule(self) -> SchedulerOutput:
         """One step's decisions, in the article's two boxes: RUNNING requests
@@ -170,7 +213,9 @@ class Scheduler(SchedulerInterface):
         # is just a catch-up of 1; chunked prefill and prefix caching fall out.
         self.current_step += 1
         step = StepDecisions(token_budget=self.max_num_scheduled_tokens,
-                             skipped_waiting=create_request_queue(self.policy))
+                             skipped_waiting=create_request_queue(self.policy),
+                             scheduled_timestamp=time.monotonic())
+        self.kv_cache_manager.new_step_starts()
 
         # First, schedule the RUNNING requests.
         self._schedule_running(step)
@@ -230,6 +275,10 @@ class Scheduler(SchedulerInterface):
                 # NOTE: `continue`, not `break` (as in vLLM): later requests may still run.
                 continue
             new_blocks = self._allocate_or_preempt(request, num_new_tokens, step)
+            if step.num_unscheduled:
+                # (a victim scheduled earlier in this loop stood before this request)
+                req_index -= step.num_unscheduled
+                step.num_unscheduled = 0
             if new_blocks is None:
                 break
             step.scheduled_running_reqs.append(request)
@@ -254,13 +303,21 @@ class Scheduler(SchedulerInterface):
             if new_blocks is not None:
                 return new_blocks
             # Out of blocks: preempt the lowest-priority request and retry.
-            # FCFS: the most recently admitted one, running[-1].
-            preempted_req = self.running.pop()
-            # NOTE: the victim sits after the request being scheduled, so under
-            # FCFS it was never scheduled in this step (vLLM hands a scheduled
-            # victim's tokens back to the budget; only the priority policy needs that).
-            assert preempted_req.request_id not in step.num_scheduled_tokens
-            self._preempt_request(preempted_req)
+            if self.policy == SchedulingPolicy.PRIORITY:
+                # The largest (priority, arrival_time): it may sit before this
+                # request and have been scheduled already; then it gives its
+                # tokens back (v0.27.1 compares this pair, not the queue's full order).
+                preempted_req = max(self.running, key=lambda r: (r.priority, r.arrival_time))
+                self.running.remove(preempted_req)
+                if preempted_req in step.scheduled_running_reqs:
+                    step.unassign(preempted_req)
+            else:
+                # FCFS: the most recently admitted one, running[-1]. NOTE: it
+                # sits after the request being scheduled, so it was never
+                # scheduled in this step.
+                preempted_req = self.running.pop()
+                assert preempted_req.request_id not in step.num_scheduled_tokens
+            self._preempt_request(preempted_req, step.scheduled_timestamp)
             step.preempted_reqs.append(preempted_req)
             if preempted_req is request:
                 return None  # it preempted itself: nothing left to free for it
@@ -306,7 +363,8 @@ class Scheduler(SchedulerInterface):
         # freed), so it always gets a fresh prefix-cache lookup; a resumed
         # request usually finds its own freed blocks still cached.
         assert request.num_computed_tokens == 0
-        new_computed_blocks, num_new_local_computed_tokens = self.kv_cache_manager.get_computed_blocks(request)
+        new_computed_blocks, num_new_local_computed_tokens, request.shared_prefix_boundary = \
+            self.kv_cache_manager.get_computed_blocks(request)
         # num_tokens, not num_prompt_tokens: a resumed request recomputes its outputs too.
         num_new_tokens = self._cap_long_prefill(request.num_tokens - num_new_local_computed_tokens)
         if not self.scheduler_config.enable_chunked_prefill and num_new_tokens > step.token_budget:
@@ -314,7 +372,8 @@ class Scheduler(SchedulerInterface):
         num_new_tokens = min(num_new_tokens, step.token_budget)
         new_blocks = self.kv_cache_manager.allocate_slots(
             request, num_new_tokens, num_new_local_computed_tokens, new_computed_blocks,
-            num_lookahead_tokens=self.num_lookahead_tokens, full_sequence_must_fit=True)
+            num_lookahead_tokens=self.num_lookahead_tokens, full_sequence_must_fit=True,
+            has_scheduled_reqs=bool(self.running))
         if new_blocks is None:
             # NOTE: waiting requests never preempt running ones: stop admitting.
             return AdmissionStop.NO_FREE_BLOCKS
@@ -327,7 +386,7 @@ class Scheduler(SchedulerInterface):
         request_queue.pop_request()
         self.running.append(request)
         if self.log_stats:
-            request.record_event(EngineCoreEventType.SCHEDULED)
+            request.record_event(EngineCoreEventType.SCHEDULED, step.scheduled_timestamp)
         if request.status == RequestStatus.PREEMPTED:
             step.scheduled_resumed_reqs.append(request)
         else:
@@ -356,7 +415,8 @@ class Scheduler(SchedulerInterface):
             # NOTE: hand over this set object; _update_after_schedule starts a new
             # one, so the output keeps exactly the ids finished before this step.
             finished_req_ids=self.finished_req_ids,
-            preempted_req_ids={req.request_id for req in step.preempted_reqs},
+            # (the same hand-over: preempted since the last schedule(), here or by reset_prefix_cache)
+            preempted_req_ids=self.reset_preempted_req_ids,
             scheduled_spec_decode_tokens=step.scheduled_spec_decode_tokens,
             step_id=self.current_step,
         )
@@ -409,14 +469,17 @@ class Scheduler(SchedulerInterface):
                                  new_block_ids=new_block_ids, num_computed_tokens=num_computed_tokens,
                                  num_output_tokens=num_output_tokens)
 
-    def _preempt_request(self, request: Request) -> None:
+    def _preempt_request(self, request: Request, timestamp: float, drop_stale_output: bool = False) -> None:
         """Preempt by recompute: free the blocks, forget the progress, requeue at the front.
 
         NOTE: the caller already removed it from `running`. Its freed blocks
         stay cached (hashed blocks go to the LRU tail), so on resumption the
-        prefix cache often gives most of the work back.
+        prefix cache often gives most of the work back. timestamp: the
+        PREEMPTED event's (the step's clock reading). drop_stale_output: drop,
+        not deliver, the tokens still in flight (reset_prefix_cache resumes the
+        request in the same step: a late token would land out of order).
         """
-        assert request.status == RequestStatus.RUNNING
+        assert request.status == RequestStatus.RUNNING, "Only running requests can be preempted"
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -427,17 +490,27 @@ class Scheduler(SchedulerInterface):
         # for positions the request had reached), but must not touch the reset
         # counters; update_from_output drains the stale share step by step.
         # num_in_flight_tokens already includes any undrained stale share, so
-        # this assigns rather than adds.
+        # this assigns rather than adds. An undrained dropped share stays dropped.
+        request.drop_stale_output = drop_stale_output or (
+            request.drop_stale_output and request.num_stale_output_tokens > 0)
         request.num_stale_output_tokens = request.num_in_flight_tokens
         request.num_output_placeholders = 0
         request.num_preemptions += 1
         if self.log_stats:
-            request.record_event(EngineCoreEventType.PREEMPTED)
+            request.record_event(EngineCoreEventType.PREEMPTED, timestamp)
         self.waiting.prepend_request(request)
+        self.reset_preempted_req_ids.add(request.request_id)
 
-    def _select_waiting_queue_for_scheduling(self):
-        """FCFS: requests skipped by an earlier step are older, so they go first."""
-        return self.skipped_waiting or self.waiting or None
+    def _select_waiting_queue_for_scheduling(self) -> RequestQueue | None:
+        """FCFS: requests skipped by an earlier step are older, so they go first.
+        Priority: the queue whose head comes first in the priority order."""
+        if self.policy == SchedulingPolicy.FCFS:
+            return self.skipped_waiting or self.waiting or None
+        if self.waiting and self.skipped_waiting:
+            waiting_req = self.waiting.peek_request()
+            skipped_req = self.skipped_waiting.peek_request()
+            return self.waiting if waiting_req < skipped_req else self.skipped_waiting
+        return self.waiting or self.skipped_waiting or None
 
     @staticmethod
     def _is_blocked_waiting_status(status: RequestStatus) -> bool:
@@ -471,7 +544,7 @@ class Scheduler(SchedulerInterface):
             if request.request_id in self.grammar_compile_error_reqs:
                 return DeferReason.GRAMMAR_FAILED
             return DeferReason.GRAMMAR_COMPILING
-        if request.num_stale_output_tokens > 0:
+        if request.num_stale_output_tokens > 0 and not request.drop_stale_output:
             return DeferReason.STALE_OUTPUT_IN_FLIGHT
         return None
 
@@ -509,7 +582,9 @@ class Scheduler(SchedulerInterface):
                     if request.num_output_placeholders > 0:
                         scheduler_output.pending_structured_output_tokens = True
                 request.num_output_placeholders += placeholders
+        # New sets: the output keeps the ones it was handed.
         self.finished_req_ids = set()
+        self.reset_preempted_req_ids = set()
 
     def get_grammar_bitmask(self, scheduler_output: SchedulerOutput) -> GrammarOutput | None:
         """The step's bitmask: one row per scheduled structured request that samples
@@ -538,6 +613,7 @@ class Scheduler(SchedulerInterface):
         # this one. Outputs of requests gone meanwhile are skipped below.
         sampled_token_ids = model_runner_output.sampled_token_ids
         logprobs = model_runner_output.logprobs
+        prompt_logprobs_dict = model_runner_output.prompt_logprobs_dict
         outputs: dict[int, list[EngineCoreOutput]] = defaultdict(list)
         spec_decoding_stats: SpecDecodingStats | None = None
         self.last_spec_decode_records = []
@@ -557,6 +633,8 @@ class Scheduler(SchedulerInterface):
                     assert request.num_stale_output_tokens >= 0
             if request is None or request.is_finished():
                 continue  # aborted while the step was running
+            if output_is_stale and request.drop_stale_output:
+                continue  # resumed at once (reset_prefix_cache): its positions are being recomputed
             req_index = model_runner_output.req_id_to_index[req_id]
             # NOTE: a non-final prefill chunk samples nothing (empty list).
             new_token_ids = sampled_token_ids[req_index] if sampled_token_ids else []
@@ -568,7 +646,7 @@ class Scheduler(SchedulerInterface):
                 # (teaching extra: what was accepted, where the rejected drafts' KV went)
                 self.last_spec_decode_records.append(make_spec_decode_record(
                     request, scheduled_spec_token_ids, new_token_ids,
-                    self.kv_cache_manager.manager.req_to_blocks[req_id], self.block_size))
+                    self.kv_cache_manager.get_blocks(req_id).blocks[0], self.block_size))
                 # NOTE: the rejected drafts' positions were computed (their KV
                 # written) for nothing: roll num_computed_tokens back over them, so
                 # the next step computes those positions again, with the real
@@ -599,10 +677,18 @@ class Scheduler(SchedulerInterface):
                     stopped_running_reqs.add(request)
                 else:
                     stopped_preempted_reqs.add(request)
+            # The request's rows of the step's logprobs (only if it asked).
+            new_logprobs = None
+            if logprobs is not None and request.sampling_params.logprobs is not None:
+                new_logprobs = logprobs.slice_request(req_index, len(new_token_ids))
+            prompt_logprobs_tensors = prompt_logprobs_dict.get(req_id) if prompt_logprobs_dict else None
             # NOTE: no output for a partial prefill: nothing new to say yet.
             if new_token_ids or stopped:
-                new_logprobs = self._get_logprobs(logprobs[req_index], len(new_token_ids)) if logprobs else None
-                outputs[request.client_index].append(self._make_output(request, new_token_ids, new_logprobs))
+                outputs[request.client_index].append(
+                    self._make_output(request, new_token_ids, new_logprobs, prompt_logprobs_tensors))
+            else:
+                # (the worker returns a prompt's logprobs with its first sampled token, never before)
+                assert not prompt_logprobs_tensors
         if stopped_running_reqs:
             self.running = [req for req in self.running if req not in stopped_running_reqs]
         if stopped_preempted_reqs:
@@ -613,6 +699,10 @@ class Scheduler(SchedulerInterface):
             outputs[request.client_index].append(self._make_output(request, []))
         self._ignored_reqs = []
         self._finish_grammar_compile_errors(outputs)
+        # The step's KV cache events, one batch (vLLM publishes them here too).
+        events = self.kv_cache_manager.take_events()
+        if events:
+            self.kv_event_publisher.publish(KVEventBatch(ts=time.time(), events=events))  # type: ignore[arg-type]
         return self._make_engine_core_outputs(outputs, spec_decoding_stats)
 
     def update_draft_token_ids(self, draft_token_ids: DraftTokenIds) -> None:
@@ -693,18 +783,11 @@ class Scheduler(SchedulerInterface):
                 return new_token_ids[:num_new], True
         return new_token_ids, False
 
-    @staticmethod
-    def _get_logprobs(logprobs: LogprobsLists | None, num_tokens: int) -> LogprobsLists | None:
-        """The logprobs of the request's first num_tokens sampled tokens (those kept)."""
-        if logprobs is None or num_tokens == 0:
-            return None
-        return LogprobsLists(logprobs.logprob_token_ids[:num_tokens], logprobs.logprobs[:num_tokens],
-                             logprobs.sampled_token_ranks[:num_tokens])
-
-    def _make_output(self, request: Request, new_token_ids: list[int],
-                     new_logprobs: LogprobsLists | None = None) -> EngineCoreOutput:
+    def _make_output(self, request: Request, new_token_ids: list[int], new_logprobs: LogprobsLists | None = None,
+                     prompt_logprobs_tensors: LogprobsTensors | None = None) -> EngineCoreOutput:
         return EngineCoreOutput(
             request_id=request.request_id, new_token_ids=new_token_ids, new_logprobs=new_logprobs,
+            new_prompt_logprobs_tensors=prompt_logprobs_tensors,
             finish_reason=request.get_finished_reason(), stop_reason=request.stop_reason,
             events=request.take_events(), trace_headers=request.trace_headers,
             # (-1 until first scheduled; max() would cost more than the rest of this call)
@@ -713,12 +796,15 @@ class Scheduler(SchedulerInterface):
     def _make_engine_core_outputs(self, outputs: dict[int, list[EngineCoreOutput]],
                                   spec_decoding_stats: SpecDecodingStats | None = None
                                   ) -> dict[int, EngineCoreOutputs]:
-        clients = set(outputs) | set(self.finished_req_ids_dict)
-        engine_core_outputs = {
-            client: EngineCoreOutputs(outputs=outputs.get(client, []),
-                                      finished_requests=self.finished_req_ids_dict.get(client) or None)
-            for client in clients}
-        self.finished_req_ids_dict = defaultdict(set)
+        engine_core_outputs = {client: EngineCoreOutputs(outputs=outs) for client, outs in outputs.items()}
+        finished_req_ids = self.finished_req_ids_dict
+        if finished_req_ids:
+            for client, finished_set in finished_req_ids.items():
+                if (eco := engine_core_outputs.get(client)) is not None:
+                    eco.finished_requests = finished_set
+                else:
+                    engine_core_outputs[client] = EngineCoreOutputs(finished_requests=finished_set)
+            self.finished_req_ids_dict = defaultdict(set)
         stats = self.make_stats(spec_decoding_stats)
         if stats is not None:
             # NOTE: stats go to one client only (any will do), even with no outputs.
@@ -743,11 +829,15 @@ class Scheduler(SchedulerInterface):
             return
         self._enqueue_waiting_request(request)
 
-    def finish_requests(self, request_ids: str | Iterable[str], finished_status: RequestStatus) -> None:
-        """Finish requests from outside (aborts, stop strings). Unknown or finished ids are ignored."""
+    def finish_requests(self, request_ids: str | Iterable[str] | None,
+                        finished_status: RequestStatus) -> list[Request]:
+        """Finish requests from outside (aborts, stop strings); None: every request.
+        Unknown or finished ids are ignored. Returns the requests it finished."""
         assert RequestStatus.is_finished(finished_status)
         if isinstance(request_ids, str):
             request_ids = (request_ids,)
+        elif request_ids is None:
+            request_ids = list(self.requests)
         valid_requests = [req for req_id in request_ids
                           if (req := self.requests.get(req_id)) is not None and not req.is_finished()]
         running = {req for req in valid_requests if req.status == RequestStatus.RUNNING}
@@ -758,11 +848,13 @@ class Scheduler(SchedulerInterface):
         for request in valid_requests:
             request.status = finished_status
             self._free_request(request)
+        return valid_requests
 
     def _free_request(self, request: Request) -> None:
         assert request.is_finished()
         self.finished_req_ids.add(request.request_id)
-        self.finished_req_ids_dict[request.client_index].add(request.request_id)
+        if self.finished_req_ids_dict is not None:
+            self.finished_req_ids_dict[request.client_index].add(request.request_id)
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
 
@@ -778,8 +870,42 @@ class Scheduler(SchedulerInterface):
     def get_kv_cache_usage(self) -> float:
         return self.kv_cache_manager.usage
 
-    def reset_prefix_cache(self) -> bool:
-        return self.kv_cache_manager.reset_prefix_cache()
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        """Forget every cached block (RLHF after a weight update; benchmarks).
+
+        Without reset_running_requests it succeeds only when no request holds
+        blocks. With it, every running request is preempted first (last first,
+        so that they resume in their order) and its in-flight output dropped:
+        they will recompute their KV with whatever weights are loaded now.
+        reset_connector: NOTE: a KV connector's own cache; none here.
+        """
+        if reset_running_requests:
+            timestamp = time.monotonic()
+            while self.running:
+                self._preempt_request(self.running.pop(), timestamp, drop_stale_output=True)
+            # NOTE: preempted and resumed without a schedule() in between: the
+            # worker must re-add them (full token lists), as if unscheduled last step.
+            self.prev_step_scheduled_req_ids.clear()
+        reset_successful = self.kv_cache_manager.reset_prefix_cache()
+        if reset_running_requests and not reset_successful:
+            raise RuntimeError("Failed to reset the prefix cache although every running request was preempted")
+        if reset_connector:
+            reset_successful = self.reset_connector_cache() and reset_successful
+        return reset_successful
+
+    def reset_connector_cache(self) -> bool:
+        """A KV connector's own cache (offloaded blocks); no connector here: nothing to reset."""
+        return self.connector is None
+
+    def shutdown(self) -> None:
+        """Stop the KV event publisher (its thread sends what is queued first)."""
+        self.kv_event_publisher.shutdown()
+
+    def get_kv_connector(self) -> None:
+        return self.connector
+
+    def get_kv_event_publisher_config(self):
+        return self.kv_event_publisher.get_publisher_config()
 
     def make_stats(self, spec_decoding_stats: SpecDecodingStats | None = None) -> SchedulerStats | None:
         if not self.log_stats:

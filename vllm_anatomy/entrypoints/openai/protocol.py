@@ -222,6 +222,8 @@ class SamplingRequest(OpenAIBaseModel):
     response_format: ResponseFormat | None = None
     # vLLM extra: {"json": schema} | {"regex": ...} | {"choice": [...]} | {"grammar": ...} | {"json_object": true}
     structured_outputs: dict[str, Any] | None = None
+    # vLLM extra: under --scheduling-policy priority, lower runs first (ignored under fcfs).
+    priority: Int64 = 0
 
     @field_validator("stop", mode="before")
     @classmethod

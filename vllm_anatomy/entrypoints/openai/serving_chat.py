@@ -64,7 +64,7 @@ class OpenAIServingChat(OpenAIServing):
         self._validate_inputs(prompt_ids, params, name)
         model_name = self.models.model_name_for(request.model)
         generator = self._generate({"prompt_token_ids": prompt_ids, "prompt": prompt_text},
-                                   params, request_id, raw_request)
+                                   params, request_id, raw_request, request.priority)
         num_top = request.top_logprobs or 0
         if request.stream:
             return self._sse_stream(self.chat_completion_stream_generator(

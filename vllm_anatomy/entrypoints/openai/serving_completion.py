@@ -47,7 +47,7 @@ class OpenAIServingCompletion(OpenAIServing):
         request.check_unsupported()
         inputs = [await self._render_prompt(request, prompt) for prompt in request.get_prompts()]
         model_name = self.models.model_name_for(request.model)
-        generators = [self._generate(inp.prompt, inp.params, f"{request_id}-{i}", raw_request)
+        generators = [self._generate(inp.prompt, inp.params, f"{request_id}-{i}", raw_request, request.priority)
                       for i, inp in enumerate(inputs)]
         result_generator = merge_async_iterators(*generators)
         echo_texts = [inp.echo_text for inp in inputs]

@@ -227,9 +227,9 @@ class OpenAIServing:
         return headers or None
 
     def _generate(self, prompt, params: SamplingParams, request_id: str,
-                  raw_request: Request | None) -> AsyncGenerator[RequestOutput, None]:
+                  raw_request: Request | None, priority: int = 0) -> AsyncGenerator[RequestOutput, None]:
         return self.engine_client.generate(prompt, params, request_id,
-                                           trace_headers=self._get_trace_headers(raw_request))
+                                           trace_headers=self._get_trace_headers(raw_request), priority=priority)
 
     @classmethod
     async def _final_output(cls, result_generator: AsyncGenerator[RequestOutput, None],
