@@ -14,6 +14,7 @@ from vllm_anatomy.core.outputs import DraftTokenIds, ModelRunnerOutput
 from vllm_anatomy.core.request import RequestStatus
 from vllm_anatomy.core.sched.scheduler import Scheduler
 from vllm_anatomy.sampling_params import StructuredOutputsParams
+from tests.unit.core_utils import new_scheduler
 from tests.unit.test_scheduler import create_request
 
 K = 3
@@ -28,7 +29,9 @@ def create_scheduler(method: str = "ngram", num_spec_tokens: int = K, max_num_ba
                         SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=16,
                                         max_model_len=max_model_len),
                         speculative_config=spec)
-    return Scheduler(config, num_gpu_blocks=num_blocks, log_stats=True, record_steps=record_steps)
+    scheduler = new_scheduler(config, num_blocks)
+    scheduler.record_steps = record_steps
+    return scheduler
 
 
 def run(s: Scheduler, tokens: dict[str, list[int]], drafts: dict[str, list[int]] | None = None):

@@ -348,7 +348,7 @@ def test_an_aborted_request_cancels_its_compile():
         gate.wait(30)               # a compile xgrammar cannot interrupt
         return compile_grammar(*args)
     manager.backend.compile_grammar = slow_compile
-    s = Scheduler(config, num_gpu_blocks=100, structured_output_manager=manager)
+    s = new_scheduler(config, 100, Scheduler, manager)
     req = make_request("r", choice="yn")
     manager.grammar_init(req)
     s.add_request(req)
@@ -387,7 +387,7 @@ def test_a_compile_past_its_budget_fails_its_request_with_the_reason():
         while not done.is_set():
             sum(range(1000))
     manager.backend.compile_grammar = burning_compile
-    s = Scheduler(config, num_gpu_blocks=100, structured_output_manager=manager)
+    s = new_scheduler(config, 100, Scheduler, manager)
     req = make_request("r", choice="yn")
     manager.grammar_init(req)
     s.add_request(req)
