@@ -430,3 +430,12 @@ def test_the_server_answers_an_engine_side_grammar_failure_with_a_400():
         raise_if_error("error", "cmpl-1", None)                 # anything else inside the engine: a 500
     assert info.value.status_code == 500
     raise_if_error("stop", "cmpl-1", "\n\n")
+
+
+def test_clearing_the_backend_twice_is_safe():
+    """EngineCore.shutdown may run twice (LLMEngine.shutdown(), then the LLM's finalizer):
+    the second must not raise (it used to: `del self.compiler` on a destroyed backend)."""
+    manager = make_manager(make_config())
+    manager.clear_backend()
+    assert manager.backend is None
+    manager.clear_backend()

@@ -174,6 +174,9 @@ class StructuredOutputManager:
         return request.use_structured_output
 
     def clear_backend(self) -> None:
+        # NOTE: shutdown may run twice (an explicit shutdown(), then the LLM's
+        # finalizer); the backend is destroyed once and forgotten.
         if self.backend is not None:
             self.backend.destroy()
+            self.backend = None
         self.executor.shutdown()
