@@ -76,19 +76,23 @@ def measure(batch: int, async_scheduling: bool, steps: int, seed: int = 0,
     config = VllmConfig(ModelConfig(model="fake", max_model_len=max_model_len),
                         CacheConfig(block_size=block_size, enable_prefix_caching=True), sc)
     num_blocks = batch * (max_model_len // block_size) + 1
-    try:    # a tree with vLLM 0.27.1's constructor: Scheduler(vllm_config, kv_cache_config, structured_output_manager, ...)
+    import inspect
+    scheduler_cls = sc.get_scheduler_cls()
+    # NOTE: the signature, not an ImportError, tells the trees apart: the venv's
+    # editable install can resolve a submodule an older tree lacks to /work/main's.
+    if "num_gpu_blocks" in inspect.signature(scheduler_cls.__init__).parameters:
+        # an older tree: Scheduler(vllm_config, num_gpu_blocks)
+        scheduler = scheduler_cls(config, num_gpu_blocks=num_blocks, log_stats=True)
+    else:   # vLLM 0.27.1's constructor: Scheduler(vllm_config, kv_cache_config, structured_output_manager, ...)
         import torch
 
         from vllm_anatomy.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
         from vllm_anatomy.structured_output import StructuredOutputManager
-    except ImportError:     # an older tree: Scheduler(vllm_config, num_gpu_blocks)
-        scheduler = sc.get_scheduler_cls()(config, num_gpu_blocks=num_blocks, log_stats=True)
-    else:
         config.cache_config.num_gpu_blocks = num_blocks
         spec = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
         kv_cache_config = KVCacheConfig(num_blocks, [], [KVCacheGroupSpec(["layer"], spec)])
-        scheduler = sc.get_scheduler_cls()(config, kv_cache_config, StructuredOutputManager(config), block_size,
-                                           log_stats=True)
+        scheduler = scheduler_cls(config, kv_cache_config, StructuredOutputManager(config), block_size,
+                                  log_stats=True)
     # As EngineCore has it with tracing off: no per-step SchedulerStepRecord
     # (an unused attribute on trees older than Scheduler.record_steps).
     scheduler.record_steps = False
