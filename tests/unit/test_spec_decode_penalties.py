@@ -9,7 +9,10 @@ Checked three ways:
 - bad words and the allowed-ids mask, per position, against readable references;
 - end to end with a fabricated model (logits a function of the whole prefix): the
   greedy tokens the RejectionSampler keeps from any drafts equal those of plain
-  sequential decoding with the same penalties, bad words and allowed ids.
+  sequential decoding with the same penalties, bad words and allowed ids;
+- random rows: the target distribution of a draft position is the processed one;
+- host cost: a batch with drafts but without penalties or bad words builds no
+  per-position lists, and a step without drafts carries no spec_token_ids.
 """
 from __future__ import annotations
 
@@ -163,3 +166,55 @@ def test_bonus_token_sees_every_draft():
     # rep: 5 accepted at position 0; at position 1 it was seen (9 / 2 < 8): rejected, 6 recovered.
     # bad: both drafts accepted ([5, 5, 5] needs two 5s before it); the bonus would complete the word: 6.
     assert out.tolist() == [[5, 6, -1], [5, 5, 6]]
+
+
+# -- host cost: only the batches that read past tokens pay for per-position lists -------------
+@pytest.mark.parametrize("params", [dict(), dict(allowed_token_ids=[3, 4, 5]), dict(min_tokens=5),
+                                    dict(temperature=0.7, top_k=4)], ids=["plain", "allowed", "min_tokens", "random"])
+def test_drafts_without_penalties_build_no_per_position_lists(params, monkeypatch):
+    def forbidden(*args):
+        raise AssertionError("per-position past-token lists built for a batch that does not read them")
+    monkeypatch.setattr(RejectionSampler, "_combine_outputs_with_spec_tokens", staticmethod(forbidden))
+    sp = dict(params)
+    temperature = sp.pop("temperature", 0.0)
+    states = [state("a", [1, 2], [3], **sp), state("b", [4], [])]
+    for s in states:
+        s.sampling_params.temperature = temperature
+    drafts = [[3, 4], [5]]
+    md = metadata_for(states, drafts)
+    assert md.no_penalties and not md.bad_words_token_ids and md.output_token_ids == []
+    assert RejectionSampler._bonus_output_token_ids(md) is md.output_token_ids
+    logits = torch.randn(5, V, generator=torch.Generator().manual_seed(5))
+    out = RejectionSampler(Sampler())(SpecDecodeMetadata.make_dummy(drafts, "cpu"), None, logits, md)
+    assert out.sampled_token_ids.shape == (2, 3)
+
+
+def test_a_step_without_drafts_carries_none():
+    """The plain Sampler path: no drafts, no spec_token_ids (nothing reads them)."""
+    md = metadata_for([state("a", [1, 2], [3], repetition_penalty=1.5)], None)
+    assert md.spec_token_ids is None
+    logits = torch.randn(1, V, generator=torch.Generator().manual_seed(6))
+    want = reference_penalties(logits[0].tolist(), [1, 2], [3], 0.0, 0.0, 1.5)
+    assert int(Sampler()(logits, md).sampled_token_ids[0]) == max(range(V), key=lambda t: want[t])
+
+
+def test_random_sampling_target_distribution_is_penalized():
+    """Random rows: the target distribution p at a draft position is the penalized one,
+    so a draft the penalty makes impossible (bad word) is never accepted, and the
+    recovered token is never the banned one."""
+    states = [state("bad", [1], [7], bad_words_token_ids=[[7, 8, 9]])]
+    states[0].sampling_params.temperature = 1.0
+    drafts = [[8, 9]]
+    logits = torch.zeros(3, V)
+    logits[:, 9] = 20.0                     # the target all but certainly says 9 ...
+    logits[:, 8] = 20.0                     # ... or 8
+    md = metadata_for(states, drafts)
+    sampler = RejectionSampler(Sampler())
+    for seed in range(20):
+        torch.manual_seed(seed)
+        out = sampler(SpecDecodeMetadata.make_dummy(drafts, "cpu"), None, logits.clone(), md).sampled_token_ids
+        first, second = out[0, 0].item(), out[0, 1].item()
+        # Position 0 (past [7]): 8 allowed; position 1 (past [7, 8]): 9 forbidden.
+        assert first in (8, 9)
+        if first == 8:
+            assert second not in (9, -1), out

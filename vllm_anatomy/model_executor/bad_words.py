@@ -38,20 +38,17 @@ def apply_bad_words(logits: torch.Tensor, bad_words_token_ids: dict[int, list[li
 
 def apply_bad_words_with_drafts(logits: torch.Tensor, bad_words_token_ids: dict[int, list[list[int]]],
                                 past_tokens_ids: list[list[int]], num_draft_tokens: list[int]) -> None:
-    """Speculative decoding: logits [T, V] has one row per draft position (request
-    after request, num_draft_tokens[i] rows for batch row i), in place.
-    past_tokens_ids has one list per draft position too: the output so far
-    followed by the drafts before that position (RejectionSampler's
-    _combine_outputs_with_spec_tokens), so a draft that would complete a bad word
-    with the drafts before it is forbidden like a sampled token would be."""
-    start_idx = 0
-    remaining = len(bad_words_token_ids)
-    for i, n in enumerate(num_draft_tokens):
-        bad_words_ids = bad_words_token_ids.get(i)
-        if bad_words_ids is not None:
-            for draft_idx in range(start_idx, start_idx + n):
-                _apply_bad_words_single_batch(logits[draft_idx], bad_words_ids, past_tokens_ids[draft_idx])
-            remaining -= 1
-            if not remaining:
-                break                    # no later row has bad words
-        start_idx += n
+    """Speculative decoding (vLLM: the same name): logits [T, V], one row per draft
+    position, batch row after batch row (num_draft_tokens[i] rows for row i), in place.
+
+    past_tokens_ids has one list per draft position: the output so far, then the
+    drafts before that position (RejectionSampler._combine_outputs_with_spec_tokens).
+    So with output [.., a] and drafts [b, c], the word [a, b, c] forbids c at
+    position 1 (past [.., a, b]), exactly as it would after sampling a, b one by one."""
+    first_position = 0
+    for row, n in enumerate(num_draft_tokens):
+        words = bad_words_token_ids.get(row)
+        if words:
+            for position in range(first_position, first_position + n):
+                _apply_bad_words_single_batch(logits[position], words, past_tokens_ids[position])
+        first_position += n
