@@ -7,12 +7,18 @@ the engine's own counters.
 Draft models: the target itself (greedy drafts are then always accepted) and a
 6-layer cut of it (write_truncated_draft: mostly rejected, so the rollback and the
 recovered tokens run on every step).
+
+The Sampler's logits processors at draft positions: greedy with a repetition
+penalty equals transformers' generate(repetition_penalty=...) with ngram drafts
+(which come from the prompt, the very tokens the penalty pushes down), and bad
+words, presence and frequency penalties give the same tokens with speculation as
+without it.
 """
 import pytest
 
-from tests.integration.test_llm_generate import (MAX_TOKENS, QUESTIONS, RAW, SYSTEM, _chat_ids, _check_equal,
-                                                 _engine_tokens, hf_model, prompts, shared_prefix_prompts,
-                                                 tokenizer)
+from tests.integration.test_llm_generate import (MAX_TOKENS, PENALTY, QUESTIONS, RAW, SYSTEM, _chat_ids,
+                                                 _check_equal, _engine_tokens, hf_greedy, hf_model, prompts,
+                                                 shared_prefix_prompts, tokenizer)
 from vllm_anatomy import LLM, SamplingParams
 
 pytestmark = pytest.mark.model
@@ -127,6 +133,13 @@ def test_refusals(default_model_dir):
     for bad in (SamplingParams(min_p=0.1), SamplingParams(logit_bias={5: 1.0})):
         with pytest.raises(ValueError, match="not yet supported with speculative decoding"):
             llm.generate("hello", bad, use_tqdm=False)
+    # Accepted, as v0.27.1 accepts them: the rejection sampler applies them at every draft position.
+    accepted = [dict(repetition_penalty=1.2, presence_penalty=0.5, frequency_penalty=0.5), dict(bad_words=["hello"]),
+                dict(allowed_token_ids=[5, 6, 7]), dict(min_tokens=2)]
+    outs = llm.generate(["hello"] * len(accepted), [SamplingParams(max_tokens=4, ignore_eos=True, **kw)
+                                                    for kw in accepted], use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [4] * len(accepted)
+    assert set(outs[2].outputs[0].token_ids) <= {5, 6, 7}
     with pytest.raises(ValueError, match="speculative_config"):
         LLM(default_model_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 2, "nope": 1})
 
@@ -162,3 +175,46 @@ def test_structured_output_beside_drafts(default_model_dir, hf_model, spec_promp
     _check_equal(hf_model, [copy], [outs[0].outputs[0].token_ids])
     assert outs[1].outputs[0].text in choices
     assert llm.get_metrics()["vllm:spec_decode_num_drafts"] > 0
+
+
+# -- the Sampler's logits processors at every draft position ------------------------------------
+NGRAM = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+def test_repetition_penalty_equals_transformers(default_model_dir, hf_model, spec_prompts):
+    """Each draft position is penalized as if the drafts before it had been sampled
+    (tests/unit/test_spec_decode_penalties.py checks the bonus position and the rest)."""
+    llm = LLM(default_model_dir, max_model_len=2048, speculative_config=NGRAM)
+    got, _ = _engine_tokens(llm, spec_prompts, PENALTY)
+    _check_equal(hf_model, spec_prompts, got, PENALTY)
+    check_speculated(llm, "ngram")
+    # The test can fail: the penalty changes the copy task's greedy answer.
+    copy = spec_prompts[-1]
+    assert hf_greedy(hf_model, copy, repetition_penalty=PENALTY) != hf_greedy(hf_model, copy)
+
+
+def test_bad_words_and_penalties_equal_no_speculation(default_model_dir, spec_prompts):
+    """The copy task, past its EOS (ngram drafts its next words from the prompt, then from
+    the answer's own repeats): a two-token bad word from the middle of the copied sentence,
+    where the drafts propose it, and presence and frequency penalties (which read only the
+    output) give the same tokens with and without speculation."""
+    copy = {"prompt_token_ids": spec_prompts[-1]}
+
+    def generate(llm: LLM, cases: list[dict]) -> list[list[int]]:
+        params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, **case) for case in cases]
+        return [list(o.outputs[0].token_ids) for o in llm.generate([copy] * len(cases), params, use_tqdm=False)]
+
+    plain_llm = LLM(default_model_dir, max_model_len=2048)
+    [plain] = generate(plain_llm, [{}])
+    k = 7
+    a, b = plain[k - 1], plain[k]
+    cases = [dict(bad_words_token_ids=[[a, b]]), dict(presence_penalty=1.0, frequency_penalty=0.5)]
+    want = generate(plain_llm, cases)
+    del plain_llm
+    spec_llm = LLM(default_model_dir, max_model_len=2048, speculative_config=NGRAM)
+    got = generate(spec_llm, cases)
+    assert got == want
+    check_speculated(spec_llm, "ngram")
+    # The test can fail: each case changes the plain answer, and the bad word never appears.
+    assert all(w != plain for w in want)
+    assert want[0][:k] == plain[:k] and all((x, y) != (a, b) for x, y in zip(got[0], got[0][1:]))

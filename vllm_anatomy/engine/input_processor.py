@@ -88,8 +88,9 @@ def validate_params(params: Any, vocab_size: int, speculative_config: Speculativ
         raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
     params.verify(vocab_size, check_structured_outputs=check_grammar)
     # NOTE: v0.27.1 (SamplingParams._validate_spec_decode): the rejection
-    # sampler applies temperature, top-k, top-p and min_tokens to every draft
-    # position, but not min_p and logit_bias: refused, not silently ignored.
+    # sampler applies temperature, top-k, top-p, min_tokens, penalties,
+    # allowed_token_ids and bad words to every draft position, but not min_p
+    # and logit_bias: refused, not silently ignored.
     if speculative_config is not None and (params.min_p > _SAMPLING_EPS or params.logit_bias):
         raise VLLMValidationError("The min_p and logit_bias sampling parameters "
                                   "are not yet supported with speculative decoding.")

@@ -34,3 +34,21 @@ def apply_bad_words(logits: torch.Tensor, bad_words_token_ids: dict[int, list[li
     past_tokens_ids: each row's output tokens so far."""
     for i, bad_words_ids in bad_words_token_ids.items():
         _apply_bad_words_single_batch(logits[i], bad_words_ids, past_tokens_ids[i])
+
+
+def apply_bad_words_with_drafts(logits: torch.Tensor, bad_words_token_ids: dict[int, list[list[int]]],
+                                past_tokens_ids: list[list[int]], num_draft_tokens: list[int]) -> None:
+    """Speculative decoding (vLLM: the same name): logits [T, V], one row per draft
+    position, batch row after batch row (num_draft_tokens[i] rows for row i), in place.
+
+    past_tokens_ids has one list per draft position: the output so far, then the
+    drafts before that position (RejectionSampler._combine_outputs_with_spec_tokens).
+    So with output [.., a] and drafts [b, c], the word [a, b, c] forbids c at
+    position 1 (past [.., a, b]), exactly as it would after sampling a, b one by one."""
+    first_position = 0
+    for row, n in enumerate(num_draft_tokens):
+        words = bad_words_token_ids.get(row)
+        if words:
+            for position in range(first_position, first_position + n):
+                _apply_bad_words_single_batch(logits[position], words, past_tokens_ids[position])
+        first_position += n

@@ -34,9 +34,31 @@ they give the same tokens from the same random numbers. The random numbers
 (u, and the exponential noise of the recovered-token sample) are drawn by torch
 outside either, per request and from its own generator when it is seeded.
 
-Simplified: no penalties, bad words or allowed token ids (this engine's
-Sampler has none; min_p and logit_bias are refused with speculative decoding,
-as in v0.27.1), no synthetic or block rejection methods, logprobs mode "raw" only.
+The Sampler's logits processors apply at every draft position too
+(apply_logits_processors, as v0.27.1): a position is penalized and masked as
+if the drafts before it had already been sampled, since that is what the
+target would have seen there without speculation.
+
+    request: output so far [o1, o2], drafts [d1, d2, d3]
+    target row 0 (verifies d1)   past tokens [o1, o2]
+    target row 1 (verifies d2)   past tokens [o1, o2, d1]
+    target row 2 (verifies d3)   past tokens [o1, o2, d1, d2]
+    bonus row                    past tokens [o1, o2, d1, d2, d3]   (by the Sampler)
+
+  penalties          presence / frequency / repetition over those past tokens
+                     (and the prompt), the row's parameters repeated per position
+                     (repeat_indices: [0, 0, 0, 1, 2, 2] for num_draft_tokens [3, 1, 2])
+  allowed_token_ids  the row's mask, repeated per position
+  bad_words          a draft that would complete a banned word after the drafts
+                     before it is forbidden (apply_bad_words_with_drafts)
+  min_tokens         stop tokens masked at the positions before min_tokens
+
+So a greedy request with a repetition penalty gets, with speculation, exactly
+the tokens it gets without (tests/integration/test_spec_decode.py checks it
+against transformers).
+
+Simplified: min_p and logit_bias are refused with speculative decoding, as in
+v0.27.1; no synthetic or block rejection methods, logprobs mode "raw" only.
 """
 from __future__ import annotations
 
@@ -45,6 +67,8 @@ import dataclasses
 import torch
 import torch.nn as nn
 
+from vllm_anatomy.model_executor.bad_words import apply_bad_words_with_drafts
+from vllm_anatomy.model_executor.penalties import apply_all_penalties
 from vllm_anatomy.model_executor.sampler import LogprobsTensors, Sampler, SamplerOutput, apply_top_k_top_p
 from vllm_anatomy.model_executor.sampling_metadata import SamplingMetadata
 from vllm_anatomy.spec_decode.metadata import SpecDecodeMetadata
@@ -79,13 +103,16 @@ class RejectionSampler(nn.Module):
         bonus_logits = logits[metadata.bonus_logits_indices]                          # [B, V]
         bonus_min_tokens = {row: stop_ids for row, (remaining, stop_ids) in (min_tokens_remaining or {}).items()
                             if remaining > metadata.num_draft_tokens[row]}
-        bonus_metadata = dataclasses.replace(sampling_metadata, max_num_logprobs=None, min_tokens=bonus_min_tokens)
+        # NOTE: the bonus token comes after every draft: its penalties and bad
+        # words see them all (vLLM: Sampler(predict_bonus_token=True)).
+        bonus_metadata = dataclasses.replace(sampling_metadata, max_num_logprobs=None, min_tokens=bonus_min_tokens,
+                                             output_token_ids=self._bonus_output_token_ids(sampling_metadata))
         bonus_token_ids = self.sampler(bonus_logits, bonus_metadata).sampled_token_ids          # [B]
 
         # The target's distribution at every draft position.
         target_logits = logits[metadata.target_logits_indices].to(torch.float32)      # [T, V], a copy
-        target_logits = apply_min_tokens_with_spec_decode(target_logits, metadata.num_draft_tokens,
-                                                          min_tokens_remaining or {})
+        target_logits = self.apply_logits_processors(target_logits, sampling_metadata, metadata,
+                                                     min_tokens_remaining or {})
         target_logits = apply_sampling_constraints(target_logits, metadata, sampling_metadata)
         output_token_ids = rejection_sample(metadata, draft_probs, target_logits, bonus_token_ids,
                                             sampling_metadata, self._use_triton(logits))
@@ -94,6 +121,66 @@ class RejectionSampler(nn.Module):
             logprobs_tensors = self._get_logprobs_tensors(sampling_metadata.max_num_logprobs, metadata, logits,
                                                           output_token_ids)
         return SamplerOutput(output_token_ids, logprobs_tensors)
+
+    def apply_logits_processors(self, logits: torch.Tensor, sampling_metadata: SamplingMetadata,
+                                metadata: SpecDecodeMetadata,
+                                min_tokens_remaining: dict[int, tuple[int, list[int]]]) -> torch.Tensor:
+        """The Sampler's logits processors at each draft position, logits [T, V] in place
+        (the table at the top of this file). Each step is skipped when no row uses it."""
+        has_penalties = not sampling_metadata.no_penalties
+        output_token_ids = sampling_metadata.output_token_ids
+        if has_penalties or sampling_metadata.bad_words_token_ids:
+            # [T] lists: each position's past tokens (the output, then the drafts before it).
+            output_token_ids = self._combine_outputs_with_spec_tokens(output_token_ids,
+                                                                      sampling_metadata.spec_token_ids)
+        if has_penalties or sampling_metadata.allowed_token_ids_mask is not None:
+            # [T]: the batch row of each draft position, to repeat the rows' parameters.
+            # (built on the host, where num_draft_tokens is, and copied: no device sync)
+            repeat_indices = torch.arange(len(metadata.num_draft_tokens)).repeat_interleave(
+                torch.tensor(metadata.num_draft_tokens, dtype=torch.long)).to(logits.device, non_blocking=True)
+            if has_penalties:
+                logits = self.apply_penalties(logits, sampling_metadata, repeat_indices, output_token_ids)
+            if sampling_metadata.allowed_token_ids_mask is not None:
+                logits.masked_fill_(sampling_metadata.allowed_token_ids_mask[repeat_indices], float("-inf"))
+        if sampling_metadata.bad_words_token_ids:
+            apply_bad_words_with_drafts(logits, sampling_metadata.bad_words_token_ids, output_token_ids,
+                                        metadata.num_draft_tokens)
+        return apply_min_tokens_with_spec_decode(logits, metadata.num_draft_tokens, min_tokens_remaining)
+
+    @staticmethod
+    def apply_penalties(logits: torch.Tensor, sampling_metadata: SamplingMetadata, repeat_indices: torch.Tensor,
+                        output_token_ids: list[list[int]]) -> torch.Tensor:
+        """Presence, frequency and repetition penalties at each draft position: the
+        rows' prompts and parameters repeated per position [T, ...], with each
+        position's own past tokens (output_token_ids, [T] lists)."""
+        md = sampling_metadata
+        assert md.prompt_token_ids is not None and md.presence_penalties is not None
+        assert md.frequency_penalties is not None and md.repetition_penalties is not None
+        return apply_all_penalties(logits, md.prompt_token_ids[repeat_indices], md.presence_penalties[repeat_indices],
+                                   md.frequency_penalties[repeat_indices], md.repetition_penalties[repeat_indices],
+                                   output_token_ids)
+
+    @staticmethod
+    def _combine_outputs_with_spec_tokens(output_token_ids: list[list[int]],
+                                          spec_token_ids: list[list[int]] | None) -> list[list[int]]:
+        """Per batch row, one list per draft position: the output, then the drafts before
+        that position. [[o], [o2]] with drafts [[a, b], []] -> [[o], [o, a]] (a row
+        without drafts has no draft positions)."""
+        assert spec_token_ids is not None, "a step with drafts carries them in SamplingMetadata.spec_token_ids"
+        result: list[list[int]] = []
+        for out, spec in zip(output_token_ids, spec_token_ids):
+            for i in range(len(spec)):
+                result.append([*out, *spec[:i]])
+        return result
+
+    @staticmethod
+    def _bonus_output_token_ids(sampling_metadata: SamplingMetadata) -> list[list[int]]:
+        """The past tokens of each row's bonus position: its output and all its drafts
+        (only built when penalties or bad words read them)."""
+        md = sampling_metadata
+        if (md.no_penalties and not md.bad_words_token_ids) or md.spec_token_ids is None:
+            return md.output_token_ids
+        return [[*out, *spec] if spec else out for out, spec in zip(md.output_token_ids, md.spec_token_ids)]
 
     def _use_triton(self, logits: torch.Tensor) -> bool:
         return self.use_triton if self.use_triton is not None else logits.device.type == "cuda"

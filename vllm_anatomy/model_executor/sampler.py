@@ -19,8 +19,10 @@ vllm/v1/sample/ops/topk_topp_sampler.py. The order of operations is vLLM's:
 
 Steps 2a-2d run before the greedy argmax: they change which token is the
 most likely (vLLM: apply_logits_processors). Simplified here: no custom
-logits processors or spec-decode rejection sampler; the structured-output
-bitmask is applied by the runner before the Sampler.
+logits processors; the structured-output bitmask is applied by the runner
+before the Sampler. With speculative decoding the RejectionSampler
+(rejection_sampler.py) calls this Sampler for each request's bonus token, with
+the request's drafts appended to its output tokens (vLLM: predict_bonus_token).
 
 NOTE: the fused sampling path (a performance seam; the steps above are the
 idea). On CUDA, a batch that uses temperature and nothing else (no top-k/p,

@@ -61,3 +61,7 @@ class SamplingMetadata:
     allowed_token_ids_mask: torch.Tensor | None = None
     # batch row -> that request's banned token sequences (model_executor/bad_words.py).
     bad_words_token_ids: dict[int, list[list[int]]] = field(default_factory=dict)
+    # Speculative decoding: each row's draft tokens this step ([] for a row without
+    # any); None in a step without drafts. The RejectionSampler reads them to
+    # penalize each draft position as if the drafts before it had been sampled.
+    spec_token_ids: list[list[int]] | None = None

@@ -141,6 +141,9 @@ class InputBatch:
         self.prev_sampled_token_ids: torch.Tensor | None = None
         self.prev_req_id_to_index: dict[str, int] | None = None
         self.prev_req_ids: list[str] | None = None     # when every row sampled: the fast path
+        # Speculative decoding: this step's drafts of each row, [R] lists (set after
+        # condense() by the runner's _update_spec_token_ids); None in a step without drafts.
+        self.spec_token_ids: list[list[int]] | None = None
 
         # Every per-row numpy array: they move together in condense/swap.
         self._row_arrays = (self.num_tokens_no_spec, self.num_prompt_tokens,
@@ -377,6 +380,7 @@ class InputBatch:
             output_token_ids=list(self.req_output_token_ids) if needs_output_token_ids else [],  # type: ignore[arg-type]
             allowed_token_ids_mask=self._allowed_token_ids_mask(),
             bad_words_token_ids={self.req_id_to_index[r]: ids for r, ids in self.bad_words_token_ids.items()},
+            spec_token_ids=self.spec_token_ids,
         )
         return self.sampling_metadata
 

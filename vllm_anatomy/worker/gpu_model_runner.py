@@ -271,8 +271,8 @@ class GPUModelRunner(ModelRunnerStartupMixin, AsyncSchedulingMixin, SpecDecodeRu
         for state in reqs_to_add:
             self._per_request(state.req_id, batch.add_request, state)
         batch.condense()
-        if scheduler_output.scheduled_spec_decode_tokens:
-            self._update_spec_token_ids(scheduler_output)
+        if self.drafter is not None:
+            self._update_spec_token_ids(scheduler_output)        # the step's drafts, by row
         batch.refresh_metadata()
 
     def _new_request_state(self, new_req) -> CachedRequestState:

@@ -102,16 +102,25 @@ class SpecDecodeRunnerMixin:
 
     # -- _update_states ----------------------------------------------------------------
     def _update_spec_token_ids(self, scheduler_output: SchedulerOutput) -> None:
-        """Each scheduled draft into token_ids_cpu, after the request's known tokens
-        (vLLM: InputBatch.update_req_spec_token_ids). NOTE: after condense(), so the
-        rows are final; num_tokens_no_spec does not move: they are not tokens yet."""
+        """Each scheduled draft into token_ids_cpu, after the request's known tokens, and
+        into input_batch.spec_token_ids, per row (vLLM: InputBatch.update_req_spec_token_ids;
+        the rejection sampler's penalties and bad words read them). NOTE: after
+        condense(), so the rows are final; num_tokens_no_spec does not move: they are
+        not tokens yet."""
         batch = self.input_batch
-        for req_id, spec_token_ids in scheduler_output.scheduled_spec_decode_tokens.items():
+        scheduled_spec = scheduler_output.scheduled_spec_decode_tokens
+        if not scheduled_spec:
+            batch.spec_token_ids = None
+            return
+        spec_token_ids_by_row: list[list[int]] = [[] for _ in range(batch.num_reqs)]
+        for req_id, spec_token_ids in scheduled_spec.items():
             row = batch.req_id_to_index.get(req_id)
             if row is None:
                 continue                    # failed to join the batch
             start = int(batch.num_tokens_no_spec[row])
             batch.token_ids_cpu[row, start:start + len(spec_token_ids)] = spec_token_ids
+            spec_token_ids_by_row[row] = spec_token_ids
+        batch.spec_token_ids = spec_token_ids_by_row
 
     # -- _prepare_inputs ---------------------------------------------------------------
     def _calc_spec_decode_metadata(self, scheduler_output: SchedulerOutput,
