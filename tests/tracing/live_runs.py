@@ -5,8 +5,8 @@
                                    (streamed and not, with a stop string), as `vllm-anatomy serve`
     three_process_run(trace_dir, requests=fan_out_requests)
                                    the same server, requests that fan out into several engine
-                                   requests: chat and completions with n=2 (streamed and not),
-                                   a batched /v1/completions (three prompts, one with n=2)
+                                   requests: chat with n=3, chat and completions with n=2
+                                   (streamed), batched /v1/completions (n=1, and n=2)
     tensor_parallel_run(trace_dir) the offline LLM with 3 tensor-parallel ranks (gloo on a CPU)
 
 Both at trace level full on the default model; each returns the run store's path.
@@ -16,7 +16,6 @@ from __future__ import annotations
 SYSTEM = "You are a concise assistant."
 PROMPTS = ["What is the capital of France?", "Name three colors.", "Count from one to ten.",
            "What do bees make?"]
-
 
 
 def chat_requests(max_tokens: int) -> list[tuple[str, dict]]:
@@ -30,19 +29,17 @@ def chat_requests(max_tokens: int) -> list[tuple[str, dict]]:
 
 def fan_out_requests(max_tokens: int) -> list[tuple[str, dict]]:
     """HTTP requests that each become several engine requests (one trace each all the same):
-    n=2 chat (streamed and not, one seeded), n=2 completions, a batched completion."""
-    chat = {"model": "live", "temperature": 0.8, "max_tokens": max_tokens, "n": 2,
+    n=3 chat, n=2 chat streamed and seeded, n=2 completions, batched completions (n=1, n=2)."""
+    chat = {"model": "live", "temperature": 0.8, "max_tokens": max_tokens, "n": 3,
             "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": PROMPTS[0]}]}
     return [("/v1/chat/completions", chat),
-            ("/v1/chat/completions", {**chat, "stream": True, "seed": 3}),
+            ("/v1/chat/completions", {**chat, "n": 2, "stream": True, "seed": 3}),
             ("/v1/completions", {"model": "live", "prompt": "One, two,", "max_tokens": max_tokens, "n": 2,
                                  "temperature": 0.8, "stream": True}),
             ("/v1/completions", {"model": "live", "prompt": ["The sky is", "Bees make", "Red, green,"],
                                  "max_tokens": max_tokens, "temperature": 0}),
             ("/v1/completions", {"model": "live", "prompt": ["The sky is", "Bees make"], "n": 2,
                                  "max_tokens": max_tokens, "temperature": 0.8, "stream": True})]
-
-
 
 
 def three_process_run(trace_dir: str, max_tokens: int = 8, otlp_endpoint: str | None = None,

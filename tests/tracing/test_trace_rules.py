@@ -205,6 +205,15 @@ def test_offline_run(offline_run):
     _, spans = _checked(offline_run, services=1)
     (parent,) = [s for s in spans if s.name == "ParentRequest"]
     assert parent.parent_id is None and parent.attributes["gen_ai.request.choice.count"] == 3
+    # n = 3: one trace, the ParentRequest and its 3 llm_request children (tokenized once, under the parent)
+    family = [s for s in spans if s.trace_id == parent.trace_id]
+    assert [s.parent_id for s in family if s.name == "llm_request"] == [parent.span_id] * 3
+    assert [s.parent_id for s in family if s.name == "InputProcessor.process_inputs"] == [parent.span_id]
+    # n = 1 as before: an llm_request is its trace's root, with no ParentRequest
+    singles = [s for s in spans if s.name == "llm_request" and s.trace_id != parent.trace_id]
+    assert len(singles) == 4 and all(s.parent_id is None and "vllm_anatomy.child_index" not in s.attributes
+                                     for s in singles)
+    assert not {s.trace_id for s in singles} & {s.trace_id for s in spans if s.name == "ParentRequest"}
     with open_run(offline_run) as run:
         assert check_run(run).row()["requests"] == 5           # 2 + 2 prompts, and the n=3 request
 
@@ -226,6 +235,17 @@ def test_three_process_fan_out_run(fan_out_run):
     by_id = {s.span_id: s for s in spans}
     posts = [s for s in spans if s.name.startswith("POST ")]
     assert len(posts) == len(sent) and all(p.parent_id is None for p in posts)
+    # Each HTTP request's trace: per prompt, one ParentRequest over its n llm_request spans
+    # (n > 1), or one llm_request (n = 1), under the POST span.
+    def shape(post) -> tuple:
+        tops = [s for s in spans if s.parent_id == post.span_id and s.name in ("llm_request", "ParentRequest")]
+        return (post.name, sum(t.name == "llm_request" for t in tops),
+                sorted(sum(c.parent_id == t.span_id and c.name == "llm_request" for c in spans)
+                       for t in tops if t.name == "ParentRequest"))
+    expected = [(f"POST {path}", 0 if b.get("n", 1) > 1 else e, [b["n"]] * e if b.get("n", 1) > 1 else [])
+                for e, (path, b) in zip(engine, sent)]
+    assert sorted(map(shape, posts)) == sorted(expected)
+    assert ("POST /v1/chat/completions", 0, [3]) in expected        # n=3 over the server
     for post in posts:
         members = [s for s in spans if s.trace_id == post.trace_id]
         tops = [s for s in members if s.parent_id == post.span_id and s.name in ("llm_request", "ParentRequest")]
@@ -247,6 +267,10 @@ def test_three_process_fan_out_run(fan_out_run):
 def test_three_process_run(three_process_run):
     meta, spans = _checked(three_process_run, services=3)
     by_id = {s.span_id: s for s in spans}
+    # n = 1 over HTTP: an llm_request under each POST span, no ParentRequest
+    requests = [s for s in spans if s.name == "llm_request"]
+    assert len(requests) == 4 and all(by_id[r.parent_id].name == "POST /v1/chat/completions" for r in requests)
+    assert not any(s.name == "ParentRequest" for s in spans)
     services = {s.service for s in spans}
     assert services == {"vllm_anatomy.frontend", "vllm_anatomy.engine_core", "vllm_anatomy.worker"}
     # The output path of a step is in the step's trace: engine send -> frontend decode -> processing.
