@@ -24,7 +24,9 @@ records one `llm_request` per engine request), from its add to its finish,
 with the events above: each child's engine side, the steps that served it
 (links) and its output path join the parent's trace through it. The parent
 ends when its last child does, with every child's finish reason (by index) and
-their output tokens summed; FIRST_TOKEN is its first child's first token.
+their output tokens summed; FIRST_TOKEN is its first child's first token. If
+adding the children fails halfway, the frontend aborts those it added and calls
+discard_admission: no more come, and the parent ends with them.
 
 The span is the request's trace (or, behind the HTTP server, its HTTP span's
 child): it opens when the frontend starts admitting the request
