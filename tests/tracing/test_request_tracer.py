@@ -222,3 +222,28 @@ def test_n_one_keeps_its_single_span():
     spans = _closed(rec, tracer)
     assert list(spans) == ["llm_request"] and spans["llm_request"][0].parent_id is None
     assert "vllm_anatomy.child_index" not in spans["llm_request"][0].attrs
+
+
+def test_refused_inside_admission_ends_after_the_admission_block():
+    """AsyncLLM refuses a child inside `admitting` (AsyncLLM.add_request, the span's child, still
+    open): the request's span ends when the block does, not before its own child."""
+    from vllm_anatomy.engine.parallel_sampling import fan_out
+    for n in (1, 2):
+        rec = _OpenSpans()
+        tracer = RequestTracer(rec, "m")
+        op = OutputProcessor(_tokenizer(), tracer)
+        request = EngineCoreRequest("r", [1, 2, 3], SamplingParams(n=n, max_tokens=4, temperature=0.5), time.time())
+        try:
+            with tracer.admitting("r", None, n), rec.span("AsyncLLM.add_request"):
+                request.request_id = "r-1234"                   # (assign_request_id)
+                children = fan_out(request)
+                _add(tracer, op, children[:1])
+                op.abort_requests([children[0][2].request_id], trace_reason="error")
+                tracer.discard_admission("r-1234")
+                raise ValueError("refused")
+        except ValueError:
+            pass
+        spans = _closed(rec, tracer)
+        (top,) = spans["ParentRequest" if n > 1 else "llm_request"]
+        (inner,) = spans["AsyncLLM.add_request"]
+        assert inner.parent_id == top.span_id and inner.end_ns <= top.end_ns, n

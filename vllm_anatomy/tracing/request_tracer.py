@@ -101,7 +101,7 @@ class RequestTracer:
         # Spans opened by admitting() whose EngineCoreRequest is not added yet, by request id.
         self.admitted: dict[str, SpanHandle] = {}
         # The span admitting() opened in this task / thread (AsyncLLM renames the request inside).
-        self._admitting: contextvars.ContextVar[tuple[str, SpanHandle] | None] = contextvars.ContextVar(
+        self._admitting: contextvars.ContextVar[_Admission | None] = contextvars.ContextVar(
             "vllm_anatomy_admitting", default=None)
 
     def admitting(self, request_id: str, trace_headers: dict | None, n: int = 1) -> "_Admission":
@@ -158,9 +158,18 @@ class RequestTracer:
         """The span admitting() opened for this request, taken over (None: there was none)."""
         span = self.admitted.pop(request_id, None)
         admitting = self._admitting.get()
-        if span is None and admitting is not None:         # (AsyncLLM gave the request its final id)
-            span = self.admitted.pop(admitting[0], None)
+        if span is None and admitting is not None and admitting.active:   # (AsyncLLM gave the request its final id)
+            span = self.admitted.pop(admitting.request_id, None)
         return span
+
+    def _end(self, span: SpanHandle) -> None:
+        """End a request's span; but the one this task is still admitting ends when its admission
+        block does (AsyncLLM.add_request, its child, is still open when adding fails inside it)."""
+        admitting = self._admitting.get()
+        if admitting is not None and admitting.active and admitting.span is span:
+            admitting.end_on_exit = True
+        else:
+            span.end()
 
     def discard_admission(self, request_id: str) -> None:
         """Adding request `request_id` (tokenized, maybe partly added) failed, and the
@@ -180,7 +189,7 @@ class RequestTracer:
         if span is not None:
             error: dict[str, Any] = {"vllm_anatomy.finish_reason": "error"}
             span.add_event("FINISHED", **error)
-            span.end()
+            self._end(span)
 
     def _attributes(self, request_id: str, num_prompt_tokens: int, sp: "SamplingParams") -> dict[str, Any]:
         attrs: dict[str, Any] = {
@@ -239,7 +248,7 @@ class RequestTracer:
         span.set_attribute("gen_ai.response.finish_reasons", [reason])
         attrs: dict[str, Any] = {"vllm_anatomy.finish_reason": reason}
         span.add_event("FINISHED", **attrs)
-        span.end()
+        self._end(span)
         child = self.child_parents.pop(request_id, None)
         if child is not None:
             self._child_finished(*child, reason, num_output_tokens)
@@ -261,7 +270,7 @@ class RequestTracer:
         # (the reason of the child that ended it, "error" if any failed; every child's is in finish_reasons)
         attrs: dict[str, Any] = {"vllm_anatomy.finish_reason": "error" if record.failed else reason}
         span.add_event("FINISHED", **attrs)
-        span.end()
+        self._end(span)
 
     def _from_monotonic(self, ts: float) -> int:
         # NOTE: engine event times are time.monotonic() of the engine's host (the
@@ -271,10 +280,13 @@ class RequestTracer:
 
 class _Admission:
     """RequestTracer.admitting (a class: entered once per request)."""
-    __slots__ = ("tracer", "request_id", "trace_headers", "n", "span", "scope", "token")
+    __slots__ = ("tracer", "request_id", "trace_headers", "n", "span", "scope", "token", "active", "end_on_exit")
 
     def __init__(self, tracer: RequestTracer, request_id: str, trace_headers: dict | None, n: int) -> None:
         self.tracer, self.request_id, self.trace_headers, self.n = tracer, request_id, trace_headers, n
+        # NOTE: a task started inside the block (AsyncLLM's output handler) keeps this object in
+        # its context copy for good: `active` tells it the block is over.
+        self.active = self.end_on_exit = False
 
     def __enter__(self) -> SpanHandle:
         tracer = self.tracer
@@ -284,7 +296,8 @@ class _Admission:
                                                       kind="server", root=not self.trace_headers, **attrs)
         span.add_event("QUEUED")
         tracer.admitted[self.request_id] = span
-        self.token = tracer._admitting.set((self.request_id, span))
+        self.active = True
+        self.token = tracer._admitting.set(self)
         self.scope = tracer.recorder.use_span(span)
         self.scope.__enter__()
         return span
@@ -295,8 +308,10 @@ class _Admission:
             self.scope.__exit__(*exc)
         finally:
             tracer._admitting.reset(self.token)
-            # (refused before on_add took it: it ends here, the error recorded by the scope)
-            if exc[1] is not None and tracer.admitted.pop(self.request_id, None) is not None:
+            self.active = False
+            # (refused before on_add took it: it ends here, the error recorded by the scope;
+            # or refused after, and its end waited for this block's own spans to end)
+            if self.end_on_exit or (exc[1] is not None and tracer.admitted.pop(self.request_id, None) is not None):
                 self.span.end()
 
 
