@@ -46,7 +46,7 @@ WORKER_SIDE = ("Worker.", "GPUModelRunner.", "AsyncGPUModelRunnerOutput.", "Grou
 OUTER = {"EngineCore.step", "Worker.execute_model", "Worker.sample_tokens", "AsyncLLM.add_request",
          "GPUModelRunner.execute_model", "GPUModelRunner.sample_tokens", "Executor.execute_model",
          "Executor.sample_tokens"}
-SKIP = {"llm_request", "KVCacheManager.get_computed_blocks", "KVCacheManager.allocate_slots",
+SKIP = {"llm_request", "ParentRequest", "KVCacheManager.get_computed_blocks", "KVCacheManager.allocate_slots",
         "GPU.step", "Request"}     # (containers: a step's device work, a request's life in the engine)
 
 # The article's chain (§六): marker, what the article names, our span names.

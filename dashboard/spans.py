@@ -163,7 +163,9 @@ def _request_row(s) -> dict:
             "ttft_ms": (first - queued) / 1e6 if first else None,
             "itl_ms": decode_ms / (out_tokens - 1) if decode_ms is not None and out_tokens and out_tokens > 1 else None,
             "e2e_ms": (s.end_ns - s.start_ns) / 1e6,
-            "num_preemptions": len(ev.get("PREEMPTED", []))}
+            "num_preemptions": len(ev.get("PREEMPTED", [])),
+            # n > 1: the parent request's id and this child's index (its ParentRequest span holds the children)
+            "parent_request_id": a.get("vllm_anatomy.parent_request_id"), "child_index": a.get("vllm_anatomy.child_index")}
 
 
 @st.cache_data(max_entries=16, show_spinner=False)

@@ -202,6 +202,18 @@ def _output_tokens(meta: dict, tokens: dict, req_id: str, n_prompt: int | None) 
                 (f"  \n→ {text!r}" if text is not None else ""))
 
 
+def _siblings(req: dict, reqs: list[dict]) -> None:
+    """n > 1: which sample of which request this is, and its siblings (one trace, one ParentRequest span)."""
+    parent = req.get("parent_request_id")
+    if parent is None:
+        return
+    kids = sorted((r for r in reqs if r.get("parent_request_id") == parent), key=lambda r: r["child_index"])
+    others = ", ".join(f"`{r['request_id']}`" for r in kids if r["request_id"] != req["request_id"])
+    st.caption(f"Sample {req['child_index']} of request `{parent}` (n > 1: the frontend runs each sample as a "
+               f"request of its own; one trace holds them, a `ParentRequest` span over their `llm_request` spans). "
+               f"Its siblings: {others or 'none finished'}.")
+
+
 def main() -> None:
     st.title("Request journey")
     cur = state.current()
@@ -226,6 +238,7 @@ def main() -> None:
     req = by_id.get(req_id)
     if req:
         metrics_row(req)
+        _siblings(req, reqs)
     else:
         st.caption("this request has not finished yet (its llm_request span is written when it ends)")
     with st.expander("The five accounts of this request (time, memory, communication, CPU, request)",

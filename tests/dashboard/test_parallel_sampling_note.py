@@ -1,5 +1,6 @@
 """The KV tab's parallel-sampling note: sibling requests "{i}_{parent}" found in a step's
-block tables, with the blocks they share and the ones each holds alone (no Streamlit run)."""
+block tables, with the blocks they share and the ones each holds alone; a child request's row
+names its parent (no Streamlit run)."""
 from __future__ import annotations
 
 from dashboard.components.parallel_sampling import describe, sibling_groups
@@ -27,3 +28,15 @@ def test_describe_names_shared_and_own_blocks():
     (line,) = describe(kv({"1_P7": [1, 2, 5, 13], "2_P7": [1, 2, 5, 12]}))
     assert "2 of its samples" in line and "(ref_cnt 2" in line
     assert describe(kv({"P1": [1, 2], "P2": [1, 3]})) == []
+
+
+def test_request_rows_name_their_parent():
+    """The Request journey's table: a child's row names its parent and index (n > 1), a plain one neither."""
+    from types import SimpleNamespace
+
+    from dashboard.spans import _request_row
+    child = SimpleNamespace(request_id="1_7", start_ns=0, end_ns=5, events=[],
+                            attributes={"vllm_anatomy.parent_request_id": "7", "vllm_anatomy.child_index": 1})
+    plain = SimpleNamespace(request_id="8", start_ns=0, end_ns=5, events=[], attributes={})
+    assert (_request_row(child)["parent_request_id"], _request_row(child)["child_index"]) == ("7", 1)
+    assert (_request_row(plain)["parent_request_id"], _request_row(plain)["child_index"]) == (None, None)

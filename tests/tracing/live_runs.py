@@ -3,6 +3,10 @@
     three_process_run(trace_dir)   the API server, EngineCoreProc and a worker behind the
                                    shared-memory ring, chat completions sent over HTTP
                                    (streamed and not, with a stop string), as `vllm-anatomy serve`
+    three_process_run(trace_dir, requests=fan_out_requests)
+                                   the same server, requests that fan out into several engine
+                                   requests: chat with n=3, chat and completions with n=2
+                                   (streamed), batched /v1/completions (n=1, and n=2)
     tensor_parallel_run(trace_dir) the offline LLM with 3 tensor-parallel ranks (gloo on a CPU)
 
 Both at trace level full on the default model; each returns the run store's path.
@@ -14,8 +18,34 @@ PROMPTS = ["What is the capital of France?", "Name three colors.", "Count from o
            "What do bees make?"]
 
 
-def three_process_run(trace_dir: str, max_tokens: int = 8, otlp_endpoint: str | None = None) -> str:
-    """Four chat completions over HTTP, sent together: plain, streamed, one cut by a stop string."""
+def chat_requests(max_tokens: int) -> list[tuple[str, dict]]:
+    """Four chat completions: plain, streamed, one cut by a stop string."""
+    return [("/v1/chat/completions",
+             {"model": "live", "temperature": 0, "max_tokens": max_tokens,
+              "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}],
+              "stream": i % 2 == 1, **({"stop": [" "]} if i == 2 else {})})
+            for i, q in enumerate(PROMPTS)]
+
+
+def fan_out_requests(max_tokens: int) -> list[tuple[str, dict]]:
+    """HTTP requests that each become several engine requests (one trace each all the same):
+    n=3 chat, n=2 chat streamed and seeded, n=2 completions, batched completions (n=1, n=2)."""
+    chat = {"model": "live", "temperature": 0.8, "max_tokens": max_tokens, "n": 3,
+            "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": PROMPTS[0]}]}
+    return [("/v1/chat/completions", chat),
+            ("/v1/chat/completions", {**chat, "n": 2, "stream": True, "seed": 3}),
+            ("/v1/completions", {"model": "live", "prompt": "One, two,", "max_tokens": max_tokens, "n": 2,
+                                 "temperature": 0.8, "stream": True}),
+            ("/v1/completions", {"model": "live", "prompt": ["The sky is", "Bees make", "Red, green,"],
+                                 "max_tokens": max_tokens, "temperature": 0}),
+            ("/v1/completions", {"model": "live", "prompt": ["The sky is", "Bees make"], "n": 2,
+                                 "max_tokens": max_tokens, "temperature": 0.8, "stream": True})]
+
+
+def three_process_run(trace_dir: str, max_tokens: int = 8, otlp_endpoint: str | None = None,
+                      requests=chat_requests) -> str:
+    """`requests(max_tokens)`'s (path, body) pairs sent over HTTP together (default: four chat
+    completions: plain, streamed, one cut by a stop string)."""
     import asyncio
     from vllm_anatomy.engine.arg_utils import EngineArgs
     from vllm_anatomy.tracing.factory import make_recorder
@@ -23,14 +53,14 @@ def three_process_run(trace_dir: str, max_tokens: int = 8, otlp_endpoint: str | 
                         otlp_traces_endpoint=otlp_endpoint, max_model_len=256,
                         num_gpu_blocks_override=64).create_engine_config()
     recorder = make_recorder(config, "frontend")
-    asyncio.run(_serve_and_send(config, recorder, max_tokens))
+    asyncio.run(_serve_and_send(config, recorder, requests(max_tokens)))
     path = recorder.run_path
     recorder.shutdown()
     assert path is not None
     return path
 
 
-async def _serve_and_send(config, recorder, max_tokens: int) -> None:
+async def _serve_and_send(config, recorder, requests: list[tuple[str, dict]]) -> None:
     """`vllm-anatomy serve` as the dashboard's live run starts it (AsyncLLM behind the OpenAI app)."""
     import asyncio
     import os
@@ -45,14 +75,11 @@ async def _serve_and_send(config, recorder, max_tokens: int) -> None:
         while not server.started:
             await asyncio.sleep(0.02)
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=600) as client:
-            async def chat(i: int, q: str) -> None:
-                body = {"model": "live", "temperature": 0, "max_tokens": max_tokens,
-                        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}],
-                        "stream": i % 2 == 1, **({"stop": [" "]} if i == 2 else {})}
-                r = await client.post("/v1/chat/completions", json=body)
+            async def send(path: str, body: dict) -> None:
+                r = await client.post(path, json=body)
                 r.raise_for_status()
                 await r.aread()
-            await asyncio.gather(*(chat(i, q) for i, q in enumerate(PROMPTS)))
+            await asyncio.gather(*(send(path, body) for path, body in requests))
     finally:
         server.should_exit = True
         await serving

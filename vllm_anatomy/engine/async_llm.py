@@ -125,7 +125,8 @@ class AsyncLLM:
             raise self.dead_error
         attrs: dict[str, Any] = {"vllm_anatomy.request_id": request_id}
         # The request's span opens first (a child of the HTTP span, or of the caller's): admitting it is part of it.
-        with self.request_tracer.admitting(request_id, self.request_tracer.caller_headers(trace_headers)), \
+        with self.request_tracer.admitting(request_id, self.request_tracer.caller_headers(trace_headers),
+                                           getattr(params, "n", 1)), \
                 self.recorder.span("AsyncLLM.add_request", **attrs):
             return await self._add_request(request_id, prompt, params, arrival_time, trace_headers, priority)
 
@@ -139,17 +140,20 @@ class AsyncLLM:
         # NOTE: the collector has the parent's id (n > 1): aborting it aborts every child.
         queue = RequestOutputCollector(params.output_kind, request.request_id)
         added: list[str] = []
+        engine_request_id = request.request_id     # (fan_out renames the object: it becomes the last child)
         try:
             for parent_req, index, child in fan_out(request):
                 # NOTE: register with the OutputProcessor *before* the engine can answer.
                 self.output_processor.add_request(child, prompt_text, queue, parent_req, index)
                 added.append(child.request_id)
-                # The request's span (a child of the HTTP span when traceparent came in);
-                # its own context then rides to the engine on the request.
-                self.request_tracer.on_add(child)
+                # The request's span (a child of the HTTP span when traceparent came in;
+                # with n > 1 a child's, under the parent's); its own context then rides
+                # to the engine on the request.
+                self.request_tracer.on_add(child, parent_req, index)
                 await self.engine_core.add_request_async(child)
         except BaseException:
             self.output_processor.abort_requests(added, trace_reason="error")
+            self.request_tracer.discard_admission(engine_request_id)
             # Siblings the engine already took must not stay there.
             if added[:-1] and not self.engine_core.engine_dead:
                 await self.engine_core.abort_requests_async(added[:-1])

@@ -105,7 +105,8 @@ class LLMEngine:
         """Tokenize and validate (raises on bad input); nothing is added yet."""
         attrs: dict[str, Any] = {"vllm_anatomy.request_id": request_id}
         # (the request's span opens here: tokenizing is part of its trace)
-        with self.request_tracer.admitting(request_id, self.request_tracer.caller_headers(None)), \
+        with self.request_tracer.admitting(request_id, self.request_tracer.caller_headers(None),
+                                           getattr(params, "n", 1)), \
                 self.recorder.span("InputProcessor.process_inputs", **attrs):
             return self.input_processor.process_inputs(request_id, prompt, params, arrival_time,
                                                        priority=priority)
@@ -113,12 +114,13 @@ class LLMEngine:
     def add_processed_request(self, prompt_text: str | None, request: EngineCoreRequest) -> None:
         """Add a processed request; with n > 1, its n child requests (engine/parallel_sampling.py)."""
         added: list[str] = []
+        request_id = request.request_id     # (fan_out renames the object: it becomes the last child)
         try:
             for parent_req, index, child in fan_out(request):
                 self.output_processor.add_request(child, prompt_text, None, parent_req, index)
                 added.append(child.request_id)
                 # (an in-process EngineCore.add_request nests under the request's span)
-                with self.request_tracer.adding(child):
+                with self.request_tracer.adding(child, parent_req, index):
                     self.engine_core_client.add_request(child)
                 self.counters["vllm:prompt_tokens"] += len(child.prompt_token_ids)
         except BaseException:
@@ -128,6 +130,7 @@ class LLMEngine:
             # has_unfinished_requests() would wait for it forever. Siblings the
             # engine already took are aborted there.
             self.output_processor.abort_requests(added, trace_reason="error")
+            self.request_tracer.discard_admission(request_id)
             if added[:-1] and not self.engine_core_client.engine_dead:
                 self.engine_core_client.abort_requests(added[:-1])
             raise

@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 from vllm_anatomy.engine.arg_utils import EngineArgs
 from vllm_anatomy.engine.input_processor import PromptType
 from vllm_anatomy.engine.llm_engine import LLMEngine
+from vllm_anatomy.engine.protocol import EngineCoreRequest
 from vllm_anatomy.outputs import RequestOutput
 from vllm_anatomy.sampling_params import RequestOutputKind, SamplingParams
 from vllm_anatomy.tracing.recorder import Recorder
@@ -94,10 +95,19 @@ class LLM:
         priorities = priority if priority is not None else [0] * len(prompts)
         # NOTE: tokenize and validate every prompt before adding any, so a bad one loses nothing.
         engine = self.llm_engine
-        processed = [engine.process_inputs(str(next(self.request_counter)), p, sp, priority=prio)
-                     for p, sp, prio in zip(prompts, params_list, priorities)]
-        for prompt_text, request in processed:
-            engine.add_processed_request(prompt_text, request)
+        processed: list[tuple[str | None, EngineCoreRequest]] = []
+        request_ids: list[str] = []
+        try:
+            for p, sp, prio in zip(prompts, params_list, priorities):
+                processed.append(engine.process_inputs(str(next(self.request_counter)), p, sp, priority=prio))
+                request_ids.append(processed[-1][1].request_id)
+            for prompt_text, request in processed:
+                engine.add_processed_request(prompt_text, request)
+        except BaseException:
+            # (the spans of requests tokenized but never added end here; a no-op for those added)
+            for rid in request_ids:
+                engine.request_tracer.discard_admission(rid)
+            raise
         return self._run_engine(len(prompts), use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]],

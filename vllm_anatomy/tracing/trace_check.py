@@ -46,6 +46,9 @@ from typing import Any, Iterable
 STEP_ROOT = "EngineCore.step"
 STARTUP_ROOT = "EngineCore.__init__"
 REQUEST_SPAN = "llm_request"
+# An n > 1 request's span, over its children's llm_request spans (tracing/request_tracer.py).
+PARENT_REQUEST_SPAN = "ParentRequest"
+REQUEST_SPANS = (REQUEST_SPAN, PARENT_REQUEST_SPAN)
 
 WARN_DUPLICATE = "duplicate span IDs; skipping clock skew adjustment"
 WARN_MISSING_PARENT = "parent span ID={} is not in the trace; skipping clock skew adjustment"
@@ -169,13 +172,31 @@ def trace_kind(spans: list) -> str:
     """"request", "step", "startup" or "other": what a trace is, by the spans it holds."""
     names = {s.name for s in spans}
     roots = {s.name for s in spans if not s.parent_id}
-    if REQUEST_SPAN in names or any(s.kind == "server" and not s.parent_id for s in spans):
+    if names.intersection(REQUEST_SPANS) or any(s.kind == "server" and not s.parent_id for s in spans):
         return "request"
     if STEP_ROOT in roots:
         return "step"
     if STARTUP_ROOT in roots:
         return "startup"
     return "other"
+
+
+def caller_requests(spans: list) -> list:
+    """The requests callers made, one span each: an HTTP request's server span (the FastAPI
+    span, a root), or offline a request span (`llm_request`, or `ParentRequest` for n > 1)
+    that is part of neither. One HTTP request may hold several engine requests (a batch of
+    prompts, n > 1 choices): it is one request, and one trace, all the same."""
+    by_id = {s.span_id: s for s in spans}
+    out = []
+    for s in spans:
+        parent = by_id.get(s.parent_id) if s.parent_id else None
+        if s.name in REQUEST_SPANS:
+            # (under a server span: the HTTP request's or its ParentRequest's part)
+            if parent is None or parent.kind != "server":
+                out.append(s)
+        elif s.kind == "server" and parent is None and not s.links:
+            out.append(s)
+    return out
 
 
 # -- Perfetto ------------------------------------------------------------------------------------
@@ -223,15 +244,17 @@ class RunReport:
     missing_parents: int
     other_traces: int               # neither a request's, a step's nor the start-up trace
     split_requests: int             # requests whose own spans lie in more than one trace
-    requests: int
+    requests: int                   # HTTP / LLM requests (caller_requests)
+    request_traces: int             # traces of kind "request" (one per request, when all is well)
+    engine_requests: int            # llm_request spans: one per engine request (a batch, n > 1: several)
     services: int
     perfetto_overlaps: int
     perfetto_unbound_flows: int
     examples: list[str] = dataclasses.field(default_factory=list)
 
     COLUMNS = ("spans", "traces", "single_span_traces", "jaeger_warnings", "strict_violations",
-               "missing_parents", "other_traces", "split_requests", "requests", "services",
-               "perfetto_overlaps", "perfetto_unbound_flows")
+               "missing_parents", "other_traces", "split_requests", "requests", "request_traces",
+               "engine_requests", "services", "perfetto_overlaps", "perfetto_unbound_flows")
 
     def row(self) -> dict[str, int]:
         return {c: getattr(self, c) for c in self.COLUMNS}
@@ -252,7 +275,7 @@ def check_run(run, perfetto_doc: dict | None = None, max_examples: int = 8) -> R
         by_trace[s.trace_id].append(s)
     warned = strict = missing = other = 0
     examples: list[str] = []
-    step_traces = set()
+    step_traces, request_traces = set(), set()
     for trace_id, members in by_trace.items():
         warns = jaeger_warnings(members, lambda s: resources.get(s.pid))
         warned += len(warns)
@@ -263,25 +286,35 @@ def check_run(run, perfetto_doc: dict | None = None, max_examples: int = 8) -> R
         other += kind == "other"
         if kind == "step":
             step_traces.add(trace_id)
+        elif kind == "request":
+            request_traces.add(trace_id)
         for child, parent in bad[:max(0, max_examples - len(examples))]:
             examples.append(f"{child.name} not within {parent.name}: starts {(child.start_ns - parent.start_ns) / 1e6:+.3f} ms, "
                             f"ends {(child.end_ns - parent.end_ns) / 1e6:+.3f} ms (trace {trace_id[:8]})")
         if kind == "other" and len(examples) < max_examples:
             examples.append(f"trace {trace_id[:8]} belongs to no request, step or start-up: "
                             f"{sorted({s.name for s in members})[:4]}")
-    requests = [s for s in spans if s.name == REQUEST_SPAN]
+    # A request's own spans (by request id: the engine's, an n > 1 parent's) lie in its trace.
+    by_request: dict[str, set[str]] = defaultdict(set)
+    for s in spans:
+        rid = s.request_id or s.attributes.get("vllm_anatomy.request_id")
+        if rid is not None and s.trace_id not in step_traces:
+            by_request[str(rid)].add(s.trace_id)
+    request_spans = [s for s in spans if s.name in REQUEST_SPANS]
     split = 0
-    for r in requests:
+    for r in request_spans:
         rid = str(r.request_id or r.attributes.get("vllm_anatomy.request_id"))
-        traces = {s.trace_id for s in spans if s.trace_id not in step_traces
-                  and str(s.request_id or s.attributes.get("vllm_anatomy.request_id", "")) == rid}
-        split += traces != {r.trace_id}
+        split += by_request[rid] != {r.trace_id}
+    callers = caller_requests(spans)
+    if len(callers) != len(request_traces) and len(examples) < max_examples:
+        examples.append(f"{len(callers)} requests in {len(request_traces)} request traces")
     if perfetto_doc is None:
         from vllm_anatomy.tracing.exporters import perfetto
         perfetto_doc = perfetto.export(run)
     pp = perfetto_problems(perfetto_doc)
     return RunReport(run.path, len(spans), len(by_trace), sum(len(m) == 1 for m in by_trace.values()),
-                     warned, strict, missing, other, split, len(requests), len({s.service for s in spans}),
+                     warned, strict, missing, other, split, len(callers), len(request_traces),
+                     sum(s.name == REQUEST_SPAN for s in spans), len({s.service for s in spans}),
                      len(pp["overlaps"]), len(pp["unbound_flows"]), examples)
 
 
@@ -289,7 +322,7 @@ def format_table(reports: Iterable[RunReport], names: Iterable[str] | None = Non
     reports = list(reports)
     names = list(names) if names is not None else [r.path for r in reports]
     short = ["spans", "traces", "1-span", "warned", "strict", "no-parent", "other", "split-req", "requests",
-             "services", "pf-overlap", "pf-flow"]
+             "req-trace", "engine-req", "services", "pf-overlap", "pf-flow"]
     width = max([len(n) for n in names] + [8])
     lines = [f"{'run':<{width}} " + " ".join(f"{h:>9}" for h in short)]
     for n, r in zip(names, reports):
