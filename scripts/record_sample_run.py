@@ -1,6 +1,6 @@
 """Record the sample runs that ship in samples/, for learners without a GPU.
 
-    python scripts/record_sample_run.py [--processes 1|3] [--out samples/h200-smollm2-full.sqlite]
+    python scripts/record_sample_run.py [--processes 1|3] [--out samples/h100-smollm2-full.sqlite]
     python scripts/record_sample_run.py --tp 3          # on a CPU too: samples/cpu-smollm2-tp3-full.sqlite
 
 Needs the default model (`vllm-anatomy download`), and a CUDA device unless
@@ -135,8 +135,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--processes", type=int, choices=(1, 3), default=1)
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (with --processes 1)")
-    ap.add_argument("--out", default=None, help="default: samples/h200-smollm2-full.sqlite (1), "
-                                                "samples/h200-smollm2-full-3proc.sqlite (3), "
+    ap.add_argument("--out", default=None, help="default: samples/h100-smollm2-full.sqlite (1), "
+                                                "samples/h100-smollm2-full-3proc.sqlite (3), "
                                                 "samples/<device>-smollm2-tp<N>-full.sqlite (--tp N)")
     args = ap.parse_args()
     if args.tp > 1 and args.processes != 1:

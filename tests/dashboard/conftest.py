@@ -42,8 +42,8 @@ def recorded_run(tmp_path_factory):
 
 
 APP = os.path.join(ROOT, "dashboard", "app.py")
-# The GPU sample run the lead records on an H200 (shipped in the repository).
-H200_SAMPLE = os.path.join(ROOT, "samples", "h200-smollm2-full.sqlite")
+# The GPU sample run recorded on a GPU (an H100 since 2026-12-06; an H200 before) (shipped in the repository).
+GPU_SAMPLE = os.path.join(ROOT, "samples", "h100-smollm2-full.sqlite")
 GPU_SAMPLE_NAME = "synthetic-gpu-full.sqlite"      # GPU-shaped copy of the fixture run (tests/dashboard/gpu_run.py)
 CPU_SAMPLE_NAME = "cpu-smollm2-full.sqlite"        # plain copy of the fixture run
 

@@ -3,7 +3,7 @@ it on a free 127.0.0.1 port, open the recorded run and move the step scrubber wi
 the keyboard; open the GPU sample run from the "No GPU here?" button and look at a
 graph replay, an eager step's layers and kernels, and the device lane. (A live run
 from the start strip: test_browser_shell.py.) Screenshots go to test-output/screenshots/ (the gpu-* ones from the real
-H200 sample when samples/h200-smollm2-full.sqlite exists, else from the
+GPU sample when samples/h100-smollm2-full.sqlite exists, else from the
 GPU-shaped copy of the fixture run). Every page at 1440x900 and 1920x1080, clicks on
 every chart, lesson links and the readability checks: test_browser_pages.py."""
 import os
@@ -12,19 +12,19 @@ import re
 import pytest
 
 from tests.dashboard.browser import SHOTS, new_page, settle, streamlit_server
-from tests.dashboard.conftest import GPU_SAMPLE_NAME, H200_SAMPLE
+from tests.dashboard.conftest import GPU_SAMPLE_NAME, GPU_SAMPLE
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
 def browser_samples(samples, tmp_path_factory):
-    """The samples directory the server sees: the real H200 sample if it is there, else the
+    """The samples directory the server sees: the real GPU sample if it is there, else the
     GPU-shaped fixture run. {"dir", "name", "graph_step", "eager_step"}"""
     from tests.dashboard.gpu_run import copy_run, pick_steps
     sdir = str(tmp_path_factory.mktemp("browser_samples"))
-    src = H200_SAMPLE if os.path.exists(H200_SAMPLE) else samples["gpu"]
-    name = os.path.basename(src) if src == H200_SAMPLE else GPU_SAMPLE_NAME
+    src = GPU_SAMPLE if os.path.exists(GPU_SAMPLE) else samples["gpu"]
+    name = os.path.basename(src) if src == GPU_SAMPLE else GPU_SAMPLE_NAME
     copy_run(src, os.path.join(sdir, name))
     return {"dir": sdir, "name": name, **pick_steps(os.path.join(sdir, name))}
 

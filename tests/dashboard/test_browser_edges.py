@@ -22,11 +22,11 @@ import time
 import pytest
 
 from tests.dashboard.browser import SHOTS, settle_drawn, streamlit_server
-from tests.dashboard.conftest import H200_SAMPLE
+from tests.dashboard.conftest import GPU_SAMPLE
 
-SAMPLES = os.path.dirname(H200_SAMPLE)
-P1 = os.path.basename(H200_SAMPLE)                       # one process, async scheduling on
-P3 = "h200-smollm2-full-3proc.sqlite"                    # three processes
+SAMPLES = os.path.dirname(GPU_SAMPLE)
+P1 = os.path.basename(GPU_SAMPLE)                       # one process, async scheduling on
+P3 = "h100-smollm2-full-3proc.sqlite"                    # three processes
 TP = "cpu-smollm2-tp3-full.sqlite"                       # TP=3 on a CPU
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     not all(os.path.exists(os.path.join(SAMPLES, n)) for n in (P1, P3, TP)), reason="the shipped samples are missing")]

@@ -1,5 +1,5 @@
 """The dashboard's pages in a real browser (Debian's Chromium driven by Playwright), on
-the shipped H200 sample run, one Streamlit server for the module:
+the shipped GPU sample run, one Streamlit server for the module:
 
 * every chart that invites a click is clicked (the Timeline's step strip and spans,
   the Journey's steps, every Metrics chart): the point under the mouse is read from
@@ -23,11 +23,11 @@ import urllib.parse
 import pytest
 
 from tests.dashboard.browser import SHOTS, new_page, settle, streamlit_server
-from tests.dashboard.conftest import H200_SAMPLE
+from tests.dashboard.conftest import GPU_SAMPLE
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(not os.path.exists(H200_SAMPLE),
-                                                   reason="samples/h200-smollm2-full.sqlite not shipped")]
-RUN = os.path.basename(H200_SAMPLE)
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not os.path.exists(GPU_SAMPLE),
+                                                   reason="samples/h100-smollm2-full.sqlite not shipped")]
+RUN = os.path.basename(GPU_SAMPLE)
 SIZES = [(1440, 900), (1920, 1080)]
 TITLES = {"timeline": "Timeline", "inspector": "Step inspector", "journey": "Request journey",
           "metrics": "Metrics over time", "lessons": "Lessons", "mapping": None}
@@ -45,9 +45,9 @@ KEY_TABLES = ["sched_new", "sched_cached", "input_batch_rows", "journey_steps"]
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    """One Streamlit server: an empty trace dir, a samples dir holding a copy of the H200 sample."""
+    """One Streamlit server: an empty trace dir, a samples dir holding a copy of the GPU sample."""
     samples, traces = tmp_path_factory.mktemp("samples"), tmp_path_factory.mktemp("traces")
-    src, dst = sqlite3.connect(f"file:{H200_SAMPLE}?immutable=1", uri=True), sqlite3.connect(samples / RUN)
+    src, dst = sqlite3.connect(f"file:{GPU_SAMPLE}?immutable=1", uri=True), sqlite3.connect(samples / RUN)
     src.backup(dst)
     src.close()
     dst.close()
@@ -184,7 +184,7 @@ def test_every_lesson_link_lands(server, page):
         return [c.className.match(/st-key-card_(\\w+)/)[1], a ? a.getAttribute('href') : null];
     })""")
     linked = [(k, href) for k, href in cards if href]
-    assert len(linked) >= 12, cards        # the H200 sample shows (nearly) every concept
+    assert len(linked) >= 12, cards        # the GPU sample shows (nearly) every concept
     for key, href in linked:
         lesson = BY_KEY[key]
         path, _, qs = href.partition("?")

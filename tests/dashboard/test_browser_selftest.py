@@ -1,6 +1,6 @@
 """The Self-test page and the Processes view in a real browser (Debian's Chromium driven by
 Playwright; one Streamlit server for the module): every "show me" button of the Self-test
-page (the H200 sample) lands on the step, inspector tab and request its link promises; the
+page (the GPU sample) lands on the step, inspector tab and request its link promises; the
 Processes view of a three-process live run (recorded here by the dashboard's launcher) draws
 the process lanes and hops, and a click on a hop opens its step in the inspector; the
 one-process sample is labelled as one process. Chart text 12 px or more; nothing requested
@@ -14,12 +14,12 @@ import urllib.parse
 import pytest
 
 from tests.dashboard.browser import SHOTS, new_page, settle, streamlit_server
-from tests.dashboard.conftest import FIXTURE_SPEC, H200_SAMPLE
+from tests.dashboard.conftest import FIXTURE_SPEC, GPU_SAMPLE
 
 pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not os.path.exists(H200_SAMPLE), reason="samples/h200-smollm2-full.sqlite not shipped")]
-SAMPLE = os.path.basename(H200_SAMPLE)
-TP_SAMPLE = os.path.join(os.path.dirname(H200_SAMPLE), "cpu-smollm2-tp3-full.sqlite")
+              pytest.mark.skipif(not os.path.exists(GPU_SAMPLE), reason="samples/h100-smollm2-full.sqlite not shipped")]
+SAMPLE = os.path.basename(GPU_SAMPLE)
+TP_SAMPLE = os.path.join(os.path.dirname(GPU_SAMPLE), "cpu-smollm2-tp3-full.sqlite")
 TITLES = {"inspector": "Step inspector", "journey": "Request journey", "processes": "Processes"}
 
 
@@ -28,7 +28,7 @@ def server(tmp_path_factory):
     """(base URL, name of a three-process run in its trace dir, its path)."""
     from dashboard.live import LiveRun
     samples = tmp_path_factory.mktemp("st_samples")
-    shutil.copy(H200_SAMPLE, samples / SAMPLE)
+    shutil.copy(GPU_SAMPLE, samples / SAMPLE)
     if os.path.exists(TP_SAMPLE):
         shutil.copy(TP_SAMPLE, samples / os.path.basename(TP_SAMPLE))
     trace = tmp_path_factory.mktemp("st_traces")

@@ -17,11 +17,11 @@ import urllib.parse
 import pytest
 
 from tests.dashboard.browser import SHOTS, new_page, settle, streamlit_server
-from tests.dashboard.conftest import H200_SAMPLE
+from tests.dashboard.conftest import GPU_SAMPLE
 
 pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not os.path.exists(H200_SAMPLE), reason="samples/h200-smollm2-full.sqlite not shipped")]
-SAMPLE = os.path.basename(H200_SAMPLE)
+              pytest.mark.skipif(not os.path.exists(GPU_SAMPLE), reason="samples/h100-smollm2-full.sqlite not shipped")]
+SAMPLE = os.path.basename(GPU_SAMPLE)
 PAGES = [("live", None), ("timeline", "Timeline"), ("inspector", "Step inspector"), ("journey", "Request journey"),
          ("metrics", "Metrics over time"), ("lessons", "Lessons"), ("mapping", None)]
 
@@ -30,7 +30,7 @@ def _sample_async() -> str:
     """What the header must say of the sample's async scheduling, from its own meta."""
     import json
     import sqlite3
-    conn = sqlite3.connect(f"file:{H200_SAMPLE}?immutable=1", uri=True)
+    conn = sqlite3.connect(f"file:{GPU_SAMPLE}?immutable=1", uri=True)
     config = json.loads(conn.execute("SELECT value FROM meta WHERE key = 'config'").fetchone()[0])
     conn.close()
     value = config["scheduler_config"].get("async_scheduling")
@@ -40,7 +40,7 @@ def _sample_async() -> str:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     samples = tmp_path_factory.mktemp("shell_samples")
-    shutil.copy(H200_SAMPLE, samples / SAMPLE)
+    shutil.copy(GPU_SAMPLE, samples / SAMPLE)
     trace = tmp_path_factory.mktemp("shell_traces")
     with streamlit_server(trace, samples, tmp_path_factory.mktemp("shell_server")) as base:
         yield base
@@ -106,7 +106,7 @@ def test_deep_links_land_and_paths_are_refused(server, page):
     q = urllib.parse.parse_qs(urllib.parse.urlsplit(page.url).query)
     assert q["run"] == [SAMPLE] and q["step"] == ["25"] and q["tab"] == ["KV cache"]
     page.screenshot(path=os.path.join(SHOTS, "shell-deep-link-kv-tab.png"), full_page=False)
-    for asked in ("/etc/passwd", H200_SAMPLE, "../samples/" + SAMPLE):
+    for asked in ("/etc/passwd", GPU_SAMPLE, "../samples/" + SAMPLE):
         page.goto(f"{server}/inspector?" + urllib.parse.urlencode({"run": asked, "page": "inspector"}))
         page.get_by_text("This run cannot be opened").first.wait_for()
         _settle(page)

@@ -5,14 +5,14 @@ device lane's phases, layers and kernels.
 
 No GPU here: the GPU run is the fixture run made GPU-shaped (tests/dashboard/
 gpu_run.py: real dispatcher decisions, invented device timings). One test opens
-the real H200 sample when it is in the repository."""
+the real GPU sample when it is in the repository."""
 import os
 
 import pytest
 
 from vllm_anatomy.config import default_capture_sizes
 
-from tests.dashboard.conftest import APP, CPU_SAMPLE_NAME, GPU_SAMPLE_NAME, H200_SAMPLE, ROOT
+from tests.dashboard.conftest import APP, CPU_SAMPLE_NAME, GPU_SAMPLE_NAME, GPU_SAMPLE, ROOT
 
 
 def _text(at) -> str:
@@ -197,19 +197,19 @@ def test_timeline_device_rows(recorded_run, samples, monkeypatch):
     assert sorted(attn["kernel_layer"]) == list(range(30))
 
 
-# -- the real H200 sample -------------------------------------------------------------------------
-def test_h200_sample(monkeypatch, tmp_path):
+# -- the real GPU sample -------------------------------------------------------------------------
+def test_gpu_sample(monkeypatch, tmp_path):
     from tests.dashboard.gpu_run import pick_steps
-    picked = pick_steps(H200_SAMPLE)
+    picked = pick_steps(GPU_SAMPLE)
     full = [(k, d) for k, d in picked["decisions"].items()
             if d["mode"] == "FULL" and d["num_padded_tokens"] >= d["num_tokens"]]
-    assert full, "no step of the H200 sample replayed a CUDA graph"
+    assert full, "no step of the GPU sample replayed a CUDA graph"
     step = picked["graph_step"]
-    at = _app(monkeypatch, str(tmp_path), None, "inspector", os.path.basename(H200_SAMPLE), step, WORKER)
+    at = _app(monkeypatch, str(tmp_path), None, "inspector", os.path.basename(GPU_SAMPLE), step, WORKER)
     _ok(at)
-    assert os.path.samefile(at.session_state["run_path"], H200_SAMPLE)
+    assert os.path.samefile(at.session_state["run_path"], GPU_SAMPLE)
     picker = at.sidebar.selectbox(key="picked_run")
-    assert "sample · H200 · 1 process · smollm2" in picker.options
+    assert "sample · H100 · 1 process · smollm2" in picker.options
     text = _text(at)
     assert "Forward pass: **CUDA graph replay · " in text
     assert "**Device lane** · step" in text
@@ -225,3 +225,19 @@ def test_startup_counts_piecewise_and_full_captures():
     assert _captures_text(caps, sizes) == "15 CUDA graph captures (11 piecewise, 4 full; sizes 1, 2, 4, 8, 16, …, 64)"
     full_only = caps[caps["cudagraph_mode"] == "FULL"]
     assert _captures_text(full_only, [1, 2, 4, 8]) == "4 CUDA graph captures (sizes 1, 2, 4, 8)"
+
+
+def test_the_gpu_sample_button_opens_the_default_models_one_process_run():
+    """Samples come newest first; the button's run is the default model's in one process, not
+    the newer article-size Llama run or the three-process one (they stay in the picker)."""
+    from dashboard.components.run_picker import gpu_sample
+    runs = [{"path": "samples/h100-llama2-7b-dummy-article.sqlite", "model": "/c/dummy/meta-llama--Llama-2-7b-hf",
+             "device": "cuda"},
+            {"path": "samples/h100-smollm2-full-3proc.sqlite", "model": "/c/models/SmolLM2-135M-Instruct",
+             "device": "cuda"},
+            {"path": "samples/h100-smollm2-full.sqlite", "model": "/c/models/SmolLM2-135M-Instruct", "device": "cuda"},
+            {"path": "samples/cpu-smollm2-tp3-full.sqlite", "model": "/c/models/SmolLM2-135M-Instruct", "device": "cpu"}]
+    assert gpu_sample(runs)["path"] == "samples/h100-smollm2-full.sqlite"
+    assert gpu_sample(runs[:2])["path"] == "samples/h100-smollm2-full-3proc.sqlite"
+    assert gpu_sample(runs[:1])["path"].endswith("article.sqlite")
+    assert gpu_sample(runs[3:]) is None

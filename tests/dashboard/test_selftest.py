@@ -1,7 +1,7 @@
 """The Self-test page (issue 16, item 1), headless (AppTest): each of the article's five
 questions is answered with the open run's own values, and the values shown are the ones
 this test computes from the run store itself (snapshots and spans, read here with the
-reader, not with the dashboard's code). Two runs: the shipped H200 sample (recorded
+reader, not with the dashboard's code). Two runs: the shipped GPU sample (recorded
 before block-pool events named their request: the page derives what it needs) and the
 CPU fixture run recorded by tests/dashboard/conftest.py (events attributed). Every
 "show me" button opens the step, inspector tab and request it names."""
@@ -13,9 +13,9 @@ import re
 
 import pytest
 
-from tests.dashboard.conftest import APP, H200_SAMPLE
+from tests.dashboard.conftest import APP, GPU_SAMPLE
 
-RUNS = ["h200", "cpu"]
+RUNS = ["gpu", "cpu"]
 
 
 def ids(xs) -> str:
@@ -27,9 +27,9 @@ def runs(recorded_run):
     """run key -> (trace dir, samples dir, run name, path)."""
     _, path = recorded_run
     out = {"cpu": (os.path.dirname(path), None, os.path.basename(path), path)}
-    if os.path.exists(H200_SAMPLE):
-        out["h200"] = (os.path.dirname(path), os.path.dirname(H200_SAMPLE), os.path.basename(H200_SAMPLE),
-                       H200_SAMPLE)
+    if os.path.exists(GPU_SAMPLE):
+        out["gpu"] = (os.path.dirname(path), os.path.dirname(GPU_SAMPLE), os.path.basename(GPU_SAMPLE),
+                       GPU_SAMPLE)
     return out
 
 
@@ -81,7 +81,7 @@ def _prev(steps, s):
 
 def _setup(runs, key):
     if key not in runs:
-        pytest.skip("samples/h200-smollm2-full.sqlite not shipped")
+        pytest.skip("samples/h100-smollm2-full.sqlite not shipped")
     trace_dir, samples, _, _ = runs[key]
     os.environ["VLLM_ANATOMY_TRACE_DIR"] = trace_dir
     if samples:

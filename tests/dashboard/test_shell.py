@@ -20,11 +20,11 @@ import urllib.request
 
 import pytest
 
-from tests.dashboard.conftest import APP, H200_SAMPLE, ROOT
+from tests.dashboard.conftest import APP, GPU_SAMPLE, ROOT
 
-SAMPLE_NAME = "h200-smollm2-full.sqlite"
+SAMPLE_NAME = "h100-smollm2-full.sqlite"
 PAGES = ("inspector", "timeline", "journey", "metrics", "lessons")
-needs_sample = pytest.mark.skipif(not os.path.exists(H200_SAMPLE), reason="samples/h200-smollm2-full.sqlite not shipped")
+needs_sample = pytest.mark.skipif(not os.path.exists(GPU_SAMPLE), reason="samples/h100-smollm2-full.sqlite not shipped")
 
 
 def _copy(src: str, dst: str) -> str:
@@ -47,12 +47,12 @@ def _hashes(path: str) -> dict[str, str | None]:
 
 @pytest.fixture
 def dirs(tmp_path, monkeypatch):
-    """A trace dir (with a lessons folder) and a samples dir holding a copy of the H200 sample."""
+    """A trace dir (with a lessons folder) and a samples dir holding a copy of the GPU sample."""
     trace, samples = tmp_path / "traces", tmp_path / "samples"
     (trace / "lessons").mkdir(parents=True)
     samples.mkdir()
-    if os.path.exists(H200_SAMPLE):
-        _copy(H200_SAMPLE, str(samples / SAMPLE_NAME))
+    if os.path.exists(GPU_SAMPLE):
+        _copy(GPU_SAMPLE, str(samples / SAMPLE_NAME))
     monkeypatch.setenv("VLLM_ANATOMY_TRACE_DIR", str(trace))
     monkeypatch.setenv("VLLM_ANATOMY_SAMPLES_DIR", str(samples))
     monkeypatch.delenv("VLLM_ANATOMY_LESSON_TRACE_DIR", raising=False)
@@ -74,8 +74,8 @@ def _no_exception(at) -> None:
 @needs_sample
 def test_run_names_resolve_only_inside_the_run_dirs(dirs, tmp_path):
     from dashboard import data, state
-    lesson_run = _copy(H200_SAMPLE, os.path.join(dirs["lessons"], "run-lesson.sqlite"))
-    outside = _copy(H200_SAMPLE, str(tmp_path / "elsewhere.sqlite"))
+    lesson_run = _copy(GPU_SAMPLE, os.path.join(dirs["lessons"], "run-lesson.sqlite"))
+    outside = _copy(GPU_SAMPLE, str(tmp_path / "elsewhere.sqlite"))
     assert state.resolve_run(SAMPLE_NAME) == os.path.join(dirs["samples"], SAMPLE_NAME)
     assert state.resolve_run("run-lesson.sqlite") == lesson_run
     assert state.resolve_run(os.path.abspath(lesson_run)) == lesson_run       # a link printed by an older lesson
@@ -93,7 +93,7 @@ def test_a_refused_run_reveals_nothing(dirs, tmp_path):
     """Whether the named file exists, is a directory or a run store elsewhere: one message,
     the same on every page, no run opened, nothing of the path echoed."""
     from dashboard.state import REFUSED
-    outside = _copy(H200_SAMPLE, str(tmp_path / "secret-run.sqlite"))
+    outside = _copy(GPU_SAMPLE, str(tmp_path / "secret-run.sqlite"))
     seen = set()
     for run in (outside, str(tmp_path / "nothing-here.sqlite"), str(tmp_path), "/etc/hostname"):
         for page in ("inspector", "live"):
@@ -109,7 +109,7 @@ def test_a_refused_run_reveals_nothing(dirs, tmp_path):
 
 @needs_sample
 def test_an_old_lesson_link_lands_and_the_url_names_the_run(dirs):
-    run = _copy(H200_SAMPLE, os.path.join(dirs["trace"], "run-20250101-000000-abc.sqlite"))
+    run = _copy(GPU_SAMPLE, os.path.join(dirs["trace"], "run-20250101-000000-abc.sqlite"))
     at = _app(run=os.path.abspath(run), page="inspector", step=12)
     _no_exception(at)
     assert at.title[0].value == "Step inspector" and at.session_state["cursor"] == 12
@@ -185,7 +185,7 @@ os.kill(os.getpid(), signal.SIGKILL)
 
 def _sample_counts() -> tuple[int, int]:
     """(committed steps, span rows) of the shipped sample, read with plain SQL."""
-    conn = sqlite3.connect(f"file:{H200_SAMPLE}?immutable=1", uri=True)
+    conn = sqlite3.connect(f"file:{GPU_SAMPLE}?immutable=1", uri=True)
     try:
         steps = conn.execute("SELECT count(DISTINCT step_id) FROM snapshots WHERE kind = 'step'").fetchone()[0]
         return steps, conn.execute("SELECT count(*) FROM spans").fetchone()[0]
@@ -194,7 +194,7 @@ def _sample_counts() -> tuple[int, int]:
 
 
 def _crashed_run(dst: str) -> str:
-    proc = subprocess.run([sys.executable, "-c", _CRASH, H200_SAMPLE, dst], cwd=ROOT, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", _CRASH, GPU_SAMPLE, dst], cwd=ROOT, timeout=120)
     assert proc.returncode == -signal.SIGKILL
     assert os.path.getsize(dst + "-wal") > 100_000 and os.path.exists(dst + "-shm")
     return dst
@@ -242,7 +242,7 @@ def test_a_finished_run_is_opened_immutable_and_a_lone_wal_from_a_copy(dirs, tmp
 
 @needs_sample
 def test_damaged_rows_are_reported_per_row(dirs):
-    path = _copy(H200_SAMPLE, os.path.join(dirs["trace"], "run-damaged.sqlite"))
+    path = _copy(GPU_SAMPLE, os.path.join(dirs["trace"], "run-damaged.sqlite"))
     conn = sqlite3.connect(path)
     step_row = conn.execute("SELECT id FROM snapshots WHERE kind = 'step' AND step_id = 20").fetchone()[0]
     conn.execute("UPDATE snapshots SET data = '{\"scheduler\": [1, 2' WHERE id = ?", (step_row,))
@@ -281,7 +281,7 @@ def test_run_header_shows_the_run_meta(dirs):
                         ).create_engine_config()
     config.cache_config.num_gpu_blocks = 700
     meta = run_meta(config)
-    path = _copy(H200_SAMPLE, os.path.join(dirs["trace"], "run-meta.sqlite"))
+    path = _copy(GPU_SAMPLE, os.path.join(dirs["trace"], "run-meta.sqlite"))
     conn = sqlite3.connect(path)
     for k, v in meta.items():
         conn.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (k, to_json(v)))
@@ -301,14 +301,14 @@ def test_run_header_shows_the_run_meta(dirs):
             assert f">{label}</span> <span class=\"v\">{value}</span>" in header, (page, label, value)
     # A run recorded before the header's fields existed: the sample's meta without them
     # (and a model path with no config.json to fall back on).
-    old_meta = {k: v for k, v in _meta(H200_SAMPLE).items() if k not in ("device_name", "kv_cache_bytes_per_block")}
+    old_meta = {k: v for k, v in _meta(GPU_SAMPLE).items() if k not in ("device_name", "kv_cache_bytes_per_block")}
     old_meta["model"] = "/nowhere/SmolLM2-135M-Instruct"
     old_meta["config"] = {**old_meta["config"], "scheduler_config": {
         k: v for k, v in old_meta["config"]["scheduler_config"].items() if k != "async_scheduling"}}
     old = {label: value for label, value, _ in header_fields(old_meta)}
     assert old["async scheduling"] is None and old["KV blocks"] == f"24 (MB {NOT_RECORDED})"
     from vllm_anatomy.tracing.reader import open_run
-    with open_run(H200_SAMPLE) as run:     # an older run: the block size from its worker snapshot
+    with open_run(GPU_SAMPLE) as run:     # an older run: the block size from its worker snapshot
         mr = run.snapshot(run.steps()[0], "model_runner")
     kv = dict((label, value) for label, value, _ in header_fields(old_meta, None, mr))["KV blocks"]
     assert kv == "24 (8.44 MB)"            # 2 x 30 layers x 3 heads x 64 x 16 tokens x 2 bytes x 24

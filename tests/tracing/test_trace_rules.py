@@ -21,8 +21,8 @@ from vllm_anatomy.tracing.trace_check import (WARN_DISABLED, WARN_DUPLICATE, cal
 
 SAMPLES = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "..", "samples", "*.sqlite")))
 # The command that records each shipped sample again (GPU ones on the device).
-RECORD = {"h200-smollm2-full.sqlite": "python scripts/record_sample_run.py --processes 1",
-          "h200-smollm2-full-3proc.sqlite": "python scripts/record_sample_run.py --processes 3",
+RECORD = {"h100-smollm2-full.sqlite": "python scripts/record_sample_run.py --processes 1",
+          "h100-smollm2-full-3proc.sqlite": "python scripts/record_sample_run.py --processes 3",
           "cpu-smollm2-tp3-full.sqlite": "python scripts/record_sample_run.py --tp 3"}
 
 
@@ -137,8 +137,8 @@ def test_shipped_sample(path):
         recorded_before = not any(k.startswith("resource.") for k in run.meta)
     # The exporter's side holds for every run, old or new: no Perfetto track overlaps, flows bound.
     assert report.perfetto_overlaps == 0 and report.perfetto_unbound_flows == 0, report
-    if recorded_before:
-        pytest.xfail(f"{name} was recorded before the trace shape of issue 30 ({report.spans} spans: "
+    # (every shipped sample was re-recorded since issue 30: the GPU ones on an H100, 2026-12-06)
+    assert not recorded_before, (f"{name} was recorded before the trace shape of issue 30 ({report.spans} spans: "
                      f"{report.jaeger_warnings} Jaeger warnings, {report.strict_violations} spans outside their "
                      f"parent, {report.single_span_traces} single-span traces, {report.other_traces} traces "
                      f"of no request, step or start-up); re-record it: {RECORD.get(name, 'scripts/record_sample_run.py')}")
