@@ -70,3 +70,32 @@ def test_cpu_smoke_run_writes_both_servers(tmp_path):
         assert r["ttft_ms"]["p99"] >= r["ttft_ms"]["p50"] > 0
     assert result["verdict"]["complete"]
     assert "verdict on cpu" in proc.stdout
+
+
+def test_plot_serve_draws_each_servers_p99s_goodput_and_knee(tmp_path):
+    """bench/plot_serve.py: the series it draws come from the JSON's rows (sorted by rate), servers
+    without rows are left out, and the PNG is written when matplotlib is there."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("plot_serve", os.path.join(BENCH, "plot_serve.py"))
+    plot_serve = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plot_serve)
+
+    def row(rate, ttft, tpot, goodput):
+        return {"offered_rate": rate, "ttft_ms": {"p99": ttft}, "tpot_ms": {"p99": tpot},
+                "goodput_req_per_s": goodput}
+    result = {"device": "X", "workload": {"slo_ttft_ms": 500.0, "slo_tpot_ms": 25.0},
+              "servers": {"vllm": {"knee": 8.0, "rows": [row(16.0, 900.0, 30.0, 2.0), row(8.0, 70.0, 3.0, 7.5)]},
+                          "ours": {"knee": None, "rows": [row(8.0, 40.0, 1.5, 7.8)]},
+                          "broken": {"knee": None, "rows": []}}}
+    got = plot_serve.series(result)
+    assert set(got) == {"vllm", "ours"}
+    assert got["vllm"] == {"rate": [8.0, 16.0], "ttft_ms": [70.0, 900.0], "tpot_ms": [3.0, 30.0],
+                           "goodput_req_per_s": [7.5, 2.0], "knee": [8.0]}
+    assert got["ours"]["knee"] == []
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return                                  # (not a dependency: the PNG is made where it is installed)
+    out = tmp_path / "serve.png"
+    plot_serve.plot(result, str(out))
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
