@@ -13,7 +13,7 @@ LOCK   := requirements.lock
 STAMP  := $(VENV)/.lock-installed
 EDITABLE := $(VENV)/.editable-installed
 
-.PHONY: setup run test test-fast test-latest lock lint typecheck gpu-test download browser clean-venv
+.PHONY: setup run test test-fast test-latest lock lint typecheck gpu-test jaeger-test download browser clean-venv
 
 setup: $(EDITABLE) browser download
 
@@ -77,6 +77,12 @@ typecheck: $(EDITABLE)
 # NOTE: no `setup` here: on a GPU box torch usually comes with its CUDA build.
 gpu-test:
 	python3 -m pytest -q -m gpu -rs tests/gpu tests/kernel_tests tests/unit/test_model_runner.py
+
+# A real Jaeger receives a live three-process run and says, through its own API, what a user sees
+# (tests/tracing/test_jaeger_live.py). Needs a `jaeger` binary on PATH (v1.75.0's all-in-one:
+# `go install github.com/jaegertracing/jaeger/cmd/jaeger@v1.75.0`); skipped, with its reason, without one.
+jaeger-test: setup
+	$(PY) -m pytest -q -rs tests/tracing/test_jaeger_live.py
 
 # The guard for the next upstream break (not in CI's path): the newest versions pyproject.toml's
 # ranges allow, in a venv of their own, through the inner loop. torch stays the CPU 2.13.0 wheel
