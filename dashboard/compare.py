@@ -150,9 +150,10 @@ KNOBS = [
          {"time": "a step can give a request up to K + 1 tokens, so the same text takes fewer steps (rounds); each "
                   "step is longer: it runs the model over K + 1 positions per request and the proposer after "
                   "sampling (the article: 投机解码省轮次但涨每步时间)",
-          "memory": "a rejected draft's KV is written, then num_computed_tokens rolls back and the next step "
-                    "rewrites its slot; allocate_slots reserves K lookahead slots per running request for its "
-                    "drafts, yet requests finish in fewer steps, so how many hold blocks at once decides the peak",
+          "memory": "drafts are scheduled tokens: allocate_slots gives each a KV slot (a draft model also "
+                    "reserves K lookahead slots for its own KV; ngram none); a rejected draft's slot is written, "
+                    "then num_computed_tokens rolls back and the next step rewrites it; requests finish in fewer "
+                    "steps, so how many hold blocks at once decides the peak",
           "communication": "collectives are per step: fewer steps, fewer all-reduces (each over more tokens)",
           "cpu": "the control plane is paid per step: fewer steps, less of it in all, though each schedules "
                  "the drafts too",

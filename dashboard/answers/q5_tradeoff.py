@@ -70,7 +70,8 @@ def spec_tradeoff(compare_dir: str) -> dict | None:
         return None
     rounds = b["steps_per_token"] / a["steps_per_token"] - 1
     per_step = b["step_ms"] / a["step_ms"] - 1
-    sentence = (f"{ARTICLE} — measured in the shipped pair (recorded on {pair['device']}: the same {b['requests']} "
+    sentence = (f"{ARTICLE} (speculative decoding saves rounds but makes each step longer). In the shipped "
+                f"pair (recorded on {pair['device']}: the same {b['requests']} "
                 f"copy prompts, greedy), speculative decoding ({spec_text(pair['b']['value'])}) took engine steps per "
                 f"output token from {a['steps_per_token']:.3f} to {b['steps_per_token']:.3f} ({rounds:+.0%}: "
                 f"{a['steps']} → {b['steps']} steps for {b['output_tokens']} tokens) while the median step "

@@ -123,7 +123,7 @@ def _pair_form() -> None:
                    "than a small batch admits), first with A, then with B: one run after the other, so they do not "
                    "share the cores.")
     if not knob.available:
-        st.info("Speculative decoding is not in this engine yet: when it lands, it becomes a knob here "
+        st.info(f"{knob.label} is not in this engine yet: when it lands, it becomes a knob here "
                 "(dashboard/compare.py: KNOBS).", icon=":material/schedule:")
         return
     if knob.needs_gpu and not on_gpu:

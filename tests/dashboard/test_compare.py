@@ -97,7 +97,7 @@ def test_the_speculation_sentence_names_both_sides_of_the_trade():
                                     "median 100 ms → 115 ms (+15%)") and "投机解码省轮次但涨每步时间" in lines["time"]
     assert lines["request"].startswith("tokens a request gains per step it decodes (mean acceptance length) "
                                        "1.00 tokens → 3.00 tokens (+200%)")
-    assert "0 slots → 20 slots" in lines["memory"] and "lookahead" in lines["memory"]
+    assert "0 slots → 20 slots" in lines["memory"] and "allocate_slots" in lines["memory"]
 
 
 @pytest.mark.model
@@ -185,3 +185,25 @@ def test_the_shipped_spec_pair_saves_rounds_and_keeps_the_greedy_text():
     assert a["tokens"] == b["tokens"] == sum(map(len, ta.values()))
     assert b["steps"] / b["tokens"] < 0.85 * a["steps"] / a["tokens"]     # fewer rounds per token
     assert a["drafts"] == 0 and b["drafts"] > 0 and 0 < b["accepted"] <= b["drafts"]
+
+
+def test_the_form_offers_speculative_decoding(tmp_path):
+    """Start a pair → speculative decoding: A off, B ngram K = 3 (prompt lookup 2–4), the copy workload named,
+    and the start button enabled (the knob is no longer a placeholder)."""
+    from streamlit.testing.v1 import AppTest
+
+    from tests.dashboard.conftest import APP
+    os.environ["VLLM_ANATOMY_TRACE_DIR"] = str(tmp_path)
+    os.environ["VLLM_ANATOMY_SAMPLES_DIR"] = str(tmp_path)
+    at = AppTest.from_file(APP, default_timeout=120)
+    at.query_params.update({"page": "compare"})
+    at.run()
+    at.radio(key="cmp_mode").set_value("Start a pair").run()
+    at.selectbox(key="cmp_knob").set_value("speculative_config").run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert at.selectbox(key="cmp_va_spec").value == "off"
+    assert at.selectbox(key="cmp_vb_spec").value == "ngram, K = 3, prompt lookup 2–4"
+    assert "off" in at.selectbox(key="cmp_vb_spec").options and len(at.selectbox(key="cmp_vb_spec").options) == 4
+    assert any("copy and edit tasks" in c.value for c in at.caption)
+    assert not at.button(key="cmp_start").disabled
+    assert not [i.value for i in at.info if "not in this engine" in i.value]
