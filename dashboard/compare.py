@@ -4,7 +4,8 @@ run twice with one engine argument changed (a knob); this module reads both runs
 what moved.
 
     KNOBS                        the engine arguments a pair changes, each with what it does and why
-                                 each account moves (speculative decoding: a place kept for it)
+                                 each account moves (and, where the knob trades one metric for another
+                                 inside an account, which metric pays: `cost`)
     knob_of(meta_a, meta_b)      the knob(s) the two runs' configs differ in
     summary(path, steps, reqs)   one run's five accounts, run level (time, memory, communication,
                                  CPU, request): {metric key: value}
@@ -20,11 +21,12 @@ mechanisms the sentences name.
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pandas as pd
 
 from dashboard.answers.source import weight_bytes_of
+from dashboard.scenarios import NGRAM_K3
 from vllm_anatomy.tracing.reader import open_run
 
 ACCOUNTS = ("time", "memory", "communication", "cpu", "request")
@@ -36,6 +38,7 @@ CONTROL_PLANE = ("Scheduler.schedule", "GPUModelRunner._update_states", "GPUMode
 METRICS = [
     ("time", "wall_s", "wall time, first arrival to last finish", "s", True),
     ("time", "steps", "engine steps", "", True),
+    ("time", "steps_per_token", "engine steps per output token (rounds)", "", True),
     ("time", "ttft_ms", "TTFT, median", "ms", True),
     ("time", "tpot_ms", "TPOT (time per output token), mean", "ms", True),
     ("time", "step_ms", "step time, median", "ms", None),
@@ -44,6 +47,7 @@ METRICS = [
     ("memory", "peak_kv_mb", "KV memory at the peak", "MB", None),
     ("memory", "pool_mb", "KV pool", "MB", None),
     ("memory", "weights_mb", "weights (one rank)", "MB", None),
+    ("memory", "rolled_back_slots", "KV slots written by rejected drafts, then rolled back", "slots", True),
     ("communication", "ranks", "tensor-parallel ranks", "", None),
     ("communication", "all_reduces_per_step", "all-reduces per step", "", True),
     ("communication", "all_reduces", "all-reduces, whole run", "", True),
@@ -55,7 +59,12 @@ METRICS = [
     ("request", "hit_tokens", "prefix-cache hit tokens", "tokens", False),
     ("request", "chunked_steps", "steps carrying a partial prefill chunk", "", None),
     ("request", "max_running", "most requests running in one step", "", None),
+    ("request", "acceptance_length", "tokens a request gains per step it decodes (mean acceptance length)",
+     "tokens", False),
+    ("request", "acceptance_rate", "draft tokens accepted", "%", False),
 ]
+# Shown only where one of the two runs speculated (for the other pairs they say nothing).
+SPEC_ONLY = ("rolled_back_slots", "acceptance_length", "acceptance_rate")
 LABEL = {key: label for _, key, label, _, _ in METRICS}
 UNIT = {key: unit for _, key, _, unit, _ in METRICS}
 
@@ -71,6 +80,7 @@ class Knob:
     needs_gpu: bool = False
     values: tuple = ()           # a default pair (a, b) for the "start a pair" form
     available: bool = True       # False: a place kept for a knob that does not exist yet
+    cost: dict = field(default_factory=dict)   # account -> the metric that pays for the lead's gain there
 
 
 KNOBS = [
@@ -131,24 +141,63 @@ KNOBS = [
           "cpu": "every step is broadcast to N ranks over shared memory",
           "request": "unchanged: one scheduler for all ranks"},
          lead=("step_ms", "peak_kv_mb", "all_reduces_per_step", "host_ms_per_step", "requests"), values=(1, 3)),
-    # NOTE: speculative decoding comes from another helper's branch: when it lands, its engine argument gets
-    # a Knob here (why: fewer steps per token, each step longer — "投机解码省轮次但涨每步时间"), and the form
-    # offers it.
+    # NOTE: the article's own example of one account paid by another: "投机解码省轮次但涨每步时间"
+    # (speculative decoding saves rounds but makes each step longer). Its pair runs copy prompts
+    # (scenarios.SPEC_PAIR_WORKLOAD), where prompt lookup finds drafts; `cost` names the step time.
     Knob("speculative_config", "speculative_config", "speculative decoding",
-         "draft tokens verified in one step (not in this engine yet)",
-         {"time": "fewer steps per output token, each step longer (the article: 投机解码省轮次但涨每步时间)"},
-         available=False),
+         "a proposer drafts K tokens per request after each step; the next step verifies them in one forward "
+         "(the rejection sampler keeps the target's tokens, so greedy text is unchanged)",
+         {"time": "a step can give a request up to K + 1 tokens, so the same text takes fewer steps (rounds); each "
+                  "step is longer: it runs the model over K + 1 positions per request and the proposer after "
+                  "sampling (the article: 投机解码省轮次但涨每步时间)",
+          "memory": "drafts are scheduled tokens: allocate_slots gives each a KV slot (a draft model also "
+                    "reserves K lookahead slots for its own KV; ngram none); a rejected draft's slot is written, "
+                    "then num_computed_tokens rolls back and the next step rewrites it; requests finish in fewer "
+                    "steps, so how many hold blocks at once decides the peak",
+          "communication": "collectives are per step: fewer steps, fewer all-reduces (each over more tokens)",
+          "cpu": "the control plane is paid per step: fewer steps, less of it in all, though each schedules "
+                 "the drafts too",
+          "request": "each verified step gives a request 1 + its accepted drafts; prompt lookup drafts only where "
+                     "the text repeats what came before"},
+         lead=("steps_per_token", "rolled_back_slots", "all_reduces", "host_ms", "acceptance_length"),
+         values=(None, NGRAM_K3), cost={"time": "step_ms", "memory": "peak_kv_mb"}),
 ]
 BY_ARG = {k.arg: k for k in KNOBS}
 
 
 def config_value(meta: dict, knob: Knob):
     """The knob's value in a run's meta config (None when the run did not record it)."""
+    if knob.arg == "speculative_config":
+        return spec_value((meta.get("config") or {}).get("speculative_config"))
     cfg = (meta.get("config") or {}).get(knob.section) or {}
     if knob.arg == "enforce_eager":      # recorded as the resolved graph mode
         mode = cfg.get("cudagraph_mode")
         return None if mode is None else mode == "NONE"
     return cfg.get(knob.arg)
+
+
+SPEC_FIELDS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model")
+
+
+def spec_value(sc: dict | None) -> dict | None:
+    """A speculative config (the run meta's, or the knob's own) as the fields that choose the drafts;
+    None: no speculative decoding."""
+    if not sc:
+        return None
+    out = {k: sc.get(k) for k in SPEC_FIELDS if sc.get(k) is not None}
+    if out.get("method") == "ngram":
+        out.pop("model", None)                   # ("ngram": the config's placeholder, not a model)
+    return out
+
+
+def spec_text(v: dict | None) -> str:
+    """"off", "ngram, K = 3, prompt lookup 2–4", "draft model …, K = 3"."""
+    if not v:
+        return "off"
+    k = v.get("num_speculative_tokens")
+    if v.get("method") == "ngram":
+        return f"ngram, K = {k}, prompt lookup {v.get('prompt_lookup_min')}–{v.get('prompt_lookup_max')}"
+    return f"draft model {str(v.get('model') or '?').rstrip('/').split('/')[-1]}, K = {k}"
 
 
 def knob_of(meta_a: dict, meta_b: dict) -> list[tuple[Knob, object, object]]:
@@ -168,7 +217,10 @@ def other_differences(meta_a: dict, meta_b: dict) -> list[str]:
     numbers that follow from it)."""
     ignore = {"trace_dir", "num_gpu_blocks", "model"} | {k.arg for k in KNOBS}
     out = []
+    whole = {k.section for k in KNOBS if k.arg == k.section}      # a section that is itself a knob
     for section in sorted(set(meta_a.get("config") or {}) | set(meta_b.get("config") or {})):
+        if section in whole:
+            continue
         sa = (meta_a.get("config") or {}).get(section) or {}
         sb = (meta_b.get("config") or {}).get(section) or {}
         if not isinstance(sa, dict) or not isinstance(sb, dict):
@@ -206,6 +258,8 @@ def summary(path: str, steps: pd.DataFrame, reqs: list[dict]) -> dict:
         out["tok_s"] = tokens / out["wall_s"] if out["wall_s"] > 0 else None
     out["requests"] = len(done)
     out["steps"] = len(steps)
+    tokens_out = sum(r.get("output_tokens") or 0 for r in done)
+    out["steps_per_token"] = len(steps) / tokens_out if tokens_out else None
     durations = [s.duration_ns / 1e6 for s in step_spans]
     out["step_ms"] = statistics.median(durations) if durations else None
     # memory: blocks held at the peak (usage x usable blocks), and their bytes
@@ -234,6 +288,7 @@ def summary(path: str, steps: pd.DataFrame, reqs: list[dict]) -> dict:
             if s.process_kind != "worker" or not rank0 or s.pid in rank0]
     out["host_ms"] = sum(host)
     out["host_ms_per_step"] = out["host_ms"] / len(steps) if len(steps) else None
+    out.update(spec_counts(step_spans, speculative=bool(cfg.get("speculative_config"))))
     # request
     if not steps.empty:
         out["preemptions"] = int(steps["preempted"].sum())
@@ -241,6 +296,26 @@ def summary(path: str, steps: pd.DataFrame, reqs: list[dict]) -> dict:
         out["chunked_steps"] = int(steps["chunked"].sum())
         out["max_running"] = int(steps["running"].max())
     return out
+
+
+def spec_counts(step_spans, speculative: bool) -> dict:
+    """Speculative decoding's counters, summed over the run's EngineCore.step spans
+    (docs/trace-format.md): the mean acceptance length as vLLM defines it (1 + accepted / drafts: the
+    tokens a request gains per step that verified its drafts), the share of draft tokens accepted, and
+    the rejected ones (their KV slots were written, then rolled back). Without speculation every step
+    gives a decoding request one token: acceptance length 1, nothing rolled back."""
+    if not speculative:
+        return {"acceptance_length": 1.0, "acceptance_rate": None, "rolled_back_slots": 0, "speculative": False}
+    drafts = draft_tokens = accepted = 0
+    for s in step_spans:
+        a = s.attributes
+        drafts += int(a.get("vllm_anatomy.spec_decode.num_drafts") or 0)
+        draft_tokens += int(a.get("vllm_anatomy.spec_decode.num_draft_tokens") or 0)
+        accepted += int(a.get("vllm_anatomy.spec_decode.num_accepted_tokens") or 0)
+    return {"acceptance_length": 1 + accepted / drafts if drafts else None,
+            "acceptance_rate": 100 * accepted / draft_tokens if draft_tokens else None,
+            "rolled_back_slots": draft_tokens - accepted, "speculative": True,
+            "drafts": drafts, "draft_tokens": draft_tokens, "accepted_tokens": accepted}
 
 
 def series(steps: pd.DataFrame, spans_ms: dict[int, float]) -> pd.DataFrame:
@@ -277,6 +352,8 @@ def fmt(v, unit: str = "") -> str:
 def value_text(knob: Knob | None, v) -> str:
     if knob is not None and knob.arg == "enforce_eager" and isinstance(v, bool):
         return "off (eager)" if v else "on"
+    if knob is not None and knob.arg == "speculative_config":
+        return spec_text(spec_value(v))
     return fmt(v)
 
 
@@ -316,7 +393,10 @@ def sentences(a: dict, b: dict, knobs: list[tuple[Knob, object, object]]) -> dic
         text = _move(a, b, lead, moves[lead][1])
         q = quality(lead, moves[lead][0])
         other = [k for k in moves if k != lead and q and quality(k, moves[k][0]) not in (None, q)]
-        if other:
+        cost = knob.cost.get(account) if knob else None
+        if cost in moves and cost != lead:       # the knob's own trade-off inside this account
+            text += f", while {_move(a, b, cost, moves[cost][1])}"
+        elif other:
             k = max(other, key=lambda k: abs(moves[k][1]))
             text += f", while {_move(a, b, k, moves[k][1])}"
         elif biggest != lead and abs(moves[biggest][1]) > abs(moves[lead][1]) + 0.1:

@@ -95,9 +95,35 @@ PAIR_WORKLOAD = {
 }
 
 
+# Speculative decoding's pair needs output that prompt lookup can find in the prompt: copy and edit
+# tasks (the answer repeats the prompt's words), greedy, as bench/spec_decode.py's repetitive workload.
+# The pool and budget are roomy: drafts, not memory pressure or chunking, are what this pair is about.
+SPEC_PAIR_WORKLOAD = {
+    "engine_args": {"max_num_batched_tokens": 512, "num_gpu_blocks_override": 64, "max_model_len": 256,
+                    "max_num_seqs": 8},
+    "max_tokens": 40, "ignore_eos": False,
+    "prompts": [_p(q, i // 2) for i, q in enumerate((
+        "Repeat this sentence exactly: The night train to the coast leaves at nine, stops at every village "
+        "on the way, and reaches the harbour before dawn.",
+        "Copy this list exactly, keeping the commas: red, orange, yellow, green, blue, indigo, violet, "
+        "black, white, grey.",
+        "Repeat after me, word for word: a block table maps each request's logical blocks to physical "
+        "blocks in one shared pool of key and value memory.",
+        "Write this line of Python again, unchanged: total = sum(price * count for price, count in "
+        "zip(prices, counts))"))],
+}
+# The ngram drafts the pair's B side uses by default (bench/spec_decode.py's: K = 3, prompt lookup 2..4).
+NGRAM_K3 = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+
+
+def pair_workload(knob: str) -> dict:
+    """The prompts and engine arguments a pair on `knob` runs (its own for speculative decoding)."""
+    return SPEC_PAIR_WORKLOAD if knob == "speculative_config" else PAIR_WORKLOAD
+
+
 def pair_specs(knob: str, a, b, processes: int = 1) -> tuple[dict, dict]:
     """The pair workload twice, `knob` (an engine argument: components/compare knobs) set to a, then b."""
-    w = PAIR_WORKLOAD
+    w = pair_workload(knob)
     specs = []
     for side, value in (("a", a), ("b", b)):
         spec = build_spec(f"pair:{knob}", w["prompts"], {**w["engine_args"], knob: value}, w["max_tokens"],

@@ -7,7 +7,8 @@ argument changed, each run a small run store at trace level full.
     python scripts/record_compare_pairs.py --only max-num-seqs    # one pair
 
 The workload is the Compare page's own (dashboard/scenarios.py: PAIR_WORKLOAD: a shared system
-prompt, a long prompt arriving mid-run, more requests than a small batch admits, a small KV pool),
+prompt, a long prompt arriving mid-run, more requests than a small batch admits, a small KV pool;
+for speculative decoding SPEC_PAIR_WORKLOAD: copy and edit prompts, where prompt lookup finds drafts),
 driven by the live page's engine loop (dashboard/live_engine.py: drive). Each pair writes
 <device>-<pair>-a.sqlite and -b.sqlite and its entry in pairs.json (title, knob, values, what to look
 at); the run meta says which side of which pair it is. Needs the default model (`vllm-anatomy download`).
@@ -28,7 +29,12 @@ sys.path.insert(0, ROOT)
 # with other work, torch's spinning threads made every step several times slower (OMP_NUM_THREADS overrides).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+from dashboard.scenarios import NGRAM_K3  # noqa: E402  (after the path and thread setup above)
+
 # name -> (knob, a, b, title, what to look at)
+SPEC_PAIR = ("speculative_config", None, NGRAM_K3, "speculative decoding: off vs ngram (K = 3, prompt lookup 2–4)",
+             "投机解码省轮次但涨每步时间: fewer steps per output token, each step longer; the acceptance length; "
+             "the same greedy text")
 CPU_PAIRS = {
     "max-num-seqs": ("max_num_seqs", 2, 8, "batch size: max_num_seqs 2 vs 8",
                      "time falls with fewer, fuller steps; memory and preemptions rise as more requests hold blocks"),
@@ -36,6 +42,7 @@ CPU_PAIRS = {
                    "the long prompt prefills in 4 chunks instead of 1: TTFT, steps, and the decodes beside it"),
     "prefix-caching": ("enable_prefix_caching", False, True, "prefix caching off vs on",
                        "the shared system prompt's blocks: hit tokens, shorter prefills, shared blocks"),
+    "spec-decode": SPEC_PAIR,
 }
 GPU_PAIRS = {
     "async-scheduling": ("async_scheduling", False, True, "async scheduling off vs on",
@@ -43,7 +50,13 @@ GPU_PAIRS = {
     "cuda-graphs": ("enforce_eager", True, False, "CUDA graphs off vs on",
                     "pure-decode steps: one replay instead of ~400 launches from Python"),
     "max-num-seqs": CPU_PAIRS["max-num-seqs"],
+    "spec-decode": SPEC_PAIR,
 }
+
+
+def workload_name(w: dict) -> str:
+    import dashboard.scenarios as sc
+    return next(name for name in ("PAIR_WORKLOAD", "SPEC_PAIR_WORKLOAD") if getattr(sc, name) is w)
 
 
 def device_tag() -> tuple[str, str]:
@@ -77,7 +90,7 @@ def record(spec: dict, trace_dir: str, description: str) -> str:
 
 
 def main() -> None:
-    from dashboard.scenarios import pair_specs
+    from dashboard.scenarios import pair_specs, pair_workload
     ap = argparse.ArgumentParser()
     ap.add_argument("--gpu", action="store_true", help="the GPU pairs (async scheduling, CUDA graphs, batch size)")
     ap.add_argument("--tp", type=int, default=1, help="record tensor_parallel_size 1 vs N")
@@ -105,7 +118,8 @@ def main() -> None:
         spec_a, spec_b = pair_specs(knob, a, b)
         entry = {"name": full, "title": title, "device": device, "knob": knob, "look_at": look,
                  "description": f"{title} on {device}: the Compare page's pair workload (dashboard/scenarios.py: "
-                                f"PAIR_WORKLOAD), recorded by scripts/record_compare_pairs.py. Look at: {look}."}
+                                f"{workload_name(pair_workload(knob))}), greedy, recorded by "
+                                f"scripts/record_compare_pairs.py. Look at: {look}."}
         for side, spec, value in (("a", spec_a, a), ("b", spec_b, b)):
             trace_dir = tempfile.mkdtemp(prefix=f"pair_{full}_{side}_")
             path = record(spec, trace_dir, f"Compare sample, run {side.upper()} of “{title}” ({knob} = {value}).")

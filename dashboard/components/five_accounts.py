@@ -2,13 +2,16 @@
 communication, CPU and request, side by side, computed from the run store
 (dashboard/answers/q5_accounts.py), with why no single number suffices — in the
 run's own values. One function, drawn on the Self-test page and on the Request
-journey page."""
+journey page; on the Self-test page it closes with the article's trade-off
+"投机解码省轮次但涨每步时间" measured in the shipped speculative-decoding pair
+(dashboard/answers/q5_tradeoff.py), with a way to that pair on the Compare page."""
 from __future__ import annotations
 
 import streamlit as st
 
-from dashboard import data
+from dashboard import data, state
 from dashboard.answers.cached import answer
+from dashboard.answers.q5_tradeoff import ARTICLE, spec_pair, spec_tradeoff
 from dashboard.components.nav import link, open_view
 from dashboard.components.run_picker import tp_sample_button
 
@@ -67,6 +70,8 @@ def five_accounts(path: str, request_id: str | None, key: str = "fa", links: boo
                                     for p in f["path"]))
         if f["why"]:
             st.markdown("**Why no single number suffices — on this run:**\n" + "\n".join(f"- {w}" for w in f["why"]))
+        if page == "selftest":
+            tradeoff(key)
         st.caption(" · ".join(a.notes))
         shown = [s for s in a.show_me if s.page != "journey"] if links else []
         if shown:
@@ -75,3 +80,36 @@ def five_accounts(path: str, request_id: str | None, key: str = "fa", links: boo
                 bc[i].button(f"Show me: {s.label} →", key=f"{key}_show_{i}", on_click=open_view,
                              args=(s.page, s.step, s.tab, s.request), help=s.where)
                 bc[i].markdown(f"[{s.where}]({link(s.page, s.step, s.tab, s.request)})")
+
+
+@st.cache_data(max_entries=4, show_spinner=False)
+def _tradeoff(compare_dir: str, versions: tuple) -> dict | None:
+    return spec_tradeoff(compare_dir)
+
+
+def tradeoff(key: str) -> None:
+    """The article's "投机解码省轮次但涨每步时间", quoted with the shipped speculative-decoding pair's numbers,
+    and a way to open that pair on the Compare page (or how to get it, when it is not here)."""
+    d = state.compare_dir()
+    pair = spec_pair(d)
+    t = _tradeoff(d, tuple(data.file_version(pair[p]) for p in ("path_a", "path_b"))) if pair else None
+    if t is None:
+        st.markdown(f"**The article's trade-off, measured:** {ARTICLE} (speculative decoding saves rounds but makes "
+                    "each step longer) — the shipped speculative-decoding pair is not here: start one on the Compare "
+                    "page (Start a pair → speculative decoding), or record it with `python "
+                    "scripts/record_compare_pairs.py --only spec-decode`.")
+        st.page_link("views/compare.py", label="Open the Compare page", icon=":material/compare_arrows:")
+        return
+    st.markdown(f"**The article's trade-off, measured:** {t['sentence']}")
+    c1, c2 = st.columns([2, 5], vertical_alignment="center")
+    c1.button("Show me →", key=f"{key}_spec_pair", on_click=_open_pair, args=(t["pair"],),
+              help="Compare page, the shipped speculative-decoding pair")
+    c2.markdown(f"[{t['title']}]({t['link']}) — opens the Compare page on this pair: the five accounts side by "
+                "side, and both runs' steps aligned")
+
+
+def _open_pair(name: str) -> None:
+    ss = st.session_state
+    ss.cmp_mode, ss.cmp_pair = "A shipped pair", name
+    ss.goto_page = "compare"
+

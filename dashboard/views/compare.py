@@ -111,14 +111,19 @@ def _pair_form() -> None:
     knobs = [k for k in cmp.KNOBS]
     label = {k.arg: k.label + ("" if k.available else " — not in this engine yet")
              + (" — GPU only" if k.needs_gpu and not on_gpu else "") for k in knobs}
-    st.caption("The same prompts twice (a shared system prompt, a long prompt arriving mid-run, more requests than "
-               "a small batch admits), first with A, then with B: one run after the other, so they do not share "
-               "the cores.")
     arg = st.selectbox("Change one knob", [k.arg for k in knobs], key="cmp_knob", format_func=label.get)
     knob = cmp.BY_ARG[arg]
     st.caption(f"`{knob.arg}`: {knob.what}.")
+    if arg == "speculative_config":
+        st.caption("The same prompts twice — copy and edit tasks (the answer repeats the prompt, so prompt lookup "
+                   "finds drafts), greedy — first with A, then with B: one run after the other, so they do not "
+                   "share the cores.")
+    else:
+        st.caption("The same prompts twice (a shared system prompt, a long prompt arriving mid-run, more requests "
+                   "than a small batch admits), first with A, then with B: one run after the other, so they do not "
+                   "share the cores.")
     if not knob.available:
-        st.info("Speculative decoding is not in this engine yet: when it lands, it becomes a knob here "
+        st.info(f"{knob.label} is not in this engine yet: when it lands, it becomes a knob here "
                 "(dashboard/compare.py: KNOBS).", icon=":material/schedule:")
         return
     if knob.needs_gpu and not on_gpu:
@@ -127,7 +132,11 @@ def _pair_form() -> None:
         return
     c1, c2, c3 = st.columns([1, 1, 2])
     a_default, b_default = knob.values
-    if isinstance(a_default, bool):
+    if arg == "speculative_config":
+        names = list(SPEC_CHOICES)
+        a = SPEC_CHOICES[c1.selectbox("A", names, index=0, key="cmp_va_spec")]
+        b = SPEC_CHOICES[c2.selectbox("B", names, index=names.index(cmp.spec_text(b_default)), key="cmp_vb_spec")]
+    elif isinstance(a_default, bool):
         a = c1.selectbox("A", [False, True], index=int(a_default), key=f"cmp_va_{arg}", format_func=lambda v: "on" if v else "off")
         b = c2.selectbox("B", [False, True], index=int(b_default), key=f"cmp_vb_{arg}", format_func=lambda v: "on" if v else "off")
     else:
@@ -145,6 +154,12 @@ def _pair_form() -> None:
         ss.cmp_pair_seen = None
     if ss.get("live_pair") is not None:
         st.fragment(_pair_progress, run_every=1.0)()
+
+
+# The speculative configs the form offers (ngram: prompt lookup 2..4, as bench/spec_decode.py).
+SPEC_CHOICES = {cmp.spec_text(v): v for v in (None, *({"method": "ngram", "num_speculative_tokens": k,
+                                                      "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+                                                     for k in (1, 3, 5)))}
 
 
 def _has_gpu() -> bool:
@@ -192,7 +207,10 @@ def _step_ms(path: str, version: tuple) -> dict[int, float]:
 
 def _table(a: dict, b: dict) -> pd.DataFrame:
     rows = []
+    spec = a.get("speculative") or b.get("speculative")
     for account, key, label, unit, lower in cmp.METRICS:
+        if key in cmp.SPEC_ONLY and not spec:
+            continue
         d, rel = cmp.delta(a.get(key), b.get(key))
         better = "" if d in (None, 0) or lower is None or rel is None or abs(rel) < cmp.NOISE else \
             ("better" if (d < 0) == lower else "worse")

@@ -61,8 +61,43 @@ def test_pair_specs_differ_in_the_knob_alone():
         {k: v for k, v in b["engine_args"].items() if k != "enable_prefix_caching"}
     assert a["engine_args"]["enable_prefix_caching"] is False and b["engine_args"]["enable_prefix_caching"] is True
     assert (a["pair"]["side"], b["pair"]["side"]) == ("a", "b")
-    speculative = cmp.BY_ARG["speculative_config"]
-    assert not speculative.available           # a place kept for it, not offered as if it worked
+
+
+def test_speculative_decoding_is_a_knob_with_its_own_workload():
+    from dashboard.scenarios import NGRAM_K3, PAIR_WORKLOAD, SPEC_PAIR_WORKLOAD
+    knob = cmp.BY_ARG["speculative_config"]
+    assert knob.available and knob.values == (None, NGRAM_K3)
+    a, b = pair_specs("speculative_config", None, NGRAM_K3)
+    assert a["prompts"] == b["prompts"] == SPEC_PAIR_WORKLOAD["prompts"] != PAIR_WORKLOAD["prompts"]
+    assert a["engine_args"]["speculative_config"] is None and b["engine_args"]["speculative_config"] == NGRAM_K3
+    assert {k: v for k, v in a["engine_args"].items() if k != "speculative_config"} == \
+        {k: v for k, v in b["engine_args"].items() if k != "speculative_config"}
+    # the run meta records the resolved SpeculativeConfig (model "ngram", no draft config): the knob reads
+    # the fields that choose the drafts, and the section is not listed again as "also different"
+    on = _meta()
+    on["config"]["speculative_config"] = {**NGRAM_K3, "model": "ngram", "draft_model_config": None}
+    off = _meta()
+    off["config"]["speculative_config"] = None
+    [(k, va, vb)] = cmp.knob_of(off, on)
+    assert k is knob and va is None and vb == NGRAM_K3
+    assert (cmp.value_text(k, va), cmp.value_text(k, vb)) == ("off", "ngram, K = 3, prompt lookup 2–4")
+    assert cmp.other_differences(off, on) == []
+
+
+def test_the_speculation_sentence_names_both_sides_of_the_trade():
+    """Time: the rounds saved, with the step time that pays for them (the knob's `cost`)."""
+    a = {"steps": 40, "steps_per_token": 0.3, "step_ms": 100.0, "acceptance_length": 1.0, "rolled_back_slots": 0,
+         "peak_kv_mb": 10.0}
+    b = {"steps": 28, "steps_per_token": 0.21, "step_ms": 115.0, "acceptance_length": 3.0, "rolled_back_slots": 20,
+         "peak_kv_mb": 9.0}
+    off, on = _meta(), _meta()
+    on["config"]["speculative_config"] = dict(cmp.BY_ARG["speculative_config"].values[1])
+    lines = cmp.sentences(a, b, cmp.knob_of(off, on))
+    assert lines["time"].startswith("engine steps per output token (rounds) 0.300 → 0.210 (-30%), while step time, "
+                                    "median 100 ms → 115 ms (+15%)") and "投机解码省轮次但涨每步时间" in lines["time"]
+    assert lines["request"].startswith("tokens a request gains per step it decodes (mean acceptance length) "
+                                       "1.00 tokens → 3.00 tokens (+200%)")
+    assert "0 slots → 20 slots" in lines["memory"] and "allocate_slots" in lines["memory"]
 
 
 @pytest.mark.model
@@ -96,3 +131,79 @@ def test_the_shipped_pairs_are_listed_with_both_runs():
         for side in ("a", "b"):
             f = os.path.join(COMPARE_DIR, p[side]["file"])
             assert os.path.isfile(f) and os.path.getsize(f) < 2_000_000, f       # small
+
+
+def _shipped_spec_pair():
+    from dashboard.answers.q5_tradeoff import spec_pair
+    pair = spec_pair(COMPARE_DIR)
+    if pair is None:
+        pytest.skip("no speculative-decoding pair shipped")
+    return pair
+
+
+def _greedy_tokens(path: str) -> dict[str, list[int]]:
+    """Each request's output token ids, from the worker's snapshots alone (sampled_token_ids per row, the
+    rows of discarded partial prefills left out), cut at the request span's output token count."""
+    from vllm_anatomy.tracing.reader import open_run
+    out: dict[str, list[int]] = {}
+    with open_run(path) as run:
+        n = {s.request_id: s.attributes["gen_ai.usage.output_tokens"] for s in run.requests()}
+        for i in run.steps():
+            mr = run.snapshot(i, "model_runner") or {}
+            pi = mr.get("prepare_inputs") or {}
+            for j, (r, ids) in enumerate(zip(pi.get("req_ids") or [], mr.get("sampled_token_ids") or [])):
+                if j not in (pi.get("discard_request_indices") or []):
+                    out.setdefault(r, []).extend(ids)
+    return {r: t[:n[r]] for r, t in out.items()}
+
+
+def test_the_shipped_spec_pair_saves_rounds_and_keeps_the_greedy_text():
+    """The shipped pair itself (read with the reader, not the dashboard): the same requests and token ids
+    with and without drafts, fewer engine steps per output token with them, drafts verified and accepted."""
+    import statistics
+
+    from vllm_anatomy.tracing.reader import open_run
+    pair = _shipped_spec_pair()
+    assert pair["a"]["value"] is None and pair["b"]["value"]["method"] == "ngram"
+    runs = {}
+    for side in ("a", "b"):
+        path = pair[f"path_{side}"]
+        assert os.path.getsize(path) <= 1_250_000, path                  # as small as the other samples
+        with open_run(path) as run:
+            spans = run.spans("EngineCore.step")
+            runs[side] = {"steps": len(run.steps()), "meta": run.meta,
+                          "tokens": sum(s.attributes["gen_ai.usage.output_tokens"] for s in run.requests()),
+                          "step_ms": statistics.median(s.duration_ns / 1e6 for s in spans),
+                          "drafts": sum(s.attributes.get("vllm_anatomy.spec_decode.num_draft_tokens", 0) for s in spans),
+                          "accepted": sum(s.attributes.get("vllm_anatomy.spec_decode.num_accepted_tokens", 0)
+                                          for s in spans)}
+    a, b = runs["a"], runs["b"]
+    assert a["meta"]["config"]["speculative_config"] is None
+    assert b["meta"]["config"]["speculative_config"]["num_speculative_tokens"] == 3
+    ta, tb = _greedy_tokens(pair["path_a"]), _greedy_tokens(pair["path_b"])
+    assert len(ta) == 4 and ta == tb                                       # the same greedy tokens
+    assert a["tokens"] == b["tokens"] == sum(map(len, ta.values()))
+    assert b["steps"] / b["tokens"] < 0.85 * a["steps"] / a["tokens"]     # fewer rounds per token
+    assert a["drafts"] == 0 and b["drafts"] > 0 and 0 < b["accepted"] <= b["drafts"]
+
+
+def test_the_form_offers_speculative_decoding(tmp_path):
+    """Start a pair → speculative decoding: A off, B ngram K = 3 (prompt lookup 2–4), the copy workload named,
+    and the start button enabled (the knob is no longer a placeholder)."""
+    from streamlit.testing.v1 import AppTest
+
+    from tests.dashboard.conftest import APP
+    os.environ["VLLM_ANATOMY_TRACE_DIR"] = str(tmp_path)
+    os.environ["VLLM_ANATOMY_SAMPLES_DIR"] = str(tmp_path)
+    at = AppTest.from_file(APP, default_timeout=120)
+    at.query_params.update({"page": "compare"})
+    at.run()
+    at.radio(key="cmp_mode").set_value("Start a pair").run()
+    at.selectbox(key="cmp_knob").set_value("speculative_config").run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert at.selectbox(key="cmp_va_spec").value == "off"
+    assert at.selectbox(key="cmp_vb_spec").value == "ngram, K = 3, prompt lookup 2–4"
+    assert "off" in at.selectbox(key="cmp_vb_spec").options and len(at.selectbox(key="cmp_vb_spec").options) == 4
+    assert any("copy and edit tasks" in c.value for c in at.caption)
+    assert not at.button(key="cmp_start").disabled
+    assert not [i.value for i in at.info if "not in this engine" in i.value]
