@@ -86,7 +86,7 @@ def _strip_body(samples: list[dict], primary: bool) -> None:
                         "(no GPU sample ships with this checkout).")
     _card_three(c3, samples, gpu)
     st.page_link("views/compare.py", label="Trade-offs: compare two runs — the same prompts with one knob changed "
-                 "(batch size, chunk size, prefix caching, async scheduling, CUDA graphs, TP), side by side",
+                 "(batch size, chunk size, prefix caching, async scheduling, CUDA graphs, TP, speculative decoding), side by side",
                  icon=":material/compare_arrows:")
 
 
