@@ -98,9 +98,11 @@ PAIR_WORKLOAD = {
 # Speculative decoding's pair needs output that prompt lookup can find in the prompt: copy and edit
 # tasks (the answer repeats the prompt's words), greedy, as bench/spec_decode.py's repetitive workload.
 # The pool and budget are roomy: drafts, not memory pressure or chunking, are what this pair is about.
+# NOTE: async scheduling off on both sides: with ngram drafts the engine turns it off (as v0.27.1
+# does), so on a GPU, where it is on by default, side A would differ in two knobs.
 SPEC_PAIR_WORKLOAD = {
     "engine_args": {"max_num_batched_tokens": 512, "num_gpu_blocks_override": 64, "max_model_len": 256,
-                    "max_num_seqs": 8},
+                    "max_num_seqs": 8, "async_scheduling": False},
     "max_tokens": 40, "ignore_eos": False,
     "prompts": [_p(q, i // 2) for i, q in enumerate((
         "Repeat this sentence exactly: The night train to the coast leaves at nine, stops at every village "

@@ -130,7 +130,8 @@ def test_the_shipped_pairs_are_listed_with_both_runs():
         assert p["knob"] in cmp.BY_ARG and p["a"]["value"] != p["b"]["value"]
         for side in ("a", "b"):
             f = os.path.join(COMPARE_DIR, p[side]["file"])
-            assert os.path.isfile(f) and os.path.getsize(f) < 2_000_000, f       # small
+            # small (the largest: an eager GPU run, whose every step carries per-kernel device spans)
+            assert os.path.isfile(f) and os.path.getsize(f) < 3_000_000, f
 
 
 def _shipped_spec_pair():
@@ -207,3 +208,14 @@ def test_the_form_offers_speculative_decoding(tmp_path):
     assert any("copy and edit tasks" in c.value for c in at.caption)
     assert not at.button(key="cmp_start").disabled
     assert not [i.value for i in at.info if "not in this engine" in i.value]
+
+
+def test_the_spec_pair_changes_one_knob_on_a_gpu_too():
+    """Speculative decoding runs synchronously (the engine turns async scheduling off for ngram, as
+    v0.27.1): both sides pin async scheduling off, or on a GPU side A would differ in two knobs."""
+    from dashboard.scenarios import NGRAM_K3, pair_specs
+    a, b = pair_specs("speculative_config", None, NGRAM_K3)
+    assert a["engine_args"]["async_scheduling"] is False and b["engine_args"]["async_scheduling"] is False
+    assert a["engine_args"]["speculative_config"] is None and b["engine_args"]["speculative_config"] == NGRAM_K3
+    assert {k: v for k, v in a["engine_args"].items() if k != "speculative_config"} == \
+        {k: v for k, v in b["engine_args"].items() if k != "speculative_config"}
