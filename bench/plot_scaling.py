@@ -68,16 +68,21 @@ def plot(result: dict, out: str) -> None:
     plt.close(fig)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("json", nargs="?", default="bench/results/scaling_h200.json")
+def json_to_png(draw, default_json: str, description: str) -> None:
+    """The command line of a bench plot: `[JSON] [--out PNG]`, draw(result, out) writes the PNG."""
+    ap = argparse.ArgumentParser(description=description.split("\n\n")[0])
+    ap.add_argument("json", nargs="?", default=default_json)
     ap.add_argument("--out", help="the PNG (default: the JSON's path with .png)")
     args = ap.parse_args()
     with open(args.json) as f:
         result = json.load(f)
     out = args.out or os.path.splitext(args.json)[0] + ".png"
-    plot(result, out)
+    draw(result, out)
     print(f"wrote {out}")
+
+
+def main() -> None:
+    json_to_png(plot, "bench/results/scaling_h200.json", __doc__)
 
 
 if __name__ == "__main__":

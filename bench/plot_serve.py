@@ -12,10 +12,6 @@ ringed.
 """
 from __future__ import annotations
 
-import argparse
-import json
-import os
-
 COLORS = {"ours": "tab:blue", "vllm": "tab:orange"}
 LABELS = {"ours": "vllm_anatomy serve", "vllm": "vllm serve"}
 PANELS = (("ttft_ms", "p99 TTFT (ms)", "slo_ttft_ms"), ("tpot_ms", "p99 TPOT (ms)", "slo_tpot_ms"),
@@ -79,16 +75,8 @@ def plot(result: dict, out: str) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("json", nargs="?", default=os.path.join(os.path.dirname(__file__), "results",
-                                                            "serve_vs_vllm_h100.json"))
-    ap.add_argument("--out", default=None, help="default: the JSON's path with .png")
-    args = ap.parse_args()
-    with open(args.json) as f:
-        result = json.load(f)
-    out = args.out or os.path.splitext(args.json)[0] + ".png"
-    plot(result, out)
-    print(f"wrote {out}")
+    from plot_scaling import json_to_png        # (bench/ is on sys.path when a bench script runs)
+    json_to_png(plot, "bench/results/serve_vs_vllm_h100.json", __doc__)
 
 
 if __name__ == "__main__":
