@@ -57,13 +57,11 @@ from typing import TYPE_CHECKING, Any
 
 from vllm_anatomy.engine.protocol import EngineCoreEvent, EngineCoreEventType, EngineCoreRequest
 from vllm_anatomy.tracing.recorder import _NULL_SPAN, Recorder, SpanHandle
+from vllm_anatomy.tracing.span_names import PARENT_REQUEST_SPAN, REQUEST_SPAN
 
 if TYPE_CHECKING:
     from vllm_anatomy.engine.parallel_sampling import ParentRequest
     from vllm_anatomy.sampling_params import SamplingParams
-
-# The span of an n > 1 request as a whole (its children are llm_request spans).
-PARENT_REQUEST_SPAN = "ParentRequest"
 
 # Engine events turned into span events (QUEUED is recorded by the frontend itself).
 _ENGINE_EVENTS = {EngineCoreEventType.SCHEDULED: "SCHEDULED", EngineCoreEventType.PREEMPTED: "PREEMPTED"}
@@ -124,7 +122,7 @@ class RequestTracer:
             record = self.parents.get(parent.request_id) or self._open_parent(request, parent)
             attrs["vllm_anatomy.parent_request_id"] = parent.request_id
             attrs["vllm_anatomy.child_index"] = index
-            span = self.recorder.start_span("llm_request", kind="server", parent=record.span, **attrs)
+            span = self.recorder.start_span(REQUEST_SPAN, kind="server", parent=record.span, **attrs)
             span.add_event("QUEUED")
             record.num_added += 1
             record.num_open += 1
@@ -133,7 +131,7 @@ class RequestTracer:
             span = admitted
             span.set_attributes(attrs)
         else:
-            span = self.recorder.start_span("llm_request", trace_headers=request.trace_headers,
+            span = self.recorder.start_span(REQUEST_SPAN, trace_headers=request.trace_headers,
                                             kind="server", **attrs)
             span.add_event("QUEUED")
         request.trace_headers = span.trace_headers()
@@ -291,7 +289,7 @@ class _Admission:
     def __enter__(self) -> SpanHandle:
         tracer = self.tracer
         attrs: dict[str, Any] = {"vllm_anatomy.request_id": self.request_id}
-        name = PARENT_REQUEST_SPAN if isinstance(self.n, int) and self.n > 1 else "llm_request"
+        name = PARENT_REQUEST_SPAN if isinstance(self.n, int) and self.n > 1 else REQUEST_SPAN
         self.span = span = tracer.recorder.start_span(name, trace_headers=self.trace_headers,
                                                       kind="server", root=not self.trace_headers, **attrs)
         span.add_event("QUEUED")

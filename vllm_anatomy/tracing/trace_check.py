@@ -42,13 +42,12 @@ import sys
 from collections import defaultdict
 from typing import Any, Iterable
 
+# (an n > 1 request's ParentRequest span is over its children's llm_request spans)
+from vllm_anatomy.tracing.span_names import REQUEST_SPAN, REQUEST_SPANS
+
 # What a trace is, by its roots (spans without a parent).
 STEP_ROOT = "EngineCore.step"
 STARTUP_ROOT = "EngineCore.__init__"
-REQUEST_SPAN = "llm_request"
-# An n > 1 request's span, over its children's llm_request spans (tracing/request_tracer.py).
-PARENT_REQUEST_SPAN = "ParentRequest"
-REQUEST_SPANS = (REQUEST_SPAN, PARENT_REQUEST_SPAN)
 
 WARN_DUPLICATE = "duplicate span IDs; skipping clock skew adjustment"
 WARN_MISSING_PARENT = "parent span ID={} is not in the trace; skipping clock skew adjustment"

@@ -59,7 +59,7 @@ class _Builder:
 
     def __init__(self, run) -> None:
         from vllm_anatomy.tracing.exporters import process_key
-        from vllm_anatomy.tracing.trace_check import REQUEST_SPAN
+        from vllm_anatomy.tracing.span_names import REQUEST_SPAN
         self.key = process_key
         self.spans = run.spans()
         self.steps = list(run.snapshots("step"))
