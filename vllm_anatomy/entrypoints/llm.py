@@ -22,7 +22,7 @@ from __future__ import annotations
 import itertools
 import time
 import weakref
-from typing import Sequence
+from typing import Any, Sequence
 
 import msgspec
 from tqdm.auto import tqdm
@@ -96,7 +96,7 @@ class LLM:
         self._validate_and_add_requests(prompts, params_list, priorities)
         return self._run_engine(len(prompts), use_tqdm)
 
-    def _validate_and_add_requests(self, prompts: list[PromptType], params_list: list[SamplingParams],
+    def _validate_and_add_requests(self, prompts: Sequence[PromptType | Any], params_list: list[SamplingParams],
                                    priorities: Sequence[int]) -> None:
         """Tokenize and validate every prompt, then add them all; if one is refused, none stays.
 
