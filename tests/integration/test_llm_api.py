@@ -1,5 +1,7 @@
 """The offline API's contract on the real default model: sampling options, bad
 input (clear errors, nothing lost), aborts and stop strings free every block."""
+import itertools
+
 import pytest
 
 from vllm_anatomy import LLM, SamplingParams
@@ -77,6 +79,59 @@ def test_prompt_too_long_raises_and_loses_nothing(llm):
         llm.generate(["Hello", long_prompt], SamplingParams(max_tokens=4), use_tqdm=False)
     # The valid prompt of the refused batch was not started either.
     assert not llm.llm_engine.has_unfinished_requests() and _no_blocks_held(llm)
+
+
+def _next_request_id(llm) -> int:
+    """The id generate() will give its next prompt (LLM numbers them), without using it up."""
+    first = next(llm.request_counter)
+    llm.request_counter = itertools.count(first)
+    return first
+
+
+@pytest.mark.parametrize("refusal", ["duplicate id", "ctrl-c"])
+def test_a_refused_add_aborts_what_this_generate_added(llm, monkeypatch, refusal):
+    """The third prompt is refused when it is added (its id is someone else's, or Ctrl-C
+    lands in the add): the two prompts added before it (the first with n=2) are aborted,
+    nothing stays held, another caller's request is untouched, and the next generate()
+    returns exactly its own outputs. (Before: they stayed in the engine, ran at the next
+    generate() and came back among its outputs.)"""
+    engine = llm.llm_engine
+    sp = SamplingParams(temperature=0, max_tokens=8)
+    prompts = ["Hello, my name is", "The sky is", "Once upon a time"]
+    params = [SamplingParams(n=2, temperature=0.8, max_tokens=8), sp, sp]
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts[1:], sp, use_tqdm=False)]
+    other_prompt = {"prompt_token_ids": llm.get_tokenizer().encode("Bees make honey")}
+    other_expected = llm.generate(other_prompt, sp, use_tqdm=False)[0].outputs[0].token_ids
+    first = _next_request_id(llm)
+    other = str(first + 2) if refusal == "duplicate id" else "other"
+    engine.add_request(other, other_prompt, sp)            # another caller's request, added by hand
+    if refusal == "duplicate id":
+        error: type[BaseException] = ValueError            # generate()'s third id is taken
+    else:
+        error, add = KeyboardInterrupt, engine.engine_core_client.add_request
+        calls = itertools.count(1)
+
+        def interrupted_add(request):
+            if next(calls) == 4:                           # the two children of prompt 0, prompt 1, then 2
+                raise KeyboardInterrupt
+            add(request)
+        monkeypatch.setattr(engine.engine_core_client, "add_request", interrupted_add)
+    with pytest.raises(error):
+        llm.generate(prompts, params, use_tqdm=False)
+    monkeypatch.undo()
+    sched = engine.engine_core.scheduler
+    assert list(engine.output_processor.request_states) == [other] and not engine.output_processor.parent_requests
+    assert list(sched.requests) == [other] and engine.get_num_unfinished_requests() == 1
+    finished = {}
+    while engine.has_unfinished_requests():                # the other request runs on, alone
+        finished.update({o.request_id: o for o in engine.step()})
+    assert list(finished) == [other] and finished[other].outputs[0].token_ids == other_expected
+    outs = llm.generate(prompts[1:], sp, use_tqdm=False)
+    assert [o.request_id for o in outs] == [str(first + 3), str(first + 4)]
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    engine.step()                                          # (tells the worker the last ones finished)
+    assert _no_blocks_held(llm)
+    assert not engine.engine_core.model_executor.driver_worker.model_runner.input_batch.req_id_to_index
 
 
 @pytest.mark.parametrize("prompt, err", [("", ValueError), ({"prompt_token_ids": []}, ValueError),

@@ -6,6 +6,7 @@ steps, engine death (EngineDeadError, no hang) and a shutdown that leaves no chi
 """
 from __future__ import annotations
 
+import itertools
 import multiprocessing
 import os
 import signal
@@ -122,6 +123,47 @@ def test_a_request_the_engine_refuses_fails_alone(mp_llm, inproc):
             finished[out.request_id] = out
     assert finished["bad"].outputs[0].finish_reason == "error" and finished["bad"].outputs[0].token_ids == []
     assert finished["good"].outputs[0].token_ids == expected
+
+
+@pytest.mark.parametrize("refusal", ["duplicate id", "ctrl-c"])
+def test_a_refused_add_aborts_what_this_generate_added(mp_llm, inproc, monkeypatch, refusal):
+    """generate([p0 (n=2), p1, p2]) whose p2 is refused when added (its id is taken, or
+    Ctrl-C lands in the add): p0's children and p1 are aborted in this process and in
+    the engine's, another caller's request runs on, and the next generate() returns
+    exactly its own outputs (before: they stayed, and came back from the next call)."""
+    engine = mp_llm.llm_engine
+    prompts = chats(mp_llm)[:3]
+    params = [SamplingParams(n=2, temperature=0.8, max_tokens=12), greedy(), greedy()]
+    expected = [o.outputs[0].token_ids for o in inproc.generate(prompts[1:], greedy(), use_tqdm=False)]
+    other_expected = inproc.generate(chats(inproc)[3], greedy(), use_tqdm=False)[0].outputs[0].token_ids
+    first = next(mp_llm.request_counter)
+    mp_llm.request_counter = itertools.count(first)
+    other = str(first + 2) if refusal == "duplicate id" else "other"
+    engine.add_request(other, chats(mp_llm)[3], greedy())    # another caller's request, added by hand
+    error: type[BaseException] = ValueError                  # generate()'s third id is taken
+    if refusal == "ctrl-c":
+        error, add, calls = KeyboardInterrupt, engine.engine_core_client.add_request, itertools.count(1)
+
+        def interrupted_add(request):
+            if next(calls) == 4:                             # p0's two children, p1, then p2
+                raise KeyboardInterrupt
+            add(request)
+        monkeypatch.setattr(engine.engine_core_client, "add_request", interrupted_add)
+    with pytest.raises(error):
+        mp_llm.generate(prompts, params, use_tqdm=False)
+    monkeypatch.undo()
+    assert list(engine.output_processor.request_states) == [other] and not engine.output_processor.parent_requests
+    # (the ABORT was sent before this call: the engine process answers it in order)
+    assert engine.engine_core_client.call_utility("get_num_unfinished_requests") <= 1
+    finished = {}
+    while engine.has_unfinished_requests():                  # the other request runs on, alone
+        finished.update({o.request_id: o for o in engine.step()})
+    assert list(finished) == [other] and finished[other].outputs[0].token_ids == other_expected
+    outs = mp_llm.generate(prompts[1:], greedy(), use_tqdm=False)
+    assert [o.request_id for o in outs] == [str(first + 3), str(first + 4)]
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    stats = engine.engine_core_client.get_scheduler_stats()
+    assert stats.num_running_reqs == stats.num_waiting_reqs == 0 and stats.kv_cache_usage == 0
 
 
 def test_structured_output(mp_llm, inproc):

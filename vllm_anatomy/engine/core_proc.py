@@ -15,6 +15,7 @@ The client side (SyncMPClient, AsyncMPClient) is engine/core_client_mp.py.
 """
 from __future__ import annotations
 
+import enum
 import faulthandler
 import functools
 import logging
@@ -22,9 +23,10 @@ import os
 import queue
 import shutil
 import signal
+import socket
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import msgspec
 import zmq
@@ -48,8 +50,42 @@ _SHUTDOWN = "SHUTDOWN"                       # the parent process is gone
 _INPUT_THREAD_FAILED = "INPUT_THREAD_FAILED"
 # vLLM: EngineCoreRequestType.EXECUTOR_FAILED, put by the executor's failure callback.
 _EXECUTOR_FAILED = "EXECUTOR_FAILED"
+# vLLM: EngineCoreRequestType.WAKEUP: wakes an idle busy loop (here: to see a shutdown request).
+_WAKEUP = "WAKEUP"
 # How often the input thread wakes up to check for shutdown / a dead parent.
 _POLL_TIMEOUT_MS = 200
+
+
+class EngineShutdownState(enum.Enum):
+    """vLLM's v1/engine EngineShutdownState: where the busy loop is in leaving."""
+    RUNNING = enum.auto()
+    REQUESTED = enum.auto()        # SIGTERM came; seen at the busy loop's next turn
+    SHUTTING_DOWN = enum.auto()    # requests aborted; the steps in flight finish, then it exits
+
+
+def _watch_sigterm(on_sigterm: Callable[[], Any]) -> None:
+    """Call `on_sigterm` on a thread of its own each time SIGTERM arrives.
+
+    NOTE: a Python signal handler runs on the main thread, and only once that
+    thread runs Python code again: the kernel may hand the signal to any other
+    thread (ZMQ's, the tracer's, torch's), and an idle busy loop blocked in
+    input_queue.get() then never wakes to run it (seen here, with the handler
+    alone: an idle engine slept through SIGTERM until the SIGKILL). Python also writes the number of every signal that has
+    a Python handler to the wakeup fd, from whichever thread took it; this
+    thread reads it there. (vLLM wakes its busy loop from a SignalCallback thread.)
+    Call from the main thread, after installing a Python handler for SIGTERM.
+    """
+    reader, writer = socket.socketpair()
+    writer.setblocking(False)
+    signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+
+    def watch() -> None:
+        # (the thread holds `writer`: collected, it would close the fd Python writes to)
+        while writer.fileno() >= 0 and (data := reader.recv(64)):
+            if signal.SIGTERM in data:
+                on_sigterm()
+
+    threading.Thread(target=watch, name="EngineCoreSignalWatcher", daemon=True).start()
 
 
 def _remove_orphaned_ipc_dir(ipc_dir: str | None) -> None:
@@ -80,9 +116,10 @@ class EngineCoreProc(EngineCore):
     index), no data-parallel coordinator, no eager aborts queue (an abort
     waits for the step in progress; its in-flight output is then skipped).
 
-    Lifecycle: the frontend owns it. SIGTERM ends the process at once (vLLM's
+    Lifecycle: the frontend owns it. SIGTERM asks the busy loop to stop (vLLM's
     shutdown_timeout=0 "abort" mode: the frontend has already drained or
-    failed the requests it cares about); SIGINT is ignored, since a terminal's
+    failed the requests it cares about): at its next turn it aborts every
+    request, finishes the steps in flight and returns; SIGINT is ignored, since a terminal's
     Ctrl-C reaches the whole process group and the frontend decides. A worker
     that dies, even while the engine is idle, wakes the busy loop through the
     executor's failure callback, and the engine exits with ENGINE_CORE_DEAD.
@@ -107,6 +144,7 @@ class EngineCoreProc(EngineCore):
         self.engine_index = engine_index
         self._parent_pid = os.getppid()
         self._shutdown_event = threading.Event()
+        self.shutdown_state = EngineShutdownState.RUNNING
         self.ctx = zmq.Context()
         cfg = vllm_config
         assert cfg.cache_config.num_gpu_blocks is not None      # sized by EngineCore.__init__
@@ -125,20 +163,32 @@ class EngineCoreProc(EngineCore):
         """Target of the spawned process: build the core, loop until told to stop."""
         logging.basicConfig(level=os.environ.get("VLLM_ANATOMY_LOG_LEVEL", "WARNING"))
         shutdown_requested = False
+        engine_core: EngineCoreProc | None = None
 
         def signal_handler(signum, frame):
             nonlocal shutdown_requested
-            # NOTE: SystemExit unwinds the busy loop (even from a blocking
-            # queue.get()) into the finally below; only raise it once.
+            if engine_core is not None:
+                # NOTE: the busy loop runs: _watch_sigterm's thread asks it to stop
+                # at its next turn, between steps. An exception raised here could
+                # land anywhere in a step (half a span tree exported, its
+                # EngineCore.step root never ended).
+                return
+            # NOTE: still starting: SystemExit unwinds the start-up into the
+            # finally below; only raise it once.
             if not shutdown_requested:
                 shutdown_requested = True
                 raise SystemExit()
 
         signal.signal(signal.SIGTERM, signal_handler)
+
+        def on_sigterm() -> None:      # (on _watch_sigterm's thread)
+            if engine_core is not None:
+                engine_core.request_shutdown()
+
+        _watch_sigterm(on_sigterm)
         # NOTE: Ctrl-C reaches every process of the terminal's group; only the
         # frontend acts on it (drain, then SIGTERM here). Workers inherit this.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        engine_core = None
         parent_pid = os.getppid()
         # This process' own recorder, attached to the frontend's run store.
         recorder = make_recorder(kwargs["vllm_config"], "engine_core", run_path=kwargs.pop("run_path", None),
@@ -170,14 +220,36 @@ class EngineCoreProc(EngineCore):
 
     # -- the busy loop (main thread) --------------------------------------------------
     def run_busy_loop(self) -> None:
-        """Core busy loop: take in requests, step, hand outputs to the output thread."""
-        while True:
+        """Core busy loop: take in requests, step, hand outputs to the output thread;
+        return once a shutdown was requested and the steps in flight are done."""
+        while self._handle_shutdown():
             self._process_input_queue()
             self._process_engine_step()
 
+    def request_shutdown(self) -> None:
+        """Ask the busy loop to stop after the step in progress (from any thread but
+        a signal handler: it puts on input_queue, whose lock the main thread may hold)."""
+        if self.shutdown_state == EngineShutdownState.RUNNING:
+            self.shutdown_state = EngineShutdownState.REQUESTED
+        self.input_queue.put_nowait((_WAKEUP, None))       # (an idle loop waits on the queue)
+
+    def _handle_shutdown(self) -> bool:
+        """False once the loop may end (vLLM's abort mode, shutdown_timeout 0).
+
+        NOTE: checked between steps only, so a step is either complete or never
+        started: every request is aborted, then the loop runs until no work is
+        left (the step that tells the workers, the async steps already launched),
+        each step ending, and its trace with it, as usual."""
+        if self.shutdown_state == EngineShutdownState.RUNNING:
+            return True
+        if self.shutdown_state == EngineShutdownState.REQUESTED:
+            self.abort_requests(list(self.scheduler.requests))
+            self.shutdown_state = EngineShutdownState.SHUTTING_DOWN
+        return self.has_work()
+
     def _process_input_queue(self) -> None:
         # NOTE: with nothing to do, block on the queue: an idle engine uses no CPU.
-        while not self.has_work():
+        while not self.has_work() and self.shutdown_state == EngineShutdownState.RUNNING:
             self._handle_client_request(*self.input_queue.get())
         while not self.input_queue.empty():
             self._handle_client_request(*self.input_queue.get_nowait())
@@ -192,7 +264,13 @@ class EngineCoreProc(EngineCore):
             time.sleep(0.001)   # requests wait for blocks: don't spin at 100 % CPU
 
     def _handle_client_request(self, request_type: Any, request: Any) -> None:
+        if request_type == _WAKEUP:
+            return
         if request_type == EngineCoreRequestType.ADD:
+            if self.shutdown_state != EngineShutdownState.RUNNING:
+                # (vLLM's _reject_add_in_shutdown; the frontend that sent it is stopping)
+                logger.debug("Shutting down: request %s not added.", request.request_id)
+                return
             try:
                 self.add_request(request)
             except ValueError as e:   # e.g. a duplicate id: refuse it, keep serving
@@ -201,8 +279,8 @@ class EngineCoreProc(EngineCore):
             self.abort_requests(request)
         elif request_type == EngineCoreRequestType.UTILITY:
             self.output_queue.put_nowait((EngineCoreOutputType.UTILITY, self._call_utility(request)))
-        elif request_type == _SHUTDOWN:
-            raise SystemExit("parent process exited")
+        elif request_type == _SHUTDOWN:      # the parent process exited: nobody to serve
+            self.request_shutdown()
         elif request_type == _INPUT_THREAD_FAILED:
             raise RuntimeError("EngineCore input thread failed") from request
         elif request_type == _EXECUTOR_FAILED:

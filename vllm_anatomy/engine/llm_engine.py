@@ -201,7 +201,13 @@ class LLMEngine:
 
     def shutdown(self, timeout: float | None = None) -> None:
         """Stop the engine (an engine process: SIGTERM, then SIGKILL after `timeout` s;
-        its sockets and temp dir removed) and flush our recorder. Safe to call twice."""
+        its sockets and temp dir removed) and flush our recorder. Safe to call twice.
+
+        NOTE: requests still unfinished are aborted here first, so their
+        `llm_request` spans end (finish reason "abort") and are exported: the
+        spans already exported under them (tokenizing, the ZMQ hop, the
+        engine's add) keep their parent. The engine aborts its own on SIGTERM."""
+        self.output_processor.abort_requests(list(self.output_processor.request_states))
         self.engine_core_client.shutdown(timeout)
         if self._owns_recorder:
             self.recorder.shutdown()

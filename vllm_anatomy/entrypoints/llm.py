@@ -22,7 +22,7 @@ from __future__ import annotations
 import itertools
 import time
 import weakref
-from typing import Sequence
+from typing import Any, Sequence
 
 import msgspec
 from tqdm.auto import tqdm
@@ -93,22 +93,41 @@ class LLM:
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"The lengths of prompts ({len(prompts)}) and priority ({len(priority)}) must be the same.")
         priorities = priority if priority is not None else [0] * len(prompts)
-        # NOTE: tokenize and validate every prompt before adding any, so a bad one loses nothing.
+        self._validate_and_add_requests(prompts, params_list, priorities)
+        return self._run_engine(len(prompts), use_tqdm)
+
+    def _validate_and_add_requests(self, prompts: Sequence[PromptType | Any], params_list: list[SamplingParams],
+                                   priorities: Sequence[int]) -> None:
+        """Tokenize and validate every prompt, then add them all; if one is refused, none stays.
+
+        NOTE: (ours) every prompt is checked before any is added, so a bad one
+        (too long, bad parameters) loses nothing. What can still fail is the add
+        itself: a request id already in use, a dead engine, Ctrl-C halfway
+        through a long batch. Then, as vLLM's _render_and_add_requests does,
+        the requests this call already added are aborted (their blocks freed,
+        their state gone from the frontend and the engine) before the error is
+        raised: otherwise they would run on, held in the engine, and their
+        outputs would come back from the next generate() call.
+        """
         engine = self.llm_engine
         processed: list[tuple[str | None, EngineCoreRequest]] = []
         request_ids: list[str] = []
+        added: list[str] = []
         try:
             for p, sp, prio in zip(prompts, params_list, priorities):
                 processed.append(engine.process_inputs(str(next(self.request_counter)), p, sp, priority=prio))
                 request_ids.append(processed[-1][1].request_id)
-            for prompt_text, request in processed:
+            for request_id, (prompt_text, request) in zip(request_ids, processed):
+                # (read before adding: with n > 1 the object becomes the last child)
                 engine.add_processed_request(prompt_text, request)
+                added.append(request_id)
         except BaseException:
+            # (an n > 1 request's id aborts its children; the engine is told unless it is dead)
+            engine.abort_request(added)
             # (the spans of requests tokenized but never added end here; a no-op for those added)
-            for rid in request_ids:
+            for rid in request_ids[len(added):]:
                 engine.request_tracer.discard_admission(rid)
             raise
-        return self._run_engine(len(prompts), use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
