@@ -182,12 +182,16 @@ async def f4_stop_lists(url: str, model: str) -> dict:
                     tokens = usage["completion_tokens"]
         return {"status": status, "tokens": tokens, "seconds": round(time.perf_counter() - t0, 3)}
 
+    # Within the body decoder's bound on values (request_body.MAX_JSON_VALUES): the stop list's own bound answers.
+    large = json.dumps(_completion(model, stop=[f"s{i}" for i in range(200_000)]), separators=(",", ":")).encode()
     async with httpx.AsyncClient(base_url=url, timeout=300) as client:
         over = await _post(client, COMPLETIONS, huge)
+        over_200k = await _post(client, COMPLETIONS, large)
         # The same stream with one stop string, then with the most accepted (matched every token).
         one = await stream(client, many[:1])
         at_bound = await stream(client, many)
-    return {"stop_700k": {**over, "body_mb": round(len(huge) / 1e6, 2)}, "stop_one": one, "stop_at_bound": at_bound}
+    return {"stop_700k": {**over, "body_mb": round(len(huge) / 1e6, 2)},
+            "stop_200k": {**over_200k, "body_mb": round(len(large) / 1e6, 2)}, "stop_one": one, "stop_at_bound": at_bound}
 
 
 # -- F5: request fields that must change the answer or be refused ------------------------------------
