@@ -108,12 +108,9 @@ class _StepDecoder:
         while True:
             item, pos = self.value(pos, depth)
             out.append(item)
-            pos = self._skip_ws(pos)
-            if self.text.startswith("]", pos):
-                return out, pos + 1
-            if not self.text.startswith(",", pos):
-                raise self._error("Expecting ',' delimiter", pos)
-            pos = self._skip_ws(pos + 1)
+            done, pos = self._end_or_comma(pos, "]")
+            if done:
+                return out, pos
 
     def obj(self, pos: int, depth: int) -> tuple[dict, int]:
         out: dict = {}
@@ -128,12 +125,18 @@ class _StepDecoder:
             if not self.text.startswith(":", pos):
                 raise self._error("Expecting ':' delimiter", pos)
             out[key], pos = self.value(self._skip_ws(pos + 1), depth)
-            pos = self._skip_ws(pos)
-            if self.text.startswith("}", pos):
-                return out, pos + 1
-            if not self.text.startswith(",", pos):
-                raise self._error("Expecting ',' delimiter", pos)
-            pos = self._skip_ws(pos + 1)
+            done, pos = self._end_or_comma(pos, "}")
+            if done:
+                return out, pos
+
+    def _end_or_comma(self, pos: int, close: str) -> tuple[bool, int]:
+        """After a container's item: (True, past `close`) at its end, else (False, the next item)."""
+        pos = self._skip_ws(pos)
+        if self.text.startswith(close, pos):
+            return True, pos + 1
+        if not self.text.startswith(",", pos):
+            raise self._error("Expecting ',' delimiter", pos)
+        return False, self._skip_ws(pos + 1)
 
 
 def decode_json_in_steps(body: bytes, max_values: int = MAX_JSON_VALUES, max_depth: int = MAX_JSON_DEPTH) -> Any:
