@@ -47,7 +47,7 @@ sys.path.insert(0, os.path.join(REPO, "bench"))
 sys.path.insert(0, os.path.join(REPO, "tests", "e2e"))
 from attack_harness import measure_attack, measure_with_control  # noqa: E402
 from health_under_load import export_tree  # noqa: E402
-from isolation_attacks import ATTACKS, CONTROLLED, as_control  # noqa: E402
+from isolation_attacks import ATTACKS, CONTROLLED, as_control, prepare  # noqa: E402
 from serve import start_server  # noqa: E402
 
 MODEL = "smol"
@@ -80,6 +80,7 @@ def statuses(outcome) -> str:
 
 def run_label(label: str, root: str, rev: str, rows: list[str], extra: list[str], log_dir: str,
               window_s: float) -> dict:
+    prepare(MODEL)
     log_path = os.path.join(log_dir, f"server_{label}.log")
     with open(log_path, "wb") as log:
         proc, url = start_server(["--served-model-name", MODEL, "--max-model-len", "1024", *extra], root=root,

@@ -31,7 +31,7 @@ import httpx
 import pytest
 
 from attack_harness import AttackResult, error_of, measure_attack, measure_with_control
-from isolation_attacks import (STREAM_TOKENS, as_control, closed_by_server, f1_deep_schemas, f2_slow_compiles,
+from isolation_attacks import (STREAM_TOKENS, as_control, closed_by_server, prepare, f1_deep_schemas, f2_slow_compiles,
                                f3_impossible_constraints, f4_stop_lists, f5_fields, f6_request_ids,
                                f7_idle_connections, open_connection)
 from server_utils import RemoteOpenAIServer, wait_idle
@@ -47,6 +47,7 @@ WINDOW_S = 4.0          # the bystander's baseline window, and the least of its 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("isolation") / "server.log"
+    prepare(MODEL)
     with RemoteOpenAIServer("--served-model-name", MODEL, "--max-model-len", "1024", log_path=str(log)) as s:
         s.log_file = log
         yield s
