@@ -3,6 +3,7 @@
     .venv/bin/python bench/attacks_under_load.py                    # this checkout ("after")
     .venv/bin/python bench/attacks_under_load.py --before f7946ad   # and that commit first ("before")
     .venv/bin/python bench/attacks_under_load.py --only F2,F7       # some rows only
+    .venv/bin/python bench/attacks_under_load.py --keep-before      # "after" only; the JSON's "before" kept
 
 Each row of the issue (F1-F7, tests/e2e/isolation_attacks.py) runs against a live
 `vllm-anatomy serve` (default model, CPU) while tests/e2e/attack_harness.py
@@ -11,6 +12,10 @@ stream (its tokens/s in the --window seconds before the attack, and during the
 attack: at least --window seconds, or as long as the attack lasts; also its
 slowest 1-s window). A structured request first warms each server up (xgrammar
 and the vocabulary load on the first one).
+Rows F1-F6 are also measured under their control (the same requests made benign:
+same prompts and max_tokens, sent at the same moments; isolation_attacks.as_control),
+right after the attack: the "relative" column is the attack's ratio over the
+control's, the bystander's slowdown that is harm rather than batch sharing.
 The server runs with 256 file descriptors (F7: more sockets than that), and,
 for "after", --header-read-timeout 2 --body-read-timeout 3 (so F7 fits in seconds).
 
@@ -40,9 +45,9 @@ import httpx
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "bench"))
 sys.path.insert(0, os.path.join(REPO, "tests", "e2e"))
-from attack_harness import measure_attack  # noqa: E402
+from attack_harness import measure_attack, measure_with_control  # noqa: E402
 from health_under_load import export_tree  # noqa: E402
-from isolation_attacks import ATTACKS  # noqa: E402
+from isolation_attacks import ATTACKS, CONTROLLED, as_control, prepare  # noqa: E402
 from serve import start_server  # noqa: E402
 
 MODEL = "smol"
@@ -75,6 +80,7 @@ def statuses(outcome) -> str:
 
 def run_label(label: str, root: str, rev: str, rows: list[str], extra: list[str], log_dir: str,
               window_s: float) -> dict:
+    prepare(MODEL)
     log_path = os.path.join(log_dir, f"server_{label}.log")
     with open(log_path, "wb") as log:
         proc, url = start_server(["--served-model-name", MODEL, "--max-model-len", "1024", *extra], root=root,
@@ -87,8 +93,13 @@ def run_label(label: str, root: str, rev: str, rows: list[str], extra: list[str]
         for row in rows:
             attack = ATTACKS[row]
             try:
-                result = asyncio.run(measure_attack(url, MODEL, row, lambda a=attack: a(url, MODEL),
-                                                    baseline_s=window_s, min_attack_s=window_s))
+                if row in CONTROLLED:
+                    result = asyncio.run(measure_with_control(
+                        url, MODEL, row, lambda a=attack: a(url, MODEL), lambda a=attack: as_control(a)(url, MODEL),
+                        baseline_s=window_s, min_attack_s=window_s))
+                else:
+                    result = asyncio.run(measure_attack(url, MODEL, row, lambda a=attack: a(url, MODEL),
+                                                        baseline_s=window_s, min_attack_s=window_s))
                 entry = {**result.as_dict(), "statuses": statuses(result.outcome)}
             except Exception as e:  # noqa: BLE001 - a broken server is a result too
                 entry = {"name": row, "error": f"{type(e).__name__}: {e}"[:300]}
@@ -109,7 +120,8 @@ def run_label(label: str, root: str, rev: str, rows: list[str], extra: list[str]
 
 def print_table(runs: list[dict]) -> None:
     head = (f"{'run':6} {'row':3} {'attacker got':34} | {'/health max':>11} {'p50':>6} {'fail':>4} | "
-            f"{'stream before':>13} {'during':>7} {'ratio':>6} {'worst 1s':>8} | {'attack s':>8}")
+            f"{'stream before':>13} {'during':>7} {'ratio':>6} {'worst 1s':>8} | {'attack s':>8} | "
+            f"{'control':>7} {'ctl /health':>11} {'relative':>8}")
     print(head)
     print("-" * len(head))
     for run in runs:
@@ -120,8 +132,15 @@ def print_table(runs: list[dict]) -> None:
             print(f"{run['label']:6} {r['name']:3} {r['statuses'][:34]:34} | {r['health_max_s']:>11.3f} "
                   f"{r['health_p50_s']:>6.3f} {r['health_failures']:>4} | {r['baseline_tok_s']:>13.2f} "
                   f"{r['attack_tok_s']:>7.2f} {r['rate_ratio']:>6.2f} {r['worst_1s_tok_s']:>8.2f} | "
-                  f"{r['attack_s']:>8.1f}")
+                  f"{r['attack_s']:>8.1f} | {_control_cells(r)}")
         print(f"{run['label']:6} server log: {run['log_bytes']} bytes")
+
+
+def _control_cells(r: dict) -> str:
+    control = r.get("control")
+    if not control:
+        return f"{'-':>7} {'-':>11} {'-':>8}"
+    return f"{control['rate_ratio']:>7.2f} {control['health_max_s']:>11.3f} {r['relative_ratio']:>8.2f}"
 
 
 def main() -> int:
@@ -130,11 +149,16 @@ def main() -> int:
     ap.add_argument("--only", default="", help="comma-separated rows (default: F1-F7)")
     ap.add_argument("--window", type=float, default=6.0,
                     help="seconds of the bystander's baseline window, and the least of its attack window")
+    ap.add_argument("--keep-before", action="store_true",
+                    help="without --before: keep the 'before' run of the existing --out JSON")
     ap.add_argument("--out", default=os.path.join(REPO, "bench", "results", "attacks_under_load_cpu.json"))
     args = ap.parse_args()
     rows = [r for r in (args.only.split(",") if args.only else ATTACKS) if r]
     log_dir = tempfile.mkdtemp(prefix="attacks_under_load_logs_")     # the servers' logs (sizes go in the JSON)
     runs = []
+    if args.keep_before and not args.before and os.path.exists(args.out):
+        with open(args.out) as f:
+            runs += [r for r in json.load(f)["runs"] if r["label"] == "before"]
     if args.before:
         tree = export_tree(args.before)
         try:

@@ -13,6 +13,11 @@ bench/attacks_under_load.py (the table and JSON). For one attack:
 The numbers that matter are ratios within one measurement (the machine is
 shared and loaded): the bystander's rate under attack over its own rate just
 before, and /health's worst latency (its idle latency is milliseconds).
+
+measure_with_control also measures the attack's control (the same requests made
+benign, isolation_attacks.as_control) the same way, right after: an attack whose
+answers are generated shares the bystander's batch, which on a CPU slows it as
+any request would; `relative_ratio` (attack ratio / control ratio) is the harm.
 """
 from __future__ import annotations
 
@@ -41,16 +46,34 @@ class AttackResult:
     attack_s: float
     outcome: Any = None              # what the attack returned (statuses, messages)
     notes: list[str] = field(default_factory=list)
+    control: AttackResult | None = None     # the same measurement of the attack's control, if taken
 
     @property
     def rate_ratio(self) -> float:
         """Bystander tokens/s under attack over the baseline (1.0 = unaffected)."""
         return self.attack_tok_s / self.baseline_tok_s if self.baseline_tok_s > 0 else 0.0
 
+    @property
+    def relative_ratio(self) -> float:
+        """rate_ratio over the control's (1.0 = harms the bystander no more than benign requests
+        of the same shape); rate_ratio when no control was measured."""
+        if self.control is None:
+            return self.rate_ratio
+        return self.rate_ratio / self.control.rate_ratio if self.control.rate_ratio > 0 else 0.0
+
     def as_dict(self) -> dict:
-        return {**asdict(self), "rate_ratio": self.rate_ratio}
+        out = {**asdict(self), "rate_ratio": self.rate_ratio, "relative_ratio": self.relative_ratio}
+        if self.control is not None:
+            out["control"] = {**self.control.as_dict(), "outcome": None}
+        return out
 
     def summary(self) -> str:
+        control = "" if self.control is None else (
+            f"; control x{self.control.rate_ratio:.2f} (/health max {self.control.health_max_s:.3f} s), "
+            f"relative x{self.relative_ratio:.2f}")
+        return self._summary() + control
+
+    def _summary(self) -> str:
         return (f"{self.name}: bystander {self.baseline_tok_s:.1f} -> {self.attack_tok_s:.1f} tok/s "
                 f"(x{self.rate_ratio:.2f}, worst 1 s {self.worst_1s_tok_s:.1f}), /health max {self.health_max_s:.3f} s "
                 f"p50 {self.health_p50_s:.3f} s over {self.health_n} probes ({self.health_failures} failed), "
@@ -148,6 +171,15 @@ async def measure_attack(url: str, model: str, name: str, attack: Callable[[], A
                         health_max_s=lat[-1], health_p50_s=lat[len(lat) // 2],
                         health_n=len(latencies), health_failures=len(failures), attack_s=t_done - t_attack,
                         outcome=outcome)
+
+
+async def measure_with_control(url: str, model: str, name: str, attack: Callable[[], Awaitable[Any]],
+                               control: Callable[[], Awaitable[Any]], baseline_s: float = 3.0,
+                               min_attack_s: float = 3.0) -> AttackResult:
+    """measure_attack of `attack`, then of `control` (its benign twin), the second attached to the first."""
+    result = await measure_attack(url, model, name, attack, baseline_s, min_attack_s)
+    result.control = await measure_attack(url, model, f"{name} control", control, baseline_s, min_attack_s)
+    return result
 
 
 def error_of(r: httpx.Response) -> dict:

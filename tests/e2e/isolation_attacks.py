@@ -4,10 +4,18 @@ Each `attack(url, model)` sends what one user may send within the body limit and
 returns what came back (statuses, messages, timings), for test_isolation.py to
 check and bench/attacks_under_load.py to tabulate, both while attack_harness.py
 measures /health and a bystander's stream.
+
+`as_control(attack)` is the same attack made harmless: the same requests at the
+same moments, each reduced to its prompt, max_tokens and the fields that set its
+length (benign()), so its answers share the bystander's batch as the attack's
+would. The bystander's ratio under the attack over its ratio under the control
+separates harm from batch sharing (on a CPU, any extra sequence slows the others).
 """
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import functools
 import json
 import time
 from typing import Any
@@ -51,6 +59,33 @@ SLOW_REGEX = "".join(f"[a-{chr(ord('k') + i)}]{{0,1000}}" for i in range(14)) + 
     "".join(f"[0-{i}]{{0,1000}}" for i in range(1, 10))
 
 
+# -- controls ---------------------------------------------------------------------------------------
+CONTROL: contextvars.ContextVar[bool] = contextvars.ContextVar("isolation_control", default=False)
+# What a control request keeps of an attack's request: its prompt and what sets its length.
+BENIGN_FIELDS = ("model", "prompt", "messages", "max_tokens", "temperature", "stream", "stream_options",
+                 "ignore_eos", "n")
+
+
+def benign(body: dict | bytes) -> dict | bytes:
+    """Under a control (CONTROL set), `body` reduced to BENIGN_FIELDS; else `body` itself."""
+    if not CONTROL.get():
+        return body
+    data = json.loads(body) if isinstance(body, bytes) else body
+    return {k: v for k, v in data.items() if k in BENIGN_FIELDS}
+
+
+def as_control(attack):
+    """The control of `attack`: the same coroutine, every request it sends made benign."""
+    async def control(url: str, model: str) -> Any:
+        token = CONTROL.set(True)
+        try:
+            return await attack(url, model)
+        finally:
+            CONTROL.reset(token)
+    control.__name__ = f"control_of_{getattr(attack, '__name__', 'attack')}"
+    return control
+
+
 def _chat(model: str, **kw: Any) -> dict:
     return {"model": model, "messages": [{"role": "user", "content": "Answer yes or no."}],
             "max_tokens": 8, "temperature": 0, **kw}
@@ -62,6 +97,9 @@ def _completion(model: str, **kw: Any) -> dict:
 
 async def _post(client: httpx.AsyncClient, path: str, body: dict | bytes, **kw: Any) -> dict:
     t0 = time.perf_counter()
+    if CONTROL.get():
+        body = benign(body)
+        kw.pop("headers", None)
     if isinstance(body, bytes):
         r = await client.post(path, content=body, headers={"Content-Type": "application/json", **kw.pop("headers", {})},
                               **kw)
@@ -100,7 +138,7 @@ async def f2_slow_compiles(url: str, model: str) -> dict:
         # A compile that passes every bound and is slow: the client gives up after 2 s.
         t0 = time.perf_counter()
         try:
-            await client.post(COMPLETIONS, json=_completion(model, structured_outputs={"regex": SLOW_REGEX}),
+            await client.post(COMPLETIONS, json=benign(_completion(model, structured_outputs={"regex": SLOW_REGEX})),
                               timeout=2.0)
             gave_up = False
         except httpx.TimeoutException:
@@ -118,6 +156,7 @@ async def f3_impossible_constraints(url: str, model: str) -> dict:
         "grammar_root_is_root": _completion(model, structured_outputs={"grammar": "root ::= root"}),
         "grammar_empty_class": _completion(model, structured_outputs={"grammar": "root ::= [^\\x00-\\U0010FFFF]"}),
         "choice_shorter_than_min_tokens": _completion(model, structured_outputs={"choice": ["yes"]}, min_tokens=4),
+        "regex_shorter_than_min_tokens": _completion(model, structured_outputs={"regex": "(yes|no)!?"}, min_tokens=5),
         "regex_under_ignore_eos": _completion(model, structured_outputs={"regex": "abc"}, ignore_eos=True),
         "json_under_min_tokens": _chat(model, response_format={"type": "json_object"}, min_tokens=6, max_tokens=12),
     }
@@ -128,28 +167,46 @@ async def f3_impossible_constraints(url: str, model: str) -> dict:
 
 
 # -- F4: stop lists ---------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=4)
+def stop_list_body(model: str, n: int) -> bytes:
+    """A completion body with `n` stop strings, encoded once.
+
+    NOTE: building it takes the measuring process's event loop ~1 s on a loaded CPU
+    (a probe in flight then looks slow): prepare() builds it before any measurement."""
+    return json.dumps(_completion(model, stop=[f"s{i}" for i in range(n)]), separators=(",", ":")).encode()
+
+
+def prepare(model: str) -> None:
+    """Build what the attacks send, before anything is measured."""
+    for n in (700_000, 200_000):
+        stop_list_body(model, n)
+
+
 async def f4_stop_lists(url: str, model: str) -> dict:
-    huge = json.dumps(_completion(model, stop=[f"s{i}" for i in range(700_000)]),
-                      separators=(",", ":")).encode()       # ~6.6 MB, under the 8 MiB body limit
+    huge = stop_list_body(model, 700_000)           # ~6.9 MB, under the 8 MiB body limit
     many = [f"never-{i:04d}-" + "z" * 40 for i in range(MAX_STOP_STRINGS)]
     async def stream(client: httpx.AsyncClient, stop: list[str]) -> dict:
         t0 = time.perf_counter()
         tokens = 0
-        async with client.stream("POST", COMPLETIONS, json=_completion(
+        async with client.stream("POST", COMPLETIONS, json=benign(_completion(
                 model, stop=stop, max_tokens=STREAM_TOKENS, ignore_eos=True, stream=True,
-                stream_options={"include_usage": True})) as r:
+                stream_options={"include_usage": True}))) as r:
             status = r.status_code
             async for line in r.aiter_lines():
                 if line.startswith("data: {") and (usage := json.loads(line[6:]).get("usage")):
                     tokens = usage["completion_tokens"]
         return {"status": status, "tokens": tokens, "seconds": round(time.perf_counter() - t0, 3)}
 
+    # Within the body decoder's bound on values (request_body.MAX_JSON_VALUES): the stop list's own bound answers.
+    large = stop_list_body(model, 200_000)
     async with httpx.AsyncClient(base_url=url, timeout=300) as client:
-        over = await _post(client, COMPLETIONS, huge)
+        over = await _post(client, COMPLETIONS, _completion(model) if CONTROL.get() else huge)
+        over_200k = await _post(client, COMPLETIONS, _completion(model) if CONTROL.get() else large)
         # The same stream with one stop string, then with the most accepted (matched every token).
         one = await stream(client, many[:1])
         at_bound = await stream(client, many)
-    return {"stop_700k": {**over, "body_mb": round(len(huge) / 1e6, 2)}, "stop_one": one, "stop_at_bound": at_bound}
+    return {"stop_700k": {**over, "body_mb": round(len(huge) / 1e6, 2)},
+            "stop_200k": {**over_200k, "body_mb": round(len(large) / 1e6, 2)}, "stop_one": one, "stop_at_bound": at_bound}
 
 
 # -- F5: request fields that must change the answer or be refused ------------------------------------
@@ -235,6 +292,9 @@ async def f7_idle_connections(url: str, model: str, num_sockets: int = 300, hold
     return {"sockets": len(conns), "refused": refused, "closed": sum(closed), "slow_body_closed": body_closed,
             "slow_body_closed_after_s": round(body_s, 2)}
 
+
+# F7 sends no request (raw sockets): it has no control.
+CONTROLLED = ("F1", "F2", "F3", "F4", "F5", "F6")
 
 ATTACKS = {"F1": f1_deep_schemas, "F2": f2_slow_compiles, "F3": f3_impossible_constraints,
            "F4": f4_stop_lists, "F5": f5_fields, "F6": f6_request_ids, "F7": f7_idle_connections}

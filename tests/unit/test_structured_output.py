@@ -375,6 +375,31 @@ def test_validation_refuses_constraints_that_can_match_nothing():
     SamplingParams(min_tokens=3, structured_outputs=StructuredOutputsParams(choice=["yes"])).verify(VOCAB_SIZE)
 
 
+@pytest.mark.parametrize("so, longest", [
+    (StructuredOutputsParams(regex="(yes|no)!?"), 4),
+    (StructuredOutputsParams(regex="abc"), 3),
+    (StructuredOutputsParams(grammar='root ::= "hi" | "hello"'), 5),
+    (StructuredOutputsParams(json={"type": "boolean"}), 5),
+    (StructuredOutputsParams(json={"enum": ["a", "bb"]}), 4),        # '"bb"'
+    (StructuredOutputsParams(regex="\u00e9{2}"), 4),                 # two 2-byte characters
+])
+def test_min_tokens_past_a_bounded_constraints_longest_output_is_refused(so, longest):
+    """Every token holds at least one byte: an output of n bytes is at most n tokens."""
+    with pytest.raises(ValueError, match=f"min_tokens={longest + 1} can never be reached.*{longest} bytes") as info:
+        SamplingParams(min_tokens=longest + 1, structured_outputs=so).verify(VOCAB_SIZE)
+    assert info.value.parameter == "min_tokens"
+    SamplingParams(min_tokens=longest, structured_outputs=so).verify(VOCAB_SIZE)
+
+
+@pytest.mark.parametrize("so", [
+    StructuredOutputsParams(regex="[a-z]+"),                          # unbounded
+    StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "integer"}}}),
+    StructuredOutputsParams(regex="[a-z]{0,5}"),    # bounded (5 bytes), but a tree too wide to walk: admitted
+])
+def test_min_tokens_is_admitted_when_the_walk_cannot_prove_it_unreachable(so):
+    SamplingParams(min_tokens=8, structured_outputs=so).verify(VOCAB_SIZE)
+
+
 def test_a_compile_past_its_budget_fails_its_request_with_the_reason():
     import threading
     from vllm_anatomy.structured_output import GRAMMAR_ERROR_PREFIX

@@ -195,15 +195,82 @@ def validate_xgrammar_grammar(sampling_params: SamplingParams, compile_check: bo
     error = _validation_error(request_type, grammar_spec)
     if error is not None:
         raise VLLMValidationError(error, parameter="structured_outputs")
-    if so.choice is not None and sampling_params.min_tokens > 0:
-        # NOTE: every token holds at least one byte, so a choice of n bytes is at
-        # most n tokens: min_tokens beyond the longest choice can never be met.
-        longest = max(len(c.encode("utf-8")) for c in so.choice)
-        if longest < sampling_params.min_tokens:
-            raise VLLMValidationError(
-                f"min_tokens={sampling_params.min_tokens} can never be reached: the longest "
-                f"structured_outputs choice is {longest} bytes, so at most {longest} tokens.",
-                parameter="min_tokens")
+    if sampling_params.min_tokens > 0:
+        _check_min_tokens_reachable(so, request_type, grammar_spec, sampling_params.min_tokens)
+
+
+def _check_min_tokens_reachable(so, request_type: StructuredOutputOptions, grammar_spec: str,
+                                min_tokens: int) -> None:
+    """A 400 naming min_tokens when every output the constraint accepts is shorter.
+
+    NOTE: every token holds at least one byte, so an output of n bytes is at most
+    n tokens: a constraint whose longest output is shorter than min_tokens bytes
+    can never reach min_tokens (vLLM 0.27.1 runs it and fails inside the engine;
+    here, past admission, the scheduler would stop it as finished). A choice's
+    longest output is its longest string; any other constraint is searched on the
+    byte-level compile (_longest_output_bytes), within MIN_TOKENS_SEARCH_STEPS.
+    """
+    if so.choice is not None:
+        longest: int | None = max(len(c.encode("utf-8")) for c in so.choice)
+        what = "choice"
+    else:
+        longest = _longest_output_bytes(request_type, grammar_spec, min_tokens)
+        what = {StructuredOutputOptions.JSON: "json schema", StructuredOutputOptions.REGEX: "regex",
+                StructuredOutputOptions.GRAMMAR: "grammar"}.get(request_type, "constraint")
+    if longest is not None and longest < min_tokens:
+        raise VLLMValidationError(
+            f"min_tokens={min_tokens} can never be reached: the longest output the structured_outputs "
+            f"{what} accepts is {longest} bytes, so at most {longest} tokens.", parameter="min_tokens")
+
+
+# The most bytes the min_tokens search tries (each: one matcher step and one 257-bit mask, ~10 us).
+MIN_TOKENS_SEARCH_STEPS = 2048
+
+
+@functools.lru_cache(maxsize=256)
+def _longest_output_bytes(request_type: StructuredOutputOptions, grammar_spec: str, target: int) -> int | None:
+    """The length in bytes of the longest output the constraint accepts, when it is shorter than
+    `target`; None when some output reaches `target` bytes or the search ran out of steps.
+
+    A depth-first walk of the byte-level matcher: every prefix the matcher accepts can be
+    completed, so "no accepted prefix of `target` bytes" means "no output that long". Exact
+    when it answers a number (the whole tree of prefixes was walked); it gives up (None:
+    "unknown", the request is admitted) on wide trees such as `[a-z]{0,5}`.
+    """
+    x = _xgr()
+    matcher = x.GrammarMatcher(_compile_byte_level(request_type, grammar_spec))
+    bitmask = x.allocate_token_bitmask(1, _BYTE_VOCAB_SIZE)
+
+    def allowed_bytes() -> list[int]:
+        matcher.fill_next_token_bitmask(bitmask, 0)
+        out = []
+        for i, word in enumerate(bitmask[0, :8].tolist()):     # bytes 0-255 (bit 256: the stop token)
+            word &= 0xFFFFFFFF
+            while word:
+                low = word & -word
+                out.append(32 * i + low.bit_length() - 1)
+                word ^= low
+        return out
+
+    stack = [allowed_bytes()]       # stack[d]: the bytes still to try after the first d bytes
+    longest = steps = 0
+    while stack:
+        if not stack[-1]:
+            stack.pop()
+            if stack:               # (the root level was entered without a byte)
+                matcher.rollback(1)
+            continue
+        byte = stack[-1].pop()
+        steps += 1
+        if steps > MIN_TOKENS_SEARCH_STEPS:
+            return None
+        if not matcher.accept_token(byte):
+            continue
+        longest = max(longest, len(stack))
+        if longest >= target:
+            return None
+        stack.append(allowed_bytes())
+    return longest
 
 
 # The byte-level vocabulary the validation compiles against: token i < 256 is the
@@ -224,25 +291,31 @@ def _byte_level_compiler():
         return _validation_compiler
 
 
+@functools.lru_cache(maxsize=64)
+def _compile_byte_level(request_type: StructuredOutputOptions, grammar_spec: str) -> Any:
+    """The constraint compiled against the byte-level vocabulary (an xgr.CompiledGrammar)."""
+    compiler = _byte_level_compiler()
+    if request_type == StructuredOutputOptions.JSON:
+        schema = _load_schema(grammar_spec)
+        if has_xgrammar_unsupported_json_features(schema):
+            raise VLLMValidationError("The provided JSON schema contains features not supported by xgrammar.",
+                                      parameter="structured_outputs")
+        return compiler.compile_json_schema(grammar_spec, any_whitespace=True)
+    if request_type == StructuredOutputOptions.REGEX:
+        return compiler.compile_regex(grammar_spec)
+    if request_type == StructuredOutputOptions.CHOICE:
+        return compiler.compile_grammar(choice_as_grammar(json.loads(grammar_spec)))
+    return compiler.compile_grammar(grammar_spec)
+
+
 @functools.lru_cache(maxsize=256)
 def _validation_error(request_type: StructuredOutputOptions, grammar_spec: str) -> str | None:
     """Why this constraint cannot be served (None: it can). Cached: see validate_xgrammar_grammar."""
     x = _xgr()
-    compiler = _byte_level_compiler()
     what = {StructuredOutputOptions.JSON: "json schema", StructuredOutputOptions.REGEX: "regex",
             StructuredOutputOptions.CHOICE: "choices", StructuredOutputOptions.GRAMMAR: "grammar"}[request_type]
     try:
-        if request_type == StructuredOutputOptions.JSON:
-            schema = _load_schema(grammar_spec)
-            if has_xgrammar_unsupported_json_features(schema):
-                return "The provided JSON schema contains features not supported by xgrammar."
-            ctx = compiler.compile_json_schema(grammar_spec, any_whitespace=True)
-        elif request_type == StructuredOutputOptions.REGEX:
-            ctx = compiler.compile_regex(grammar_spec)
-        elif request_type == StructuredOutputOptions.CHOICE:
-            ctx = compiler.compile_grammar(choice_as_grammar(json.loads(grammar_spec)))
-        else:
-            ctx = compiler.compile_grammar(grammar_spec)
+        ctx = _compile_byte_level(request_type, grammar_spec)
     except VLLMValidationError as err:
         return str(err)
     except RecursionError:

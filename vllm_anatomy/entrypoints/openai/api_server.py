@@ -24,12 +24,12 @@ Lifecycle (run_server; entrypoints/launcher.py, as vLLM's launcher.serve_http):
     restart it; VLLM_KEEP_ALIVE_ON_ENGINE_DEATH=1 keeps it up answering 503.
 
 Slow and idle clients (ours; issue 29): connections must send their headers
-within --header-read-timeout and their body within --body-read-timeout, idle
+within --header-read-timeout and their body within --body-read-timeout, a
+response nobody reads is abandoned after --write-timeout (its request aborted), idle
 keep-alive connections close after --timeout-keep-alive, and at most
 --limit-concurrency connections are open (http_protocol.py). Log lines are
 escaped and rate-limited (log_guard.py).
 """
-from __future__ import annotations
 from __future__ import annotations
 
 import argparse
@@ -52,13 +52,15 @@ import vllm_anatomy
 from vllm_anatomy.engine.exceptions import EngineDeadError
 from vllm_anatomy.entrypoints.launcher import UVICORN_GRACEFUL_SHUTDOWN_S, UvicornServer, serve_http
 from vllm_anatomy.entrypoints.openai.cli_args import (DEFAULT_HEADER_READ_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS,
-                                                      DEFAULT_MAX_REQUEST_BODY_BYTES, FD_RESERVE)
+                                                      DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_WRITE_TIMEOUT_S,
+                                                      FD_RESERVE)
 from vllm_anatomy.entrypoints.openai.http_protocol import (ConnectionLimits, GuardedH11Protocol,
                                                            default_max_connections, raise_fd_limit)
 from vllm_anatomy.entrypoints.openai.log_guard import install_log_guard
 from vllm_anatomy.entrypoints.openai.chat_protocol import ChatCompletionRequest
 from vllm_anatomy.entrypoints.openai.completion_protocol import CompletionRequest
 from vllm_anatomy.entrypoints.openai.protocol import ErrorResponse
+from vllm_anatomy.entrypoints.openai.request_body import OffLoopJSONRoute
 from vllm_anatomy.entrypoints.openai.server_utils import (AuthenticationMiddleware, RequestSizeLimitMiddleware,
                                                           add_exception_handlers)
 from vllm_anatomy.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -188,6 +190,9 @@ def _add_cors(app: FastAPI, args: argparse.Namespace) -> None:
 
 
 def _add_routes(app: FastAPI) -> None:
+    # NOTE: (ours) large JSON bodies are decoded off the event loop (request_body.py).
+    app.router.route_class = OffLoopJSONRoute
+
     @app.get("/health")
     async def health(raw_request: Request) -> Response:
         try:
@@ -248,7 +253,8 @@ def connection_limits(args: argparse.Namespace) -> ConnectionLimits:
     """The per-connection limits from the flags (http_protocol.py)."""
     max_connections = args.limit_concurrency or default_max_connections(FD_RESERVE, DEFAULT_MAX_CONNECTIONS)
     return ConnectionLimits(header_read_timeout=getattr(args, "header_read_timeout", DEFAULT_HEADER_READ_TIMEOUT_S),
-                            body_read_timeout=args.body_read_timeout, max_connections=max_connections)
+                            body_read_timeout=args.body_read_timeout, max_connections=max_connections,
+                            write_timeout=getattr(args, "write_timeout", DEFAULT_WRITE_TIMEOUT_S))
 
 
 async def run_server(args: argparse.Namespace, **uvicorn_kwargs) -> int:

@@ -18,6 +18,7 @@ DEFAULT_MAX_REQUEST_BODY_BYTES = 8 * 1024 * 1024
 DEFAULT_TIMEOUT_KEEP_ALIVE_S = 5.0          # uvicorn's and vLLM's default
 DEFAULT_HEADER_READ_TIMEOUT_S = 10.0
 DEFAULT_BODY_READ_TIMEOUT_S = 30.0          # 8 MiB at ~300 KB/s
+DEFAULT_WRITE_TIMEOUT_S = 30.0             # a client that reads nothing of its response this long
 DEFAULT_MAX_CONNECTIONS = 1024
 FD_RESERVE = 128                            # descriptors kept for the server's own files and sockets
 
@@ -54,6 +55,10 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p("--body-read-timeout", type=float, default=DEFAULT_BODY_READ_TIMEOUT_S,
       help="seconds a request has to send its whole body after its headers; then the connection is "
            f"closed (default {DEFAULT_BODY_READ_TIMEOUT_S:g})")
+    p("--write-timeout", type=float, default=DEFAULT_WRITE_TIMEOUT_S,
+      help="seconds a client may read nothing of its response while the server has data to send (its "
+           "send buffer full); then the connection is aborted and its request ended "
+           f"(default {DEFAULT_WRITE_TIMEOUT_S:g})")
     p("--limit-concurrency", type=int, default=None,
       help="most open connections; past it the oldest idle connection is closed to make room, and if "
            "none is idle the new one gets 503 (default: the open-file limit minus "
@@ -77,7 +82,7 @@ def validate_parsed_serve_args(args: argparse.Namespace) -> None:
         raise ValueError("--api-key must not be empty")
     if args.max_request_body_bytes < 1:
         raise ValueError(f"--max-request-body-bytes must be at least 1, got {args.max_request_body_bytes}")
-    for flag in ("timeout_keep_alive", "header_read_timeout", "body_read_timeout"):
+    for flag in ("timeout_keep_alive", "header_read_timeout", "body_read_timeout", "write_timeout"):
         if not getattr(args, flag) > 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
     if args.limit_concurrency is not None and args.limit_concurrency < 1:

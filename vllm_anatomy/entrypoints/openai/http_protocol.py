@@ -21,6 +21,18 @@ GuardedH11Protocol adds, per connection (flags in cli_args.py):
     connections; when every other connection is busy with a request, the new
     one's request gets a 503 (an OpenAI error body) and the connection closes.
     So idle sockets can never crowd out /health or a real request.
+  * --write-timeout: a response whose client reads none of it for this many
+    seconds is abandoned. uvicorn stops writing when the connection's send
+    buffer (asyncio's transport: 64 KiB high-water mark, on top of the kernel's
+    socket buffers) is full, and the handler waits in `send`: a client that
+    never reads its stream held the request, its connection and its slot under
+    --limit-concurrency for ever (the engine kept generating; nothing drained).
+    The kernel's share is bounded too: each connection's SO_SNDBUF is set to
+    SEND_BUFFER_BYTES (Linux doubles it; its autotuning would let a socket
+    nobody reads from absorb up to tcp_wmem's 4 MiB, minutes of a stream).
+    When writing has been paused that long the connection is aborted (no
+    flush): the handler sees a disconnect, the stream's generator is closed,
+    and the request is aborted in the engine (its KV blocks freed).
   * --timeout-keep-alive is uvicorn's own (passed to uvicorn.Config).
 """
 from __future__ import annotations
@@ -28,6 +40,7 @@ from __future__ import annotations
 import json
 import logging
 import resource
+import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,11 +49,16 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 logger = logging.getLogger("vllm_anatomy.api_server")
 
 
+# The kernel send buffer of each connection (ample for a token stream: 128 KiB per RTT).
+SEND_BUFFER_BYTES = 128 * 1024
+
+
 @dataclass(frozen=True)
 class ConnectionLimits:
     header_read_timeout: float
     body_read_timeout: float
     max_connections: int
+    write_timeout: float = 30.0
 
 
 def default_max_connections(fd_reserve: int, cap: int) -> int:
@@ -89,11 +107,18 @@ class GuardedH11Protocol(H11Protocol):
         super().__init__(*args, **kwargs)
         self._header_timer: Any = None
         self._body_timer: Any = None
+        self._write_timer: Any = None
         self._idle_since = 0.0
 
     # -- connection -------------------------------------------------------------
     def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
+            except OSError:
+                pass
         self._idle_since = self.loop.time()
         self._header_timer = self.loop.call_later(self.limits.header_read_timeout, self._on_header_timeout)
         if len(self.connections) > self.limits.max_connections:
@@ -153,6 +178,25 @@ class GuardedH11Protocol(H11Protocol):
                            self.limits.body_read_timeout)
             self._close()
 
+    # -- the response: a client that stops reading ------------------------------------
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._write_timer is None:
+            self._write_timer = self.loop.call_later(self.limits.write_timeout, self._on_write_timeout)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._cancel(self._write_timer)
+        self._write_timer = None
+
+    def _on_write_timeout(self) -> None:
+        self._write_timer = None
+        if self.flow.write_paused:
+            logger.warning("A client read none of its response for %g s (--write-timeout): connection "
+                           "aborted, its request ended.", self.limits.write_timeout)
+            # NOTE: abort, not close: close() would wait to flush a buffer nobody reads.
+            self.transport.abort()
+
     def _close(self) -> None:
         # (connection_lost then ends the h11 state machine and the request cycle, if any)
         self.transport.close()
@@ -160,7 +204,8 @@ class GuardedH11Protocol(H11Protocol):
     def _cancel_timers(self) -> None:
         self._cancel(self._header_timer)
         self._cancel(self._body_timer)
-        self._header_timer = self._body_timer = None
+        self._cancel(self._write_timer)
+        self._header_timer = self._body_timer = self._write_timer = None
 
     @staticmethod
     def _cancel(timer: Any) -> None:
