@@ -2,6 +2,10 @@
 
 Mirrors vllm/entrypoints/openai/chat_completion/protocol.py, names verbatim; what
 every request shares (strict types, errors, usage, sampling fields) is in protocol.py.
+
+Prompt logprobs, as in v0.27.1: `prompt_logprobs: k` asks for them, and so does
+`echo` (with top_logprobs' k, 0 by default, unless prompt_logprobs says otherwise);
+the response carries them once, top-level (`prompt_logprobs`), never in a stream.
 """
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ from pydantic import Field, model_serializer
 from vllm_anatomy.entrypoints.openai.protocol import (Int64, OpenAIBaseModel, SamplingRequest, Text, UsageInfo,
                                                       random_uuid)
 from vllm_anatomy.exceptions import VLLMValidationError
+from vllm_anatomy.outputs import Logprob
 from vllm_anatomy.sampling_params import SamplingParams
 
 class ChatCompletionContentPartTextParam(OpenAIBaseModel):
@@ -71,7 +76,10 @@ class ChatCompletionRequest(SamplingRequest):
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else (
             self.max_tokens if self.max_tokens is not None else default_max_tokens)
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, logprobs)
+        prompt_logprobs = self.prompt_logprobs
+        if prompt_logprobs is None and self.echo:
+            prompt_logprobs = self.top_logprobs   # NOTE: v0.27.1's rule: echo alone asks for 0 (scored token only)
+        return self._sampling_params(max_tokens, logprobs, prompt_logprobs)
 
 
 class ChatCompletionLogProb(OpenAIBaseModel):
@@ -108,6 +116,8 @@ class ChatCompletionResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
+    # vLLM extra: the prompt, token by token (None first), when asked for.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 class DeltaMessage(OpenAIBaseModel):

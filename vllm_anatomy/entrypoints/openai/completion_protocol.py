@@ -2,6 +2,13 @@
 
 Mirrors vllm/entrypoints/openai/completion/protocol.py, names verbatim; what
 every request shares (strict types, errors, usage, sampling fields) is in protocol.py.
+
+Prompt logprobs, as in v0.27.1: `prompt_logprobs: k` asks for them; `echo` with
+`logprobs: k` asks for them too (k, unless prompt_logprobs says otherwise), so the
+echoed prompt tokens get logprobs (the first: null); `echo` with `max_tokens: 0`
+answers the prompt alone (the engine runs one token, which is not returned:
+the scoring request of evaluation harnesses). Each choice carries
+`prompt_logprobs`: [null, {token id: {logprob, rank, decoded_token}}, ...].
 """
 from __future__ import annotations
 
@@ -13,6 +20,7 @@ from pydantic import Field
 from vllm_anatomy.entrypoints.openai.protocol import (Int64, OpenAIBaseModel, SamplingRequest, Text, TokenId,
                                                       UsageInfo, random_uuid)
 from vllm_anatomy.exceptions import VLLMValidationError
+from vllm_anatomy.outputs import Logprob
 from vllm_anatomy.sampling_params import SamplingParams
 
 class CompletionRequest(SamplingRequest):
@@ -50,11 +58,18 @@ class CompletionRequest(SamplingRequest):
         if self.best_of not in (None, 1):
             raise VLLMValidationError("best_of is not supported (vLLM v0.27.1 has no best_of); "
                                       "use n for several samples.", parameter="best_of")
-        if self.echo and self.logprobs is not None:
-            raise VLLMValidationError("echo with logprobs needs prompt logprobs, which are not supported.",
-                                      parameter="echo")
+        prompt_logprobs = self.prompt_logprobs
+        if prompt_logprobs is None and self.echo:
+            prompt_logprobs = self.logprobs       # the echoed prompt's logprobs
         max_tokens = default_max_tokens if self.max_tokens is None else self.max_tokens
-        return self._sampling_params(max_tokens, self.logprobs)
+        # NOTE: the engine always samples at least one token; it is dropped (serving_completion.py).
+        if self.echo_without_generation():
+            max_tokens = 1
+        return self._sampling_params(max_tokens, self.logprobs, prompt_logprobs)
+
+    def echo_without_generation(self) -> bool:
+        """echo with max_tokens 0: answer the prompt (and its logprobs) alone."""
+        return bool(self.echo) and self.max_tokens == 0
 
 
 class CompletionLogProbs(OpenAIBaseModel):
@@ -70,6 +85,8 @@ class CompletionResponseChoice(OpenAIBaseModel):
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # vLLM extra: the choice's prompt, token by token (None first), when asked for.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 class CompletionResponse(OpenAIBaseModel):

@@ -20,7 +20,7 @@ answer: those are refused with a 400 naming the field, never silently ignored.
 Not supported either: best_of > 1 (v0.27.1 has no best_of), suffix.
 Supported as in vLLM: n (n choices, each with its index), presence_penalty,
 frequency_penalty, repetition_penalty, min_p, allowed_token_ids, bad_words,
-and (completions) a list of prompts.
+prompt_logprobs (not with stream=True, as in v0.27.1), and (completions) a list of prompts.
 
 Structured output: `response_format` ({"type": "json_object"} or
 {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}) and
@@ -70,7 +70,6 @@ _LOGIT_BIAS_LIMIT = 100.0
 UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "tools": (None, []), "functions": (None, []),
     "tool_choice": (None, "none"), "function_call": (None, "none"),
-    "prompt_logprobs": (None,),
     "logprob_token_ids": (None,), "use_beam_search": (None, False),
     # NOTE: vLLM v0.27.1 has no guided_* fields any more (it would ignore them);
     # their replacement is structured_outputs, which is supported here.
@@ -224,6 +223,9 @@ class SamplingRequest(OpenAIBaseModel):
     structured_outputs: dict[str, Any] | None = None
     # vLLM extra: under --scheduling-policy priority, lower runs first (ignored under fcfs).
     priority: Int64 = 0
+    # vLLM extra: each prompt token's logprob and the top-n (-1: the whole vocabulary);
+    # returned as `prompt_logprobs` (per choice on completions, top-level on chat).
+    prompt_logprobs: Int64 | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -256,6 +258,21 @@ class SamplingRequest(OpenAIBaseModel):
             if name in UNSUPPORTED_FIELDS and value not in UNSUPPORTED_FIELDS[name]:
                 raise VLLMValidationError(f"{name} is not supported by this engine (it would be ignored, "
                                           f"so the request is refused).", parameter=name)
+        self.check_logprobs()
+
+    def check_logprobs(self) -> None:
+        """prompt_logprobs' own rules, in v0.27.1's order and words (its check_logprobs)."""
+        prompt_logprobs = self.prompt_logprobs
+        if prompt_logprobs is None:
+            return
+        # NOTE: a stream sends no prompt logprobs (they would come with the first
+        # token, in no chunk field), so asking for any is refused; 0 is let through.
+        if self.stream and (prompt_logprobs > 0 or prompt_logprobs == -1):
+            raise VLLMValidationError("`prompt_logprobs` are not available when `stream=True`.",
+                                      parameter="prompt_logprobs")
+        if prompt_logprobs < 0 and prompt_logprobs != -1:
+            raise VLLMValidationError(f"`prompt_logprobs` must be a positive value or -1, got {prompt_logprobs}.",
+                                      parameter="prompt_logprobs")
 
     def _logit_bias(self) -> dict[int, float] | None:
         """{"50256": -100} -> {50256: -100.0}, each bias clamped to [-100, 100] (as vLLM)."""
@@ -269,8 +286,9 @@ class SamplingRequest(OpenAIBaseModel):
             out[int(key)] = min(_LOGIT_BIAS_LIMIT, max(-_LOGIT_BIAS_LIMIT, bias))
         return out
 
-    def _sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        params = self._make_sampling_params(max_tokens, logprobs)
+    def _sampling_params(self, max_tokens: int, logprobs: int | None,
+                         prompt_logprobs: int | None = None) -> SamplingParams:
+        params = self._make_sampling_params(max_tokens, logprobs, prompt_logprobs)
         try:
             # NOTE: checked again by SamplingParams.verify; here so that the 400 names
             # the field the client used (response_format or structured_outputs).
@@ -282,7 +300,8 @@ class SamplingRequest(OpenAIBaseModel):
                                       else "structured_outputs") from e
         return params
 
-    def _make_sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def _make_sampling_params(self, max_tokens: int, logprobs: int | None,
+                              prompt_logprobs: int | None) -> SamplingParams:
         # NOTE: None means "the OpenAI default": temperature 1, top_p 1, top-k off.
         return SamplingParams(
             n=self.n,
@@ -298,7 +317,7 @@ class SamplingRequest(OpenAIBaseModel):
             stop=self.stop, stop_token_ids=self.stop_token_ids, logit_bias=self._logit_bias(),
             structured_outputs=self.extract_structured_outputs(),
             include_stop_str_in_output=self.include_stop_str_in_output,
-            ignore_eos=self.ignore_eos, logprobs=logprobs,
+            ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             # Streams want only what is new; a plain response wants one final output.
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY)

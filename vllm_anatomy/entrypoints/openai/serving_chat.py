@@ -15,7 +15,8 @@ the tokenizer's, or the request's own (`chat_template`, only with
 assistant's turn, while `continue_final_message` leaves the last message open so
 the model continues it (its text, with `echo`, is also prepended to the answer
 when it is the assistant's); `add_special_tokens` adds the tokenizer's BOS on top
-of what the template wrote.
+of what the template wrote. `prompt_logprobs` (asked for, or by `echo`: chat_protocol.py)
+come back once, top-level in the response, for the whole templated prompt.
 
 NOTE: a stream is an async generator wrapping the engine's generator. When the
 client goes away the server closes the stream (see api_server.py), the `finally`
@@ -36,8 +37,8 @@ from vllm_anatomy.entrypoints.openai.chat_protocol import (ChatCompletionLogProb
                                                            ChatCompletionStreamResponse, ChatMessage, DeltaMessage)
 from vllm_anatomy.entrypoints.openai.chat_template import resolve_chat_template, validate_chat_template
 from vllm_anatomy.entrypoints.openai.protocol import UsageInfo
-from vllm_anatomy.entrypoints.openai.serving_engine import (OpenAIError, OpenAIServing, format_token_id_placeholder,
-                                                            raise_if_error, sse)
+from vllm_anatomy.entrypoints.openai.serving_engine import (OpenAIError, OpenAIServing, clamp_prompt_logprobs,
+                                                            format_token_id_placeholder, raise_if_error, sse)
 from vllm_anatomy.outputs import CompletionOutput, Logprob, RequestOutput
 
 
@@ -109,7 +110,8 @@ class OpenAIServingChat(OpenAIServing):
         num_generated = sum(len(output.token_ids) for output in final.outputs)
         usage = UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=num_generated,
                           total_tokens=num_prompt_tokens + num_generated)
-        return ChatCompletionResponse(id=request_id, model=model_name, choices=choices, usage=usage)
+        return ChatCompletionResponse(id=request_id, model=model_name, choices=choices, usage=usage,
+                                      prompt_logprobs=clamp_prompt_logprobs(final.prompt_logprobs))
 
     async def chat_completion_stream_generator(self, request: ChatCompletionRequest,
                                                result_generator: AsyncGenerator[RequestOutput, None],

@@ -9,12 +9,15 @@ numbering). Every prompt is tokenized and validated before any is sent, so
 a bad one is a 400 and nothing runs. Non-streaming answers one
 `text_completion` (choices in that order, usage summed over them);
 streaming sends `text_completion` chunks, each for one choice and carrying
-its index, as server-sent events, then `data: [DONE]`.
+its index, as server-sent events, then `data: [DONE]`. With `echo`, a choice's
+text, tokens and logprobs begin with its prompt's (prompt logprobs:
+completion_protocol.py); each non-streamed choice carries `prompt_logprobs`.
 """
 from __future__ import annotations
 
 import time
-from typing import Any, AsyncGenerator, AsyncIterator, NamedTuple
+from http import HTTPStatus
+from typing import Any, AsyncGenerator, AsyncIterator, NamedTuple, Sequence
 
 from starlette.requests import Request
 
@@ -23,9 +26,9 @@ from vllm_anatomy.entrypoints.openai.completion_protocol import (CompletionLogPr
                                                                  CompletionResponseStreamChoice,
                                                                  CompletionStreamResponse)
 from vllm_anatomy.entrypoints.openai.protocol import UsageInfo
-from vllm_anatomy.entrypoints.openai.serving_engine import (OpenAIServing, format_token_id_placeholder,
-                                                            raise_if_error, sse)
-from vllm_anatomy.outputs import CompletionOutput, Logprob, RequestOutput
+from vllm_anatomy.entrypoints.openai.serving_engine import (OpenAIError, OpenAIServing, clamp_prompt_logprobs,
+                                                            format_token_id_placeholder, raise_if_error, sse)
+from vllm_anatomy.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from vllm_anatomy.sampling_params import SamplingParams
 from vllm_anatomy.utils.async_utils import merge_async_iterators
 
@@ -84,18 +87,38 @@ class OpenAIServingCompletion(OpenAIServing):
         choices: list[CompletionResponseChoice] = []
         num_prompt_tokens = num_generated = 0
         for final, echo_text in zip(finals, echo_texts):
-            prefix = echo_text or ""
+            prompt_logprobs = clamp_prompt_logprobs(final.prompt_logprobs)
             for output in final.outputs:             # its n outputs, by index
+                text, token_ids, out_logprobs = self._choice_content(request, output, echo_text,
+                                                                     final.prompt_token_ids, prompt_logprobs)
                 choices.append(CompletionResponseChoice(
-                    index=len(choices), text=prefix + output.text,
-                    logprobs=self._create_completion_logprobs(output, request.logprobs, len(prefix),
+                    index=len(choices), text=text,
+                    logprobs=self._create_completion_logprobs(token_ids, out_logprobs, request.logprobs, 0,
                                                               request.return_tokens_as_token_ids),
-                    finish_reason=output.finish_reason, stop_reason=output.stop_reason))
+                    finish_reason=output.finish_reason, stop_reason=output.stop_reason,
+                    prompt_logprobs=prompt_logprobs))
                 num_generated += len(output.token_ids)
             num_prompt_tokens += len(final.prompt_token_ids)
         usage = UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=num_generated,
                           total_tokens=num_prompt_tokens + num_generated)
         return CompletionResponse(id=request_id, model=model_name, choices=choices, usage=usage)
+
+    @staticmethod
+    def _choice_content(request: CompletionRequest, output: CompletionOutput, echo_text: str | None,
+                        prompt_token_ids: list[int], prompt_logprobs: PromptLogprobs | None
+                        ) -> tuple[str, list[int], Sequence[dict[int, Logprob] | None] | None]:
+        """A choice's text, token ids and their logprobs: the output's, after the
+        prompt's when echo_text is given (the prompt's alone with max_tokens 0)."""
+        if echo_text is None:
+            return output.text, output.token_ids, output.logprobs
+        if request.logprobs is not None and prompt_logprobs is None:
+            raise OpenAIError("The engine returned no prompt logprobs for an echo with logprobs.",
+                              "InternalServerError", HTTPStatus.INTERNAL_SERVER_ERROR)
+        if request.echo_without_generation():    # the one token the engine ran is not shown
+            return echo_text, prompt_token_ids, prompt_logprobs
+        out_logprobs = None if prompt_logprobs is None or output.logprobs is None else \
+            [*prompt_logprobs, *output.logprobs]
+        return echo_text + output.text, [*prompt_token_ids, *output.token_ids], out_logprobs
 
     async def completion_stream_generator(self, request: CompletionRequest,
                                           result_generator: AsyncIterator[tuple[int, RequestOutput]],
@@ -112,6 +135,7 @@ class OpenAIServingCompletion(OpenAIServing):
         previous_num_tokens = [0] * (num_choices * num_prompts)
         has_echoed = [False] * (num_choices * num_prompts)
         num_prompt_tokens = [0] * num_prompts
+        prompt_logprobs: list[PromptLogprobs | None] = [None] * num_prompts
 
         def chunk(choices: list, usage_info: UsageInfo | None = None) -> str:
             return sse(CompletionStreamResponse(id=request_id, created=created, model=model_name,
@@ -119,19 +143,21 @@ class OpenAIServingCompletion(OpenAIServing):
 
         async for prompt_idx, res in result_generator:
             num_prompt_tokens[prompt_idx] = len(res.prompt_token_ids)
-            echo_text = echo_texts[prompt_idx]
+            if res.prompt_logprobs is not None:   # (a delta stream has them in each choice's first output)
+                prompt_logprobs[prompt_idx] = clamp_prompt_logprobs(res.prompt_logprobs)
             for output in res.outputs:
                 i = output.index + prompt_idx * num_choices
                 raise_if_error(output.finish_reason, request_id, output.stop_reason)
                 previous_num_tokens[i] += len(output.token_ids)
-                text = output.text
-                if echo_text is not None and not has_echoed[i]:   # the prompt goes first, once per choice
-                    text, has_echoed[i] = echo_text + text, True
+                # The prompt goes first, once per choice.
+                echo_text = echo_texts[prompt_idx] if not has_echoed[i] else None
+                has_echoed[i] = True
+                text, token_ids, out_logprobs = self._choice_content(request, output, echo_text, res.prompt_token_ids,
+                                                                     prompt_logprobs[prompt_idx])
                 if not text and not output.finished() and not (output.logprobs and output.token_ids):
                     continue
-                logprobs = self._create_completion_logprobs(output, request.logprobs,
-                                                            previous_text_lens[i] + len(text) - len(output.text),
-                                                            request.return_tokens_as_token_ids)
+                logprobs = self._create_completion_logprobs(token_ids, out_logprobs, request.logprobs,
+                                                            previous_text_lens[i], request.return_tokens_as_token_ids)
                 previous_text_lens[i] += len(text)
                 choice = CompletionResponseStreamChoice(index=i, text=text, logprobs=logprobs,
                                                         finish_reason=output.finish_reason,
@@ -147,10 +173,12 @@ class OpenAIServingCompletion(OpenAIServing):
             yield chunk([], UsageInfo(prompt_tokens=total_prompt, completion_tokens=total_generated,
                                       total_tokens=total_prompt + total_generated))
 
-    def _create_completion_logprobs(self, output: CompletionOutput, num_top: int | None,
-                                    initial_text_offset: int,
+    def _create_completion_logprobs(self, token_ids: list[int],
+                                    top_logprobs: Sequence[dict[int, Logprob] | None] | None,
+                                    num_top: int | None, initial_text_offset: int,
                                     as_token_ids: bool | None = False) -> CompletionLogProbs | None:
-        if output.logprobs is None or num_top is None:
+        """OpenAI's logprobs of these tokens (an entry None: the prompt's first token, which has none)."""
+        if top_logprobs is None or num_top is None:
             return None
         out = CompletionLogProbs()
         offset = initial_text_offset
@@ -160,13 +188,13 @@ class OpenAIServingCompletion(OpenAIServing):
                 return format_token_id_placeholder(tid)
             return lp.decoded_token if lp is not None and lp.decoded_token is not None else self.tokenizer.decode([tid])
 
-        for token_id, entry in zip(output.token_ids, output.logprobs):
-            sampled = entry.get(token_id)
+        for token_id, entry in zip(token_ids, top_logprobs):
+            sampled = entry.get(token_id) if entry is not None else None
             token = token_str(token_id, sampled)
             out.tokens.append(token)
             out.token_logprobs.append(max(sampled.logprob, -9999.0) if sampled is not None else None)
             # NOTE: like vLLM, the top dict holds the top-k *and* the sampled token.
-            out.top_logprobs.append({
+            out.top_logprobs.append(None if entry is None else {
                 token_str(tid, lp): max(lp.logprob, -9999.0)
                 for tid, lp in entry.items()
                 if tid == token_id or (lp.rank is not None and lp.rank <= num_top)})

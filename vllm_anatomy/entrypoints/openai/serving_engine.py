@@ -24,6 +24,7 @@ event loop, once per check (three times per request).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import re
 from concurrent.futures import Executor, ThreadPoolExecutor
@@ -39,8 +40,8 @@ from vllm_anatomy.entrypoints.openai.completion_protocol import CompletionReques
 from vllm_anatomy.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, random_uuid
 from vllm_anatomy.entrypoints.openai.serving_models import OpenAIServingModels
 from vllm_anatomy.exceptions import VLLMValidationError
-from vllm_anatomy.outputs import RequestOutput
-from vllm_anatomy.sampling_params import SamplingParams
+from vllm_anatomy.outputs import PromptLogprobs, RequestOutput
+from vllm_anatomy.sampling_params import MAX_LOGPROBS, SamplingParams
 from vllm_anatomy.structured_output import GRAMMAR_ERROR_PREFIX
 from vllm_anatomy.structured_output.compile_executor import GrammarCompileExecutor, GrammarCompileTimeout
 from vllm_anatomy.utils.async_utils import merge_async_iterators
@@ -184,7 +185,20 @@ class OpenAIServing:
     def _validate_inputs(self, prompt_ids: list[int], params: SamplingParams, max_tokens_name: str) -> None:
         """What the engine would refuse, refused now (a stream has not answered 200 yet)."""
         self._check_max_tokens(params, prompt_ids, max_tokens_name)
+        self._check_prompt_logprobs(params)
         self.input_processor.validate_inputs(prompt_ids, params)
+
+    def _check_prompt_logprobs(self, params: SamplingParams) -> None:
+        """prompt_logprobs -1 means the whole vocabulary: more than the max_logprobs
+        bound, as v0.27.1 refuses it under its default max_logprobs (20).
+
+        NOTE: our SamplingParams accepts -1 (the LLM API can ask for the whole
+        vocabulary); over HTTP it would be vocab_size entries per prompt token.
+        """
+        if params.prompt_logprobs == -1:
+            raise OpenAIError(f"Requested prompt logprobs of {self.input_processor.vocab_size} (-1: the whole "
+                              f"vocabulary), which is greater than max allowed: {MAX_LOGPROBS}.",
+                              param="prompt_logprobs")
 
     def _default_max_tokens(self, prompt_ids: list[int]) -> int:
         return self.max_model_len - len(prompt_ids)
@@ -307,6 +321,17 @@ def raise_if_error(finish_reason: str | None, request_id: str, stop_reason: int 
         if isinstance(stop_reason, str) and stop_reason.startswith(GRAMMAR_ERROR_PREFIX):
             raise grammar_error(stop_reason)
         raise generation_error(request_id)
+
+
+def clamp_prompt_logprobs(prompt_logprobs: PromptLogprobs | None) -> PromptLogprobs | None:
+    """-inf logprobs (not valid JSON) as -9999.0, as vLLM's helper of that name
+    (which edits them in place; this returns copies)."""
+    if prompt_logprobs is None:
+        return None
+    return [None if entry is None else
+            {tid: lp if lp.logprob != float("-inf") else dataclasses.replace(lp, logprob=-9999.0)
+             for tid, lp in entry.items()}
+            for entry in prompt_logprobs]
 
 
 def format_token_id_placeholder(token_id: int) -> str:
