@@ -94,7 +94,10 @@ test-latest:
 	$(PYTHON) -m venv $(LATEST)
 	$(LATEST)/bin/python -m pip install --quiet --upgrade pip
 	$(LATEST)/bin/python -m pip install --quiet torch==2.13.0
-	$(LATEST)/bin/python -m pip install --quiet --upgrade --upgrade-strategy eager -e '.[test]'
+	@# NOTE: without the constraint, --upgrade-strategy eager upgrades torch too: to the newest
+	@# CUDA build (2.14.1 and its nvidia-* wheels, several GB) on 2026-12-06.
+	echo "torch==2.13.0" > $(LATEST)/torch-constraint.txt
+	$(LATEST)/bin/python -m pip install --quiet --upgrade --upgrade-strategy eager -c $(LATEST)/torch-constraint.txt -e '.[test]'
 	$(LATEST)/bin/python scripts/lock_diff.py $(LOCK)
 	touch $(LATEST)/.lock-installed $(LATEST)/.editable-installed
 	$(MAKE) --no-print-directory test-fast VENV=$(LATEST)
