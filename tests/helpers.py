@@ -1,4 +1,4 @@
-"""Shared test helpers: build paged-attention batches by hand.
+"""Shared test helpers: build paged-attention batches by hand (and `interrupt_nth_add`, below).
 
 `build_attn_metadata` does, for a list of requests, what
 GPUModelRunner._prepare_inputs does for a real step (positions, query_start_loc,
@@ -10,6 +10,7 @@ step by step without the engine.
 """
 from __future__ import annotations
 
+import itertools
 import random
 from typing import Hashable, Sequence
 
@@ -109,3 +110,15 @@ class PagedSequences:
             hidden_states = self.model(input_ids, positions, self.kv_caches, metadata)
             logits = self.model.compute_logits(hidden_states)       # [T, V]
         return list(logits.split(query_lens))
+
+
+def interrupt_nth_add(monkeypatch, engine_core_client, n: int) -> None:
+    """Ctrl-C lands in the n-th EngineCoreClient.add_request from now on (1-based): the
+    calls before it go through, the n-th raises KeyboardInterrupt (monkeypatch.undo() restores)."""
+    add, calls = engine_core_client.add_request, itertools.count(1)
+
+    def interrupted_add(request):
+        if next(calls) == n:
+            raise KeyboardInterrupt
+        add(request)
+    monkeypatch.setattr(engine_core_client, "add_request", interrupted_add)

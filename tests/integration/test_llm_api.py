@@ -4,6 +4,7 @@ import itertools
 
 import pytest
 
+from tests.helpers import interrupt_nth_add
 from vllm_anatomy import LLM, SamplingParams
 from vllm_anatomy.core.request import RequestStatus
 from vllm_anatomy.engine.protocol import EngineCoreRequest, FinishReason
@@ -108,14 +109,8 @@ def test_a_refused_add_aborts_what_this_generate_added(llm, monkeypatch, refusal
     if refusal == "duplicate id":
         error: type[BaseException] = ValueError            # generate()'s third id is taken
     else:
-        error, add = KeyboardInterrupt, engine.engine_core_client.add_request
-        calls = itertools.count(1)
-
-        def interrupted_add(request):
-            if next(calls) == 4:                           # the two children of prompt 0, prompt 1, then 2
-                raise KeyboardInterrupt
-            add(request)
-        monkeypatch.setattr(engine.engine_core_client, "add_request", interrupted_add)
+        error = KeyboardInterrupt                          # the two children of prompt 0, prompt 1, then 2
+        interrupt_nth_add(monkeypatch, engine.engine_core_client, 4)
     with pytest.raises(error):
         llm.generate(prompts, params, use_tqdm=False)
     monkeypatch.undo()

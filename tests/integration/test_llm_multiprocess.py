@@ -17,6 +17,7 @@ import time
 
 import pytest
 
+from tests.helpers import interrupt_nth_add
 from vllm_anatomy import LLM, SamplingParams
 from vllm_anatomy.engine.exceptions import EngineDeadError
 from vllm_anatomy.sampling_params import StructuredOutputsParams
@@ -142,13 +143,8 @@ def test_a_refused_add_aborts_what_this_generate_added(mp_llm, inproc, monkeypat
     engine.add_request(other, chats(mp_llm)[3], greedy())    # another caller's request, added by hand
     error: type[BaseException] = ValueError                  # generate()'s third id is taken
     if refusal == "ctrl-c":
-        error, add, calls = KeyboardInterrupt, engine.engine_core_client.add_request, itertools.count(1)
-
-        def interrupted_add(request):
-            if next(calls) == 4:                             # p0's two children, p1, then p2
-                raise KeyboardInterrupt
-            add(request)
-        monkeypatch.setattr(engine.engine_core_client, "add_request", interrupted_add)
+        error = KeyboardInterrupt                            # p0's two children, p1, then p2
+        interrupt_nth_add(monkeypatch, engine.engine_core_client, 4)
     with pytest.raises(error):
         mp_llm.generate(prompts, params, use_tqdm=False)
     monkeypatch.undo()
