@@ -257,11 +257,8 @@ def summary(path: str, steps: pd.DataFrame, reqs: list[dict]) -> dict:
         tokens = sum(r.get("output_tokens") or 0 for r in done)
         out["tok_s"] = tokens / out["wall_s"] if out["wall_s"] > 0 else None
     out["requests"] = len(done)
-    out["steps"] = len(steps)
-    tokens_out = sum(r.get("output_tokens") or 0 for r in done)
-    out["steps_per_token"] = len(steps) / tokens_out if tokens_out else None
-    durations = [s.duration_ns / 1e6 for s in step_spans]
-    out["step_ms"] = statistics.median(durations) if durations else None
+    out.update(rounds(len(steps), sum(r.get("output_tokens") or 0 for r in done), step_spans,
+                      speculative=bool(cfg.get("speculative_config"))))
     # memory: blocks held at the peak (usage x usable blocks), and their bytes
     blocks = (cfg.get("cache_config") or {}).get("num_gpu_blocks") or \
         (cfg.get("cache_config") or {}).get("num_gpu_blocks_override")
@@ -288,7 +285,6 @@ def summary(path: str, steps: pd.DataFrame, reqs: list[dict]) -> dict:
             if s.process_kind != "worker" or not rank0 or s.pid in rank0]
     out["host_ms"] = sum(host)
     out["host_ms_per_step"] = out["host_ms"] / len(steps) if len(steps) else None
-    out.update(spec_counts(step_spans, speculative=bool(cfg.get("speculative_config"))))
     # request
     if not steps.empty:
         out["preemptions"] = int(steps["preempted"].sum())
@@ -296,6 +292,15 @@ def summary(path: str, steps: pd.DataFrame, reqs: list[dict]) -> dict:
         out["chunked_steps"] = int(steps["chunked"].sum())
         out["max_running"] = int(steps["running"].max())
     return out
+
+
+def rounds(num_steps: int, output_tokens: int, step_spans, speculative: bool) -> dict:
+    """The article's rounds (轮次) and what each costs: engine steps, steps per output token, the median
+    EngineCore.step span (ms) and speculative decoding's counters (spec_counts)."""
+    durations = [s.duration_ns / 1e6 for s in step_spans]
+    return {"steps": num_steps, "steps_per_token": num_steps / output_tokens if output_tokens else None,
+            "step_ms": statistics.median(durations) if durations else None,
+            **spec_counts(step_spans, speculative)}
 
 
 def spec_counts(step_spans, speculative: bool) -> dict:

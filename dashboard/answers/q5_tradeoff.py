@@ -11,15 +11,14 @@ greedy, without and with drafts.
 
 Every number comes from the two run stores (the EngineCore.step spans and their spec-decode
 counters, the llm_request spans' output tokens), computed as the Compare page computes them
-(dashboard/compare.py: summary, spec_counts).
+(dashboard/compare.py: rounds, as its summary does).
 """
 from __future__ import annotations
 
 import json
 import os
-import statistics
 
-from dashboard.compare import spec_counts, spec_text
+from dashboard.compare import rounds, spec_text
 from vllm_anatomy.tracing.reader import TraceStoreError, open_run
 
 ARTICLE = "投机解码省轮次但涨每步时间"
@@ -49,10 +48,7 @@ def _side(path: str) -> dict:
         reqs = run.requests()
         tokens = sum(int(s.attributes.get("gen_ai.usage.output_tokens") or 0) for s in reqs)
         speculative = bool((run.meta.get("config") or {}).get("speculative_config"))
-    durations = [s.duration_ns / 1e6 for s in step_spans]
-    return {"steps": steps, "requests": len(reqs), "output_tokens": tokens, "steps_per_token": steps / tokens if tokens else None,
-            "step_ms": statistics.median(durations) if durations else None,
-            **spec_counts(step_spans, speculative)}
+    return {"requests": len(reqs), "output_tokens": tokens, **rounds(steps, tokens, step_spans, speculative)}
 
 
 def spec_tradeoff(compare_dir: str) -> dict | None:
