@@ -228,6 +228,29 @@ class CompilationConfig:
     cudagraph_capture_sizes: list[int] = field(default_factory=list)   # resolved at start-up
     max_cudagraph_capture_size: int = 0
 
+    def adjust_cudagraph_sizes_for_spec_decode(self, uniform_decode_query_len: int) -> None:
+        """Round every capture size up to a multiple of uniform_decode_query_len (1 + K), as vLLM.
+
+        NOTE: with K drafts per request a decode step is R requests of 1 + K
+        tokens, so a full graph holds (1 + K) * R tokens: only multiples of
+        1 + K can be uniform. vLLM rounds the whole list (piecewise sizes too),
+        drops what rounds past the largest size and keeps 1 + K itself if
+        nothing else is left. Idempotent (every worker of a TP group calls it)."""
+        multiple_of = uniform_decode_query_len
+        if not self.cudagraph_capture_sizes or multiple_of <= 1:
+            return
+        round_up = lambda n: -(-n // multiple_of) * multiple_of   # noqa: E731
+        sizes = sorted({round_up(s) for s in self.cudagraph_capture_sizes
+                        if round_up(s) <= self.max_cudagraph_capture_size})
+        if not sizes and multiple_of <= self.max_cudagraph_capture_size:
+            sizes = [multiple_of]
+        if not sizes:
+            raise ValueError(f"No valid cudagraph sizes after rounding to multiple of {multiple_of} "
+                             f"(num_speculative_tokens + 1): adjust num_speculative_tokens "
+                             f"({multiple_of - 1}) or max_cudagraph_capture_size ({self.max_cudagraph_capture_size})")
+        self.cudagraph_capture_sizes = sizes
+        self.max_cudagraph_capture_size = sizes[-1]
+
 
 def default_capture_sizes(max_size: int) -> list[int]:
     """[1, 2, 4, 8, 16, ..., 248, 256, 272, ..., max_size]: vLLM's list (1, 2, 4, steps of 8

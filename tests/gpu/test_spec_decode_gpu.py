@@ -1,5 +1,6 @@
-"""Speculative decoding on the GPU: the Triton attention backend, CUDA graphs (a step with
-drafts is not a uniform one-token decode: piecewise graphs) and the rejection sampler's
+"""Speculative decoding on the GPU: the Triton attention backend, CUDA graphs (a step where every
+request verifies K drafts is a uniform decode of query length 1 + K: a FULL graph; the draft
+model's forwards replay its own PIECEWISE graphs) and the rejection sampler's
 Triton kernels give the same greedy tokens as the engine without speculation, for ngram, the
 model as its own draft (every draft accepted) and a cut of it (most rejected). fp32, so that
 verifying 1 + K positions in one forward cannot flip an argmax that a one-token step would
@@ -62,3 +63,36 @@ def test_random_sampling_with_drafts_runs_and_reproduces(default_dir):
     again, _ = _run(default_dir, config, temperature=0.8)
     assert first == again                                   # seeded requests
     assert 0 < m["vllm:spec_decode_num_accepted_tokens"] <= m["vllm:spec_decode_num_draft_tokens"]
+
+
+def test_verify_steps_replay_full_graphs_and_draft_forwards_replay_pieces(default_dir):
+    """The structural fix of the per-step cost (tests/unit/test_spec_decode_step_counts.py counts the
+    same shapes on a CPU): every decode step of the model as its own draft verifies K drafts per
+    request in one FULL graph (capture sizes multiples of 1 + K), and each draft forward that fits
+    the largest capture size replays the draft model's pieces."""
+    from vllm_anatomy import LLM, SamplingParams
+    from vllm_anatomy.worker.cudagraph import CUDAGraphMode
+    llm = LLM(default_dir, device="cuda", max_model_len=1024, num_gpu_blocks_override=2048, async_scheduling=False,
+              speculative_config={"method": "draft_model", "model": default_dir, "num_speculative_tokens": K})
+    runner = llm.llm_engine.engine_core.model_executor.driver_worker.model_runner
+    assert runner.cudagraph_dispatcher.decode_sizes and all(s % (1 + K) == 0 for s in runner.cudagraph_dispatcher.decode_sizes)
+    target_modes, draft_modes = [], []
+    determine, propose = runner._determine_batch_execution_and_padding, runner.drafter.propose
+
+    def record_target(*args, **kwargs):
+        out = determine(*args, **kwargs)
+        num_tokens, num_reqs, _, max_query_len = args[:4]
+        target_modes.append((runner.cudagraph_decision.mode, num_tokens == num_reqs * max_query_len == num_reqs * (1 + K)))
+        return out
+
+    def record_draft(*args, **kwargs):
+        out = propose(*args, **kwargs)
+        draft_modes.extend(mode for mode, _, _ in runner.drafter.last_forwards)
+        return out
+    runner._determine_batch_execution_and_padding, runner.drafter.propose = record_target, record_draft
+    llm.generate([{"prompt_token_ids": [100 + i] * 16} for i in range(8)],
+                 SamplingParams(temperature=0, max_tokens=33, ignore_eos=True), use_tqdm=False)
+    llm.llm_engine.shutdown()
+    verify = [mode for mode, uniform in target_modes if uniform]
+    assert verify and set(verify) == {CUDAGraphMode.FULL}, target_modes
+    assert draft_modes and set(draft_modes) == {CUDAGraphMode.PIECEWISE}, draft_modes

@@ -32,23 +32,43 @@ accepted count is already on the host (the step's sync point was passed),
 and the first pass simply leaves the rejected positions out. The drafts are
 greedy (vLLM's default draft_sample_method "greedy"): the rejection sampler
 treats them as certain (draft_probs None), which keeps sampling exact.
-Runs eager (no CUDA graphs), on the target's attention backend.
+
+Per step with R requests each verifying K drafts (all accepted), the draft
+model runs K forwards: R * (K + 2) tokens, then K - 1 times R tokens
+(tests/unit/test_spec_decode_step_counts.py counts them). What makes them
+cheap on a GPU, as vLLM's SpecDecodeBaseProposer does:
+- persistent input buffers (input_ids, positions, slot_mapping): each forward
+  writes values into them, from pinned host memory without a wait (a copy
+  from pageable memory would make the host wait for the device every time);
+  one staging row per forward of the step, since nothing waits between them;
+- PIECEWISE CUDA graphs of the draft model, its own, captured after the
+  target's (capture_model), dispatched by its own CudagraphDispatcher, which
+  allows only PIECEWISE (vLLM: initialize_cudagraph_keys): a forward up to the
+  largest capture size replays graph pieces with attention eager in between,
+  instead of launching every kernel from Python; larger ones run eager.
+On a CPU (and with cudagraph_mode NONE or FULL_DECODE_ONLY) every forward is eager.
 """
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from dataclasses import replace
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import torch
 
 from vllm_anatomy.attention.backends.abstract import PAD_SLOT_ID, AttentionMetadata
-from vllm_anatomy.config import VllmConfig
+from vllm_anatomy.config import CompilationConfig, VllmConfig
 from vllm_anatomy.model_executor.loader import get_model
+from vllm_anatomy.worker.cpu_gpu_buffer import CpuGpuBuffer
+from vllm_anatomy.worker.cudagraph import CUDAGraphMode, CUDAGraphRunner, CudagraphDispatcher
 
 if TYPE_CHECKING:
     from vllm_anatomy.model_executor.models.llama import LlamaForCausalLM
     from vllm_anatomy.worker.gpu_input_batch import InputBatch
+
+# The modes a draft forward may run in (vLLM's drafter dispatcher holds PIECEWISE keys only).
+DRAFTER_CUDAGRAPH_MODES = frozenset({CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE})
 
 
 class DraftModelProposer:
@@ -60,10 +80,27 @@ class DraftModelProposer:
         self.num_speculative_tokens = spec.num_speculative_tokens
         self.max_model_len = vllm_config.model_config.max_model_len
         self.block_size = vllm_config.cache_config.block_size
+        self.max_num_reqs = vllm_config.scheduler_config.max_num_seqs
         self.device = device
         self.attn_backend = attn_backend
         self.model: LlamaForCausalLM
         self.kv_caches: list[torch.Tensor] = []
+        # The first pass holds each row's verified tokens and its sampled one.
+        self.max_num_tokens = vllm_config.scheduler_config.max_num_batched_tokens + self.max_num_reqs
+        pin_memory = device.type == "cuda"
+        # Persistent inputs: a graph replays on their addresses.
+        self.input_ids = torch.zeros(self.max_num_tokens, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(self.max_num_tokens, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((self.max_num_tokens,), PAD_SLOT_ID, dtype=torch.int64, device=device)
+        # Host staging, one row per forward of a step (the K forwards run without a wait in between).
+        k, n, r = self.num_speculative_tokens, self.max_num_tokens, self.max_num_reqs
+        self._staging_tokens = torch.zeros(k, 3, n, dtype=torch.int64, pin_memory=pin_memory)   # ids, positions, slots
+        self._staging_reqs = CpuGpuBuffer(k, 4, r + 1, dtype=torch.int32, device=device, pin_memory=pin_memory)
+        self._forward_index = 0
+        self.cudagraph_dispatcher = CudagraphDispatcher(CompilationConfig())
+        self.cudagraph_runner = CUDAGraphRunner()
+        # Each forward of the last propose(): (runtime mode, tokens, padded tokens), for the trace and tests.
+        self.last_forwards: list[tuple[CUDAGraphMode, int, int]] = []
 
     def load_model(self, *args, **kwargs) -> None:
         self.model = get_model(self.draft_model_config, backend=self.attn_backend).to(self.device)
@@ -81,6 +118,25 @@ class DraftModelProposer:
         dtype = next(model.parameters()).dtype
         self.kv_caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(model.num_layers)]
 
+    # -- CUDA graphs -----------------------------------------------------------------------
+    def initialize_cudagraph_keys(self, compilation_config: CompilationConfig) -> None:
+        """The drafter's dispatcher over the target's (resolved) capture sizes: PIECEWISE
+        keys only, none unless the target captures pieces (vLLM: mixed_mode PIECEWISE)."""
+        self.cudagraph_dispatcher = CudagraphDispatcher(compilation_config, self.max_num_reqs)
+
+    @torch.inference_mode()
+    def capture_model(self, dummy_metadata: Callable[[int], AttentionMetadata]) -> None:
+        """Capture the draft model's pieces for every piecewise size, largest first.
+        dummy_metadata(size): harmless metadata of `size` tokens (the runner's dummy step)."""
+        for size in sorted(self.cudagraph_dispatcher.piecewise_sizes, reverse=True):
+            self.input_ids[:size].zero_()
+            self.positions[:size].zero_()
+            self.slot_mapping[:size].fill_(PAD_SLOT_ID)                # nothing is written
+            metadata = replace(dummy_metadata(size), slot_mapping=self.slot_mapping[:size])
+            self.cudagraph_runner.capture(CUDAGraphMode.PIECEWISE, size, lambda: self.model(
+                self.input_ids[:size], self.positions[:size], self.kv_caches, metadata))
+
+    # -- propose ---------------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, sampled_token_ids: list[list[int]], num_scheduled_tokens: np.ndarray,
                 num_draft_tokens: np.ndarray, input_batch: InputBatch) -> list[list[int]]:
@@ -88,6 +144,8 @@ class DraftModelProposer:
         num_tokens_no_spec hold the accepted tokens; num_computed_tokens_cpu still
         says where the step's tokens started). [] for rows that sampled nothing."""
         num_reqs = len(sampled_token_ids)
+        self._forward_index = 0
+        self.last_forwards = []
         starts = input_batch.num_computed_tokens_cpu[:num_reqs].astype(np.int64)              # [R]
         num_sampled = np.array([len(t) for t in sampled_token_ids], dtype=np.int64)            # [R]
         # The positions with valid target KV (drafts rejected: left out), plus
@@ -106,6 +164,7 @@ class DraftModelProposer:
             positions = positions + 1
             proposed.append(drafts)
         # [P, K] -> per row, cut at max_model_len (a draft's position must exist).
+        # NOTE: the step's one wait for the device in the drafter.
         table = torch.stack(proposed, dim=1).tolist()
         for row, ids, end in zip(proposing.tolist(), table, ends[proposing].tolist()):
             draft_token_ids[row] = ids[:self.max_model_len - end]
@@ -120,16 +179,18 @@ class DraftModelProposer:
         rows, starts, ends, query_lens = rows[keep], starts[keep], ends[keep], query_lens[keep]
         if not len(rows):
             return None
-        positions = np.concatenate([np.arange(s, e) for s, e in zip(starts, ends)])          # [T]
+        cu_query_lens = np.cumsum(query_lens)                                                  # [R']
+        total = int(cu_query_lens[-1])
+        # Each token's position: its row's start + its index within the row (no per-row loop).
+        positions = np.repeat(starts - (cu_query_lens - query_lens), query_lens) + np.arange(total)   # [T]
         req_rows = np.repeat(rows, query_lens)                                                 # [T]
         token_ids = input_batch.token_ids_cpu[req_rows, positions]                             # [T]
         hidden = self._forward(input_batch, rows, token_ids, positions, query_lens, ends)      # [T, H]
         if not len(proposing):
             return None
-        last = np.cumsum(query_lens) - 1                                                       # [R'] last token
-        row_to_last = dict(zip(rows.tolist(), last.tolist()))
-        sample_at = torch.tensor([row_to_last[r] for r in proposing.tolist()], device=self.device)
-        return self.model.compute_logits(hidden[sample_at]).argmax(dim=-1)                     # [P]
+        # Each proposing row's last token (proposing rows all have tokens: a subset of rows).
+        sample_at = cu_query_lens[np.searchsorted(rows, proposing)] - 1                        # [P]
+        return self.model.compute_logits(hidden[self._to_device_index(sample_at)]).argmax(dim=-1)   # [P]
 
     def _decode_step(self, input_batch: InputBatch, rows: np.ndarray, positions: np.ndarray,
                      token_ids: torch.Tensor) -> torch.Tensor:
@@ -138,28 +199,63 @@ class DraftModelProposer:
         clamped = np.minimum(positions, self.max_model_len - 1)
         hidden = self._forward(input_batch, rows, token_ids, clamped, np.ones(len(rows), dtype=np.int64),
                                clamped + 1, no_write=positions >= self.max_model_len)
-        return self.model.compute_logits(hidden).argmax(dim=-1)
+        return self.model.compute_logits(hidden[:len(rows)]).argmax(dim=-1)
 
-    def _forward(self, input_batch: InputBatch, rows: np.ndarray, token_ids, positions: np.ndarray,
-                 query_lens: np.ndarray, seq_lens: np.ndarray, no_write: np.ndarray | None = None) -> torch.Tensor:
+    def _forward(self, input_batch: InputBatch, rows: np.ndarray, token_ids: np.ndarray | torch.Tensor,
+                 positions: np.ndarray, query_lens: np.ndarray, seq_lens: np.ndarray,
+                 no_write: np.ndarray | None = None) -> torch.Tensor:
         """The draft model on a flat batch of the given batch rows, over its own KV cache
-        (block table and slots: the target's rows)."""
+        (block table and slots: the target's rows). Returns hidden states [T or padded, H]."""
+        num_tokens, num_reqs = len(positions), len(rows)
+        mode, batch_descriptor = self.cudagraph_dispatcher.dispatch(num_tokens, valid_modes=DRAFTER_CUDAGRAPH_MODES)
+        padded = batch_descriptor.num_tokens
+        self.last_forwards.append((mode, num_tokens, padded))
+        j = self._forward_index
+        self._forward_index += 1
+        # Host values into this forward's staging row, then into the persistent buffers.
+        tokens, reqs = self._staging_tokens[j], self._staging_reqs
         block_table = input_batch.block_table
         req_rows = np.repeat(rows, query_lens)
-        slots = (block_table.block_table_np[req_rows, positions // self.block_size].astype(np.int64)
-                 * self.block_size + positions % self.block_size)                                # [T]
+        ids_np, pos_np, slots_np = tokens.numpy()
+        pos_np[:num_tokens] = positions
+        pos_np[num_tokens:padded] = 0
+        slots = slots_np[:padded]
+        np.add(block_table.block_table_np[req_rows, positions // self.block_size].astype(np.int64) * self.block_size,
+               positions % self.block_size, out=slots[:num_tokens])                          # [T]
         if no_write is not None:
-            slots[no_write] = PAD_SLOT_ID
-        query_start_loc = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)
-        qsl_cpu = torch.from_numpy(query_start_loc)
-        seq_lens_cpu = torch.from_numpy(seq_lens.astype(np.int32))
+            slots[:num_tokens][no_write] = PAD_SLOT_ID
+        slots[num_tokens:] = PAD_SLOT_ID                                 # padding writes nothing
+        self.positions[:padded].copy_(tokens[1, :padded], non_blocking=True)
+        self.slot_mapping[:padded].copy_(tokens[2, :padded], non_blocking=True)
+        if isinstance(token_ids, torch.Tensor):                          # the last drafts, on the device
+            self.input_ids[:num_tokens].copy_(token_ids)
+        else:
+            ids_np[:num_tokens] = token_ids
+            ids_np[num_tokens:padded] = 0
+            self.input_ids[:padded].copy_(tokens[0, :padded], non_blocking=True)
+        qsl_np, seq_lens_np, rows_np = reqs.np[j, 0], reqs.np[j, 1], reqs.np[j, 2]
+        qsl_np[0] = 0
+        np.cumsum(query_lens, out=qsl_np[1:num_reqs + 1])
+        seq_lens_np[:num_reqs] = seq_lens
+        rows_np[:num_reqs] = rows
+        reqs.gpu[j, :3].copy_(reqs.cpu[j, :3], non_blocking=True)
+        if num_reqs and rows[-1] == num_reqs - 1:        # rows 0..R-1 (ascending): the table's first rows
+            req_block_table = block_table.get_device_tensor(num_reqs)
+        else:
+            req_block_table = block_table.block_table[reqs.gpu[j, 2, :num_reqs].long()]
         metadata = AttentionMetadata(
-            num_actual_tokens=len(positions), num_reqs=len(rows), max_query_len=int(query_lens.max()),
-            max_seq_len=int(seq_lens.max()), query_start_loc=qsl_cpu.to(self.device),
-            seq_lens=seq_lens_cpu.to(self.device),
-            block_table=block_table.block_table[torch.from_numpy(rows).to(self.device)],
-            slot_mapping=torch.from_numpy(slots).to(self.device),
-            query_start_loc_cpu=qsl_cpu, seq_lens_cpu=seq_lens_cpu)
-        input_ids = token_ids if isinstance(token_ids, torch.Tensor) else torch.from_numpy(token_ids.astype(np.int64))
-        return self.model(input_ids.to(self.device, torch.int64), torch.from_numpy(positions).to(self.device),
-                          self.kv_caches, metadata)
+            num_actual_tokens=num_tokens, num_reqs=num_reqs, max_query_len=int(query_lens.max()),
+            max_seq_len=int(seq_lens.max()), query_start_loc=reqs.gpu[j, 0, :num_reqs + 1],
+            seq_lens=reqs.gpu[j, 1, :num_reqs], block_table=req_block_table,
+            slot_mapping=self.slot_mapping[:num_tokens],
+            query_start_loc_cpu=reqs.cpu[j, 0, :num_reqs + 1], seq_lens_cpu=reqs.cpu[j, 1, :num_reqs])
+        if mode is CUDAGraphMode.PIECEWISE:
+            return self.cudagraph_runner.replay_piecewise(padded, metadata)                     # [N, H]
+        return self.model(self.input_ids[:num_tokens], self.positions[:num_tokens], self.kv_caches, metadata)
+
+    def _to_device_index(self, index: np.ndarray) -> torch.Tensor:
+        """Host row indices (the first pass's sample rows) as a device tensor, without a wait
+        (staging row 0's spare line: written once per step)."""
+        buf = self._staging_reqs
+        buf.np[0, 3, :len(index)] = index
+        return buf.gpu[0, 3, :len(index)].copy_(buf.cpu[0, 3, :len(index)], non_blocking=True).long()

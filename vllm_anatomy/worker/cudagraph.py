@@ -86,7 +86,7 @@ class BatchDescriptor:
     graphs by num_tokens alone (num_reqs None)."""
     num_tokens: int
     num_reqs: int | None = None
-    uniform: bool = False    # every request has the same query length (here: 1, a decode)
+    uniform: bool = False    # every request has the same query length (uniform_decode_query_len: 1, or 1 + K drafts)
     # NOTE: vLLM captures graphs per number of active LoRA adapters; no LoRA here.
     has_lora: bool = False
     num_active_loras: int = 0
@@ -97,7 +97,7 @@ class CudagraphReason(str, enum.Enum):
     CUDAGRAPHS_OFF = "cudagraphs_off"        # mode NONE (a CPU, the torch backend, enforce_eager)
     PREFILL_IN_BATCH = "prefill_in_batch"    # a query longer than one token, no piecewise graphs: eager
     BATCH_TOO_LARGE = "batch_too_large"      # more tokens than the largest captured graph: eager
-    PURE_DECODE = "pure_decode"              # full graph replay, padded up to a capture size if needed
+    PURE_DECODE = "pure_decode"              # full graph replay (uniform decode), padded up to a capture size if needed
     MIXED_BATCH = "mixed_batch"              # piecewise replay: graph pieces, attention eager
 
 
@@ -125,17 +125,23 @@ class CudagraphDispatcher:
 
     MODES = ("NONE", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
 
-    def __init__(self, compilation_config: CompilationConfig, max_num_reqs: int | None = None) -> None:
+    def __init__(self, compilation_config: CompilationConfig, max_num_reqs: int | None = None,
+                 uniform_decode_query_len: int = 1) -> None:
         name = compilation_config.cudagraph_mode
         if name not in self.MODES:
             raise ValueError(f"cudagraph_mode must be one of {', '.join(self.MODES)}, got {name!r}")
         self.cudagraph_mode = CUDAGraphMode[name]
         self.capture_sizes = sorted(compilation_config.cudagraph_capture_sizes)
         self.max_size = self.capture_sizes[-1] if self.capture_sizes else 0
-        # NOTE: a full decode graph holds one token per request: as vLLM, only
-        # the sizes up to max_num_seqs get one; piecewise graphs take every size.
-        limit = max_num_reqs if max_num_reqs is not None else self.max_size
-        self.decode_sizes = [s for s in self.capture_sizes if s <= limit] \
+        # NOTE: a full decode graph holds uniform_decode_query_len tokens per
+        # request (1, or 1 + K with K drafts: a verify step): as vLLM, only the
+        # sizes from one request's worth up to max_num_seqs requests' get one,
+        # and only multiples of it (the config rounds the sizes:
+        # CompilationConfig.adjust_cudagraph_sizes_for_spec_decode); piecewise
+        # graphs take every size.
+        self.uniform_decode_query_len = q = uniform_decode_query_len
+        limit = q * max_num_reqs if max_num_reqs is not None else self.max_size
+        self.decode_sizes = [s for s in self.capture_sizes if q <= s <= limit and s % q == 0] \
             if self.cudagraph_mode.decode_mode() is CUDAGraphMode.FULL else []
         self.piecewise_sizes = self.capture_sizes \
             if self.cudagraph_mode.mixed_mode() is CUDAGraphMode.PIECEWISE else []
@@ -158,9 +164,10 @@ class CudagraphDispatcher:
                  invalid_modes: AbstractSet[CUDAGraphMode] | None = None) -> tuple[CUDAGraphMode, BatchDescriptor]:
         """The runtime mode of a batch of num_tokens tokens and the (padded) batch it replays.
 
-        uniform_decode: every request has exactly one query token, so the
-        batch's shape is fully described by its size: the only kind of batch
-        one full graph per size can serve (attention included).
+        uniform_decode: every request has exactly uniform_decode_query_len
+        query tokens (one; 1 + K when verifying K drafts), so the batch's shape
+        is fully described by its size: the only kind of batch one full graph
+        per size can serve (attention included).
         valid_modes / invalid_modes: restrict the modes (vLLM: cascade attention
         rules out FULL; a forced-eager step allows only NONE).
         has_lora / num_active_loras: NOTE: LoRA batches replay graphs captured
@@ -176,7 +183,8 @@ class CudagraphDispatcher:
         if CUDAGraphMode.FULL in allowed and uniform_decode:
             padded = self._padded(self.decode_sizes, num_tokens)
             if padded is not None:
-                return CUDAGraphMode.FULL, BatchDescriptor(padded, padded, uniform=True)
+                return CUDAGraphMode.FULL, BatchDescriptor(padded, padded // self.uniform_decode_query_len,
+                                                           uniform=True)
         if CUDAGraphMode.PIECEWISE in allowed:
             padded = self._padded(self.piecewise_sizes, num_tokens)
             if padded is not None:
@@ -189,25 +197,38 @@ class CudagraphDispatcher:
         def decision(code: CudagraphReason, reason: str) -> CudagraphDecision:
             return CudagraphDecision(mode, batch_descriptor, num_tokens, code, reason)
         padded = batch_descriptor.num_tokens
+        q = self.uniform_decode_query_len
         if mode is CUDAGraphMode.FULL:
-            return decision(CudagraphReason.PURE_DECODE, f"pure decode{_pad(num_tokens, padded)}")
+            what = "pure decode" if q == 1 else f"uniform decode (query_len {q}: 1 + {q - 1} drafts)"
+            return decision(CudagraphReason.PURE_DECODE, f"{what}{_pad(num_tokens, padded)}")
         if mode is CUDAGraphMode.PIECEWISE:
-            what = f"{num_tokens} decodes" if uniform_decode else f"mixed batch (max query_len {max_query_len})"
+            what = f"{num_tokens // q} decodes" if uniform_decode else f"mixed batch (max query_len {max_query_len})"
             return decision(CudagraphReason.MIXED_BATCH,
                             f"{what}: piecewise graphs, attention eager{_pad(num_tokens, padded)}")
         if not self.enabled:
             return decision(CudagraphReason.CUDAGRAPHS_OFF, "CUDA graphs off (eager mode)")
         if not uniform_decode and not self.piecewise_sizes:
             return decision(CudagraphReason.PREFILL_IN_BATCH, f"prefill in batch (max query_len {max_query_len}): eager")
-        what = "decodes" if uniform_decode else "tokens"
+        what = "decode tokens" if uniform_decode else "tokens"
         largest = max(self.decode_sizes + self.piecewise_sizes)
         return decision(CudagraphReason.BATCH_TOO_LARGE, f"{num_tokens} {what} > largest graph ({largest}): eager")
 
     def decide(self, num_tokens: int, num_reqs: int, max_query_len: int) -> CudagraphDecision:
         """Ours: dispatch() and describe() for a batch of num_reqs requests, the longest query max_query_len."""
-        uniform_decode = max_query_len == 1 and num_tokens == num_reqs
+        uniform_decode = is_uniform_decode(max_query_len, self.uniform_decode_query_len, num_tokens, num_reqs)
         mode, batch_descriptor = self.dispatch(num_tokens, uniform_decode=uniform_decode)
         return self.describe(mode, batch_descriptor, num_tokens, max_query_len, uniform_decode)
+
+
+def is_uniform_decode(max_num_scheduled_tokens: int, uniform_decode_query_len: int, num_tokens: int,
+                      num_reqs: int) -> bool:
+    """Every request has exactly uniform_decode_query_len tokens (vLLM: GPUModelRunner._is_uniform_decode).
+
+    NOTE: with speculative decoding that is 1 + K: a verify step where every
+    request carries its K drafts. A step of plain one-token decodes is then
+    *not* uniform (as in vLLM): it replays the piecewise graphs."""
+    return (max_num_scheduled_tokens == uniform_decode_query_len
+            and num_tokens == max_num_scheduled_tokens * num_reqs)
 
 
 def _pad(num_tokens: int, padded: int) -> str:

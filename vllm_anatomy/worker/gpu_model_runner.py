@@ -17,9 +17,10 @@ NOTE: execute_model returns None. On a GPU everything it did was only
 *enqueued*; returning lets the caller (EngineCore) do CPU work — the
 structured-output grammar bitmask — while the device runs the forward pass.
 
-CUDA graphs (worker/cudagraph.py): a batch of pure decodes is padded to the
-next captured size and replays that size's full graph instead of launching the
-forward kernel by kernel; any other batch up to the largest size replays
+CUDA graphs (worker/cudagraph.py): a batch of pure decodes (with speculative
+decoding: every request verifying its K drafts, 1 + K tokens each) is padded to
+the next captured size and replays that size's full graph instead of launching
+the forward kernel by kernel; any other batch up to the largest size replays
 graph pieces with attention run eager in between (FULL_AND_PIECEWISE); larger
 ones run eager.
 
@@ -73,7 +74,7 @@ from vllm_anatomy.tracing.runner_tracer import RunnerTracer
 from vllm_anatomy.worker.async_output import AsyncSchedulingMixin
 from vllm_anatomy.worker.cpu_gpu_buffer import CpuGpuBuffer
 from vllm_anatomy.worker.cudagraph import (BatchDescriptor, CUDAGraphMode, CUDAGraphRunner, CudagraphDecision,
-                                           CudagraphDispatcher)
+                                           CudagraphDispatcher, is_uniform_decode)
 from vllm_anatomy.worker.gpu_input_batch import CachedRequestState, InputBatch
 from vllm_anatomy.worker.model_runner_startup import ModelRunnerStartupMixin
 from vllm_anatomy.worker.prompt_logprobs import PromptLogprobsMixin
@@ -165,7 +166,12 @@ class GPUModelRunner(ModelRunnerStartupMixin, AsyncSchedulingMixin, SpecDecodeRu
         # host (the torch reference backend loops over requests in Python).
         if not on_cuda or self.attn_backend_name != "triton":
             compilation_config = type(compilation_config)("NONE", [], 0)
-        self.cudagraph_dispatcher = CudagraphDispatcher(compilation_config, self.max_num_reqs)
+        # A decode step is uniform when every request has 1 + K tokens (K drafts: a verify step).
+        self.uniform_decode_query_len = 1 + self.num_spec_tokens
+        compilation_config.adjust_cudagraph_sizes_for_spec_decode(self.uniform_decode_query_len)
+        self.cudagraph_dispatcher = CudagraphDispatcher(compilation_config, self.max_num_reqs,
+                                                        self.uniform_decode_query_len)
+        self._init_drafter_cudagraphs(compilation_config)      # speculative decoding's draft model only
         if self.attn_backend_name == "triton":
             # vLLM's TritonAttentionMetadataBuilder snaps the split-KV threshold to a
             # capture size, so a padded decode graph replays the path its batch would take.
@@ -423,7 +429,8 @@ class GPUModelRunner(ModelRunnerStartupMixin, AsyncSchedulingMixin, SpecDecodeRu
         None here. The decision, with its reason, is kept in
         `self.cudagraph_decision` for the trace.
         """
-        uniform_decode = max_num_scheduled_tokens == 1 and num_tokens == num_reqs
+        uniform_decode = is_uniform_decode(max_num_scheduled_tokens, self.uniform_decode_query_len,
+                                           num_tokens, num_reqs)
         cudagraph_mode, batch_descriptor = self.cudagraph_dispatcher.dispatch(
             num_tokens, uniform_decode=uniform_decode,
             valid_modes={CUDAGraphMode.NONE} if force_eager else None,

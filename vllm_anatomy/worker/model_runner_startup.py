@@ -51,6 +51,7 @@ class ModelRunnerStartupMixin:
     max_model_len: int
     max_num_tokens: int
     max_num_reqs: int
+    uniform_decode_query_len: int
     input_ids: CpuGpuBuffer
     positions: CpuGpuBuffer
     query_start_loc: CpuGpuBuffer
@@ -64,6 +65,7 @@ class ModelRunnerStartupMixin:
     drafter: Any                                    # spec decode's proposer, or None (worker/spec_decode_runner.py)
     spec_decode_kv_cache: Callable[[], Any]
     _warm_up_rejection_sampler: Callable[[], None]
+    _capture_drafter_model: Callable[[], None]
 
     def load_model(self) -> None:
         with self.tracer.span("GPUModelRunner.load_model"):
@@ -199,6 +201,7 @@ class ModelRunnerStartupMixin:
             try:
                 self._capture_sizes(CUDAGraphMode.PIECEWISE, dispatcher.piecewise_sizes)
                 self._capture_sizes(CUDAGraphMode.FULL, dispatcher.decode_sizes)
+                self._capture_drafter_model()          # speculative decoding's draft model only
             finally:
                 device_timer.capturing = False
             torch.cuda.synchronize(self.device)
@@ -209,15 +212,17 @@ class ModelRunnerStartupMixin:
                     used / 2**30)
 
     def _capture_sizes(self, mode: CUDAGraphMode, sizes: list[int]) -> None:
-        """A full graph captures a uniform decode of `size` requests; a piecewise
-        capture one request of `size` tokens (its attention runs eager anyway)."""
+        """A full graph captures a uniform decode of `size` tokens (`size` requests of one
+        token; with K drafts size / (1 + K) requests of 1 + K); a piecewise capture one
+        request of `size` tokens (its attention runs eager anyway)."""
         if not sizes:
             return
         kind = "decode, FULL" if mode is CUDAGraphMode.FULL else "mixed, PIECEWISE"
         for size in _progress(sorted(sizes, reverse=True), f"Capturing CUDA graphs ({kind})"):
             with self.tracer.span("CUDAGraph.capture", **{"vllm_anatomy.cudagraph_size": size,
                                                            "vllm_anatomy.cudagraph_mode": mode.name}):
-                query_len = 1 if mode is CUDAGraphMode.FULL else min(size, self.max_model_len)
+                query_len = self.uniform_decode_query_len if mode is CUDAGraphMode.FULL \
+                    else min(size, self.max_model_len)
                 num_reqs = self._dummy_step_inputs(size, query_len)
                 metadata = self._dummy_attn_metadata(num_reqs, size, query_len)
                 self.cudagraph_runner.capture(mode, size, lambda: self._model_forward(size, metadata))

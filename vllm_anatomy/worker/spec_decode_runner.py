@@ -35,7 +35,8 @@ from vllm_anatomy.model_executor.sampling_metadata import SamplingMetadata
 from vllm_anatomy.spec_decode.metadata import SpecDecodeMetadata
 
 if TYPE_CHECKING:
-    from vllm_anatomy.config import VllmConfig
+    from vllm_anatomy.attention.backends.abstract import AttentionMetadata
+    from vllm_anatomy.config import CompilationConfig, VllmConfig
     from vllm_anatomy.core.sched.output import SchedulerOutput
     from vllm_anatomy.model_executor.sampler import Sampler, SamplerOutput
     from vllm_anatomy.spec_decode.draft_model import DraftModelProposer
@@ -62,6 +63,8 @@ class SpecDecodeRunnerMixin:
     transfer_event: torch.cuda.Event | None
     input_ids: CpuGpuBuffer
     _get_cumsum_and_arange: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]
+    _dummy_step_inputs: Callable[[int, int], int]
+    _dummy_attn_metadata: Callable[[int, int, int], AttentionMetadata]
 
     def _init_spec_decode(self) -> None:
         spec = self.vllm_config.speculative_config
@@ -99,6 +102,26 @@ class SpecDecodeRunnerMixin:
                                                  all_random=False, top_p=None, top_k=None, min_p=None,
                                                  generators={}, max_num_logprobs=None)
             self.rejection_sampler(metadata, None, logits, sampling_metadata)
+
+    def _init_drafter_cudagraphs(self, compilation_config: CompilationConfig) -> None:
+        """The draft model's own dispatcher, over the target's resolved capture sizes."""
+        drafter = self.spec_decode_kv_cache()
+        if drafter is not None:
+            drafter.initialize_cudagraph_keys(compilation_config)
+
+    def _capture_drafter_model(self) -> None:
+        """Capture the draft model's piecewise graphs, after the target's (vLLM: the drafter's
+        dummy_run inside capture_model). Each size's dummy metadata is the target's dummy
+        step (slot -1 everywhere: nothing is written) over the drafter's own slot buffer."""
+        drafter = self.spec_decode_kv_cache()
+        if drafter is None:
+            return
+
+        def dummy_metadata(size: int) -> AttentionMetadata:
+            query_len = min(size, self.max_model_len)
+            num_reqs = self._dummy_step_inputs(size, query_len)
+            return self._dummy_attn_metadata(num_reqs, size, query_len)
+        drafter.capture_model(dummy_metadata)
 
     # -- _update_states ----------------------------------------------------------------
     def _update_spec_token_ids(self, scheduler_output: SchedulerOutput) -> None:
@@ -257,7 +280,7 @@ class SpecDecodeRunnerMixin:
         batch = self.input_batch
         num_reqs = batch.num_reqs
         with self.tracer.span("GPUModelRunner.propose_draft_token_ids", **{
-                "vllm_anatomy.spec_decode_method": self.speculative_config.method}):   # type: ignore[union-attr]
+                "vllm_anatomy.spec_decode_method": self.speculative_config.method}) as span:   # type: ignore[union-attr]
             from vllm_anatomy.spec_decode.ngram_proposer import NgramProposer
             if isinstance(self.drafter, NgramProposer):
                 drafts = self.drafter.propose(self.num_spec_tokens, sampled_token_ids, batch.num_tokens_no_spec,
@@ -268,6 +291,11 @@ class SpecDecodeRunnerMixin:
                 num_draft = np.array(spec_decode_metadata.num_draft_tokens if spec_decode_metadata
                                      else [0] * num_reqs, dtype=np.int64)
                 drafts = self.drafter.propose(sampled_token_ids, num_scheduled, num_draft, batch)
+                forwards = self.drafter.last_forwards
+                span.set_attribute("vllm_anatomy.num_draft_forwards", len(forwards))
+                span.set_attribute("vllm_anatomy.num_draft_model_tokens", sum(n for _, n, _ in forwards))
+                span.set_attribute("vllm_anatomy.draft_cudagraph_modes",
+                                   [f"{mode.name} {n}->{padded}" for mode, n, padded in forwards])
         self._draft_token_ids = drafts
         self._draft_token_req_ids = list(batch.req_ids)
 
