@@ -95,7 +95,7 @@ def test_the_spec_pair_from_the_pair_selector(server, page):
     settle_drawn(page)
     page.locator("[data-testid=stMain] [aria-label^='Selected'][aria-label*='Pair'], "
                  "[data-testid=stMain] [data-testid=stSelectbox] [role=combobox]").first.click()
-    page.get_by_role("option", name=re.compile(re.escape(pair["title"]))).click()
+    page.get_by_role("option", name=re.compile(re.escape(f"{pair['title']} ({pair['device']})"))).click()
     page.get_by_text("What moved, and why").wait_for()
     settle_drawn(page)
     assert page.locator("[data-testid='stException']").count() == 0
