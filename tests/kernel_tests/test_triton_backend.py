@@ -7,6 +7,7 @@ blocks; fresh prefills, a chunk continuing cached context, decodes in one
 flat batch) and their logits at every position are compared.
 """
 import json
+import os
 
 import pytest
 import torch
@@ -76,6 +77,27 @@ def test_tiny_llama_interpreter(tmp_path):
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
 
+def test_tiny_llama_interpreter_prefill_kernel(tmp_path, monkeypatch):
+    """The same with VLLM_ANATOMY_PREFILL_KERNEL=1: fresh prefills (a, b's first chunk,
+    c, d) through the prefill kernel, the rest through unified_attention."""
+    from vllm_anatomy.kernels import prefill_attention as pa
+    monkeypatch.setenv("VLLM_ANATOMY_PREFILL_KERNEL", "1")
+    launches = []
+    real = pa.context_attention_fwd
+    monkeypatch.setattr(pa, "context_attention_fwd",
+                        lambda *a, **k: launches.append(k["work_list"].shape[0]) or real(*a, **k))
+    config = transformers.LlamaConfig(vocab_size=96, hidden_size=128, intermediate_size=160,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=1024,
+                                      tie_word_embeddings=True)
+    hf_config = write_random_checkpoint(tmp_path, config, torch.float32, seed=0)
+    steps = make_steps(96, (21, 37, 9), seed=0)
+    ref = run_steps(load(tmp_path, hf_config, "torch", torch.float32, DEVICE), steps, 16, 24)
+    out = run_steps(load(tmp_path, hf_config, "triton", torch.float32, DEVICE), steps, 16, 24)
+    assert len(launches) == 3 * 2, "steps 1-3 have fresh prefills; two layers each"
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
 SHAPES = {
     # SmolLM2-135M: 30 layers, 9 heads over 3 KV heads, head_dim 64.
     "smollm2": lambda: transformers.LlamaConfig(
@@ -119,11 +141,19 @@ def test_real_shapes_bf16_gpu(shape, tmp_path):
     assert err_between <= 3 * err_torch + 2e-3
 
 
-@pytest.mark.parametrize("backend", ["triton", "torch"])
-def test_warm_up_shapes_run_through_each_backend(tmp_path, backend):
+@pytest.mark.parametrize("backend", ["triton", "torch", "triton+prefill"])
+def test_warm_up_shapes_run_through_each_backend(tmp_path, backend, monkeypatch):
     """The start-up warm-up (run on CUDA before the first request, with either
     attention backend) drives every shape through the model without touching
-    the KV cache (slot -1)."""
+    the KV cache (slot -1); with the prefill split on, its fresh dummy prefills
+    launch (so compile) the prefill kernel."""
+    launches = []
+    if backend == "triton+prefill":
+        from vllm_anatomy.kernels import prefill_attention as pa
+        backend = "triton"
+        monkeypatch.setenv("VLLM_ANATOMY_PREFILL_KERNEL", "1")
+        real = pa.context_attention_fwd
+        monkeypatch.setattr(pa, "context_attention_fwd", lambda *a, **k: launches.append(1) or real(*a, **k))
     from vllm_anatomy.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
     from vllm_anatomy.worker.gpu_model_runner import GPUModelRunner
     config = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96,
@@ -140,6 +170,7 @@ def test_warm_up_shapes_run_through_each_backend(tmp_path, backend):
     with torch.inference_mode():
         runner._warm_up_shapes()
     assert all(not kv.any() for kv in runner.kv_caches), "warm-up wrote into the KV cache"
+    assert bool(launches) == (os.environ.get("VLLM_ANATOMY_PREFILL_KERNEL") == "1")
 
 
 # -- the split-KV ("3D") decode path: vLLM's threshold and buffers ----------------------------

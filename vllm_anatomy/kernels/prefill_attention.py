@@ -233,6 +233,15 @@ def prefill_work_list(b_start_loc: Sequence[int], b_seq_len: Sequence[int], bloc
     return torch.tensor(items, dtype=torch.int32).reshape(-1, 3)
 
 
+def default_config(num_queries_per_kv: int, head_dim: int, dtype: torch.dtype) -> dict:
+    """pick_config for what the kernel will compute in (fp32 in the interpreter), plus its block_q:
+    what a caller building the work list ahead of the launch needs (the Triton backend)."""
+    dot_fp32 = dtype == torch.float32 or is_interpreted(_prefill_attention_kernel)
+    cfg = pick_config(num_queries_per_kv, head_dim, torch.float32 if dot_fp32 else dtype)
+    return dict(cfg, dot_fp32=dot_fp32,
+                block_q=block_q_of(cfg["block_m"], num_queries_per_kv, cfg["pack_gqa"]))
+
+
 def launch_grid(num_work_items: int, num_heads: int, num_kv_heads: int, pack_gqa: bool) -> tuple[int, int]:
     """(head programs, work items): KV heads when the group is packed, else query heads."""
     return (num_kv_heads if pack_gqa else num_heads, num_work_items)
@@ -275,8 +284,8 @@ def context_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: 
     assert q.stride(-1) == k.stride(-1) == v.stride(-1) == o.stride(-1) == 1
     num_queries_per_kv = num_heads // num_kv_heads
     interpreted = is_interpreted(_prefill_attention_kernel)
-    dot_fp32 = q.dtype == torch.float32 or interpreted
-    cfg = pick_config(num_queries_per_kv, head_dim, torch.float32 if dot_fp32 else q.dtype)
+    cfg = default_config(num_queries_per_kv, head_dim, q.dtype)
+    dot_fp32 = cfg["dot_fp32"]
     block_m = block_m or cfg["block_m"]
     block_n = block_n or cfg["block_n"]
     pack_gqa = cfg["pack_gqa"] if pack_gqa is None else pack_gqa
