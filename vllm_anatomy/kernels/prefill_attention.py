@@ -1,7 +1,7 @@
 """prefill_attention: causal attention of fresh prefills over their own, contiguous K/V.
 
-Mirrors vllm/v1/attention/ops/triton_prefill_attention.py (context_attention_fwd,
-the op vLLM keeps for prompts that have no cached context). A *fresh* prefill is
+Mirrors vllm/v1/attention/ops/triton_prefill_attention.py (context_attention_fwd):
+vLLM's op for prompts that have no cached context. A *fresh* prefill is
 a request with context_len == 0: all of its K/V is this step's, so it sits in
 the step's key/value tensors next to its queries, token for token, and no block
 table is needed. Query token j of the request sees keys 0 .. j (causal).
