@@ -146,3 +146,38 @@ def test_unified_attention_skip_seq_leaves_rows_alone():
     skipped[0:17] = skipped[18:31] = True
     assert out[skipped].isnan().all()
     torch.testing.assert_close(out[~skipped], ref[~skipped], atol=2e-5, rtol=2e-5)
+
+
+def _greedy_tokens(model_dir, backend, prompts, max_tokens):
+    from vllm_anatomy import LLM, SamplingParams
+    llm = LLM(model_dir, device="cpu", dtype="float32", attention_backend=backend, max_model_len=256,
+              num_gpu_blocks_override=64, max_num_batched_tokens=64, max_num_seqs=8)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
+    finally:
+        llm.llm_engine.shutdown()
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+@pytest.mark.slow
+def test_engine_greedy_switch_on_equals_off_and_transformers(tiny_llama_dir, monkeypatch):
+    """The whole engine (interpreted Triton kernels, tiny random Llama): greedy tokens with
+    the prefill split on equal those with it off, the torch backend's and transformers'.
+    Prompts of 3..90 tokens under a 64-token budget: fresh prefills, first chunks (fresh),
+    continuations and decodes in the same steps."""
+    import transformers
+    prompts = [[(7 * i + 3 * j) % 500 + 5 for j in range(n)] for i, n in enumerate([3, 17, 40, 90, 1, 33])]
+    max_tokens = 6
+    tokens, launches = {}, []
+    real = pa.context_attention_fwd
+    monkeypatch.setattr(pa, "context_attention_fwd", lambda *a, **k: launches.append(1) or real(*a, **k))
+    for switch in ("0", "1"):
+        monkeypatch.setenv("VLLM_ANATOMY_PREFILL_KERNEL", switch)
+        tokens[switch] = _greedy_tokens(tiny_llama_dir, "triton", prompts, max_tokens)
+        assert bool(launches) == (switch == "1")      # the engine runs in this process
+    tokens["torch"] = _greedy_tokens(tiny_llama_dir, "torch", prompts, max_tokens)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    tokens["hf"] = [hf.generate(torch.tensor([p]), max_new_tokens=max_tokens, do_sample=False,
+                                min_new_tokens=max_tokens)[0, len(p):].tolist() for p in prompts]
+    assert tokens["1"] == tokens["0"] == tokens["torch"] == tokens["hf"]
