@@ -110,11 +110,12 @@ def _softmax_step(acc, m_i, l_i, q, k, v, scale_log2, tile_start, query_pos, off
     return acc, m_new, l_i
 
 
-@triton.jit(do_not_specialize=["num_tokens"])   # a per-step size: see launch.py
+# NOTE: no per-step integer argument at all (lengths come through work_list),
+# so one compiled variant per config serves every step (see launch.py).
+@triton.jit
 def _prefill_attention_kernel(
     query_ptr, key_ptr, value_ptr, output_ptr, work_list_ptr,
     scale_log2,                                   # softmax_scale * log2(e): we use exp2
-    num_tokens,
     stride_q_tok, stride_q_head,
     stride_k_tok, stride_k_head,
     stride_v_tok, stride_v_head,
@@ -129,7 +130,6 @@ def _prefill_attention_kernel(
     WARP_SPECIALIZE: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):
-    del num_tokens   # (kept in the signature so every launch of a config is one compiled variant)
     item = tl.program_id(1)
     q_start = tl.load(work_list_ptr + item * 3)
     query_len = tl.load(work_list_ptr + item * 3 + 1)
@@ -309,7 +309,7 @@ def context_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: 
             _ensure_tma_allocator()
     grid = launch_grid(work_list.shape[0], num_heads, num_kv_heads, pack_gqa)
     _prefill_attention_kernel[grid](
-        q, k, v, o, work_list, softmax_scale * LOG2E, num_tokens,
+        q, k, v, o, work_list, softmax_scale * LOG2E,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         o.stride(0), o.stride(1),
         NUM_QUERIES_PER_KV=num_queries_per_kv, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_Q=block_q,
