@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.helpers import build_attn_metadata
-from tests.kernel_tests.kernel_utils import DEVICE, block_tables_for
+from tests.kernel_tests.kernel_utils import DEVICE, block_tables_for, forward_through_backends
 from tests.kernel_tests.test_unified_attention import check
 from vllm_anatomy.attention.backends.prefill_split import fresh_prefill_mask, split_fresh_prefills
 from vllm_anatomy.attention.selector import get_attn_backend
@@ -74,14 +74,9 @@ def test_backend_split_matches_torch(monkeypatch, dtype, num_queries_per_kv, hea
     num_kv_heads, block_size = 2, 16
     num_heads = num_queries_per_kv * num_kv_heads
     meta_ctx, meta, num_blocks, k1, v1, query, k2, v2 = _step(num_heads, num_kv_heads, head_dim, dtype)
-    outs = []
-    for backend in ("torch", "triton"):
-        impl = get_attn_backend(backend).get_impl_cls()(num_heads, head_dim, num_kv_heads, head_dim ** -0.5)
-        cache = torch.zeros(get_attn_backend(backend).get_kv_cache_shape(
-            num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype, device=DEVICE)
-        impl.do_kv_cache_update(k1, v1, cache, meta_ctx.slot_mapping)
-        impl.do_kv_cache_update(k2, v2, cache, meta.slot_mapping)
-        outs.append(impl.forward(query, cache, meta, torch.full_like(query, float("nan")), key=k2, value=v2))
+    outs, (_, impl) = forward_through_backends(("torch", "triton"), (num_heads, head_dim, num_kv_heads),
+                                               num_blocks, block_size, dtype,
+                                               [(k1, v1, meta_ctx), (k2, v2, meta)], query, key=k2, value=v2)
     assert impl.use_prefill_kernel
     assert calls == {"prefill": 1, "unified_skip": 1}
     assert (outs[1][-3:] == 0).all()

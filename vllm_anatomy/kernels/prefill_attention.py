@@ -74,11 +74,8 @@ def _load_kv_tile(key_ptr, value_ptr, k_desc, v_desc, q_start, tile_start, query
         else:
             k = tl.load(k_ptrs)
             v = tl.load(v_ptrs)
-    if DOT_FP32:
-        # NOTE: the Triton interpreter computes bf16 arithmetic wrongly; upcast
-        # right after the load (fp32 inputs stay fp32, dots in IEEE fp32).
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
+    if DOT_FP32:   # fp32 input, or the interpreter (its bf16 arithmetic is wrong): upcast after the load
+        return k.to(tl.float32), v.to(tl.float32)
     return k, v
 
 
