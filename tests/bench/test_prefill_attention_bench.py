@@ -26,7 +26,7 @@ def test_prefill_attention_tiny_end_to_end(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "summary" in proc.stdout and "WRONG" not in proc.stdout
     result = json.loads(out.read_text())
-    assert result["tiny"] and result["matmul_ceiling"]["flop_per_s"] > 0
+    assert result["tiny"] and result["matmul_ceiling"]["flop_per_s"] > 0 and result["compile_failed"] == {}
     assert [(c["num_seqs"], c["seq_len"]) for c in result["cases"]] == [(1, 20), (2, 17)]
     for case in result["cases"]:
         names = [e["name"] for e in case["ours"]]
