@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.helpers import build_attn_metadata
-from tests.kernel_tests.kernel_utils import DEVICE, block_tables_for, forward_through_backends
+from tests.kernel_tests.kernel_utils import DEVICE, ON_GPU, block_tables_for, forward_through_backends
 from tests.kernel_tests.test_unified_attention import check
 from vllm_anatomy.attention.backends.prefill_split import fresh_prefill_mask, split_fresh_prefills
 from vllm_anatomy.attention.selector import get_attn_backend
@@ -156,6 +156,7 @@ def _greedy_tokens(model_dir, backend, prompts, max_tokens):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(ON_GPU, reason="CPU engine on the interpreter; tests/gpu/test_triton_engine.py is its GPU twin")
 def test_engine_greedy_switch_on_equals_off_and_transformers(tiny_llama_dir, monkeypatch):
     """The whole engine (interpreted Triton kernels, tiny random Llama): greedy tokens with
     the prefill split on equal those with it off, the torch backend's and transformers'.
