@@ -27,6 +27,13 @@ roofline floor from bench/throughput.py's model (the weights and the live KV rea
 once per decode step at the copy rate, prefill at the matmul rate, both measured
 here), so the plot can show how far from the floor each engine is as the work grows.
 Prints a table and writes JSON; `--tiny` is the CPU smoke mode (tests/bench/).
+
+`--prefill-kernel` runs ours with VLLM_ANATOMY_PREFILL_KERNEL=1 (fresh prefills through
+vllm_anatomy/kernels/prefill_attention.py; recorded as "prefill_kernel" in the JSON);
+`--series context` runs only the context points. The A/B of the long prompts, ours only:
+
+    python bench/scaling.py --skip-vllm --series context --out $OUT/scaling_ctx_off.json
+    python bench/scaling.py --skip-vllm --series context --prefill-kernel --out $OUT/scaling_ctx_on.json
 """
 from __future__ import annotations
 
@@ -81,12 +88,12 @@ def draw(point: dict, rng: random.Random) -> list[list[int]]:
 
 # ---------------------------------------------------------------------------- the worker (one engine)
 
-def run_worker(kind: str, model_dir: str, plan: Plan) -> dict:
+def run_worker(kind: str, model_dir: str, plan: Plan, series_run: tuple[str, ...] = SERIES) -> dict:
     engine = Engine(kind, model_dir, max_model_len=plan.max_model_len)
     engine.generate([list(range(1, 9))], [16], 0.0)                     # warm-up, as nano-vllm's bench
     result = {"engine": kind, "startup_seconds": engine.startup_s, "settings": engine.settings()}
     rng = random.Random(0)
-    for series in SERIES:
+    for series in series_run:
         result[series] = []
         for point in plan.points(series):
             n = point["num_seqs"]
@@ -127,7 +134,7 @@ def add_fraction_of_floor(engine_result: dict, floor: dict) -> None:
 def print_table(result: dict, plan: Plan) -> None:
     engines = [(name, result[key]) for name, key in (("ours", "vllm_anatomy"), ("vLLM", "vllm"))
                if key in result and "error" not in result[key]]
-    for series in SERIES:
+    for series in result["series"]:        # the series this run measured (--series)
         head = "sequences" if series == "num_seqs" else "prompt tokens"
         print(f"{head:>14}" + "".join(f"{name + ' tok/s':>14}{'% floor':>9}" for name, _ in engines)
               + f"{'floor tok/s':>13}" + (f"{'ours/vLLM':>11}" if len(engines) == 2 else ""))
@@ -149,12 +156,17 @@ def main() -> None:
     ap.add_argument("--out", default="bench/results/scaling_h200.json")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke mode: tiny model, tiny points, nominal ceilings")
     ap.add_argument("--worker-timeout", type=float, default=420, help="seconds one engine's subprocess may take")
+    ap.add_argument("--prefill-kernel", action="store_true",
+                    help="ours with VLLM_ANATOMY_PREFILL_KERNEL=1 (fresh prefills through the prefill kernel)")
+    ap.add_argument("--series", choices=SERIES, action="append",
+                    help="run only this series (repeatable; default: both)")
     ap.add_argument("--worker", choices=["ours", "vllm"], help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = ap.parse_args()
     plan = TINY if args.tiny else FULL
+    series_run = tuple(s for s in SERIES if s in (args.series or SERIES))
     if args.worker:
-        print("RESULT " + json.dumps(run_worker(args.worker, args.model_dir, plan)), flush=True)
+        print("RESULT " + json.dumps(run_worker(args.worker, args.model_dir, plan, series_run)), flush=True)
         return
     if not args.vllm_site and not args.skip_vllm:
         sys.exit("--vllm-site is required (see ../shared/peers/vllm/README.md), or --skip-vllm")
@@ -170,7 +182,8 @@ def main() -> None:
         "model": "tiny random Qwen3 (smoke)" if args.tiny else "Qwen3-0.6B shape, random bf16 weights",
         "max_model_len": plan.max_model_len, "temperature": 0.6, "ignore_eos": True,
         "plan": dataclasses.asdict(plan),
-        "series": {s: plan.points(s) for s in SERIES},
+        "series": {s: plan.points(s) for s in series_run},
+        "prefill_kernel": args.prefill_kernel,
         "copy_ceiling_bytes_per_s": copy["bytes_per_s"], "matmul_ceiling_flop_per_s": mm["flop_per_s"],
         "ceilings_nominal": args.tiny, "floor": floors(plan, copy["bytes_per_s"], mm["flop_per_s"]),
     }
@@ -183,9 +196,13 @@ def main() -> None:
     def spawn(kind: str, model_dir: str) -> dict:
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", kind, "--model-dir", model_dir]
         cmd += ["--tiny"] if args.tiny else []
+        for series in series_run:
+            cmd += ["--series", series]
         # (ours in-process, its default; vLLM's multiprocessing left to its default, as peers/vllm runs it)
         env = worker_env(kind, args.vllm_site, False if kind == "ours" else None)
-        r = run_subprocess(f"{kind}: {len(SERIES)} series", cmd, env, args.worker_timeout)
+        if kind == "ours":
+            env["VLLM_ANATOMY_PREFILL_KERNEL"] = "1" if args.prefill_kernel else "0"
+        r = run_subprocess(f"{kind}: {len(series_run)} series", cmd, env, args.worker_timeout)
         if "error" not in r:
             add_fraction_of_floor(r, result["floor"])
         return r

@@ -27,6 +27,10 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # Temperature-only batches sampled in one read of the logits on CUDA
     # (model_executor/sampler.py, vllm_anatomy/kernels/sampling.py), read when the sampler is imported.
     "VLLM_ANATOMY_FUSED_SAMPLING": lambda: os.getenv("VLLM_ANATOMY_FUSED_SAMPLING", "1") != "0",
+    # Ours, an on switch (default off until measured faster on the lent GPU): the Triton
+    # attention backend runs fresh prefills (no cached context) through the prefill
+    # kernel (attention/backends/prefill_split.py), read when the backend is built.
+    "VLLM_ANATOMY_PREFILL_KERNEL": lambda: os.getenv("VLLM_ANATOMY_PREFILL_KERNEL", "0") not in ("0", "false", "False", ""),
     # Linear layers on a CPU multiply with oneDNN on a weight prepacked once
     # (model_executor/layers/utils.py), read when a model is loaded.
     "VLLM_ANATOMY_CPU_ONEDNN_GEMM": lambda: os.getenv("VLLM_ANATOMY_CPU_ONEDNN_GEMM", "1") != "0",

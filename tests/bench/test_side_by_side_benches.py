@@ -171,9 +171,24 @@ def test_scaling_tiny_end_to_end_and_plot(tmp_path):
     assert (tmp_path / "scaling.png").read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.slow
+def test_scaling_tiny_context_only_with_prefill_kernel(tmp_path):
+    """--series context --prefill-kernel --skip-vllm: ours alone, the context points only,
+    and the switch recorded (on a CPU ours runs the torch backend: the plumbing is what is tested)."""
+    out = tmp_path / "scaling.json"
+    proc = run_bench([os.path.join(BENCH, "scaling.py"), "--tiny", "--skip-vllm", "--series", "context",
+                      "--prefill-kernel", "--out", str(out)], tmp_path)
+    r = json.loads(out.read_text())
+    assert r["prefill_kernel"] is True and list(r["series"]) == ["context"] and "vllm" not in r
+    assert "num_seqs" not in r["vllm_anatomy"]
+    assert [p["x"] for p in r["vllm_anatomy"]["context"]] == [32, 64]
+    assert "prompt tokens" in proc.stdout and "sequences" not in proc.stdout
+
+
 def test_gpu_breakdown_counts_overlap_once_and_sorts_kernels_by_kind(bench):
     gb = bench.gpu_breakdown
     assert gb.kind_of("_unified_attention_kernel") == "attention"
+    assert gb.kind_of("_prefill_attention_kernel") == "attention"
     assert gb.kind_of("void flash::flash_fwd_splitkv_kernel<...>") == "attention"
     assert gb.kind_of("nvjet_tst_128x64_64x4_1x2_h_bz_coopA_NNT") == "gemm"
     assert gb.kind_of("_rms_norm_kernel") == "norm"

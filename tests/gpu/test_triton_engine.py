@@ -30,3 +30,20 @@ def test_triton_backend_matches_torch_backend(tiny_llama_dir):
     assert triton_tokens == torch_tokens
     # At trace level full every kernel launch is timed and snapshots taken: same tokens.
     assert _tokens(tiny_llama_dir, "triton", trace_level="full")[1] == triton_tokens
+
+
+def test_prefill_kernel_switch_matches_torch_backend(tiny_llama_dir, monkeypatch):
+    """VLLM_ANATOMY_PREFILL_KERNEL=1: fresh prefills through the prefill kernel (eager and in
+    piecewise CUDA-graph replays), same greedy tokens as the torch backend, traced or not."""
+    from vllm_anatomy.kernels import prefill_attention as pa
+    launches = []
+    real = pa.context_attention_fwd
+    monkeypatch.setattr(pa, "context_attention_fwd", lambda *a, **k: launches.append(1) or real(*a, **k))
+    monkeypatch.setenv("VLLM_ANATOMY_PREFILL_KERNEL", "1")
+    _, on_tokens = _tokens(tiny_llama_dir, "triton")
+    assert launches, "the prefill kernel never ran"
+    monkeypatch.setenv("VLLM_ANATOMY_PREFILL_KERNEL", "0")
+    _, torch_tokens = _tokens(tiny_llama_dir, "torch")
+    assert on_tokens == torch_tokens
+    monkeypatch.setenv("VLLM_ANATOMY_PREFILL_KERNEL", "1")
+    assert _tokens(tiny_llama_dir, "triton", trace_level="full")[1] == on_tokens

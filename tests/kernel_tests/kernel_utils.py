@@ -63,3 +63,22 @@ def block_tables_for(seq_lens: list[int], block_size: int, num_blocks: int, widt
         rows.append([free.pop() for _ in range(n)] + [gen.randrange(num_blocks)
                                                       for _ in range(width - n)])
     return torch.tensor(rows, dtype=torch.int32).reshape(len(seq_lens), width)
+
+
+def forward_through_backends(backends, heads, num_blocks, block_size, dtype, writes, query, **forward_kwargs):
+    """Each backend on its own zeroed cache: write each (key, value, metadata) of `writes`
+    in order, then attend `query` with the last write's metadata (output starts NaN).
+    heads = (num_heads, head_dim, num_kv_heads). Returns (outputs, impls)."""
+    from vllm_anatomy.attention.selector import get_attn_backend
+    num_heads, head_dim, num_kv_heads = heads
+    outs, impls = [], []
+    for backend in backends:
+        impl = get_attn_backend(backend).get_impl_cls()(num_heads, head_dim, num_kv_heads, head_dim ** -0.5)
+        cache = torch.zeros(get_attn_backend(backend).get_kv_cache_shape(
+            num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype, device=DEVICE)
+        for key, value, meta in writes:
+            impl.do_kv_cache_update(key, value, cache, meta.slot_mapping)
+        outs.append(impl.forward(query, cache, writes[-1][2], torch.full_like(query, float("nan")),
+                                 **forward_kwargs))
+        impls.append(impl)
+    return outs, impls

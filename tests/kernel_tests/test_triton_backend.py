@@ -7,6 +7,7 @@ blocks; fresh prefills, a chunk continuing cached context, decodes in one
 flat batch) and their logits at every position are compared.
 """
 import json
+import os
 
 import pytest
 import torch
@@ -63,8 +64,16 @@ def make_steps(vocab, lens, seed):
     ]
 
 
-def test_tiny_llama_interpreter(tmp_path):
-    """2 layers, 4 heads over 2 KV heads, head_dim 32, fp32: logits equal to 1e-4."""
+@pytest.mark.parametrize("prefill_kernel", ["0", "1"], ids=["unified", "prefill_split"])
+def test_tiny_llama_interpreter(tmp_path, monkeypatch, prefill_kernel):
+    """2 layers, 4 heads over 2 KV heads, head_dim 32, fp32: logits equal to 1e-4. With
+    VLLM_ANATOMY_PREFILL_KERNEL=1, fresh prefills (a, b's first chunk, c, d) go through
+    the prefill kernel, the rest through unified_attention."""
+    from vllm_anatomy.kernels import prefill_attention as pa
+    monkeypatch.setenv("VLLM_ANATOMY_PREFILL_KERNEL", prefill_kernel)
+    launches = []
+    real = pa.context_attention_fwd
+    monkeypatch.setattr(pa, "context_attention_fwd", lambda *a, **k: launches.append(1) or real(*a, **k))
     config = transformers.LlamaConfig(vocab_size=96, hidden_size=128, intermediate_size=160,
                                       num_hidden_layers=2, num_attention_heads=4,
                                       num_key_value_heads=2, max_position_embeddings=1024,
@@ -73,6 +82,8 @@ def test_tiny_llama_interpreter(tmp_path):
     steps = make_steps(96, (21, 37, 9), seed=0)
     ref = run_steps(load(tmp_path, hf_config, "torch", torch.float32, DEVICE), steps, 16, 24)
     out = run_steps(load(tmp_path, hf_config, "triton", torch.float32, DEVICE), steps, 16, 24)
+    # steps 1-3 have fresh prefills: one launch per layer each
+    assert len(launches) == (3 * 2 if prefill_kernel == "1" else 0)
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
 
@@ -119,11 +130,19 @@ def test_real_shapes_bf16_gpu(shape, tmp_path):
     assert err_between <= 3 * err_torch + 2e-3
 
 
-@pytest.mark.parametrize("backend", ["triton", "torch"])
-def test_warm_up_shapes_run_through_each_backend(tmp_path, backend):
+@pytest.mark.parametrize("backend", ["triton", "torch", "triton+prefill"])
+def test_warm_up_shapes_run_through_each_backend(tmp_path, backend, monkeypatch):
     """The start-up warm-up (run on CUDA before the first request, with either
     attention backend) drives every shape through the model without touching
-    the KV cache (slot -1)."""
+    the KV cache (slot -1); with the prefill split on, its fresh dummy prefills
+    launch (so compile) the prefill kernel."""
+    launches = []
+    if backend == "triton+prefill":
+        from vllm_anatomy.kernels import prefill_attention as pa
+        backend = "triton"
+        monkeypatch.setenv("VLLM_ANATOMY_PREFILL_KERNEL", "1")
+        real = pa.context_attention_fwd
+        monkeypatch.setattr(pa, "context_attention_fwd", lambda *a, **k: launches.append(1) or real(*a, **k))
     from vllm_anatomy.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
     from vllm_anatomy.worker.gpu_model_runner import GPUModelRunner
     config = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96,
@@ -140,6 +159,7 @@ def test_warm_up_shapes_run_through_each_backend(tmp_path, backend):
     with torch.inference_mode():
         runner._warm_up_shapes()
     assert all(not kv.any() for kv in runner.kv_caches), "warm-up wrote into the KV cache"
+    assert bool(launches) == (os.environ.get("VLLM_ANATOMY_PREFILL_KERNEL") == "1")
 
 
 # -- the split-KV ("3D") decode path: vLLM's threshold and buffers ----------------------------
@@ -162,9 +182,9 @@ def test_backend_decode_batch_split_kv(dtype):
     threshold 64) equals the torch backend; every layer's impl shares one set of buffers."""
     from tests.helpers import build_attn_metadata
     from tests.kernel_tests.kernel_utils import block_tables_for
+    from tests.kernel_tests.kernel_utils import forward_through_backends
     from tests.kernel_tests.test_unified_attention import check
     from vllm_anatomy.attention.backends import triton_attn
-    from vllm_anatomy.attention.selector import get_attn_backend
     num_heads, num_kv_heads, head_dim, block_size = 4, 2, 64, 16
     seq_lens = [3, 70, 290]
     num_blocks = sum(-(-s // block_size) for s in seq_lens) + 2
@@ -178,15 +198,9 @@ def test_backend_decode_batch_split_kv(dtype):
     v1, k2, v2 = torch.randn_like(k1), torch.randn(3, num_kv_heads, head_dim).to(dtype).to(DEVICE), None
     v2 = torch.randn_like(k2)
     query = (2 * torch.randn(3, num_heads, head_dim)).to(dtype).to(DEVICE)
-    outs, impls = [], []
-    for backend in ("torch", "triton"):
-        impl = get_attn_backend(backend).get_impl_cls()(num_heads, head_dim, num_kv_heads, head_dim ** -0.5)
-        cache = torch.zeros(get_attn_backend(backend).get_kv_cache_shape(
-            num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype, device=DEVICE)
-        impl.do_kv_cache_update(k1, v1, cache, meta_ctx.slot_mapping)
-        impl.do_kv_cache_update(k2, v2, cache, meta.slot_mapping)
-        outs.append(impl.forward(query, cache, meta, torch.empty_like(query)))
-        impls.append(impl)
+    outs, impls = forward_through_backends(("torch", "triton"), (num_heads, head_dim, num_kv_heads),
+                                           num_blocks, block_size, dtype,
+                                           [(k1, v1, meta_ctx), (k2, v2, meta)], query)
     segm = triton_attn.softmax_segm_buffers(num_heads, num_kv_heads, head_dim, torch.device(DEVICE))
     assert segm.seq_threshold_3D == 64 and segm.num_par_softmax_segments == 16
     assert impls[1]._segm is segm                     # the same tensors for every layer and step

@@ -57,7 +57,8 @@ class Attention(nn.Module):
         self.impl.do_kv_cache_update(key, value, kv_cache, attn_metadata.slot_mapping,
                                      kernel_timer=attn_metadata.kernel_timer)
         output = torch.empty_like(query)                                   # [T, nh, hd]
-        unified_attention_with_output(self.impl, query, kv_cache, output, attn_metadata=attn_metadata)
+        unified_attention_with_output(self.impl, query, key, value, kv_cache, output,
+                                      attn_metadata=attn_metadata)
         return output.view(num_tokens, self.num_heads * self.head_size)
 
     def extra_repr(self) -> str:
@@ -67,11 +68,16 @@ class Attention(nn.Module):
 
 
 @eager_break_during_capture
-def unified_attention_with_output(impl: AttentionImpl, query: torch.Tensor, kv_cache: torch.Tensor,
-                                  output: torch.Tensor, *, attn_metadata: AttentionMetadata) -> None:
+def unified_attention_with_output(impl: AttentionImpl, query: torch.Tensor, key: torch.Tensor,
+                                  value: torch.Tensor, kv_cache: torch.Tensor, output: torch.Tensor, *,
+                                  attn_metadata: AttentionMetadata) -> None:
     """output [T, nh, hd] <- attention of query [T, nh, hd] over the cache (vLLM's custom op of this name).
 
+    key / value [T, nkv, hd]: the step's new K/V (already in the cache), for a
+    backend that reads fresh prefills' K/V from them (triton_attn.py).
     NOTE: rows of a padded batch past attn_metadata.num_actual_tokens come out
     zero: at a piecewise replay, query and output have the captured size while
-    the step's metadata has the real token count."""
-    impl.forward(query, kv_cache, attn_metadata, output)
+    the step's metadata has the real token count. key and value, like query,
+    were written by the graph piece before this op, so a replay finds this
+    step's values at the captured addresses."""
+    impl.forward(query, kv_cache, attn_metadata, output, key=key, value=value)

@@ -193,6 +193,7 @@ def _causal_bounds(context_len, q_block_local, query_len, query_pos,
 def _unified_attention_kernel(
     query_ptr, key_cache_ptr, value_cache_ptr, output_ptr,
     block_table_ptr, query_start_loc_ptr, seq_lens_ptr,
+    skip_seq_ptr,                                 # [num_seqs] int32, nonzero: another kernel's (HAS_SKIP)
     scale_log2,                                   # softmax_scale * log2(e): we use exp2
     num_seqs,
     stride_q_tok, stride_q_head,
@@ -208,6 +209,7 @@ def _unified_attention_kernel(
     BLOCK_Q: tl.constexpr,                        # query tokens per program
     TILE_SIZE: tl.constexpr,                      # keys per loop iteration
     DOT_FP32: tl.constexpr,                       # compute the dots in fp32 (fp32 input, interpreter)
+    HAS_SKIP: tl.constexpr,                       # skip_seq given: leave those requests' rows alone
 ):
     # NOTE: query blocks in reverse order, KV heads on the fastest grid axis:
     # the GPU starts programs roughly in id order (axis 0 first), and within a
@@ -219,6 +221,9 @@ def _unified_attention_kernel(
     kv_head = tl.program_id(0)
 
     seq_idx = _find_seq_idx(query_start_loc_ptr, q_block_global, num_seqs, BLOCK_Q, True)
+    if HAS_SKIP:
+        if tl.load(skip_seq_ptr + seq_idx) != 0:
+            return                                # a fresh prefill the prefill kernel computes
     q_start = tl.load(query_start_loc_ptr + seq_idx)
     q_block_local = q_block_global - (q_start // BLOCK_Q + seq_idx)
     query_len = tl.load(query_start_loc_ptr + seq_idx + 1) - q_start
@@ -464,6 +469,7 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
                       softmax_segm_output: torch.Tensor | None = None,
                       softmax_segm_max: torch.Tensor | None = None,
                       softmax_segm_expsum: torch.Tensor | None = None,
+                      skip_seq: torch.Tensor | None = None,
                       block_m: int | None = None, tile_size: int | None = None,
                       num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
     """Causal paged attention over a flat mixed batch; writes out[:T] (vLLM's argument names).
@@ -479,6 +485,9 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     as vLLM: with num_par_softmax_segments segments and fp32 buffers
     softmax_segm_output [>= T, nh, >= segments, >= hd] and softmax_segm_max /
     softmax_segm_expsum [>= T, nh, >= segments]. Without them: always 2D.
+    skip_seq [R] int32 (2D only): requests with a nonzero entry are left alone
+    (their rows not written): the fresh prefills the Triton backend hands to
+    the prefill kernel (attention/backends/prefill_split.py); not vLLM's.
     block_m / tile_size / num_warps / num_stages override the chosen path's
     defaults (benchmarks).
     """
@@ -497,7 +506,8 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     num_queries_per_kv = num_heads // num_kv_heads
     use_3d = (num_par_softmax_segments is not None and softmax_segm_output is not None
               and softmax_segm_max is not None and softmax_segm_expsum is not None
-              and use_3d_kernel(max_seqlen_q, num_seqs, seq_threshold_3D))
+              and skip_seq is None and use_3d_kernel(max_seqlen_q, num_seqs, seq_threshold_3D))
+    assert skip_seq is None or (skip_seq.dtype == torch.int32 and skip_seq.numel() >= num_seqs)
     cfg = pick_config(max_seqlen_q, num_queries_per_kv, head_dim, use_3d)
     block_m = block_m or cfg["block_m"]
     tile_size = tile_size or cfg["tile_size"]
@@ -512,11 +522,11 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     if not use_3d:
         _unified_attention_kernel[grid](
             q, key_cache, value_cache, out, block_table, cu_seqlens_q, seqused_k,
-            softmax_scale * LOG2E, num_seqs,
+            skip_seq if skip_seq is not None else seqused_k, softmax_scale * LOG2E, num_seqs,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
             value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-            block_table.stride(0), **constexprs)
+            block_table.stride(0), HAS_SKIP=skip_seq is not None, **constexprs)
         return out
 
     # 3D: split-KV decode (see the section above), then the merge.

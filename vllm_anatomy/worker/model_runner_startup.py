@@ -166,7 +166,14 @@ class ModelRunnerStartupMixin:
             num_tokens = num_reqs * query_len
             num_reqs = self._dummy_step_inputs(num_tokens, query_len=query_len)
             self._warm_up_slot_mapping(num_reqs, num_tokens)
-            hidden = self._model_forward(num_tokens, self._dummy_attn_metadata(num_reqs, num_tokens, query_len))
+            metadata = self._dummy_attn_metadata(num_reqs, num_tokens, query_len)
+            # NOTE: host copies, as a real step's metadata has them: the Triton
+            # backend's prefill split (attention/backends/prefill_split.py) needs them,
+            # so with it switched on these fresh dummy prefills compile the prefill
+            # kernel here. (Captured graphs get none: they never split.)
+            qsl = torch.arange(num_reqs + 1, dtype=torch.int32).mul_(query_len).clamp_(max=num_tokens)
+            metadata.query_start_loc_cpu, metadata.seq_lens_cpu = qsl, qsl[1:] - qsl[:-1]
+            hidden = self._model_forward(num_tokens, metadata)
             self._dummy_sampler_run(hidden[:num_reqs])
 
     def _warm_up_slot_mapping(self, num_reqs: int, num_tokens: int) -> None:

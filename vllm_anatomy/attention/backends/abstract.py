@@ -41,6 +41,10 @@ class AttentionMetadata:
     # DeviceTimer when a full trace times launches (an eager step on a GPU;
     # never inside a CUDA graph), else a null timer whose `with` does nothing.
     kernel_timer: Any = field(default=NULL_KERNEL_TIMER)
+    # The Triton backend's split of this step into fresh prefills and the rest
+    # ((block_q, PrefillSplit | None), prefill_split.py), computed by the first
+    # layer that asks and reused by the others; None until then.
+    prefill_split: Any = None
 
 
 class AttentionImpl:
@@ -61,11 +65,15 @@ class AttentionImpl:
         raise NotImplementedError
 
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: AttentionMetadata,
-                output: torch.Tensor) -> torch.Tensor:
+                output: torch.Tensor, key: torch.Tensor | None = None,
+                value: torch.Tensor | None = None) -> torch.Tensor:
         """query [T, num_heads, head_dim] -> output [T, num_heads, head_dim], written in place
         (rows past attn_metadata.num_actual_tokens: zeros) and returned.
 
-        Reads K/V only from the cache (the new tokens were written there first)."""
+        Reads K/V from the cache (the new tokens were written there first); key /
+        value [T, num_kv_heads, head_dim] are this step's new K/V (vLLM passes
+        them too), which a backend may read instead for requests with no cached
+        context (the Triton backend's prefill split)."""
         raise NotImplementedError
 
 

@@ -108,8 +108,10 @@ class CPUAttentionImpl(AttentionImpl):
         value_cache.index_copy_(0, slots, value.to(kv_cache.dtype))
 
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: AttentionMetadata,
-                output: torch.Tensor) -> torch.Tensor:
-        """query [T, num_heads, head_dim] -> output [T, num_heads, head_dim] (written in place)."""
+                output: torch.Tensor, key: torch.Tensor | None = None,
+                value: torch.Tensor | None = None) -> torch.Tensor:
+        """query [T, num_heads, head_dim] -> output [T, num_heads, head_dim] (written in place;
+        K/V read from the cache only: key / value are unused)."""
         plan = self._plan(attn_metadata, block_size=kv_cache.shape[2])
         key_cache, value_cache = kv_cache.unbind(0)        # [num_blocks, block_size, nkv, hd] each
         if plan.only_decodes and query.shape[0] == plan.num_reqs:

@@ -51,8 +51,10 @@ class TorchReferenceImpl(AttentionImpl):
         value_cache.flatten(0, 1)[slots] = value[valid].to(kv_cache.dtype)
 
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: AttentionMetadata,
-                output: torch.Tensor) -> torch.Tensor:
-        """query [T, num_heads, head_dim] -> output [T, num_heads, head_dim] (written in place)."""
+                output: torch.Tensor, key: torch.Tensor | None = None,
+                value: torch.Tensor | None = None) -> torch.Tensor:
+        """query [T, num_heads, head_dim] -> output [T, num_heads, head_dim] (written in place;
+        K/V read from the cache only: key / value are unused)."""
         # NOTE: rows past num_actual_tokens are padding (e.g. a CUDA-graph-sized
         # batch); they stay zero, as vLLM's kernels leave them untouched.
         output.zero_()

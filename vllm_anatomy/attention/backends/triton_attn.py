@@ -20,6 +20,12 @@ through the metadata; we have no per-backend metadata builder, so
 TritonAttentionImpl fetches them (once per device and shape, shared by every
 layer: layers run one after another) from softmax_segm_buffers below.
 
+Fresh prefills through the prefill kernel (an on switch, off by default:
+VLLM_ANATOMY_PREFILL_KERNEL=1): requests with no cached context read their K/V
+from the step's key/value tensors in kernels/prefill_attention.py, the rest
+stays with unified_attention. Why, when and at what cost: the NOTE at the top of
+prefill_split.py.
+
 On a machine without CUDA the kernels run in Triton's interpreter: only when
 TRITON_INTERPRET=1 was set before vllm_anatomy.kernels was imported (tests do
 that in tests/kernel_tests/conftest.py). It is slow; the CPU default stays "torch".
@@ -32,11 +38,14 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from vllm_anatomy import envs
 from vllm_anatomy.attention.backends.abstract import (
     AttentionBackend,
     AttentionImpl,
     AttentionMetadata,
 )
+from vllm_anatomy.attention.backends.prefill_split import PrefillSplit, split_fresh_prefills
+from vllm_anatomy.kernels import prefill_attention as pa
 from vllm_anatomy.kernels import reshape_and_cache as rc
 from vllm_anatomy.kernels import unified_attention as ua
 from vllm_anatomy.tracing.runner_tracer import NULL_KERNEL_TIMER
@@ -114,6 +123,11 @@ def softmax_segm_buffers(num_heads_q: int, num_heads_kv: int, headdim: int,
 class TritonAttentionImpl(AttentionImpl):
     _segm: SoftmaxSegmentBuffers | None = None       # the 3D kernel's buffers, fetched on first use
 
+    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float) -> None:
+        super().__init__(num_heads, head_dim, num_kv_heads, scale)
+        # The prefill split's switch (prefill_split.py), read once when the model is built.
+        self.use_prefill_kernel = bool(envs.VLLM_ANATOMY_PREFILL_KERNEL)
+
     def do_kv_cache_update(self, key: torch.Tensor, value: torch.Tensor,
                            kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
                            kernel_timer=NULL_KERNEL_TIMER) -> None:
@@ -123,28 +137,54 @@ class TritonAttentionImpl(AttentionImpl):
             rc.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
 
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: AttentionMetadata,
-                output: torch.Tensor) -> torch.Tensor:
-        """query [T, num_heads, head_dim] -> output [T, num_heads, head_dim] (written in place)."""
+                output: torch.Tensor, key: torch.Tensor | None = None,
+                value: torch.Tensor | None = None) -> torch.Tensor:
+        """query [T, num_heads, head_dim] -> output [T, num_heads, head_dim] (written in place);
+        key / value [T, nkv, hd]: the step's new K/V, read only by the prefill split."""
         num_actual_tokens = attn_metadata.num_actual_tokens
         key_cache, value_cache = kv_cache.unbind(0)
         # NOTE: rows past num_actual_tokens are padding (a CUDA-graph-sized
         # batch); the kernel never writes them. Zero them so that the output
         # equals the torch reference everywhere (a slice by a host int: no sync).
         output[num_actual_tokens:].zero_()
+        split = self._prefill_split(query, key, value, attn_metadata)
+        if split is not None:
+            assert key is not None and value is not None
+            with attn_metadata.kernel_timer.kernel("prefill_attention",
+                                                   lambda: self._prefill_launch_attrs(query, split)):
+                pa.context_attention_fwd(query[:num_actual_tokens], key[:num_actual_tokens],
+                                         value[:num_actual_tokens], output[:num_actual_tokens],
+                                         None, None, self.scale, work_list=split.work_list)
+            if split.num_other_reqs == 0:
+                return output
         segm = self._segm_buffers(query.device)
+        max_query_len = attn_metadata.max_query_len if split is None else split.max_other_query_len
         with attn_metadata.kernel_timer.kernel("unified_attention",
-                                               lambda: self._attention_launch_attrs(query, attn_metadata)):
+                                               lambda: self._attention_launch_attrs(query, attn_metadata, split)):
             ua.unified_attention(
                 q=query[:num_actual_tokens], key_cache=key_cache, value_cache=value_cache,
                 out=output[:num_actual_tokens],
-                cu_seqlens_q=attn_metadata.query_start_loc, max_seqlen_q=attn_metadata.max_query_len,
+                cu_seqlens_q=attn_metadata.query_start_loc, max_seqlen_q=max_query_len,
                 seqused_k=attn_metadata.seq_lens, max_seqlen_k=attn_metadata.max_seq_len,
                 softmax_scale=self.scale, block_table=attn_metadata.block_table,
                 seq_threshold_3D=segm.seq_threshold_3D,
                 num_par_softmax_segments=segm.num_par_softmax_segments,
                 softmax_segm_output=segm.softmax_segm_output, softmax_segm_max=segm.softmax_segm_max,
-                softmax_segm_expsum=segm.softmax_segm_expsum)
+                softmax_segm_expsum=segm.softmax_segm_expsum,
+                skip_seq=None if split is None else split.skip_seq)
         return output
+
+    def _prefill_config(self, dtype: torch.dtype) -> dict:
+        """The prefill kernel's default config for this dtype, with its block_q (host ints)."""
+        return pa.default_config(self.num_heads // self.num_kv_heads, self.head_dim, dtype)
+
+    def _prefill_split(self, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
+                       attn_metadata: AttentionMetadata) -> PrefillSplit | None:
+        """This step's fresh prefills for the prefill kernel, or None (switch off, no K/V
+        handed over, metadata without host copies, or no fresh prefill)."""
+        if not self.use_prefill_kernel or key is None or value is None:
+            return None
+        return split_fresh_prefills(attn_metadata, self._prefill_config(query.dtype)["block_q"], query.device)
 
     def _segm_buffers(self, device: torch.device) -> SoftmaxSegmentBuffers:
         segm = self._segm
@@ -160,22 +200,37 @@ class TritonAttentionImpl(AttentionImpl):
                 # read K and V, write them into the cache, read the slots
                 "vllm_anatomy.bytes": 4 * key.numel() * key.element_size() + 8 * num_tokens}
 
-    def _attention_launch_attrs(self, query: torch.Tensor, attn_metadata: AttentionMetadata) -> dict:
+    def _prefill_launch_attrs(self, query: torch.Tensor, split: PrefillSplit) -> dict:
+        cfg = self._prefill_config(query.dtype)
+        grid = pa.launch_grid(split.work_list.shape[0], self.num_heads, self.num_kv_heads, cfg["pack_gqa"])
+        # Q read + O written, K and V of the prefill tokens read once (the ideal; L2 serves the repeats).
+        moved = 2 * split.num_prefill_tokens * (self.num_heads + self.num_kv_heads) * self.head_dim \
+            * query.element_size()
+        return {"vllm_anatomy.grid": list(grid), "vllm_anatomy.num_tokens": split.num_prefill_tokens,
+                "vllm_anatomy.num_reqs": split.num_prefill_reqs, "vllm_anatomy.bytes": moved}
+
+    def _attention_launch_attrs(self, query: torch.Tensor, attn_metadata: AttentionMetadata,
+                                split: PrefillSplit | None = None) -> dict:
         num_tokens = attn_metadata.num_actual_tokens
         item = query.element_size()
         seq_lens_cpu = attn_metadata.seq_lens_cpu
         num_keys = int(seq_lens_cpu.sum()) if seq_lens_cpu is not None else 0
+        num_work_tokens, max_query_len = num_tokens, attn_metadata.max_query_len
+        if split is not None:   # the fresh prefills' programs exit at once
+            num_work_tokens, num_keys = split.num_other_tokens, split.num_other_keys
+            max_query_len = split.max_other_query_len
         # Q read + O written, and every request's K and V read once (GQA packed).
-        moved = (2 * num_tokens * self.num_heads * self.head_dim * item
+        moved = (2 * num_work_tokens * self.num_heads * self.head_dim * item
                  + 2 * num_keys * self.num_kv_heads * self.head_dim * item)
         segm = self._segm_buffers(query.device)
-        use_3d = ua.use_3d_kernel(attn_metadata.max_query_len, attn_metadata.num_reqs, segm.seq_threshold_3D)
+        use_3d = split is None and ua.use_3d_kernel(max_query_len, attn_metadata.num_reqs,
+                                                    segm.seq_threshold_3D)
         segments = segm.num_par_softmax_segments if use_3d else None
         if segments is not None:
             # 3D: the fp32 partials (acc, max, sum per segment), written then read by the merge.
             moved += 2 * num_tokens * self.num_heads * segments * (self.head_dim + 2) * 4
         grid = ua.default_grid(num_tokens, attn_metadata.num_reqs, self.num_heads, self.num_kv_heads,
-                               self.head_dim, attn_metadata.max_query_len, segments)
+                               self.head_dim, max_query_len, segments)
         return {"vllm_anatomy.grid": list(grid), "vllm_anatomy.num_tokens": num_tokens,
                 "vllm_anatomy.num_reqs": attn_metadata.num_reqs, "vllm_anatomy.bytes": moved}
 

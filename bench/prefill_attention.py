@@ -1,0 +1,328 @@
+"""Prefill attention on the GPU: our prefill kernel's variants vs unified_attention vs torch SDPA.
+
+    python bench/prefill_attention.py --out $OUT/prefill_attention_h100.json [--quick]
+    python bench/prefill_attention.py --tiny --out /tmp/p.json      # CPU smoke (Triton interpreter)
+
+Qwen3-0.6B attention heads (16 query heads, 8 KV heads, head_dim 128), bf16,
+fresh prefills (causal, no cached context) of 1 x 512, 1 x 4096, 4 x 4096,
+1 x 8192 and 2 x 8192 tokens; q/k/v are views of one qkv tensor, as the model
+hands them over. For each case:
+
+  ours      vllm_anatomy/kernels/prefill_attention.py, the default config and a
+            sweep of block shapes x {plain, pack_gqa, TMA descriptors, warp
+            specialisation, TMA + warp specialisation};
+  unified   unified_attention (the engine's default path) on the same prefill,
+            its K/V in a paged cache of contiguous blocks (block size 16);
+  sdpa      torch.nn.functional.scaled_dot_product_attention restricted to the
+            flash backend (FlashAttention-2 in PyTorch), K/V repeated to 16 heads
+            outside the timing: a reference ceiling, not something we run.
+
+FLOPs = 4 * heads * head_dim * (visible query-key pairs); each time is the
+median of CUDA-event-timed CUDA-graph replays (bench/kernel_bench.py's time_ms;
+eager if a capture fails), reported in ms and as a fraction of a bf16 8192^3
+matmul measured in the same run. Every variant's output is checked against the
+fp32 torch reference (max abs error; a variant off by > 0.05 is flagged).
+Every variant is first launched once on a small prefill (compiling it; those
+that fail to compile are listed and skipped); the timed sweep then stops adding
+configs after --budget-s seconds (default 120), so the whole run should stay
+under 3 minutes on an H100; what was skipped is listed.
+Prints a table and writes the JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+if "--tiny" in sys.argv:
+    # Before any Triton kernel is imported: the interpreter is chosen at decoration time.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+import torch  # noqa: E402
+
+from vllm_anatomy.kernels.prefill_attention import (  # noqa: E402
+    block_q_of,
+    context_attention_fwd,
+    default_config,
+    prefill_attention_ref,
+    prefill_work_list,
+)
+from vllm_anatomy.kernels.unified_attention import unified_attention  # noqa: E402
+
+CASES = [(1, 512), (1, 4096), (4, 4096), (1, 8192), (2, 8192)]      # (num_seqs, seq_len)
+SWITCHES = {"plain": {}, "pack_gqa": dict(pack_gqa=True), "tma": dict(use_tma=True),
+            "ws": dict(warp_specialize=True), "tma+ws": dict(use_tma=True, warp_specialize=True)}
+# (block_m, block_n, num_warps, num_stages)
+SHAPES = [(128, 128, 8, 2), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3),
+          (128, 64, 4, 2)]
+QUICK_SHAPES = [(128, 128, 8, 2), (128, 64, 4, 3)]
+MAX_ERR = 0.05
+
+
+class Setup:
+    """Heads, dtype, device and timing of a run (the GPU's or the CPU smoke test's)."""
+
+    def __init__(self, tiny: bool):
+        self.tiny = tiny
+        if tiny:
+            self.num_heads, self.num_kv_heads, self.head_dim = 4, 2, 32
+            self.dtype, self.device = torch.float32, "cpu"
+            self.cases = [(1, 20), (2, 17)]
+            self.shapes = [(16, 16, 4, 1)]
+            self.switches = SWITCHES
+        else:
+            self.num_heads, self.num_kv_heads, self.head_dim = 16, 8, 128
+            self.dtype, self.device = torch.bfloat16, "cuda"
+            self.cases = CASES
+            self.shapes = SHAPES
+            self.switches = SWITCHES
+
+    def time_ms(self, fn) -> tuple[float, str]:
+        if self.tiny:
+            t0 = time.perf_counter()      # (the caller ran fn once already)
+            fn()
+            return (time.perf_counter() - t0) * 1e3, "cpu"
+        sys.path.insert(0, HERE)
+        from kernel_bench import time_eager_ms, time_ms
+        try:
+            return time_ms(fn), "graph"
+        except Exception:                     # e.g. a launch that cannot be captured
+            torch.cuda.synchronize()
+            return time_eager_ms(fn), "eager"
+
+
+def matmul_rate(setup: Setup) -> dict:
+    n = 256 if setup.tiny else 8192
+    a = torch.randn(n, n, device=setup.device, dtype=setup.dtype)
+    b = torch.randn(n, n, device=setup.device, dtype=setup.dtype)
+    if setup.tiny:
+        ms, _ = setup.time_ms(lambda: a @ b)
+    else:
+        sys.path.insert(0, HERE)
+        from kernel_bench import time_eager_ms
+        ms = time_eager_ms(lambda: a @ b)
+    return {"shape": [n, n, n], "ms": ms, "flop_per_s": 2 * n ** 3 / ms * 1e3}
+
+
+def make_case(setup: Setup, num_seqs: int, seq_len: int, seed: int = 0):
+    nh, nkv, hd = setup.num_heads, setup.num_kv_heads, setup.head_dim
+    num_tokens = num_seqs * seq_len
+    g = torch.Generator(device=setup.device).manual_seed(seed)
+    qkv = torch.randn(num_tokens, (nh + 2 * nkv) * hd, generator=g, device=setup.device, dtype=setup.dtype)
+    q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
+    starts, lens = [i * seq_len for i in range(num_seqs)], [seq_len] * num_seqs
+    return (q.view(num_tokens, nh, hd), k.view(num_tokens, nkv, hd), v.view(num_tokens, nkv, hd),
+            starts, lens)
+
+
+def ours_variants(setup: Setup, quick: bool) -> list[tuple[str, dict]]:
+    shapes = QUICK_SHAPES if quick and not setup.tiny else setup.shapes
+    out = [("default", {})]
+    for name, switch in setup.switches.items():
+        for bm, bn, w, s in shapes:
+            out.append((f"{name} m{bm} n{bn} w{w} s{s}",
+                        dict(block_m=bm, block_n=bn, num_warps=w, num_stages=s, **switch)))
+    return out
+
+
+def run_ours(setup, q, k, v, starts, lens, scale, ref, cfg) -> tuple[float, str, float]:
+    """Time one variant (ref None: one launch only, the compile pass)."""
+    group = setup.num_heads // setup.num_kv_heads
+    merged = dict(default_config(group, setup.head_dim, setup.dtype), **cfg)
+    block_q = block_q_of(merged["block_m"], group, merged["pack_gqa"])
+    work_list = prefill_work_list(starts, lens, block_q).to(setup.device)
+    out = torch.full_like(q, float("nan"))
+    fn = lambda: context_attention_fwd(q, k, v, out, None, None, scale, work_list=work_list, **cfg)  # noqa: E731
+    fn()
+    if ref is None:
+        return 0.0, "compile", 0.0
+    err = float((out.float() - ref).abs().max())
+    ms, how = setup.time_ms(fn)
+    return ms, how, err
+
+
+def run_unified(setup, q, k, v, starts, lens, scale, ref) -> tuple[float, str, float]:
+    """The same prefill through unified_attention: K/V in a paged cache of contiguous blocks."""
+    block_size = 16
+    blocks = [-(-n // block_size) for n in lens]
+    num_blocks = sum(blocks)
+    cache = torch.zeros(2, num_blocks, block_size, setup.num_kv_heads, setup.head_dim,
+                        device=setup.device, dtype=setup.dtype)
+    block_table = torch.zeros(len(lens), max(blocks), dtype=torch.int32, device=setup.device)
+    first = 0
+    for i, (start, n) in enumerate(zip(starts, lens)):
+        flat = cache[:, first:first + blocks[i]].flatten(1, 2)              # [2, blocks * 16, nkv, hd]
+        flat[0, :n], flat[1, :n] = k[start:start + n], v[start:start + n]
+        block_table[i, :blocks[i]] = torch.arange(first, first + blocks[i], dtype=torch.int32)
+        first += blocks[i]
+    qsl = torch.tensor([0] + [s + n for s, n in zip(starts, lens)], dtype=torch.int32, device=setup.device)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=setup.device)
+    out = torch.full_like(q, float("nan"))
+    fn = lambda: unified_attention(q, cache[0], cache[1], out, qsl, max(lens), seq_lens,  # noqa: E731
+                                   max(lens), scale, block_table)
+    fn()
+    err = float((out.float() - ref).abs().max())
+    ms, how = setup.time_ms(fn)
+    return ms, how, err
+
+
+def run_sdpa(setup, q, k, v, starts, lens, scale, ref) -> tuple[float, str, float]:
+    """torch SDPA (flash backend on a GPU) per request, K/V repeated to all heads beforehand."""
+    group = setup.num_heads // setup.num_kv_heads
+    per_req = []
+    for start, n in zip(starts, lens):
+        qq = q[start:start + n].transpose(0, 1).unsqueeze(0)                        # [1, nh, n, hd]
+        kk = k[start:start + n].repeat_interleave(group, 1).transpose(0, 1).unsqueeze(0).contiguous()
+        vv = v[start:start + n].repeat_interleave(group, 1).transpose(0, 1).unsqueeze(0).contiguous()
+        per_req.append((qq, kk, vv))
+    outs: list[torch.Tensor] = []
+
+    def fn():
+        outs.clear()
+        for qq, kk, vv in per_req:
+            outs.append(torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, is_causal=True,
+                                                                         scale=scale))
+    if setup.tiny:
+        call = fn
+    else:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        def call():
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                fn()
+    call()
+    got = torch.cat([o.squeeze(0).transpose(0, 1) for o in outs])
+    err = float((got.float() - ref).abs().max())
+    ms, how = setup.time_ms(call)
+    return ms, how, err
+
+
+def compile_variants(setup: Setup, quick: bool) -> dict[str, str]:
+    """Launch every variant once on a small prefill, so that compilation is paid
+    here, outside the timed sweep's budget. Returns {variant: error} of those
+    that do not compile or run (skipped later, their error reported)."""
+    q, k, v, starts, lens = make_case(setup, 1, 16 if setup.tiny else 256, seed=1)
+    failed = {}
+    for name, cfg in ours_variants(setup, quick):
+        try:
+            run_ours(setup, q, k, v, starts, lens, setup.head_dim ** -0.5, None, cfg)
+        except Exception as e:
+            failed[name] = f"{type(e).__name__}: {str(e)[:200]}"
+    return failed
+
+
+def run_case(setup: Setup, num_seqs: int, seq_len: int, rate: float, quick: bool, deadline: float,
+             failed: dict[str, str]) -> dict:
+    q, k, v, starts, lens = make_case(setup, num_seqs, seq_len)
+    scale = setup.head_dim ** -0.5
+    ref = prefill_attention_ref(q.float(), k.float(), v.float(), starts, lens, scale)
+    pairs = sum(n * (n + 1) // 2 for n in lens)
+    flops = 4 * setup.num_heads * setup.head_dim * pairs
+
+    def entry(name, fn, *args):
+        try:
+            ms, how, err = fn(*args)
+        except Exception as e:                      # a config that does not compile here, out of memory
+            return {"name": name, "error": f"{type(e).__name__}: {str(e)[:200]}"}
+        return {"name": name, "ms": ms, "timing": how, "tflop_per_s": flops / ms / 1e9,
+                "fraction": flops / ms * 1e3 / rate, "max_err": err, "ok": err <= MAX_ERR}
+
+    ours, skipped = [], []
+    for name, cfg in ours_variants(setup, quick):
+        if name in failed:
+            ours.append({"name": name, "config": cfg, "error": failed[name]})
+            continue
+        if time.monotonic() > deadline and name != "default":
+            skipped.append(name)
+            continue
+        e = entry(name, run_ours, setup, q, k, v, starts, lens, scale, ref, cfg)
+        e["config"] = cfg
+        ours.append(e)
+    unified = entry("unified_attention", run_unified, setup, q, k, v, starts, lens, scale, ref)
+    sdpa = entry("sdpa_flash", run_sdpa, setup, q, k, v, starts, lens, scale, ref)
+    timed = [e for e in ours if "ms" in e and e["ok"]]
+    best = min(timed, key=lambda e: e["ms"]) if timed else None
+    del ref
+    if setup.device == "cuda":
+        torch.cuda.empty_cache()
+    return {"num_seqs": num_seqs, "seq_len": seq_len, "flops": flops, "ours": ours, "skipped": skipped,
+            "best": best, "unified": unified, "sdpa": sdpa}
+
+
+def print_case(case: dict) -> None:
+    print(f"\n{case['num_seqs']} x {case['seq_len']}  ({case['flops'] / 1e9:.1f} GFLOP)")
+    rows = case["ours"] + [case["unified"], case["sdpa"]]
+    for e in rows:
+        if "error" in e:
+            print(f"  {e['name']:<30} error: {e['error'][:90]}")
+        else:
+            flag = "" if e["ok"] else "  WRONG"
+            print(f"  {e['name']:<30} {e['ms']:9.3f} ms {e['tflop_per_s']:8.1f} TFLOP/s "
+                  f"{100 * e['fraction']:6.1f} % of matmul  err {e['max_err']:.2e} ({e['timing']}){flag}")
+    if case["skipped"]:
+        print(f"  skipped (time budget): {len(case['skipped'])} configs")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "prefill_attention.json"))
+    ap.add_argument("--quick", action="store_true", help="two block shapes per switch")
+    ap.add_argument("--tiny", action="store_true", help="CPU smoke mode (Triton interpreter, tiny shapes)")
+    ap.add_argument("--budget-s", type=float, default=120.0, help="stop adding sweep configs after this")
+    args = ap.parse_args()
+    setup = Setup(args.tiny)
+    if not args.tiny and not torch.cuda.is_available():
+        sys.exit("needs a CUDA GPU (or --tiny for the CPU smoke mode)")
+    start = t0 = time.monotonic()
+    ceiling = matmul_rate(setup)
+    rate = ceiling["flop_per_s"]
+    print(f"matmul ceiling: {rate / 1e12:.1f} TFLOP/s ({ceiling['shape']})")
+    t1 = time.monotonic()
+    failed = compile_variants(setup, args.quick)
+    print(f"compiled {len(ours_variants(setup, args.quick))} variants in {time.monotonic() - t1:.0f} s; "
+          f"{len(failed)} failed: {sorted(failed)}")
+    t0 = time.monotonic()                   # the budget is for timing, not compiling
+    # Later cases get an equal share of what is left, so every case is swept somewhat.
+    cases = []
+    for i, (num_seqs, seq_len) in enumerate(setup.cases):
+        left = args.budget_s - (time.monotonic() - t0)
+        deadline = time.monotonic() + max(0.0, left / (len(setup.cases) - i))
+        case = run_case(setup, num_seqs, seq_len, rate, args.quick, deadline, failed)
+        print_case(case)
+        cases.append(case)
+    summary = []
+    print("\nsummary (fraction of the matmul rate; ratio = unified ms / best ours ms, sdpa ms / best ours ms)")
+    for c in cases:
+        best, uni, sd = c["best"], c["unified"], c["sdpa"]
+        row = {"case": f"{c['num_seqs']}x{c['seq_len']}",
+               "default_ours": next((e.get("fraction") for e in c["ours"] if e["name"] == "default"), None),
+               "best_ours": best and best["fraction"], "best_ours_name": best and best["name"],
+               "unified": uni.get("fraction"), "sdpa_flash": sd.get("fraction"),
+               "speedup_vs_unified": best and "ms" in uni and uni["ms"] / best["ms"],
+               "sdpa_over_best_ours": best and "ms" in sd and sd["ms"] / best["ms"]}
+        summary.append(row)
+        fmt = lambda x: "   -  " if not x else f"{100 * x:5.1f}%"  # noqa: E731
+        print(f"  {row['case']:<8} default {fmt(row['default_ours'])}  best {fmt(row['best_ours'])} "
+              f"({row['best_ours_name']})  unified {fmt(row['unified'])}  sdpa {fmt(row['sdpa_flash'])}")
+    result = {
+        "device": torch.cuda.get_device_name() if setup.device == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__, "triton": __import__("triton").__version__, "tiny": args.tiny,
+        "heads": {"num_heads": setup.num_heads, "num_kv_heads": setup.num_kv_heads, "head_dim": setup.head_dim},
+        "dtype": str(setup.dtype), "matmul_ceiling": ceiling, "compile_failed": failed,
+        "cases": cases, "summary": summary,
+        "wall_s": time.monotonic() - start,
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"\nwrote {args.out} ({result['wall_s']:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

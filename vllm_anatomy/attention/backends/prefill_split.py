@@ -1,0 +1,104 @@
+"""Which requests of a step the Triton backend sends to the prefill kernel.
+
+A switch, off by default: VLLM_ANATOMY_PREFILL_KERNEL=1 (vllm_anatomy/envs.py).
+
+NOTE: why a split at all. unified_attention (kernels/unified_attention.py)
+computes every request of a step in one launch, reading K/V back from the
+paged cache through the block table; that is what vLLM's FlashAttention
+backend does too (one varlen call, no split). But a *fresh* prefill, a request
+with no cached context (num_computed_tokens == 0, e.g. a new prompt without a
+prefix-cache hit), has all of its K/V in this step's key/value tensors, next to
+its queries, token for token. For it vLLM keeps a separate Triton op,
+context_attention_fwd (v1/attention/ops/triton_prefill_attention.py), with no
+block table and a grid sized from host-known lengths; ours is
+kernels/prefill_attention.py. Long prompts are where attention's matmul rate
+matters (a 4k-token prompt's attention is ~2/3 of its prefill FLOPs at 0.6B),
+so the long-context points are what this split is for.
+
+The rule (host facts only, no device read): request i is a fresh prefill when
+seq_len == query_len (context_len == 0, the scheduler's num_computed_tokens ==
+0) and query_len > 1. Those go to the prefill kernel; everything else (decodes,
+chunked-prefill continuations, prefix-cache hits, speculative verify rows)
+stays with unified_attention, whose programs for the fresh prefills exit at
+once (skip_seq). The first chunk of a chunked prompt is fresh; its later
+chunks are not.
+
+The trade-off: a mixed batch (decodes + new prompts) now costs two launches
+per layer instead of one, plus unified_attention's early-exit programs over the
+fresh prefills' query blocks, and a decode-only remainder loses the split-KV
+(3D) path (it runs the 2D kernel); a batch of only fresh prefills (or none)
+stays one launch. The split is computed once per step, by the first layer that
+asks (vLLM's TritonAttentionMetadataBuilder.build runs once per step too), and
+kept on the step's AttentionMetadata. CUDA graphs: attention runs eager in a
+piecewise replay, with the step's metadata, so the split applies there; the
+captured dummy metadata (and so every FULL graph) carries no host copies and
+never splits.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from vllm_anatomy.attention.backends.abstract import AttentionMetadata
+from vllm_anatomy.kernels.prefill_attention import prefill_work_list
+
+
+@dataclass
+class PrefillSplit:
+    """One step's split (host ints and two small device tensors)."""
+    block_q: int                    # the prefill kernel's query tokens per program
+    num_prefill_reqs: int           # fresh prefills -> prefill_attention
+    num_prefill_tokens: int
+    work_list: torch.Tensor         # [N, 3] int32 on the device (prefill_work_list)
+    num_other_reqs: int             # the rest -> unified_attention
+    num_other_tokens: int
+    num_other_keys: int             # sum of the rest's seq_lens (for the trace's bytes)
+    max_other_query_len: int
+    skip_seq: torch.Tensor          # [R] int32 on the device: 1 for the fresh prefills
+
+
+def fresh_prefill_mask(query_lens: np.ndarray, seq_lens: np.ndarray) -> np.ndarray:
+    """[R] bool: requests whose whole K/V is this step's (and more than one token)."""
+    return (seq_lens == query_lens) & (query_lens > 1)
+
+
+def split_fresh_prefills(attn_metadata: AttentionMetadata, block_q: int,
+                         device: torch.device) -> PrefillSplit | None:
+    """The step's split, computed on the first call and kept on the metadata;
+    None when the step has no fresh prefill or its metadata has no host copies."""
+    cached = attn_metadata.prefill_split
+    if cached is not None and cached[0] == block_q:
+        return cached[1]
+    split = _build_split(attn_metadata, block_q, device)
+    attn_metadata.prefill_split = (block_q, split)
+    return split
+
+
+def _build_split(attn_metadata: AttentionMetadata, block_q: int, device: torch.device) -> PrefillSplit | None:
+    qsl_cpu, seq_lens_cpu = attn_metadata.query_start_loc_cpu, attn_metadata.seq_lens_cpu
+    if qsl_cpu is None or seq_lens_cpu is None:
+        return None
+    num_reqs = attn_metadata.num_reqs
+    qsl = qsl_cpu[:num_reqs + 1].numpy().astype(np.int64)
+    seq_lens = seq_lens_cpu[:num_reqs].numpy().astype(np.int64)
+    query_lens = np.diff(qsl)
+    fresh = fresh_prefill_mask(query_lens, seq_lens)
+    if not fresh.any():
+        return None
+    other = ~fresh
+    work_list = prefill_work_list(qsl[:-1][fresh].tolist(), query_lens[fresh].tolist(), block_q)
+    # NOTE: one host->device copy per step, from pinned memory, for both tensors.
+    packed = torch.cat([work_list.flatten(), torch.from_numpy(fresh.astype(np.int32))])
+    if device.type == "cuda":
+        packed = packed.pin_memory()
+    packed = packed.to(device, non_blocking=True)
+    num_items = work_list.shape[0]
+    return PrefillSplit(
+        block_q=block_q, num_prefill_reqs=int(fresh.sum()), num_prefill_tokens=int(query_lens[fresh].sum()),
+        work_list=packed[:3 * num_items].view(num_items, 3),
+        num_other_reqs=int(other.sum()), num_other_tokens=int(query_lens[other].sum()),
+        num_other_keys=int(seq_lens[other].sum()),
+        max_other_query_len=int(query_lens[other].max()) if other.any() else 0,
+        skip_seq=packed[3 * num_items:])
