@@ -252,13 +252,16 @@ class Scheduler(SchedulerInterface):
             req_index += 1
             # NOTE: async scheduling: a step already in flight samples this
             # request's last token; one more step would be thrown away.
-            # num_computed_tokens already counts the in-flight steps' inputs; + 1
-            # is the token the latest one samples. The request ends at
-            # max_model_len or at max_tokens outputs (check_stop's length cap).
+            # num_computed_tokens already counts the in-flight steps' inputs
+            # (and their drafts, as if all were accepted); minus the placeholders
+            # but one, it counts them as all rejected: + 1 is then the fewest
+            # tokens the request will have. It ends at max_model_len or at
+            # max_tokens outputs (check_stop's length cap).
             if request.num_output_placeholders > 0 and (
-                    request.num_computed_tokens + 1 >= max_model_len or (
+                    (num_tokens_at_least := request.num_computed_tokens + 2 - request.num_output_placeholders)
+                    >= max_model_len or (
                         request.max_tokens is not None and
-                        request.num_computed_tokens + 1 >= request.num_prompt_tokens + request.max_tokens)):
+                        num_tokens_at_least >= request.num_prompt_tokens + request.max_tokens)):
                 continue
             # NOTE: placeholders (async scheduling) count as tokens to catch up
             # on: their values are still on the device, but their positions are known.
@@ -722,6 +725,20 @@ class Scheduler(SchedulerInterface):
                     request.spec_token_ids = []
                 continue
             request.spec_token_ids = spec_token_ids
+
+    def update_draft_token_ids_in_output(self, draft_token_ids: DraftTokenIds,
+                                         scheduler_output: SchedulerOutput) -> None:
+        """Async scheduling: the step was scheduled with -1 draft placeholders (the
+        drafts were on the device); put the drafts it verified in their place, so that
+        update_from_output records them. v0.27.1 calls this for a deferred structured-output
+        step (and validates the drafts against the grammar); ours for every step with
+        drafts (EngineCore._update_from_output), before update_from_output."""
+        sched_spec_tokens = scheduler_output.scheduled_spec_decode_tokens
+        for req_id, spec_token_ids in zip(draft_token_ids.req_ids, draft_token_ids.draft_token_ids):
+            placeholder_spec_tokens = sched_spec_tokens.get(req_id)
+            if not placeholder_spec_tokens:
+                continue
+            sched_spec_tokens[req_id] = list(spec_token_ids[:len(placeholder_spec_tokens)])
 
     def make_spec_decoding_stats(self, spec_decoding_stats: SpecDecodingStats | None, num_draft_tokens: int,
                                  num_accepted_tokens: int) -> SpecDecodingStats | None:
