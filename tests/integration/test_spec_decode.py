@@ -111,6 +111,48 @@ def test_prefix_caching(default_model_dir, truncated_draft, hf_model, shared_pre
     assert llm.get_metrics()["vllm:spec_decode_num_drafts"] > 0
 
 
+ASYNC_DRAFT = pytest.mark.parametrize("method", ["draft_self", "draft_cut"])
+
+
+@ASYNC_DRAFT
+@pytest.mark.parametrize("engine_kwargs", [
+    pytest.param({}, id="plain"),
+    pytest.param({"max_num_batched_tokens": 32}, id="chunked_prefill"),
+    pytest.param({"num_gpu_blocks_override": 13, "max_model_len": 192, "enable_prefix_caching": False},
+                 id="preemption"),
+])
+def test_async_scheduling_greedy_equals_transformers(default_model_dir, truncated_draft, hf_model, spec_prompts,
+                                                     method, engine_kwargs):
+    """Explicit async scheduling with a draft model (v0.27.1 runs it): the drafts stay on the
+    device, the scheduler plans with -1 placeholders; greedy output is still transformers'."""
+    kwargs = {"max_model_len": 2048, **engine_kwargs}
+    llm = LLM(default_model_dir, async_scheduling=True,
+              speculative_config=speculative_config(method, default_model_dir, truncated_draft), **kwargs)
+    assert llm.llm_engine.vllm_config.scheduler_config.async_scheduling
+    got, _ = _engine_tokens(llm, spec_prompts)
+    _check_equal(hf_model, spec_prompts, got)
+    check_speculated(llm, method)
+    if "num_gpu_blocks_override" in engine_kwargs:
+        assert llm.get_metrics()["vllm:num_preemptions"] > 0
+
+
+def test_async_scheduling_prefix_caching(default_model_dir, truncated_draft, hf_model, shared_prefix_prompts):
+    """A prefix-cache hit gives the draft its KV under async scheduling too: the same drafts
+    are verified and accepted as without it (greedy drafts are deterministic)."""
+    counters = []
+    for async_scheduling in (False, True):
+        llm = LLM(default_model_dir, max_model_len=2048, async_scheduling=async_scheduling,
+                  speculative_config=speculative_config("draft_cut", default_model_dir, truncated_draft))
+        got0, _ = _engine_tokens(llm, shared_prefix_prompts[:1])
+        got1, outs = _engine_tokens(llm, shared_prefix_prompts[1:])
+        _check_equal(hf_model, shared_prefix_prompts, got0 + got1)
+        m = llm.get_metrics()
+        assert m["vllm:prefix_cache_hits"] > 0 and m["vllm:spec_decode_num_drafts"] > 0
+        assert all(o.num_cached_tokens >= 16 for o in outs)
+        counters.append({k: v for k, v in m.items() if k.startswith("vllm:spec_decode")})
+    assert counters[0] == counters[1]
+
+
 def test_seeded_random_sampling_reproduces_and_logprobs(default_model_dir, spec_prompts):
     """Random sampling goes through the rejection sampler: a seeded request gives the same
     tokens in two runs (batched differently), and every output token has its logprob."""

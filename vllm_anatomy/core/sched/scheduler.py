@@ -646,10 +646,12 @@ class Scheduler(SchedulerInterface):
                 num_draft_tokens = len(scheduled_spec_token_ids)
                 num_accepted = len(new_token_ids) - 1       # the last one is the recovered or bonus token
                 num_rejected = num_draft_tokens - num_accepted
-                # (teaching extra: what was accepted, where the rejected drafts' KV went)
-                self.last_spec_decode_records.append(make_spec_decode_record(
-                    request, scheduled_spec_token_ids, new_token_ids,
-                    self.kv_cache_manager.get_blocks(req_id).blocks[0], self.block_size))
+                # (teaching extra: what was accepted, where the rejected drafts' KV went;
+                # not for a stale output: preempted meanwhile, its KV is gone)
+                if not output_is_stale:
+                    self.last_spec_decode_records.append(make_spec_decode_record(
+                        request, scheduled_spec_token_ids, new_token_ids,
+                        self.kv_cache_manager.get_blocks(req_id).blocks[0], self.block_size))
                 # NOTE: the rejected drafts' positions were computed (their KV
                 # written) for nothing: roll num_computed_tokens back over them, so
                 # the next step computes those positions again, with the real
