@@ -260,3 +260,49 @@ def test_bad_words_and_penalties_equal_no_speculation(default_model_dir, spec_pr
     # The test can fail: each case changes the plain answer, and the bad word never appears.
     assert all(w != plain for w in want)
     assert want[0][:k] == plain[:k] and all((x, y) != (a, b) for x, y in zip(got[0], got[0][1:]))
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_drafts_past_max_tokens_or_stop_are_not_emitted(default_model_dir, spec_prompts, async_scheduling):
+    """The target drafting for itself accepts every draft, so each step verifies K drafts and
+    would give K + 1 tokens; a request whose max_tokens or stop token falls inside them ends
+    exactly where the engine without speculation ends it, and emits nothing past it."""
+    prompt = {"prompt_token_ids": spec_prompts[0]}
+    plain = LLM(default_model_dir, max_model_len=512)
+    greedy = plain.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)[0]
+    ref = list(greedy.outputs[0].token_ids)
+    stop = ref[5]
+    cases = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (1, 2, 6)] + \
+        [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop_token_ids=[stop])]
+    expected = [[o.outputs[0].token_ids for o in plain.generate([prompt], sp, use_tqdm=False)][0] for sp in cases]
+    assert expected[:3] == [ref[:1], ref[:2], ref[:6]] and expected[3] == ref[:ref.index(stop) + 1]
+    del plain
+    llm = LLM(default_model_dir, max_model_len=512, async_scheduling=async_scheduling,
+              speculative_config={"method": "draft_model", "model": default_model_dir, "num_speculative_tokens": K})
+    for sp, want in zip(cases, expected):
+        out = llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0]
+        assert list(out.token_ids) == list(want), sp
+    m = llm.get_metrics()
+    assert m["vllm:spec_decode_num_accepted_tokens"] == m["vllm:spec_decode_num_draft_tokens"] > 0
+    assert m["vllm:generation_tokens"] == sum(len(w) for w in expected)
+
+
+def test_all_drafts_rejected_still_give_the_greedy_token(default_model_dir, spec_prompts, tmp_path):
+    """A 1-layer cut of the model drafts badly: the steps whose drafts are all rejected emit
+    exactly one token from the bonus row (the recovered token), which is greedy's."""
+    from vllm_anatomy.transformers_utils.draft_model_utils import write_truncated_draft
+    draft = write_truncated_draft(default_model_dir, 1, tmp_path / "draft1")
+    prompts = [{"prompt_token_ids": p} for p in spec_prompts[:3]]
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    plain = LLM(default_model_dir, max_model_len=512)
+    want = [list(o.outputs[0].token_ids) for o in plain.generate(prompts, sp, use_tqdm=False)]
+    del plain
+    llm = LLM(default_model_dir, max_model_len=512, enable_prefix_caching=False,
+              speculative_config={"method": "draft_model", "model": draft, "num_speculative_tokens": K})
+    got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, sp, use_tqdm=False)]
+    assert got == want
+    m = llm.get_metrics()
+    # Steps with every draft rejected happened (position 0's acceptances are fewer than the drafts) ...
+    assert m["vllm:spec_decode_num_accepted_tokens_per_pos:0"] < m["vllm:spec_decode_num_drafts"], m
+    # ... and every verifying step emitted its accepted drafts plus exactly one token.
+    assert m["vllm:generation_tokens"] == sum(len(w) for w in want)
