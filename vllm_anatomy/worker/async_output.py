@@ -273,7 +273,8 @@ class AsyncGPUModelRunnerOutput(AsyncModelRunnerOutput):
             self._placeholders.fill(valid_sampled_token_ids)
             self._output = make_model_runner_output(
                 self._req_ids, valid_sampled_token_ids, self._invalid_req_indices,
-                LogprobsTensors(*self._host[1:4]).tolists() if self._has_logprobs else None,
+                LogprobsTensors(*self._host[1:4]).tolists()  # type: ignore[arg-type]
+                if self._has_logprobs else None,
                 self._prompt_logprobs_dict, self._error_req_ids)
         tracer.snapshots.record(self._step_id, self._output.sampled_token_ids, snapshot=self._snapshot)
         return self._output

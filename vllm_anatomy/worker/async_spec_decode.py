@@ -222,7 +222,7 @@ class AsyncGPUSpecDecodeOutput(AsyncGPUModelRunnerOutput):
                                                          self._invalid_req_indices)
         return self._parsed
 
-    def fill_placeholders(self) -> dict[str, int]:
+    def fill_placeholders(self) -> dict[str, int]:   # type: ignore[override]
         """Wait for the copy; append each row's tokens to the runner's copies (once).
         Returns req_id -> drafts rejected (the next step's correction)."""
         if self._num_rejected is not None:
@@ -257,7 +257,8 @@ class AsyncGPUSpecDecodeOutput(AsyncGPUModelRunnerOutput):
             self.sync_wait_s = tracer.wait_s
             logprobs = None
             if self._has_logprobs:
-                logprobs = self._runner._spec_logprobs(keep, LogprobsTensors(*self._host[2:5]))  # type: ignore[attr-defined]
+                logprobs = self._runner._spec_logprobs(  # type: ignore[attr-defined]
+                    keep, LogprobsTensors(*self._host[2:5]))  # type: ignore[arg-type]
             verified = None
             if self._draft_token_ids_flat is not None:
                 flat = self._host[1].tolist()

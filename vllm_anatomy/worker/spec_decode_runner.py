@@ -185,11 +185,11 @@ class SpecDecodeRunnerMixin:
 
         if self.use_async_spec_decode:
             # (async scheduling: the host has -1s there; the drafts are on the device)
-            draft_token_ids = self.input_ids.gpu[to_device(draft_indices, torch.int64)].int()
+            drafts = self.input_ids.gpu[to_device(draft_indices, torch.int64)].int()
         else:
-            draft_token_ids = to_device(self.input_ids.np[draft_indices])
+            drafts = to_device(self.input_ids.np[draft_indices])
         return SpecDecodeMetadata(
-            draft_token_ids=draft_token_ids, num_draft_tokens=num_draft_tokens.tolist(),
+            draft_token_ids=drafts, num_draft_tokens=num_draft_tokens.tolist(),
             cu_num_draft_tokens=to_device(cu_num_draft_tokens), cu_num_sampled_tokens=to_device(cu_num_sampled_tokens),
             target_logits_indices=to_device(target_logits_indices), bonus_logits_indices=to_device(bonus_logits_indices),
             logits_indices=to_device(logits_indices, torch.int64))
