@@ -1,10 +1,9 @@
 """Async scheduling with speculative decoding (method draft_model): the drafts never leave the device.
 
 Mirrors the async spec-decode paths of vllm/v1/worker/gpu_model_runner.py
-(`use_async_spec_decode`: the padded drafter batch in sample_tokens,
-`_draft_token_ids` kept as a device tensor, the draft scatter of
-_prepare_input_ids, `prev_num_draft_len` and correct_spec_decode_token_counts
-in _update_states). A mixin of GPUModelRunner, beside worker/async_output.py
+(GPUModelRunner._prepare_input_ids, GPUModelRunner._update_states: the
+padded drafter batch in sample_tokens, the drafts kept as a device tensor,
+their scatter into the input ids, and the correction of num_computed_tokens). A mixin of GPUModelRunner, beside worker/async_output.py
 (plain async scheduling) and worker/spec_decode_runner.py (speculative decoding).
 
 The scheduler (core/sched/async_scheduler.py) plans step N+1 before step N's
