@@ -3,7 +3,7 @@
 Mirrors the async spec-decode paths of vllm/v1/worker/gpu_model_runner.py
 (GPUModelRunner._prepare_input_ids, GPUModelRunner._update_states: the
 padded drafter batch in sample_tokens, the drafts kept as a device tensor,
-their scatter into the input ids, and the correction of num_computed_tokens). A mixin of GPUModelRunner, beside worker/async_output.py
+their scatter into the input ids, and the correction of the computed counts). A mixin of GPUModelRunner, beside worker/async_output.py
 (plain async scheduling) and worker/spec_decode_runner.py (speculative decoding).
 
 The scheduler (core/sched/async_scheduler.py) plans step N+1 before step N's
