@@ -111,6 +111,48 @@ def test_prefix_caching(default_model_dir, truncated_draft, hf_model, shared_pre
     assert llm.get_metrics()["vllm:spec_decode_num_drafts"] > 0
 
 
+ASYNC_DRAFT = pytest.mark.parametrize("method", ["draft_self", "draft_cut"])
+
+
+@ASYNC_DRAFT
+@pytest.mark.parametrize("engine_kwargs", [
+    pytest.param({}, id="plain"),
+    pytest.param({"max_num_batched_tokens": 32}, id="chunked_prefill"),
+    pytest.param({"num_gpu_blocks_override": 13, "max_model_len": 192, "enable_prefix_caching": False},
+                 id="preemption"),
+])
+def test_async_scheduling_greedy_equals_transformers(default_model_dir, truncated_draft, hf_model, spec_prompts,
+                                                     method, engine_kwargs):
+    """Explicit async scheduling with a draft model (v0.27.1 runs it): the drafts stay on the
+    device, the scheduler plans with -1 placeholders; greedy output is still transformers'."""
+    kwargs = {"max_model_len": 2048, **engine_kwargs}
+    llm = LLM(default_model_dir, async_scheduling=True,
+              speculative_config=speculative_config(method, default_model_dir, truncated_draft), **kwargs)
+    assert llm.llm_engine.vllm_config.scheduler_config.async_scheduling
+    got, _ = _engine_tokens(llm, spec_prompts)
+    _check_equal(hf_model, spec_prompts, got)
+    check_speculated(llm, method)
+    if "num_gpu_blocks_override" in engine_kwargs:
+        assert llm.get_metrics()["vllm:num_preemptions"] > 0
+
+
+def test_async_scheduling_prefix_caching(default_model_dir, truncated_draft, hf_model, shared_prefix_prompts):
+    """A prefix-cache hit gives the draft its KV under async scheduling too: the same drafts
+    are verified and accepted as without it (greedy drafts are deterministic)."""
+    counters = []
+    for async_scheduling in (False, True):
+        llm = LLM(default_model_dir, max_model_len=2048, async_scheduling=async_scheduling,
+                  speculative_config=speculative_config("draft_cut", default_model_dir, truncated_draft))
+        got0, _ = _engine_tokens(llm, shared_prefix_prompts[:1])
+        got1, outs = _engine_tokens(llm, shared_prefix_prompts[1:])
+        _check_equal(hf_model, shared_prefix_prompts, got0 + got1)
+        m = llm.get_metrics()
+        assert m["vllm:prefix_cache_hits"] > 0 and m["vllm:spec_decode_num_drafts"] > 0
+        assert all(o.num_cached_tokens >= 16 for o in outs)
+        counters.append({k: v for k, v in m.items() if k.startswith("vllm:spec_decode")})
+    assert counters[0] == counters[1]
+
+
 def test_seeded_random_sampling_reproduces_and_logprobs(default_model_dir, spec_prompts):
     """Random sampling goes through the rejection sampler: a seeded request gives the same
     tokens in two runs (batched differently), and every output token has its logprob."""
@@ -218,3 +260,49 @@ def test_bad_words_and_penalties_equal_no_speculation(default_model_dir, spec_pr
     # The test can fail: each case changes the plain answer, and the bad word never appears.
     assert all(w != plain for w in want)
     assert want[0][:k] == plain[:k] and all((x, y) != (a, b) for x, y in zip(got[0], got[0][1:]))
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_drafts_past_max_tokens_or_stop_are_not_emitted(default_model_dir, spec_prompts, async_scheduling):
+    """The target drafting for itself accepts every draft, so each step verifies K drafts and
+    would give K + 1 tokens; a request whose max_tokens or stop token falls inside them ends
+    exactly where the engine without speculation ends it, and emits nothing past it."""
+    prompt = {"prompt_token_ids": spec_prompts[0]}
+    plain = LLM(default_model_dir, max_model_len=512)
+    greedy = plain.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)[0]
+    ref = list(greedy.outputs[0].token_ids)
+    stop = ref[5]
+    cases = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (1, 2, 6)] + \
+        [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop_token_ids=[stop])]
+    expected = [[o.outputs[0].token_ids for o in plain.generate([prompt], sp, use_tqdm=False)][0] for sp in cases]
+    assert expected[:3] == [ref[:1], ref[:2], ref[:6]] and expected[3] == ref[:ref.index(stop) + 1]
+    del plain
+    llm = LLM(default_model_dir, max_model_len=512, async_scheduling=async_scheduling,
+              speculative_config={"method": "draft_model", "model": default_model_dir, "num_speculative_tokens": K})
+    for sp, want in zip(cases, expected):
+        out = llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0]
+        assert list(out.token_ids) == list(want), sp
+    m = llm.get_metrics()
+    assert m["vllm:spec_decode_num_accepted_tokens"] == m["vllm:spec_decode_num_draft_tokens"] > 0
+    assert m["vllm:generation_tokens"] == sum(len(w) for w in expected)
+
+
+def test_all_drafts_rejected_still_give_the_greedy_token(default_model_dir, spec_prompts, tmp_path):
+    """A 1-layer cut of the model drafts badly: the steps whose drafts are all rejected emit
+    exactly one token from the bonus row (the recovered token), which is greedy's."""
+    from vllm_anatomy.transformers_utils.draft_model_utils import write_truncated_draft
+    draft = write_truncated_draft(default_model_dir, 1, tmp_path / "draft1")
+    prompts = [{"prompt_token_ids": p} for p in spec_prompts[:3]]
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    plain = LLM(default_model_dir, max_model_len=512)
+    want = [list(o.outputs[0].token_ids) for o in plain.generate(prompts, sp, use_tqdm=False)]
+    del plain
+    llm = LLM(default_model_dir, max_model_len=512, enable_prefix_caching=False,
+              speculative_config={"method": "draft_model", "model": draft, "num_speculative_tokens": K})
+    got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, sp, use_tqdm=False)]
+    assert got == want
+    m = llm.get_metrics()
+    # Steps with every draft rejected happened (position 0's acceptances are fewer than the drafts) ...
+    assert m["vllm:spec_decode_num_accepted_tokens_per_pos:0"] < m["vllm:spec_decode_num_drafts"], m
+    # ... and every verifying step emitted its accepted drafts plus exactly one token.
+    assert m["vllm:generation_tokens"] == sum(len(w) for w in want)

@@ -57,8 +57,11 @@ def test_refusals(model_dir, tmp_path):
                                            "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="async scheduling is only supported"):
         config(target, async_scheduling=True, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
-    with pytest.raises(ValueError, match="not implemented in vllm_anatomy"):
-        config(target, async_scheduling=True, speculative_config={"model": target, "num_speculative_tokens": 2})
+    # v0.27.1's three cases: explicit async + draft_model runs; unset, async is off; explicit + ngram refused (above).
+    assert config(target, async_scheduling=True, speculative_config={"model": target, "num_speculative_tokens": 2}
+                  ).scheduler_config.async_scheduling is True
+    assert config(target, async_scheduling=None, speculative_config={"model": target, "num_speculative_tokens": 2}
+                  ).scheduler_config.async_scheduling is False
     with pytest.raises(ValueError, match="not valid JSON"):
         config(target, speculative_config="{method: ngram}")
     with pytest.raises(ValueError, match="unknown speculative_config key"):

@@ -131,6 +131,11 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     # the persistent batch): not in req_ids; EngineCore finishes them with
     # FINISHED_ERROR. None (the usual case) when every request ran.
     error_req_ids: list[str] | None = None
+    # Ours: async speculative decoding: the drafts each row verified this step
+    # ([num_reqs][num_drafts]). The scheduler scheduled -1 placeholders for them;
+    # EngineCore puts these in their place (Scheduler.update_draft_token_ids_in_output)
+    # for the step's records. None otherwise.
+    verified_draft_token_ids: list[list[int]] | None = None
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={})

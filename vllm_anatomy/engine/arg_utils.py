@@ -289,17 +289,17 @@ class EngineArgs:
         executor/worker_proc.py), so the overlap is the engine's alone.
 
         Speculative decoding, as v0.27.1 decides (VllmConfig.__post_init__):
-        by default async scheduling is turned off (with a warning) for the
-        ngram and draft_model methods; asked for explicitly, ngram is an error.
-        v0.27.1 runs draft_model under async scheduling (drafts kept on the
-        device); that path is not implemented here, so it is an error too."""
+        asked for explicitly, async scheduling runs with method='draft_model'
+        (drafts kept on the device: worker/async_spec_decode.py) and is an
+        error with the CPU ngram proposer; left unset, it is turned off (with
+        a warning) for both methods, as v0.27.1 turns it off for every method
+        but EAGLE/MTP/ngram_gpu/DSpark."""
         if speculative_config is not None:
             if self.async_scheduling:
-                if speculative_config.use_ngram():
+                if not speculative_config.uses_draft_model():
                     raise ValueError("Currently, async scheduling is only supported with EAGLE/MTP/Draft "
                                      "Model/NGram GPU/DSpark kind of speculative decoding")
-                raise ValueError("async scheduling with method='draft_model' is supported by vLLM v0.27.1 but "
-                                 "not implemented in vllm_anatomy: use --no-async-scheduling")
+                return True
             if self.async_scheduling is None and on_gpu:
                 logger.warning("Async scheduling not supported with %s-based speculative decoding and will "
                                "be disabled.", speculative_config.method)

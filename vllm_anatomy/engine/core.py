@@ -56,7 +56,7 @@ from concurrent.futures import Future
 from vllm_anatomy.config import VllmConfig
 from vllm_anatomy.core.kv_cache_utils import (check_enough_kv_cache_memory, get_request_block_hasher,
                                               init_none_hash, sha256)
-from vllm_anatomy.core.outputs import ModelRunnerOutput
+from vllm_anatomy.core.outputs import DraftTokenIds, ModelRunnerOutput
 from vllm_anatomy.core.request import Request, RequestStatus
 from vllm_anatomy.core.sched.output import GrammarOutput, SchedulerOutput
 from vllm_anatomy.engine.input_processor import validate_params, validate_prompt_token_ids
@@ -106,6 +106,7 @@ class EngineCore:
             self.step_tracer.watch(self.scheduler)
         # Speculative decoding: fetch each step's drafts for the scheduler (post_step).
         self.check_for_draft_tokens = vllm_config.speculative_config is not None
+        self.async_scheduling = vllm_config.scheduler_config.async_scheduling
         # The model's vocabulary, which every token id of a request must index
         # (read after the executor: an in-process worker fills hf_config).
         self.vocab_size: int | None = (vllm_config.model_config.hf_config or {}).get("vocab_size")
@@ -251,9 +252,9 @@ class EngineCore:
         InprocClient) after step(); here the step calls it right after
         update_from_output, so every caller of step() (lessons, tests) gets it
         and the step's snapshot shows the drafts proposed for the next step.
-        Async scheduling is not combined with speculative decoding here (see
-        EngineArgs), so no step of the batch queue has drafts."""
-        if self.check_for_draft_tokens and model_executed:
+        With async scheduling the drafts stay on the device (the scheduler
+        schedules -1 placeholders for them): nothing to hand over, as in v0.27.1."""
+        if self.check_for_draft_tokens and not self.async_scheduling and model_executed:
             draft_token_ids = self.model_executor.take_draft_token_ids()
             if draft_token_ids is not None:
                 self.scheduler.update_draft_token_ids(draft_token_ids)
@@ -335,6 +336,10 @@ class EngineCore:
     def _update_from_output(self, scheduler_output: SchedulerOutput, model_output: ModelRunnerOutput,
                             trace: StepTrace | NullStepTrace) -> dict[int, EngineCoreOutputs]:
         with trace.update_from_output():
+            if model_output.verified_draft_token_ids is not None:
+                # Async speculative decoding: the drafts this step verified, over the -1 placeholders.
+                self.scheduler.update_draft_token_ids_in_output(
+                    DraftTokenIds(model_output.req_ids, model_output.verified_draft_token_ids), scheduler_output)
             errors = self._finish_error_requests(model_output.error_req_ids)
             outputs = self.scheduler.update_from_output(scheduler_output, model_output)
             for client_index, output in errors:

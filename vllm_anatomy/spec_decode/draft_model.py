@@ -97,6 +97,11 @@ class DraftModelProposer:
         self._staging_tokens = torch.zeros(k, 3, n, dtype=torch.int64, pin_memory=pin_memory)   # ids, positions, slots
         self._staging_reqs = CpuGpuBuffer(k, 4, r + 1, dtype=torch.int32, device=device, pin_memory=pin_memory)
         self._forward_index = 0
+        # The padded drafter batch (propose_padded, async scheduling): per token (source in
+        # the target's input ids, slot in its row, row), per row (first flat token,
+        # scheduled tokens, drafts, discarded).
+        self._padded_tokens = CpuGpuBuffer(3, n, dtype=torch.int64, device=device, pin_memory=pin_memory)
+        self._padded_reqs = CpuGpuBuffer(4, r, dtype=torch.int64, device=device, pin_memory=pin_memory)
         self.cudagraph_dispatcher = CudagraphDispatcher(CompilationConfig())
         self.cudagraph_runner = CUDAGraphRunner()
         # Each forward of the last propose(): (runtime mode, tokens, padded tokens), for the trace and tests.
@@ -203,7 +208,7 @@ class DraftModelProposer:
 
     def _forward(self, input_batch: InputBatch, rows: np.ndarray, token_ids: np.ndarray | torch.Tensor,
                  positions: np.ndarray, query_lens: np.ndarray, seq_lens: np.ndarray,
-                 no_write: np.ndarray | None = None) -> torch.Tensor:
+                 no_write: np.ndarray | None = None, slot_mask: torch.Tensor | None = None) -> torch.Tensor:
         """The draft model on a flat batch of the given batch rows, over its own KV cache
         (block table and slots: the target's rows). Returns hidden states [T or padded, H]."""
         num_tokens, num_reqs = len(positions), len(rows)
@@ -227,6 +232,8 @@ class DraftModelProposer:
         slots[num_tokens:] = PAD_SLOT_ID                                 # padding writes nothing
         self.positions[:padded].copy_(tokens[1, :padded], non_blocking=True)
         self.slot_mapping[:padded].copy_(tokens[2, :padded], non_blocking=True)
+        if slot_mask is not None:                                        # (device-side: padding writes nothing)
+            self.slot_mapping[:num_tokens].masked_fill_(slot_mask, PAD_SLOT_ID)
         if isinstance(token_ids, torch.Tensor):                          # the last drafts, on the device
             self.input_ids[:num_tokens].copy_(token_ids)
         else:
@@ -252,6 +259,119 @@ class DraftModelProposer:
         if mode is CUDAGraphMode.PIECEWISE:
             return self.cudagraph_runner.replay_piecewise(padded, metadata)                     # [N, H]
         return self.model(self.input_ids[:num_tokens], self.positions[:num_tokens], self.kv_caches, metadata)
+
+    # -- propose, padded (async scheduling) ------------------------------------------------
+    @torch.inference_mode()
+    def propose_padded(self, target_token_ids: torch.Tensor, num_scheduled_tokens: np.ndarray,
+                       num_draft_tokens: np.ndarray, starts: np.ndarray, output_token_ids: torch.Tensor,
+                       discard: np.ndarray, input_batch: InputBatch) -> torch.Tensor:
+        """propose() without reading the step's output on the host: drafts [R, K] on the device.
+
+        vLLM's "padded drafter batch": each row's first-pass query is its
+        scheduled tokens plus one slot, at positions start .. start + q, a
+        layout the host knows. Only the device knows how many drafts were
+        accepted: there the slot after the accepted tokens gets the bonus
+        (or recovered) token, and the slots after it, the rejected drafts,
+        are padding that writes no KV (slot -1). The bonus token attends only
+        to positions up to its own, so the padding changes nothing it sees.
+
+            row with q = 4 (t, d1, d2, d3), d1 accepted, x sampled:
+            slot        0    1    2    3    4
+            token       t    d1   x    -    -      (-: padding, not written)
+            position    p    p+1  p+2  p+3  p+4    -> draft 1 from slot 2
+
+        The K - 1 decode forwards then run at device-side positions (p + 3 ..),
+        their slots and seq_lens computed on the device. target_token_ids: the
+        step's input ids on the device (drafts included); output_token_ids
+        [R, 1 + K] (-1: rejected); starts: each row's first position; discard:
+        partial prefill chunks (their KV is written, their drafts unused).
+        """
+        num_reqs = len(starts)
+        self._forward_index = 0
+        self.last_forwards = []
+        q = num_scheduled_tokens[:num_reqs]
+        query_lens = q + 1                                                                  # [R]
+        cu = np.cumsum(query_lens)
+        total = int(cu[-1])
+        first = cu - query_lens                                                             # [R]
+        slot = np.arange(total) - np.repeat(first, query_lens)                             # [T] slot within its row
+        positions = np.repeat(starts, query_lens) + slot                                    # [T]
+        first_q = np.cumsum(q) - q
+        # Slot j < q reads the row's j-th target input; slot q is overwritten below.
+        src = np.repeat(first_q, query_lens) + np.minimum(slot, np.repeat(q - 1, query_lens))
+        tok, req = self._padded_tokens, self._padded_reqs
+        tok.np[0, :total], tok.np[1, :total] = src, slot
+        tok.np[2, :total] = np.repeat(np.arange(num_reqs), query_lens)
+        req.np[0, :num_reqs], req.np[1, :num_reqs], req.np[2, :num_reqs] = first, q, num_draft_tokens[:num_reqs]
+        req.np[3, :num_reqs] = discard[:num_reqs]
+        tok.gpu[:, :total].copy_(tok.cpu[:, :total], non_blocking=True)
+        req.gpu[:, :num_reqs].copy_(req.cpu[:, :num_reqs], non_blocking=True)
+        src_d, slot_d, row_d = tok.gpu[0, :total], tok.gpu[1, :total], tok.gpu[2, :total]
+        first_d, q_d, n_d = req.gpu[0, :num_reqs], req.gpu[1, :num_reqs], req.gpu[2, :num_reqs]
+        discard_d = req.gpu[3, :num_reqs].bool()
+        # On the device: how many of each row's tokens are valid, and its bonus token.
+        vocab_size = input_batch.vocab_size
+        num_sampled = ((output_token_ids >= 0) & (output_token_ids < vocab_size)).sum(dim=1)       # [R]
+        num_sampled = torch.where(discard_d, 0, num_sampled)
+        num_rejected = torch.where(discard_d, 0, n_d + 1 - num_sampled)                    # [R]
+        num_valid = q_d - num_rejected                                                      # [R] the bonus slot
+        next_token_ids = output_token_ids.gather(1, (num_sampled - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
+        token_ids = target_token_ids[src_d]                                                 # [T]
+        bonus_index = first_d + num_valid                                                   # [R]
+        token_ids.index_copy_(0, bonus_index, torch.where(discard_d, 0, next_token_ids.long()))
+        last_written = torch.where(discard_d, q_d - 1, num_valid)
+        slot_mask = slot_d > last_written[row_d]                                            # [T] padding
+        rows = np.arange(num_reqs)
+        clamped = np.minimum(positions, self.max_model_len - 1)
+        hidden = self._forward(input_batch, rows, token_ids, clamped, query_lens, starts + query_lens,
+                               no_write=positions >= self.max_model_len, slot_mask=slot_mask)    # [T, H]
+        drafts = self.model.compute_logits(hidden[bonus_index]).argmax(dim=-1)             # [R]
+        proposed = [drafts]
+        # Draft 1's position, on the device (positions[bonus] + 1).
+        position = self.positions[bonus_index] + 1                                          # [R]
+        max_seq_len = int((starts + query_lens).max()) + self.num_speculative_tokens
+        for _ in range(self.num_speculative_tokens - 1):
+            drafts = self._decode_step_padded(input_batch, num_reqs, position, drafts, discard_d, max_seq_len)
+            position = position + 1
+            proposed.append(drafts)
+        return torch.stack(proposed, dim=1)                                                 # [R, K]
+
+    def _decode_step_padded(self, input_batch: InputBatch, num_reqs: int, positions: torch.Tensor,
+                            token_ids: torch.Tensor, no_write: torch.Tensor, max_seq_len: int) -> torch.Tensor:
+        """One token per row at device-side `positions` [R] -> the next draft [R]. Slots and
+        seq_lens are computed on the device; max_seq_len is a host upper bound."""
+        mode, batch_descriptor = self.cudagraph_dispatcher.dispatch(num_reqs, valid_modes=DRAFTER_CUDAGRAPH_MODES)
+        padded = batch_descriptor.num_tokens
+        self.last_forwards.append((mode, num_reqs, padded))
+        j = self._forward_index
+        self._forward_index += 1
+        past_end = positions >= self.max_model_len
+        clamped = positions.clamp(max=self.max_model_len - 1)
+        block_table = input_batch.block_table.get_device_tensor(num_reqs)
+        block_ids = block_table.gather(1, (clamped // self.block_size).unsqueeze(1)).squeeze(1).long()
+        slots = (block_ids * self.block_size + clamped % self.block_size).masked_fill_(no_write | past_end,
+                                                                                       PAD_SLOT_ID)
+        self.positions[:num_reqs].copy_(clamped)
+        self.positions[num_reqs:padded].zero_()
+        self.slot_mapping[:num_reqs].copy_(slots)
+        self.slot_mapping[num_reqs:padded].fill_(PAD_SLOT_ID)
+        self.input_ids[:num_reqs].copy_(token_ids)
+        self.input_ids[num_reqs:padded].zero_()
+        reqs = self._staging_reqs
+        reqs.np[j, 0, :num_reqs + 1] = np.arange(num_reqs + 1)
+        reqs.gpu[j, 0, :num_reqs + 1].copy_(reqs.cpu[j, 0, :num_reqs + 1], non_blocking=True)
+        # NOTE: no host copy of seq_lens: the torch and cpu backends then read the device
+        # tensor (free on a CPU; a wait on a GPU, whose Triton kernels need none).
+        metadata = AttentionMetadata(
+            num_actual_tokens=num_reqs, num_reqs=num_reqs, max_query_len=1, max_seq_len=max_seq_len,
+            query_start_loc=reqs.gpu[j, 0, :num_reqs + 1], seq_lens=(clamped + 1).int(), block_table=block_table,
+            slot_mapping=self.slot_mapping[:num_reqs], query_start_loc_cpu=reqs.cpu[j, 0, :num_reqs + 1],
+            seq_lens_cpu=None)
+        if mode is CUDAGraphMode.PIECEWISE:
+            hidden = self.cudagraph_runner.replay_piecewise(padded, metadata)
+        else:
+            hidden = self.model(self.input_ids[:num_reqs], self.positions[:num_reqs], self.kv_caches, metadata)
+        return self.model.compute_logits(hidden[:num_reqs]).argmax(dim=-1)
 
     def _to_device_index(self, index: np.ndarray) -> torch.Tensor:
         """Host row indices (the first pass's sample rows) as a device tensor, without a wait

@@ -207,9 +207,7 @@ class AsyncGPUModelRunnerOutput(AsyncModelRunnerOutput):
         self._snapshot = snapshot
         self._error_req_ids = error_req_ids
         self._prompt_logprobs_dict = prompt_logprobs_dict
-        # [R, 1] sampled ids, then (with logprobs) the three logprob tensors.
-        device_tensors = (sampler_output.sampled_token_ids.view(-1, 1),
-                          *(sampler_output.logprobs_tensors or ())[:3])
+        device_tensors = self._tensors_to_copy(sampler_output)
         self._has_logprobs = sampler_output.logprobs_tensors is not None
         tracer.device_mark("d2h")
         self._ready: torch.cuda.Event | None = None
@@ -221,6 +219,10 @@ class AsyncGPUModelRunnerOutput(AsyncModelRunnerOutput):
         self._timer_events = tracer.take_device_events()
         self._output: ModelRunnerOutput | None = None
         self.sync_wait_s = 0.0
+
+    def _tensors_to_copy(self, sampler_output: SamplerOutput) -> tuple[torch.Tensor, ...]:
+        """[R, 1] sampled ids, then (with logprobs) the three logprob tensors."""
+        return (sampler_output.sampled_token_ids.view(-1, 1), *(sampler_output.logprobs_tensors or ())[:3])
 
     def _copy_on_stream(self, device_tensors: tuple[torch.Tensor, ...],
                         copy_stream: torch.cuda.Stream) -> list[torch.Tensor]:
@@ -271,7 +273,8 @@ class AsyncGPUModelRunnerOutput(AsyncModelRunnerOutput):
             self._placeholders.fill(valid_sampled_token_ids)
             self._output = make_model_runner_output(
                 self._req_ids, valid_sampled_token_ids, self._invalid_req_indices,
-                LogprobsTensors(*self._host[1:4]).tolists() if self._has_logprobs else None,
+                LogprobsTensors(*self._host[1:4]).tolists()  # type: ignore[arg-type]
+                if self._has_logprobs else None,
                 self._prompt_logprobs_dict, self._error_req_ids)
         tracer.snapshots.record(self._step_id, self._output.sampled_token_ids, snapshot=self._snapshot)
         return self._output

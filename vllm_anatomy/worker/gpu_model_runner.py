@@ -72,6 +72,7 @@ from vllm_anatomy.structured_output.utils import apply_grammar_bitmask
 from vllm_anatomy.tracing.recorder import NullRecorder, Recorder
 from vllm_anatomy.tracing.runner_tracer import RunnerTracer
 from vllm_anatomy.worker.async_output import AsyncSchedulingMixin
+from vllm_anatomy.worker.async_spec_decode import AsyncSpecDecodeMixin
 from vllm_anatomy.worker.cpu_gpu_buffer import CpuGpuBuffer
 from vllm_anatomy.worker.cudagraph import (BatchDescriptor, CUDAGraphMode, CUDAGraphRunner, CudagraphDecision,
                                            CudagraphDispatcher, is_uniform_decode)
@@ -96,7 +97,8 @@ class ExecuteModelState(NamedTuple):
     prompt_logprobs_dict: dict[str, LogprobsTensors | None] | None = None
 
 
-class GPUModelRunner(ModelRunnerStartupMixin, AsyncSchedulingMixin, SpecDecodeRunnerMixin, PromptLogprobsMixin):
+class GPUModelRunner(ModelRunnerStartupMixin, AsyncSchedulingMixin, SpecDecodeRunnerMixin, AsyncSpecDecodeMixin,
+                     PromptLogprobsMixin):
 
     def __init__(self, vllm_config: VllmConfig, device: torch.device | str,
                  recorder: Recorder = NullRecorder(), attn_backend: str | None = None) -> None:
@@ -138,6 +140,7 @@ class GPUModelRunner(ModelRunnerStartupMixin, AsyncSchedulingMixin, SpecDecodeRu
         self.use_async_scheduling = scheduler_config.async_scheduling
         self._init_prompt_logprobs()
         self._init_step_buffers(on_cuda)
+        self._init_async_spec_decode(self._make_buffer)     # async scheduling + a draft model only
         self._init_cudagraphs(vllm_config.compilation_config, on_cuda)
 
     def _init_step_buffers(self, on_cuda: bool) -> None:
@@ -273,6 +276,8 @@ class GPUModelRunner(ModelRunnerStartupMixin, AsyncSchedulingMixin, SpecDecodeRu
             state = self.requests[req_id]
             if self._per_request(req_id, self._update_cached_request, state, cached, i):
                 reqs_to_add.append(state)        # was evicted from the batch: re-add whole
+        if self.use_async_spec_decode:
+            self.correct_spec_decode_token_counts(cached)       # last step's drafts were counted as accepted
         # 5. Fill the holes (lowest first), close the rest, refresh sampling tensors.
         for state in reqs_to_add:
             self._per_request(state.req_id, batch.add_request, state)
@@ -393,6 +398,8 @@ class GPUModelRunner(ModelRunnerStartupMixin, AsyncSchedulingMixin, SpecDecodeRu
         self.seq_lens.copy_to_gpu()
         if batch.prev_sampled_token_ids is not None:
             self._splice_prev_sampled(cu_num_tokens)
+        if self.use_async_spec_decode:
+            self._prepare_draft_input_ids(scheduler_output, cu_num_tokens)    # the drafts, still on the device
         # NOTE: from the block table and positions already on the device: on a
         # GPU a Triton kernel, as in vLLM (worker/block_table.py). Every slot
         # past the real tokens is -1, whatever padding the step is given later.
@@ -505,6 +512,8 @@ class GPUModelRunner(ModelRunnerStartupMixin, AsyncSchedulingMixin, SpecDecodeRu
             sampler_output = self._sample(state.logits, state.discard_request_indices, state.spec_decode_metadata)
             if self.use_async_scheduling:
                 with tracer.span("GPUModelRunner._bookkeeping_sync"):
+                    if self.use_async_spec_decode:
+                        return self._bookkeeping_async_spec(state, sampler_output)
                     return self._bookkeeping_async(state, sampler_output)
             with tracer.sync_point("GPUModelRunner._bookkeeping_sync", step_id):
                 if state.spec_decode_metadata is None:

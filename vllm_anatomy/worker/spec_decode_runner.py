@@ -62,6 +62,7 @@ class SpecDecodeRunnerMixin:
     pin_memory: bool
     transfer_event: torch.cuda.Event | None
     input_ids: CpuGpuBuffer
+    use_async_spec_decode: bool
     _get_cumsum_and_arange: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]
     _dummy_step_inputs: Callable[[int, int], int]
     _dummy_attn_metadata: Callable[[int, int, int], AttentionMetadata]
@@ -73,7 +74,8 @@ class SpecDecodeRunnerMixin:
         self.rejection_sampler: RejectionSampler | None = None
         self.num_spec_tokens = spec.num_speculative_tokens if spec else 0
         # The drafts proposed after the last step, by row, until take_draft_token_ids.
-        self._draft_token_ids: list[list[int]] | None = None
+        # (async scheduling: a device tensor [R, K], worker/async_spec_decode.py)
+        self._draft_token_ids: list[list[int]] | torch.Tensor | None = None
         self._draft_token_req_ids: list[str] | None = None
         if spec is None:
             return
@@ -176,13 +178,18 @@ class SpecDecodeRunnerMixin:
         cu_num_draft_tokens, draft_arange = self._get_cumsum_and_arange(num_draft_tokens)
         target_logits_indices = np.repeat(cu_num_sampled_tokens - num_sampled_tokens, num_draft_tokens) + draft_arange
         # The drafts themselves: the input token right after each verifying row's token.
-        draft_token_ids = self.input_ids.np[logits_indices[target_logits_indices] + 1]
+        draft_indices = logits_indices[target_logits_indices] + 1
 
         def to_device(a: np.ndarray, dtype: torch.dtype = torch.int32) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(a)).to(self.device, dtype, non_blocking=True)
 
+        if self.use_async_spec_decode:
+            # (async scheduling: the host has -1s there; the drafts are on the device)
+            drafts = self.input_ids.gpu[to_device(draft_indices, torch.int64)].int()
+        else:
+            drafts = to_device(self.input_ids.np[draft_indices])
         return SpecDecodeMetadata(
-            draft_token_ids=to_device(draft_token_ids), num_draft_tokens=num_draft_tokens.tolist(),
+            draft_token_ids=drafts, num_draft_tokens=num_draft_tokens.tolist(),
             cu_num_draft_tokens=to_device(cu_num_draft_tokens), cu_num_sampled_tokens=to_device(cu_num_sampled_tokens),
             target_logits_indices=to_device(target_logits_indices), bonus_logits_indices=to_device(bonus_logits_indices),
             logits_indices=to_device(logits_indices, torch.int64))
@@ -200,6 +207,13 @@ class SpecDecodeRunnerMixin:
         assert self.rejection_sampler is not None
         sampling_metadata = self.input_batch.sampling_metadata
         assert sampling_metadata is not None
+        if self.use_async_spec_decode and (not sampling_metadata.no_penalties or sampling_metadata.bad_words_token_ids):
+            # NOTE: async scheduling: the host holds -1s for the drafts; penalties and bad
+            # words read their values: wait for them here, in the batches that need them
+            # (the trade of AsyncSchedulingMixin.update_async_output_token_ids).
+            flat = metadata.draft_token_ids.tolist()
+            cu = np.cumsum([0, *metadata.num_draft_tokens]).tolist()
+            sampling_metadata.spec_token_ids = [flat[cu[i]:cu[i + 1]] for i in range(len(metadata.num_draft_tokens))]
         return self.rejection_sampler(metadata, None, logits, sampling_metadata,
                                       min_tokens_remaining=self._min_tokens_remaining())
 
@@ -301,8 +315,8 @@ class SpecDecodeRunnerMixin:
 
     def take_draft_token_ids(self) -> DraftTokenIds | None:
         """The last step's drafts, once (EngineCore.post_step hands them to the scheduler)."""
-        if self._draft_token_ids is None or self._draft_token_req_ids is None:
-            return None
+        if not isinstance(self._draft_token_ids, list) or self._draft_token_req_ids is None:
+            return None     # none, or on the device (async scheduling: the scheduler sent placeholders)
         drafts = DraftTokenIds(self._draft_token_req_ids, self._draft_token_ids)
         self._draft_token_ids = self._draft_token_req_ids = None
         return drafts

@@ -19,10 +19,25 @@ arrives one step later, the placeholder is replaced by the real token.
 
 Everything else is the plain Scheduler: its schedule() already reads
 num_output_placeholders (0 without async scheduling).
+
+Speculative decoding (method draft_model, as v0.27.1): the drafts of step N+1
+are proposed on the device after step N's sampling, so the scheduler never
+sees them. _update_after_schedule gives each request that will sample K
+-1 placeholder drafts (`spec_token_ids`), which the next schedule() schedules
+like real drafts, and counts the step's own drafts as output placeholders,
+as if all will be accepted. update_from_output rolls both back over the
+rejected ones (Scheduler.update_from_output). The worker puts the real drafts
+where the -1s stand (worker/async_spec_decode.py).
+
+    after step N is scheduled (K = 2, step N verifies 2 drafts):
+        num_computed_tokens  c + 3      (t, d1, d2 of step N)
+        placeholders         1 + 2      (its sampled token and both drafts, optimistically)
+        spec_token_ids       [-1, -1]   (step N+1's drafts, still to be proposed)
 """
 from __future__ import annotations
 
 from vllm_anatomy.core.request import Request, RequestStatus
+from vllm_anatomy.core.sched.output import SchedulerOutput
 from vllm_anatomy.core.sched.scheduler import Scheduler
 
 _RUNNING = RequestStatus.RUNNING    # NOTE: read per request per step (see Request.is_finished)
@@ -33,6 +48,35 @@ class AsyncScheduler(Scheduler):
     # _update_after_schedule: each step that will sample a request's token adds
     # a placeholder for it (vLLM overrides the method; here it is one class attribute).
     placeholders_per_sampling_step = 1
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # A reusable, read-only list of -1 draft placeholders (speculative decoding).
+        self._spec_token_placeholders: list[int] = [-1] * self.num_spec_tokens
+
+    def _update_after_schedule(self, scheduler_output: SchedulerOutput) -> None:
+        super()._update_after_schedule(scheduler_output)
+        if not self.num_spec_tokens:
+            return
+        spec_decode_tokens = scheduler_output.scheduled_spec_decode_tokens
+        num_scheduled_tokens = scheduler_output.num_scheduled_tokens
+        for req_id in num_scheduled_tokens:
+            request = self.requests[req_id]
+            if request.is_prefill_chunk:
+                continue
+            # The step's drafts are outputs too, until the rejection sampler says otherwise
+            # (the sampled token's placeholder: super()).
+            request.num_output_placeholders += len(spec_decode_tokens.get(req_id, ()))
+            # NOTE: no drafts for structured output here (update_draft_token_ids
+            # gives them none either; v0.27.1 validates them against the grammar).
+            if not request.use_structured_output:
+                request.spec_token_ids = self._spec_token_placeholders
+        # NOTE: ours: the worker proposes drafts only for the requests of the step it
+        # just ran, so a running request left out of this one has none to fill its
+        # placeholders with: it decodes one token without drafts when it comes back.
+        for request in self.running:
+            if request.spec_token_ids and request.request_id not in num_scheduled_tokens:
+                request.spec_token_ids = []
 
     def _update_request_with_output(self, request: Request, new_token_ids: list[int],
                                     is_stale: bool = False) -> tuple[list[int], bool]:

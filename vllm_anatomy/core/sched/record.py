@@ -175,7 +175,8 @@ def make_spec_decode_record(request: Request, draft_token_ids: list[int], output
     """Record a verification; call before num_computed_tokens is rolled back (the drafts are
     then the last len(draft_token_ids) positions computed)."""
     num_accepted = len(output_token_ids) - 1
-    first = request.num_computed_tokens - len(draft_token_ids)
+    # (async scheduling: the next step's tokens, already scheduled, are still in flight)
+    first = request.num_computed_tokens - request.num_in_flight_tokens - len(draft_token_ids)
     rejected = range(first + num_accepted, first + len(draft_token_ids))
     return SpecDecodeRecord(request.request_id, list(draft_token_ids), num_accepted, list(output_token_ids), first,
                             [blocks[pos // block_size].block_id * block_size + pos % block_size for pos in rejected])

@@ -252,13 +252,16 @@ class Scheduler(SchedulerInterface):
             req_index += 1
             # NOTE: async scheduling: a step already in flight samples this
             # request's last token; one more step would be thrown away.
-            # num_computed_tokens already counts the in-flight steps' inputs; + 1
-            # is the token the latest one samples. The request ends at
-            # max_model_len or at max_tokens outputs (check_stop's length cap).
+            # num_computed_tokens already counts the in-flight steps' inputs
+            # (and their drafts, as if all were accepted); minus the placeholders
+            # but one, it counts them as all rejected: + 1 is then the fewest
+            # tokens the request will have. It ends at max_model_len or at
+            # max_tokens outputs (check_stop's length cap).
             if request.num_output_placeholders > 0 and (
-                    request.num_computed_tokens + 1 >= max_model_len or (
+                    (num_tokens_at_least := request.num_computed_tokens + 2 - request.num_output_placeholders)
+                    >= max_model_len or (
                         request.max_tokens is not None and
-                        request.num_computed_tokens + 1 >= request.num_prompt_tokens + request.max_tokens)):
+                        num_tokens_at_least >= request.num_prompt_tokens + request.max_tokens)):
                 continue
             # NOTE: placeholders (async scheduling) count as tokens to catch up
             # on: their values are still on the device, but their positions are known.
@@ -643,10 +646,12 @@ class Scheduler(SchedulerInterface):
                 num_draft_tokens = len(scheduled_spec_token_ids)
                 num_accepted = len(new_token_ids) - 1       # the last one is the recovered or bonus token
                 num_rejected = num_draft_tokens - num_accepted
-                # (teaching extra: what was accepted, where the rejected drafts' KV went)
-                self.last_spec_decode_records.append(make_spec_decode_record(
-                    request, scheduled_spec_token_ids, new_token_ids,
-                    self.kv_cache_manager.get_blocks(req_id).blocks[0], self.block_size))
+                # (teaching extra: what was accepted, where the rejected drafts' KV went;
+                # not for a stale output: preempted meanwhile, its KV is gone)
+                if not output_is_stale:
+                    self.last_spec_decode_records.append(make_spec_decode_record(
+                        request, scheduled_spec_token_ids, new_token_ids,
+                        self.kv_cache_manager.get_blocks(req_id).blocks[0], self.block_size))
                 # NOTE: the rejected drafts' positions were computed (their KV
                 # written) for nothing: roll num_computed_tokens back over them, so
                 # the next step computes those positions again, with the real
@@ -722,6 +727,20 @@ class Scheduler(SchedulerInterface):
                     request.spec_token_ids = []
                 continue
             request.spec_token_ids = spec_token_ids
+
+    def update_draft_token_ids_in_output(self, draft_token_ids: DraftTokenIds,
+                                         scheduler_output: SchedulerOutput) -> None:
+        """Async scheduling: the step was scheduled with -1 draft placeholders (the
+        drafts were on the device); put the drafts it verified in their place, so that
+        update_from_output records them. v0.27.1 calls this for a deferred structured-output
+        step (and validates the drafts against the grammar); ours for every step with
+        drafts (EngineCore._update_from_output), before update_from_output."""
+        sched_spec_tokens = scheduler_output.scheduled_spec_decode_tokens
+        for req_id, spec_token_ids in zip(draft_token_ids.req_ids, draft_token_ids.draft_token_ids):
+            placeholder_spec_tokens = sched_spec_tokens.get(req_id)
+            if not placeholder_spec_tokens:
+                continue
+            sched_spec_tokens[req_id] = list(spec_token_ids[:len(placeholder_spec_tokens)])
 
     def make_spec_decoding_stats(self, spec_decoding_stats: SpecDecodingStats | None, num_draft_tokens: int,
                                  num_accepted_tokens: int) -> SpecDecodingStats | None:
