@@ -372,8 +372,13 @@ def quality(key: str, d: float) -> str | None:
     return None if lower is None or d == 0 else ("better" if (d < 0) == lower else "worse")
 
 
+def change_text(rel: float) -> str:
+    """A relative change as text; from zero there is no ratio, only "from 0"."""
+    return "from 0" if rel == float("inf") else f"{rel:+.0%}"
+
+
 def _move(a: dict, b: dict, key: str, rel: float) -> str:
-    pct = "×∞" if rel == float("inf") else f"{rel:+.0%}"
+    pct = change_text(rel)
     return f"{LABEL[key]} {fmt(a.get(key), UNIT[key])} → {fmt(b.get(key), UNIT[key])} ({pct})"
 
 
