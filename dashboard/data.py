@@ -87,7 +87,9 @@ def run_info(path: str, version: tuple) -> dict | RunError:
 @st.cache_data(max_entries=512, show_spinner=False)
 def step_data(path: str, step_id: int) -> dict | RunError:
     """The "step" and "model_runner" snapshots of one committed step, read strictly through the
-    contract (Run.step_snapshot / model_runner_snapshot), handed to the pages as plain data."""
+    contract (Run.step_snapshot / model_runner_snapshot), handed to the pages as plain data; with
+    async scheduling also the late "spec_decode" ones of this step and the next ("spec",
+    "next_spec": None when absent)."""
     name, bad = os.path.basename(path), []
     try:
         with open_run(path) as run:
@@ -96,6 +98,15 @@ def step_data(path: str, step_id: int) -> dict | RunError:
                 mr = run.model_runner_snapshot(step_id)
             except MalformedRowError as e:       # the step can still be shown, without the worker's side
                 mr, bad = None, [str(e).split(": ", 1)[-1]]
+            # Async scheduling: this step's verification and the next one's (its drafts were proposed
+            # after this step), recorded after the step snapshot (kind "spec_decode").
+            late = {}
+            for key, sid in (("spec", step_id), ("next_spec", step_id + 1)):
+                try:
+                    rec = run.spec_decode_snapshot(sid)
+                except MalformedRowError as e:   # shown without it
+                    rec, bad = None, bad + [str(e).split(": ", 1)[-1]]
+                late[key] = msgspec.to_builtins(rec) if rec is not None else None
     except MalformedRowError as e:
         return RunError(f"{name}: step {step_id} cannot be shown: its {str(e).split(': ', 1)[-1]}")
     except (TraceStoreError, sqlite3.Error, OSError, ValueError) as e:
@@ -103,7 +114,7 @@ def step_data(path: str, step_id: int) -> dict | RunError:
     if step is None:
         return RunError(f"{name}: step {step_id} is not committed")
     return {"step": msgspec.to_builtins(step), "mr": msgspec.to_builtins(mr) if mr is not None else {},
-            "bad_rows": bad}
+            **late, "bad_rows": bad}
 
 
 def _corrupt(path: str, e: Exception) -> RunError:

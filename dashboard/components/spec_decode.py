@@ -3,7 +3,12 @@ the token it emitted itself (recovered at the first rejection, or the bonus afte
 and where the rejected drafts' KV went: their slots stay the request's and the next step writes
 the real tokens' keys and values over them (step_record.spec_decode, recorded by
 Scheduler.update_from_output). Below: the drafts proposed for the next step (each running
-request's spec_token_ids). Nothing is drawn for a run without speculative decoding."""
+request's spec_token_ids). Nothing is drawn for a run without speculative decoding.
+
+With async scheduling the step snapshot is taken at launch, before the step is verified: its
+step record has no verifications, and with a draft model its drafts are -1 placeholders (kept on
+the device). Then the step's late "spec_decode" snapshot is read instead (docs/trace-format.md),
+and the next step's for the drafts proposed after this one."""
 from __future__ import annotations
 
 import html
@@ -54,21 +59,49 @@ def verification_lines(meta: dict, v: dict, block_size: int) -> list[str]:
     return lines
 
 
-def spec_decode(meta: dict, step: dict, block_size: int) -> None:
+def spec_decode(meta: dict, step: dict, block_size: int, late: dict | None = None,
+                next_late: dict | None = None) -> None:
+    """`late` / `next_late`: the "spec_decode" snapshots of this step and the next (async scheduling)."""
     scheduler = step["scheduler"]
+    scheduled = step["scheduler_output"].get("scheduled_spec_decode_tokens") or {}
     verifications = (scheduler.get("step_record") or {}).get("spec_decode") or []
+    if late is not None:
+        verifications = late["spec_decode"]
     proposed = {r["request_id"]: r.get("spec_token_ids") or [] for r in scheduler.get("running", [])}
-    if not verifications and not any(proposed.values()):
+    on_device = {r for r, ids in proposed.items() if ids and -1 in ids}
+    if on_device:       # placeholders: the real drafts are what the next step verified
+        real = (next_late or {}).get("scheduled_spec_decode_tokens") or {}
+        proposed = {r: real.get(r, ids) for r, ids in proposed.items()}
+    if not scheduled and not verifications and not any(proposed.values()):
         return
     st.markdown("**Speculative decoding** — drafts verified this step")
+    if late is not None:
+        st.caption(f"Async scheduling: this step was verified after its snapshot was taken (at launch"
+                   f"{', its drafts -1 placeholders on the device' if _has_placeholders(scheduled) else ''}); "
+                   "shown from its spec_decode record, written when its output was processed.")
     if not verifications:
-        st.caption("no request had drafts this step")
+        if not scheduled:
+            st.caption("no request had drafts this step")
+        elif late is None and _has_placeholders(scheduled):
+            st.caption(f"{len(scheduled)} request(s) scheduled drafts (-1 placeholders: on the device); "
+                       "their verification is not recorded (yet)")
+        else:
+            st.caption("the requests with drafts finished or were aborted before the drafts were verified")
     lines = [line for v in verifications for line in verification_lines(meta, v, block_size)]
-    st.markdown("<br>".join(lines), unsafe_allow_html=True)
+    if lines:
+        st.markdown("<br>".join(lines), unsafe_allow_html=True)
     nxt = [f"{req_chip(r)} {' '.join(_token(meta, t, UNCHECKED, 'draft for the next step') for t in ids)}"
-           for r, ids in proposed.items() if ids]
+           for r, ids in proposed.items() if ids and -1 not in ids]
     if nxt:
-        st.markdown("Drafts proposed after this step, to verify next step:<br>" + "<br>".join(nxt),
+        where = " (on the device: read from the next step's record)" if on_device else ""
+        st.markdown(f"Drafts proposed after this step, to verify next step{where}:<br>" + "<br>".join(nxt),
                     unsafe_allow_html=True)
+    elif on_device:
+        st.caption("Drafts proposed after this step stay on the device (-1 placeholders here); "
+                   "no next step has verified them (so far), so their values are not recorded.")
     code_ref("vllm_anatomy/model_executor/rejection_sampler.py",
              "RejectionSampler · Scheduler.update_from_output (rollback) · propose_draft_token_ids")
+
+
+def _has_placeholders(scheduled: dict) -> bool:
+    return any(-1 in ids for ids in scheduled.values())

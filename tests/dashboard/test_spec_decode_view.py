@@ -84,3 +84,40 @@ def test_verification_lines_without_a_tokenizer():
     joined = "\n".join(lines)
     assert "positions 40–42" in joined and "accepted 1 of 3" in joined and "recovered token, instead of draft 2" in joined
     assert "slot 121 (block 7, offset 9) ← position 41" in joined and "rolls back to 41" in joined
+
+
+@pytest.fixture(scope="module")
+def async_draft_run(tmp_path_factory):
+    """Async scheduling with the default model drafting for itself: the step snapshots hold -1
+    placeholder drafts and no verifications; the late "spec_decode" snapshots hold them."""
+    from vllm_anatomy import LLM, SamplingParams
+    from vllm_anatomy.transformers_utils.default_model import ensure_default_model
+    from vllm_anatomy.tracing.reader import open_run
+    trace_dir = str(tmp_path_factory.mktemp("async_spec_traces"))
+    model = str(ensure_default_model())
+    llm = LLM(model, trace_level="full", trace_dir=trace_dir, max_model_len=512, async_scheduling=True,
+              speculative_config={"method": "draft_model", "model": model, "num_speculative_tokens": 3})
+    llm.generate(["The quick brown fox", "Count from one to ten:"], SamplingParams(temperature=0, max_tokens=12),
+                 use_tqdm=False)
+    path = llm.llm_engine.recorder.run_path
+    llm.llm_engine.shutdown()
+    with open_run(path) as run:
+        late = {s: run.snapshot(s, "spec_decode") for s in run.steps()}
+    return {"dir": trace_dir, "path": path, "late": {s: r for s, r in late.items() if r}}
+
+
+def test_worker_tab_shows_an_async_steps_verification_from_its_late_record(async_draft_run, monkeypatch, tmp_path):
+    late = async_draft_run["late"]
+    step = next(s for s, r in late.items() if r["spec_decode"] and s + 1 in late)
+    at = open_inspector(async_draft_run, monkeypatch, tmp_path, step)
+    assert not at.exception, at.exception
+    text = "\n".join(m.value for m in at.markdown)
+    captions = "\n".join(c.value for c in at.caption)
+    assert "Speculative decoding" in text and "verified after its snapshot was taken" in captions
+    for r in late[step]["spec_decode"]:
+        assert f"accepted {r['num_accepted']} of {len(r['draft_token_ids'])}" in text
+        assert f"drafts at positions {r['first_draft_position']}–" in text
+    # the drafts proposed after this step: real ids, read from the next step's record
+    assert "read from the next step's record" in text
+    for ids in late[step + 1]["scheduled_spec_decode_tokens"].values():
+        assert all(f"{t} " in text for t in ids)

@@ -63,7 +63,8 @@ def test_every_snapshot_decodes_strictly_and_back_to_what_was_stored(recorded):
     with open_run(recorded) as run:
         assert run.schema_version == SCHEMA_VERSION
         rows = list(run.snapshots())
-        assert not run.bad_rows and {s.kind for s in rows} == set(snapshots.SNAPSHOT_TYPES)
+        # (kind "spec_decode" needs drafts: tests/tracing/test_spec_decode_trace.py records it)
+        assert not run.bad_rows and {s.kind for s in rows} == set(snapshots.SNAPSHOT_TYPES) - {"spec_decode"}
         for s in rows:
             record = decode_snapshot(s.kind, json.dumps(s.data))
             assert isinstance(record, snapshots.SNAPSHOT_TYPES[s.kind])

@@ -56,6 +56,14 @@ def test_step_spans_carry_the_verifications(spec_run):
     assert check_step_spans(spec_run, "ngram") > 0
 
 
+def test_sync_run_has_no_late_spec_decode_snapshots(spec_run):
+    """Without async scheduling the step snapshot is taken after the update: it holds the
+    verifications itself, and no "spec_decode" row is written."""
+    with open_run(spec_run) as run:
+        assert not list(run.snapshots("spec_decode"))
+        assert all(run.spec_decode_snapshot(i) is None for i in run.steps())
+
+
 @pytest.fixture(scope="module")
 def async_draft_run(default_model_dir, tmp_path_factory):
     """Async scheduling with a draft model (the model itself): the drafts stay on the device and the
@@ -75,14 +83,43 @@ def test_async_draft_model_trace_records_the_real_drafts(async_draft_run):
     """Under async scheduling the step spans carry the drafts that were verified (never the -1
     placeholders the scheduler planned with), every greedy draft of the model itself accepted.
     NOTE: the step's snapshot is taken at launch under async scheduling (step_tracer.watch), before
-    the step is verified, so its scheduler_output shows the placeholders and its step record no
-    verifications (docs/trace-format.md); the span is where this run's verifications are."""
+    the step is verified: its scheduler_output shows the placeholders and its step record no
+    verifications; each step that scheduled drafts gets a late "spec_decode" snapshot with them."""
     with open_run(async_draft_run) as run:
         assert not run.bad_rows
         for s in run.snapshots():
             assert msgspec.to_builtins(decode_snapshot(s.kind, json.dumps(s.data))) == s.data
         spans = run.spans("EngineCore.step")
         proposes = run.spans("GPUModelRunner.propose_draft_token_ids")
+        steps = {i: run.step_snapshot(i) for i in run.steps()}
+        late = {i: run.spec_decode_snapshot(i) for i in steps}
+    # Each step that scheduled drafts (placeholders at launch) has its late record, with the real
+    # drafts in their place; the others have none; no step snapshot holds a verification.
+    with_drafts = {i for i, s in steps.items() if s.scheduler_output.scheduled_spec_decode_tokens}
+    assert with_drafts and {i for i, r in late.items() if r is not None} == with_drafts
+    for i in with_drafts:
+        placeholders, real = steps[i].scheduler_output.scheduled_spec_decode_tokens, \
+            late[i].scheduled_spec_decode_tokens
+        assert all(set(d) == {-1} for d in placeholders.values())
+        assert {r: len(d) for r, d in real.items()} == {r: len(d) for r, d in placeholders.items()}
+        assert all(-1 not in d for d in real.values()) and late[i].step_id == i
+        # what was verified is what was scheduled (a request finished meanwhile verifies nothing)
+        assert all(real[v.request_id] == v.draft_token_ids for v in late[i].spec_decode)
+    assert not any(s.scheduler.step_record.spec_decode for s in steps.values())
+    # The late records say what the step spans say, step for step.
+    span_events = {s.attributes["vllm_anatomy.step_id"]: {e["attributes"]["vllm_anatomy.request_id"]: e["attributes"]
+                                                          for e in s.events if e["name"] == "spec_decode"}
+                   for s in spans}
+    for i in with_drafts:
+        events = span_events[i]
+        assert set(events) == {v.request_id for v in late[i].spec_decode}
+        for v in late[i].spec_decode:
+            a = events[v.request_id]
+            assert (a["vllm_anatomy.draft_token_ids"], a["vllm_anatomy.num_accepted_tokens"],
+                    a["vllm_anatomy.output_token_ids"]) == (v.draft_token_ids, v.num_accepted, v.output_token_ids)
+            assert a.get("vllm_anatomy.rejected_slots", []) == v.rejected_slots
+    assert sum(len(r.spec_decode) for r in late.values() if r) == \
+        sum(len(e) for e in span_events.values()) > 0
     assert proposes and all(p.attributes.get("vllm_anatomy.spec_decode_method") == "draft_model" for p in proposes)
     events = [e["attributes"] for s in spans for e in s.events if e["name"] == "spec_decode"]
     assert events and all(-1 not in e["vllm_anatomy.draft_token_ids"] for e in events)

@@ -82,11 +82,16 @@ def test_record_names_the_verified_drafts_and_rejected_slots():
     s.add_request(req)
     so1 = s.schedule()
     so2 = s.schedule()
+    step2 = s.last_step_record
     s.update_from_output(so1, output(so1, {"a": [11]}))
     s.schedule()                                          # step 3 in flight while step 2 is updated
+    step3 = s.last_step_record
     s.update_draft_token_ids_in_output(DraftTokenIds(["a"], [[31, 32, 33]]), so2)
     s.update_from_output(so2, output(so2, {"a": [31, 40]}))
     (record,) = s.last_spec_decode_records
+    # Step 2's verification lands in step 2's record, not in the latest one (step 3's).
+    assert step2 is not None and step3 is not None and (step2.step_id, step3.step_id) == (2, 3)
+    assert step2.spec_decode == [record] and step3.spec_decode == []
     assert record.draft_token_ids == [31, 32, 33] and record.num_accepted == 1
     # Step 2 computed positions 20 (token 11) and 21..23 (drafts): 22 and 23 were rejected.
     assert record.first_draft_position == 21

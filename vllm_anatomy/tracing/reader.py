@@ -34,7 +34,7 @@ from vllm_anatomy.tracing.snapshots import SNAPSHOT_TYPES
 from vllm_anatomy.tracing.store import SCHEMA_VERSION, SPAN_COLUMNS, connect_readonly
 
 if TYPE_CHECKING:
-    from vllm_anatomy.tracing.snapshots import ModelRunnerSnapshot, StepSnapshot
+    from vllm_anatomy.tracing.snapshots import ModelRunnerSnapshot, SpecDecodeSnapshot, StepSnapshot
 
 T = TypeVar("T")
 
@@ -192,6 +192,11 @@ class Run:
     def model_runner_snapshot(self, step_id: int) -> ModelRunnerSnapshot | None:
         """The step's "model_runner" snapshot (the first rank's) as a ModelRunnerSnapshot, or None."""
         return self._typed(step_id, "model_runner")
+
+    def spec_decode_snapshot(self, step_id: int) -> SpecDecodeSnapshot | None:
+        """Async scheduling: the step's verifications, recorded after its "step" snapshot (kind
+        "spec_decode"), or None (no drafts scheduled, a synchronous run, or not recorded yet)."""
+        return self._typed(step_id, "spec_decode")
 
     def _typed(self, step_id: int, kind: str) -> Any:
         rows = self._query("SELECT id, data FROM snapshots WHERE step_id = ? AND kind = ? ORDER BY id LIMIT 1",

@@ -7,6 +7,12 @@ Two kinds are recorded at trace level "full", one row per step each:
     "model_runner"  ModelRunnerSnapshot  the worker, after sampling (GPUModelRunner.snapshot()
                                          and the sampled ids); one per rank with tensor parallelism
 
+and, with async scheduling, one more for a step that scheduled drafts:
+
+    "spec_decode"   SpecDecodeSnapshot   EngineCore, when the step's output is processed (its
+                                         "step" snapshot was taken at launch, before it was
+                                         verified): the drafts it verified and what came of them
+
 `tracing/reader.py` decodes every snapshot into these Structs (`Run.step_snapshot`,
 `Run.model_runner_snapshot`, `decode_snapshot`); docs/trace-format.md lists their fields
 (tests/tracing/test_snapshot_contract.py checks it against them), and the same test records a
@@ -188,6 +194,16 @@ class StepSnapshot(_Record):
     block_pool_events: list[BlockPoolEventRecord]
 
 
+class SpecDecodeSnapshot(_Record):
+    """Snapshot kind "spec_decode": async scheduling only, a step's verifications, recorded when its
+    output is processed (its "step" snapshot, taken at launch, has -1 placeholder drafts and no
+    verifications)."""
+    step_id: int
+    time: float                              # time.time() when recorded
+    scheduled_spec_decode_tokens: dict[str, list[int]]   # the drafts the step verified (the placeholders' values)
+    spec_decode: list[SpecDecodeRecord]      # what the step's step_record.spec_decode would hold
+
+
 # -- "model_runner": the worker's side --------------------------------------------------------------
 class InputBatchRow(_Record):
     """InputBatchRecord.rows[i]: one row of the persistent batch."""
@@ -252,7 +268,8 @@ class ModelRunnerSnapshot(_Record):
     sampled_token_ids: list[list[int]] | None = None   # per batch row; runs before: none
 
 
-SNAPSHOT_TYPES: dict[str, type[_Record]] = {"step": StepSnapshot, "model_runner": ModelRunnerSnapshot}
+SNAPSHOT_TYPES: dict[str, type[_Record]] = {"step": StepSnapshot, "model_runner": ModelRunnerSnapshot,
+                                              "spec_decode": SpecDecodeSnapshot}
 
 
 # -- partial views for run-level tables ---------------------------------------------------------------

@@ -31,7 +31,9 @@ What each recorder gets:
                          device lane hangs its GPU.step span under it.
     level full           also the KV manager's calls inside Scheduler.schedule
                          (traced.py) and, by an observer, the step's snapshot
-                         (kind "step", with the block pool's events).
+                         (kind "step", with the block pool's events); with async
+                         scheduling, a step that verified drafts also gets a
+                         late one when updated (kind "spec_decode").
 
 NOTE: the trace level decides what is recorded, never what the engine
 computes: EngineCore makes the same calls in the same order at every level,
@@ -104,6 +106,35 @@ class StepSnapshotter:
             }, step_id=step_id)
 
 
+class SpecDecodeSnapshotter:
+    """Observer (async scheduling): a step's verifications, once its output is processed
+    (kind "spec_decode", only for a step that scheduled drafts).
+
+    NOTE: with async scheduling the "step" snapshot is taken at launch, before the
+    step is verified: its drafts are -1 placeholders (a draft model keeps them on the
+    device) and its step record has no verifications yet. By update time
+    EngineCore has put the verified drafts over the placeholders
+    (Scheduler.update_draft_token_ids_in_output) and update_from_output has
+    judged them (scheduler.last_spec_decode_records): this late row, under the
+    same step id, holds both.
+    """
+
+    def __init__(self, recorder: Recorder, scheduler: Scheduler) -> None:
+        self.recorder = recorder
+        self.scheduler = scheduler
+
+    def __call__(self, scheduler_output: SchedulerOutput) -> None:
+        if not scheduler_output.scheduled_spec_decode_tokens:
+            return
+        step_id = scheduler_output.step_id
+        self.recorder.snapshot("spec_decode", {
+            "step_id": step_id,
+            "time": time.time(),
+            "scheduled_spec_decode_tokens": msgspec.to_builtins(scheduler_output.scheduled_spec_decode_tokens),
+            "spec_decode": msgspec.to_builtins(self.scheduler.last_spec_decode_records),
+        }, step_id=step_id)
+
+
 class StepTracer:
     """One per EngineCore: a StepTrace per step, observers of each step.
 
@@ -146,6 +177,8 @@ class StepTracer:
         # already planned the next step. Otherwise after update_from_output.
         observers = self.on_launch if self.snapshot_at_launch else self.on_update
         observers.append(StepSnapshotter(self.recorder, scheduler))
+        if self.snapshot_at_launch:
+            self.on_update.append(SpecDecodeSnapshotter(self.recorder, scheduler))
 
     @contextlib.contextmanager
     def add_request(self, request: Any) -> Iterator[None]:

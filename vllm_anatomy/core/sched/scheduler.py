@@ -198,6 +198,9 @@ class Scheduler(SchedulerInterface):
         # did); EngineCore turns it off unless a tracer snapshots steps.
         self.record_steps = True
         self.last_step_record: SchedulerStepRecord | None = None
+        # The records of the steps scheduled and not yet updated, by step id: update_from_output
+        # adds each step's verifications to its own record (with async scheduling, not the latest).
+        self._step_records_in_flight: dict[int, SchedulerStepRecord] = {}
 
     def schedule(self) -> SchedulerOutput:
         """One step's decisions, in the article's two boxes: RUNNING requests
@@ -236,6 +239,7 @@ class Scheduler(SchedulerInterface):
         # costs about a fifth of schedule() (bench/host_cost.py).
         if self.record_steps:
             self.last_step_record = self._make_step_record(step)
+            self._step_records_in_flight[self.current_step] = self.last_step_record
         self.last_grammar_ready_req_ids, self._grammar_ready_req_ids = self._grammar_ready_req_ids, []
         self._update_after_schedule(scheduler_output)
         return scheduler_output
@@ -620,8 +624,9 @@ class Scheduler(SchedulerInterface):
         outputs: dict[int, list[EngineCoreOutput]] = defaultdict(list)
         spec_decoding_stats: SpecDecodingStats | None = None
         self.last_spec_decode_records = []
-        if self.record_steps and self.last_step_record is not None:
-            self.last_step_record.spec_decode = self.last_spec_decode_records
+        step_record = self._take_step_record(scheduler_output.step_id)
+        if step_record is not None:
+            step_record.spec_decode = self.last_spec_decode_records
         stopped_running_reqs: set[Request] = set()
         stopped_preempted_reqs: set[Request] = set()
         for req_id, num_tokens_scheduled in scheduler_output.num_scheduled_tokens.items():
@@ -709,6 +714,17 @@ class Scheduler(SchedulerInterface):
         if events:
             self.kv_event_publisher.publish(KVEventBatch(ts=time.time(), events=events))  # type: ignore[arg-type]
         return self._make_engine_core_outputs(outputs, spec_decoding_stats)
+
+    def _take_step_record(self, step_id: int) -> SchedulerStepRecord | None:
+        """The record of the step being updated (None if steps are not recorded).
+
+        NOTE: with async scheduling, step N is updated after step N+1 was
+        scheduled: last_step_record is N+1's by then. Steps are updated in the
+        order they were scheduled, so older records still here are dropped."""
+        records = self._step_records_in_flight
+        while records and (oldest := next(iter(records))) < step_id:
+            del records[oldest]
+        return records.pop(step_id, None)
 
     def update_draft_token_ids(self, draft_token_ids: DraftTokenIds) -> None:
         """The drafts the worker proposed after the step: what the next schedule() verifies.
