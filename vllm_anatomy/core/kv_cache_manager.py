@@ -202,7 +202,7 @@ class KVCacheManager:
         """
         if num_new_tokens == 0:
             raise ValueError("num_new_tokens must be greater than 0")
-        self._event_context(request, "allocate_slots")
+        # (the block-pool events' context is set only on the paths that can emit events)
         if new_computed_blocks is None and not (full_sequence_must_fit or reserved_blocks
                                                 or num_external_computed_tokens):
             # NOTE: the fast path of a running request whose held blocks already
@@ -222,8 +222,10 @@ class KVCacheManager:
                 # blocks (the check cache_blocks starts with), so no call.
                 if self.enable_caching and \
                         manager.num_cached_block.get(request.request_id, 0) < len(request.block_hashes):
+                    self._event_context(request, "allocate_slots")
                     self.coordinator.cache_blocks(request, num_tokens_to_compute)
                 return self.empty_kv_cache_blocks
+        self._event_context(request, "allocate_slots")
         assert num_external_computed_tokens == 0 and not delay_cache_blocks and num_encoder_tokens == 0, \
             "KV connectors and encoder-decoder models are not implemented here"
         new_computed_block_list = (new_computed_blocks.blocks if new_computed_blocks is not None

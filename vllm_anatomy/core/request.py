@@ -232,11 +232,14 @@ class Request:
         if isinstance(token_ids, int):
             self._output_token_ids.append(token_ids)
             self._all_token_ids.append(token_ids)
+            # (the lengths below, counted: these lists change only here)
+            self.num_tokens += 1
+            self.num_output_tokens += 1
         else:
             self._output_token_ids.extend(token_ids)
             self._all_token_ids.extend(token_ids)
-        self.num_tokens = len(self._all_token_ids)
-        self.num_output_tokens = len(self._output_token_ids)
+            self.num_tokens = len(self._all_token_ids)
+            self.num_output_tokens = len(self._output_token_ids)
         # NOTE: hash every block the new tokens completed, right now, so that
         # the KV manager can cache it without recomputing anything. An append
         # that completes no block cannot add a hash and skips the hasher (a

@@ -35,6 +35,11 @@ from vllm_anatomy.outputs import CompletionOutput, Logprob, PromptLogprobs, Requ
 from vllm_anatomy.sampling_params import RequestOutputKind
 from vllm_anatomy.tracing.request_tracer import NULL_REQUEST_TRACER, NullRequestTracer, RequestTracer
 
+# NOTE: read per request per step in process_outputs: a module-level name, not
+# RequestOutputKind.FINAL_ONLY (an Enum class attribute read costs ~0.13 us on
+# Python 3.11; see Request.is_finished).
+_FINAL_ONLY = RequestOutputKind.FINAL_ONLY
+
 
 class RequestOutputCollector:
     """Single-slot mailbox between the output handler and one generate() call.
@@ -288,7 +293,7 @@ class OutputProcessor:
             if eco.new_prompt_logprobs_tensors is not None:
                 self._set_prompt_logprobs(state, eco.new_prompt_logprobs_tensors)
             if finish_reason is None:
-                if state.output_kind == RequestOutputKind.FINAL_ONLY:
+                if state.output_kind == _FINAL_ONLY:
                     continue    # LLM.generate(): nothing to build before the request finishes
             else:
                 self._finish_request(state, eco, finish_reason, stop_reason, now, iteration_stats, reqs_to_abort)

@@ -251,6 +251,7 @@ class Scheduler(SchedulerInterface):
         # (read once: the loop below runs for every running request, every step)
         max_model_len = self.max_model_len
         long_prefill_token_threshold = self.scheduler_config.long_prefill_token_threshold
+        allocate_slots, num_lookahead_tokens = self.kv_cache_manager.allocate_slots, self.num_lookahead_tokens
         while req_index < len(self.running) and step.token_budget > 0:
             request = self.running[req_index]
             req_index += 1
@@ -269,7 +270,8 @@ class Scheduler(SchedulerInterface):
                 continue
             # NOTE: placeholders (async scheduling) count as tokens to catch up
             # on: their values are still on the device, but their positions are known.
-            num_new_tokens = (request.num_tokens_with_spec + request.num_output_placeholders
+            # (request.num_tokens_with_spec, without the property's call)
+            num_new_tokens = (request.num_tokens + len(request.spec_token_ids) + request.num_output_placeholders
                               - request.num_computed_tokens)
             # (_cap_long_prefill, inline as in v0.27.1)
             if 0 < long_prefill_token_threshold < num_new_tokens:
@@ -281,7 +283,10 @@ class Scheduler(SchedulerInterface):
             if num_new_tokens <= 0:
                 # NOTE: `continue`, not `break` (as in vLLM): later requests may still run.
                 continue
-            new_blocks = self._allocate_or_preempt(request, num_new_tokens, step)
+            new_blocks = allocate_slots(request, num_new_tokens, num_lookahead_tokens=num_lookahead_tokens)
+            if new_blocks is None:
+                # Out of blocks: preempt the lowest-priority request(s) until it fits.
+                new_blocks = self._preempt_and_allocate(request, num_new_tokens, step)
             if step.num_unscheduled:
                 # (a victim scheduled earlier in this loop stood before this request)
                 req_index -= step.num_unscheduled
@@ -300,16 +305,12 @@ class Scheduler(SchedulerInterface):
                 # New ones are set by update_draft_token_ids after this step.
                 request.spec_token_ids = []
 
-    def _allocate_or_preempt(self, request: Request, num_new_tokens: int,
-                             step: StepDecisions) -> KVCacheBlocks | None:
-        """allocate_slots for a running request, preempting the lowest-priority
-        request until it fits (None: it preempted itself)."""
+    def _preempt_and_allocate(self, request: Request, num_new_tokens: int,
+                              step: StepDecisions) -> KVCacheBlocks | None:
+        """allocate_slots failed for a running request: preempt the lowest-priority
+        request and retry, until it fits (None: it preempted itself)."""
         while True:
-            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens,
-                                                              num_lookahead_tokens=self.num_lookahead_tokens)
-            if new_blocks is not None:
-                return new_blocks
-            # Out of blocks: preempt the lowest-priority request and retry.
+            # Preempt the lowest-priority request, then retry.
             if self.policy == SchedulingPolicy.PRIORITY:
                 # The largest (priority, arrival_time): it may sit before this
                 # request and have been scheduled already; then it gives its
@@ -328,6 +329,10 @@ class Scheduler(SchedulerInterface):
             step.preempted_reqs.append(preempted_req)
             if preempted_req is request:
                 return None  # it preempted itself: nothing left to free for it
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens,
+                                                              num_lookahead_tokens=self.num_lookahead_tokens)
+            if new_blocks is not None:
+                return new_blocks
 
     def _schedule_waiting(self, step: StepDecisions) -> AdmissionStop:
         """Admit WAITING requests in FCFS order with what is left of the budget;
@@ -467,7 +472,11 @@ class Scheduler(SchedulerInterface):
         all_token_ids = {req.request_id: list(req.all_token_ids) for req in reqs
                          if req.request_id not in prev_step_scheduled_req_ids}
         # For a resumed request these are all of its blocks: they *replace* its old row.
-        new_block_ids = [req_to_new_blocks[req_id].get_block_ids(allow_none=True) for req_id in req_ids]
+        # (a decode that needs no new block gets the manager's shared empty
+        # KVCacheBlocks, whose get_block_ids(allow_none=True) is None: no call)
+        empty_blocks = self.kv_cache_manager.empty_kv_cache_blocks
+        new_block_ids = [None if (blocks := req_to_new_blocks[req_id]) is empty_blocks
+                         else blocks.get_block_ids(allow_none=True) for req_id in req_ids]
         num_computed_tokens = [req.num_computed_tokens for req in reqs]
         # v0.27.1 counts the tokens still in flight (async scheduling) as outputs.
         num_output_tokens = [req.num_output_tokens + req.num_output_placeholders for req in reqs]
@@ -582,7 +591,7 @@ class Scheduler(SchedulerInterface):
                                         < request.num_tokens + request.num_output_placeholders)
             # NOTE: a partial prefill chunk samples nothing worth keeping.
             if not request.is_prefill_chunk:
-                if request.use_structured_output:
+                if request.structured_output_request is not None:     # request.use_structured_output
                     scheduler_output.has_structured_output_requests = True
                     # NOTE: async scheduling: a placeholder still in flight is a token
                     # the grammar has not seen; this step's bitmask must wait for it.
@@ -629,6 +638,10 @@ class Scheduler(SchedulerInterface):
             step_record.spec_decode = self.last_spec_decode_records
         stopped_running_reqs: set[Request] = set()
         stopped_preempted_reqs: set[Request] = set()
+        # (read once: the loop below runs for every scheduled request, every step;
+        # without speculative decoding the dict is empty and is never looked up)
+        scheduled_spec_decode_tokens = scheduler_output.scheduled_spec_decode_tokens
+        req_id_to_index = model_runner_output.req_id_to_index
         for req_id, num_tokens_scheduled in scheduler_output.num_scheduled_tokens.items():
             request = self.requests.get(req_id)
             output_is_stale = False
@@ -643,10 +656,11 @@ class Scheduler(SchedulerInterface):
                 continue  # aborted while the step was running
             if output_is_stale and request.drop_stale_output:
                 continue  # resumed at once (reset_prefix_cache): its positions are being recomputed
-            req_index = model_runner_output.req_id_to_index[req_id]
+            req_index = req_id_to_index[req_id]
             # NOTE: a non-final prefill chunk samples nothing (empty list).
             new_token_ids = sampled_token_ids[req_index] if sampled_token_ids else []
-            scheduled_spec_token_ids = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
+            scheduled_spec_token_ids = (scheduled_spec_decode_tokens.get(req_id)
+                                        if scheduled_spec_decode_tokens else None)
             if scheduled_spec_token_ids and new_token_ids:
                 num_draft_tokens = len(scheduled_spec_token_ids)
                 num_accepted = len(new_token_ids) - 1       # the last one is the recovered or bonus token
@@ -678,7 +692,10 @@ class Scheduler(SchedulerInterface):
                 # even finish it there.
                 new_token_ids, stopped = self._update_request_with_output(request, new_token_ids,
                                                                           is_stale=output_is_stale)
-            if new_token_ids and self.structured_output_manager.should_advance(request):
+            # (request.use_structured_output, read as the attribute it tests: most
+            # requests have no grammar, and this runs for each of them every step)
+            if new_token_ids and request.structured_output_request is not None and \
+                    self.structured_output_manager.should_advance(request):
                 new_token_ids, grammar_stopped = self._advance_grammar(request, new_token_ids)
                 stopped = grammar_stopped or stopped
             if stopped:
@@ -811,6 +828,11 @@ class Scheduler(SchedulerInterface):
                                     is_stale: bool = False) -> tuple[list[int], bool]:
         """Append tokens one at a time, checking for a stop after each one.
         (is_stale is only read by AsyncScheduler's override.)"""
+        if len(new_token_ids) == 1:
+            # NOTE: a decode's one token (every request, every step without
+            # speculative decoding): the loop below without its enumerate and slice.
+            request.append_output_token_ids(new_token_ids[0])
+            return new_token_ids, check_stop(request, self.max_model_len)
         for num_new, output_token_id in enumerate(new_token_ids, 1):
             request.append_output_token_ids(output_token_id)
             if check_stop(request, self.max_model_len):
@@ -824,7 +846,8 @@ class Scheduler(SchedulerInterface):
             request_id=request.request_id, new_token_ids=new_token_ids, new_logprobs=new_logprobs,
             new_prompt_logprobs_tensors=prompt_logprobs_tensors,
             finish_reason=request.get_finished_reason(), stop_reason=request.stop_reason,
-            events=request.take_events(), trace_headers=request.trace_headers,
+            # (take_events() returns None when there are none: most steps, skipped without a call)
+            events=request.take_events() if request.events else None, trace_headers=request.trace_headers,
             # (-1 until first scheduled; max() would cost more than the rest of this call)
             num_cached_tokens=request.num_cached_tokens if request.num_cached_tokens > 0 else 0)
 
