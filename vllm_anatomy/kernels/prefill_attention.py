@@ -41,7 +41,9 @@ switches beside the plain pointer path, measured by bench/prefill_attention.py.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
+from typing import Any
 
 import torch
 import triton
@@ -240,13 +242,18 @@ def prefill_work_list(b_start_loc: Sequence[int], b_seq_len: Sequence[int], bloc
     return torch.tensor(items, dtype=torch.int32).reshape(-1, 3)
 
 
-def default_config(num_queries_per_kv: int, head_dim: int, dtype: torch.dtype) -> dict:
+@functools.cache
+def default_config(num_queries_per_kv: int, head_dim: int, dtype: torch.dtype) -> Mapping[str, Any]:
     """pick_config for what the kernel will compute in (fp32 in the interpreter), plus its block_q:
-    what a caller building the work list ahead of the launch needs (the Triton backend)."""
+    what a caller building the work list ahead of the launch needs (the Triton backend).
+
+    NOTE: asked for by every attention layer of a step with the prefill switch on (the
+    backend's split, then context_attention_fwd), always with the same answer for a
+    model: computed once, and read-only since it is shared."""
     dot_fp32 = dtype == torch.float32 or is_interpreted(_prefill_attention_kernel)
     cfg = pick_config(num_queries_per_kv, head_dim, torch.float32 if dot_fp32 else dtype)
-    return dict(cfg, dot_fp32=dot_fp32,
-                block_q=block_q_of(cfg["block_m"], num_queries_per_kv, cfg["pack_gqa"]))
+    return MappingProxyType(dict(cfg, dot_fp32=dot_fp32,
+                                 block_q=block_q_of(cfg["block_m"], num_queries_per_kv, cfg["pack_gqa"])))
 
 
 def launch_grid(num_work_items: int, num_heads: int, num_kv_heads: int, pack_gqa: bool) -> tuple[int, int]:

@@ -32,8 +32,9 @@ that in tests/kernel_tests/conftest.py). It is slow; the CPU default stays "torc
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
@@ -174,7 +175,7 @@ class TritonAttentionImpl(AttentionImpl):
                 skip_seq=None if split is None else split.skip_seq)
         return output
 
-    def _prefill_config(self, dtype: torch.dtype) -> dict:
+    def _prefill_config(self, dtype: torch.dtype) -> Mapping[str, Any]:
         """The prefill kernel's default config for this dtype, with its block_q (host ints)."""
         return pa.default_config(self.num_heads // self.num_kv_heads, self.head_dim, dtype)
 
