@@ -68,7 +68,7 @@ def spec_decode(meta: dict, step: dict, block_size: int, late: dict | None = Non
     if late is not None:
         verifications = late["spec_decode"]
     proposed = {r["request_id"]: r.get("spec_token_ids") or [] for r in scheduler.get("running", [])}
-    on_device = {r for r, ids in proposed.items() if ids and -1 in ids}
+    on_device = _has_placeholders(proposed)
     if on_device:       # placeholders: the real drafts are what the next step verified
         real = (next_late or {}).get("scheduled_spec_decode_tokens") or {}
         proposed = {r: real.get(r, ids) for r, ids in proposed.items()}
