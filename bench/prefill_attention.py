@@ -98,15 +98,14 @@ class Setup:
 
 
 def matmul_rate(setup: Setup) -> dict:
-    n = 256 if setup.tiny else 8192
+    if not setup.tiny:
+        sys.path.insert(0, HERE)
+        from kernel_bench import matmul_ceiling
+        return matmul_ceiling()             # kernel_bench's: an 8192^3 bf16 matmul, timed eagerly
+    n = 256
     a = torch.randn(n, n, device=setup.device, dtype=setup.dtype)
     b = torch.randn(n, n, device=setup.device, dtype=setup.dtype)
-    if setup.tiny:
-        ms, _ = setup.time_ms(lambda: a @ b)
-    else:
-        sys.path.insert(0, HERE)
-        from kernel_bench import time_eager_ms
-        ms = time_eager_ms(lambda: a @ b)
+    ms, _ = setup.time_ms(lambda: a @ b)
     return {"shape": [n, n, n], "ms": ms, "flop_per_s": 2 * n ** 3 / ms * 1e3}
 
 
