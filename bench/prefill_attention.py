@@ -4,8 +4,8 @@
     python bench/prefill_attention.py --tiny --out /tmp/p.json      # CPU smoke (Triton interpreter)
 
 Qwen3-0.6B attention heads (16 query heads, 8 KV heads, head_dim 128), bf16,
-fresh prefills (causal, no cached context) of 1 x 512, 1 x 4096, 4 x 4096,
-1 x 8192 and 2 x 8192 tokens; q/k/v are views of one qkv tensor, as the model
+fresh prefills (causal, no cached context) of 1 x 512, 32 x 512 (a 16k-token
+step of short prompts), 1 x 4096, 4 x 4096, 1 x 8192 and 2 x 8192 tokens; q/k/v are views of one qkv tensor, as the model
 hands them over. For each case:
 
   ours      vllm_anatomy/kernels/prefill_attention.py, the default config and a
@@ -13,9 +13,11 @@ hands them over. For each case:
             specialisation, TMA + warp specialisation};
   unified   unified_attention (the engine's default path) on the same prefill,
             its K/V in a paged cache of contiguous blocks (block size 16);
-  sdpa      torch.nn.functional.scaled_dot_product_attention restricted to the
-            flash backend (FlashAttention-2 in PyTorch), K/V repeated to 16 heads
-            outside the timing: a reference ceiling, not something we run.
+  sdpa      torch.nn.functional.scaled_dot_product_attention per request, on three
+            backends: flash (FlashAttention-2 in PyTorch) and cuDNN with K/V repeated to 16
+            heads outside the timing (ceilings), and cuDNN on the engine's own layout
+            (strided per-request views, GQA by enable_gqa, the output copied back into the
+            [tokens, heads, head_dim] buffer: what a wired-in cuDNN path would pay).
 
 FLOPs = 4 * heads * head_dim * (visible query-key pairs); each time is the
 median of CUDA-event-timed CUDA-graph replays (bench/kernel_bench.py's time_ms;
@@ -55,7 +57,7 @@ from vllm_anatomy.kernels.prefill_attention import (  # noqa: E402
 )
 from vllm_anatomy.kernels.unified_attention import unified_attention  # noqa: E402
 
-CASES = [(1, 512), (1, 4096), (4, 4096), (1, 8192), (2, 8192)]      # (num_seqs, seq_len)
+CASES = [(1, 512), (32, 512), (1, 4096), (4, 4096), (1, 8192), (2, 8192)]      # (num_seqs, seq_len)
 SWITCHES = {"plain": {}, "pack_gqa": dict(pack_gqa=True), "tma": dict(use_tma=True),
             "ws": dict(warp_specialize=True), "tma+ws": dict(use_tma=True, warp_specialize=True)}
 # (block_m, block_n, num_warps, num_stages)
@@ -171,33 +173,47 @@ def run_unified(setup, q, k, v, starts, lens, scale, ref) -> tuple[float, str, f
     return ms, how, err
 
 
-def run_sdpa(setup, q, k, v, starts, lens, scale, ref) -> tuple[float, str, float]:
-    """torch SDPA (flash backend on a GPU) per request, K/V repeated to all heads beforehand."""
+# The torch SDPA rows: (name, SDPBackend member, K/V handed over as the engine has them).
+#   "repeat": K/V repeated to all query heads and made contiguous outside the timing (a ceiling);
+#   "views":  the engine's own layout, strided per-request views of q/k/v, GQA by enable_gqa,
+#             the output copied back into the [T, heads, head_dim] buffer (what a wired-in path pays).
+SDPA_ROWS = [("sdpa_flash", "FLASH_ATTENTION", "repeat"), ("sdpa_cudnn", "CUDNN_ATTENTION", "repeat"),
+             ("sdpa_cudnn_views", "CUDNN_ATTENTION", "views")]
+
+
+def run_sdpa(setup, q, k, v, starts, lens, scale, ref, backend="FLASH_ATTENTION",
+             layout="repeat") -> tuple[float, str, float]:
+    """torch SDPA per request (causal), on one backend (the GPU's; the CPU smoke test: any)."""
     group = setup.num_heads // setup.num_kv_heads
     per_req = []
     for start, n in zip(starts, lens):
         qq = q[start:start + n].transpose(0, 1).unsqueeze(0)                        # [1, nh, n, hd]
-        kk = k[start:start + n].repeat_interleave(group, 1).transpose(0, 1).unsqueeze(0).contiguous()
-        vv = v[start:start + n].repeat_interleave(group, 1).transpose(0, 1).unsqueeze(0).contiguous()
-        per_req.append((qq, kk, vv))
-    outs: list[torch.Tensor] = []
+        kk, vv = k[start:start + n], v[start:start + n]                             # [n, nkv, hd]
+        if layout == "repeat":
+            kk = kk.repeat_interleave(group, 1).transpose(0, 1).unsqueeze(0).contiguous()
+            vv = vv.repeat_interleave(group, 1).transpose(0, 1).unsqueeze(0).contiguous()
+        else:
+            kk, vv = kk.transpose(0, 1).unsqueeze(0), vv.transpose(0, 1).unsqueeze(0)  # [1, nkv, n, hd]
+        per_req.append((start, n, qq, kk, vv))
+    out = torch.full_like(q, float("nan"))
+    gqa = layout == "views"
 
     def fn():
-        outs.clear()
-        for qq, kk, vv in per_req:
-            outs.append(torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, is_causal=True,
-                                                                         scale=scale))
+        for start, n, qq, kk, vv in per_req:
+            o = torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, is_causal=True, scale=scale,
+                                                                 enable_gqa=gqa)
+            out[start:start + n].copy_(o.squeeze(0).transpose(0, 1))
     if setup.tiny:
         call = fn
     else:
         from torch.nn.attention import SDPBackend, sdpa_kernel
+        member = getattr(SDPBackend, backend)
 
         def call():
-            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            with sdpa_kernel(member):
                 fn()
     call()
-    got = torch.cat([o.squeeze(0).transpose(0, 1) for o in outs])
-    err = float((got.float() - ref).abs().max())
+    err = float((out.float() - ref).abs().max())
     ms, how = setup.time_ms(call)
     return ms, how, err
 
@@ -244,7 +260,8 @@ def run_case(setup: Setup, num_seqs: int, seq_len: int, rate: float, quick: bool
         e["config"] = cfg
         ours.append(e)
     unified = entry("unified_attention", run_unified, setup, q, k, v, starts, lens, scale, ref)
-    sdpa = entry("sdpa_flash", run_sdpa, setup, q, k, v, starts, lens, scale, ref)
+    sdpa = [entry(name, run_sdpa, setup, q, k, v, starts, lens, scale, ref, backend, layout)
+            for name, backend, layout in SDPA_ROWS]
     timed = [e for e in ours if "ms" in e and e["ok"]]
     best = min(timed, key=lambda e: e["ms"]) if timed else None
     del ref
@@ -256,7 +273,7 @@ def run_case(setup: Setup, num_seqs: int, seq_len: int, rate: float, quick: bool
 
 def print_case(case: dict) -> None:
     print(f"\n{case['num_seqs']} x {case['seq_len']}  ({case['flops'] / 1e9:.1f} GFLOP)")
-    rows = case["ours"] + [case["unified"], case["sdpa"]]
+    rows = case["ours"] + [case["unified"], *case["sdpa"]]
     for e in rows:
         if "error" in e:
             print(f"  {e['name']:<30} error: {e['error'][:90]}")
@@ -298,17 +315,21 @@ def main() -> None:
     summary = []
     print("\nsummary (fraction of the matmul rate; ratio = unified ms / best ours ms, sdpa ms / best ours ms)")
     for c in cases:
-        best, uni, sd = c["best"], c["unified"], c["sdpa"]
+        best, uni = c["best"], c["unified"]
+        sd = {e["name"]: e for e in c["sdpa"]}
         row = {"case": f"{c['num_seqs']}x{c['seq_len']}",
                "default_ours": next((e.get("fraction") for e in c["ours"] if e["name"] == "default"), None),
                "best_ours": best and best["fraction"], "best_ours_name": best and best["name"],
-               "unified": uni.get("fraction"), "sdpa_flash": sd.get("fraction"),
+               "unified": uni.get("fraction"),
+               **{name: sd[name].get("fraction") for name, _, _ in SDPA_ROWS},
                "speedup_vs_unified": best and "ms" in uni and uni["ms"] / best["ms"],
-               "sdpa_over_best_ours": best and "ms" in sd and sd["ms"] / best["ms"]}
+               **{f"{name}_over_best_ours": best and "ms" in sd[name] and sd[name]["ms"] / best["ms"]
+                  for name, _, _ in SDPA_ROWS}}
         summary.append(row)
         fmt = lambda x: "   -  " if not x else f"{100 * x:5.1f}%"  # noqa: E731
         print(f"  {row['case']:<8} default {fmt(row['default_ours'])}  best {fmt(row['best_ours'])} "
-              f"({row['best_ours_name']})  unified {fmt(row['unified'])}  sdpa {fmt(row['sdpa_flash'])}")
+              f"({row['best_ours_name']})  unified {fmt(row['unified'])}  "
+              + "  ".join(f"{name[5:]} {fmt(row[name])}" for name, _, _ in SDPA_ROWS))
     result = {
         "device": torch.cuda.get_device_name() if setup.device == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__, "triton": __import__("triton").__version__, "tiny": args.tiny,

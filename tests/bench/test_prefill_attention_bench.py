@@ -32,7 +32,8 @@ def test_prefill_attention_tiny_end_to_end(tmp_path):
         names = [e["name"] for e in case["ours"]]
         assert names[0] == "default" and not case["skipped"]
         assert {n.split()[0] for n in names[1:]} == {"plain", "pack_gqa", "tma", "ws", "tma+ws"}
-        for e in case["ours"] + [case["unified"], case["sdpa"]]:
+        assert [e["name"] for e in case["sdpa"]] == ["sdpa_flash", "sdpa_cudnn", "sdpa_cudnn_views"]
+        for e in case["ours"] + [case["unified"], *case["sdpa"]]:
             assert "error" not in e, e
             assert e["ok"] and e["max_err"] < 1e-4 and e["ms"] > 0 and 0 < e["fraction"]
         assert case["best"]["name"] in names
