@@ -31,7 +31,8 @@ from vs_vllm import FULL, nano_vllm_workload  # noqa: E402
 
 # Kernel name (lower case) -> kind; the first kind whose any substring matches wins.
 KINDS = [
-    ("attention", ("attention", "flash_fwd", "flash::", "fmha")),
+    # (cuDNN's fused attention, VLLM_ANATOMY_PREFILL_KERNEL=cudnn: cudnn_generated_..._sdpa_..._fprop_...)
+    ("attention", ("attention", "flash_fwd", "flash::", "fmha", "sdpa")),
     ("kv_cache_write", ("reshape_and_cache",)),
     ("gemm", ("gemm", "cutlass", "nvjet", "sm90_xmma", "splitkreduce", "cublas")),
     ("norm", ("rms_norm", "rmsnorm", "layernorm", "layer_norm")),

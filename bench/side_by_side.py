@@ -68,8 +68,11 @@ class Engine:
                              "cudagraph_mode": str(getattr(cfg.compilation_config, "cudagraph_mode", None)),
                              "compilation_mode": str(getattr(cfg.compilation_config, "mode", None)),
                              "gpu_memory_utilization": 0.9}
+        from vllm_anatomy import envs        # the prefill switch as the engine read it (envs.py)
         return common | {"attention_backend": cfg.model_config.attention_backend,
-                         "trace_level": cfg.observability_config.trace_level}
+                         "trace_level": cfg.observability_config.trace_level,
+                         "prefill_kernel": envs.VLLM_ANATOMY_PREFILL_KERNEL,
+                         "prefill_sdpa_min_len": envs.VLLM_ANATOMY_PREFILL_SDPA_MIN_LEN}
 
     def shutdown(self) -> None:
         if self.kind == "ours":             # (vLLM's engine goes with its process)

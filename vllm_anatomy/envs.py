@@ -30,7 +30,12 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # Ours, an on switch (default off until measured faster on the lent GPU): the Triton
     # attention backend runs fresh prefills (no cached context) through the prefill
     # kernel (attention/backends/prefill_split.py), read when the backend is built.
-    "VLLM_ANATOMY_PREFILL_KERNEL": lambda: os.getenv("VLLM_ANATOMY_PREFILL_KERNEL", "0") not in ("0", "false", "False", ""),
+    # "0" (off), "1" (kernels/prefill_attention.py), or "cudnn": as "1", but fresh
+    # prefills of at least VLLM_ANATOMY_PREFILL_SDPA_MIN_LEN tokens through torch's
+    # SDPA on cuDNN (kernels/prefill_attention_sdpa.py).
+    "VLLM_ANATOMY_PREFILL_KERNEL": lambda: _prefill_kernel(os.getenv("VLLM_ANATOMY_PREFILL_KERNEL", "0")),
+    "VLLM_ANATOMY_PREFILL_SDPA_MIN_LEN":
+        lambda: _positive_int("VLLM_ANATOMY_PREFILL_SDPA_MIN_LEN", os.getenv("VLLM_ANATOMY_PREFILL_SDPA_MIN_LEN", "2048")),
     # Linear layers on a CPU multiply with oneDNN on a weight prepacked once
     # (model_executor/layers/utils.py), read when a model is loaded.
     "VLLM_ANATOMY_CPU_ONEDNN_GEMM": lambda: os.getenv("VLLM_ANATOMY_CPU_ONEDNN_GEMM", "1") != "0",
@@ -48,6 +53,33 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "VLLM_ANATOMY_GRAMMAR_VALIDATION_TIMEOUT_S":
         lambda: float(os.getenv("VLLM_ANATOMY_GRAMMAR_VALIDATION_TIMEOUT_S", "5")),
 }
+
+
+PREFILL_KERNEL_OFF = ("0", "false", "False", "")
+PREFILL_KERNEL_TRITON = ("1", "true", "True")
+
+
+def _prefill_kernel(value: str) -> str:
+    """VLLM_ANATOMY_PREFILL_KERNEL as "0", "1" or "cudnn"; anything else is refused
+    (a misspelt "cudnn" must not silently measure the Triton path)."""
+    if value in PREFILL_KERNEL_OFF:
+        return "0"
+    if value in PREFILL_KERNEL_TRITON:
+        return "1"
+    if value == "cudnn":
+        return "cudnn"
+    raise ValueError(f"VLLM_ANATOMY_PREFILL_KERNEL={value!r}: expected 0 (off), 1 (the Triton prefill "
+                     "kernel) or cudnn (long fresh prefills through torch SDPA on cuDNN, the rest as 1)")
+
+
+def _positive_int(name: str, value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise ValueError(f"{name}={value!r}: expected a positive integer")
+    return number
 
 
 def __getattr__(name: str) -> Any:

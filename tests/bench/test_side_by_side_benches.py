@@ -97,6 +97,42 @@ def test_workloads(bench):
     assert plan.max_model_len == 8192 + 128
     assert [p["num_seqs"] for p in plan.points("num_seqs")] == [1, 4, 16, 64, 256, 1024]
     assert {(p["num_seqs"], p["output_len"]) for p in plan.points("context")} == {(64, 128)}
+    assert [(p["x"], p["num_seqs"], p["prompt_len"], p["output_len"]) for p in plan.points("ttft")] == [
+        (1024, 1, 1024, 1), (4096, 1, 4096, 1), (8192, 1, 8192, 1)]
+    assert bench.scaling.TINY.max_model_len == 64 + 4          # the smoke mode's TTFT prompts fit
+
+
+@pytest.mark.fast
+def test_scaling_command_line(bench):
+    """--series takes a comma-separated list (and still one name, repeatable); --prefill-kernel
+    takes 0 / 1 / cudnn, bare meaning 1."""
+    scaling = bench.scaling
+
+    def parse(*argv):
+        args = scaling.arg_parser().parse_args(list(argv))
+        return scaling.series_to_run(args), args.prefill_kernel
+    assert parse() == (("num_seqs", "context", "ttft"), "0")
+    assert parse("--series", "context") == (("context",), "0")
+    assert parse("--series", "ttft,context", "--prefill-kernel") == (("context", "ttft"), "1")
+    assert parse("--series", "ttft", "--series", "num_seqs", "--prefill-kernel", "cudnn") == (
+        ("num_seqs", "ttft"), "cudnn")
+    assert parse("--prefill-kernel", "--series", "ttft") == (("ttft",), "1")
+    for bad in (["--series", "context,tfft"], ["--series", ","], ["--prefill-kernel", "cudn"]):
+        with pytest.raises(SystemExit):
+            parse(*bad)
+
+
+@pytest.mark.fast
+def test_ttft_ratio_and_table(bench, capsys):
+    scaling = bench.scaling
+    points = [{"x": 16, "ttft_ms": 2.0, "warmup_ms": 9.0}, {"x": 48, "ttft_ms": 6.0, "warmup_ms": 9.0}]
+    result = {"series": {"ttft": points}, "vllm_anatomy": {"ttft": points},
+              "vllm": {"ttft": [p | {"ttft_ms": 4.0} for p in points]}}
+    assert [(r["x"], r["ours_over_vllm"]) for r in scaling.ttft_ratio(result)] == [(16, 0.5), (48, 1.5)]
+    assert scaling.ttft_ratio({"vllm_anatomy": {"ttft": points}, "vllm": {"error": "failed"}}) is None
+    scaling.print_table(result, scaling.TINY)
+    out = capsys.readouterr().out
+    assert "ours TTFT ms" in out and "vLLM TTFT ms" in out and "0.50x" in out and "1.50x" in out
 
 
 def synthetic_scaling_result(bench) -> dict:
@@ -106,7 +142,7 @@ def synthetic_scaling_result(bench) -> dict:
               "floor": scaling.floors(plan, 1e10, 1e11)}
     for key, fraction in (("vllm_anatomy", 0.5), ("vllm", 0.4)):
         engine = {"settings": {"version": "x"}}
-        for s in scaling.SERIES:
+        for s in scaling.THROUGHPUT_SERIES:
             engine[s] = [p | {"tok_per_s": fraction * f["floor_tok_per_s"]}
                          for p, f in zip(plan.points(s), result["floor"][s])]
         scaling.add_fraction_of_floor(engine, result["floor"])
@@ -165,24 +201,42 @@ def test_scaling_tiny_end_to_end_and_plot(tmp_path):
             assert [p["x"] for p in points] == xs
             assert all(p["output_tokens"] == p["num_seqs"] * p["output_len"] and p["fraction_of_floor"] > 0
                        for p in points)
-    assert "ours/vLLM" in proc.stdout
+        check_ttft_points(r[engine]["ttft"])
+    assert [t["x"] for t in r["ttft_ratio"]] == [16, 48] and all(t["ours_over_vllm"] > 0 for t in r["ttft_ratio"])
+    assert r["vllm_anatomy"]["settings"]["prefill_kernel"] == "0"
+    assert "ours/vLLM" in proc.stdout and "ours TTFT ms" in proc.stdout
     pytest.importorskip("matplotlib")
     run_bench([os.path.join(BENCH, "plot_scaling.py"), str(out)], tmp_path)
     assert (tmp_path / "scaling.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def check_ttft_points(points: list[dict]) -> None:
+    """The ttft series of the smoke plan: 16 and 48 prompt tokens, one token each call, the
+    median of five samples, the first call kept apart."""
+    import statistics
+    assert [(p["x"], p["prompt_len"], p["num_seqs"]) for p in points] == [(16, 16, 1), (48, 48, 1)]
+    for p in points:
+        assert len(p["samples_ms"]) == 5 and all(ms > 0 for ms in p["samples_ms"]) and p["warmup_ms"] > 0
+        assert p["ttft_ms"] == statistics.median(p["samples_ms"]) and p["output_tokens"] == [1] * 5
+
+
 @pytest.mark.slow
 def test_scaling_tiny_context_only_with_prefill_kernel(tmp_path):
-    """--series context --prefill-kernel --skip-vllm: ours alone, the context points only,
-    and the switch recorded (on a CPU ours runs the torch backend: the plumbing is what is tested)."""
+    """--series context,ttft --prefill-kernel cudnn --skip-vllm: ours alone, the context and TTFT
+    points only, the switch recorded as given and as the engine read it (on a CPU ours runs its
+    cpu backend: the plumbing is what is tested)."""
     out = tmp_path / "scaling.json"
-    proc = run_bench([os.path.join(BENCH, "scaling.py"), "--tiny", "--skip-vllm", "--series", "context",
-                      "--prefill-kernel", "--out", str(out)], tmp_path)
+    proc = run_bench([os.path.join(BENCH, "scaling.py"), "--tiny", "--skip-vllm", "--series", "context,ttft",
+                      "--prefill-kernel", "cudnn", "--prefill-sdpa-min-len", "32", "--out", str(out)], tmp_path)
     r = json.loads(out.read_text())
-    assert r["prefill_kernel"] is True and list(r["series"]) == ["context"] and "vllm" not in r
+    assert (r["prefill_kernel"], r["prefill_sdpa_min_len"]) == ("cudnn", 32)
+    settings = r["vllm_anatomy"]["settings"]
+    assert (settings["prefill_kernel"], settings["prefill_sdpa_min_len"]) == ("cudnn", 32)
+    assert list(r["series"]) == ["context", "ttft"] and "vllm" not in r and "ttft_ratio" not in r
     assert "num_seqs" not in r["vllm_anatomy"]
     assert [p["x"] for p in r["vllm_anatomy"]["context"]] == [32, 64]
-    assert "prompt tokens" in proc.stdout and "sequences" not in proc.stdout
+    check_ttft_points(r["vllm_anatomy"]["ttft"])
+    assert "prompt tokens" in proc.stdout and "sequences" not in proc.stdout and "ours TTFT ms" in proc.stdout
 
 
 def test_gpu_breakdown_counts_overlap_once_and_sorts_kernels_by_kind(bench):
@@ -190,6 +244,7 @@ def test_gpu_breakdown_counts_overlap_once_and_sorts_kernels_by_kind(bench):
     assert gb.kind_of("_unified_attention_kernel") == "attention"
     assert gb.kind_of("_prefill_attention_kernel") == "attention"
     assert gb.kind_of("void flash::flash_fwd_splitkv_kernel<...>") == "attention"
+    assert gb.kind_of("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x128") == "attention"
     assert gb.kind_of("nvjet_tst_128x64_64x4_1x2_h_bz_coopA_NNT") == "gemm"
     assert gb.kind_of("_rms_norm_kernel") == "norm"
     assert gb.kind_of("_reshape_and_cache_kernel") == "kv_cache_write"

@@ -159,3 +159,27 @@ def test_bad_input_is_refused_clearly():
     q, k, v, starts = make_prefills([4], 2, 2, 64, torch.float32)
     with pytest.raises(ValueError, match="work_list"):
         context_attention_fwd(q, k, v, torch.empty_like(q), None, None, 0.1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_sdpa_prefill_attention_matches_reference(dtype):
+    """kernels/prefill_attention_sdpa.py (VLLM_ANATOMY_PREFILL_KERNEL=cudnn's long prompts; on
+    a CPU whatever SDPA picks): on the model's qkv views, GQA 4:1, the requests it is handed
+    equal the reference and every other row is left alone."""
+    from vllm_anatomy.kernels.prefill_attention_sdpa import sdpa_prefill_attention, sdpa_takes
+    if not sdpa_takes(dtype, 64, torch.device(DEVICE)):
+        pytest.skip("cuDNN takes fp16/bf16 only (the backend never sends it fp32: sdpa_takes)")
+    q, k, v, starts = make_prefills(RAGGED, 8, 2, 64, dtype, seed=5, kv_from_qkv=True)
+    chosen = [0, 2, 3]                                   # 37, 62 and 45 tokens
+    sub = [(starts[i], RAGGED[i]) for i in chosen]
+    out = sdpa_prefill_attention(q, k, v, torch.full_like(q, float("nan")), sub, 0.125)
+    ref = prefill_attention_ref(q, k, v, [s for s, _ in sub], [n for _, n in sub], 0.125,
+                                out=torch.full_like(q, float("nan")))
+    assert torch.equal(out.isnan(), ref.isnan()), "rows written that must not be, or missed"
+    written = ~ref.isnan()
+    if dtype == torch.float32:
+        torch.testing.assert_close(out[written], ref[written], atol=2e-5, rtol=2e-5)
+    else:                # SDPA multiplies in bf16, on a CPU as on a GPU: bf16's epsilon
+        assert rel_err(out[written], ref[written]) < 1e-2
+    with pytest.raises(ValueError, match="multiple"):
+        sdpa_prefill_attention(q[:, :3], k, v, torch.empty_like(q[:, :3]), sub, 0.1)

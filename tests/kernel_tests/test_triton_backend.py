@@ -64,16 +64,22 @@ def make_steps(vocab, lens, seed):
     ]
 
 
-@pytest.mark.parametrize("prefill_kernel", ["0", "1"], ids=["unified", "prefill_split"])
+@pytest.mark.parametrize("prefill_kernel", ["0", "1", "cudnn"], ids=["unified", "prefill_split", "cudnn_split"])
 def test_tiny_llama_interpreter(tmp_path, monkeypatch, prefill_kernel):
     """2 layers, 4 heads over 2 KV heads, head_dim 32, fp32: logits equal to 1e-4. With
     VLLM_ANATOMY_PREFILL_KERNEL=1, fresh prefills (a, b's first chunk, c, d) go through
-    the prefill kernel, the rest through unified_attention."""
+    the prefill kernel, the rest through unified_attention; with =cudnn and a 20-token
+    threshold, a (21 tokens) goes through SDPA instead (on a GPU only in bf16: fp32 stays
+    with the prefill kernel)."""
     from vllm_anatomy.kernels import prefill_attention as pa
+    from vllm_anatomy.kernels import prefill_attention_sdpa as pa_sdpa
     monkeypatch.setenv("VLLM_ANATOMY_PREFILL_KERNEL", prefill_kernel)
-    launches = []
-    real = pa.context_attention_fwd
+    monkeypatch.setenv("VLLM_ANATOMY_PREFILL_SDPA_MIN_LEN", "20")
+    launches, sdpa_launches = [], []
+    real, real_sdpa = pa.context_attention_fwd, pa_sdpa.sdpa_prefill_attention
     monkeypatch.setattr(pa, "context_attention_fwd", lambda *a, **k: launches.append(1) or real(*a, **k))
+    monkeypatch.setattr(pa_sdpa, "sdpa_prefill_attention",
+                        lambda *a, **k: sdpa_launches.append(a[4]) or real_sdpa(*a, **k))
     config = transformers.LlamaConfig(vocab_size=96, hidden_size=128, intermediate_size=160,
                                       num_hidden_layers=2, num_attention_heads=4,
                                       num_key_value_heads=2, max_position_embeddings=1024,
@@ -83,7 +89,9 @@ def test_tiny_llama_interpreter(tmp_path, monkeypatch, prefill_kernel):
     ref = run_steps(load(tmp_path, hf_config, "torch", torch.float32, DEVICE), steps, 16, 24)
     out = run_steps(load(tmp_path, hf_config, "triton", torch.float32, DEVICE), steps, 16, 24)
     # steps 1-3 have fresh prefills: one launch per layer each
-    assert len(launches) == (3 * 2 if prefill_kernel == "1" else 0)
+    assert len(launches) == (3 * 2 if prefill_kernel != "0" else 0)
+    sdpa = prefill_kernel == "cudnn" and pa_sdpa.sdpa_takes(torch.float32, 32, torch.device(DEVICE))
+    assert sdpa_launches == ([((0, 21),)] * 2 if sdpa else [])   # step 1's a, in each layer
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
 

@@ -1,6 +1,7 @@
 """Which requests of a step the Triton backend sends to the prefill kernel.
 
-A switch, off by default: VLLM_ANATOMY_PREFILL_KERNEL=1 (vllm_anatomy/envs.py).
+A switch, off by default: VLLM_ANATOMY_PREFILL_KERNEL=1 (vllm_anatomy/envs.py),
+or =cudnn (the last NOTE below).
 
 NOTE: why a split at all. unified_attention (kernels/unified_attention.py)
 computes every request of a step in one launch, reading K/V back from the
@@ -33,6 +34,19 @@ kept on the step's AttentionMetadata. CUDA graphs: attention runs eager in a
 piecewise replay, with the step's metadata, so the split applies there; the
 captured dummy metadata (and so every FULL graph) carries no host copies and
 never splits.
+
+NOTE: VLLM_ANATOMY_PREFILL_KERNEL=cudnn, a three-way split, to be measured.
+Fresh prefills of at least VLLM_ANATOMY_PREFILL_SDPA_MIN_LEN query tokens (2048
+by default; read once, with the switch) go to torch SDPA on cuDNN
+(kernels/prefill_attention_sdpa.py: why a library kernel there, and what it
+costs), one call per request; shorter fresh prefills to the Triton prefill
+kernel, whose work list is built over them alone; the rest to unified_attention,
+which skips every fresh prefill as before. The rule is the same host facts
+(query lengths), decided in the same once-per-step pass, and a step without a
+long fresh prefill splits exactly as with =1. Why a length threshold: cuDNN's
+gain is attention's matmul rate, which only long prompts need, while its costs
+(a call per request, a graph per new length) are paid per request; a step of
+many short prompts keeps the Triton kernel's single launch.
 """
 from __future__ import annotations
 
@@ -49,14 +63,18 @@ from vllm_anatomy.kernels.prefill_attention import prefill_work_list
 class PrefillSplit:
     """One step's split (host ints and two small device tensors)."""
     block_q: int                    # the prefill kernel's query tokens per program
-    num_prefill_reqs: int           # fresh prefills -> prefill_attention
+    num_prefill_reqs: int           # fresh prefills -> prefill_attention (0: all went to SDPA)
     num_prefill_tokens: int
     work_list: torch.Tensor         # [N, 3] int32 on the device (prefill_work_list)
     num_other_reqs: int             # the rest -> unified_attention
     num_other_tokens: int
     num_other_keys: int             # sum of the rest's seq_lens (for the trace's bytes)
     max_other_query_len: int
-    skip_seq: torch.Tensor          # [R] int32 on the device: 1 for the fresh prefills
+    skip_seq: torch.Tensor          # [R] int32 on the device: 1 for the fresh prefills (both kinds)
+    # Long fresh prefills -> prefill_attention_sdpa (VLLM_ANATOMY_PREFILL_KERNEL=cudnn):
+    # (q_start, query_len) host ints, in request order.
+    sdpa_prefills: tuple[tuple[int, int], ...] = ()
+    num_sdpa_tokens: int = 0
 
 
 def fresh_prefill_mask(query_lens: np.ndarray, seq_lens: np.ndarray) -> np.ndarray:
@@ -64,19 +82,29 @@ def fresh_prefill_mask(query_lens: np.ndarray, seq_lens: np.ndarray) -> np.ndarr
     return (seq_lens == query_lens) & (query_lens > 1)
 
 
-def split_fresh_prefills(attn_metadata: AttentionMetadata, block_q: int,
-                         device: torch.device) -> PrefillSplit | None:
+def sdpa_prefill_mask(query_lens: np.ndarray, fresh: np.ndarray, sdpa_min_len: int | None) -> np.ndarray:
+    """[R] bool: the fresh prefills that go to SDPA (at least sdpa_min_len tokens; None: none)."""
+    if sdpa_min_len is None:
+        return np.zeros_like(fresh)
+    return fresh & (query_lens >= sdpa_min_len)
+
+
+def split_fresh_prefills(attn_metadata: AttentionMetadata, block_q: int, device: torch.device,
+                         sdpa_min_len: int | None = None) -> PrefillSplit | None:
     """The step's split, computed on the first call and kept on the metadata;
-    None when the step has no fresh prefill or its metadata has no host copies."""
+    None when the step has no fresh prefill or its metadata has no host copies.
+    sdpa_min_len: fresh prefills at least this long go to SDPA (None: all to the prefill kernel)."""
+    key = (block_q, sdpa_min_len)
     cached = attn_metadata.prefill_split
-    if cached is not None and cached[0] == block_q:
+    if cached is not None and cached[0] == key:
         return cached[1]
-    split = _build_split(attn_metadata, block_q, device)
-    attn_metadata.prefill_split = (block_q, split)
+    split = _build_split(attn_metadata, block_q, device, sdpa_min_len)
+    attn_metadata.prefill_split = (key, split)
     return split
 
 
-def _build_split(attn_metadata: AttentionMetadata, block_q: int, device: torch.device) -> PrefillSplit | None:
+def _build_split(attn_metadata: AttentionMetadata, block_q: int, device: torch.device,
+                 sdpa_min_len: int | None) -> PrefillSplit | None:
     qsl_cpu, seq_lens_cpu = attn_metadata.query_start_loc_cpu, attn_metadata.seq_lens_cpu
     if qsl_cpu is None or seq_lens_cpu is None:
         return None
@@ -88,7 +116,9 @@ def _build_split(attn_metadata: AttentionMetadata, block_q: int, device: torch.d
     if not fresh.any():
         return None
     other = ~fresh
-    work_list = prefill_work_list(qsl[:-1][fresh].tolist(), query_lens[fresh].tolist(), block_q)
+    sdpa = sdpa_prefill_mask(query_lens, fresh, sdpa_min_len)
+    triton = fresh & ~sdpa
+    work_list = prefill_work_list(qsl[:-1][triton].tolist(), query_lens[triton].tolist(), block_q)
     # NOTE: one host->device copy per step, from pinned memory, for both tensors.
     packed = torch.cat([work_list.flatten(), torch.from_numpy(fresh.astype(np.int32))])
     if device.type == "cuda":
@@ -96,9 +126,11 @@ def _build_split(attn_metadata: AttentionMetadata, block_q: int, device: torch.d
     packed = packed.to(device, non_blocking=True)
     num_items = work_list.shape[0]
     return PrefillSplit(
-        block_q=block_q, num_prefill_reqs=int(fresh.sum()), num_prefill_tokens=int(query_lens[fresh].sum()),
+        block_q=block_q, num_prefill_reqs=int(triton.sum()), num_prefill_tokens=int(query_lens[triton].sum()),
         work_list=packed[:3 * num_items].view(num_items, 3),
         num_other_reqs=int(other.sum()), num_other_tokens=int(query_lens[other].sum()),
         num_other_keys=int(seq_lens[other].sum()),
         max_other_query_len=int(query_lens[other].max()) if other.any() else 0,
-        skip_seq=packed[3 * num_items:])
+        skip_seq=packed[3 * num_items:],
+        sdpa_prefills=tuple(zip(qsl[:-1][sdpa].tolist(), query_lens[sdpa].tolist())),
+        num_sdpa_tokens=int(query_lens[sdpa].sum()))

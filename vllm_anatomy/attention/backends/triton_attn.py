@@ -24,7 +24,9 @@ Fresh prefills through the prefill kernel (an on switch, off by default:
 VLLM_ANATOMY_PREFILL_KERNEL=1): requests with no cached context read their K/V
 from the step's key/value tensors in kernels/prefill_attention.py, the rest
 stays with unified_attention. Why, when and at what cost: the NOTE at the top of
-prefill_split.py.
+prefill_split.py. With VLLM_ANATOMY_PREFILL_KERNEL=cudnn the long fresh prefills
+go to torch SDPA on cuDNN instead (kernels/prefill_attention_sdpa.py), the short
+ones to the prefill kernel (the last NOTE of prefill_split.py).
 
 On a machine without CUDA the kernels run in Triton's interpreter: only when
 TRITON_INTERPRET=1 was set before vllm_anatomy.kernels was imported (tests do
@@ -47,6 +49,7 @@ from vllm_anatomy.attention.backends.abstract import (
 )
 from vllm_anatomy.attention.backends.prefill_split import PrefillSplit, split_fresh_prefills
 from vllm_anatomy.kernels import prefill_attention as pa
+from vllm_anatomy.kernels import prefill_attention_sdpa as pa_sdpa
 from vllm_anatomy.kernels import reshape_and_cache as rc
 from vllm_anatomy.kernels import unified_attention as ua
 from vllm_anatomy.tracing.runner_tracer import NULL_KERNEL_TIMER
@@ -126,8 +129,12 @@ class TritonAttentionImpl(AttentionImpl):
 
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float) -> None:
         super().__init__(num_heads, head_dim, num_kv_heads, scale)
-        # The prefill split's switch (prefill_split.py), read once when the model is built.
-        self.use_prefill_kernel = bool(envs.VLLM_ANATOMY_PREFILL_KERNEL)
+        # The prefill split's switch (prefill_split.py), read once when the model is built:
+        # "0" (off), "1" (fresh prefills -> the prefill kernel) or "cudnn" (those of at least
+        # sdpa_min_len tokens -> torch SDPA on cuDNN, the others -> the prefill kernel).
+        self.prefill_kernel = envs.VLLM_ANATOMY_PREFILL_KERNEL
+        self.use_prefill_kernel = self.prefill_kernel != "0"
+        self.sdpa_min_len = envs.VLLM_ANATOMY_PREFILL_SDPA_MIN_LEN if self.prefill_kernel == "cudnn" else None
 
     def do_kv_cache_update(self, key: torch.Tensor, value: torch.Tensor,
                            kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
@@ -151,11 +158,16 @@ class TritonAttentionImpl(AttentionImpl):
         split = self._prefill_split(query, key, value, attn_metadata)
         if split is not None:
             assert key is not None and value is not None
-            with attn_metadata.kernel_timer.kernel("prefill_attention",
-                                                   lambda: self._prefill_launch_attrs(query, split)):
-                pa.context_attention_fwd(query[:num_actual_tokens], key[:num_actual_tokens],
-                                         value[:num_actual_tokens], output[:num_actual_tokens],
-                                         None, None, self.scale, work_list=split.work_list)
+            if split.num_prefill_reqs:
+                with attn_metadata.kernel_timer.kernel("prefill_attention",
+                                                       lambda: self._prefill_launch_attrs(query, split)):
+                    pa.context_attention_fwd(query[:num_actual_tokens], key[:num_actual_tokens],
+                                             value[:num_actual_tokens], output[:num_actual_tokens],
+                                             None, None, self.scale, work_list=split.work_list)
+            if split.sdpa_prefills:
+                with attn_metadata.kernel_timer.kernel("prefill_attention_sdpa",
+                                                       lambda: self._sdpa_launch_attrs(query, split)):
+                    pa_sdpa.sdpa_prefill_attention(query, key, value, output, split.sdpa_prefills, self.scale)
             if split.num_other_reqs == 0:
                 return output
         segm = self._segm_buffers(query.device)
@@ -185,7 +197,11 @@ class TritonAttentionImpl(AttentionImpl):
         handed over, metadata without host copies, or no fresh prefill)."""
         if not self.use_prefill_kernel or key is None or value is None:
             return None
-        return split_fresh_prefills(attn_metadata, self._prefill_config(query.dtype)["block_q"], query.device)
+        sdpa_min_len = self.sdpa_min_len
+        if sdpa_min_len is not None and not pa_sdpa.sdpa_takes(query.dtype, self.head_dim, query.device):
+            sdpa_min_len = None                     # e.g. an fp32 model on CUDA: cuDNN refuses it
+        return split_fresh_prefills(attn_metadata, self._prefill_config(query.dtype)["block_q"], query.device,
+                                    sdpa_min_len)
 
     def _segm_buffers(self, device: torch.device) -> SoftmaxSegmentBuffers:
         segm = self._segm
@@ -209,6 +225,14 @@ class TritonAttentionImpl(AttentionImpl):
             * query.element_size()
         return {"vllm_anatomy.grid": list(grid), "vllm_anatomy.num_tokens": split.num_prefill_tokens,
                 "vllm_anatomy.num_reqs": split.num_prefill_reqs, "vllm_anatomy.bytes": moved}
+
+    def _sdpa_launch_attrs(self, query: torch.Tensor, split: PrefillSplit) -> dict:
+        # Q read, K and V once, O written, and O read and written again by the copy into the
+        # step's output (SDPA has no out=). No grid: the launches are cuDNN's.
+        moved = (4 * self.num_heads + 2 * self.num_kv_heads) * split.num_sdpa_tokens * self.head_dim \
+            * query.element_size()
+        return {"vllm_anatomy.num_tokens": split.num_sdpa_tokens,
+                "vllm_anatomy.num_reqs": len(split.sdpa_prefills), "vllm_anatomy.bytes": moved}
 
     def _attention_launch_attrs(self, query: torch.Tensor, attn_metadata: AttentionMetadata,
                                 split: PrefillSplit | None = None) -> dict:
