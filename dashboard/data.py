@@ -25,7 +25,7 @@ import msgspec
 import pandas as pd
 import streamlit as st
 
-from vllm_anatomy.tracing.reader import MalformedRowError, TraceStoreError, list_runs, open_run
+from vllm_anatomy.tracing.reader import MalformedRowError, TraceStoreError, list_runs, open_run, verified_drafts
 from vllm_anatomy.tracing.recorder import paused_gc
 from vllm_anatomy.tracing.snapshots import ModelRunnerIndex, ModelRunnerTokensIndex, StepIndex
 
@@ -89,7 +89,8 @@ def step_data(path: str, step_id: int) -> dict | RunError:
     """The "step" and "model_runner" snapshots of one committed step, read strictly through the
     contract (Run.step_snapshot / model_runner_snapshot), handed to the pages as plain data; with
     async scheduling also the late "spec_decode" ones of this step and the next ("spec",
-    "next_spec": None when absent)."""
+    "next_spec": None when absent); "verified": the drafts the step verified, sync or async
+    (reader.verified_drafts)."""
     name, bad = os.path.basename(path), []
     try:
         with open_run(path) as run:
@@ -103,10 +104,9 @@ def step_data(path: str, step_id: int) -> dict | RunError:
             late = {}
             for key, sid in (("spec", step_id), ("next_spec", step_id + 1)):
                 try:
-                    rec = run.spec_decode_snapshot(sid)
+                    late[key] = run.spec_decode_snapshot(sid)
                 except MalformedRowError as e:   # shown without it
-                    rec, bad = None, bad + [str(e).split(": ", 1)[-1]]
-                late[key] = msgspec.to_builtins(rec) if rec is not None else None
+                    late[key], bad = None, bad + [str(e).split(": ", 1)[-1]]
     except MalformedRowError as e:
         return RunError(f"{name}: step {step_id} cannot be shown: its {str(e).split(': ', 1)[-1]}")
     except (TraceStoreError, sqlite3.Error, OSError, ValueError) as e:
@@ -114,7 +114,8 @@ def step_data(path: str, step_id: int) -> dict | RunError:
     if step is None:
         return RunError(f"{name}: step {step_id} is not committed")
     return {"step": msgspec.to_builtins(step), "mr": msgspec.to_builtins(mr) if mr is not None else {},
-            **late, "bad_rows": bad}
+            **{k: msgspec.to_builtins(v) if v is not None else None for k, v in late.items()},
+            "verified": msgspec.to_builtins(verified_drafts(step, late["spec"])), "bad_rows": bad}
 
 
 def _corrupt(path: str, e: Exception) -> RunError:

@@ -59,14 +59,12 @@ def verification_lines(meta: dict, v: dict, block_size: int) -> list[str]:
     return lines
 
 
-def spec_decode(meta: dict, step: dict, block_size: int, late: dict | None = None,
-                next_late: dict | None = None) -> None:
-    """`late` / `next_late`: the "spec_decode" snapshots of this step and the next (async scheduling)."""
+def spec_decode(meta: dict, step: dict, block_size: int, verifications: list[dict],
+                late: dict | None = None, next_late: dict | None = None) -> None:
+    """`verifications`: the step's SpecDecodeRecords (data.step_data's "verified": reader.verified_drafts);
+    `late` / `next_late`: the "spec_decode" snapshots of this step and the next (async scheduling)."""
     scheduler = step["scheduler"]
     scheduled = step["scheduler_output"].get("scheduled_spec_decode_tokens") or {}
-    verifications = (scheduler.get("step_record") or {}).get("spec_decode") or []
-    if late is not None:
-        verifications = late["spec_decode"]
     proposed = {r["request_id"]: r.get("spec_token_ids") or [] for r in scheduler.get("running", [])}
     on_device = _has_placeholders(proposed)
     if on_device:       # placeholders: the real drafts are what the next step verified

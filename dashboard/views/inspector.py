@@ -102,7 +102,7 @@ def main() -> None:
             lane = step_spans(path, version, info["meta"], step_id)
             device_lane(lane, str(info["meta"].get("device")), step_id)
             sampled(info["meta"], step_id, tokens, step["scheduler_output"])
-            spec_decode(info["meta"], step, kv["block_size"], d.get("spec"), d.get("next_spec"))
+            spec_decode(info["meta"], step, kv["block_size"], d["verified"], d.get("spec"), d.get("next_spec"))
             pi = mr.get("prepare_inputs")
             if pi:
                 mode = (pi.get("cudagraph") or {}).get("mode")

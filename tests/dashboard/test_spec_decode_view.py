@@ -2,6 +2,8 @@
 (drafts accepted / rejected, the target's own token, the rejected drafts' slots) from the
 recorded step_record.spec_decode, and the token index places a step's several output tokens
 at the drafts' positions. A run with ngram on a copy prompt (some drafts accepted, some not).
+With async scheduling and a draft model the verifications come late ("spec_decode" snapshots):
+the inspector and lesson 10 read them through the same Run.verified_drafts.
 """
 from __future__ import annotations
 
@@ -121,3 +123,40 @@ def test_worker_tab_shows_an_async_steps_verification_from_its_late_record(async
     assert "read from the next step's record" in text
     for ids in late[step + 1]["scheduled_spec_decode_tokens"].values():
         assert all(f"{t} " in text for t in ids)
+
+
+def test_verified_drafts_of_an_async_run_are_its_late_records(async_draft_run):
+    import msgspec
+
+    from vllm_anatomy.tracing.reader import open_run
+    late = async_draft_run["late"]
+    with open_run(async_draft_run["path"]) as run:
+        for s in run.steps():
+            assert run.step_snapshot(s).scheduler.step_record.spec_decode == []     # verified after launch
+            got = msgspec.to_builtins(run.verified_drafts(s))
+            assert got == (late[s]["spec_decode"] if s in late else [])
+
+
+def test_verified_drafts_of_a_sync_run_are_its_step_records(spec_run):
+    import msgspec
+
+    from vllm_anatomy.tracing.reader import open_run
+    with open_run(spec_run["path"]) as run:
+        got = {s: msgspec.to_builtins(run.verified_drafts(s)) for s in run.steps()}
+    assert {s: r for s, r in got.items() if r} == spec_run["records"]
+
+
+def test_lesson_10_reads_an_async_runs_verifications(async_draft_run):
+    """Lesson 10's run reader on an async draft-model run: every verified step, from the late
+    records (the step records of an async run are empty); the target drafting for itself, greedy:
+    every draft accepted at every position."""
+    import msgspec
+
+    from tests.lessons.test_lesson_texts import _lesson
+    lesson = _lesson("10_speculative_decoding.py")
+    facts = lesson.read(async_draft_run["path"])
+    facts["run"].close()
+    expected = {s: r["spec_decode"] for s, r in async_draft_run["late"].items() if r["spec_decode"]}
+    assert expected, "the async run verified drafts"
+    assert {s: msgspec.to_builtins(r) for s, r in facts["spec_steps"].items()} == expected
+    assert lesson.acceptance_per_position(facts["verifications"]) == [1.0] * lesson.K
