@@ -341,8 +341,10 @@ def step_records(path: str, version: tuple) -> dict[int, dict] | RunError:
 
 @st.cache_resource(max_entries=4, ttl=3600, show_spinner=False)
 def token_index(path: str, version: tuple) -> dict | RunError:
-    """Tokens by request and position, and the token each request sampled at each step.
-    Shared between sessions: do not modify.
+    """Tokens by request and position ("tokens"), and what each request emitted at each step
+    ("sampled": step -> request -> [position, token, more tokens...]: the position of its first
+    output token, then the tokens the step emitted from there: one, or with speculative decoding
+    the accepted drafts and the target's own token). Shared between sessions: do not modify.
 
     Prompt tokens come from SchedulerOutput.scheduled_new_reqs; a generated token is
     known once it is fed back as an input (prepare_inputs.input_ids at its position),
@@ -370,11 +372,10 @@ def _token_index(scan: dict, runner: list[tuple]) -> dict:
                 row = direct[i] if direct and i < len(direct) else []
                 # NOTE: spec decode: a row verified num_drafts[i] drafts; its outputs start at the first draft's position.
                 first = seq_len - (num_drafts[i] if i < len(num_drafts) else 0)
-                tok = row[0] if row else None
-                sampled[step_id][req] = [first, tok]
-                for j, t in enumerate(row):
-                    if t >= 0:
-                        tokens.setdefault(req, {})[first + j] = t
+                out = [t for t in row if t >= 0]       # (-1: a rejected position, padding at the end)
+                sampled[step_id][req] = [first, *out] if out else [first, None]
+                for j, t in enumerate(out):
+                    tokens.setdefault(req, {})[first + j] = t
     for step in sampled.values():
         for req, entry in step.items():
             if entry[1] is None:

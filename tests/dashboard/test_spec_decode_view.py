@@ -64,6 +64,30 @@ def test_worker_tab_shows_each_verification(spec_run, monkeypatch, tmp_path):
         assert f"accepted {r['num_accepted']} of {len(r['draft_token_ids'])}" in text
         for slot in r["rejected_slots"]:
             assert f"slot {slot} (block {slot // 16}, offset {slot % 16})" in text
+        assert sampled_line(r) in text
+
+
+def sampled_line(r: dict) -> str:
+    """What "Sampled tokens" says of one verification: every token the step emitted."""
+    n_acc, k = r["num_accepted"], len(r["draft_token_ids"])
+    own = "bonus token (every draft accepted)" if n_acc == k else f"recovered token (instead of draft {n_acc + 1})"
+    return (f"{len(r['output_token_ids'])} token{'s' if n_acc else ''}: {n_acc} accepted draft"
+            f"{'s' if n_acc != 1 else ''} of {k}, then the {own}")
+
+
+def test_sampled_tokens_show_every_token_of_a_verify_step(spec_run, monkeypatch, tmp_path):
+    """A step that kept drafts: "Sampled tokens" lists each output token (the accepted drafts green,
+    the target's own blue), not only the first."""
+    records = spec_run["records"]
+    step = next(s for s, rs in records.items() if any(r["num_accepted"] > 0 for r in rs))
+    at = open_inspector(spec_run, monkeypatch, tmp_path, step)
+    assert not at.exception, at.exception
+    line = next(m.value for m in at.markdown if "Sampled tokens" not in m.value and "accepted draft" in m.value)
+    for r in records[step]:
+        assert sampled_line(r) in line
+        first = r["first_draft_position"]
+        for j, tok in enumerate(r["output_token_ids"]):
+            assert f"position {first + j}: " in line and f">{tok} " in line
 
 
 def test_token_index_puts_verified_tokens_at_their_positions(spec_run):
@@ -75,7 +99,27 @@ def test_token_index_puts_verified_tokens_at_their_positions(spec_run):
     assert [known.get(start + i) for i in range(len(spec_run["tokens"]))] == spec_run["tokens"]
     for step, records in spec_run["records"].items():
         for r in records:
-            assert index["sampled"][step][r["request_id"]] == [r["first_draft_position"], r["output_token_ids"][0]]
+            # every token the verify step emitted (accepted drafts + the target's own), not only the first
+            assert index["sampled"][step][r["request_id"]] == [r["first_draft_position"], *r["output_token_ids"]]
+
+
+@pytest.mark.fast
+def test_sampled_verified_line_marks_accepted_drafts_and_the_targets_own_token():
+    from dashboard.components.sampled import verified_line
+    meta = {"model": ""}
+    line = verified_line(meta, "r", 40, [5, 9], 3)
+    assert "positions 40–41" in line and "2 tokens: 1 accepted draft of 3, then the recovered token (instead of draft 2)" in line
+    assert "title='position 40: draft 1, accepted'" in line and ">5<" in line and ">9<" in line
+    assert "1 token: 0 accepted drafts of 3, then the recovered token (instead of draft 1)" in verified_line(meta, "r", 40, [9], 3)
+    assert "positions 40–43" in verified_line(meta, "r", 40, [5, 6, 7, 8], 3)
+    assert "then the bonus token (every draft accepted)" in verified_line(meta, "r", 40, [5, 6, 7, 8], 3)
+    # the request stopped at position 42 (e.g. its EOS was the third token): the fourth was dropped
+    stopped = verified_line(meta, "r", 40, [5, 6, 2, 8], 3, final_len=43)
+    assert "the request stopped at position 42: update_from_output kept 3 of them and dropped the rest" in stopped
+    assert "title='position 43: the target&#x27;s bonus token (every draft accepted): dropped" in stopped
+    assert "dropped" not in verified_line(meta, "r", 40, [5, 6, 2, 8], 3, final_len=44)
+    # async scheduling: the step was scheduled before the stop at position 39 was known
+    assert "already stopped at position 39 (async scheduling" in verified_line(meta, "r", 40, [5, 6, 2, 8], 3, 40)
 
 
 @pytest.mark.fast
@@ -119,6 +163,7 @@ def test_worker_tab_shows_an_async_steps_verification_from_its_late_record(async
     for r in late[step]["spec_decode"]:
         assert f"accepted {r['num_accepted']} of {len(r['draft_token_ids'])}" in text
         assert f"drafts at positions {r['first_draft_position']}–" in text
+        assert sampled_line(r) in text          # "Sampled tokens": every token, from the runner's snapshot
     # the drafts proposed after this step: real ids, read from the next step's record
     assert "read from the next step's record" in text
     for ids in late[step + 1]["scheduled_spec_decode_tokens"].values():
