@@ -25,7 +25,7 @@ import msgspec
 import pandas as pd
 import streamlit as st
 
-from vllm_anatomy.tracing.reader import MalformedRowError, TraceStoreError, list_runs, open_run
+from vllm_anatomy.tracing.reader import MalformedRowError, TraceStoreError, list_runs, open_run, verified_drafts
 from vllm_anatomy.tracing.recorder import paused_gc
 from vllm_anatomy.tracing.snapshots import ModelRunnerIndex, ModelRunnerTokensIndex, StepIndex
 
@@ -89,7 +89,8 @@ def step_data(path: str, step_id: int) -> dict | RunError:
     """The "step" and "model_runner" snapshots of one committed step, read strictly through the
     contract (Run.step_snapshot / model_runner_snapshot), handed to the pages as plain data; with
     async scheduling also the late "spec_decode" ones of this step and the next ("spec",
-    "next_spec": None when absent)."""
+    "next_spec": None when absent); "verified": the drafts the step verified, sync or async
+    (reader.verified_drafts)."""
     name, bad = os.path.basename(path), []
     try:
         with open_run(path) as run:
@@ -103,10 +104,9 @@ def step_data(path: str, step_id: int) -> dict | RunError:
             late = {}
             for key, sid in (("spec", step_id), ("next_spec", step_id + 1)):
                 try:
-                    rec = run.spec_decode_snapshot(sid)
+                    late[key] = run.spec_decode_snapshot(sid)
                 except MalformedRowError as e:   # shown without it
-                    rec, bad = None, bad + [str(e).split(": ", 1)[-1]]
-                late[key] = msgspec.to_builtins(rec) if rec is not None else None
+                    late[key], bad = None, bad + [str(e).split(": ", 1)[-1]]
     except MalformedRowError as e:
         return RunError(f"{name}: step {step_id} cannot be shown: its {str(e).split(': ', 1)[-1]}")
     except (TraceStoreError, sqlite3.Error, OSError, ValueError) as e:
@@ -114,7 +114,8 @@ def step_data(path: str, step_id: int) -> dict | RunError:
     if step is None:
         return RunError(f"{name}: step {step_id} is not committed")
     return {"step": msgspec.to_builtins(step), "mr": msgspec.to_builtins(mr) if mr is not None else {},
-            **late, "bad_rows": bad}
+            **{k: msgspec.to_builtins(v) if v is not None else None for k, v in late.items()},
+            "verified": msgspec.to_builtins(verified_drafts(step, late["spec"])), "bad_rows": bad}
 
 
 def _corrupt(path: str, e: Exception) -> RunError:
@@ -340,8 +341,10 @@ def step_records(path: str, version: tuple) -> dict[int, dict] | RunError:
 
 @st.cache_resource(max_entries=4, ttl=3600, show_spinner=False)
 def token_index(path: str, version: tuple) -> dict | RunError:
-    """Tokens by request and position, and the token each request sampled at each step.
-    Shared between sessions: do not modify.
+    """Tokens by request and position ("tokens"), and what each request emitted at each step
+    ("sampled": step -> request -> [position, token, more tokens...]: the position of its first
+    output token, then the tokens the step emitted from there: one, or with speculative decoding
+    the accepted drafts and the target's own token). Shared between sessions: do not modify.
 
     Prompt tokens come from SchedulerOutput.scheduled_new_reqs; a generated token is
     known once it is fed back as an input (prepare_inputs.input_ids at its position),
@@ -369,11 +372,10 @@ def _token_index(scan: dict, runner: list[tuple]) -> dict:
                 row = direct[i] if direct and i < len(direct) else []
                 # NOTE: spec decode: a row verified num_drafts[i] drafts; its outputs start at the first draft's position.
                 first = seq_len - (num_drafts[i] if i < len(num_drafts) else 0)
-                tok = row[0] if row else None
-                sampled[step_id][req] = [first, tok]
-                for j, t in enumerate(row):
-                    if t >= 0:
-                        tokens.setdefault(req, {})[first + j] = t
+                out = [t for t in row if t >= 0]       # (-1: a rejected position, padding at the end)
+                sampled[step_id][req] = [first, *out] if out else [first, None]
+                for j, t in enumerate(out):
+                    tokens.setdefault(req, {})[first + j] = t
     for step in sampled.values():
         for req, entry in step.items():
             if entry[1] is None:

@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _common import chat_prompts, check, dashboard_link, finish, greedy, make_llm, say, title  # noqa: E402
 from vllm_anatomy.tracing.reader import open_run  # noqa: E402
+from vllm_anatomy.tracing.snapshots import SpecDecodeRecord  # noqa: E402
 
 K = 3
 MAX_TOKENS = 40
@@ -67,16 +68,21 @@ def record(name: str, speculative_config: dict | None) -> tuple[str, list[list[i
 
 
 def read(path: str) -> dict:
-    """Per-run facts from the run store: steps per request, verifications, step times."""
+    """Per-run facts from the run store: steps per request, verifications, step times.
+
+    NOTE: a step's verifications (SpecDecodeRecords) are read with Run.verified_drafts, as the
+    step inspector reads them: a synchronous run keeps them in the step's step_record.spec_decode;
+    with async scheduling the step snapshot is taken at launch, before the step is verified, and
+    they come in a late "spec_decode" snapshot."""
     run = open_run(path)
     steps_of: dict[str, int] = {n: 0 for n in NAMES}
-    verifications: list[dict] = []
-    spec_steps: dict[int, list[dict]] = {}
+    verifications: list[SpecDecodeRecord] = []
+    spec_steps: dict[int, list[SpecDecodeRecord]] = {}
     for step in run.steps():
         snap = run.snapshot(step)
         for req_id in snap["scheduler_output"]["num_scheduled_tokens"]:
-            steps_of[req_id] += 1
-        records = snap["scheduler"]["step_record"]["spec_decode"]
+            steps_of[req_id] = steps_of.get(req_id, 0) + 1
+        records = run.verified_drafts(step)
         verifications += records
         if records:
             spec_steps[step] = records
@@ -85,11 +91,11 @@ def read(path: str) -> dict:
             "num_steps": len(run.steps()), "step_ms": step_ms}
 
 
-def acceptance_per_position(verifications: list[dict]) -> list[float]:
+def acceptance_per_position(verifications: list[SpecDecodeRecord]) -> list[float]:
     rates = []
     for pos in range(K):
-        drafted = [v for v in verifications if len(v["draft_token_ids"]) > pos]
-        rates.append(sum(v["num_accepted"] > pos for v in drafted) / len(drafted) if drafted else 0.0)
+        drafted = [v for v in verifications if len(v.draft_token_ids) > pos]
+        rates.append(sum(v.num_accepted > pos for v in drafted) / len(drafted) if drafted else 0.0)
     return rates
 
 
@@ -152,23 +158,23 @@ def main() -> None:
     # Where a rejected draft's slot went: the next step computes that position again.
     run = ngram["run"]
     step, rec = next(((s, r) for s, recs in sorted(ngram["spec_steps"].items()) for r in recs
-                      if r["num_accepted"] < len(r["draft_token_ids"])), (None, None))
+                      if r.num_accepted < len(r.draft_token_ids)), (None, None))
     check(step is not None, "prompt lookup proposed at least one draft the target rejected")
     assert step is not None and rec is not None
-    req = rec["request_id"]
-    first_rejected = rec["first_draft_position"] + rec["num_accepted"]
+    req = rec.request_id
+    first_rejected = rec.first_draft_position + rec.num_accepted
     nxt = next(s for s in run.steps() if s > step and req in run.snapshot(s)["scheduler_output"]["num_scheduled_tokens"])
     pi = run.snapshot(nxt, "model_runner")["prepare_inputs"]
     row = pi["req_ids"].index(req)
     start = pi["query_start_loc"][row]
-    say(f"""Step {step}, request "{req}": drafts {rec['draft_token_ids']} at positions
-         {rec['first_draft_position']}..{rec['first_draft_position'] + len(rec['draft_token_ids']) - 1}; the target
-         kept {rec['num_accepted']} and emitted {rec['output_token_ids']} (the last one is its own token). The
-         rejected drafts' keys and values had already been written, to slots {rec['rejected_slots']}: they stay
+    say(f"""Step {step}, request "{req}": drafts {rec.draft_token_ids} at positions
+         {rec.first_draft_position}..{rec.first_draft_position + len(rec.draft_token_ids) - 1}; the target
+         kept {rec.num_accepted} and emitted {rec.output_token_ids} (the last one is its own token). The
+         rejected drafts' keys and values had already been written, to slots {rec.rejected_slots}: they stay
          the request's, num_computed_tokens is rolled back to {first_rejected}, and step {nxt} computes position
          {pi['positions'][start]} again -- with the real token -- into slot {pi['slot_mapping'][start]}.""")
-    check(pi["positions"][start] == first_rejected and pi["slot_mapping"][start] == rec["rejected_slots"][0],
-          f"the first rejected draft's slot {rec['rejected_slots'][0]} is rewritten by step {nxt} at position "
+    check(pi["positions"][start] == first_rejected and pi["slot_mapping"][start] == rec.rejected_slots[0],
+          f"the first rejected draft's slot {rec.rejected_slots[0]} is rewritten by step {nxt} at position "
           f"{first_rejected}")
     print()
     say(f"""The step inspector at step {step} of the ngram run shows the request's drafts, which were

@@ -1,13 +1,15 @@
 """How the forward pass of one step ran — a CUDA graph replay (padded to a captured
 size) or eager, and why (CudagraphDispatcher.dispatch's decision, recorded per step
 in prepare_inputs.cudagraph) — and the tokens the step sampled (token id and text
-per request)."""
+per request; with speculative decoding every token a verify step emitted: the accepted drafts
+and the target's own bonus or recovered token)."""
 from __future__ import annotations
 
 import streamlit as st
 
 from dashboard import data
 from dashboard.components.code_ref import code_ref
+from dashboard.components.spec_decode import ACCEPTED, OWN, UNCHECKED, token_chip
 from dashboard.theme import CUDAGRAPH_COLORS, chip, req_chip
 
 
@@ -111,19 +113,64 @@ def execution_panel(meta: dict, mr: dict) -> None:
     code_ref("vllm_anatomy/worker/cudagraph.py", "CudagraphDispatcher.dispatch → GPUModelRunner.execute_model")
 
 
-def sampled(meta: dict, step_id: int, tokens: dict, so: dict) -> None:
+def sampled(meta: dict, step_id: int, tokens: dict, so: dict, final_len: dict[str, int] | None = None) -> None:
+    """Per request, the token(s) this step emitted, at their positions. A verify step (speculative
+    decoding: the step's drafts in `so`, its SchedulerOutput) emits several: the drafts the target
+    accepted, then one token of its own (the bonus after every draft, or the recovered token at the
+    first rejected one). `final_len`: request id -> prompt + output tokens of a finished request;
+    tokens at or past it were dropped by update_from_output (a verify step's past a stop; with async
+    scheduling all of a step scheduled before the stop was known)."""
     picked = tokens["sampled"].get(step_id, {})
+    drafts = so.get("scheduled_spec_decode_tokens") or {}
     st.markdown("**Sampled tokens**")
     if not picked:
         st.caption("no request sampled in this step (only partial prefill chunks)")
     lines = []
-    for req, (pos, tok) in picked.items():
+    for req, (pos, tok, *more) in picked.items():
         if tok is None:
             lines.append(f"{req_chip(req)} position {pos}: last token of the request (not fed back, so not "
                          f"in the run store)")
-            continue
-        text = data.decode(meta, [tok])
-        lines.append(f"{req_chip(req)} position {pos}: token <code>{tok}</code> "
-                     f"<code>{(text or '').replace('<', '&lt;')!r}</code>")
+        elif drafts.get(req):
+            lines.append(verified_line(meta, req, pos, [tok, *more], len(drafts[req]), (final_len or {}).get(req)))
+        else:
+            text = data.decode(meta, [tok])
+            end = (final_len or {}).get(req)
+            after = f" — {STOPPED_BEFORE.format(end - 1, 'it')}" if end is not None and pos >= end else ""
+            lines.append(f"{req_chip(req)} position {pos}: token <code>{tok}</code> "
+                         f"<code>{(text or '').replace('<', '&lt;')!r}</code>{after}")
     st.markdown("<br>".join(lines), unsafe_allow_html=True)
     code_ref("vllm_anatomy/worker/gpu_model_runner.py", "GPUModelRunner.sample_tokens · _bookkeeping_sync")
+
+
+def verified_line(meta: dict, req: str, pos: int, emitted: list[int], num_drafts: int,
+                  final_len: int | None = None) -> str:
+    """One request's tokens from a verify step (HTML): the accepted drafts (green), then the target's
+    own token (blue), each at its position; those at or past `final_len` (the request's final length)
+    grey: it stopped before them, and update_from_output dropped them."""
+    n_acc = len(emitted) - 1
+    if n_acc == num_drafts:
+        kind = "bonus token (every draft accepted)"
+    else:
+        kind = f"recovered token (instead of draft {n_acc + 1})"
+    chips = []
+    for j, t in enumerate(emitted):
+        label = f"draft {j + 1}, accepted" if j < n_acc else f"the target's {kind}"
+        dropped = final_len is not None and pos + j >= final_len
+        color = UNCHECKED if dropped else ACCEPTED if j < n_acc else OWN
+        chips.append(token_chip(meta, t, color, f"position {pos + j}: {label}"
+                                + (": dropped, the request stopped before it" if dropped else "")))
+    where = f"positions {pos}–{pos + n_acc}" if n_acc else f"position {pos}"
+    line = (f"{req_chip(req)} {where}: {' '.join(chips)} — {len(emitted)} token{'s' if n_acc else ''}: "
+            f"{n_acc} accepted draft{'s' if n_acc != 1 else ''} of {num_drafts}, then the {kind}")
+    if final_len is not None and pos >= final_len:
+        line += "; " + STOPPED_BEFORE.format(final_len - 1, "all of them")
+    elif final_len is not None and pos + n_acc >= final_len:
+        line += (f"; the request stopped at position {final_len - 1}: update_from_output kept {final_len - pos} "
+                 "of them and dropped the rest (grey)")
+    return line
+
+
+# A step scheduled before the request's stop was known (async scheduling schedules step N + 1 before it
+# has seen step N's tokens): what the runner sampled for it is dropped.
+STOPPED_BEFORE = ("the request had already stopped at position {} (async scheduling: this step was scheduled "
+                  "before its stop was known), so update_from_output dropped {}")

@@ -25,7 +25,8 @@ UNCHECKED = "#BDBDBD"       # after the first rejection: not even compared
 OWN = "#0072B2"             # the target's own token (recovered or bonus)
 
 
-def _token(meta: dict, tok: int, color: str, label: str) -> str:
+def token_chip(meta: dict, tok: int, color: str, label: str) -> str:
+    """A token as a coloured chip: its id and text (when the run's tokenizer is there); `label` is its tooltip."""
     text = data.decode(meta, [tok])
     shown = f"{tok} {text!r}" if text is not None else str(tok)
     return chip(html.escape(shown), color, title=label)
@@ -38,17 +39,17 @@ def verification_lines(meta: dict, v: dict, block_size: int) -> list[str]:
     marks = []
     for j, tok in enumerate(drafts):
         if j < n_acc:
-            marks.append(_token(meta, tok, ACCEPTED, f"draft {j + 1} at position {first + j}: accepted"))
+            marks.append(token_chip(meta, tok, ACCEPTED, f"draft {j + 1} at position {first + j}: accepted"))
         elif j == n_acc:
-            marks.append(_token(meta, tok, REJECTED, f"draft {j + 1} at position {first + j}: rejected"))
+            marks.append(token_chip(meta, tok, REJECTED, f"draft {j + 1} at position {first + j}: rejected"))
         else:
-            marks.append(_token(meta, tok, UNCHECKED, f"draft {j + 1} at position {first + j}: after a rejection"))
+            marks.append(token_chip(meta, tok, UNCHECKED, f"draft {j + 1} at position {first + j}: after a rejection"))
     own = v["output_token_ids"][-1]
     kind = "the bonus token: every draft accepted" if n_acc == len(drafts) else \
         f"the recovered token, instead of draft {n_acc + 1}"
     lines = [f"{req_chip(v['request_id'])} drafts at positions {first}–{first + len(drafts) - 1}: {' '.join(marks)}",
              f"&nbsp;&nbsp;→ accepted {n_acc} of {len(drafts)}, then the target's own token "
-             f"{_token(meta, own, OWN, kind)} ({kind}): {len(v['output_token_ids'])} token"
+             f"{token_chip(meta, own, OWN, kind)} ({kind}): {len(v['output_token_ids'])} token"
              f"{'s' if len(v['output_token_ids']) != 1 else ''} this step"]
     slots = v.get("rejected_slots") or []
     if slots:
@@ -59,14 +60,12 @@ def verification_lines(meta: dict, v: dict, block_size: int) -> list[str]:
     return lines
 
 
-def spec_decode(meta: dict, step: dict, block_size: int, late: dict | None = None,
-                next_late: dict | None = None) -> None:
-    """`late` / `next_late`: the "spec_decode" snapshots of this step and the next (async scheduling)."""
+def spec_decode(meta: dict, step: dict, block_size: int, verifications: list[dict],
+                late: dict | None = None, next_late: dict | None = None) -> None:
+    """`verifications`: the step's SpecDecodeRecords (data.step_data's "verified": reader.verified_drafts);
+    `late` / `next_late`: the "spec_decode" snapshots of this step and the next (async scheduling)."""
     scheduler = step["scheduler"]
     scheduled = step["scheduler_output"].get("scheduled_spec_decode_tokens") or {}
-    verifications = (scheduler.get("step_record") or {}).get("spec_decode") or []
-    if late is not None:
-        verifications = late["spec_decode"]
     proposed = {r["request_id"]: r.get("spec_token_ids") or [] for r in scheduler.get("running", [])}
     on_device = _has_placeholders(proposed)
     if on_device:       # placeholders: the real drafts are what the next step verified
@@ -90,7 +89,7 @@ def spec_decode(meta: dict, step: dict, block_size: int, late: dict | None = Non
     lines = [line for v in verifications for line in verification_lines(meta, v, block_size)]
     if lines:
         st.markdown("<br>".join(lines), unsafe_allow_html=True)
-    nxt = [f"{req_chip(r)} {' '.join(_token(meta, t, UNCHECKED, 'draft for the next step') for t in ids)}"
+    nxt = [f"{req_chip(r)} {' '.join(token_chip(meta, t, UNCHECKED, 'draft for the next step') for t in ids)}"
            for r, ids in proposed.items() if ids and -1 not in ids]
     if nxt:
         where = " (on the device: read from the next step's record)" if on_device else ""

@@ -39,6 +39,15 @@ def finish_reasons(path: str, version: tuple) -> dict[str, str]:
     return {r["request_id"]: (r["finish_reasons"] or [""])[0] for r in reqs}
 
 
+def final_lengths(path: str, version: tuple) -> dict[str, int]:
+    """request id -> prompt + output tokens of each finished request (its llm_request span)."""
+    reqs = spans.request_table(path, version)
+    if isinstance(reqs, data.RunError):
+        return {}
+    return {r["request_id"]: r["input_tokens"] + r["output_tokens"] for r in reqs
+            if r["input_tokens"] is not None and r["output_tokens"] is not None}
+
+
 def step_spans(path: str, version: tuple, meta: dict, step_id: int):
     df = spans.span_table(path, version, str(meta.get("device")))
     if isinstance(df, data.RunError) or df.empty:
@@ -101,8 +110,8 @@ def main() -> None:
                 tp_panel(tp)
             lane = step_spans(path, version, info["meta"], step_id)
             device_lane(lane, str(info["meta"].get("device")), step_id)
-            sampled(info["meta"], step_id, tokens, step["scheduler_output"])
-            spec_decode(info["meta"], step, kv["block_size"], d.get("spec"), d.get("next_spec"))
+            sampled(info["meta"], step_id, tokens, step["scheduler_output"], final_lengths(path, version))
+            spec_decode(info["meta"], step, kv["block_size"], d["verified"], d.get("spec"), d.get("next_spec"))
             pi = mr.get("prepare_inputs")
             if pi:
                 mode = (pi.get("cudagraph") or {}).get("mode")

@@ -45,7 +45,7 @@ def life_steps(records: dict[int, dict], statuses: dict[int, str], req: str, tok
         rec = records.get(step_id, {})
         status = statuses.get(step_id)
         s = next((x for x in rec.get("scheduled", []) if x["request_id"] == req), None)
-        pos, tok = tokens["sampled"].get(step_id, {}).get(req, (None, None))
+        tok = tokens["sampled"].get(step_id, {}).get(req, (None, None))[1]     # its first token this step
         pre = step_id in preempted
         if s is not None:
             kind, n, frm, blocks = s["kind"], s["num_tokens"], s["num_computed_tokens_before"], str(s["new_block_ids"])

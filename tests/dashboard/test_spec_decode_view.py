@@ -2,6 +2,8 @@
 (drafts accepted / rejected, the target's own token, the rejected drafts' slots) from the
 recorded step_record.spec_decode, and the token index places a step's several output tokens
 at the drafts' positions. A run with ngram on a copy prompt (some drafts accepted, some not).
+With async scheduling and a draft model the verifications come late ("spec_decode" snapshots):
+the inspector and lesson 10 read them through the same Run.verified_drafts.
 """
 from __future__ import annotations
 
@@ -62,6 +64,30 @@ def test_worker_tab_shows_each_verification(spec_run, monkeypatch, tmp_path):
         assert f"accepted {r['num_accepted']} of {len(r['draft_token_ids'])}" in text
         for slot in r["rejected_slots"]:
             assert f"slot {slot} (block {slot // 16}, offset {slot % 16})" in text
+        assert sampled_line(r) in text
+
+
+def sampled_line(r: dict) -> str:
+    """What "Sampled tokens" says of one verification: every token the step emitted."""
+    n_acc, k = r["num_accepted"], len(r["draft_token_ids"])
+    own = "bonus token (every draft accepted)" if n_acc == k else f"recovered token (instead of draft {n_acc + 1})"
+    return (f"{len(r['output_token_ids'])} token{'s' if n_acc else ''}: {n_acc} accepted draft"
+            f"{'s' if n_acc != 1 else ''} of {k}, then the {own}")
+
+
+def test_sampled_tokens_show_every_token_of_a_verify_step(spec_run, monkeypatch, tmp_path):
+    """A step that kept drafts: "Sampled tokens" lists each output token (the accepted drafts green,
+    the target's own blue), not only the first."""
+    records = spec_run["records"]
+    step = next(s for s, rs in records.items() if any(r["num_accepted"] > 0 for r in rs))
+    at = open_inspector(spec_run, monkeypatch, tmp_path, step)
+    assert not at.exception, at.exception
+    line = next(m.value for m in at.markdown if "Sampled tokens" not in m.value and "accepted draft" in m.value)
+    for r in records[step]:
+        assert sampled_line(r) in line
+        first = r["first_draft_position"]
+        for j, tok in enumerate(r["output_token_ids"]):
+            assert f"position {first + j}: " in line and f">{tok} " in line
 
 
 def test_token_index_puts_verified_tokens_at_their_positions(spec_run):
@@ -73,7 +99,27 @@ def test_token_index_puts_verified_tokens_at_their_positions(spec_run):
     assert [known.get(start + i) for i in range(len(spec_run["tokens"]))] == spec_run["tokens"]
     for step, records in spec_run["records"].items():
         for r in records:
-            assert index["sampled"][step][r["request_id"]] == [r["first_draft_position"], r["output_token_ids"][0]]
+            # every token the verify step emitted (accepted drafts + the target's own), not only the first
+            assert index["sampled"][step][r["request_id"]] == [r["first_draft_position"], *r["output_token_ids"]]
+
+
+@pytest.mark.fast
+def test_sampled_verified_line_marks_accepted_drafts_and_the_targets_own_token():
+    from dashboard.components.sampled import verified_line
+    meta = {"model": ""}
+    line = verified_line(meta, "r", 40, [5, 9], 3)
+    assert "positions 40–41" in line and "2 tokens: 1 accepted draft of 3, then the recovered token (instead of draft 2)" in line
+    assert "title='position 40: draft 1, accepted'" in line and ">5<" in line and ">9<" in line
+    assert "1 token: 0 accepted drafts of 3, then the recovered token (instead of draft 1)" in verified_line(meta, "r", 40, [9], 3)
+    assert "positions 40–43" in verified_line(meta, "r", 40, [5, 6, 7, 8], 3)
+    assert "then the bonus token (every draft accepted)" in verified_line(meta, "r", 40, [5, 6, 7, 8], 3)
+    # the request stopped at position 42 (e.g. its EOS was the third token): the fourth was dropped
+    stopped = verified_line(meta, "r", 40, [5, 6, 2, 8], 3, final_len=43)
+    assert "the request stopped at position 42: update_from_output kept 3 of them and dropped the rest" in stopped
+    assert "title='position 43: the target&#x27;s bonus token (every draft accepted): dropped" in stopped
+    assert "dropped" not in verified_line(meta, "r", 40, [5, 6, 2, 8], 3, final_len=44)
+    # async scheduling: the step was scheduled before the stop at position 39 was known
+    assert "already stopped at position 39 (async scheduling" in verified_line(meta, "r", 40, [5, 6, 2, 8], 3, 40)
 
 
 @pytest.mark.fast
@@ -117,7 +163,45 @@ def test_worker_tab_shows_an_async_steps_verification_from_its_late_record(async
     for r in late[step]["spec_decode"]:
         assert f"accepted {r['num_accepted']} of {len(r['draft_token_ids'])}" in text
         assert f"drafts at positions {r['first_draft_position']}–" in text
+        assert sampled_line(r) in text          # "Sampled tokens": every token, from the runner's snapshot
     # the drafts proposed after this step: real ids, read from the next step's record
     assert "read from the next step's record" in text
     for ids in late[step + 1]["scheduled_spec_decode_tokens"].values():
         assert all(f"{t} " in text for t in ids)
+
+
+def test_verified_drafts_of_an_async_run_are_its_late_records(async_draft_run):
+    import msgspec
+
+    from vllm_anatomy.tracing.reader import open_run
+    late = async_draft_run["late"]
+    with open_run(async_draft_run["path"]) as run:
+        for s in run.steps():
+            assert run.step_snapshot(s).scheduler.step_record.spec_decode == []     # verified after launch
+            got = msgspec.to_builtins(run.verified_drafts(s))
+            assert got == (late[s]["spec_decode"] if s in late else [])
+
+
+def test_verified_drafts_of_a_sync_run_are_its_step_records(spec_run):
+    import msgspec
+
+    from vllm_anatomy.tracing.reader import open_run
+    with open_run(spec_run["path"]) as run:
+        got = {s: msgspec.to_builtins(run.verified_drafts(s)) for s in run.steps()}
+    assert {s: r for s, r in got.items() if r} == spec_run["records"]
+
+
+def test_lesson_10_reads_an_async_runs_verifications(async_draft_run):
+    """Lesson 10's run reader on an async draft-model run: every verified step, from the late
+    records (the step records of an async run are empty); the target drafting for itself, greedy:
+    every draft accepted at every position."""
+    import msgspec
+
+    from tests.lessons.test_lesson_texts import _lesson
+    lesson = _lesson("10_speculative_decoding.py")
+    facts = lesson.read(async_draft_run["path"])
+    facts["run"].close()
+    expected = {s: r["spec_decode"] for s, r in async_draft_run["late"].items() if r["spec_decode"]}
+    assert expected, "the async run verified drafts"
+    assert {s: msgspec.to_builtins(r) for s, r in facts["spec_steps"].items()} == expected
+    assert lesson.acceptance_per_position(facts["verifications"]) == [1.0] * lesson.K

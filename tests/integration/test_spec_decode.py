@@ -13,7 +13,13 @@ penalty equals transformers' generate(repetition_penalty=...) with ngram drafts
 (which come from the prompt, the very tokens the penalty pushes down), and bad
 words, presence and frequency penalties give the same tokens with speculation as
 without it.
+
+Async scheduling with a draft model beside the other features: parallel sampling (n = 3,
+seeded: the synchronous engine's tokens), structured output (a choice and a regex, their
+sampling deferred for the token in flight) and the worker-process executor.
 """
+import re
+
 import pytest
 
 from tests.integration.test_llm_generate import (MAX_TOKENS, PENALTY, QUESTIONS, RAW, SYSTEM, _chat_ids,
@@ -306,3 +312,77 @@ def test_all_drafts_rejected_still_give_the_greedy_token(default_model_dir, spec
     assert m["vllm:spec_decode_num_accepted_tokens_per_pos:0"] < m["vllm:spec_decode_num_drafts"], m
     # ... and every verifying step emitted its accepted drafts plus exactly one token.
     assert m["vllm:generation_tokens"] == sum(len(w) for w in want)
+
+
+# -- async scheduling with a draft model, beside parallel sampling, structured output, worker processes --
+def async_draft_llm(default_model_dir: str, draft: str, **kwargs) -> LLM:
+    """Async scheduling with a draft model (its drafts stay on the device: -1 placeholders)."""
+    llm = LLM(default_model_dir, async_scheduling=True,
+              speculative_config={"method": "draft_model", "model": draft, "num_speculative_tokens": K}, **kwargs)
+    assert llm.llm_engine.vllm_config.scheduler_config.async_scheduling
+    return llm
+
+
+def test_async_draft_parallel_sampling(default_model_dir, truncated_draft, spec_prompts):
+    """n = 3 (ParentRequest fan-out; v0.27.1 refuses n > 1 with greedy sampling) with async scheduling
+    and drafts on the device: seeded random children (a seed each) are exactly the synchronous
+    engine's, token for token, and not all alike; the drafts were verified (some accepted)."""
+    prompts = [{"prompt_token_ids": p} for p in spec_prompts[-2:]]
+    seeded_n = SamplingParams(n=3, temperature=0.8, top_k=50, seed=7, max_tokens=MAX_TOKENS)
+    config = {"method": "draft_model", "model": truncated_draft, "num_speculative_tokens": K}
+    got = {}
+    for async_scheduling in (False, True):
+        llm = LLM(default_model_dir, max_model_len=1024, async_scheduling=async_scheduling, speculative_config=config)
+        assert llm.llm_engine.vllm_config.scheduler_config.async_scheduling == async_scheduling
+        got[async_scheduling] = [[list(c.token_ids) for c in o.outputs]
+                                 for o in llm.generate(prompts, seeded_n, use_tqdm=False)]
+        m = llm.get_metrics()
+        assert m["vllm:spec_decode_num_accepted_tokens"] > 0, m
+        del llm
+    assert got[True] == got[False]
+    assert all(len(o) == 3 and len({tuple(c) for c in o}) > 1 for o in got[True])
+
+
+def test_async_draft_structured_output_beside_drafts(default_model_dir, hf_model, spec_prompts, tokenizer):
+    """Async scheduling, a draft model and structured output (v0.27.1 runs the three together): the
+    structured request's sampling waits for its previous token (pending_structured_output_tokens)
+    while the copy request's drafts are verified beside it; a choice and a regex hold, the copy is
+    transformers' greedy output."""
+    from vllm_anatomy.sampling_params import StructuredOutputsParams
+    choices = ["yes, certainly", "no, never"]
+    llm = async_draft_llm(default_model_dir, default_model_dir, max_model_len=1024)
+    copy = spec_prompts[-1]
+    question = _chat_ids(tokenizer, "Is the sky blue? Answer yes or no.")
+    year = _chat_ids(tokenizer, "In which year did the first humans land on the moon?")
+    outs = llm.generate([{"prompt_token_ids": copy}, {"prompt_token_ids": question}, {"prompt_token_ids": year}],
+                        [SamplingParams(temperature=0, max_tokens=MAX_TOKENS),
+                         SamplingParams(temperature=0, max_tokens=16,
+                                        structured_outputs=StructuredOutputsParams(choice=choices)),
+                         SamplingParams(temperature=0, max_tokens=16,
+                                        structured_outputs=StructuredOutputsParams(regex=r"19[0-9]{2}"))],
+                        use_tqdm=False)
+    _check_equal(hf_model, [copy], [outs[0].outputs[0].token_ids])
+    assert outs[1].outputs[0].text in choices
+    assert re.fullmatch(r"19[0-9]{2}", outs[2].outputs[0].text), outs[2].outputs[0].text
+    check_speculated(llm, "draft_self")
+
+
+def test_async_draft_worker_process_executor(default_model_dir, truncated_draft, hf_model, spec_prompts, tmp_path):
+    """Async scheduling with a draft model in a worker process (distributed_executor_backend="mp"):
+    a 6-layer draft, so rejections (rollbacks, recovered tokens) happen there too; the drafts each
+    step verified come back in the ModelRunnerOutput through the shared-memory RPC, and the run
+    store records them (real ids, no -1 placeholder left) for every step that had drafts."""
+    from vllm_anatomy.tracing.reader import open_run
+    llm = async_draft_llm(default_model_dir, truncated_draft, max_model_len=512, distributed_executor_backend="mp",
+                          trace_level="full", trace_dir=str(tmp_path))
+    try:
+        got, _ = _engine_tokens(llm, spec_prompts)
+        _check_equal(hf_model, spec_prompts, got)
+        m = check_speculated(llm, "draft_cut")
+    finally:
+        llm.shutdown()
+    with open_run(llm.llm_engine.recorder.run_path) as run:
+        verified = [v for s in run.steps() for v in run.verified_drafts(s)]
+    assert len(verified) == m["vllm:spec_decode_num_drafts"]
+    assert all(t >= 0 for v in verified for t in v.draft_token_ids)
+    assert sum(v.num_accepted for v in verified) == m["vllm:spec_decode_num_accepted_tokens"]

@@ -13,9 +13,10 @@ raises MalformedRowError (a TraceStoreError) naming the row; `spans()` and
 Snapshots are read typed through the contract in tracing/snapshots.py:
 `step_snapshot(i)` / `model_runner_snapshot(i)` decode one step's records strictly (a
 snapshot that does not match raises MalformedRowError naming it), `index(kind, view)` reads
-a partial view of every step for run-level tables. `snapshot()` / `snapshots()` give the
-stored JSON as plain data. Runs of schema_version 1 (recorded before the contract) are
-upgraded as they are read (`_upgrade_v1`).
+a partial view of every step for run-level tables, `verified_drafts(i)` a step's
+speculative-decoding verifications wherever they were recorded (async scheduling: late).
+`snapshot()` / `snapshots()` give the stored JSON as plain data. Runs of schema_version 1
+(recorded before the contract) are upgraded as they are read (`_upgrade_v1`).
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ from vllm_anatomy.tracing.snapshots import SNAPSHOT_TYPES
 from vllm_anatomy.tracing.store import SCHEMA_VERSION, SPAN_COLUMNS, connect_readonly
 
 if TYPE_CHECKING:
-    from vllm_anatomy.tracing.snapshots import ModelRunnerSnapshot, SpecDecodeSnapshot, StepSnapshot
+    from vllm_anatomy.tracing.snapshots import ModelRunnerSnapshot, SpecDecodeRecord, SpecDecodeSnapshot, StepSnapshot
 
 T = TypeVar("T")
 
@@ -198,6 +199,11 @@ class Run:
         "spec_decode"), or None (no drafts scheduled, a synchronous run, or not recorded yet)."""
         return self._typed(step_id, "spec_decode")
 
+    def verified_drafts(self, step_id: int) -> list[SpecDecodeRecord]:
+        """The drafts the step verified, wherever they were recorded (see `verified_drafts`)."""
+        step = self.step_snapshot(step_id)
+        return verified_drafts(step, self.spec_decode_snapshot(step_id)) if step is not None else []
+
     def _typed(self, step_id: int, kind: str) -> Any:
         rows = self._query("SELECT id, data FROM snapshots WHERE step_id = ? AND kind = ? ORDER BY id LIMIT 1",
                            (step_id, kind))
@@ -307,6 +313,21 @@ class Run:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def verified_drafts(step: StepSnapshot, late: SpecDecodeSnapshot | None) -> list[SpecDecodeRecord]:
+    """One step's verifications (SpecDecodeRecords: drafts, how many accepted, output tokens, the
+    rejected drafts' slots), from its "step" snapshot and its late "spec_decode" one (or None).
+
+    NOTE: a synchronous run records them in the step's `step_record.spec_decode`. With async
+    scheduling the "step" snapshot is taken at launch, before the step is verified: its record has
+    none, and they are in the late snapshot written once its output was processed. Every reader
+    (the lessons, the dashboard's step inspector) asks here, so an async run reads like a
+    synchronous one."""
+    if late is not None:
+        return late.spec_decode
+    record = step.scheduler.step_record
+    return record.spec_decode if record is not None else []
 
 
 def _maybe_json(value: str) -> Any:
