@@ -16,10 +16,11 @@ QUESTIONS = ["Repeat this sentence exactly: the small red boat sails across the 
              "What is the capital of France?", "def fibonacci(n):"]
 
 
-def _run(model_dir, speculative_config=None, temperature=0.0, **kw):
+def _run(model_dir, speculative_config=None, temperature=0.0, async_scheduling=False, **kw):
     from vllm_anatomy import LLM, SamplingParams
     llm = LLM(model_dir, device="cuda", dtype="float32", max_model_len=1024, num_gpu_blocks_override=2048,
-              async_scheduling=False, speculative_config=speculative_config, **kw)
+              async_scheduling=async_scheduling, speculative_config=speculative_config, **kw)
+    assert llm.llm_engine.vllm_config.scheduler_config.async_scheduling is async_scheduling
     tok = llm.get_tokenizer()
     prompts = [{"prompt_token_ids": tok.apply_chat_template([{"role": "user", "content": q}], tokenize=True,
                                                             add_generation_prompt=True, return_dict=False)}
@@ -55,6 +56,23 @@ def test_greedy_tokens_equal_without_speculation(default_dir, baseline, method, 
     assert m["vllm:spec_decode_num_drafts"] > 0
     if method == "draft_self":
         assert m["vllm:spec_decode_num_accepted_tokens"] == m["vllm:spec_decode_num_draft_tokens"]
+
+
+@pytest.mark.parametrize("method", ["draft_self", "draft_cut"])
+def test_async_scheduling_with_a_draft_model_equals_without_speculation(default_dir, baseline, method, tmp_path):
+    """Explicit async scheduling + a draft model (worker/async_spec_decode.py): the drafts stay on the
+    device (-1 placeholders in the scheduler), the padded drafter batch replays the draft model's
+    pieces, the next step reads the accepted counts; the same greedy tokens as without speculation."""
+    from vllm_anatomy.transformers_utils.draft_model_utils import write_truncated_draft
+    model = default_dir if method == "draft_self" else write_truncated_draft(default_dir, 8, tmp_path / "d")
+    config = {"method": "draft_model", "model": model, "num_speculative_tokens": K}
+    tokens, m = _run(default_dir, config, async_scheduling=True)
+    assert tokens == baseline
+    assert m["vllm:spec_decode_num_drafts"] > 0
+    if method == "draft_self":
+        assert m["vllm:spec_decode_num_accepted_tokens"] == m["vllm:spec_decode_num_draft_tokens"]
+    else:
+        assert m["vllm:spec_decode_num_accepted_tokens"] < m["vllm:spec_decode_num_draft_tokens"]
 
 
 def test_random_sampling_with_drafts_runs_and_reproduces(default_dir):

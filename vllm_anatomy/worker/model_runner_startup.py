@@ -14,10 +14,12 @@ Nothing here runs during a step.
 """
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
@@ -206,9 +208,10 @@ class ModelRunnerStartupMixin:
                 "vllm_anatomy.num_capture_sizes": len(dispatcher.capture_sizes)}) as span:
             device_timer.capturing = True     # no events may be recorded into a graph
             try:
-                self._capture_sizes(CUDAGraphMode.PIECEWISE, dispatcher.piecewise_sizes)
-                self._capture_sizes(CUDAGraphMode.FULL, dispatcher.decode_sizes)
-                self._capture_drafter_model()          # speculative decoding's draft model only
+                with self._freeze_gc():
+                    self._capture_sizes(CUDAGraphMode.PIECEWISE, dispatcher.piecewise_sizes)
+                    self._capture_sizes(CUDAGraphMode.FULL, dispatcher.decode_sizes)
+                    self._capture_drafter_model()      # speculative decoding's draft model only
             finally:
                 device_timer.capturing = False
             torch.cuda.synchronize(self.device)
@@ -217,6 +220,30 @@ class ModelRunnerStartupMixin:
         logger.info("captured %d piecewise and %d full CUDA graphs in %.1f s, %.2f GiB",
                     len(dispatcher.piecewise_sizes), len(dispatcher.decode_sizes), time.perf_counter() - t0,
                     used / 2**30)
+
+    @staticmethod
+    @contextmanager
+    def _freeze_gc() -> Iterator[None]:
+        """Collect once, then keep the cyclic GC off the objects that exist while graphs
+        are captured (vLLM: GPUModelRunner._freeze_gc).
+
+        NOTE: why. A capture is a stream in capture mode, and a garbage collection
+        can start at any allocation inside one. If it frees an earlier engine's
+        objects there (an LLM of the same process that is gone but still in a
+        reference cycle), a pinned host buffer among them goes back to torch's
+        host allocator, which queries the CUDA events of its last copies:
+        a query is not permitted while a stream captures, so the capture is
+        invalidated ("operation failed due to a previous error during capture")
+        and every graph of this engine fails with it. torch.cuda.graph collects
+        before it begins; the breakable capture's raw capture_begin does not, so
+        the whole capture runs inside this."""
+        gc.collect()
+        gc.freeze()
+        try:
+            yield
+        finally:
+            gc.unfreeze()
+            gc.collect()
 
     def _capture_sizes(self, mode: CUDAGraphMode, sizes: list[int]) -> None:
         """A full graph captures a uniform decode of `size` tokens (`size` requests of one
