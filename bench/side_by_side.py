@@ -69,10 +69,12 @@ class Engine:
                              "compilation_mode": str(getattr(cfg.compilation_config, "mode", None)),
                              "gpu_memory_utilization": 0.9}
         from vllm_anatomy import envs        # the prefill switch as the engine read it (envs.py)
+        # NOTE: getattr: an older tree (bench/throughput_ab.py runs exported ones) may
+        # predate a switch; it is recorded as None there.
         return common | {"attention_backend": cfg.model_config.attention_backend,
                          "trace_level": cfg.observability_config.trace_level,
-                         "prefill_kernel": envs.VLLM_ANATOMY_PREFILL_KERNEL,
-                         "prefill_sdpa_min_len": envs.VLLM_ANATOMY_PREFILL_SDPA_MIN_LEN}
+                         "prefill_kernel": getattr(envs, "VLLM_ANATOMY_PREFILL_KERNEL", None),
+                         "prefill_sdpa_min_len": getattr(envs, "VLLM_ANATOMY_PREFILL_SDPA_MIN_LEN", None)}
 
     def shutdown(self) -> None:
         if self.kind == "ours":             # (vLLM's engine goes with its process)
@@ -85,9 +87,10 @@ def synchronize() -> None:
         torch.cuda.synchronize()
 
 
-def worker_env(kind: str, vllm_site: str | None, multiprocess: bool | None) -> dict:
+def worker_env(kind: str, vllm_site: str | None, multiprocess: bool | None, tree: str = ROOT) -> dict:
     """The environment of one engine's subprocess. multiprocess: VLLM_ENABLE_V1_MULTIPROCESSING
-    set to 1 or 0, or (None) left to the engine's own default."""
+    set to 1 or 0, or (None) left to the engine's own default; tree: the directory ours
+    imports `vllm_anatomy` from (this checkout, or another one: bench/throughput_ab.py)."""
     env = dict(os.environ)
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     if multiprocess is not None:
@@ -99,7 +102,7 @@ def worker_env(kind: str, vllm_site: str | None, multiprocess: bool | None) -> d
         env.update(VLLM_USE_FLASHINFER_SAMPLER="0", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
                    HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     else:
-        env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+        env["PYTHONPATH"] = tree + os.pathsep + env.get("PYTHONPATH", "")
     return env
 
 

@@ -103,6 +103,15 @@ def nano_vllm_workload(plan: Plan = FULL) -> tuple[list[list[int]], list[int]]:
             [min(m, plan.max_output_len) for m in max_tokens[:plan.num_seqs]])
 
 
+def workload_record(plan: Plan, tiny: bool) -> dict:
+    """What the JSON says about the throughput workload."""
+    prompts, outs = nano_vllm_workload(plan)
+    return {"name": "nano-vllm bench.py", "num_seqs": len(prompts), "output_tokens": sum(outs),
+            "prompt_tokens": sum(map(len, prompts)), "temperature": 0.6, "ignore_eos": True,
+            "model": "tiny random Qwen3 (smoke)" if tiny else "Qwen3-0.6B shape, random bf16 weights",
+            "max_model_len": 4096}
+
+
 # ---------------------------------------------------------------------------- the worker (one engine)
 
 def decode_prompts(rng: random.Random, batch: int, plan: Plan) -> list[list[int]]:
@@ -316,10 +325,7 @@ def main() -> None:
         "torch": torch.__version__, "machine": platform.node(), "smoke": args.tiny,
         "ratio_vs_vllm": None, "fraction_of_roofline": None, "vllm_fraction_of_roofline": None,
         "ratio_vs_vllm_trace_spans": None, "ratio_vs_vllm_mp": None,
-        "workload": {"name": "nano-vllm bench.py", "num_seqs": len(prompts), "output_tokens": sum(outs),
-                     "prompt_tokens": sum(map(len, prompts)), "temperature": 0.6, "ignore_eos": True,
-                     "model": "tiny random Qwen3 (smoke)" if args.tiny else "Qwen3-0.6B shape, random bf16 weights",
-                     "max_model_len": 4096},
+        "workload": workload_record(plan, args.tiny),
         "plan": dataclasses.asdict(plan),
         "copy_ceiling_bytes_per_s": copy["bytes_per_s"], "matmul_ceiling_flop_per_s": mm["flop_per_s"],
         "ceilings_nominal": args.tiny, "roofline": roof,

@@ -1,4 +1,5 @@
-"""bench/vs_vllm.py, bench/scaling.py, bench/plot_scaling.py and bench/side_by_side.py on the CPU.
+"""bench/vs_vllm.py, bench/scaling.py, bench/plot_scaling.py, bench/side_by_side.py and
+bench/throughput_ab.py on the CPU.
 
 Their real runs need an H200 and vLLM; here: the pieces (GPU-activity accounting of
 a profiler trace, the per-step floor, vLLM's config, the workloads, the plot) and,
@@ -18,7 +19,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BENCH = os.path.join(ROOT, "bench")
 FAKE_VLLM = os.path.join(ROOT, "tests", "bench", "fake_vllm")
-BENCH_MODULES = ("vs_vllm", "scaling", "plot_scaling", "side_by_side", "throughput", "kernel_bench", "gpu_breakdown")
+BENCH_MODULES = ("vs_vllm", "scaling", "plot_scaling", "side_by_side", "throughput", "kernel_bench", "gpu_breakdown",
+                 "throughput_ab")
 
 
 @pytest.fixture(scope="module")
@@ -33,9 +35,11 @@ def bench():
         import plot_scaling
         import scaling
         import side_by_side
+        import throughput_ab
         import vs_vllm
         yield types.SimpleNamespace(vs_vllm=vs_vllm, scaling=scaling, plot_scaling=plot_scaling,
-                                    side_by_side=side_by_side, gpu_breakdown=gpu_breakdown)
+                                    side_by_side=side_by_side, gpu_breakdown=gpu_breakdown,
+                                    throughput_ab=throughput_ab)
     finally:
         sys.path[:] = saved_path
         for name in BENCH_MODULES:
@@ -262,3 +266,66 @@ def test_gpu_breakdown_counts_overlap_once_and_sorts_kernels_by_kind(bench):
     twentieths = r["busy_fraction_by_twentieth"]               # 2 us each: 0-15 busy, 15-20 idle, 20-40 busy
     assert twentieths[:7] == [1.0] * 7 and twentieths[8:10] == [0.0, 0.0] and twentieths[10:] == [1.0] * 10
     assert twentieths[7] == pytest.approx(0.5)
+
+
+@pytest.mark.fast
+def test_throughput_ab_order_ratios_and_isolation_check(bench, tmp_path):
+    ab = bench.throughput_ab
+    assert ab.order(4) == ["ab", "ba", "ab", "ba"]
+    samples = [{"round": 1, "variant": "a", "throughput": {"tok_per_s": 100.0}},
+               {"round": 1, "variant": "b", "throughput": {"tok_per_s": 110.0}},
+               {"round": 2, "variant": "b", "throughput": {"tok_per_s": 90.0}},
+               {"round": 2, "variant": "a", "throughput": {"tok_per_s": 100.0}},
+               {"round": 3, "variant": "a", "error": "failed"},                 # a round without a pair
+               {"round": 3, "variant": "b", "throughput": {"tok_per_s": 120.0}}]
+    s = ab.summarize(samples)
+    assert s["ratios_b_over_a"] == pytest.approx([1.1, 0.9])
+    assert (s["ratio_median"], s["ratio_min"], s["ratio_max"]) == pytest.approx((1.0, 0.9, 1.1))
+    assert s["median_tok_per_s"] == {"a": 100.0, "b": 110.0}
+    assert ab.summarize([])["ratio_median"] is None
+    init = tmp_path / "vllm_anatomy" / "__init__.py"
+    init.parent.mkdir()
+    init.write_text("")
+    assert ab.in_tree(str(init), str(tmp_path)) and not ab.in_tree(os.path.join(ROOT, "vllm_anatomy", "__init__.py"),
+                                                                   str(tmp_path))
+    assert not ab.in_tree(None, str(tmp_path))
+    assert ab.parse_env(["A=1", "B=x=y", "C="]) == {"A": "1", "B": "x=y", "C": ""}
+    for bad in (["A"], ["=1"], ["PYTHONPATH=/x"]):
+        with pytest.raises(SystemExit):
+            ab.parse_env(bad)
+    with pytest.raises(SystemExit):                       # no package there
+        ab.make_variant("a", str(tmp_path / "nowhere"), [], None)
+
+
+@pytest.mark.slow
+def test_throughput_ab_tiny_runs_each_variant_from_its_own_tree(tmp_path):
+    """HEAD's package exported into tmp_path (A, prefill switch 0) against this checkout (B,
+    switch 1), two rounds: every run imported the engine from its own tree (this checkout
+    is on the test's PYTHONPATH too, so a variant's tree not put first would fail here)
+    and read its own environment."""
+    if subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True).returncode != 0:
+        pytest.skip("not a git checkout: --export has nothing to archive")
+    script, head = os.path.join(BENCH, "throughput_ab.py"), tmp_path / "head"
+    run_bench([script, "--export", "HEAD", str(head)], tmp_path)
+    assert (head / "vllm_anatomy" / "__init__.py").exists() and not (head / "bench").exists()
+    out = tmp_path / "ab.json"
+    proc = run_bench([script, "--tiny", "--a", str(head), "--a-env", "VLLM_ANATOMY_PREFILL_KERNEL=0",
+                      "--b-env", "VLLM_ANATOMY_PREFILL_KERNEL=1", "--b-label", "this tree", "--rounds", "2",
+                      "--model-dir", str(tmp_path / "model"), "--out", str(out)], tmp_path)
+    r = json.loads(out.read_text())
+    head_rev = subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    assert r["variants"]["a"]["tree"] == str(head) and r["variants"]["a"]["tree_rev"]["rev"] == head_rev
+    assert r["variants"]["b"]["tree"] == ROOT and r["variants"]["b"]["label"] == "this tree"
+    assert r["order"] == ["ab", "ba"] and not r["model_reused"] and r["smoke"]
+    assert [(s["round"], s["variant"]) for s in r["samples"]] == [(1, "a"), (1, "b"), (2, "b"), (2, "a")]
+    trees = {"a": str(head), "b": ROOT}
+    switch = {"a": "0", "b": "1"}
+    for s in r["samples"]:
+        assert s["vllm_anatomy_file"] == os.path.join(trees[s["variant"]], "vllm_anatomy", "__init__.py")
+        assert s["isolated"] and s["env"]["VLLM_ANATOMY_PREFILL_KERNEL"] == switch[s["variant"]]
+        assert s["settings"]["prefill_kernel"] == switch[s["variant"]]             # as the engine read it
+        assert s["settings"]["multiprocessing"] == "0"                            # as vs_vllm's ours runs
+        assert s["throughput"]["output_tokens"] == r["workload"]["output_tokens"] and s["throughput"]["tok_per_s"] > 0
+    assert len(r["summary"]["ratios_b_over_a"]) == 2 and r["summary"]["ratio_median"] > 0
+    assert all(r["summary"]["median_tok_per_s"][k] > 0 for k in "ab")
+    assert "B/A per round" in proc.stdout and "    2  B A" in proc.stdout
