@@ -235,8 +235,9 @@ class ModelRunnerStartupMixin:
         a query is not permitted while a stream captures, so the capture is
         invalidated ("operation failed due to a previous error during capture")
         and every graph of this engine fails with it. torch.cuda.graph collects
-        before it begins; the breakable capture's raw capture_begin does not, so
-        the whole capture runs inside this."""
+        before it begins; a raw capture_begin does not (v0.27.1's breakable
+        capture calls gc.collect() before each size for this reason), so the
+        whole capture runs inside this."""
         gc.collect()
         gc.freeze()
         try:
