@@ -35,7 +35,7 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # SDPA on cuDNN (kernels/prefill_attention_sdpa.py).
     "VLLM_ANATOMY_PREFILL_KERNEL": lambda: _prefill_kernel(os.getenv("VLLM_ANATOMY_PREFILL_KERNEL", "0")),
     "VLLM_ANATOMY_PREFILL_SDPA_MIN_LEN":
-        lambda: _positive_int("VLLM_ANATOMY_PREFILL_SDPA_MIN_LEN", os.getenv("VLLM_ANATOMY_PREFILL_SDPA_MIN_LEN", "2048")),
+        lambda: _positive_int("VLLM_ANATOMY_PREFILL_SDPA_MIN_LEN", os.getenv("VLLM_ANATOMY_PREFILL_SDPA_MIN_LEN", "8192")),
     # Linear layers on a CPU multiply with oneDNN on a weight prepacked once
     # (model_executor/layers/utils.py), read when a model is loaded.
     "VLLM_ANATOMY_CPU_ONEDNN_GEMM": lambda: os.getenv("VLLM_ANATOMY_CPU_ONEDNN_GEMM", "1") != "0",

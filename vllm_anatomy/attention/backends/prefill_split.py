@@ -35,9 +35,9 @@ piecewise replay, with the step's metadata, so the split applies there; the
 captured dummy metadata (and so every FULL graph) carries no host copies and
 never splits.
 
-NOTE: VLLM_ANATOMY_PREFILL_KERNEL=cudnn, a three-way split, to be measured.
-Fresh prefills of at least VLLM_ANATOMY_PREFILL_SDPA_MIN_LEN query tokens (2048
-by default; read once, with the switch) go to torch SDPA on cuDNN
+NOTE: VLLM_ANATOMY_PREFILL_KERNEL=cudnn, a three-way split. Fresh prefills of
+at least VLLM_ANATOMY_PREFILL_SDPA_MIN_LEN query tokens (8192 by default; read
+once, with the switch) go to torch SDPA on cuDNN
 (kernels/prefill_attention_sdpa.py: why a library kernel there, and what it
 costs), one call per request; shorter fresh prefills to the Triton prefill
 kernel, whose work list is built over them alone; the rest to unified_attention,
@@ -46,7 +46,12 @@ which skips every fresh prefill as before. The rule is the same host facts
 long fresh prefill splits exactly as with =1. Why a length threshold: cuDNN's
 gain is attention's matmul rate, which only long prompts need, while its costs
 (a call per request, a graph per new length) are paid per request; a step of
-many short prompts keeps the Triton kernel's single launch.
+many short prompts keeps the Triton kernel's single launch. Why 8192: on an
+H100 (cuDNN 9.19, bench/results/prefill_attention_sdpa_h100.json) cuDNN beat
+the Triton kernel at 8k (68 / 62 % of the matmul rate at 1x8k / 2x8k against
+61 / 58 %) and lost at 4k (54 against 60 % at 1x4k); end to end with 2048 the
+4k point and its TTFT got worse (README, issue 34's long-prompt table), the
+8k ones better. Between 4k and 8k is unmeasured.
 """
 from __future__ import annotations
 
