@@ -17,6 +17,10 @@ without it.
 Async scheduling with a draft model beside the other features: parallel sampling (n = 3,
 seeded: the synchronous engine's tokens), structured output (a choice and a regex, their
 sampling deferred for the token in flight) and the worker-process executor.
+
+Structured output with drafts (as v0.27.1): a choice, a regex and a JSON schema get drafts
+with ngram, the model as its own draft, and that with async scheduling; some are accepted, and
+the outputs equal the same requests' greedy outputs without speculation.
 """
 import re
 
@@ -205,24 +209,93 @@ def test_worker_process_executor(default_model_dir, hf_model, spec_prompts):
         llm.shutdown()
 
 
-def test_structured_output_beside_drafts(default_model_dir, hf_model, spec_prompts, tokenizer):
-    """A structured-output request gets no drafts but shares steps with one that has them: its
-    grammar mask must land on its own logits row (offset by the other rows' draft rows)."""
+def test_structured_output_beside_drafts(default_model_dir, hf_model, spec_prompts, tokenizer, tmp_path):
+    """A structured-output request gets drafts too (v0.27.1), checked against its grammar, and
+    shares steps with a plain one that has them: each of its bitmask rows must land on its own
+    logits rows (its draft positions and bonus, offset by the other rows' draft rows). The run
+    store shows drafts accepted for the structured request itself."""
     from vllm_anatomy.sampling_params import StructuredOutputsParams
-    choices = ["yes, certainly", "no, never"]
-    llm = LLM(default_model_dir, max_model_len=1024,
+    from vllm_anatomy.tracing.reader import open_run
+    llm = LLM(default_model_dir, max_model_len=1024, trace_level="full", trace_dir=str(tmp_path),
               speculative_config={"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1,
                                   "prompt_lookup_max": 3})
     copy = spec_prompts[-1]
-    structured = _chat_ids(tokenizer, "Is the sky blue? Answer yes or no.")
-    outs = llm.generate([{"prompt_token_ids": copy}, {"prompt_token_ids": structured}],
+    outs = llm.generate([{"prompt_token_ids": copy}, {"prompt_token_ids": copy}],
                         [SamplingParams(temperature=0, max_tokens=MAX_TOKENS),
-                         SamplingParams(temperature=0, max_tokens=16,
-                                        structured_outputs=StructuredOutputsParams(choice=choices))],
+                         SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
+                                        structured_outputs=StructuredOutputsParams(regex=COPY_REGEX))],
                         use_tqdm=False)
     _check_equal(hf_model, [copy], [outs[0].outputs[0].token_ids])
-    assert outs[1].outputs[0].text in choices
-    assert llm.get_metrics()["vllm:spec_decode_num_drafts"] > 0
+    assert re.fullmatch(COPY_REGEX, outs[1].outputs[0].text), outs[1].outputs[0].text
+    with open_run(llm.llm_engine.recorder.run_path) as run:
+        verified = [v for s in run.steps() for v in run.verified_drafts(s)]
+    accepted = {r: sum(v.num_accepted for v in verified if v.request_id == r) for r in (outs[0].request_id,
+                                                                                        outs[1].request_id)}
+    assert all(n > 0 for n in accepted.values()), accepted
+
+
+# -- structured output with drafts (v0.27.1: drafts cut where the grammar refuses them, every
+# draft position and the bonus masked) ---------------------------------------------------------
+# The copy task's answer under a regex the prompt's words fit, so prompt lookup (ngram) drafts them.
+COPY_REGEX = r"[A-Za-z ,.]+"
+CHOICES = ["yes, certainly", "no, never"]
+YEAR_SCHEMA = {"type": "object", "properties": {"year": {"type": "integer"}}, "required": ["year"],
+               "additionalProperties": False}
+
+
+def structured_requests(tokenizer) -> tuple[list[dict], list[SamplingParams]]:
+    """A choice, a regex and a JSON schema, greedy."""
+    from vllm_anatomy.sampling_params import StructuredOutputsParams
+    cases = [("Is the sky blue? Answer yes or no.", StructuredOutputsParams(choice=CHOICES)),
+             (COPY, StructuredOutputsParams(regex=COPY_REGEX)),
+             ("In which year did the first humans land on the moon? Answer in JSON.",
+              StructuredOutputsParams(json=YEAR_SCHEMA))]
+    return ([{"prompt_token_ids": _chat_ids(tokenizer, q)} for q, _ in cases],
+            [SamplingParams(temperature=0, max_tokens=MAX_TOKENS, structured_outputs=so) for _, so in cases])
+
+
+def check_structured(texts: list[str]) -> None:
+    import json
+    choice, copied, answer = texts
+    assert choice in CHOICES, choice
+    assert re.fullmatch(COPY_REGEX, copied), copied
+    data = json.loads(answer)
+    assert set(data) == {"year"} and isinstance(data["year"], int), answer
+
+
+@pytest.fixture(scope="module")
+def structured_without_speculation(default_model_dir, tokenizer) -> list[list[int]]:
+    llm = LLM(default_model_dir, max_model_len=1024)
+    outs = llm.generate(*structured_requests(tokenizer), use_tqdm=False)
+    check_structured([o.outputs[0].text for o in outs])
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+@pytest.mark.parametrize("method, async_scheduling", [("ngram", False), ("draft_self", False), ("draft_self", True)])
+def test_structured_output_gets_drafts(default_model_dir, tokenizer, structured_without_speculation, method,
+                                       async_scheduling):
+    """Structured requests alone, with ngram drafts, the model as its own draft, and that with async
+    scheduling (drafts on the device, the refused ones -1 before the bitmask): they get drafts and
+    some are accepted (without drafts for them the counters stay at 0), the outputs hold, and they
+    equal the same requests' greedy outputs without speculation, token for token."""
+    llm = LLM(default_model_dir, max_model_len=1024, async_scheduling=async_scheduling,
+              speculative_config=speculative_config(method, default_model_dir, ""))
+    assert llm.llm_engine.vllm_config.scheduler_config.async_scheduling == async_scheduling
+    outs = llm.generate(*structured_requests(tokenizer), use_tqdm=False)
+    check_structured([o.outputs[0].text for o in outs])
+    assert [list(o.outputs[0].token_ids) for o in outs] == structured_without_speculation
+    m = llm.get_metrics()
+    drafts, drafted = m["vllm:spec_decode_num_drafts"], m["vllm:spec_decode_num_draft_tokens"]
+    accepted = m["vllm:spec_decode_num_accepted_tokens"]
+    assert drafts > 0 and accepted > 0, m
+    if method == "draft_self" and not async_scheduling:
+        # The target agrees with its own drafts wherever the grammar let them through.
+        assert accepted == drafted, m
+    if async_scheduling:
+        # K placeholders per verification; the drafts the grammars refused (-1s) are not counted.
+        # (Drafts past a grammar's stop token, on the device, verify against all-allowed rows
+        # and may count as accepted, as in v0.27.1: accepted may exceed drafted here.)
+        assert drafted < K * drafts, m
 
 
 # -- the Sampler's logits processors at every draft position ------------------------------------

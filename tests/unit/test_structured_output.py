@@ -249,7 +249,7 @@ def test_apply_grammar_bitmask_follows_the_workers_rows(device):
     bitmask = np.zeros((2, 1), dtype=np.int32)
     bitmask[0, 0] = 1 << 5                  # b may only sample token 5
     bitmask[1, 0] = (1 << 1) | (1 << 2)     # a: tokens 1 and 2
-    batch = types.SimpleNamespace(req_id_to_index={"a": 0, "plain": 1, "b": 2})
+    batch = types.SimpleNamespace(req_ids=["a", "plain", "b"], req_id_to_index={"a": 0, "plain": 1, "b": 2})
     no_drafts = types.SimpleNamespace(scheduled_spec_decode_tokens={})     # (a SchedulerOutput's one field read)
     apply_grammar_bitmask(no_drafts, GrammarOutput(["b", "a"], bitmask), batch, logits)
     finite = [set(torch.isfinite(row).nonzero().flatten().tolist()) for row in logits]

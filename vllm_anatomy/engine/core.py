@@ -304,6 +304,12 @@ class EngineCore:
             # NOTE: only now, after step N's update_from_output, are step N's
             # tokens in the grammars: this step's bitmask can be built.
             scheduler_output, exec_future, trace = deferred
+            if self.check_for_draft_tokens and scheduler_output.scheduled_spec_decode_tokens:
+                # The drafts this step verifies (proposed on the device after step N), cut
+                # where the grammars refuse them (-1s) before the bitmask is built over them.
+                draft_token_ids = self.model_executor.take_draft_token_ids()
+                if draft_token_ids is not None:
+                    self.scheduler.update_draft_token_ids_in_output(draft_token_ids, scheduler_output)
             future = self._sample_non_block(scheduler_output, trace)
             batch_queue.appendleft((future, scheduler_output, exec_future, trace))
         return outputs, model_executed

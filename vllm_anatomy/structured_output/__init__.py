@@ -27,17 +27,27 @@ or yields a grammar whose first mask allows no token of this vocabulary finishes
 its request with FINISHED_ERROR and says why in stop_reason (GRAMMAR_ERROR_PREFIX):
 the server answers that with a 400, not a 500 (serving_engine.raise_if_error).
 
+Speculative decoding (as v0.27.1): a structured request's drafts are first cut
+at the first one its grammar refuses (Scheduler.update_draft_token_ids:
+grammar.validate_tokens), then grammar_bitmask gives it one row per draft
+position plus one for the bonus token; the verify step masks each of those
+logits rows (utils.apply_grammar_bitmask):
+
+    drafts [d0, d1]:  row 0 = mask(state)            (what may replace d0)
+                      row 1 = mask(state + d0)       (what may follow d0)
+                      row 2 = mask(state + d0 + d1)  (the bonus token)
+                      then the grammar is rolled back by the 2 advances
+
 Simplified: one backend (xgrammar), no reasoning parser, no parallel bitmask
-filling for batches > 128. With speculative decoding a structured request gets
-no drafts (Scheduler.update_draft_token_ids), so it keeps one bitmask row per
-step (v0.27.1 validates drafts with the grammar and masks every draft position).
-The tokenizer is loaded by the first compile (in the pool), not at start-up.
+filling for batches > 128. The tokenizer is loaded by the first compile (in
+the pool), not at start-up.
 """
 from __future__ import annotations
 
 import logging
 import threading
 import time
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -143,30 +153,58 @@ class StructuredOutputManager:
         logger.warning("Request %s: its grammar failed: %r", request.request_id, str(error)[:500])
         request.stop_reason = f"{GRAMMAR_ERROR_PREFIX}{error}"
 
-    def grammar_bitmask(self, requests: dict[str, Request],
-                        structured_output_request_ids: list[str]) -> np.ndarray | None:
-        """One bitmask row per id, in that order: [len(ids), ceil(vocab_size / 32)] int32."""
+    def grammar_bitmask(self, requests: dict[str, Request], structured_output_request_ids: list[str],
+                        scheduled_spec_decode_tokens: dict[str, list[int]]) -> np.ndarray | None:
+        """[sum over ids of (1 + its scheduled drafts), ceil(vocab_size / 32)] int32: for each id,
+        in that order, one row per draft position and one for the bonus (or only) token."""
         if not structured_output_request_ids:
             return None
         if self._grammar_bitmask is None:
             assert self.backend is not None, "a request with a grammar went through grammar_init"
             max_batch_size = self.vllm_config.scheduler_config.max_num_seqs
-            self._grammar_bitmask = self.backend.allocate_token_bitmask(max_batch_size)
-        bitmask = self._grammar_bitmask
-        for index, req_id in enumerate(structured_output_request_ids):
+            # NOTE: one row per token the verify step may sample: each draft position and the bonus.
+            self._grammar_bitmask = self.backend.allocate_token_bitmask(
+                max_batch_size * (1 + self.vllm_config.num_speculative_tokens))
+        cumulative_index = 0
+        for req_id in structured_output_request_ids:
             struct_request = requests[req_id].structured_output_request
             grammar = struct_request.grammar if struct_request is not None else None
             # NOTE: the scheduler asks only for requests whose grammar compiled.
             assert isinstance(grammar, StructuredOutputGrammar), f"{req_id}: no compiled grammar"
-            if not grammar.is_terminated():
-                grammar.fill_bitmask(bitmask, index)
-            else:
-                # NOTE: a finished grammar constrains nothing (all ones).
-                bitmask[index].fill_(-1)
+            apply_bitmask = True
+            state_advancements = 0
+            for token in scheduled_spec_decode_tokens.get(req_id, ()):
+                self._fill_bitmasks(((grammar, cumulative_index, apply_bitmask),))
+                # NOTE: async scheduling: a -1 stands for a draft the grammar refused
+                # (Scheduler.update_draft_token_ids_in_output); the rows after it
+                # allow everything: the rejection sampler stops at this position.
+                if token == -1:
+                    apply_bitmask = False
+                elif apply_bitmask and not grammar.is_terminated():
+                    # (the drafts were validated: the grammar accepts them)
+                    if not grammar.accept_tokens(req_id, [token]):
+                        raise AssertionError((token, req_id, scheduled_spec_decode_tokens))
+                    state_advancements += 1
+                cumulative_index += 1
+            self._fill_bitmasks(((grammar, cumulative_index, apply_bitmask),))
+            cumulative_index += 1
+            # NOTE: the drafts are not output yet: the grammar goes back to where it stood.
+            if state_advancements > 0:
+                grammar.rollback(state_advancements)
         # NOTE: numpy, not a tensor: much cheaper to send to a worker process. A
         # view of the reused buffer: sample_tokens copies it (or sends it) before
         # the next step refills it.
-        return bitmask[:len(structured_output_request_ids)].numpy()
+        return self._grammar_bitmask[:cumulative_index].numpy()
+
+    def _fill_bitmasks(self, batch: Iterable[tuple[StructuredOutputGrammar, int, bool]]) -> None:
+        """For each (grammar, row, apply_bitmask): that row of the bitmask, the grammar's next-token mask."""
+        assert self._grammar_bitmask is not None
+        for grammar, index, apply_bitmask in batch:
+            if apply_bitmask and not grammar.is_terminated():
+                grammar.fill_bitmask(self._grammar_bitmask, index)
+            else:
+                # NOTE: a finished grammar (or a row after a refused draft) constrains nothing (all ones).
+                self._grammar_bitmask[index].fill_(-1)
 
     def should_advance(self, request: Request) -> bool:
         """Whether the request's sampled tokens advance its grammar (always, without

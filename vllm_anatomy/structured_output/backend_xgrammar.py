@@ -73,8 +73,9 @@ class XgrammarBackend(StructuredOutputBackend):
             ctx = self.compiler.compile_grammar(choice_as_grammar(json.loads(grammar_spec)))
         else:
             raise ValueError(f"grammar is not of valid supported types. ({request_type!s})")
-        # NOTE: v0.27.1 passes max_rollback_tokens (its spec-decode depth); xgrammar
-        # 0.2.9 deprecates it (rollback is always unlimited), and structured requests get no drafts here.
+        # NOTE: v0.27.1 passes max_rollback_tokens (its spec-decode depth: the bitmask of a
+        # request with drafts advances over them, then rolls back); xgrammar 0.2.9
+        # deprecates it (rollback is always unlimited).
         return XgrammarGrammar(matcher=_xgr().GrammarMatcher(ctx),
                                vocab_size=self.vocab_size, ctx=ctx)
 
@@ -106,7 +107,9 @@ class XgrammarGrammar(StructuredOutputGrammar):
     def validate_tokens(self, tokens: list[int]) -> list[int]:
         accepted: list[int] = []
         for token in tokens:
-            if not self.matcher.accept_token(token):
+            # NOTE: (ours) a draft past the stop token is refused without asking the
+            # matcher (which would log a warning for each such draft; same result).
+            if self.matcher.is_terminated() or not self.matcher.accept_token(token):
                 break
             accepted.append(token)
         if accepted:

@@ -25,39 +25,43 @@ def apply_grammar_bitmask(scheduler_output: SchedulerOutput, grammar_output: Gra
     requests; the logits' rows follow the worker's persistent batch (which
     condense() reorders). The rows are re-sorted here into a [R, V/32] mask
     whose other rows are all ones (-1: every token allowed), the way vLLM
-    does it. (One logits row per request: structured requests get no drafts here.)
+    does it. With speculative decoding a request with K drafts has 1 + K
+    logits rows (each draft position, then the bonus) and as many bitmask rows:
+
+        batch   [a (2 drafts), b (none), c (1 draft)]      a, c structured
+        logits  a0 a1 a2 | b0 | c0 c1
+        bitmask a0 a1 a2 c0 c1          -> rows 0 1 2, 4 5 of the sorted mask
     """
     import xgrammar as xgr          # NOTE: imported only by steps that carry a grammar
 
-    bitmask = grammar_output.grammar_bitmask                                   # [S, ceil(V / 32)] int32
-    req_id_to_index = input_batch.req_id_to_index
-    if scheduler_output.scheduled_spec_decode_tokens:
-        # NOTE: speculative decoding: each earlier row's drafts have logits rows
-        # before this row's, so its row is offset by them (as in vLLM).
-        req_id_to_index = _logit_rows(scheduler_output, input_batch)
+    bitmask = grammar_output.grammar_bitmask                                   # [S + drafts, ceil(V / 32)] int32
+    spec_tokens = scheduler_output.scheduled_spec_decode_tokens
+    struct_out_req_ids = set(grammar_output.structured_output_request_ids)
+    # Each structured request's first logits row: earlier rows' drafts come before it.
+    struct_out_req_batch_indices: dict[str, int] = {}
+    cumulative_offset = 0
+    for batch_index, req_id in enumerate(input_batch.req_ids):
+        logit_index = batch_index + cumulative_offset
+        cumulative_offset += len(spec_tokens.get(req_id, ()))
+        if req_id in struct_out_req_ids:
+            struct_out_req_batch_indices[req_id] = logit_index
     sorted_bitmask = np.full((logits.shape[0], bitmask.shape[1]), -1, dtype=np.int32)   # [R, ceil(V / 32)]
     out_indices = []
-    for row, req_id in enumerate(grammar_output.structured_output_request_ids):
-        batch_index = req_id_to_index.get(req_id)
-        if batch_index is not None:       # NOTE: a request that failed to join the batch has no row
-            sorted_bitmask[batch_index] = bitmask[row]
-            out_indices.append(batch_index)
+    cumulative_index = 0
+    for req_id in grammar_output.structured_output_request_ids:
+        num_spec_tokens = len(spec_tokens.get(req_id, ()))
+        # NOTE: a request that failed to join the batch has no rows (its bitmask rows are skipped)
+        if (first_row := struct_out_req_batch_indices.get(req_id)) is not None:
+            for i in range(1 + num_spec_tokens):
+                sorted_bitmask[first_row + i] = bitmask[cumulative_index + i]
+                out_indices.append(first_row + i)
+        cumulative_index += 1 + num_spec_tokens
     mask = torch.from_numpy(sorted_bitmask)
     if logits.is_cuda:
         mask = mask.pin_memory().to(logits.device, non_blocking=True)
     # NOTE: with every row masked, xgrammar needs no index list (one kernel over all rows).
     indices = None if len(out_indices) == logits.shape[0] else out_indices
     xgr.apply_token_bitmask_inplace(logits, mask, indices=indices)
-
-
-def _logit_rows(scheduler_output: SchedulerOutput, input_batch: InputBatch) -> dict[str, int]:
-    """req_id -> its (last) logits row when some requests of the batch have drafts."""
-    spec_tokens = scheduler_output.scheduled_spec_decode_tokens
-    rows, offset = {}, 0
-    for batch_index, req_id in enumerate(input_batch.req_ids):
-        rows[req_id] = batch_index + offset
-        offset += len(spec_tokens.get(req_id, ()))
-    return rows
 
 
 def choice_as_grammar(choice: list[str]) -> str:

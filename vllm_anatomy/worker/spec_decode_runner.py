@@ -314,9 +314,20 @@ class SpecDecodeRunnerMixin:
         self._draft_token_req_ids = list(batch.req_ids)
 
     def take_draft_token_ids(self) -> DraftTokenIds | None:
-        """The last step's drafts, once (EngineCore.post_step hands them to the scheduler)."""
+        """The last step's drafts, once (EngineCore.post_step hands them to the scheduler).
+
+        Async scheduling: the drafts stay on the device (the scheduler sent -1
+        placeholders); EngineCore asks for a host copy only for a step with
+        structured-output requests, to check them against the grammars before
+        the bitmask (v0.27.1: _copy_draft_token_ids_to_cpu). They stay there for
+        the step that splices them in (already launched by then).
+        NOTE (simplified): v0.27.1 copies them on a side stream right after the
+        drafter and waits on that copy's event; here .tolist() waits for the device."""
+        if isinstance(self._draft_token_ids, torch.Tensor) and self._draft_token_req_ids is not None:
+            num_reqs = len(self._draft_token_req_ids)
+            return DraftTokenIds(list(self._draft_token_req_ids), self._draft_token_ids[:num_reqs].tolist())
         if not isinstance(self._draft_token_ids, list) or self._draft_token_req_ids is None:
-            return None     # none, or on the device (async scheduling: the scheduler sent placeholders)
+            return None     # none
         drafts = DraftTokenIds(self._draft_token_req_ids, self._draft_token_ids)
         self._draft_token_ids = self._draft_token_req_ids = None
         return drafts

@@ -67,10 +67,9 @@ class AsyncScheduler(Scheduler):
             # The step's drafts are outputs too, until the rejection sampler says otherwise
             # (the sampled token's placeholder: super()).
             request.num_output_placeholders += len(spec_decode_tokens.get(req_id, ()))
-            # NOTE: no drafts for structured output here (update_draft_token_ids
-            # gives them none either; v0.27.1 validates them against the grammar).
-            if not request.use_structured_output:
-                request.spec_token_ids = self._spec_token_placeholders
+            # NOTE: a structured request's drafts too: EngineCore validates them
+            # against its grammar before this step's bitmask (update_draft_token_ids_in_output).
+            request.spec_token_ids = self._spec_token_placeholders
         # NOTE: ours: the worker proposes drafts only for the requests of the step it
         # just ran, so a running request left out of this one has none to fill its
         # placeholders with: it decodes one token without drafts when it comes back.

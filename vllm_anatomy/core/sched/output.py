@@ -126,6 +126,9 @@ class SchedulerOutput(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False
     # flight, so its grammar cannot say yet what this step may sample; the
     # engine samples this step only after that token is processed.
     pending_structured_output_tokens: bool = False
+    # Async scheduling + speculative decoding: req_id -> how many of its scheduled
+    # drafts its grammar refused (replaced by -1; Scheduler.update_draft_token_ids_in_output).
+    num_invalid_spec_tokens: dict[str, int] | None = None
     # NOTE: a KV connector's per-step plan (loads / saves); none here.
     kv_connector_metadata: None = None
     # Teaching extra (not in vLLM): which step this is. NOTE: the trace

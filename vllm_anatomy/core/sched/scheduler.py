@@ -21,7 +21,9 @@ multimodal inputs); no KV connector, encoder cache, LoRA or pipeline
 parallelism (their attributes exist, set to None).
 Structured output: requests wait in WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
 (in skipped_waiting) until their grammar has compiled, get_grammar_bitmask
-builds each step's bitmask, update_from_output advances the grammars. Async scheduling (output
+builds each step's bitmask, update_from_output advances the grammars. With
+speculative decoding their drafts are cut at the first one the grammar refuses
+(update_draft_token_ids) and every draft position is masked. Async scheduling (output
 placeholders) lives in async_scheduler.py; the few lines here that read
 num_output_placeholders / num_stale_output_tokens / skipped_waiting are
 no-ops without it.
@@ -603,8 +605,9 @@ class Scheduler(SchedulerInterface):
         self.reset_preempted_req_ids = set()
 
     def get_grammar_bitmask(self, scheduler_output: SchedulerOutput) -> GrammarOutput | None:
-        """The step's bitmask: one row per scheduled structured request that samples
-        (a partial prefill chunk does not), in scheduling order.
+        """The step's bitmask: rows for each scheduled structured request that samples
+        (a partial prefill chunk does not), in scheduling order: one per scheduled
+        draft and one for its bonus (or only) token.
 
         NOTE: EngineCore calls this after execute_model has launched the
         forward and before sample_tokens: the rows are filled while the device
@@ -617,8 +620,10 @@ class Scheduler(SchedulerInterface):
             if (req := self.requests.get(req_id)) and req.use_structured_output and not req.is_prefill_chunk]
         if not structured_output_request_ids:
             return None     # e.g. aborted after schedule()
-        bitmask = self.structured_output_manager.grammar_bitmask(self.requests, structured_output_request_ids)
-        assert bitmask is not None          # one row per id, and there are ids
+        # NOTE: speculative decoding: 1 + its scheduled drafts rows per id (StructuredOutputManager).
+        bitmask = self.structured_output_manager.grammar_bitmask(
+            self.requests, structured_output_request_ids, scheduler_output.scheduled_spec_decode_tokens)
+        assert bitmask is not None          # rows for each id, and there are ids
         return GrammarOutput(structured_output_request_ids, bitmask)
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
@@ -681,8 +686,9 @@ class Scheduler(SchedulerInterface):
                         request.num_computed_tokens -= num_rejected
                     if request.num_output_placeholders > 0:
                         request.num_output_placeholders -= num_rejected
-                spec_decoding_stats = self.make_spec_decoding_stats(spec_decoding_stats, num_draft_tokens,
-                                                                    num_accepted)
+                spec_decoding_stats = self.make_spec_decoding_stats(
+                    spec_decoding_stats, num_draft_tokens, num_accepted,
+                    scheduler_output.num_invalid_spec_tokens, req_id)
             stopped = False
             status_before_stop = request.status
             if new_token_ids:
@@ -748,39 +754,75 @@ class Scheduler(SchedulerInterface):
 
         NOTE: called by EngineCore after update_from_output, so a request the
         step finished is gone, and one still in prefill (its sampled token was
-        a guess mid-prompt) keeps none. Structured-output requests get none
-        either: v0.27.1 checks each draft against the grammar and masks every
-        draft position; here they simply decode one token per step."""
+        a guess mid-prompt) keeps none. A structured-output request keeps the
+        drafts its grammar accepts, up to the first one it refuses (a draft the
+        grammar forbids could never be accepted: verifying it wastes its slot
+        and every position after it); get_grammar_bitmask masks each kept one."""
         for req_id, spec_token_ids in zip(draft_token_ids.req_ids, draft_token_ids.draft_token_ids):
             request = self.requests.get(req_id)
             if request is None or request.is_finished():
                 continue
-            if request.is_prefill_chunk or request.use_structured_output:
+            if request.is_prefill_chunk:
                 if request.spec_token_ids:
                     request.spec_token_ids = []
                 continue
+            if self.structured_output_manager.should_advance(request):
+                spec_token_ids = self._validate_spec_tokens(request, spec_token_ids)
             request.spec_token_ids = spec_token_ids
+
+    @staticmethod
+    def _validate_spec_tokens(request: Request, spec_token_ids: list[int]) -> list[int]:
+        """The longest prefix of the drafts the request's grammar accepts (the grammar does not move)."""
+        struct_request = request.structured_output_request
+        assert struct_request is not None and isinstance(struct_request.grammar, StructuredOutputGrammar)
+        return struct_request.grammar.validate_tokens(spec_token_ids)
 
     def update_draft_token_ids_in_output(self, draft_token_ids: DraftTokenIds,
                                          scheduler_output: SchedulerOutput) -> None:
         """Async scheduling: the step was scheduled with -1 draft placeholders (the
-        drafts were on the device); put the drafts it verified in their place, so that
-        update_from_output records them. v0.27.1 calls this for a deferred structured-output
-        step (and validates the drafts against the grammar); ours for every step with
-        drafts (EngineCore._update_from_output), before update_from_output."""
+        drafts were on the device); put the drafts in their place. A structured
+        request's drafts are cut at the first one its grammar refuses and padded
+        back with -1 (num_invalid_spec_tokens counts them): get_grammar_bitmask
+        stops advancing there, and the stats do not count them as drafts.
+
+        NOTE: v0.27.1 calls this for a deferred structured-output step, before its
+        bitmask (EngineCore.step_with_batch_queue); ours does that too, and also
+        for every step with drafts before update_from_output, with the drafts it
+        verified (EngineCore._update_from_output), so that update_from_output
+        records them. The grammar has not moved in between (update_from_output
+        of the step before ran first), so the second call cuts at the same place."""
+        num_invalid_spec_tokens: dict[str, int] = {}
         sched_spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         for req_id, spec_token_ids in zip(draft_token_ids.req_ids, draft_token_ids.draft_token_ids):
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished():
+                continue
             placeholder_spec_tokens = sched_spec_tokens.get(req_id)
             if not placeholder_spec_tokens:
                 continue
-            sched_spec_tokens[req_id] = list(spec_token_ids[:len(placeholder_spec_tokens)])
+            orig_num_spec_tokens = len(placeholder_spec_tokens)
+            spec_token_ids = list(spec_token_ids[:orig_num_spec_tokens])
+            if self.structured_output_manager.should_advance(request):
+                spec_token_ids = self._validate_spec_tokens(request, spec_token_ids)
+            num_invalid_tokens = orig_num_spec_tokens - len(spec_token_ids)
+            if num_invalid_tokens:
+                spec_token_ids.extend([-1] * num_invalid_tokens)
+                num_invalid_spec_tokens[req_id] = num_invalid_tokens
+            sched_spec_tokens[req_id] = spec_token_ids
+        scheduler_output.num_invalid_spec_tokens = num_invalid_spec_tokens
 
     def make_spec_decoding_stats(self, spec_decoding_stats: SpecDecodingStats | None, num_draft_tokens: int,
-                                 num_accepted_tokens: int) -> SpecDecodingStats | None:
+                                 num_accepted_tokens: int, num_invalid_spec_tokens: dict[str, int] | None = None,
+                                 request_id: str = "") -> SpecDecodingStats | None:
         if not self.log_stats or not num_draft_tokens:
             return spec_decoding_stats
         if spec_decoding_stats is None:
             spec_decoding_stats = SpecDecodingStats.new(self.num_spec_tokens)
+        # NOTE: drafts the grammar refused (async: -1s) were never proposals worth counting.
+        # (As in v0.27.1, a draft past the grammar's stop token still verifies against an
+        # all-allowed row and may count as accepted; the stop check drops its token.)
+        if num_invalid_spec_tokens:
+            num_draft_tokens -= num_invalid_spec_tokens.get(request_id, 0)
         spec_decoding_stats.observe_draft(num_draft_tokens=num_draft_tokens, num_accepted_tokens=num_accepted_tokens)
         return spec_decoding_stats
 
@@ -800,14 +842,21 @@ class Scheduler(SchedulerInterface):
         assert struct_output_request is not None
         grammar = struct_output_request.grammar
         assert isinstance(grammar, StructuredOutputGrammar)     # compiled: it was scheduled
-        if grammar.accept_tokens(request.request_id, new_token_ids):
+        # NOTE: speculative decoding hands several tokens at once; fed one by one, so
+        # that a grammar ending before the last (the tokens after its end dropped) is told apart.
+        num_accepted = 0
+        for token in new_token_ids:
+            if not grammar.accept_tokens(request.request_id, [token]):
+                break
+            num_accepted += 1
+        if num_accepted == len(new_token_ids):
             if grammar.is_terminated() and not request.is_finished():
                 request.status = RequestStatus.FINISHED_STOPPED
                 return new_token_ids, True
             return new_token_ids, False
         if grammar.is_completed():
             request.status = RequestStatus.FINISHED_STOPPED
-            return [], True     # (one token per step: no spec decode here)
+            return new_token_ids[:num_accepted], True
         logger.error("Unexpected: grammar rejected tokens %s for request %s. Terminating request.",
                      new_token_ids, request.request_id)
         request.status = RequestStatus.FINISHED_ERROR
