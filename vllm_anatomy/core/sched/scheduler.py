@@ -794,15 +794,17 @@ class Scheduler(SchedulerInterface):
         num_invalid_spec_tokens: dict[str, int] = {}
         sched_spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         for req_id, spec_token_ids in zip(draft_token_ids.req_ids, draft_token_ids.draft_token_ids):
-            request = self.requests.get(req_id)
-            if request is None or request.is_finished():
-                continue
             placeholder_spec_tokens = sched_spec_tokens.get(req_id)
             if not placeholder_spec_tokens:
                 continue
             orig_num_spec_tokens = len(placeholder_spec_tokens)
             spec_token_ids = list(spec_token_ids[:orig_num_spec_tokens])
-            if self.structured_output_manager.should_advance(request):
+            # NOTE: v0.27.1 skips a request that is gone or finished (its -1s stay);
+            # ours still writes its drafts in, unchecked: the step verified them on the
+            # device, and the trace records what was verified (its outputs are dropped).
+            request = self.requests.get(req_id)
+            if request is not None and not request.is_finished() \
+                    and self.structured_output_manager.should_advance(request):
                 spec_token_ids = self._validate_spec_tokens(request, spec_token_ids)
             num_invalid_tokens = orig_num_spec_tokens - len(spec_token_ids)
             if num_invalid_tokens:
