@@ -36,22 +36,15 @@ def apply_grammar_bitmask(scheduler_output: SchedulerOutput, grammar_output: Gra
 
     bitmask = grammar_output.grammar_bitmask                                   # [S + drafts, ceil(V / 32)] int32
     spec_tokens = scheduler_output.scheduled_spec_decode_tokens
-    struct_out_req_ids = set(grammar_output.structured_output_request_ids)
-    # Each structured request's first logits row: earlier rows' drafts come before it.
-    struct_out_req_batch_indices: dict[str, int] = {}
-    cumulative_offset = 0
-    for batch_index, req_id in enumerate(input_batch.req_ids):
-        logit_index = batch_index + cumulative_offset
-        cumulative_offset += len(spec_tokens.get(req_id, ()))
-        if req_id in struct_out_req_ids:
-            struct_out_req_batch_indices[req_id] = logit_index
+    # Without drafts a request's logits row is its batch row.
+    first_logit_rows = _logit_rows(scheduler_output, input_batch) if spec_tokens else input_batch.req_id_to_index
     sorted_bitmask = np.full((logits.shape[0], bitmask.shape[1]), -1, dtype=np.int32)   # [R, ceil(V / 32)]
     out_indices = []
     cumulative_index = 0
     for req_id in grammar_output.structured_output_request_ids:
         num_spec_tokens = len(spec_tokens.get(req_id, ()))
         # NOTE: a request that failed to join the batch has no rows (its bitmask rows are skipped)
-        if (first_row := struct_out_req_batch_indices.get(req_id)) is not None:
+        if (first_row := first_logit_rows.get(req_id)) is not None:
             for i in range(1 + num_spec_tokens):
                 sorted_bitmask[first_row + i] = bitmask[cumulative_index + i]
                 out_indices.append(first_row + i)
@@ -62,6 +55,16 @@ def apply_grammar_bitmask(scheduler_output: SchedulerOutput, grammar_output: Gra
     # NOTE: with every row masked, xgrammar needs no index list (one kernel over all rows).
     indices = None if len(out_indices) == logits.shape[0] else out_indices
     xgr.apply_token_bitmask_inplace(logits, mask, indices=indices)
+
+
+def _logit_rows(scheduler_output: SchedulerOutput, input_batch: InputBatch) -> dict[str, int]:
+    """req_id -> its first logits row: each earlier request's drafts have logits rows before it."""
+    spec_tokens = scheduler_output.scheduled_spec_decode_tokens
+    rows, offset = {}, 0
+    for batch_index, req_id in enumerate(input_batch.req_ids):
+        rows[req_id] = batch_index + offset
+        offset += len(spec_tokens.get(req_id, ()))
+    return rows
 
 
 def choice_as_grammar(choice: list[str]) -> str:
