@@ -1,6 +1,7 @@
 """Where the GPU time of the whole throughput run goes, ours and vLLM's, side by side.
 
     python bench/gpu_breakdown.py [--vllm-site DIR] [--out bench/results/gpu_breakdown_h200.json]
+                                  [--workload nano-vllm|context:4096]
 
 nano-vllm's workload (bench/vs_vllm.py: 256 sequences, prompts and outputs uniform in
 [100, 1024], temperature 0.6, ignore_eos), run once under torch.profiler with CUDA
@@ -13,7 +14,10 @@ Without --vllm-site only ours runs. It reports:
   - kernel time by kind (attention, GEMM, norms, RoPE, KV-cache writes, SiLU, sampling,
     copies, other), each kind's launch count;
   - the roofline floor of the workload (bench/throughput.py's model) against both.
-The profiler slows the host a little, so wall time here is not the throughput number:
+  - the top kernels by time, by name (which attention kernel: prefill or decode).
+--workload context:N profiles one point of bench/scaling.py's context series instead
+(64 sequences of N random prompt tokens, 128 output tokens each): where vLLM's lead
+at long prompts comes from. The profiler slows the host a little, so wall time here is not the throughput number:
 bench/vs_vllm.py measures that, unprofiled. Prints a table and writes JSON.
 """
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import sys
 import time
 
@@ -43,6 +48,21 @@ KINDS = [
     ("copy", ("memcpy", "memset")),
 ]
 NUM_BUCKETS = 20
+TOP_KERNELS = 12
+CONTEXT_NUM_SEQS, CONTEXT_OUTPUT_LEN = 64, 128     # bench/scaling.py's context series
+
+
+def workload(name: str) -> tuple[list[list[int]], list[int], float, int]:
+    """(prompts, max_tokens, temperature, max_model_len) of `nano-vllm` or `context:N`."""
+    if name == "nano-vllm":
+        prompts, max_tokens = nano_vllm_workload(FULL)
+        return prompts, max_tokens, 0.6, 4096
+    kind, _, n = name.partition(":")
+    if kind != "context" or not n.isdigit():
+        raise SystemExit(f"--workload: nano-vllm or context:N (N prompt tokens), not {name!r}")
+    rng = random.Random(0)
+    prompts = [[rng.randint(0, 10000) for _ in range(int(n))] for _ in range(CONTEXT_NUM_SEQS)]
+    return prompts, [CONTEXT_OUTPUT_LEN] * CONTEXT_NUM_SEQS, 0.6, int(n) + CONTEXT_OUTPUT_LEN
 
 
 def kind_of(name: str) -> str:
@@ -80,17 +100,29 @@ def breakdown(intervals: list[tuple[float, float, str]]) -> dict:
             "launches_by_kind": {k: count_by_kind[k] for k in order}}
 
 
-def run_worker(kind: str, model_dir: str) -> dict:
+def top_kernels(intervals: list[tuple[float, float, str]], n: int = TOP_KERNELS) -> list[dict]:
+    """The n kernel names with the most GPU time: name (cut to 90 characters), seconds, launches."""
+    by_name: dict[str, list[float]] = {}
+    for start, end, name in intervals:
+        row = by_name.setdefault(name[:90], [0.0, 0])
+        row[0] += (end - start) / 1e6
+        row[1] += 1
+    ranked = sorted(by_name.items(), key=lambda item: -item[1][0])[:n]
+    return [{"name": name, "seconds": s, "launches": int(k), "kind": kind_of(name)} for name, (s, k) in ranked]
+
+
+def run_worker(kind: str, model_dir: str, workload_name: str = "nano-vllm") -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
-    engine = Engine(kind, model_dir)
+    prompts, max_tokens, temperature, max_model_len = workload(workload_name)
+    engine = Engine(kind, model_dir, max_model_len=max_model_len)
     engine.generate([list(range(1, 9))], [16], 0.0)                  # warm-up, as nano-vllm's bench
-    prompts, max_tokens = nano_vllm_workload(FULL)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        seconds, generated = engine.generate(prompts, max_tokens, 0.6)
+        seconds, generated = engine.generate(prompts, max_tokens, temperature)
     gpu = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    intervals = [(e.time_range.start, e.time_range.end, e.name) for e in gpu]
     result = {"engine": kind, "settings": engine.settings(), "profiled_wall_s": seconds,
-              "output_tokens": generated} | breakdown([(e.time_range.start, e.time_range.end, e.name) for e in gpu])
+              "output_tokens": generated} | breakdown(intervals) | {"top_kernels": top_kernels(intervals)}
     engine.shutdown()
     return result
 
@@ -106,18 +138,25 @@ def print_table(result: dict) -> None:
     for k in kinds:
         print(f"  {k:26s}" + "".join(f"{result[e]['kernel_s_by_kind'].get(k, 0.0):14.3f}" for e in engines))
     print(f"{'roofline floor':28s}" + "".join(f"{result['roofline_floor_s']:14.3f}" for _ in engines))
+    for e in engines:
+        print(f"top kernels, {e}:")
+        for row in result[e].get("top_kernels", []):
+            print(f"  {row['seconds']:8.3f} s {row['launches']:7d}x  {row['kind']:14s} {row['name'][:70]}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--vllm-site", help="the unpacked vLLM 0.26.0 bundle (../shared/peers/vllm/); omit: ours only")
     ap.add_argument("--out", default="bench/results/gpu_breakdown_h200.json")
+    ap.add_argument("--workload", default="nano-vllm",
+                    help="nano-vllm (bench/vs_vllm.py's) or context:N (bench/scaling.py's point of N-token prompts)")
     ap.add_argument("--worker", choices=["ours", "vllm"], help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        print("RESULT " + json.dumps(run_worker(args.worker, args.model_dir)), flush=True)
+        print("RESULT " + json.dumps(run_worker(args.worker, args.model_dir, args.workload)), flush=True)
         return
+    workload(args.workload)                                           # refuse a bad name before any start-up
     import tempfile
 
     import torch
@@ -126,15 +165,17 @@ def main() -> None:
         ours_dir, vllm_dir = os.path.join(tmp, "ours"), os.path.join(tmp, "vllm")
         write_models(ours_dir, vllm_dir, tiny=False)
         copy, mm = ceilings(tiny=False)
-        prompts, max_tokens = nano_vllm_workload(FULL)
+        prompts, max_tokens, _, _ = workload(args.workload)
         result: dict = {"bench": "gpu_breakdown", "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
                         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                        "workload": args.workload,
                         "roofline_floor_s": roofline(prompts, max_tokens, copy["bytes_per_s"],
                                                      mm["flop_per_s"])["floor_seconds"]}
         for kind, key, model_dir in [("ours", "vllm_anatomy", ours_dir), ("vllm", "vllm", vllm_dir)]:
             if kind == "vllm" and not args.vllm_site:
                 continue
-            cmd = [sys.executable, os.path.abspath(__file__), "--worker", kind, "--model-dir", model_dir]
+            cmd = [sys.executable, os.path.abspath(__file__), "--worker", kind, "--model-dir", model_dir,
+                   "--workload", args.workload]
             result[key] = run_subprocess(f"{kind}: profiled throughput run", cmd,
                                          worker_env(kind, args.vllm_site, multiprocess=False), timeout_s=300)
     print_table(result)

@@ -269,6 +269,25 @@ def test_gpu_breakdown_counts_overlap_once_and_sorts_kernels_by_kind(bench):
 
 
 @pytest.mark.fast
+def test_gpu_breakdown_top_kernels_and_the_context_workload(bench):
+    gb = bench.gpu_breakdown
+    top = gb.top_kernels([(0.0, 3.0, "_unified_attention_kernel"), (3.0, 10.0, "nvjet_gemm"),
+                          (10.0, 12.0, "_unified_attention_kernel"), (12.0, 13.0, "x" * 100)], n=2)
+    assert [(r["name"], r["launches"], r["kind"]) for r in top] == [
+        ("nvjet_gemm", 1, "gemm"), ("_unified_attention_kernel", 2, "attention")]
+    assert top[0]["seconds"] == pytest.approx(7e-6) and top[1]["seconds"] == pytest.approx(5e-6)
+    prompts, max_tokens, temperature, max_model_len = gb.workload("context:4096")
+    assert len(prompts) == 64 and {len(p) for p in prompts} == {4096} and set(max_tokens) == {128}
+    assert max_model_len == 4096 + 128 and temperature == 0.6
+    assert gb.workload("context:4096")[0] == prompts             # seeded: both engines get the same prompts
+    nano_prompts, nano_max_tokens, _, nano_len = gb.workload("nano-vllm")
+    assert len(nano_prompts) == 256 and nano_len == 4096
+    for bad in ("context:", "context:4k", "ctx:4096"):
+        with pytest.raises(SystemExit, match="context:N"):
+            gb.workload(bad)
+
+
+@pytest.mark.fast
 def test_throughput_ab_order_ratios_and_isolation_check(bench, tmp_path):
     ab = bench.throughput_ab
     assert ab.order(4) == ["ab", "ba", "ab", "ba"]
