@@ -11,6 +11,8 @@ Without --vllm-site only ours runs. It reports:
   - busy: the union of GPU activity over the profiled span, and that as a fraction
     (1 - busy is the time the GPU waited for the host);
   - busy per twentieth of the run (the start is prefill-heavy, the end has few sequences);
+  - the idle gaps binned by length (< 10 us: launch gaps; < 100 us, < 1 ms: step
+    boundaries; longer: stalls) and the largest few, with where in the run they fall;
   - kernel time by kind (attention, GEMM, norms, RoPE, KV-cache writes, SiLU, sampling,
     copies, other), each kind's launch count;
   - the roofline floor of the workload (bench/throughput.py's model) against both.
@@ -79,11 +81,14 @@ def breakdown(intervals: list[tuple[float, float, str]]) -> dict:
     busy, covered_to = 0.0, float("-inf")
     time_by_kind: dict[str, float] = {}
     count_by_kind: dict[str, int] = {}
+    gaps: list[tuple[float, float]] = []                    # (idle us, offset us) between covered stretches
     for s, e, name in intervals:
         k = kind_of(name)
         time_by_kind[k] = time_by_kind.get(k, 0.0) + (e - s)
         count_by_kind[k] = count_by_kind.get(k, 0) + 1
         # NOTE: kernels on two streams may overlap: busy counts covered time once.
+        if s > covered_to > float("-inf"):
+            gaps.append((s - covered_to, covered_to - start))
         lo = max(s, covered_to)
         if e > lo:
             busy += e - lo
@@ -97,7 +102,24 @@ def breakdown(intervals: list[tuple[float, float, str]]) -> dict:
     return {"span_s": span / 1e6, "busy_s": busy / 1e6, "busy_fraction": busy / span,
             "busy_fraction_by_twentieth": [round(b / (span / NUM_BUCKETS), 4) for b in buckets],
             "kernel_s_by_kind": {k: time_by_kind[k] / 1e6 for k in order},
-            "launches_by_kind": {k: count_by_kind[k] for k in order}}
+            "launches_by_kind": {k: count_by_kind[k] for k in order},
+            "idle_gaps": idle_gaps(gaps, span)}
+
+
+GAP_BINS_US = (10.0, 100.0, 1000.0)                       # launch gaps | step boundaries | stalls
+
+
+def idle_gaps(gaps: list[tuple[float, float]], span_us: float, largest: int = 8) -> dict:
+    """Where the idle time is: gaps binned by length (count, seconds) and the largest few
+    with where in the run they fall (0 = start, 1 = end)."""
+    edges = (0.0,) + GAP_BINS_US + (float("inf"),)
+    bins = []
+    for lo, hi in zip(edges, edges[1:]):
+        inside = [g for g, _ in gaps if lo <= g < hi]
+        bins.append({"from_us": lo, "to_us": None if hi == float("inf") else hi,
+                     "count": len(inside), "seconds": sum(inside) / 1e6})
+    top = sorted(gaps, reverse=True)[:largest]
+    return {"bins": bins, "largest": [{"ms": g / 1e3, "at": round(at / span_us, 4)} for g, at in top]}
 
 
 def top_kernels(intervals: list[tuple[float, float, str]], n: int = TOP_KERNELS) -> list[dict]:
@@ -138,6 +160,12 @@ def print_table(result: dict) -> None:
     for k in kinds:
         print(f"  {k:26s}" + "".join(f"{result[e]['kernel_s_by_kind'].get(k, 0.0):14.3f}" for e in engines))
     print(f"{'roofline floor':28s}" + "".join(f"{result['roofline_floor_s']:14.3f}" for _ in engines))
+    for e in engines:
+        gaps = result[e].get("idle_gaps")
+        if gaps:
+            print(f"idle gaps, {e}: " + ", ".join(
+                f"[{b['from_us']:g}, {b['to_us'] or 'inf'}) us: {b['count']} = {b['seconds']:.3f} s" for b in gaps["bins"])
+                  + "; largest ms (at): " + ", ".join(f"{g['ms']:.2f} ({g['at']:.2f})" for g in gaps["largest"]))
     for e in engines:
         print(f"top kernels, {e}:")
         for row in result[e].get("top_kernels", []):

@@ -266,6 +266,10 @@ def test_gpu_breakdown_counts_overlap_once_and_sorts_kernels_by_kind(bench):
     twentieths = r["busy_fraction_by_twentieth"]               # 2 us each: 0-15 busy, 15-20 idle, 20-40 busy
     assert twentieths[:7] == [1.0] * 7 and twentieths[8:10] == [0.0, 0.0] and twentieths[10:] == [1.0] * 10
     assert twentieths[7] == pytest.approx(0.5)
+    gaps = r["idle_gaps"]                                      # one gap: 15-20 us, a quarter of the way in
+    assert [b["count"] for b in gaps["bins"]] == [1, 0, 0, 0]
+    assert gaps["bins"][0]["seconds"] == pytest.approx(5e-6)
+    assert gaps["largest"] == [{"ms": pytest.approx(5e-3), "at": 0.375}]
 
 
 @pytest.mark.fast
