@@ -57,7 +57,8 @@ def build_attn_metadata(query_lens: Sequence[int], seq_lens: Sequence[int],
             len(block_tables), max_blocks),                  # [R, max_blocks], 0-padded
         slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
         query_start_loc_cpu=query_start_loc_cpu,
-        seq_lens_cpu=seq_lens_cpu,
+        _seq_lens_cpu=seq_lens_cpu,
+        seq_lens_cpu_upper_bound=seq_lens_cpu,
     )
     return torch.tensor(positions, dtype=torch.long, device=device), metadata
 

@@ -215,3 +215,33 @@ def test_backend_decode_batch_split_kv(dtype):
     attrs = impls[1]._attention_launch_attrs(query, meta)
     assert attrs["vllm_anatomy.grid"][-1] == segm.num_par_softmax_segments
     check(outs[1], outs[0], dtype)
+
+
+# -- the unified_attention span's keys: host values only ---------------------------------------
+
+def test_launch_attrs_count_keys_from_the_host_copy_or_its_upper_bound():
+    """num_keys and bytes from the exact host copy; in the padded drafter batch's decode forwards
+    (no exact copy: only the device knows the rejected drafts) from seq_lens_cpu_upper_bound,
+    flagged as such; never by reading the device (a meta tensor cannot be read)."""
+    from dataclasses import replace
+
+    from tests.helpers import build_attn_metadata
+    from vllm_anatomy.attention.backends.triton_attn import TritonAttentionImpl
+    num_heads, num_kv_heads, head_dim, block_size = 4, 2, 64, 16
+    seq_lens = [3, 70, 290]
+    tables = [list(range(i * 19, i * 19 + 19)) for i in range(3)]
+    _, meta = build_attn_metadata([1] * 3, seq_lens, tables, block_size)
+    meta = replace(meta, seq_lens=torch.empty(3, dtype=torch.int32, device="meta"))
+    impl = TritonAttentionImpl(num_heads, head_dim, num_kv_heads, scale=head_dim ** -0.5)
+    query = torch.randn(3, num_heads, head_dim, dtype=torch.bfloat16)
+    exact = impl._attention_launch_attrs(query, meta)
+    assert exact["vllm_anatomy.num_keys"] == sum(seq_lens) == 363
+    assert "vllm_anatomy.num_keys_upper_bound" not in exact
+    # The drafter's k-th decode forward: the first pass's lengths + k, every draft counted as accepted.
+    upper_bound = torch.tensor(seq_lens, dtype=torch.int32) + 2
+    drafter = impl._attention_launch_attrs(query, replace(meta, _seq_lens_cpu=None,
+                                                          seq_lens_cpu_upper_bound=upper_bound))
+    assert drafter["vllm_anatomy.num_keys"] == 369 and drafter["vllm_anatomy.num_keys_upper_bound"] is True
+    # Every extra key is K and V read once: 2 * num_kv_heads * head_dim * 2 bytes (bf16).
+    assert drafter["vllm_anatomy.bytes"] - exact["vllm_anatomy.bytes"] == 6 * 2 * num_kv_heads * head_dim * 2
+    assert exact["vllm_anatomy.bytes"] > 2 * 363 * num_kv_heads * head_dim * 2

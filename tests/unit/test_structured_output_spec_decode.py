@@ -12,6 +12,7 @@ What is pinned (v0.27.1's rules):
   * async scheduling: update_draft_token_ids_in_output replaces refused drafts
     by -1 (num_invalid_spec_tokens), the rows from the first -1 on allow
     everything, and the spec-decode stats do not count the refused drafts;
+    EngineCore checks a step's drafts against the grammar once;
   * apply_grammar_bitmask puts a request's rows on its logits rows: its draft
     positions and its bonus, after the earlier requests' drafts.
 
@@ -30,7 +31,7 @@ from vllm_anatomy.core.request import Request
 from vllm_anatomy.core.sched.async_scheduler import AsyncScheduler
 from vllm_anatomy.core.sched.output import GrammarOutput
 from vllm_anatomy.core.sched.scheduler import Scheduler
-from vllm_anatomy.engine.protocol import FinishReason
+from vllm_anatomy.engine.protocol import EngineCoreOutputs, FinishReason
 from vllm_anatomy.sampling_params import SamplingParams, StructuredOutputsParams
 from vllm_anatomy.structured_output.utils import apply_grammar_bitmask
 from tests.unit.core_utils import new_scheduler
@@ -122,11 +123,9 @@ def test_async_refused_drafts_become_minus_one_and_are_not_counted():
     go = s.get_grammar_bitmask(so2)
     assert [allowed(row) for row in go.grammar_bitmask] == [{tok("b")}, {tok("1")}, ALL, ALL]
     assert grammar_state(s, "s") == before
-    # The step's output: "b" accepted, the -1 rejected for the recovered "1". Its verified drafts come
-    # again with it (EngineCore._update_from_output): cut at the same place.
+    # The step's output: "b" accepted, the -1 rejected for the recovered "1". (EngineCore does not
+    # check its verified drafts again: they are in place already.)
     s.schedule()
-    s.update_draft_token_ids_in_output(DraftTokenIds(["s"], [[tok("b"), tok("x"), tok("2")]]), so2)
-    assert so2.scheduled_spec_decode_tokens == {"s": [tok("b"), -1, -1]}
     outs = s.update_from_output(so2, output(so2, {"s": [tok("b"), tok("1")]}))
     stats = [eco.scheduler_stats for eco in outs.values() if eco.scheduler_stats is not None][0].spec_decoding_stats
     assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (1, 1, 1)
@@ -145,3 +144,108 @@ def test_apply_grammar_bitmask_puts_each_requests_rows_on_its_draft_and_bonus_lo
     apply_grammar_bitmask(so, GrammarOutput(["b", "a"], bitmask), batch, logits)
     finite = [set(torch.isfinite(row).nonzero().flatten().tolist()) for row in logits]
     assert finite == [{1}, {2}, {3}, ALL, ALL, {5}]
+
+
+# -- EngineCore under async scheduling: each step's drafts checked against the grammar once ----------
+class FabricatedExecutor:
+    """Stands in for the workers of an async draft-model engine (no model): every request proposes
+    the drafts DRAFTS[req_id] after every step; a verify step samples what OUTPUT[req_id] says
+    (its drafts up to the first refused one, then the recovered token), and reports the drafts it
+    verified; a step without drafts samples OUTPUT[req_id][:1]."""
+
+    DRAFTS = {"s": [tok("a"), tok("x"), tok("b")], "plain": [5, 6, 7]}
+    OUTPUT = {"s": [tok("a"), tok("b")], "plain": [5, 6, 7, 8]}
+
+    def __init__(self, vllm_config, recorder=None) -> None:
+        self.launched: list = []            # scheduler outputs launched, not yet sampled (FIFO)
+        self.last_req_ids: list[str] = []
+
+    def determine_num_available_blocks(self) -> int:
+        return 100
+
+    def initialize_from_config(self, num_gpu_blocks: int) -> None:
+        pass
+
+    def execute_model(self, scheduler_output, non_block: bool = False):
+        from concurrent.futures import Future
+
+        from vllm_anatomy.core.outputs import EMPTY_MODEL_RUNNER_OUTPUT
+        future: Future = Future()
+        if not scheduler_output.total_num_scheduled_tokens:
+            future.set_result(EMPTY_MODEL_RUNNER_OUTPUT)       # nothing to sample
+            return future
+        self.launched.append(scheduler_output)
+        future.set_result(None)             # (sample_tokens next)
+        return future
+
+    def sample_tokens(self, grammar_output, non_block: bool = False):
+        from concurrent.futures import Future
+
+        from vllm_anatomy.core.outputs import ModelRunnerOutput
+        so = self.launched.pop(0)
+        req_ids = list(so.num_scheduled_tokens)
+        num_drafts = [len(so.scheduled_spec_decode_tokens.get(r, ())) for r in req_ids]
+        sampled = [self.OUTPUT[r] if n else self.OUTPUT[r][:1] for r, n in zip(req_ids, num_drafts)]
+        self.last_req_ids = req_ids
+        future: Future = Future()
+        future.set_result(ModelRunnerOutput(
+            req_ids, {r: i for i, r in enumerate(req_ids)}, sampled,
+            verified_draft_token_ids=[self.DRAFTS[r][:n] for r, n in zip(req_ids, num_drafts)]))
+        return future
+
+    def take_draft_token_ids(self) -> DraftTokenIds | None:
+        return DraftTokenIds(list(self.last_req_ids), [list(self.DRAFTS[r]) for r in self.last_req_ids])
+
+    def shutdown(self) -> None:
+        pass
+
+
+def test_async_engine_checks_a_structured_requests_drafts_once_per_step(monkeypatch):
+    """v0.27.1's EngineCore.step_with_batch_queue checks a deferred structured step's drafts
+    (update_draft_token_ids_in_output, before its bitmask) and never again; ours once too,
+    though it also writes the verified drafts of undeferred steps for the records."""
+    from vllm_anatomy.engine.core import EngineCore
+    from vllm_anatomy.structured_output.backend_xgrammar import XgrammarGrammar
+    spec = SpeculativeConfig(num_speculative_tokens=K, method="draft_model", model="fake-draft")
+    config = VllmConfig(ModelConfig(model="fake", max_model_len=64), CacheConfig(block_size=16),
+                        SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=64,
+                                        async_scheduling=True),
+                        speculative_config=spec)
+    validated: list[list[int]] = []
+    validate = XgrammarGrammar.validate_tokens
+    monkeypatch.setattr(XgrammarGrammar, "validate_tokens",
+                        lambda self, tokens: validated.append(list(tokens)) or validate(self, tokens))
+    engine = EngineCore(config, executor_class=FabricatedExecutor)
+    try:
+        manager = make_manager(config)
+        engine.structured_output_manager = engine.scheduler.structured_output_manager = manager
+        add(engine.scheduler, make_request("s", regex="[ab]+"))
+        add(engine.scheduler, make_request("plain"))
+        verified: list[tuple[list[int], dict | None]] = []     # ("s"'s drafts, num_invalid) per step
+        update = engine.scheduler.update_from_output
+
+        def spy(scheduler_output, model_output):
+            if "s" in scheduler_output.scheduled_spec_decode_tokens:
+                verified.append((list(scheduler_output.scheduled_spec_decode_tokens["s"]),
+                                 scheduler_output.num_invalid_spec_tokens))
+            return update(scheduler_output, model_output)
+        engine.scheduler.update_from_output = spy
+        outs = []
+        for _ in range(30):
+            if not engine.has_work():
+                break
+            outs.append(engine.step_fn()[0])
+        assert not engine.has_work()
+    finally:
+        engine.shutdown()
+    tokens = {o.request_id: [] for eco in outs for o in eco.get(0, EngineCoreOutputs()).outputs}
+    for eco in outs:
+        for o in eco.get(0, EngineCoreOutputs()).outputs:
+            tokens[o.request_id] += o.new_token_ids
+            assert o.finish_reason != FinishReason.ERROR
+    assert tokens["s"] == [tok("a")] + [tok("a"), tok("b")] * 3 + [tok("a")]     # max_tokens 8
+    # Every verify step of "s": its drafts cut at "x" (-1s after), counted as invalid ...
+    assert len(verified) >= 3
+    assert all(v == ([tok("a"), -1, -1], {"s": 2}) for v in verified), verified
+    # ... and checked against its grammar once per step (the plain request has no grammar).
+    assert validated == [FabricatedExecutor.DRAFTS["s"]] * len(verified)

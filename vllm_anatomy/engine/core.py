@@ -342,8 +342,12 @@ class EngineCore:
     def _update_from_output(self, scheduler_output: SchedulerOutput, model_output: ModelRunnerOutput,
                             trace: StepTrace | NullStepTrace) -> dict[int, EngineCoreOutputs]:
         with trace.update_from_output():
-            if model_output.verified_draft_token_ids is not None:
+            if model_output.verified_draft_token_ids is not None and scheduler_output.num_invalid_spec_tokens is None:
                 # Async speculative decoding: the drafts this step verified, over the -1 placeholders.
+                # NOTE: not for a deferred step whose drafts step_with_batch_queue already put
+                # in place (num_invalid_spec_tokens set), checked against the grammars before its
+                # bitmask: the same drafts against the same grammar states would be cut at the
+                # same place again. v0.27.1 checks a step's drafts once.
                 self.scheduler.update_draft_token_ids_in_output(
                     DraftTokenIds(model_output.req_ids, model_output.verified_draft_token_ids), scheduler_output)
             errors = self._finish_error_requests(model_output.error_req_ids)

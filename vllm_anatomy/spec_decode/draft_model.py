@@ -255,7 +255,8 @@ class DraftModelProposer:
             max_seq_len=int(seq_lens.max()), query_start_loc=reqs.gpu[j, 0, :num_reqs + 1],
             seq_lens=reqs.gpu[j, 1, :num_reqs], block_table=req_block_table,
             slot_mapping=self.slot_mapping[:num_tokens],
-            query_start_loc_cpu=reqs.cpu[j, 0, :num_reqs + 1], seq_lens_cpu=reqs.cpu[j, 1, :num_reqs])
+            query_start_loc_cpu=reqs.cpu[j, 0, :num_reqs + 1], _seq_lens_cpu=reqs.cpu[j, 1, :num_reqs],
+            seq_lens_cpu_upper_bound=reqs.cpu[j, 1, :num_reqs])             # (the host knows them: exact)
         if mode is CUDAGraphMode.PIECEWISE:
             return self.cudagraph_runner.replay_piecewise(padded, metadata)                     # [N, H]
         return self.model(self.input_ids[:num_tokens], self.positions[:num_tokens], self.kv_caches, metadata)
@@ -329,17 +330,27 @@ class DraftModelProposer:
         proposed = [drafts]
         # Draft 1's position, on the device (positions[bonus] + 1).
         position = self.positions[bonus_index] + 1                                          # [R]
-        max_seq_len = int((starts + query_lens).max()) + self.num_speculative_tokens
+        # NOTE: the host's view of the decode forwards' seq_lens, as v0.27.1's
+        # SpecDecodeBaseProposer: the first pass's (exact: the padded layout) are an upper
+        # bound from here, since the rejected drafts' slots drop out on the device only
+        # (exact when all were accepted); each forward adds one token
+        # (_update_positions_dependent_metadata bumps seq_lens_cpu_upper_bound by 1).
+        # No exact host copy (v0.27.1 sets _seq_lens_cpu to None), so nothing waits.
+        seq_lens_cpu_upper_bound = starts + query_lens                                      # [R]
         for _ in range(self.num_speculative_tokens - 1):
-            drafts = self._decode_step_padded(input_batch, num_reqs, position, drafts, discard_d, max_seq_len)
+            # (at most max_model_len, as the device's seq_lens: their positions are clamped)
+            seq_lens_cpu_upper_bound = np.minimum(seq_lens_cpu_upper_bound + 1, self.max_model_len)
+            drafts = self._decode_step_padded(input_batch, num_reqs, position, drafts, discard_d,
+                                              seq_lens_cpu_upper_bound)
             position = position + 1
             proposed.append(drafts)
         return torch.stack(proposed, dim=1)                                                 # [R, K]
 
     def _decode_step_padded(self, input_batch: InputBatch, num_reqs: int, positions: torch.Tensor,
-                            token_ids: torch.Tensor, no_write: torch.Tensor, max_seq_len: int) -> torch.Tensor:
+                            token_ids: torch.Tensor, no_write: torch.Tensor,
+                            seq_lens_cpu_upper_bound: np.ndarray) -> torch.Tensor:
         """One token per row at device-side `positions` [R] -> the next draft [R]. Slots and
-        seq_lens are computed on the device; max_seq_len is a host upper bound."""
+        seq_lens are computed on the device; seq_lens_cpu_upper_bound [R] is the host's bound."""
         mode, batch_descriptor = self.cudagraph_dispatcher.dispatch(num_reqs, valid_modes=DRAFTER_CUDAGRAPH_MODES)
         padded = batch_descriptor.num_tokens
         self.last_forwards.append((mode, num_reqs, padded))
@@ -360,13 +371,17 @@ class DraftModelProposer:
         reqs = self._staging_reqs
         reqs.np[j, 0, :num_reqs + 1] = np.arange(num_reqs + 1)
         reqs.gpu[j, 0, :num_reqs + 1].copy_(reqs.cpu[j, 0, :num_reqs + 1], non_blocking=True)
-        # NOTE: no host copy of seq_lens: the torch and cpu backends then read the device
-        # tensor (free on a CPU; a wait on a GPU, whose Triton kernels need none).
+        reqs.np[j, 1, :num_reqs] = seq_lens_cpu_upper_bound          # (host only: never copied to the device)
+        # NOTE: no exact host copy of seq_lens (_seq_lens_cpu None): the Triton kernels
+        # read the device's, the trace counts keys from the upper bound, and the torch
+        # and cpu backends, which mask keys by the exact lengths, read the device once
+        # per forward (AttentionMetadata.seq_lens_cpu: free on a CPU, a wait on a GPU).
         metadata = AttentionMetadata(
-            num_actual_tokens=num_reqs, num_reqs=num_reqs, max_query_len=1, max_seq_len=max_seq_len,
-            query_start_loc=reqs.gpu[j, 0, :num_reqs + 1], seq_lens=(clamped + 1).int(), block_table=block_table,
-            slot_mapping=self.slot_mapping[:num_reqs], query_start_loc_cpu=reqs.cpu[j, 0, :num_reqs + 1],
-            seq_lens_cpu=None)
+            num_actual_tokens=num_reqs, num_reqs=num_reqs, max_query_len=1,
+            max_seq_len=int(seq_lens_cpu_upper_bound.max()), query_start_loc=reqs.gpu[j, 0, :num_reqs + 1],
+            seq_lens=(clamped + 1).int(), block_table=block_table, slot_mapping=self.slot_mapping[:num_reqs],
+            query_start_loc_cpu=reqs.cpu[j, 0, :num_reqs + 1], _seq_lens_cpu=None,
+            seq_lens_cpu_upper_bound=reqs.cpu[j, 1, :num_reqs])
         if mode is CUDAGraphMode.PIECEWISE:
             hidden = self.cudagraph_runner.replay_piecewise(padded, metadata)
         else:

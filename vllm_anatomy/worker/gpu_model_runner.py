@@ -505,8 +505,8 @@ class GPUModelRunner(ModelRunnerStartupMixin, AsyncSchedulingMixin, SpecDecodeRu
             max_query_len=max_query_len, max_seq_len=int(self.seq_lens.np[:num_reqs].max()),
             query_start_loc=self.query_start_loc.gpu[:num_reqs + 1], seq_lens=self.seq_lens.gpu[:num_reqs],
             block_table=block_table.get_device_tensor(num_reqs), slot_mapping=block_table.slot_mapping[:total],
-            query_start_loc_cpu=self.query_start_loc.cpu[:num_reqs + 1], seq_lens_cpu=self.seq_lens.cpu[:num_reqs],
-            kernel_timer=self.tracer.kernel_timer)
+            query_start_loc_cpu=self.query_start_loc.cpu[:num_reqs + 1], _seq_lens_cpu=self.seq_lens.cpu[:num_reqs],
+            seq_lens_cpu_upper_bound=self.seq_lens.cpu[:num_reqs], kernel_timer=self.tracer.kernel_timer)
 
     def _model_forward(self, num_tokens: int, attn_metadata: AttentionMetadata) -> torch.Tensor:
         return self.model(self.input_ids.gpu[:num_tokens], self.positions.gpu[:num_tokens],

@@ -174,7 +174,8 @@ class ModelRunnerStartupMixin:
             # so with it switched on these fresh dummy prefills compile the prefill
             # kernel here. (Captured graphs get none: they never split.)
             qsl = torch.arange(num_reqs + 1, dtype=torch.int32).mul_(query_len).clamp_(max=num_tokens)
-            metadata.query_start_loc_cpu, metadata.seq_lens_cpu = qsl, qsl[1:] - qsl[:-1]
+            metadata.query_start_loc_cpu = qsl
+            metadata._seq_lens_cpu = metadata.seq_lens_cpu_upper_bound = qsl[1:] - qsl[:-1]
             hidden = self._model_forward(num_tokens, metadata)
             self._dummy_sampler_run(hidden[:num_reqs])
 

@@ -36,7 +36,18 @@ class AttentionMetadata:
     # CPU copies of the small index tensors, for backends that loop on the host
     # (the torch reference backend). Never read by GPU kernels.
     query_start_loc_cpu: torch.Tensor | None = None
-    seq_lens_cpu: torch.Tensor | None = None
+    # [R] the exact host copy of seq_lens, or None where only the device knows them
+    # (the padded drafter batch's decode forwards). Read it through the seq_lens_cpu
+    # property (which copies from the device when it is None), or read this field
+    # directly where a device read must not happen.
+    _seq_lens_cpu: torch.Tensor | None = None
+    # [R] a host upper bound of seq_lens: exact wherever _seq_lens_cpu is set; in the
+    # padded drafter batch's decode forwards (async scheduling) it assumes every draft
+    # was accepted, since only the device knows how many were rejected.
+    # NOTE: v0.27.1's wording: "precise for prefill rows and for all rows outside async
+    # spec decode; optimistic for async-spec decode rows". Fit to size a buffer or to
+    # count bytes for a trace; never to mask keys, where a row's exact length is needed.
+    seq_lens_cpu_upper_bound: torch.Tensor | None = None
     # Each kernel launch runs inside `with kernel_timer.kernel(...)`: the
     # DeviceTimer when a full trace times launches (an eager step on a GPU;
     # never inside a CUDA graph), else a null timer whose `with` does nothing.
@@ -45,6 +56,19 @@ class AttentionMetadata:
     # (((block_q, sdpa_min_len), PrefillSplit | None), prefill_split.py), computed
     # by the first layer that asks and reused by the others; None until then.
     prefill_split: Any = None
+
+    @property
+    def seq_lens_cpu(self) -> torch.Tensor:
+        """seq_lens on the host: the exact copy, or (once, then kept) a copy from the device.
+
+        NOTE: as v0.27.1's (deprecated) CommonAttentionMetadata.seq_lens_cpu:
+        without a host copy this waits for the device (a sync on a GPU), so a
+        backend that loops on the host reads the device once per forward, not
+        once per layer; the runner and the drafter fill _seq_lens_cpu wherever
+        the host knows the values, and then nothing waits."""
+        if self._seq_lens_cpu is None:
+            self._seq_lens_cpu = self.seq_lens.to("cpu")
+        return self._seq_lens_cpu
 
 
 class AttentionImpl:

@@ -175,10 +175,12 @@ def _gather(cache: torch.Tensor, block_ids: torch.Tensor, num_seqs: int, seq_len
 
 
 def _build_plan(md: AttentionMetadata, block_size: int) -> _StepPlan:
-    # The loop bounds must be Python ints: read the host copies.
+    # The loop bounds must be Python ints: read the host copies. The lengths must be
+    # exact (they mask the keys): never seq_lens_cpu_upper_bound; the seq_lens_cpu
+    # property copies them from the device when the host has none (once: the plan is kept).
     query_start_loc = (md.query_start_loc_cpu if md.query_start_loc_cpu is not None
                        else md.query_start_loc).tolist()
-    seq_lens = (md.seq_lens_cpu if md.seq_lens_cpu is not None else md.seq_lens).tolist()
+    seq_lens = md.seq_lens_cpu.tolist()
     num_reqs = md.num_reqs
     block_table = md.block_table
     decodes = [i for i in range(num_reqs) if query_start_loc[i + 1] - query_start_loc[i] == 1]

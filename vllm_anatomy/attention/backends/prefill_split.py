@@ -110,7 +110,8 @@ def split_fresh_prefills(attn_metadata: AttentionMetadata, block_q: int, device:
 
 def _build_split(attn_metadata: AttentionMetadata, block_q: int, device: torch.device,
                  sdpa_min_len: int | None) -> PrefillSplit | None:
-    qsl_cpu, seq_lens_cpu = attn_metadata.query_start_loc_cpu, attn_metadata.seq_lens_cpu
+    # (the exact host copy only: a split without it would wait for the device)
+    qsl_cpu, seq_lens_cpu = attn_metadata.query_start_loc_cpu, attn_metadata._seq_lens_cpu
     if qsl_cpu is None or seq_lens_cpu is None:
         return None
     num_reqs = attn_metadata.num_reqs

@@ -61,8 +61,11 @@ class TorchReferenceImpl(AttentionImpl):
         key_cache, value_cache = kv_cache.unbind(0)
         block_size = key_cache.shape[1]
         # The loop bounds must be Python ints: read the host copies (no device sync).
+        # NOTE: exact lengths, never seq_lens_cpu_upper_bound: they mask the keys. Where
+        # the host has no exact copy (the padded drafter batch's decode forwards), the
+        # seq_lens_cpu property reads the device once per forward and keeps the copy.
         query_start_loc = _host(attn_metadata.query_start_loc_cpu, attn_metadata.query_start_loc)
-        seq_lens = _host(attn_metadata.seq_lens_cpu, attn_metadata.seq_lens)
+        seq_lens = attn_metadata.seq_lens_cpu.tolist()
         decode_reqs = [i for i in range(attn_metadata.num_reqs)
                        if query_start_loc[i + 1] - query_start_loc[i] == 1]
         if decode_reqs:
@@ -132,7 +135,7 @@ class TorchReferenceImpl(AttentionImpl):
 
 def _host(cpu_copy: torch.Tensor | None, tensor: torch.Tensor) -> list[int]:
     # NOTE: falling back to tensor.tolist() on a GPU tensor would be a hidden
-    # CPU<->GPU sync; the runner fills the *_cpu fields so this never happens there.
+    # CPU<->GPU sync; the runner and the drafter fill query_start_loc_cpu, so this never happens there.
     return (cpu_copy if cpu_copy is not None else tensor).tolist()
 
 

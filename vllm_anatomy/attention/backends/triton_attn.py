@@ -238,8 +238,14 @@ class TritonAttentionImpl(AttentionImpl):
                                 split: PrefillSplit | None = None) -> dict:
         num_tokens = attn_metadata.num_actual_tokens
         item = query.element_size()
-        seq_lens_cpu = attn_metadata.seq_lens_cpu
-        num_keys = int(seq_lens_cpu.sum()) if seq_lens_cpu is not None else 0
+        # NOTE: the keys from the host's values, never from the device (describing a
+        # launch must not wait for it): the exact copy where there is one, else the
+        # upper bound (the padded drafter batch's decode forwards under async
+        # scheduling, where only the device knows how many drafts were rejected:
+        # every draft counted as accepted), and the span says which.
+        exact, upper_bound = attn_metadata._seq_lens_cpu, attn_metadata.seq_lens_cpu_upper_bound
+        host_seq_lens = exact if exact is not None else upper_bound
+        num_keys = int(host_seq_lens.sum()) if host_seq_lens is not None else 0
         num_work_tokens, max_query_len = num_tokens, attn_metadata.max_query_len
         if split is not None:   # the fresh prefills' programs exit at once
             num_work_tokens, num_keys = split.num_other_tokens, split.num_other_keys
@@ -256,8 +262,12 @@ class TritonAttentionImpl(AttentionImpl):
             moved += 2 * num_tokens * self.num_heads * segments * (self.head_dim + 2) * 4
         grid = ua.default_grid(num_tokens, attn_metadata.num_reqs, self.num_heads, self.num_kv_heads,
                                self.head_dim, max_query_len, segments)
-        return {"vllm_anatomy.grid": list(grid), "vllm_anatomy.num_tokens": num_tokens,
-                "vllm_anatomy.num_reqs": attn_metadata.num_reqs, "vllm_anatomy.bytes": moved}
+        attrs = {"vllm_anatomy.grid": list(grid), "vllm_anatomy.num_tokens": num_tokens,
+                 "vllm_anatomy.num_reqs": attn_metadata.num_reqs, "vllm_anatomy.num_keys": num_keys,
+                 "vllm_anatomy.bytes": moved}
+        if exact is None and upper_bound is not None:
+            attrs["vllm_anatomy.num_keys_upper_bound"] = True
+        return attrs
 
 
 class TritonAttentionBackend(AttentionBackend):

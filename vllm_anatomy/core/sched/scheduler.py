@@ -786,11 +786,12 @@ class Scheduler(SchedulerInterface):
         stops advancing there, and the stats do not count them as drafts.
 
         NOTE: v0.27.1 calls this for a deferred structured-output step, before its
-        bitmask (EngineCore.step_with_batch_queue); ours does that too, and also
-        for every step with drafts before update_from_output, with the drafts it
+        bitmask (EngineCore.step_with_batch_queue); ours does that too, and, for a
+        step with drafts not deferred, before update_from_output, with the drafts it
         verified (EngineCore._update_from_output), so that update_from_output
-        records them. The grammar has not moved in between (update_from_output
-        of the step before ran first), so the second call cuts at the same place."""
+        records them where v0.27.1 leaves the -1s. Once per step: a structured
+        request's drafts always come in a deferred step (its previous token was in
+        flight when they were scheduled), so its grammar checks them once."""
         num_invalid_spec_tokens: dict[str, int] = {}
         sched_spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         for req_id, spec_token_ids in zip(draft_token_ids.req_ids, draft_token_ids.draft_token_ids):
