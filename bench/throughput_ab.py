@@ -19,7 +19,8 @@ is staged here first, into .gpu/, which git ignores, and carried):
 A tree is a directory holding a `vllm_anatomy/` package (default: this checkout). The
 package imports nothing from outside its folder (only the CLI's `lesson` and `dashboard`
 commands read ../lessons and ../dashboard), so `--export REV DIR` writes just
-`git archive REV vllm_anatomy` into DIR, with a marker file naming REV. Give the same tree
+`git archive REV vllm_anatomy` into DIR (and any subpackage REV's pyproject.toml maps to
+another folder, put back in place), with a marker file naming REV. Give the same tree
 and environment twice (an A/A run) to see the noise floor of the card itself.
 
 Each measurement is a fresh subprocess with PYTHONPATH = the variant's tree, then whatever
@@ -62,6 +63,7 @@ import sys
 import tarfile
 import tempfile
 import time
+import tomllib
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -124,14 +126,32 @@ def export(rev: str, dest: str) -> None:
         sys.exit(f"--export: {rev!r} is not a commit of {ROOT}")
     if os.path.exists(os.path.join(dest, "vllm_anatomy")):
         sys.exit(f"--export: {dest}/vllm_anatomy exists already (remove it first)")
-    archive = subprocess.run(["git", "-C", ROOT, "archive", full, "vllm_anatomy"], capture_output=True, check=True)
     os.makedirs(dest, exist_ok=True)
-    with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
-        tar.extractall(dest, filter="data")
+    for package, folder in package_folders(full).items():
+        archive = subprocess.run(["git", "-C", ROOT, "archive", f"{full}:{folder}"], capture_output=True, check=True)
+        target = os.path.join(dest, *package.split("."))
+        os.makedirs(target, exist_ok=True)
+        with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
+            tar.extractall(target, filter="data")
     with open(os.path.join(dest, MARKER), "w") as f:
         json.dump({"rev": full, "subject": git(ROOT, "log", "-1", "--format=%s", full), "source": "--export",
                    "exported_at": time.strftime("%Y-%m-%dT%H:%M:%S")}, f, indent=2)
     print(f"exported {full[:12]} into {dest}: carry it and pass --a {dest}")
+
+
+def package_folders(rev: str) -> dict[str, str]:
+    """{package: folder in REV's tree} of vllm_anatomy and every subpackage REV's pyproject.toml
+    maps elsewhere ([tool.setuptools.package-dir]).
+
+    NOTE: from 2026-12-05 to 2026-12-06 the Triton kernels lived in the repo's top-level
+    `kernels/` and were installed as `vllm_anatomy.kernels`; an export of such a commit must
+    put them back under the package, or its engine fails to import them."""
+    folders = {"vllm_anatomy": "vllm_anatomy"}
+    text = git(ROOT, "show", f"{rev}:pyproject.toml")
+    if text:
+        mapped = tomllib.loads(text).get("tool", {}).get("setuptools", {}).get("package-dir", {})
+        folders |= {pkg: folder for pkg, folder in mapped.items() if pkg.startswith("vllm_anatomy.")}
+    return folders
 
 
 def order(rounds: int) -> list[str]:

@@ -292,6 +292,29 @@ def test_gpu_breakdown_top_kernels_and_the_context_workload(bench):
 
 
 @pytest.mark.fast
+def test_throughput_ab_export_puts_a_remapped_subpackage_back(bench, tmp_path, monkeypatch):
+    """A commit whose pyproject.toml installs kernels/ as vllm_anatomy.kernels (this repo's
+    layout of 2026-12-05/06) exports with the kernels inside the package."""
+    repo = tmp_path / "repo"
+    (repo / "vllm_anatomy").mkdir(parents=True)
+    (repo / "kernels").mkdir()
+    (repo / "vllm_anatomy" / "__init__.py").write_text("")
+    (repo / "kernels" / "__init__.py").write_text("")
+    (repo / "kernels" / "unified_attention.py").write_text("X = 1\n")
+    (repo / "pyproject.toml").write_text('[tool.setuptools.package-dir]\n"vllm_anatomy.kernels" = "kernels"\n')
+    for cmd in (["init", "-q"], ["add", "-A"],
+                ["-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "layout"]):
+        subprocess.run(["git", "-C", str(repo), *cmd], check=True)
+    monkeypatch.setattr(bench.throughput_ab, "ROOT", str(repo))
+    assert bench.throughput_ab.package_folders("HEAD") == {"vllm_anatomy": "vllm_anatomy",
+                                                           "vllm_anatomy.kernels": "kernels"}
+    dest = tmp_path / "export"
+    bench.throughput_ab.export("HEAD", str(dest))
+    assert (dest / "vllm_anatomy" / "kernels" / "unified_attention.py").read_text() == "X = 1\n"
+    assert (dest / "vllm_anatomy" / "__init__.py").exists() and not (dest / "kernels").exists()
+
+
+@pytest.mark.fast
 def test_throughput_ab_order_ratios_and_isolation_check(bench, tmp_path):
     ab = bench.throughput_ab
     assert ab.order(4) == ["ab", "ba", "ab", "ba"]
