@@ -164,3 +164,42 @@ def _num_layers(model_dir: str) -> int:
     import json
     import pathlib
     return json.loads((pathlib.Path(model_dir) / "config.json").read_text())["num_hidden_layers"]
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_step_inspector_shows_the_drafter_on_the_device_lane(runs, mode, monkeypatch, tmp_path, tiny_llama_dir):
+    """The Worker tab of a verify step: the device lane's header counts the drafter's forwards, the
+    kernel tables name each launch's model (the target's, or draft forward j), and the slot-mapping
+    note counts only the target's K/V writes (one per layer)."""
+    import os
+    import shutil
+
+    from streamlit.testing.v1 import AppTest
+    path = runs[mode][0]
+    shutil.copy(path, tmp_path / os.path.basename(path))
+    with open_run(path) as run:
+        verify = min(s.attributes["vllm_anatomy.step_id"] for s in run.spans("EngineCore.step")
+                     if "vllm_anatomy.spec_decode.num_drafts" in s.attributes)
+    monkeypatch.setenv("VLLM_ANATOMY_TRACE_DIR", str(tmp_path))
+    monkeypatch.delenv("VLLM_ANATOMY_SAMPLES_DIR", raising=False)
+    app = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                       "dashboard", "app.py")
+    at = AppTest.from_file(app, default_timeout=120)
+    at.query_params.update({"run": os.path.basename(path), "page": "inspector", "step": str(verify),
+                            "tab": "Worker (model runner)"})
+    at.run()
+    assert not at.exception and not at.error, [e.value for e in [*at.exception, *at.error]]
+    text = "\n".join(m.value for m in [*at.markdown, *at.caption])
+    num_layers = _num_layers(tiny_llama_dir)
+    assert f"**Device lane** · step {verify} ·" in text and f"({K} forwards) · {num_layers} layer spans" in text
+    assert "the draft model proposes the next step's drafts" in text
+    assert ("nothing in the step waits for it" in text) == (mode == "async")
+    frames = {tuple(df.value.columns): df.value for df in at.dataframe}
+    summary = next(v for k, v in frames.items() if k[:3] == ("model", "kernel", "launches"))
+    per = {(m, k): n for m, k, n in zip(summary["model"], summary["kernel"], summary["launches"])}
+    assert per == {("target", "compute_slot_mapping"): 1, ("target", "reshape_and_cache"): num_layers,
+                   ("target", "unified_attention"): num_layers, ("draft", "reshape_and_cache"): K * num_layers,
+                   ("draft", "unified_attention"): K * num_layers}
+    launches = next(v for k, v in frames.items() if k[:3] == ("model", "layer", "kernel"))
+    assert set(launches["model"]) == {"target", *(f"draft {j}" for j in range(K))}
+    assert f"**{num_layers} launches**" in text            # the slot mapping's writes: the target's
