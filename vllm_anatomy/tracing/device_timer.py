@@ -215,13 +215,15 @@ class DeviceTimer:
     def _record_intervals(self, intervals: list, when: Callable[[Any, int], int],
                           holders: list[tuple[int, int, Any]], default: Any, common: dict[str, Any]) -> None:
         """The spans of timed intervals, each in the innermost holder that holds it (`default`
-        if none): the holding intervals first (HOLDER_SPANS, longest first), then the rest."""
+        if none): the holding intervals first (HOLDER_SPANS, outer kinds first: one kind never
+        holds its own), then the rest."""
         recorder = self.recorder
         resolved = [(name, when(start, host_ns), when(end, host_ns), attrs)
                     for name, start, end, attrs, host_ns in intervals]
-        for name, b, e, attrs in sorted((r for r in resolved if r[0] in HOLDER_SPANS), key=lambda r: r[1] - r[2]):
-            holders.append((b, e, recorder.record_span(name, b, e, parent=_innermost(holders, b, e, default),
-                                                       **common, **attrs)))
+        for kind in HOLDER_SPANS:
+            holders += [(b, e, recorder.record_span(name, b, e, parent=_innermost(holders, b, e, default),
+                                                    **common, **attrs))
+                        for name, b, e, attrs in resolved if name == kind]
         for name, b, e, attrs in resolved:
             if name not in HOLDER_SPANS:
                 recorder.record_span(name, b, e, parent=_innermost(holders, b, e, default), **common, **attrs)
@@ -314,8 +316,9 @@ class DeviceTimer:
     ANCHOR_MIN_WAIT_S = 20e-6
 
 
-# Intervals that hold others: a decoder layer its kernels, a draft model forward its kernels.
-HOLDER_SPANS = frozenset({"GPU.layer", "GPU.draft_model_forward"})
+# Intervals that hold others, outer kinds first: a draft model forward its kernels (and its layers,
+# were they timed), a decoder layer its kernels.
+HOLDER_SPANS = ("GPU.draft_model_forward", "GPU.layer")
 
 
 def _where(step: Any, follows: bool = False) -> dict[str, Any]:
