@@ -11,7 +11,10 @@ On a GPU the device lane has, per step, the phases `GPU.prepare_inputs`,
 `GPU.sample`, `GPU.d2h`; on eager steps also one `GPU.layer` per decoder layer and,
 at level full, one `GPU.kernel.<name>` per kernel launch (grid, tokens, bytes).
 Each gets its row of the device lane (column `device_row`): phases, layers or kernels;
-kernels also the layer they ran in (`kernel_layer`).
+kernels also the layer they ran in (`kernel_layer`). With a draft model (speculative
+decoding) the step also has the drafter's phase `GPU.propose_draft_token_ids` after
+the target's (phases row), its forwards `GPU.draft_model_forward` (layers row) and
+their kernels (kernels row); column `drafter` is true for all of them.
 """
 from __future__ import annotations
 
@@ -34,12 +37,14 @@ ATTR_COLUMNS = {"vllm_anatomy.cudagraph_mode": "cudagraph_mode", "vllm_anatomy.n
                 "vllm_anatomy.cudagraph_reason": "cudagraph_reason", "vllm_anatomy.layer": "layer",
                 "vllm_anatomy.grid": "grid", "vllm_anatomy.num_tokens": "num_tokens", "vllm_anatomy.bytes": "bytes",
                 "vllm_anatomy.cudagraph_size": "cudagraph_size",
-                "vllm_anatomy.num_scheduled_tokens": "num_scheduled_tokens"}
+                "vllm_anatomy.num_scheduled_tokens": "num_scheduled_tokens",
+                "vllm_anatomy.drafter": "drafter", "vllm_anatomy.draft_forward": "draft_forward",
+                "vllm_anatomy.padded_drafter_batch": "padded_drafter_batch"}
 
 
 def device_row(name: str) -> str:
     """The row of the device lane a device span is drawn on."""
-    if name == "GPU.layer":
+    if name in ("GPU.layer", "GPU.draft_model_forward"):      # (a draft model's forward holds kernels, as a layer)
         return "layers"
     if name.startswith("GPU.kernel."):
         return "kernels"
@@ -110,6 +115,7 @@ def span_table(path: str, version: tuple, device: str) -> pd.DataFrame | RunErro
     if not df.empty:
         df["dur_ms"] = (df["end_ns"] - df["start_ns"]) / 1e6
         df["kernel_layer"] = kernel_layers(df)
+        df["kernel_draft_forward"] = held_by(df, "GPU.draft_model_forward", "draft_forward")
         # The device forward span has the mode and padded size; the reason is on the host
         # span of the same step, the tokens scheduled on its step span.
         host = df[(df["name"] == "GPUModelRunner._model_forward") & df["cudagraph_reason"].notna()]
@@ -127,9 +133,15 @@ def kernel_layers(df: pd.DataFrame) -> pd.Series:
     """The decoder layer each GPU.kernel.* span ran in: the GPU.layer span of the same
     step whose interval holds the kernel's start (None outside every layer, e.g.
     compute_slot_mapping, which runs before the forward)."""
+    return held_by(df, "GPU.layer", "layer")
+
+
+def held_by(df: pd.DataFrame, holder: str, column: str) -> pd.Series:
+    """For each GPU.kernel.* span, `column` of the `holder` span of the same step whose interval
+    holds the kernel's start (its decoder layer, or its draft model forward); None outside them."""
     out = pd.Series([None] * len(df), index=df.index, dtype=object)
     dev = df[df["lane"] == DEVICE_LANE]
-    layers = dev[dev["name"] == "GPU.layer"]
+    layers = dev[dev["name"] == holder]
     kernels = dev[dev["device_row"] == "kernels"]
     if layers.empty or kernels.empty:
         return out
@@ -137,7 +149,7 @@ def kernel_layers(df: pd.DataFrame) -> pd.Series:
         ls = layers[layers["step_id"] == step].sort_values("start_ns")
         if ls.empty:
             continue
-        starts, ends, idx = ls["start_ns"].to_numpy(), ls["end_ns"].to_numpy(), ls["layer"].to_numpy()
+        starts, ends, idx = ls["start_ns"].to_numpy(), ls["end_ns"].to_numpy(), ls[column].to_numpy()
         pos = starts.searchsorted(ks["start_ns"].to_numpy(), side="right") - 1
         for i, p, t in zip(ks.index, pos, ks["start_ns"].to_numpy()):
             if p >= 0 and t < ends[p]:

@@ -149,9 +149,11 @@ def _per_request(pi: dict, req_ids: list[str], bs: int) -> list[dict]:
 
 
 def kernel_spans(src: RunSource, name: str, step: int) -> list:
-    """The step's device spans of one kernel (`GPU.kernel.<name>`), in launch order (the output rank's)."""
+    """The step's device spans of one kernel (`GPU.kernel.<name>`), in launch order (the output rank's);
+    the target model's (a draft model's launches, `vllm_anatomy.drafter`, are its own cache's)."""
     out = [s for s in src.spans(f"GPU.kernel.{name}")
-           if (s.step_id if s.step_id is not None else s.attributes.get("vllm_anatomy.step_id")) == step]
+           if (s.step_id if s.step_id is not None else s.attributes.get("vllm_anatomy.step_id")) == step
+           and not s.attributes.get("vllm_anatomy.drafter")]
     if src.ranks:
         first = {p for p, r in src.ranks.items() if r == 0}
         out = [s for s in out if s.pid in first] or out

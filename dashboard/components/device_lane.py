@@ -6,7 +6,9 @@ eager step also has one GPU.layer span per decoder layer and, at trace level
 full, one GPU.kernel.* span per kernel launch with its grid, token count and
 bytes moved, so the achieved bandwidth (bytes / duration) can be read off. A CUDA
 graph replay is a single GPU.model_forward span: events cannot be recorded
-between a graph's kernels.
+between a graph's kernels. With a draft model (speculative decoding), after the
+target's phases: the drafter's GPU.propose_draft_token_ids, its forwards
+(GPU.draft_model_forward, on the layers row) and their kernels.
 
 Also the formatting shared with the timeline figure (bar labels, hover text).
 """
@@ -57,6 +59,8 @@ def family(df: pd.DataFrame) -> pd.Series:
         return fam.where(df["lane"] != "device", "device")
     dev_fam = df["name"].where(df["device_row"] == "kernels", "GPU.layer").where(
         df["device_row"] != "phases", "device")
+    if "drafter" in df:       # the draft model's phase and forwards (its kernels: by kernel name)
+        dev_fam = dev_fam.where(~(df["drafter"].eq(True) & (df["device_row"] != "kernels")), "drafter")
     return dev_fam.where(df["lane"] == "device", fam)
 
 
@@ -66,6 +70,10 @@ def _one_label(r) -> str:
         return f"{name} (host timing)"
     if name == "GPU.layer" and _get(r, "layer") is not None:
         return f"L{int(r['layer'])}"
+    if name == "GPU.draft_model_forward" and _get(r, "draft_forward") is not None:
+        return f"draft {int(r['draft_forward'])}"
+    if name == "GPU.propose_draft_token_ids":
+        return "drafter"
     if name.startswith("GPU.kernel."):
         return name[len("GPU.kernel."):]
     if name in ("GPU.model_forward", "GPUModelRunner._model_forward") and r.get("lane") == "device":
@@ -86,11 +94,17 @@ def _one_hover(r) -> str:
                      + (f" · {r['cudagraph_reason']}" if _get(r, "cudagraph_reason") else ""))
     if _get(r, "layer") is not None:
         lines.append(f"decoder layer {int(r['layer'])}")
+    if r["name"] == "GPU.propose_draft_token_ids":
+        lines.append("the draft model, after the target's sampling (speculative decoding)")
+    if r["name"] == "GPU.draft_model_forward" and _get(r, "draft_forward") is not None:
+        j = int(r["draft_forward"])
+        lines.append(f"draft model forward {j}: " + ("the first pass" if j == 0 else f"decode forward {j}")
+                     + f" · {_get(r, 'num_tokens')} tokens")
     if r["name"].startswith("GPU.kernel."):
         layer = _get(r, "kernel_layer")
         rate = gb_per_s(_get(r, "bytes"), r["dur_ms"])
-        lines.append(f"layer {int(layer) if layer is not None else '—'} · grid {_get(r, 'grid')} · "
-                     f"{_get(r, 'num_tokens')} tokens")
+        where = "draft model" if _get(r, "drafter") else f"layer {int(layer) if layer is not None else '—'}"
+        lines.append(f"{where} · grid {_get(r, 'grid')} · {_get(r, 'num_tokens')} tokens")
         if _get(r, "bytes") is not None:
             lines.append(f"{r['bytes'] / 1e6:.3f} MB moved" + (f" · {rate:.0f} GB/s achieved" if rate else ""))
     if _get(r, "sync_wait_ms") is not None:
@@ -106,7 +120,13 @@ def hover_text(g: pd.DataFrame) -> list[str]:
 def kernel_table(dev: pd.DataFrame) -> pd.DataFrame:
     """One row per kernel launch: layer, kernel, grid, tokens, bytes, µs, GB/s."""
     k = dev[dev["device_row"] == "kernels"].sort_values("start_ns")
+    fwd = k["kernel_draft_forward"] if "kernel_draft_forward" in k else pd.Series(None, index=k.index, dtype=object)
+    # With a draft model (speculative decoding), a first column says whose launch it is: the
+    # target's, or the draft model's forward j (0: its first pass).
+    model = {"model": ["target" if f is None or pd.isna(f) else f"draft {int(f)}" for f in fwd]} \
+        if fwd.notna().any() else {}
     return pd.DataFrame({
+        **model,
         "layer": [None if v is None or pd.isna(v) else int(v) for v in k["kernel_layer"]],
         "kernel": k["name"].str.slice(len("GPU.kernel.")), "grid": k["grid"],
         "tokens": k["num_tokens"], "bytes": k["bytes"], "µs": (k["dur_ms"] * 1e3).round(2),
@@ -117,10 +137,13 @@ def kernel_table(dev: pd.DataFrame) -> pd.DataFrame:
 def kernel_summary(launches: pd.DataFrame) -> pd.DataFrame:
     """Per kernel: launches, total and mean time, bytes, bandwidth over all its launches."""
     rows = []
-    for name, g in launches.groupby("kernel", sort=False):
+    # (the draft model's launches apart from the target's: "draft 1" -> "draft")
+    model = launches["model"].str.split(" ").str[0] if "model" in launches else pd.Series("", index=launches.index)
+    for (who, name), g in launches.groupby([model, launches["kernel"]], sort=False):
         total_us = g["µs"].sum()
         nbytes = g["bytes"].sum() if g["bytes"].notna().any() else None
-        rows.append({"kernel": name, "launches": len(g), "total µs": round(total_us, 1),
+        rows.append({**({"model": who} if who else {}), "kernel": name, "launches": len(g),
+                     "total µs": round(total_us, 1),
                      "mean µs": round(total_us / len(g), 2),
                      "MB": None if nbytes is None else nbytes / 1e6,
                      "GB/s": None if nbytes is None or total_us <= 0 else nbytes / (total_us * 1e-6) / 1e9})
@@ -192,6 +215,10 @@ def device_lane(step_spans: pd.DataFrame | None, device: str, step_id: int) -> N
         f = fwd.iloc[0]
         head += f" · forward {f['dur_ms']:.3f} ms ({forward_label(f).split(' · ', 1)[-1]})"
     n_k = len(launches)
+    drafter = dev[dev["name"] == "GPU.propose_draft_token_ids"]
+    n_draft = int((dev["name"] == "GPU.draft_model_forward").sum())
+    if not drafter.empty:
+        head += f" · drafter {drafter['dur_ms'].sum():.3f} ms" + (f" ({n_draft} forwards)" if n_draft else "")
     st.markdown(head + f" · {n_layers} layer span{'s' * (n_layers != 1)} · {n_k} kernel launch{'es' * (n_k != 1)}")
     st.plotly_chart(step_figure(dev), width="stretch", key="device_step_fig", config={"displayModeBar": False})
     if not fwd.empty and fwd.iloc[0].get("cudagraph_mode") == "FULL":
@@ -201,6 +228,13 @@ def device_lane(step_spans: pd.DataFrame | None, device: str, step_id: int) -> N
         st.caption("A piecewise replay: graph pieces (everything but attention) replayed around an eager "
                    "attention launch per layer. No per-layer spans (the layers' hooks ran only at capture); "
                    "at trace level full, the eager attention kernels are timed.")
+    if not drafter.empty:
+        st.caption("Speculative decoding: after the target's sampling, the draft model proposes the next step's "
+                   "drafts (`drafter`): its first pass over the step's verified tokens, then one forward per further "
+                   "draft (`draft 0`, `draft 1`, … on the layers row; their kernels beside the target's, model "
+                   "`draft` below). Its time is what each step pays for the rounds the accepted drafts save."
+                   + (" Async scheduling: nothing in the step waits for it; the next step's forward queues behind it."
+                      if drafter["padded_drafter_batch"].eq(True).any() else ""))
     if n_layers:
         layers = dev[dev["name"] == "GPU.layer"]
         lay = layers["dur_ms"] * 1e3

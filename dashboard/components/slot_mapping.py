@@ -62,7 +62,11 @@ def slot_figure(df: pd.DataFrame, block_size: int) -> go.Figure:
 def kv_write_note(step_spans: pd.DataFrame | None, mode: str | None, device: str) -> str:
     """Where these slots are written: this step's reshape_and_cache launches (one per layer), or
     why the step has none of its own (a graph replay, graph pieces, a CPU run)."""
-    k = None if step_spans is None else step_spans[step_spans["name"] == "GPU.kernel.reshape_and_cache"]
+    k = None
+    if step_spans is not None:
+        # (the target's: a draft model writes its own cache, in the same slots, after the step's sampling)
+        target = step_spans["drafter"].ne(True) if "drafter" in step_spans else True
+        k = step_spans[(step_spans["name"] == "GPU.kernel.reshape_and_cache") & target]
     if k is not None and not k.empty:
         return (f"`reshape_and_cache` writes each token's K and V to its slot, in every layer: **{len(k)} launches** "
                 f"this step (one per layer, {k['dur_ms'].mean() * 1e3:.1f} µs on average; the kernels row of the "

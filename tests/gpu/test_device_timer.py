@@ -109,3 +109,68 @@ def test_piecewise_steps_time_their_eager_attention(tiny_llama_dir):
         names = [s.name for s in inside]
         assert "GPU.layer" not in names and names.count("GPU.kernel.reshape_and_cache") == 0
         assert names.count("GPU.kernel.unified_attention") == num_layers
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("cudagraph_mode", ["NONE", "FULL_AND_PIECEWISE"])
+def test_draft_model_forwards_on_the_device_lane(tiny_llama_dir, async_scheduling, cudagraph_mode):
+    """Speculative decoding with a draft model (the model itself): each proposal is a device phase
+    GPU.propose_draft_token_ids after GPU.step (a child of the step, or with async scheduling a
+    follower), holding one GPU.draft_model_forward per forward; an eager forward holds its K/V writes
+    and attention per layer, a piecewise replay only its eager attention (never a kernel inside a
+    graph); num_keys from host values; every span within its parent; the same tokens as level off."""
+    from vllm_anatomy import LLM, SamplingParams
+    from vllm_anatomy.tracing.trace_check import strict_violations
+    k = 3
+    prompts = [{"prompt_token_ids": list(range(1, 40 + i))} for i in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=13, ignore_eos=True)
+    tokens = {}
+    for level in ("off", "full"):
+        rec = InMemoryRecorder(level)
+        llm = LLM(tiny_llama_dir, device="cuda", recorder=rec, max_model_len=256, max_num_seqs=8,
+                  num_gpu_blocks_override=NUM_BLOCKS, async_scheduling=async_scheduling,
+                  cudagraph_mode=cudagraph_mode,
+                  speculative_config={"method": "draft_model", "model": tiny_llama_dir, "num_speculative_tokens": k})
+        num_layers = llm.llm_engine.vllm_config.model_config.num_hidden_layers
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        llm.llm_engine.shutdown()                  # (a last proposal still running is made at shutdown)
+        tokens[level] = [list(o.outputs[0].token_ids) for o in outs]
+    assert tokens["off"] == tokens["full"]
+    spans = rec.spans
+    steps = {s.attrs["vllm_anatomy.step_id"]: s for s in spans if s.name == "EngineCore.step"}
+    host = [s for s in spans if s.name == "GPUModelRunner.propose_draft_token_ids"]
+    phases = [s for s in spans if s.name == "GPU.propose_draft_token_ids"]
+    assert host and len(phases) == len(host)
+    modes = set()
+    for phase in phases:
+        step = steps[phase.attrs["vllm_anatomy.step_id"]]
+        gpu_step, d2h = ([s for s in spans if s.name == name
+                          and s.attrs["vllm_anatomy.step_id"] == phase.attrs["vllm_anatomy.step_id"]][0]
+                         for name in ("GPU.step", "GPU.d2h"))
+        # After the target's sampling; with async scheduling the output copy (GPU.d2h, on its own
+        # stream) may still run beside the drafter.
+        assert phase.start_ns >= (d2h.start_ns if async_scheduling else gpu_step.end_ns)
+        assert phase.attrs["vllm_anatomy.drafter"] is True
+        if async_scheduling:
+            assert phase.parent_id is None and phase.links == [(step.trace_id, step.span_id)]
+        else:
+            assert phase.parent_id == step.span_id
+        forwards = sorted((s for s in spans if s.parent_id == phase.span_id), key=lambda s: s.start_ns)
+        assert [f.attrs["vllm_anatomy.draft_forward"] for f in forwards] == list(range(k))
+        for j, fwd in enumerate(forwards):
+            mode = fwd.attrs["vllm_anatomy.cudagraph_mode"]
+            modes.add(mode)
+            names = sorted(s.name for s in spans if s.parent_id == fwd.span_id)
+            if mode == "PIECEWISE":     # the K/V write is inside the pieces: only attention is launched eager
+                assert names == ["GPU.kernel.unified_attention"] * num_layers
+            else:
+                assert names == sorted(["GPU.kernel.reshape_and_cache", "GPU.kernel.unified_attention"] * num_layers)
+            for kern in (s for s in spans if s.parent_id == fwd.span_id and s.name.endswith("unified_attention")):
+                assert kern.attrs["vllm_anatomy.num_keys"] > 0
+                assert kern.attrs.get("vllm_anatomy.num_keys_upper_bound", False) == (async_scheduling and j > 0)
+    # (a forward larger than the largest capture size runs eager even with graphs on)
+    if cudagraph_mode == "NONE":
+        assert modes == {"NONE"}
+    else:
+        assert "PIECEWISE" in modes and modes <= {"PIECEWISE", "NONE"}
+    assert not strict_violations(spans)

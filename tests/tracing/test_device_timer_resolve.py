@@ -86,3 +86,102 @@ def test_resolved_events_are_reused_but_never_the_anchor():
     assert timer._anchor[0] is third.marks[-1][1] and anchor in timer._spare
     assert timer._anchor[0] not in timer._spare
     assert len({id(e) for e in timer._spare}) == len(timer._spare)   # none twice
+
+
+# -- a step's tail (the draft model's forwards): begin_tail / end_tail / resolve_tails ---------------
+class ClockEvent:
+    """A CUDA event at a settable device time; `done` says whether the device has reached it."""
+    now_ms = 0.0
+
+    def __init__(self, **_) -> None:
+        self.t_ms, self.done = None, True
+
+    def record(self, stream=None) -> None:
+        self.t_ms = ClockEvent.now_ms
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.done = True
+
+    def elapsed_time(self, end: "ClockEvent") -> float:
+        return end.t_ms - self.t_ms
+
+
+def _timer(monkeypatch) -> tuple[InMemoryRecorder, DeviceTimer]:
+    monkeypatch.setattr(torch.cuda, "Event", ClockEvent)
+    rec = InMemoryRecorder("full")
+    # The host's clock is the device's (a device that runs what is enqueued at once).
+    monkeypatch.setattr(rec, "now_ns", lambda: int(ClockEvent.now_ms * 1e6))
+    ClockEvent.now_ms = 0.0
+    timer = DeviceTimer(torch.device("cpu"), rec)
+    timer.enabled = True
+    timer.calibrate()
+    return rec, timer
+
+
+def _step_with_tail(rec: InMemoryRecorder, timer: DeviceTimer, follows: bool, t0: float = 0.0):
+    """A step's phases (taken and resolved at its sync), then its tail: a drafter phase with two
+    forwards, each holding a kernel."""
+    with rec.span("EngineCore.step") as step, rec.step_scope(step):
+        timer.begin_step()
+        for i, phase in enumerate(["model_forward", "sample", "end"]):
+            ClockEvent.now_ms = t0 + i
+            timer.mark(phase)
+        timer.resolve(7, timer.take(), waited_s=1.0)
+        ClockEvent.now_ms = t0 + 3
+        timer.begin_tail("propose_draft_token_ids", k=1)
+        for j in range(2):
+            ClockEvent.now_ms = t0 + 3.5 + j
+            with timer.interval("GPU.draft_model_forward", j=j):
+                ClockEvent.now_ms += 0.25
+                with timer.kernel("unified_attention", lambda: {"n": 5}):
+                    ClockEvent.now_ms += 0.25
+        ClockEvent.now_ms = t0 + 6
+        timer.end_tail(7, follows, drafter=True)
+    return step
+
+
+def test_tail_is_a_phase_of_its_own_holding_its_forwards_and_their_kernels(monkeypatch):
+    rec, timer = _timer(monkeypatch)
+    step = _step_with_tail(rec, timer, follows=False)
+    names = {s.name: s for s in rec.spans}
+    (phase,) = [s for s in rec.spans if s.name == "GPU.propose_draft_token_ids"]
+    forwards = [s for s in rec.spans if s.name == "GPU.draft_model_forward"]
+    kernels = [s for s in rec.spans if s.name == "GPU.kernel.unified_attention"]
+    # Outside GPU.step, directly under the step, after the target's phases; 3 ms long.
+    assert phase.parent_id == step.span_id and phase.start_ns >= names["GPU.step"].end_ns
+    assert phase.duration_ns == 3_000_000 and phase.attrs["k"] == 1 and phase.attrs["drafter"] is True
+    assert [f.attrs["j"] for f in sorted(forwards, key=lambda s: s.start_ns)] == [0, 1]
+    assert all(f.parent_id == phase.span_id and f.duration_ns == 500_000 for f in forwards)
+    assert {k.parent_id for k in kernels} == {f.span_id for f in forwards}
+    assert all(k.attrs == {**k.attrs, "n": 5, "drafter": True, "vllm_anatomy.step_id": 7} for k in kernels)
+    assert not timer._tails and not timer.marks and not timer.intervals
+
+
+def test_a_tail_still_running_waits_for_a_later_call_and_a_follower_does_not_nest(monkeypatch):
+    """query() False: no spans yet, and no wait; a later call (the next step's launch) makes them
+    once the device got there. follows: in the step's trace, linked to it, without a parent."""
+    rec, timer = _timer(monkeypatch)
+    reached = {"yes": False}
+    monkeypatch.setattr(ClockEvent, "query", lambda self: reached["yes"])
+    step = _step_with_tail(rec, timer, follows=True)
+    assert not [s for s in rec.spans if "draft" in s.name] and len(timer._tails) == 1
+    timer.begin_step()                                     # the next step's launch: still running
+    assert len(timer._tails) == 1
+    reached["yes"] = True
+    timer.begin_step()
+    (phase,) = [s for s in rec.spans if s.name == "GPU.propose_draft_token_ids"]
+    assert phase.parent_id is None and phase.links == [(step.trace_id, step.span_id)]
+    assert phase.trace_id == step.trace_id and not timer._tails
+    assert len([s for s in rec.spans if s.name == "GPU.kernel.unified_attention"]) == 2
+
+
+def test_flush_waits_for_a_last_tail(monkeypatch):
+    rec, timer = _timer(monkeypatch)
+    monkeypatch.setattr(ClockEvent, "query", lambda self: False)     # never seen complete without a wait
+    _step_with_tail(rec, timer, follows=True)
+    assert len(timer._tails) == 1
+    timer.resolve_tails(wait=True)
+    assert [s.name for s in rec.spans].count("GPU.propose_draft_token_ids") == 1 and not timer._tails

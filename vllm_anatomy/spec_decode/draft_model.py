@@ -47,12 +47,22 @@ cheap on a GPU, as vLLM's SpecDecodeBaseProposer does:
   largest capture size replays graph pieces with attention eager in between,
   instead of launching every kernel from Python; larger ones run eager.
 On a CPU (and with cudagraph_mode NONE or FULL_DECODE_ONLY) every forward is eager.
+
+Traced as the target is (the runner's tracer, tracing/runner_tracer.py:
+propose_draft_token_ids): each forward runs inside
+`kernel_timer.interval("GPU.draft_model_forward")` and its attention metadata
+carries `kernel_timer`, so at trace level full on a GPU each forward and its
+attention launches get device spans (a piecewise replay: its eager attention;
+below full, a null timer whose `with` does nothing).
+NOTE: the runner hands the drafter its kernel timer, never a Recorder: the
+same seam the target's attention metadata uses, and nothing is computed
+differently at any level.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
@@ -60,6 +70,7 @@ import torch
 from vllm_anatomy.attention.backends.abstract import PAD_SLOT_ID, AttentionMetadata
 from vllm_anatomy.config import CompilationConfig, VllmConfig
 from vllm_anatomy.model_executor.loader import get_model
+from vllm_anatomy.tracing.runner_tracer import NULL_KERNEL_TIMER
 from vllm_anatomy.worker.cpu_gpu_buffer import CpuGpuBuffer
 from vllm_anatomy.worker.cudagraph import CUDAGraphMode, CUDAGraphRunner, CudagraphDispatcher
 
@@ -73,7 +84,8 @@ DRAFTER_CUDAGRAPH_MODES = frozenset({CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE
 
 class DraftModelProposer:
 
-    def __init__(self, vllm_config: VllmConfig, device: torch.device, attn_backend: str) -> None:
+    def __init__(self, vllm_config: VllmConfig, device: torch.device, attn_backend: str,
+                 kernel_timer: Any = NULL_KERNEL_TIMER) -> None:
         spec = vllm_config.speculative_config
         assert spec is not None and spec.draft_model_config is not None
         self.draft_model_config = spec.draft_model_config
@@ -83,6 +95,8 @@ class DraftModelProposer:
         self.max_num_reqs = vllm_config.scheduler_config.max_num_seqs
         self.device = device
         self.attn_backend = attn_backend
+        # The runner's kernel timer (AttentionMetadata.kernel_timer): times each forward and its launches.
+        self.kernel_timer = kernel_timer
         self.model: LlamaForCausalLM
         self.kv_caches: list[torch.Tensor] = []
         # The first pass holds each row's verified tokens and its sampled one.
@@ -256,10 +270,20 @@ class DraftModelProposer:
             seq_lens=reqs.gpu[j, 1, :num_reqs], block_table=req_block_table,
             slot_mapping=self.slot_mapping[:num_tokens],
             query_start_loc_cpu=reqs.cpu[j, 0, :num_reqs + 1], _seq_lens_cpu=reqs.cpu[j, 1, :num_reqs],
-            seq_lens_cpu_upper_bound=reqs.cpu[j, 1, :num_reqs])             # (the host knows them: exact)
-        if mode is CUDAGraphMode.PIECEWISE:
-            return self.cudagraph_runner.replay_piecewise(padded, metadata)                     # [N, H]
-        return self.model(self.input_ids[:num_tokens], self.positions[:num_tokens], self.kv_caches, metadata)
+            seq_lens_cpu_upper_bound=reqs.cpu[j, 1, :num_reqs],             # (the host knows them: exact)
+            kernel_timer=self.kernel_timer)
+        return self._run_model(j, mode, num_tokens, padded, metadata)                          # [T or N, H]
+
+    def _run_model(self, j: int, mode: CUDAGraphMode, num_tokens: int, padded: int,
+                   metadata: AttentionMetadata) -> torch.Tensor:
+        """The draft model over the persistent inputs: forward j of this step, eager or a piecewise
+        replay of `padded` tokens; timed as one device span (at trace level full)."""
+        with self.kernel_timer.interval("GPU.draft_model_forward", **{
+                "vllm_anatomy.draft_forward": j, "vllm_anatomy.num_tokens": num_tokens,
+                "vllm_anatomy.num_padded_tokens": padded, "vllm_anatomy.cudagraph_mode": mode.name}):
+            if mode is CUDAGraphMode.PIECEWISE:
+                return self.cudagraph_runner.replay_piecewise(padded, metadata)               # [N, H]
+            return self.model(self.input_ids[:num_tokens], self.positions[:num_tokens], self.kv_caches, metadata)
 
     # -- propose, padded (async scheduling) ------------------------------------------------
     @torch.inference_mode()
@@ -381,11 +405,8 @@ class DraftModelProposer:
             max_seq_len=int(seq_lens_cpu_upper_bound.max()), query_start_loc=reqs.gpu[j, 0, :num_reqs + 1],
             seq_lens=(clamped + 1).int(), block_table=block_table, slot_mapping=self.slot_mapping[:num_reqs],
             query_start_loc_cpu=reqs.cpu[j, 0, :num_reqs + 1], _seq_lens_cpu=None,
-            seq_lens_cpu_upper_bound=reqs.cpu[j, 1, :num_reqs])
-        if mode is CUDAGraphMode.PIECEWISE:
-            hidden = self.cudagraph_runner.replay_piecewise(padded, metadata)
-        else:
-            hidden = self.model(self.input_ids[:num_reqs], self.positions[:num_reqs], self.kv_caches, metadata)
+            seq_lens_cpu_upper_bound=reqs.cpu[j, 1, :num_reqs], kernel_timer=self.kernel_timer)
+        hidden = self._run_model(j, mode, num_reqs, padded, metadata)
         return self.model.compute_logits(hidden[:num_reqs]).argmax(dim=-1)
 
     def _to_device_index(self, index: np.ndarray) -> torch.Tensor:

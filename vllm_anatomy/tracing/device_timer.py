@@ -38,6 +38,14 @@ cannot have reached it earlier) and the sync (it had by then): both bounds grow
 in stream order, as the estimates do, so clamping keeps every nesting.
 On a CPU there is no device lane: every op runs synchronously on the host, and
 the host spans (GPUModelRunner._model_forward, ...) are that timeline.
+
+A step's tail: device work the step enqueues after the event its sync point
+waits for — the draft model's forwards (speculative decoding), which run after
+the target's sampling: begin_tail / end_tail put them in a phase of their own
+(GPU.propose_draft_token_ids), outside GPU.step, resolved once its last event
+has completed (resolve_tails: event.query(), no wait). It is a child of the
+step when the step waits for it (the drafts read on the host), else a
+follower of the step (async scheduling: nothing in the step waits for it).
 """
 from __future__ import annotations
 
@@ -68,6 +76,11 @@ class DeviceTimer:
         self._anchor: tuple[torch.cuda.Event, int] | None = None
         # Events of resolved steps, recorded again by later marks (see resolve).
         self._spare: list[torch.cuda.Event] = []
+        # The open tail (begin_tail): where its marks and intervals start, and its step.
+        self._tail_from: tuple[int, int] | None = None
+        self._tail_step: Any = None
+        # Closed tails whose spans wait for their last event to complete (resolve_tails).
+        self._tails: list[Tail] = []
 
     @property
     def active(self) -> bool:
@@ -82,6 +95,8 @@ class DeviceTimer:
         """A step is being launched: the engine step its device work belongs to."""
         if self.enabled:
             self.step = self.recorder.current_step()
+            if self._tails:
+                self.resolve_tails()          # (the last step's, complete by now as a rule)
 
     def mark(self, phase: str, **attrs: Any) -> None:
         """The device work enqueued from here on belongs to `phase` (until the next mark)."""
@@ -185,25 +200,95 @@ class DeviceTimer:
         # (an elapsed_time call each), not once as an end and again as a start.
         times = [when(ev, host_ns) for _, ev, _, host_ns in events.marks]
         recorder = self.recorder
-        step = events.step
-        where: dict[str, Any] = ({} if step is None else {"follows_from": step.headers} if step.follows
-                                 else {"trace_headers": step.headers})
-        gpu_step = recorder.start_span("GPU.step", start_ns=times[0], **where, **common)
+        gpu_step = recorder.start_span("GPU.step", start_ns=times[0], **_where(events.step), **common)
         # (start, end, handle) of the phases and layers, the parents of what ran inside them
         holders: list[tuple[int, int, Any]] = []
         for (phase, _, attrs, _), start, end in zip(events.marks, times, times[1:]):
             holders.append((start, end, recorder.record_span(f"GPU.{phase}", start, end, parent=gpu_step,
                                                              **common, **attrs)))
-        resolved = [(name, when(start, host_ns), when(end, host_ns), attrs)
-                    for name, start, end, attrs, host_ns in events.intervals]
-        layers = [(b, e, recorder.record_span(name, b, e, parent=_innermost(holders, b, e, gpu_step),
-                                              **common, **attrs))
-                  for name, b, e, attrs in resolved if name == "GPU.layer"]
-        holders += layers
-        for name, b, e, attrs in resolved:
-            if name != "GPU.layer":
-                recorder.record_span(name, b, e, parent=_innermost(holders, b, e, gpu_step), **common, **attrs)
+        self._record_intervals(events.intervals, when, holders, gpu_step, common)
         gpu_step.end(times[-1])
+        self._recycle(events)
+        if self._tails:
+            self.resolve_tails()          # (tails enqueued before this step's last event: complete)
+
+    def _record_intervals(self, intervals: list, when: Callable[[Any, int], int],
+                          holders: list[tuple[int, int, Any]], default: Any, common: dict[str, Any]) -> None:
+        """The spans of timed intervals, each in the innermost holder that holds it (`default`
+        if none): the holding intervals first (HOLDER_SPANS, outer kinds first: one kind never
+        holds its own), then the rest."""
+        recorder = self.recorder
+        resolved = [(name, when(start, host_ns), when(end, host_ns), attrs)
+                    for name, start, end, attrs, host_ns in intervals]
+        for kind in HOLDER_SPANS:
+            holders += [(b, e, recorder.record_span(name, b, e, parent=_innermost(holders, b, e, default),
+                                                    **common, **attrs))
+                        for name, b, e, attrs in resolved if name == kind]
+        for name, b, e, attrs in resolved:
+            if name not in HOLDER_SPANS:
+                recorder.record_span(name, b, e, parent=_innermost(holders, b, e, default), **common, **attrs)
+
+    # -- a step's tail: work enqueued after the event its sync point waits for ----------------
+    def begin_tail(self, phase: str, **attrs: Any) -> None:
+        """The device work enqueued from here on is the current step's `phase`, after its sync
+        point's event (the step's own events may have been taken already), until end_tail."""
+        if self.active:
+            num_marks = len(self.marks)
+            self.mark(phase, **attrs)            # (clears stray intervals if the step's were taken)
+            self._tail_from = (num_marks, len(self.intervals))
+            self._tail_step = self.recorder.current_step()
+
+    def end_tail(self, step_id: int, follows: bool, **attrs: Any) -> None:
+        """Close the open tail: its spans come once its last event has completed (resolve_tails).
+        follows: nothing in the step waits for this work, so its spans follow from the step
+        instead of lying within it. attrs: added to every span of the tail."""
+        if not self.active or self._tail_from is None:
+            return
+        self.mark("end")
+        num_marks, num_intervals = self._tail_from
+        events = StepEvents(self.marks[num_marks:], self.intervals[num_intervals:], self._tail_step)
+        del self.marks[num_marks:], self.intervals[num_intervals:]
+        self._tail_from = self._tail_step = None
+        self._tails.append(Tail(step_id, events, follows, attrs))
+        self.resolve_tails()
+
+    def resolve_tails(self, wait: bool = False) -> None:
+        """Turn closed tails into spans, oldest first, as far as their last event has completed.
+
+        NOTE: event.query() asks the device without waiting: a tail still running
+        stays for the next call (the next step's launch or sync point, after which
+        it has completed). wait=True waits for them (at shutdown: nothing runs then)."""
+        while self._tails:
+            last = self._tails[0].events.marks[-1][1]
+            if wait:
+                last.synchronize()
+            elif not last.query():
+                return
+            self._resolve_tail(self._tails.pop(0))
+
+    def _resolve_tail(self, tail: "Tail") -> None:
+        """A completed tail's spans: its phases, directly under the step (or following from it),
+        and the intervals inside them. Placed by event-to-event time from the newest anchor
+        (no wait dates its last event), and before now (it has completed)."""
+        t_done = self.recorder.now_ns()
+        events = tail.events
+        last = events.marks[-1][1]
+        if self._anchor is None:
+            self._anchor = (last, t_done)
+        ref, ref_ns = self._anchor
+        shift = min(0, t_done - (ref_ns + int(ref.elapsed_time(last) * 1e6)))
+        at = lambda ev: ref_ns + int(ref.elapsed_time(ev) * 1e6) + shift  # noqa: E731
+        when = lambda ev, host_ns: min(max(at(ev), host_ns), t_done)  # noqa: E731
+        common: dict[str, Any] = {"vllm_anatomy.lane": "device", "vllm_anatomy.step_id": tail.step_id,
+                                  "vllm_anatomy.timing": "cuda_event", **tail.attrs}
+        times = [when(ev, host_ns) for _, ev, _, host_ns in events.marks]
+        where = _where(events.step, tail.follows)
+        holders: list[tuple[int, int, Any]] = []
+        for (phase, _, attrs, _), start, end in zip(events.marks, times, times[1:]):
+            span = self.recorder.start_span(f"GPU.{phase}", start_ns=start, **where, **common, **attrs)
+            span.end(end)
+            holders.append((start, end, span))
+        self._record_intervals(events.intervals, when, holders, holders[0][2], common)
         self._recycle(events)
 
     def _recycle(self, events: "StepEvents") -> None:
@@ -231,6 +316,19 @@ class DeviceTimer:
     ANCHOR_MIN_WAIT_S = 20e-6
 
 
+# Intervals that hold others, outer kinds first: a draft model forward its kernels (and its layers,
+# were they timed), a decoder layer its kernels.
+HOLDER_SPANS = ("GPU.draft_model_forward", "GPU.layer")
+
+
+def _where(step: Any, follows: bool = False) -> dict[str, Any]:
+    """Where a step's device spans go: under its EngineCore.step, or following from it when
+    nothing waits for them (a rank that does not reply, a tail nothing in the step waits for)."""
+    if step is None:
+        return {}
+    return {"follows_from": step.headers} if step.follows or follows else {"trace_headers": step.headers}
+
+
 def _innermost(holders: list[tuple[int, int, Any]], start: int, end: int, default: Any) -> Any:
     """The shortest of `holders` ((start, end, handle)) that holds [start, end], else `default`."""
     best, best_len = default, None
@@ -246,3 +344,11 @@ class StepEvents(NamedTuple):
     marks: list
     intervals: list
     step: Any = None
+
+
+class Tail(NamedTuple):
+    """A step's tail (DeviceTimer.begin_tail / end_tail), closed, until its spans are made."""
+    step_id: int
+    events: StepEvents
+    follows: bool               # nothing in the step waits for it: follow from the step, do not nest
+    attrs: dict                 # added to each of its spans

@@ -13,6 +13,11 @@ side has its own seam, tracing/step_tracer.py). It offers
                                        point; wait(event) inside it is the wait itself,
                                        after which the step's device-lane spans resolve
     device_mark(phase), take_device_events()   the D2H copy's marks (tracing/device_timer.py)
+    propose_draft_token_ids(step_id, nothing_waits, **attrs)
+                                       the draft model's proposal: the host span and, on a
+                                       GPU, its device phase after the step's sampling (the
+                                       step's tail: DeviceTimer.begin_tail / end_tail)
+    flush()                            at shutdown: the device spans still waiting for the device
     kernel_timer                       always present: the DeviceTimer at level full on
                                        a GPU, else NULL_KERNEL_TIMER, whose `with` does nothing
     snapshots                          the snapshot observer: StepSnapshots at level full,
@@ -117,6 +122,33 @@ class RunnerTracer:
             "vllm_anatomy.num_padded_tokens": decision.num_padded_tokens,
             "vllm_anatomy.cudagraph_reason": decision.reason,
             "vllm_anatomy.cudagraph_reason_code": decision.reason_code.value})
+
+    @contextlib.contextmanager
+    def propose_draft_token_ids(self, step_id: int, nothing_waits: bool, **attrs: Any) -> Iterator[Any]:
+        """The draft model's forwards (spec_decode/draft_model.py): the host span
+        GPUModelRunner.propose_draft_token_ids and, on a GPU, the device phase
+        GPU.propose_draft_token_ids, with one GPU.draft_model_forward per forward and, at level
+        full, their kernels (the drafter's attention metadata carries kernel_timer). Every one
+        of its device spans has `vllm_anatomy.drafter` true.
+
+        NOTE: the drafter runs after the event the step's sync point waits for
+        (after the wait itself without async scheduling, since it reads the
+        verified tokens on the host): its device work is the step's tail, a phase
+        outside GPU.step, made into spans once its last event has completed.
+        nothing_waits (async scheduling): the drafts stay on the device and the
+        step ends without waiting for them, so the phase follows from the step
+        instead of lying within it."""
+        timer = self.device_timer
+        timer.begin_tail("propose_draft_token_ids", **attrs)
+        try:
+            with self.recorder.span("GPUModelRunner.propose_draft_token_ids", **attrs) as span:
+                yield span
+        finally:
+            timer.end_tail(step_id, nothing_waits, **{"vllm_anatomy.drafter": True})
+
+    def flush(self) -> None:
+        """At shutdown: wait for the device work whose spans are still pending (a last step's tail)."""
+        self.device_timer.resolve_tails(wait=True)
 
     def device_mark(self, phase: str) -> None:
         self.device_timer.mark(phase)

@@ -111,7 +111,8 @@ class AsyncSpecDecodeMixin:
         num_scheduled = np.array([scheduled[r] for r in batch.req_ids], dtype=np.int64)
         discard = np.zeros(num_reqs, dtype=bool)
         discard[discard_request_indices] = True
-        with self.tracer.span("GPUModelRunner.propose_draft_token_ids", **{
+        # (the device phase after the step's sampling; nothing in the step waits for it: the drafts stay on the device)
+        with self.tracer.propose_draft_token_ids(scheduler_output.step_id, nothing_waits=True, **{
                 "vllm_anatomy.spec_decode_method": "draft_model", "vllm_anatomy.padded_drafter_batch": True}) as span:
             self._draft_token_ids = drafter.propose_padded(
                 self.input_ids.gpu, num_scheduled, np.array(num_draft_tokens, dtype=np.int64),
@@ -214,9 +215,13 @@ class AsyncGPUSpecDecodeOutput(AsyncGPUModelRunnerOutput):
         return (self._output_token_ids, drafts, *(sampler_output.logprobs_tensors or ())[:3])
 
     def _parse(self) -> tuple[list[list[int]], list[list[bool]]]:
+        """The host copy, parsed once. NOTE: a plain wait, not the tracer's: the
+        next step's _update_states (fill_placeholders) usually comes first, outside
+        this step's sync point; get_output's tracer.wait resolves the step's device
+        spans (as AsyncGPUModelRunnerOutput's, after its own fill_placeholders)."""
         if self._parsed is None:
             if self._ready is not None:
-                self._tracer.wait(self._ready)
+                self._ready.synchronize()
             self._parsed = RejectionSampler.parse_output(self._host[0].tolist(), self._vocab_size,
                                                          self._invalid_req_indices)
         return self._parsed
@@ -251,6 +256,8 @@ class AsyncGPUSpecDecodeOutput(AsyncGPUModelRunnerOutput):
         tracer = self._tracer
         with tracer.sync_point("AsyncGPUModelRunnerOutput.get_output", self._step_id, self._timer_events,
                                **{"vllm_anatomy.step_id": self._step_id}):
+            if self._ready is not None:
+                tracer.wait(self._ready)            # (after fill_placeholders' wait: returns at once)
             valid, keep = self._parse()
             self._device_tensors = ()          # copied: the device memory may go
             self.sync_wait_s = tracer.wait_s

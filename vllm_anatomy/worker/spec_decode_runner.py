@@ -84,7 +84,9 @@ class SpecDecodeRunnerMixin:
             self.drafter = NgramProposer(self.vllm_config)
         else:
             from vllm_anatomy.spec_decode.draft_model import DraftModelProposer
-            self.drafter = DraftModelProposer(self.vllm_config, self.device, self.attn_backend_name)
+            # (its forwards and kernels are timed as the target's: the tracer's kernel timer, null below full)
+            self.drafter = DraftModelProposer(self.vllm_config, self.device, self.attn_backend_name,
+                                              kernel_timer=self.tracer.kernel_timer)
         self.rejection_sampler = RejectionSampler(self.sampler)
         # Pinned host rows for the [R, k + 1] verified tokens (the step's one wait).
         self.spec_output_pinned_cpu = torch.zeros(self.max_num_reqs * (self.num_spec_tokens + 1),
@@ -293,13 +295,15 @@ class SpecDecodeRunnerMixin:
             return
         batch = self.input_batch
         num_reqs = batch.num_reqs
-        with self.tracer.span("GPUModelRunner.propose_draft_token_ids", **{
-                "vllm_anatomy.spec_decode_method": self.speculative_config.method}) as span:   # type: ignore[union-attr]
-            from vllm_anatomy.spec_decode.ngram_proposer import NgramProposer
-            if isinstance(self.drafter, NgramProposer):
+        attrs = {"vllm_anatomy.spec_decode_method": self.speculative_config.method}    # type: ignore[union-attr]
+        from vllm_anatomy.spec_decode.ngram_proposer import NgramProposer
+        if isinstance(self.drafter, NgramProposer):             # (on the host: no device work)
+            with self.tracer.span("GPUModelRunner.propose_draft_token_ids", **attrs):
                 drafts = self.drafter.propose(self.num_spec_tokens, sampled_token_ids, batch.num_tokens_no_spec,
                                               batch.token_ids_cpu)
-            else:
+        else:
+            # (the device phase after the step's sampling; the step waits for it: the drafts are read on the host)
+            with self.tracer.propose_draft_token_ids(scheduler_output.step_id, nothing_waits=False, **attrs) as span:
                 scheduled = scheduler_output.num_scheduled_tokens
                 num_scheduled = np.array([scheduled[r] for r in batch.req_ids], dtype=np.int64)
                 num_draft = np.array(spec_decode_metadata.num_draft_tokens if spec_decode_metadata

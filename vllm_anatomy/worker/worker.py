@@ -140,6 +140,8 @@ class Worker:
         """Give the device memory back (the KV cache takes most of it), so that
         another engine in this process can size its own. Idempotent."""
         runner = getattr(self, "model_runner", None)     # (none before init_device)
+        if runner is not None:
+            runner.tracer.flush()         # device spans still waiting for their work (a last step's drafter)
         if runner is not None and self.device.type == "cuda":
             runner.kv_caches = []
             runner.cudagraph_runner = CUDAGraphRunner()   # the graphs and their memory pool go
