@@ -1,7 +1,7 @@
 """Where the GPU time of the whole throughput run goes, ours and vLLM's, side by side.
 
     python bench/gpu_breakdown.py [--vllm-site DIR] [--out bench/results/gpu_breakdown_h200.json]
-                                  [--workload nano-vllm|context:4096]
+                                  [--workload nano-vllm|context:4096|prefill:4096]
 
 nano-vllm's workload (bench/vs_vllm.py: 256 sequences, prompts and outputs uniform in
 [100, 1024], temperature 0.6, ignore_eos), run once under torch.profiler with CUDA
@@ -19,7 +19,8 @@ Without --vllm-site only ours runs. It reports:
   - the top kernels by time, by name (which attention kernel: prefill or decode).
 --workload context:N profiles one point of bench/scaling.py's context series instead
 (64 sequences of N random prompt tokens, 128 output tokens each): where vLLM's lead
-at long prompts comes from. The profiler slows the host a little, so wall time here is not the throughput number:
+at long prompts comes from; --workload prefill:N the same prompts with 1 output token
+(the point's prefill alone: context:N minus prefill:N is its decode). The profiler slows the host a little, so wall time here is not the throughput number:
 bench/vs_vllm.py measures that, unprofiled. Prints a table and writes JSON.
 """
 from __future__ import annotations
@@ -55,16 +56,19 @@ CONTEXT_NUM_SEQS, CONTEXT_OUTPUT_LEN = 64, 128     # bench/scaling.py's context 
 
 
 def workload(name: str) -> tuple[list[list[int]], list[int], float, int]:
-    """(prompts, max_tokens, temperature, max_model_len) of `nano-vllm` or `context:N`."""
+    """(prompts, max_tokens, temperature, max_model_len) of `nano-vllm`, `context:N` or `prefill:N`."""
     if name == "nano-vllm":
         prompts, max_tokens = nano_vllm_workload(FULL)
         return prompts, max_tokens, 0.6, 4096
     kind, _, n = name.partition(":")
-    if kind != "context" or not n.isdigit():
-        raise SystemExit(f"--workload: nano-vllm or context:N (N prompt tokens), not {name!r}")
+    if kind not in ("context", "prefill") or not n.isdigit():
+        raise SystemExit(f"--workload: nano-vllm, context:N or prefill:N (N prompt tokens), not {name!r}")
     rng = random.Random(0)
     prompts = [[rng.randint(0, 10000) for _ in range(int(n))] for _ in range(CONTEXT_NUM_SEQS)]
-    return prompts, [CONTEXT_OUTPUT_LEN] * CONTEXT_NUM_SEQS, 0.6, int(n) + CONTEXT_OUTPUT_LEN
+    # prefill:N: the same prompts with one output token: the context point's prefill alone, so
+    # that context:N minus prefill:N is its decode (the profile cannot tell a kernel's step kind).
+    output_len = CONTEXT_OUTPUT_LEN if kind == "context" else 1
+    return prompts, [output_len] * CONTEXT_NUM_SEQS, 0.6, int(n) + CONTEXT_OUTPUT_LEN
 
 
 def kind_of(name: str) -> str:
@@ -177,7 +181,8 @@ def main() -> None:
     ap.add_argument("--vllm-site", help="the unpacked vLLM 0.26.0 bundle (../shared/peers/vllm/); omit: ours only")
     ap.add_argument("--out", default="bench/results/gpu_breakdown_h200.json")
     ap.add_argument("--workload", default="nano-vllm",
-                    help="nano-vllm (bench/vs_vllm.py's) or context:N (bench/scaling.py's point of N-token prompts)")
+                    help="nano-vllm (bench/vs_vllm.py's), context:N (bench/scaling.py's point of N-token prompts) "
+                         "or prefill:N (the same prompts, 1 output token)")
     ap.add_argument("--worker", choices=["ours", "vllm"], help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = ap.parse_args()

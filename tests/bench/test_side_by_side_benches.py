@@ -286,7 +286,9 @@ def test_gpu_breakdown_top_kernels_and_the_context_workload(bench):
     assert gb.workload("context:4096")[0] == prompts             # seeded: both engines get the same prompts
     nano_prompts, nano_max_tokens, _, nano_len = gb.workload("nano-vllm")
     assert len(nano_prompts) == 256 and nano_len == 4096
-    for bad in ("context:", "context:4k", "ctx:4096"):
+    pre_prompts, pre_max_tokens, _, pre_len = gb.workload("prefill:4096")
+    assert pre_prompts == prompts and set(pre_max_tokens) == {1} and pre_len == max_model_len
+    for bad in ("context:", "context:4k", "ctx:4096", "prefill:"):
         with pytest.raises(SystemExit, match="context:N"):
             gb.workload(bad)
 
