@@ -187,15 +187,10 @@ class DeviceTimer:
             self._anchor = (last, t_sync)
             at = lambda ev: t_sync - int(ev.elapsed_time(last) * 1e6)  # noqa: E731  (host ns of an event)
         else:
-            ref, ref_ns = self._anchor            # recorded before every event of this step
-            # NOTE: whatever the anchor's error, the step's last event had
-            # completed by t_sync: never place it later than that.
-            shift = min(0, t_sync - (ref_ns + int(ref.elapsed_time(last) * 1e6)))
-            at = lambda ev: ref_ns + int(ref.elapsed_time(ev) * 1e6) + shift  # noqa: E731
+            at = self._from_anchor(last, t_sync)
         # (an event completed after it was recorded on the host, and before the sync returned)
         when = lambda ev, host_ns: min(max(at(ev), host_ns), t_sync)  # noqa: E731
-        common: dict[str, Any] = {"vllm_anatomy.lane": "device", "vllm_anatomy.step_id": step_id,
-                                  "vllm_anatomy.timing": "cuda_event"}
+        common = _device_attrs(step_id)
         # NOTE: a phase ends at the next one's mark: each mark's time is read once
         # (an elapsed_time call each), not once as an end and again as a start.
         times = [when(ev, host_ns) for _, ev, _, host_ns in events.marks]
@@ -275,12 +270,9 @@ class DeviceTimer:
         last = events.marks[-1][1]
         if self._anchor is None:
             self._anchor = (last, t_done)
-        ref, ref_ns = self._anchor
-        shift = min(0, t_done - (ref_ns + int(ref.elapsed_time(last) * 1e6)))
-        at = lambda ev: ref_ns + int(ref.elapsed_time(ev) * 1e6) + shift  # noqa: E731
+        at = self._from_anchor(last, t_done)
         when = lambda ev, host_ns: min(max(at(ev), host_ns), t_done)  # noqa: E731
-        common: dict[str, Any] = {"vllm_anatomy.lane": "device", "vllm_anatomy.step_id": tail.step_id,
-                                  "vllm_anatomy.timing": "cuda_event", **tail.attrs}
+        common = _device_attrs(tail.step_id) | tail.attrs
         times = [when(ev, host_ns) for _, ev, _, host_ns in events.marks]
         where = _where(events.step, tail.follows)
         holders: list[tuple[int, int, Any]] = []
@@ -290,6 +282,16 @@ class DeviceTimer:
             holders.append((start, end, span))
         self._record_intervals(events.intervals, when, holders, holders[0][2], common)
         self._recycle(events)
+
+    def _from_anchor(self, last: Any, t_end: int) -> Callable[[Any], int]:
+        """Host ns of events recorded after the anchor's, by event-to-event time from it.
+
+        NOTE: whatever the anchor's error, `last` (the events' last) had completed
+        by t_end: never place it later than that (the shift moves all of them)."""
+        assert self._anchor is not None
+        ref, ref_ns = self._anchor
+        shift = min(0, t_end - (ref_ns + int(ref.elapsed_time(last) * 1e6)))
+        return lambda ev: ref_ns + int(ref.elapsed_time(ev) * 1e6) + shift
 
     def _recycle(self, events: "StepEvents") -> None:
         """Keep a resolved step's events for later marks.
@@ -319,6 +321,11 @@ class DeviceTimer:
 # Intervals that hold others, outer kinds first: a draft model forward its kernels (and its layers,
 # were they timed), a decoder layer its kernels.
 HOLDER_SPANS = ("GPU.draft_model_forward", "GPU.layer")
+
+
+def _device_attrs(step_id: int) -> dict[str, Any]:
+    """The attributes every device-lane span of a step has."""
+    return {"vllm_anatomy.lane": "device", "vllm_anatomy.step_id": step_id, "vllm_anatomy.timing": "cuda_event"}
 
 
 def _where(step: Any, follows: bool = False) -> dict[str, Any]:
