@@ -8,9 +8,11 @@ fresh prefills (causal, no cached context) of 1 x 512, 32 x 512 (a 16k-token
 step of short prompts), 1 x 4096, 4 x 4096, 1 x 8192 and 2 x 8192 tokens; q/k/v are views of one qkv tensor, as the model
 hands them over. For each case:
 
-  ours      vllm_anatomy/kernels/prefill_attention.py, the default config and a
-            sweep of block shapes x {plain, pack_gqa, TMA descriptors, warp
-            specialisation, TMA + warp specialisation};
+  ours      vllm_anatomy/kernels/prefill_attention.py, the default config and the
+            named rows of VARIANTS: switches (plain pointer loads, pack_gqa, TMA
+            through device-side or host-side descriptors, warp specialisation,
+            fold_scale) x block shapes (BLOCK_M, BLOCK_N, warps, stages), host
+            descriptors first;
   unified   unified_attention (the engine's default path) on the same prefill,
             its K/V in a paged cache of contiguous blocks (block size 16);
   sdpa      torch.nn.functional.scaled_dot_product_attention per request, on three
@@ -27,13 +29,17 @@ fp32 torch reference (max abs error; a variant off by > 0.05 is flagged).
 Every variant is first launched once on a small prefill (compiling it; those
 that fail to compile are listed and skipped); the timed sweep then stops adding
 configs after --budget-s seconds (default 120), so the whole run should stay
-under 3 minutes on an H100; what was skipped is listed.
+under 4 minutes on an H100; what was skipped is listed. The JSON is rewritten
+after every case (a crash keeps what was measured) and ends with a ranking:
+each variant's mean fraction of the matmul rate over the 4k/8k cases and its
+speed-up over the default (geometric mean of default ms / variant ms).
 Prints a table and writes the JSON.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import sys
@@ -58,12 +64,31 @@ from vllm_anatomy.kernels.prefill_attention import (  # noqa: E402
 from vllm_anatomy.kernels.unified_attention import unified_attention  # noqa: E402
 
 CASES = [(1, 512), (32, 512), (1, 4096), (4, 4096), (1, 8192), (2, 8192)]      # (num_seqs, seq_len)
-SWITCHES = {"plain": {}, "pack_gqa": dict(pack_gqa=True), "tma": dict(use_tma=True),
-            "ws": dict(warp_specialize=True), "tma+ws": dict(use_tma=True, warp_specialize=True)}
 # (block_m, block_n, num_warps, num_stages)
-SHAPES = [(128, 128, 8, 2), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3),
-          (128, 64, 4, 2)]
-QUICK_SHAPES = [(128, 128, 8, 2), (128, 64, 4, 3)]
+DEFAULT_SHAPE = (64, 64, 4, 3)
+HOST_SHAPES = [(64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 3), (128, 64, 4, 2), (128, 64, 4, 3),
+               (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3)]
+# NOTE: warp specialisation only with 8 warps: with 4, Triton's NVGPUWarpSpecialization pass fails
+# on Hopper (Triton 3.6 on the H100, bench/results/prefill_attention_h100.json; 3.9 offline for sm_90).
+WS_SHAPES = [(128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3)]
+# Named rows: (switch name, the switches, its block shapes, its --quick shapes). The tutorial's
+# Hopper kernel (triton python/tutorials/06-fused-attention.py) is host descriptors + folded scale
+# (+ warp specialisation): those rows come first, so that the time budget never cuts them.
+VARIANTS = [
+    ("host", dict(tma="host"), HOST_SHAPES, [(64, 64, 4, 3), (128, 64, 4, 2), (128, 128, 8, 3)]),
+    ("host+fold", dict(tma="host", fold_scale=True), HOST_SHAPES,
+     [(64, 64, 4, 3), (128, 64, 4, 2), (128, 128, 8, 3)]),
+    ("host+ws", dict(tma="host", warp_specialize=True), WS_SHAPES, [(128, 128, 8, 3)]),
+    ("host+fold+ws", dict(tma="host", fold_scale=True, warp_specialize=True), WS_SHAPES, [(128, 128, 8, 3)]),
+    ("tma", dict(tma="device"), [(128, 64, 4, 2), (128, 128, 8, 3)], [(128, 64, 4, 2)]),
+    ("tma+fold", dict(tma="device", fold_scale=True), [DEFAULT_SHAPE], [DEFAULT_SHAPE]),
+    ("tma+ws", dict(tma="device", warp_specialize=True), [(128, 128, 8, 3)], []),
+    ("plain", dict(tma="off"), [DEFAULT_SHAPE, (128, 128, 8, 3)], [DEFAULT_SHAPE]),
+    ("pack_gqa", dict(tma="off", pack_gqa=True), [DEFAULT_SHAPE], []),
+    ("ws", dict(tma="off", warp_specialize=True), [(128, 128, 8, 3)], []),
+]
+TINY_SHAPES = [(16, 16, 4, 1)]
+LONG_TOKENS = 4096                      # the ranking's cases: a request of >= this many tokens
 MAX_ERR = 0.05
 
 
@@ -76,14 +101,10 @@ class Setup:
             self.num_heads, self.num_kv_heads, self.head_dim = 4, 2, 32
             self.dtype, self.device = torch.float32, "cpu"
             self.cases = [(1, 20), (2, 17)]
-            self.shapes = [(16, 16, 4, 1)]
-            self.switches = SWITCHES
         else:
             self.num_heads, self.num_kv_heads, self.head_dim = 16, 8, 128
             self.dtype, self.device = torch.bfloat16, "cuda"
             self.cases = CASES
-            self.shapes = SHAPES
-            self.switches = SWITCHES
 
     def time_ms(self, fn) -> tuple[float, str]:
         if self.tiny:
@@ -123,10 +144,10 @@ def make_case(setup: Setup, num_seqs: int, seq_len: int, seed: int = 0):
 
 
 def ours_variants(setup: Setup, quick: bool) -> list[tuple[str, dict]]:
-    shapes = QUICK_SHAPES if quick and not setup.tiny else setup.shapes
-    out = [("default", {})]
-    for name, switch in setup.switches.items():
-        for bm, bn, w, s in shapes:
+    """("default", {}) then every named row of VARIANTS (tiny: each switch on TINY_SHAPES)."""
+    out: list[tuple[str, dict]] = [("default", {})]
+    for name, switch, shapes, quick_shapes in VARIANTS:
+        for bm, bn, w, s in TINY_SHAPES if setup.tiny else quick_shapes if quick else shapes:
             out.append((f"{name} m{bm} n{bn} w{w} s{s}",
                         dict(block_m=bm, block_n=bn, num_warps=w, num_stages=s, **switch)))
     return out
@@ -227,6 +248,8 @@ def compile_variants(setup: Setup, quick: bool) -> dict[str, str]:
     for name, cfg in ours_variants(setup, quick):
         try:
             run_ours(setup, q, k, v, starts, lens, setup.head_dim ** -0.5, None, cfg)
+            if setup.device == "cuda":
+                torch.cuda.synchronize()     # a launch error surfaces here, charged to its variant
         except Exception as e:
             failed[name] = f"{type(e).__name__}: {str(e)[:200]}"
     return failed
@@ -285,33 +308,8 @@ def print_case(case: dict) -> None:
         print(f"  skipped (time budget): {len(case['skipped'])} configs")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=os.path.join(HERE, "results", "prefill_attention.json"))
-    ap.add_argument("--quick", action="store_true", help="two block shapes per switch")
-    ap.add_argument("--tiny", action="store_true", help="CPU smoke mode (Triton interpreter, tiny shapes)")
-    ap.add_argument("--budget-s", type=float, default=120.0, help="stop adding sweep configs after this")
-    args = ap.parse_args()
-    setup = Setup(args.tiny)
-    if not args.tiny and not torch.cuda.is_available():
-        sys.exit("needs a CUDA GPU (or --tiny for the CPU smoke mode)")
-    start = t0 = time.monotonic()
-    ceiling = matmul_rate(setup)
-    rate = ceiling["flop_per_s"]
-    print(f"matmul ceiling: {rate / 1e12:.1f} TFLOP/s ({ceiling['shape']})")
-    t1 = time.monotonic()
-    failed = compile_variants(setup, args.quick)
-    print(f"compiled {len(ours_variants(setup, args.quick))} variants in {time.monotonic() - t1:.0f} s; "
-          f"{len(failed)} failed: {sorted(failed)}")
-    t0 = time.monotonic()                   # the budget is for timing, not compiling
-    # Later cases get an equal share of what is left, so every case is swept somewhat.
-    cases = []
-    for i, (num_seqs, seq_len) in enumerate(setup.cases):
-        left = args.budget_s - (time.monotonic() - t0)
-        deadline = time.monotonic() + max(0.0, left / (len(setup.cases) - i))
-        case = run_case(setup, num_seqs, seq_len, rate, args.quick, deadline, failed)
-        print_case(case)
-        cases.append(case)
+def summarize(cases: list[dict]) -> list[dict]:
+    """One row per case: default and best ours, unified, the SDPA rows (fractions and ratios)."""
     summary = []
     print("\nsummary (fraction of the matmul rate; ratio = unified ms / best ours ms, sdpa ms / best ours ms)")
     for c in cases:
@@ -330,17 +328,82 @@ def main() -> None:
         print(f"  {row['case']:<8} default {fmt(row['default_ours'])}  best {fmt(row['best_ours'])} "
               f"({row['best_ours_name']})  unified {fmt(row['unified'])}  "
               + "  ".join(f"{name[5:]} {fmt(row[name])}" for name, _, _ in SDPA_ROWS))
+    return summary
+
+
+def rank_variants(cases: list[dict], long_tokens: int) -> list[dict]:
+    """Variants timed (and correct) on every long case (seq_len >= long_tokens), best first:
+    mean fraction of the matmul rate there, and speed-up over the default (geometric mean of
+    default ms / variant ms; > 1: faster than the default)."""
+    long_cases = [c for c in cases if c["seq_len"] >= long_tokens]
+    timed: dict[str, list[tuple[float, float]]] = {}
+    for c in long_cases:
+        default = next((e for e in c["ours"] if e["name"] == "default" and "ms" in e), None)
+        for e in c["ours"]:
+            if "ms" in e and e["ok"] and default is not None:
+                timed.setdefault(e["name"], []).append((e["fraction"], default["ms"] / e["ms"]))
+    rows = [{"name": name, "mean_fraction": sum(f for f, _ in vals) / len(vals),
+             "speedup_vs_default": math.exp(sum(math.log(r) for _, r in vals) / len(vals)),
+             "cases": len(vals)}
+            for name, vals in timed.items() if len(vals) == len(long_cases)]
+    rows.sort(key=lambda r: -r["speedup_vs_default"])
+    print(f"\nranking over the {len(long_cases)} cases of >= {long_tokens} tokens per request "
+          f"(speed-up over the default, mean fraction of the matmul rate):")
+    for r in rows[:15]:
+        print(f"  {r['name']:<30} {r['speedup_vs_default']:6.3f}x  {100 * r['mean_fraction']:5.1f} %")
+    return rows
+
+
+def write_result(path: str, result: dict) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "prefill_attention.json"))
+    ap.add_argument("--quick", action="store_true", help="a few block shapes per switch")
+    ap.add_argument("--tiny", action="store_true", help="CPU smoke mode (Triton interpreter, tiny shapes)")
+    ap.add_argument("--budget-s", type=float, default=120.0, help="stop adding sweep configs after this")
+    args = ap.parse_args()
+    setup = Setup(args.tiny)
+    if not args.tiny and not torch.cuda.is_available():
+        sys.exit("needs a CUDA GPU (or --tiny for the CPU smoke mode)")
+    start = time.monotonic()
+    ceiling = matmul_rate(setup)
+    rate = ceiling["flop_per_s"]
+    print(f"matmul ceiling: {rate / 1e12:.1f} TFLOP/s ({ceiling['shape']})")
+    t1 = time.monotonic()
+    failed = compile_variants(setup, args.quick)
+    print(f"compiled {len(ours_variants(setup, args.quick))} variants in {time.monotonic() - t1:.0f} s; "
+          f"{len(failed)} failed: {sorted(failed)}")
     result = {
         "device": torch.cuda.get_device_name() if setup.device == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__, "triton": __import__("triton").__version__, "tiny": args.tiny,
         "heads": {"num_heads": setup.num_heads, "num_kv_heads": setup.num_kv_heads, "head_dim": setup.head_dim},
         "dtype": str(setup.dtype), "matmul_ceiling": ceiling, "compile_failed": failed,
-        "cases": cases, "summary": summary,
-        "wall_s": time.monotonic() - start,
+        "variants": [{"name": name, "config": cfg} for name, cfg in ours_variants(setup, args.quick)],
+        "cases": [], "case_errors": {},
     }
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    t0 = time.monotonic()                   # the budget is for timing, not compiling
+    # Later cases get an equal share of what is left, so every case is swept somewhat.
+    for i, (num_seqs, seq_len) in enumerate(setup.cases):
+        left = args.budget_s - (time.monotonic() - t0)
+        deadline = time.monotonic() + max(0.0, left / (len(setup.cases) - i))
+        try:
+            case = run_case(setup, num_seqs, seq_len, rate, args.quick, deadline, failed)
+        except Exception as e:              # e.g. out of memory for the reference: the other cases go on
+            result["case_errors"][f"{num_seqs}x{seq_len}"] = f"{type(e).__name__}: {str(e)[:300]}"
+            print(f"\n{num_seqs} x {seq_len}: error {result['case_errors'][f'{num_seqs}x{seq_len}']}")
+            continue
+        print_case(case)
+        result["cases"].append(case)
+        write_result(args.out, dict(result, wall_s=time.monotonic() - start))   # a crash keeps the cases so far
+    result["summary"] = summarize(result["cases"])
+    result["ranking"] = rank_variants(result["cases"], 1 if args.tiny else LONG_TOKENS)
+    result["wall_s"] = time.monotonic() - start
+    write_result(args.out, result)
     print(f"\nwrote {args.out} ({result['wall_s']:.0f} s)")
 
 

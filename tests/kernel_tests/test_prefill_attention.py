@@ -12,7 +12,7 @@ import torch
 
 from tests.kernel_tests.kernel_utils import (DEVICE, ON_GPU, assert_close_ulp, block_tables_for,
                                              rel_err)
-from vllm_anatomy.kernels.prefill_attention import (block_q_of, context_attention_fwd,
+from vllm_anatomy.kernels.prefill_attention import (block_q_of, context_attention_fwd, host_descriptors,
                                                     prefill_attention_ref, prefill_work_list)
 from vllm_anatomy.kernels.reshape_and_cache import reshape_and_cache_ref
 from vllm_anatomy.kernels.unified_attention import unified_attention
@@ -72,14 +72,19 @@ def test_ragged_batch_matches_reference(dtype, num_queries_per_kv, head_dim):
     check(out, ref, dtype)
 
 
-@pytest.mark.parametrize("variant", [dict(pack_gqa=True), dict(use_tma=True), dict(warp_specialize=True),
+@pytest.mark.parametrize("variant", [dict(pack_gqa=True), dict(tma="device"), dict(tma="host"),
+                                     dict(warp_specialize=True), dict(fold_scale=True),
+                                     dict(tma="host", fold_scale=True, warp_specialize=True),
+                                     dict(tma="host", pack_gqa=True),
+                                     dict(tma="host", block_m=16, block_n=32),
                                      dict(block_m=16, block_n=16), dict(block_m=32, block_n=16),
                                      dict(block_m=16, block_n=32, pack_gqa=True)],
                          ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()))
 def test_variants_match_reference(variant):
-    """Every switch computes the same: GQA packing, TMA descriptors, warp
-    specialisation, and tiles small enough that blocks span many key tiles with
-    the diagonal inside tiles (BLOCK_N < BLOCK_M and > BLOCK_M)."""
+    """Every switch computes the same: GQA packing, TMA through device- or host-side
+    descriptors, warp specialisation, the folded softmax scale, and tiles small enough
+    that blocks span many key tiles with the diagonal inside tiles (BLOCK_N < BLOCK_M
+    and > BLOCK_M)."""
     out, ref = run(RAGGED + [70], 8, 2, 64, torch.float32, seed=3, **variant)
     check(out, ref, torch.float32)
 
@@ -137,6 +142,92 @@ def test_subset_of_requests_leaves_other_rows_alone():
     ref = prefill_attention_ref(q, k, v, sub_starts, sub_lens, 0.125, out=torch.full_like(q, float("nan")))
     check(out, ref, torch.float32)
     assert out[starts[1]:starts[1] + 5].isnan().all() and out[starts[3]].isnan().all()
+
+
+HOLE_LENS = [37, 5, 62, 9, 45, 3]      # odd requests are holes: not handed over, their K/V poisoned
+
+
+@pytest.mark.parametrize("variant", [dict(tma="host"), dict(tma="host", fold_scale=True),
+                                     dict(tma="host", pack_gqa=True), dict(tma="host", block_m=32, block_n=16),
+                                     dict(tma="device"), dict(tma="off")],
+                         ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()))
+def test_reads_past_a_request_end_never_leak(variant):
+    """Host descriptors span the whole step, so a request's last tiles read the rows after
+    its end (the next request's, or padding). Here those rows are holes (requests not handed
+    over) and padding whose K and V are NaN; the requests are back to back in a fused qkv
+    tensor (row stride > a K row), GQA 4:1, no length a multiple of a tile. Any key past a
+    query's position that got weight (a dropped causal mask), or a V row past the end that
+    reached the dot (0 * NaN), turns that request's rows NaN; every row must equal the
+    reference, and the holes must stay unwritten."""
+    q, k, v, starts = make_prefills(HOLE_LENS, 8, 2, 64, torch.float32, seed=11, pad=7, kv_from_qkv=True)
+    assert k.stride(0) > k.shape[1] * k.shape[2]                      # K/V are slices of the qkv rows
+    chosen = [0, 2, 4]
+    sub_starts, sub_lens = [starts[i] for i in chosen], [HOLE_LENS[i] for i in chosen]
+    poisoned = torch.ones(q.shape[0], dtype=torch.bool, device=q.device)
+    for start, n in zip(sub_starts, sub_lens):
+        poisoned[start:start + n] = False
+    k[poisoned], v[poisoned] = float("nan"), float("nan")                 # holes and the 7 padding rows
+    # The data is sensitive to a leak: the last request's last block sees the padding rows in
+    # its final tile (45 tokens: a tile of 16 or 32 keys runs past its end).
+    assert all(n % 16 for n in sub_lens)
+    out = context_attention_fwd(q, k, v, torch.full_like(q, float("nan")), sub_starts, sub_lens, 0.125,
+                                **variant)
+    ref = prefill_attention_ref(q, k, v, sub_starts, sub_lens, 0.125, out=torch.full_like(q, float("nan")))
+    assert not ref[~poisoned].isnan().any()
+    check(out, ref, torch.float32)
+    assert out[poisoned].isnan().all()
+
+
+def test_reference_is_sensitive_to_keys_past_the_diagonal():
+    """Guards the test above from passing vacuously: the same prefills with each query also
+    seeing the rest of its tile (what a dropped mask would compute) differ from the causal
+    result by far more than the tolerance."""
+    lens = [37, 62]
+    q, k, v, starts = make_prefills(lens, 4, 2, 64, torch.float32, seed=12, pad=0)
+    causal = prefill_attention_ref(q, k, v, starts, lens, 0.125)
+    # Non-causal within each request: what a kernel ignoring key_pos <= query_pos would give.
+    leaked = torch.zeros_like(q)
+    for start, n in zip(starts, lens):
+        rows = slice(start, start + n)
+        kk = k[rows].repeat_interleave(2, dim=1)
+        vv = v[rows].repeat_interleave(2, dim=1)
+        probs = (torch.einsum("qhd,khd->hqk", q[rows], kk) * 0.125).softmax(-1)
+        leaked[rows] = torch.einsum("hqk,khd->qhd", probs, vv)
+    assert (leaked - causal).abs().max() > 0.1
+
+
+def test_host_descriptors_span_the_step_and_refuse_bad_rows():
+    """host_descriptors: one descriptor per tensor over [tokens, heads * head_dim] with the
+    token stride of the fused qkv rows; tiles of one head. Unaligned rows, a misaligned base
+    and heads not side by side are refused with a clear error, before any launch."""
+    q, k, v, starts = make_prefills([37, 20], 8, 2, 64, torch.float32, seed=4, pad=3, kv_from_qkv=True)
+    q_desc, k_desc, v_desc = host_descriptors(q, k, v, block_m=32, block_n=16, load_q=True)
+    row = (8 + 2 * 2) * 64
+    assert list(k_desc.shape) == [60, 2 * 64] and list(k_desc.strides) == [row, 1]
+    assert list(k_desc.block_shape) == [16, 64] and list(v_desc.block_shape) == [16, 64]
+    assert list(q_desc.shape) == [60, 8 * 64] and list(q_desc.block_shape) == [32, 64]
+    assert k_desc.base.data_ptr() == k.data_ptr() and v_desc.base.data_ptr() == v.data_ptr()
+    assert host_descriptors(q, k, v, 32, 16, load_q=False)[0] is q     # pack_gqa: Q by pointers
+    lens = [4]
+    odd = torch.randn(4, 2 * 64 + 1, device=DEVICE)[:, :128].view(4, 2, 64)   # token stride 129 * 4 bytes
+    with pytest.raises(ValueError, match="16-byte aligned K rows"):
+        context_attention_fwd(q[:4, :2], odd, odd, torch.empty_like(q[:4, :2]), [0], lens, 0.1, tma="host")
+    shifted = torch.randn(4 * 128 + 1, device=DEVICE)[1:].view(4, 2, 64)        # base 4 bytes off
+    with pytest.raises(ValueError, match="16-byte aligned K rows"):
+        context_attention_fwd(q[:4, :2], shifted, shifted, torch.empty_like(q[:4, :2]), [0], lens, 0.1,
+                              tma="device")
+    spread = torch.randn(4, 2, 128, device=DEVICE)[..., :64]                    # heads 128 apart
+    with pytest.raises(ValueError, match="side by side"):
+        context_attention_fwd(q[:4, :2], spread, spread, torch.empty_like(q[:4, :2]), [0], lens, 0.1, tma="host")
+    # ... which the device-side descriptors (one head's rows each) and the pointer path take.
+    for tma in ("device", "off"):
+        out = context_attention_fwd(q[:4, :2], spread, spread, torch.full_like(q[:4, :2], float("nan")), [0],
+                                    lens, 0.1, tma=tma)
+        check(out, prefill_attention_ref(q[:4, :2], spread, spread, [0], lens, 0.1), torch.float32)
+    with pytest.raises(ValueError, match="tma must be one of"):
+        context_attention_fwd(q, k, v, torch.empty_like(q), starts, [37, 20], 0.1, tma="yes")
+    with pytest.raises(ValueError, match="softmax_scale > 0"):
+        context_attention_fwd(q, k, v, torch.empty_like(q), starts, [37, 20], -0.1, fold_scale=True)
 
 
 def test_work_list_heaviest_first():

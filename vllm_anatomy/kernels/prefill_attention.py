@@ -33,10 +33,15 @@ larger causal-free blocks; the heads of one KV head share K/V through L2).
 Inside a program: the keys of the causal triangle, BLOCK_N at a time, with an
 online softmax in base 2 (scale * log2(e) folded into one multiply). Tiles
 wholly below the diagonal run without any mask; only the tiles crossing it
-pay for the causal mask. USE_TMA loads K/V tiles through tensor descriptors
-(Hopper's TMA; tl.make_tensor_descriptor), WARP_SPECIALIZE lets Triton split
-the loop into producer (loads) and consumer (dots) warps; both are constexpr
-switches beside the plain pointer path, measured by bench/prefill_attention.py.
+pay for the causal mask. TMA picks how K/V tiles are loaded: "off" (the
+plain pointer path), "device" (tensor descriptors built in every program,
+tl.make_tensor_descriptor) or "host" (descriptors built once per launch on
+the host, triton.tools.tensor_descriptor; also loads Q); both go through
+Hopper's TMA. WARP_SPECIALIZE lets Triton split the loop into producer
+(loads) and consumer (dots) warps; FOLD_SCALE takes the running max on the
+raw scores and folds the softmax scale into the exponent's argument (one
+FMA per score instead of a multiply and a subtract). All are constexpr
+switches beside the plain path, measured by bench/prefill_attention.py.
 """
 from __future__ import annotations
 
@@ -48,6 +53,7 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from vllm_anatomy.kernels.launch import check_launchable, is_interpreted
 
@@ -55,11 +61,23 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _load_kv_tile(key_ptr, value_ptr, k_desc, v_desc, q_start, tile_start, query_len,
+def _load_kv_tile(key_ptr, value_ptr, k_desc, v_desc, q_start, tile_start, query_len, kv_col,
                   offs_n, offs_d, stride_k_tok, stride_v_tok,
-                  MASKED: tl.constexpr, USE_TMA: tl.constexpr, DOT_FP32: tl.constexpr):
+                  MASKED: tl.constexpr, TMA: tl.constexpr, DOT_FP32: tl.constexpr):
     """Keys/values tile_start .. tile_start + BLOCK_N - 1 of the request, each [BLOCK_N, D]."""
-    if USE_TMA:
+    if TMA == "host":
+        # NOTE: one descriptor over the whole step ([T, num_kv_heads * D]), so
+        # rows past the request's end are the *next* request's keys/values,
+        # not zeros. Still exact: the causal mask gives every key_pos >
+        # query_pos a zero weight, and rows with query_pos >= query_len are
+        # never stored (past T the hardware pads zeros). Only 0 * inf = NaN
+        # could leak, from a neighbour whose V overflowed: the diagonal tiles
+        # zero the V rows past the end (a select on one or two tiles).
+        k = k_desc.load([q_start + tile_start, kv_col])
+        v = v_desc.load([q_start + tile_start, kv_col])
+        if MASKED:
+            v = tl.where((tile_start + offs_n < query_len)[:, None], v, 0.0)
+    elif TMA == "device":
         # NOTE: the descriptor's shape ends at the request's last token, so
         # rows past it come back as zeros (the hardware pads), like a masked load.
         k = k_desc.load([q_start + tile_start, 0])
@@ -84,21 +102,30 @@ def _load_kv_tile(key_ptr, value_ptr, k_desc, v_desc, q_start, tile_start, query
 
 @triton.jit
 def _softmax_step(acc, m_i, l_i, q, k, v, scale_log2, tile_start, query_pos, offs_n,
-                  MASKED: tl.constexpr, DOT_FP32: tl.constexpr):
+                  MASKED: tl.constexpr, FOLD_SCALE: tl.constexpr, DOT_FP32: tl.constexpr):
     """One tile of the online softmax: (acc, M, L) after keys k / values v."""
     if DOT_FP32:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")               # [BLOCK_M, BLOCK_N]
     else:
         s = tl.dot(q, tl.trans(k))                                        # bf16/fp16 in, fp32 out
-    s = s * scale_log2
+    if not FOLD_SCALE:
+        s = s * scale_log2
     if MASKED:
         # Causal: row r (query position query_pos[r]) sees key_pos <= query_pos[r].
         # Every row sees key 0, so no row is ever all -inf (no NaN guard needed).
         key_pos = tile_start + offs_n
         s = tl.where(key_pos[None, :] <= query_pos[:, None], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    if FOLD_SCALE:
+        # NOTE: scale > 0 keeps the order, so the row max of the raw scores
+        # times the scale is the max of the scaled ones, and each score then
+        # costs one FMA (s * scale - m) before its exp2 instead of a multiply
+        # and a subtract: the softmax, not the dots, bounds Hopper at head_dim 128.
+        m_new = tl.maximum(m_i, tl.max(s, axis=1) * scale_log2)
+        p = tl.exp2(s * scale_log2 - m_new[:, None])
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.exp2(s - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None]
     if DOT_FP32:
@@ -115,6 +142,7 @@ def _softmax_step(acc, m_i, l_i, q, k, v, scale_log2, tile_start, query_pos, off
 @triton.jit
 def _prefill_attention_kernel(
     query_ptr, key_ptr, value_ptr, output_ptr, work_list_ptr,
+    q_desc, k_desc, v_desc,                       # TMA == "host": descriptors; else unused (the tensors)
     scale_log2,                                   # softmax_scale * log2(e): we use exp2
     stride_q_tok, stride_q_head,
     stride_k_tok, stride_k_head,
@@ -126,8 +154,10 @@ def _prefill_attention_kernel(
     BLOCK_Q: tl.constexpr,                        # query tokens per program
     BLOCK_N: tl.constexpr,                        # keys per loop iteration
     HEADS_PER_PROGRAM: tl.constexpr,             # query heads per program (PACK_GQA: the group)
-    USE_TMA: tl.constexpr,
+    TMA: tl.constexpr,                            # "off" | "device" | "host"
+    Q_DESC: tl.constexpr,                         # load Q through q_desc (host TMA, one head per program)
     WARP_SPECIALIZE: tl.constexpr,
+    FOLD_SCALE: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):
     item = tl.program_id(1)
@@ -146,21 +176,27 @@ def _prefill_attention_kernel(
     head = first_head + offs_m % HEADS_PER_PROGRAM                         # [BLOCK_M]
     row_mask = query_pos < query_len
     q_tok = (q_start + query_pos).to(tl.int64)
-    q = tl.load(query_ptr + q_tok[:, None] * stride_q_tok + head[:, None] * stride_q_head
-                + offs_d[None, :], mask=row_mask[:, None], other=0.0)     # [BLOCK_M, D]
+    if Q_DESC:
+        # Rows past the request's end are the next request's queries: their
+        # rows are computed (each row on its own) and never stored.
+        q = q_desc.load([q_start + q_block * BLOCK_Q, first_head * HEAD_DIM])   # [BLOCK_M, D]
+    else:
+        q = tl.load(query_ptr + q_tok[:, None] * stride_q_tok + head[:, None] * stride_q_head
+                    + offs_d[None, :], mask=row_mask[:, None], other=0.0)     # [BLOCK_M, D]
     if DOT_FP32:
         q = q.to(tl.float32)
 
     k_base = key_ptr + kv_head * stride_k_head
     v_base = value_ptr + kv_head * stride_v_head
-    if USE_TMA:
-        k_desc = tl.make_tensor_descriptor(k_base, shape=[q_start + query_len, HEAD_DIM],
-                                           strides=[stride_k_tok, 1], block_shape=[BLOCK_N, HEAD_DIM])
-        v_desc = tl.make_tensor_descriptor(v_base, shape=[q_start + query_len, HEAD_DIM],
-                                           strides=[stride_v_tok, 1], block_shape=[BLOCK_N, HEAD_DIM])
+    if TMA == "device":
+        k_tiles = tl.make_tensor_descriptor(k_base, shape=[q_start + query_len, HEAD_DIM],
+                                            strides=[stride_k_tok, 1], block_shape=[BLOCK_N, HEAD_DIM])
+        v_tiles = tl.make_tensor_descriptor(v_base, shape=[q_start + query_len, HEAD_DIM],
+                                            strides=[stride_v_tok, 1], block_shape=[BLOCK_N, HEAD_DIM])
     else:
-        k_desc = k_base   # unused placeholders
-        v_desc = v_base
+        k_tiles = k_desc   # the host's descriptors, or unused placeholders
+        v_tiles = v_desc
+    kv_col = kv_head * HEAD_DIM                   # the KV head's columns in the host descriptors' rows
 
     # Causal bounds of this block: its first token sees keys 0 .. first_q, its
     # last token keys 0 .. last_q. Tiles ending at or before first_q are seen
@@ -174,18 +210,20 @@ def _prefill_attention_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     for tile_start in tl.range(0, num_unmasked, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
-        k, v = _load_kv_tile(k_base, v_base,
-                             k_desc, v_desc, q_start, tile_start, query_len, offs_n, offs_d,
-                             stride_k_tok, stride_v_tok, False, USE_TMA, DOT_FP32)
+        tile_start = tl.multiple_of(tile_start, BLOCK_N)
+        k, v = _load_kv_tile(k_base, v_base, k_tiles, v_tiles, q_start, tile_start, query_len, kv_col,
+                             offs_n, offs_d, stride_k_tok, stride_v_tok, False, TMA, DOT_FP32)
         acc, m_i, l_i = _softmax_step(acc, m_i, l_i, q, k, v, scale_log2, tile_start, query_pos,
-                                      offs_n, False, DOT_FP32)
+                                      offs_n, False, FOLD_SCALE, DOT_FP32)
     for tile_start in tl.range(num_unmasked, num_keys, BLOCK_N):
-        k, v = _load_kv_tile(k_base, v_base,
-                             k_desc, v_desc, q_start, tile_start, query_len, offs_n, offs_d,
-                             stride_k_tok, stride_v_tok, True, USE_TMA, DOT_FP32)
+        k, v = _load_kv_tile(k_base, v_base, k_tiles, v_tiles, q_start, tile_start, query_len, kv_col,
+                             offs_n, offs_d, stride_k_tok, stride_v_tok, True, TMA, DOT_FP32)
         acc, m_i, l_i = _softmax_step(acc, m_i, l_i, q, k, v, scale_log2, tile_start, query_pos,
-                                      offs_n, True, DOT_FP32)
+                                      offs_n, True, FOLD_SCALE, DOT_FP32)
 
+    # NOTE: the store stays a masked pointer store under every TMA mode: a
+    # descriptor store of the request's last block would overwrite the next
+    # request's rows (the host descriptor spans the whole step).
     out = acc / l_i[:, None]
     o_ptrs = output_ptr + q_tok[:, None] * stride_o_tok + head[:, None] * stride_o_head + offs_d[None, :]
     tl.store(o_ptrs, out.to(output_ptr.dtype.element_ty), mask=row_mask[:, None])
@@ -205,13 +243,14 @@ def pick_config(num_queries_per_kv: int, head_dim: int, dtype: torch.dtype) -> d
     """
     if dtype == torch.float32:
         return dict(block_m=32, block_n=32, num_warps=4, num_stages=1, pack_gqa=False,
-                    use_tma=False, warp_specialize=False)
+                    tma="off", warp_specialize=False, fold_scale=False)
     # NOTE: measured on an H100 (bench/prefill_attention.py, bench/results/prefill_attention_h100.json,
-    # Qwen3-0.6B heads, bf16): 64 x 64 tiles, 4 warps, 3 stages with TMA loads reach 57-60 % of the
-    # matmul rate at 4k/8k tokens (unified_attention: 44-46 %) and stay ahead at 512 tokens (12.7 vs
-    # 10.3 %), where 128-row blocks leave most of the SMs idle. TMA needs Hopper (sm_90) or later.
+    # Qwen3-0.6B heads, bf16): 64 x 64 tiles, 4 warps, 3 stages with TMA loads (device-side
+    # descriptors, tma="device") reach 57-60 % of the matmul rate at 4k/8k tokens (unified_attention:
+    # 44-46 %) and stay ahead at 512 tokens (12.7 vs 10.3 %), where 128-row blocks leave most of the
+    # SMs idle. TMA needs Hopper (sm_90) or later.
     return dict(block_m=64, block_n=64, num_warps=4, num_stages=3, pack_gqa=False,
-                use_tma=_has_tma(), warp_specialize=False)
+                tma="device" if _has_tma() else "off", warp_specialize=False, fold_scale=False)
 
 
 @functools.cache
@@ -261,6 +300,8 @@ def launch_grid(num_work_items: int, num_heads: int, num_kv_heads: int, pack_gqa
     return (num_kv_heads if pack_gqa else num_heads, num_work_items)
 
 
+TMA_MODES = ("off", "device", "host")
+
 _tma_allocator_set = False
 
 
@@ -273,20 +314,54 @@ def _ensure_tma_allocator() -> None:
         _tma_allocator_set = True
 
 
+def _check_tma_rows(name: str, t: torch.Tensor, need_packed_heads: bool) -> None:
+    """TMA reads rows that start 16-byte aligned (base and token stride); the host descriptors'
+    2-D view [tokens, heads * head_dim] also needs each token's heads side by side."""
+    if t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16 or (t.stride(1) * t.element_size()) % 16:
+        raise ValueError(f"TMA needs 16-byte aligned {name} rows (data_ptr {t.data_ptr()} , "
+                         f"strides {tuple(t.stride())}, {t.element_size()}-byte elements)")
+    if need_packed_heads and t.stride(1) != t.shape[2]:
+        raise ValueError(f"tma='host' needs {name}'s heads side by side in a token's row "
+                         f"(stride(1) == head_dim {t.shape[2]}), got strides {tuple(t.stride())}")
+
+
+def host_descriptors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_m: int, block_n: int,
+                     load_q: bool) -> tuple[Any, TensorDescriptor, TensorDescriptor]:
+    """(q_desc, k_desc, v_desc) for tma="host": one descriptor per tensor for the whole launch,
+    over its 2-D view [tokens, heads * head_dim] (row stride = the tensor's token stride, e.g.
+    the fused qkv row when K/V are its slices); tiles of one head: [block_n or block_m, head_dim].
+    q_desc is q itself (an unused placeholder) unless load_q.
+
+    NOTE: why host descriptors. The device-side ones (tma="device") are built by every
+    program (two per program, each written to global scratch from triton.set_allocator and
+    fenced before its first use); these are encoded once per launch by Triton's launcher on
+    the host and passed by value as kernel parameters (a CUDA graph captures them like any
+    argument). Their shape spans the whole step, not one request: see _load_kv_tile's NOTE
+    for why reading past a request's end stays exact, and why the output store is not one."""
+    num_tokens, _, head_dim = k.shape
+    for name, t in (("K", k), ("V", v)) + ((("Q", q),) if load_q else ()):
+        _check_tma_rows(name, t, need_packed_heads=True)
+
+    def desc(t: torch.Tensor, rows: int) -> TensorDescriptor:
+        return TensorDescriptor(t, [t.shape[0], t.shape[1] * head_dim], [t.stride(0), 1], [rows, head_dim])
+    return (desc(q, block_m) if load_q else q), desc(k, block_n), desc(v, block_n)
+
+
 def context_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                           b_start_loc: Sequence[int] | None, b_seq_len: Sequence[int] | None,
                           softmax_scale: float, *, work_list: torch.Tensor | None = None,
                           block_m: int | None = None, block_n: int | None = None,
                           num_warps: int | None = None, num_stages: int | None = None,
-                          pack_gqa: bool | None = None, use_tma: bool | None = None,
-                          warp_specialize: bool | None = None) -> torch.Tensor:
+                          pack_gqa: bool | None = None, tma: str | None = None,
+                          warp_specialize: bool | None = None, fold_scale: bool | None = None) -> torch.Tensor:
     """Causal attention of each fresh prefill over its own K/V; writes o's rows of those requests.
 
     q/o [T, nh, hd], k/v [T, nkv, hd] (token and head strides free, last dim
-    contiguous). The requests: b_start_loc / b_seq_len (host ints; rows of
-    other requests are left alone), or a work_list already built by
-    prefill_work_list for this config's block_q and on q's device (the Triton
-    backend builds it once per step). The keyword overrides are for benchmarks.
+    contiguous; tma="host" also needs the heads of a token side by side). The
+    requests: b_start_loc / b_seq_len (host ints; rows of other requests are
+    left alone), or a work_list already built by prefill_work_list for this
+    config's block_q and on q's device (the Triton backend builds it once per
+    step). The keyword overrides (tma: one of TMA_MODES) are for benchmarks.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
@@ -303,8 +378,13 @@ def context_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: 
     block_m = block_m or cfg["block_m"]
     block_n = block_n or cfg["block_n"]
     pack_gqa = cfg["pack_gqa"] if pack_gqa is None else pack_gqa
-    use_tma = cfg["use_tma"] if use_tma is None else use_tma
+    tma = cfg["tma"] if tma is None else tma
+    if tma not in TMA_MODES:
+        raise ValueError(f"tma must be one of {TMA_MODES}, got {tma!r}")
     warp_specialize = cfg["warp_specialize"] if warp_specialize is None else warp_specialize
+    fold_scale = cfg["fold_scale"] if fold_scale is None else fold_scale
+    if fold_scale and not softmax_scale > 0:
+        raise ValueError(f"fold_scale needs softmax_scale > 0 (it keeps the max's order), got {softmax_scale}")
     block_q = block_q_of(block_m, num_queries_per_kv, pack_gqa)
     if work_list is None:
         if b_start_loc is None or b_seq_len is None:
@@ -314,21 +394,24 @@ def context_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: 
     if work_list.shape[0] == 0:
         return o
     check_launchable(q, _prefill_attention_kernel)
-    if use_tma:
-        for t in (k, v):
-            if t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16 \
-                    or (t.stride(1) * t.element_size()) % 16:
-                raise ValueError("use_tma needs 16-byte aligned K/V rows")
+    load_q = tma == "host" and not pack_gqa
+    descs: tuple[Any, Any, Any] = (q, k, v)            # unused placeholders unless tma == "host"
+    if tma == "host":
+        descs = host_descriptors(q, k, v, block_m, block_n, load_q)
+    elif tma == "device":
+        _check_tma_rows("K", k, need_packed_heads=False)
+        _check_tma_rows("V", v, need_packed_heads=False)
         if not interpreted:
             _ensure_tma_allocator()
     grid = launch_grid(work_list.shape[0], num_heads, num_kv_heads, pack_gqa)
     _prefill_attention_kernel[grid](
-        q, k, v, o, work_list, softmax_scale * LOG2E,
+        q, k, v, o, work_list, *descs, softmax_scale * LOG2E,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         o.stride(0), o.stride(1),
         NUM_QUERIES_PER_KV=num_queries_per_kv, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_Q=block_q,
         BLOCK_N=block_n,
-        HEADS_PER_PROGRAM=num_queries_per_kv if pack_gqa else 1, USE_TMA=use_tma, WARP_SPECIALIZE=warp_specialize,
+        HEADS_PER_PROGRAM=num_queries_per_kv if pack_gqa else 1, TMA=tma, Q_DESC=load_q,
+        WARP_SPECIALIZE=warp_specialize, FOLD_SCALE=fold_scale,
         DOT_FP32=dot_fp32, num_warps=num_warps or cfg["num_warps"],
         num_stages=num_stages or cfg["num_stages"])
     return o
