@@ -236,10 +236,11 @@ def _prefill_attention_kernel(
 def pick_config(num_queries_per_kv: int, head_dim: int, dtype: torch.dtype) -> dict:
     """Block shapes and switches (host ints only).
 
-    NOTE: the defaults follow FlashAttention's forward on Hopper for head_dim
-    <= 128: 128 query rows of one head per program, 128-key tiles, 8 warps.
-    fp32 (tests, the interpreter) uses small tiles: the registers of an fp32
-    128 x 128 tile pair would spill. bench/prefill_attention.py sweeps them.
+    NOTE: one head's block of query rows per program, as FlashAttention's
+    forward on Hopper does (with 128-row blocks there); our block shapes are
+    what bench/prefill_attention.py measured best (below). fp32
+    (tests, the interpreter) uses small tiles: the registers of an fp32
+    128 x 128 tile pair would spill.
     """
     if dtype == torch.float32:
         return dict(block_m=32, block_n=32, num_warps=4, num_stages=1, pack_gqa=False,
