@@ -113,6 +113,65 @@ class GCLog:
         return out
 
 
+class HostStepLog:
+    """Wraps an LLM's llm_engine.step (this script's and bench/gpu_breakdown.py --gc-log's only):
+    each call's start and end (time.time_ns()) and its phases (bench/step_overhead.py's clock,
+    time.perf_counter), so that a GPU idle gap can be matched with the host step that ran then."""
+
+    def __init__(self, llm) -> None:
+        self.steps: list[dict] = []
+        self.clock = PhaseClock(time.perf_counter)
+        instrument(llm, self.clock)
+        engine = llm.llm_engine
+        step = engine.step
+
+        def logged_step():
+            self.clock.current = {}
+            start = time.time_ns()
+            outputs = step()
+            self.steps.append({"start_ns": start, "end_ns": time.time_ns(), "phases_s": dict(self.clock.current),
+                               "num_outputs": len(outputs)})
+            return outputs
+        engine.step = logged_step
+
+
+class TritonCompileLog:
+    """Records each Triton JIT compilation (an in-memory cache miss: a compile, or a load from
+    Triton's disk cache) through triton.knobs' jit hooks while attached: start and end
+    (time.time_ns()) and the kernel. Attaches to nothing where Triton has no such knobs."""
+
+    def __init__(self) -> None:
+        self.events: list[dict] = []
+        self.available = False
+        self._saved: tuple = ()
+
+    def _cache_hook(self, **kwargs) -> bool:
+        self.events.append({"start_ns": time.time_ns(), "end_ns": None, "kernel": kwargs["fn"].name})
+        return False                      # (True would skip the compilation)
+
+    def _post_compile_hook(self, **kwargs) -> None:
+        for event in reversed(self.events):
+            if event["kernel"] == kwargs["fn"].name and event["end_ns"] is None:
+                event["end_ns"] = time.time_ns()
+                break
+
+    def __enter__(self) -> "TritonCompileLog":
+        try:
+            from triton import knobs
+        except ImportError:
+            return self
+        runtime = knobs.runtime
+        self._saved = (runtime.jit_cache_hook, runtime.jit_post_compile_hook)
+        runtime.jit_cache_hook, runtime.jit_post_compile_hook = self._cache_hook, self._post_compile_hook
+        self.available = True
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        if self.available:
+            from triton import knobs
+            knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = self._saved
+
+
 class HostOnlyModel(torch.nn.Module):
     """The stand-in for the model: hidden states of width 1, and random logits over
     LOGIT_COLUMNS token ids, so the sampler runs for real and cheaply."""
@@ -153,22 +212,29 @@ def write_model_dir(path: str) -> None:
     write_word_tokenizer(path, cfg.vocab_size)
 
 
+def host_only_llm(model_dir: str):
+    """The GPU run's offline engine (bench/gpu_breakdown.py's settings) over HostOnlyExecutor;
+    model_dir: an empty directory, filled with write_model_dir."""
+    from vllm_anatomy import LLM
+    from vllm_anatomy.executor.abstract import Executor
+    write_model_dir(model_dir)
+    executor_class = host_only_executor_class()
+    # (this script only: the engine picks its executor class here; the engine is unchanged)
+    with mock.patch.object(Executor, "get_class", staticmethod(lambda vllm_config: executor_class)):
+        return LLM(model_dir, device="cpu", max_model_len=4096, max_num_seqs=1024, max_num_batched_tokens=16384,
+                   async_scheduling=True, trace_level="off")
+
+
 def run_workload(prompts: list[list[int]], max_tokens: list[int]) -> dict:
     """The engine's host path over the workload: per-step records, GC events, memory."""
-    from vllm_anatomy import LLM, SamplingParams
-    from vllm_anatomy.executor.abstract import Executor
+    from vllm_anatomy import SamplingParams
     from vllm_anatomy.sampling_params import RequestOutputKind
 
     # NOTE: one intra-op thread: the engine thread's own work is what is measured (on a GPU the
     # host does no tensor math), and a second OpenMP thread spinning beside it adds ms of noise.
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as model_dir:
-        write_model_dir(model_dir)
-        executor_class = host_only_executor_class()
-        # (this script only: the engine picks its executor class here; the engine is unchanged)
-        with mock.patch.object(Executor, "get_class", staticmethod(lambda vllm_config: executor_class)):
-            llm = LLM(model_dir, device="cpu", max_model_len=4096, max_num_seqs=1024,
-                      max_num_batched_tokens=16384, async_scheduling=True, trace_level="off")
+        llm = host_only_llm(model_dir)
         engine = llm.llm_engine
         # As bench/gpu_breakdown.py: one short warm-up request first.
         llm.generate([{"prompt_token_ids": list(range(1, 9))}], SamplingParams(max_tokens=16, temperature=0.0),
@@ -326,6 +392,17 @@ def print_table(summary: dict, result: dict, stall_ms: float) -> None:
             f"{result['output_tokens']} output tokens")
 
 
+def _rounded(value):
+    """Floats to 7 decimals (0.1 us), through dicts and lists: the JSON's per-step records."""
+    if isinstance(value, float):
+        return round(value, 7)
+    if isinstance(value, dict):
+        return {k: _rounded(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_rounded(v) for v in value]
+    return value
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--num-seqs", type=int, default=FULL.num_seqs)
@@ -346,7 +423,7 @@ def main() -> None:
            "workload": {"num_seqs": len(prompts), "prompt_tokens": sum(map(len, prompts)),
                         "output_tokens": sum(max_tokens), "temperature": 0.6, "ignore_eos": True},
            "stall_ms": args.stall_ms, "summary": summary,
-           **{k: v for k, v in result.items() if k not in ("steps",)}, "steps": result["steps"]}
+           **{k: v for k, v in result.items() if k not in ("steps",)}, "steps": _rounded(result["steps"])}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(out, f, indent=None)
