@@ -230,7 +230,9 @@ def gap_causes_of_run(prof, intervals: list[tuple[float, float, str]], run_ns: t
     gaps = [(origin_ns + s * 1e3, origin_ns + e * 1e3) for s, e in idle_stretches(intervals, STALL_US)]
     out = gap_causes(gaps, run_ns, [asdict(e) for e in gc_log.events], compile_log.events, step_log.steps)
     first_gpu_ns = origin_ns + min(s for s, _, _ in intervals) * 1e3
+    step_ms = sorted((h["end_ns"] - h["start_ns"]) / 1e6 for h in step_log.steps)
     return {"clock_check_ms": (first_gpu_ns - run_ns[0]) / 1e6, "gc_summary": gc_log.summary(),
+            "median_host_step_ms": step_ms[len(step_ms) // 2] if step_ms else None,
             "num_triton_compiles": len(compile_log.events), "triton_hooks": compile_log.available,
             "num_host_steps": len(step_log.steps)} | out
 
@@ -265,7 +267,8 @@ def print_table(result: dict) -> None:
 def print_gap_causes(engine: str, causes: dict) -> None:
     """--gc-log: one line per > 1 ms GPU idle gap with what overlapped it, then the totals."""
     print(f"GPU idle gaps > 1 ms, {engine} (clock check: first GPU activity "
-          f"{causes['clock_check_ms']:.2f} ms after generate() began):")
+          f"{causes['clock_check_ms']:.2f} ms after generate() began; median engine step "
+          f"{causes['median_host_step_ms'] or 0:.2f} ms):")
     print(f"  {'ms':>6} {'at':>6}  {'GC (gen:ms)':16s} {'Triton compiles':24s} host steps (ms: longest phases)")
     for g in causes["gaps"]:
         gcs = " ".join(f"{c['generation']}:{c['ms']:.2f}" for c in g["gc"]) or "-"

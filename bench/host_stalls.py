@@ -145,13 +145,18 @@ class TritonCompileLog:
         self.available = False
         self._saved: tuple = ()
 
+    @staticmethod
+    def _kernel(kwargs: dict) -> str:
+        return str(getattr(kwargs.get("fn"), "name", kwargs.get("repr", "?")))
+
     def _cache_hook(self, **kwargs) -> bool:
-        self.events.append({"start_ns": time.time_ns(), "end_ns": None, "kernel": kwargs["fn"].name})
+        self.events.append({"start_ns": time.time_ns(), "end_ns": None, "kernel": self._kernel(kwargs)})
         return False                      # (True would skip the compilation)
 
     def _post_compile_hook(self, **kwargs) -> None:
+        kernel = self._kernel(kwargs)
         for event in reversed(self.events):
-            if event["kernel"] == kwargs["fn"].name and event["end_ns"] is None:
+            if event["kernel"] == kernel and event["end_ns"] is None:
                 event["end_ns"] = time.time_ns()
                 break
 
@@ -161,6 +166,8 @@ class TritonCompileLog:
         except ImportError:
             return self
         runtime = knobs.runtime
+        if not (hasattr(runtime, "jit_cache_hook") and hasattr(runtime, "jit_post_compile_hook")):
+            return self
         self._saved = (runtime.jit_cache_hook, runtime.jit_post_compile_hook)
         runtime.jit_cache_hook, runtime.jit_post_compile_hook = self._cache_hook, self._post_compile_hook
         self.available = True

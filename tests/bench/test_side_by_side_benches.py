@@ -294,7 +294,7 @@ def test_gpu_breakdown_top_kernels_and_the_context_workload(bench):
 
 
 @pytest.mark.fast
-def test_gpu_breakdown_gc_log_says_what_overlapped_each_gap(bench):
+def test_gpu_breakdown_gc_log_says_what_overlapped_each_gap(bench, capsys):
     gb = bench.gpu_breakdown
     # busy 0-100 and 50-300 (two streams), idle 300-1800 (1.5 ms), busy 1800-1900, idle 1900-2500 (0.6 ms)
     intervals = [(1800.0, 1900.0, "b"), (0.0, 100.0, "a"), (50.0, 300.0, "c"), (2500.0, 2600.0, "d")]
@@ -318,6 +318,13 @@ def test_gpu_breakdown_gc_log_says_what_overlapped_each_gap(bench):
     assert second["triton_compiles"] == [{"kernel": "mod._gumbel_sample", "ms": 2.0}] and not second["gc"]
     assert [h["step"] for h in second["host_steps"]] == [2]
     assert out["gap_s"] == pytest.approx(0.007) and out["gc_overlap_s"] == pytest.approx(0.003)
+    gb.print_gap_causes("vllm_anatomy", out | {
+        "clock_check_ms": 0.4, "median_host_step_ms": 2.0, "num_triton_compiles": 1, "triton_hooks": True,
+        "gc_summary": {"gen0": {"count": 1, "total_s": 0.001}, "gen2": {"count": 1, "total_s": 0.003}}})
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[2].split()[:4] == ["5.00", "0.100", "2:3.00", "-"] and "update_from_output 6.00" in printed[2]
+    assert "mod._gumbel_sample" in printed[3]
+    assert printed[-1].startswith("  2 gaps = 7.0 ms; 1 overlap a collection (1 of gen 2")
 
 
 def test_gpu_breakdown_gc_log_lines_up_a_collection_with_a_gap_of_a_real_trace(bench):
