@@ -55,3 +55,37 @@ def test_freeze_gc_heap_moves_every_survivor_out_of_the_collected_generations():
     finally:
         gc.unfreeze()
     assert any(o is survivor for o in gc.get_objects(2))
+
+
+class _NoWorkers:
+    """The fewest executor calls EngineCore makes at start-up and shutdown (no model)."""
+
+    def __init__(self, vllm_config, recorder=None) -> None:
+        pass
+
+    def determine_num_available_blocks(self) -> int:
+        return 16
+
+    def initialize_from_config(self, num_gpu_blocks: int) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
+
+
+@pytest.mark.fast
+def test_engine_core_freezes_its_heap_attaches_the_debugger_and_takes_it_off_at_shutdown(monkeypatch):
+    from vllm_anatomy.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm_anatomy.engine.core import EngineCore
+    monkeypatch.setenv("VLLM_GC_DEBUG", "1")
+    config = VllmConfig(ModelConfig(model="fake", max_model_len=64), CacheConfig(block_size=16),
+                        SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4, max_model_len=64))
+    callbacks_before = list(gc.callbacks)
+    engine = EngineCore(config, executor_class=_NoWorkers)
+    try:
+        assert gc.get_freeze_count() > 0
+        added = [c for c in gc.callbacks if c not in callbacks_before]
+        assert added == [engine._gc_debug_callback]
+    finally:
+        engine.shutdown()
+    assert gc.callbacks == callbacks_before and gc.get_freeze_count() == 0
