@@ -3,6 +3,7 @@ than usual on the host, and whether a garbage collection is why.
 
     python bench/host_stalls.py                                  # nano-vllm's workload, 256 sequences
     python bench/host_stalls.py --num-seqs 16 --max-output 32 --out /tmp/s.json    # a quick look
+    python bench/host_stalls.py --no-gc --out /tmp/s_nogc.json   # the collector off: what GC costs
 
 Issue 34: on an H100 the GPU sat idle 0.14 s in 55 gaps > 1 ms during the
 throughput run (bench/results/gpu_breakdown_h100_gaps.json). With async
@@ -232,7 +233,7 @@ def host_only_llm(model_dir: str):
                    async_scheduling=True, trace_level="off")
 
 
-def run_workload(prompts: list[list[int]], max_tokens: list[int]) -> dict:
+def run_workload(prompts: list[list[int]], max_tokens: list[int], gc_enabled: bool = True) -> dict:
     """The engine's host path over the workload: per-step records, GC events, memory."""
     from vllm_anatomy import SamplingParams
     from vllm_anatomy.sampling_params import RequestOutputKind
@@ -253,6 +254,8 @@ def run_workload(prompts: list[list[int]], max_tokens: list[int]) -> dict:
         steps: list[dict] = []
         finished: dict = {}            # kept to the end, as LLM.generate's _run_engine keeps its outputs
         rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        if not gc_enabled:
+            gc.disable()          # (--no-gc: what the run's host time would be without the collector)
         with GCLog() as gc_log:
             # NOTE: FINAL_ONLY, as LLM.generate asks; every request added before the first step.
             for i, (prompt, n) in enumerate(zip(prompts, max_tokens)):
@@ -280,6 +283,7 @@ def run_workload(prompts: list[list[int]], max_tokens: list[int]) -> dict:
                               "gc": [asdict(e) for e in gc_log.events[num_gc:]], "scheduled": scheduled})
             run_wall_s = time.perf_counter() - t_run
             gc_count_end = gc.get_count()
+        gc.enable()
         rss_after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         tracked_end = len(gc.get_objects())
         output_tokens = sum(len(o.outputs[0].token_ids) for o in finished.values())
@@ -287,7 +291,8 @@ def run_workload(prompts: list[list[int]], max_tokens: list[int]) -> dict:
     return {"steps": steps, "gc_events": [asdict(e) for e in gc_log.events], "gc_summary": gc_log.summary(),
             "run_wall_s": run_wall_s, "output_tokens": output_tokens, "num_finished": len(finished),
             "peak_rss_mb_before_run": rss_before / 1024, "peak_rss_mb_after_run": rss_after / 1024,
-            "gc_count_at_end": list(gc_count_end), "gc_tracked_objects_at_end": tracked_end}
+            "gc_count_at_end": list(gc_count_end), "gc_tracked_objects_at_end": tracked_end,
+            "gc_enabled": gc_enabled}
 
 
 def count_scheduled_tokens(scheduler, clock: PhaseClock) -> list[dict]:
@@ -414,13 +419,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--num-seqs", type=int, default=FULL.num_seqs)
     ap.add_argument("--max-output", type=int, default=FULL.max_output_len, help="cap on each output length")
+    ap.add_argument("--no-gc", action="store_true",
+                    help="the cyclic collector off for the run (gc.disable()): the counterfactual, not a fix")
     ap.add_argument("--stall-ms", type=float, default=1.0,
                     help="a stall: host time > the median of the 10 steps either side + this")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(HERE), "bench/results/host_stalls_cpu.json"))
     args = ap.parse_args()
     prompts, max_tokens = nano_vllm_workload(FULL)
     prompts, max_tokens = prompts[:args.num_seqs], [min(m, args.max_output) for m in max_tokens[:args.num_seqs]]
-    result = run_workload(prompts, max_tokens)
+    result = run_workload(prompts, max_tokens, gc_enabled=not args.no_gc)
     summary = summarize(result, args.stall_ms * 1e-3)
     print_table(summary, result, args.stall_ms)
     out = {"bench": "bench/host_stalls.py", "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
