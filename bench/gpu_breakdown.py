@@ -192,10 +192,11 @@ def run_worker(kind: str, model_dir: str, workload_name: str = "nano-vllm", gc_l
     prompts, max_tokens, temperature, max_model_len = workload(workload_name)
     engine = Engine(kind, model_dir, max_model_len=max_model_len)
     engine.generate([list(range(1, 9))], [16], 0.0)                  # warm-up, as nano-vllm's bench
-    logs = None
+    logs, allocator_before = None, {}
     if gc_log:
         from host_stalls import GCLog, HostStepLog, TritonCompileLog
         logs = (GCLog(), TritonCompileLog(), HostStepLog(engine.llm))
+        allocator_before = allocator_counts()
         logs[0].__enter__()
         logs[1].__enter__()
     try:
@@ -213,8 +214,24 @@ def run_worker(kind: str, model_dir: str, workload_name: str = "nano-vllm", gc_l
               "output_tokens": generated} | breakdown(intervals) | {"top_kernels": top_kernels(intervals)}
     if logs is not None:
         result["gap_causes"] = gap_causes_of_run(prof, intervals, (run_start_ns, run_end_ns), *logs)
+        after = allocator_counts()
+        result["gap_causes"]["allocator_counts_during_run"] = {
+            k: after[k] - allocator_before.get(k, 0) for k in after if after[k] != allocator_before.get(k, 0)}
     engine.shutdown()
     return result
+
+
+def allocator_counts() -> dict[str, int]:
+    """The torch allocators' event counters ("num_*": device mallocs and frees, alloc retries
+    after an out-of-memory, which free cached blocks with a device-wide sync; pinned host
+    allocations): their change over the run says whether an allocator call could be a stall."""
+    import torch
+    stats = dict(torch.cuda.memory_stats())
+    host_stats = getattr(torch.cuda, "host_memory_stats", None)
+    if host_stats is not None:
+        stats.update({f"host.{k}": v for k, v in host_stats().items()})
+    return {k: int(v) for k, v in stats.items() if k.rsplit(".", 1)[-1].startswith("num_")
+            and isinstance(v, (int, float))}
 
 
 def gap_causes_of_run(prof, intervals: list[tuple[float, float, str]], run_ns: tuple[int, int],
@@ -282,6 +299,10 @@ def print_gap_causes(engine: str, causes: dict) -> None:
           f"{causes['num_with_triton_compile']} a Triton compilation ({causes['num_triton_compiles']} in the run"
           f"{'' if causes['triton_hooks'] else ': no hooks in this Triton'}); GC in the run: "
           + ", ".join(f"{k} {v['count']} = {v['total_s'] * 1e3:.1f} ms" for k, v in gcs.items()))
+    counts = causes.get("allocator_counts_during_run")
+    if counts is not None:
+        print("  allocator events during the run: " + (", ".join(f"{k} +{v}" for k, v in sorted(counts.items()))
+                                                      or "none"))
 
 
 def main() -> None:

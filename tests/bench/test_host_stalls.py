@@ -114,3 +114,26 @@ def test_small_run_of_the_host_path_finishes_every_request_and_attributes_collec
     assert forced and forced[0] == 3
     assert all(e["step"] >= -1 for e in result["gc_events"])
     assert result["gc_summary"]["gen2"]["count"] >= 1
+
+
+def test_host_step_log_times_every_engine_step_of_generate(hs, tmp_path):
+    """HostStepLog (bench/gpu_breakdown.py --gc-log) on the stand-in engine: one record per
+    LLMEngine.step() of LLM.generate, in time.time_ns(), with the step's phases."""
+    import time
+
+    from vllm_anatomy import SamplingParams
+    llm = hs.host_only_llm(str(tmp_path))
+    try:
+        log = hs.HostStepLog(llm)
+        start = time.time_ns()
+        outs = llm.generate([{"prompt_token_ids": [5] * 40}, {"prompt_token_ids": [6] * 9}],
+                            SamplingParams(max_tokens=4, temperature=0.6, ignore_eos=True), use_tqdm=False)
+        end = time.time_ns()
+    finally:
+        llm.shutdown()
+    assert [len(o.outputs[0].token_ids) for o in outs] == [4, 4]
+    steps = log.steps
+    assert len(steps) >= 5                                  # 4 tokens each, async: one more step to drain
+    assert start <= steps[0]["start_ns"] and steps[-1]["end_ns"] <= end
+    assert all(a["end_ns"] <= b["start_ns"] for a, b in zip(steps, steps[1:]))
+    assert "schedule" in steps[0]["phases_s"] and sum(s["num_outputs"] for s in steps) == 2

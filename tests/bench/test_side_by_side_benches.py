@@ -327,6 +327,16 @@ def test_gpu_breakdown_gc_log_says_what_overlapped_each_gap(bench, capsys):
     assert printed[-1].startswith("  2 gaps = 7.0 ms; 1 overlap a collection (1 of gen 2")
 
 
+@pytest.mark.fast
+def test_gpu_breakdown_allocator_counts_keeps_the_event_counters(bench, monkeypatch):
+    import torch
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda: {
+        "num_alloc_retries": 2, "num_device_alloc": 40, "allocated_bytes.all.current": 10, "num_sync_all_streams": 1})
+    monkeypatch.setattr(torch.cuda, "host_memory_stats", lambda: {"num_host_alloc": 5, "host_alloc_time": {"total": 3}})
+    assert bench.gpu_breakdown.allocator_counts() == {"num_alloc_retries": 2, "num_device_alloc": 40,
+                                                      "num_sync_all_streams": 1, "host.num_host_alloc": 5}
+
+
 def test_gpu_breakdown_gc_log_lines_up_a_collection_with_a_gap_of_a_real_trace(bench):
     """The clock: a CPU trace (the only one without a GPU) with two ops 5+ ms apart and a full
     collection between them: the gap the profiler's own times show must overlap the collection
