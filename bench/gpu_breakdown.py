@@ -1,7 +1,7 @@
 """Where the GPU time of the whole throughput run goes, ours and vLLM's, side by side.
 
     python bench/gpu_breakdown.py [--vllm-site DIR] [--out bench/results/gpu_breakdown_h200.json]
-                                  [--workload nano-vllm|context:4096|prefill:4096]
+                                  [--workload nano-vllm|context:4096|prefill:4096] [--gc-log]
 
 nano-vllm's workload (bench/vs_vllm.py: 256 sequences, prompts and outputs uniform in
 [100, 1024], temperature 0.6, ignore_eos), run once under torch.profiler with CUDA
@@ -20,7 +20,11 @@ Without --vllm-site only ours runs. It reports:
 --workload context:N profiles one point of bench/scaling.py's context series instead
 (64 sequences of N random prompt tokens, 128 output tokens each): where vLLM's lead
 at long prompts comes from; --workload prefill:N the same prompts with 1 output token
-(the point's prefill alone: context:N minus prefill:N is its decode). The profiler slows the host a little, so wall time here is not the throughput number:
+(the point's prefill alone: context:N minus prefill:N is its decode). --gc-log (ours):
+every garbage collection, Triton compilation and engine step of the profiled run is logged
+(bench/host_stalls.py's GCLog, TritonCompileLog, HostStepLog), and each > 1 ms idle gap is
+listed with those that overlapped it, the engine steps' longest phases included (issue 34:
+is a gap a collection, a compilation, or which host phase?). The profiler slows the host a little, so wall time here is not the throughput number:
 bench/vs_vllm.py measures that, unprofiled. Prints a table and writes JSON.
 """
 from __future__ import annotations
@@ -31,6 +35,7 @@ import os
 import random
 import sys
 import time
+from dataclasses import asdict
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -111,6 +116,7 @@ def breakdown(intervals: list[tuple[float, float, str]]) -> dict:
 
 
 GAP_BINS_US = (10.0, 100.0, 1000.0)                       # launch gaps | step boundaries | stalls
+STALL_US = GAP_BINS_US[-1]                                # --gc-log explains the gaps from here up
 
 
 def idle_gaps(gaps: list[tuple[float, float]], span_us: float, largest: int = 8) -> dict:
@@ -126,6 +132,49 @@ def idle_gaps(gaps: list[tuple[float, float]], span_us: float, largest: int = 8)
     return {"bins": bins, "largest": [{"ms": g / 1e3, "at": round(at / span_us, 4)} for g, at in top]}
 
 
+def idle_stretches(intervals: list[tuple[float, float, str]], min_us: float) -> list[tuple[float, float]]:
+    """(start_us, end_us) of every stretch of at least min_us in which the GPU ran nothing."""
+    stretches, covered_to = [], float("-inf")
+    for s, e, _ in sorted(intervals):
+        if s - covered_to >= min_us and covered_to > float("-inf"):
+            stretches.append((covered_to, s))
+        covered_to = max(covered_to, e)
+    return stretches
+
+
+def _overlap_ns(a0: float, a1: float, b0: float, b1: float) -> float:
+    return max(0.0, min(a1, b1) - max(a0, b0))
+
+
+def gap_causes(gaps_ns: list[tuple[float, float]], run_ns: tuple[float, float], gc_events: list[dict],
+               compiles: list[dict], host_steps: list[dict]) -> dict:
+    """For each GPU idle gap (start, end in time.time_ns()), what the host did meanwhile: the
+    garbage collections and Triton compilations that overlapped it, and the engine steps
+    (LLMEngine.step calls) that ran across it with their longest phases. run_ns: the profiled
+    span (where in the run a gap falls). gc_events: bench/host_stalls.GCEvent dicts; compiles
+    and host_steps: TritonCompileLog.events and HostStepLog.steps."""
+    span = max(run_ns[1] - run_ns[0], 1.0)
+    rows = []
+    for g0, g1 in gaps_ns:
+        gcs = [{"generation": e["generation"], "ms": e["duration_s"] * 1e3, "collected": e["collected"],
+                "overlap_ms": _overlap_ns(g0, g1, e["start_ns"], e["start_ns"] + e["duration_s"] * 1e9) / 1e6}
+               for e in gc_events if _overlap_ns(g0, g1, e["start_ns"], e["start_ns"] + e["duration_s"] * 1e9) > 0]
+        jit = [{"kernel": c["kernel"], "ms": ((c["end_ns"] or g1) - c["start_ns"]) / 1e6}
+               for c in compiles if _overlap_ns(g0, g1, c["start_ns"], c["end_ns"] or g1) > 0]
+        steps = [{"step": i, "ms": (h["end_ns"] - h["start_ns"]) / 1e6,
+                  "top_phases_ms": dict(sorted(((p, v * 1e3) for p, v in h["phases_s"].items()),
+                                               key=lambda kv: -kv[1])[:4])}
+                 for i, h in enumerate(host_steps) if _overlap_ns(g0, g1, h["start_ns"], h["end_ns"]) > 0]
+        rows.append({"ms": (g1 - g0) / 1e6, "at": round((g0 - run_ns[0]) / span, 4), "gc": gcs,
+                     "triton_compiles": jit, "host_steps": steps})
+    return {"num_gaps": len(rows), "gap_s": sum(r["ms"] for r in rows) / 1e3,
+            "num_with_gc": sum(bool(r["gc"]) for r in rows),
+            "num_with_gen2": sum(any(g["generation"] == 2 for g in r["gc"]) for r in rows),
+            "gc_overlap_s": sum(g["overlap_ms"] for r in rows for g in r["gc"]) / 1e3,
+            "num_with_triton_compile": sum(bool(r["triton_compiles"]) for r in rows),
+            "gaps": rows}
+
+
 def top_kernels(intervals: list[tuple[float, float, str]], n: int = TOP_KERNELS) -> list[dict]:
     """The n kernel names with the most GPU time: name (cut to 90 characters), seconds, launches."""
     by_name: dict[str, list[float]] = {}
@@ -137,20 +186,72 @@ def top_kernels(intervals: list[tuple[float, float, str]], n: int = TOP_KERNELS)
     return [{"name": name, "seconds": s, "launches": int(k), "kind": kind_of(name)} for name, (s, k) in ranked]
 
 
-def run_worker(kind: str, model_dir: str, workload_name: str = "nano-vllm") -> dict:
+def run_worker(kind: str, model_dir: str, workload_name: str = "nano-vllm", gc_log: bool = False) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
     prompts, max_tokens, temperature, max_model_len = workload(workload_name)
     engine = Engine(kind, model_dir, max_model_len=max_model_len)
     engine.generate([list(range(1, 9))], [16], 0.0)                  # warm-up, as nano-vllm's bench
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        seconds, generated = engine.generate(prompts, max_tokens, temperature)
+    logs, allocator_before = None, {}
+    if gc_log:
+        from host_stalls import GCLog, HostStepLog, TritonCompileLog
+        logs = (GCLog(), TritonCompileLog(), HostStepLog(engine.llm))
+        allocator_before = allocator_counts()
+        logs[0].__enter__()
+        logs[1].__enter__()
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            run_start_ns = time.time_ns()
+            seconds, generated = engine.generate(prompts, max_tokens, temperature)
+            run_end_ns = time.time_ns()
+    finally:
+        if logs is not None:
+            logs[1].__exit__(None, None, None)
+            logs[0].__exit__(None, None, None)
     gpu = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     intervals = [(e.time_range.start, e.time_range.end, e.name) for e in gpu]
     result = {"engine": kind, "settings": engine.settings(), "profiled_wall_s": seconds,
               "output_tokens": generated} | breakdown(intervals) | {"top_kernels": top_kernels(intervals)}
+    if logs is not None:
+        result["gap_causes"] = gap_causes_of_run(prof, intervals, (run_start_ns, run_end_ns), *logs)
+        after = allocator_counts()
+        result["gap_causes"]["allocator_counts_during_run"] = {
+            k: after[k] - allocator_before.get(k, 0) for k in after if after[k] != allocator_before.get(k, 0)}
     engine.shutdown()
     return result
+
+
+def allocator_counts() -> dict[str, int]:
+    """The torch allocators' event counters ("num_*": device mallocs and frees, alloc retries
+    after an out-of-memory, which free cached blocks with a device-wide sync; pinned host
+    allocations): their change over the run says whether an allocator call could be a stall."""
+    import torch
+    stats = dict(torch.cuda.memory_stats())
+    host_stats = getattr(torch.cuda, "host_memory_stats", None)
+    if host_stats is not None:
+        stats.update({f"host.{k}": v for k, v in host_stats().items()})
+    return {k: int(v) for k, v in stats.items() if k.rsplit(".", 1)[-1].startswith("num_")
+            and isinstance(v, (int, float))}
+
+
+def gap_causes_of_run(prof, intervals: list[tuple[float, float, str]], run_ns: tuple[int, int],
+                      gc_log, compile_log, step_log) -> dict:
+    """gap_causes of the profiled run's > 1 ms gaps.
+
+    NOTE: the profiler's event times are microseconds after its trace start, which
+    kineto keeps in Unix-epoch nanoseconds, the clock of time.time_ns() that the logs
+    use (checked on a CPU trace: a record_function lands within 0.2 ms of time.time_ns()).
+    clock_check_ms says how far the first GPU activity came after generate() began: a
+    small positive number if the clocks agree."""
+    origin_ns = prof.profiler.kineto_results.trace_start_ns()
+    gaps = [(origin_ns + s * 1e3, origin_ns + e * 1e3) for s, e in idle_stretches(intervals, STALL_US)]
+    out = gap_causes(gaps, run_ns, [asdict(e) for e in gc_log.events], compile_log.events, step_log.steps)
+    first_gpu_ns = origin_ns + min(s for s, _, _ in intervals) * 1e3
+    step_ms = sorted((h["end_ns"] - h["start_ns"]) / 1e6 for h in step_log.steps)
+    return {"clock_check_ms": (first_gpu_ns - run_ns[0]) / 1e6, "gc_summary": gc_log.summary(),
+            "median_host_step_ms": step_ms[len(step_ms) // 2] if step_ms else None,
+            "num_triton_compiles": len(compile_log.events), "triton_hooks": compile_log.available,
+            "num_host_steps": len(step_log.steps)} | out
 
 
 def print_table(result: dict) -> None:
@@ -171,9 +272,37 @@ def print_table(result: dict) -> None:
                 f"[{b['from_us']:g}, {b['to_us'] or 'inf'}) us: {b['count']} = {b['seconds']:.3f} s" for b in gaps["bins"])
                   + "; largest ms (at): " + ", ".join(f"{g['ms']:.2f} ({g['at']:.2f})" for g in gaps["largest"]))
     for e in engines:
+        causes = result[e].get("gap_causes")
+        if causes:
+            print_gap_causes(e, causes)
+    for e in engines:
         print(f"top kernels, {e}:")
         for row in result[e].get("top_kernels", []):
             print(f"  {row['seconds']:8.3f} s {row['launches']:7d}x  {row['kind']:14s} {row['name'][:70]}")
+
+
+def print_gap_causes(engine: str, causes: dict) -> None:
+    """--gc-log: one line per > 1 ms GPU idle gap with what overlapped it, then the totals."""
+    print(f"GPU idle gaps > 1 ms, {engine} (clock check: first GPU activity "
+          f"{causes['clock_check_ms']:.2f} ms after generate() began; median engine step "
+          f"{causes['median_host_step_ms'] or 0:.2f} ms):")
+    print(f"  {'ms':>6} {'at':>6}  {'GC (gen:ms)':16s} {'Triton compiles':24s} host steps (ms: longest phases)")
+    for g in causes["gaps"]:
+        gcs = " ".join(f"{c['generation']}:{c['ms']:.2f}" for c in g["gc"]) or "-"
+        jit = " ".join(c["kernel"][:20] for c in g["triton_compiles"]) or "-"
+        steps = "; ".join(f"{h['ms']:.2f}: " + ", ".join(f"{p} {v:.2f}" for p, v in h["top_phases_ms"].items())
+                          for h in g["host_steps"][:2])
+        print(f"  {g['ms']:6.2f} {g['at']:6.3f}  {gcs:16s} {jit:24s} {steps}")
+    gcs = causes["gc_summary"]
+    print(f"  {causes['num_gaps']} gaps = {causes['gap_s'] * 1e3:.1f} ms; {causes['num_with_gc']} overlap a "
+          f"collection ({causes['num_with_gen2']} of gen 2, {causes['gc_overlap_s'] * 1e3:.1f} ms of overlap), "
+          f"{causes['num_with_triton_compile']} a Triton compilation ({causes['num_triton_compiles']} in the run"
+          f"{'' if causes['triton_hooks'] else ': no hooks in this Triton'}); GC in the run: "
+          + ", ".join(f"{k} {v['count']} = {v['total_s'] * 1e3:.1f} ms" for k, v in gcs.items()))
+    counts = causes.get("allocator_counts_during_run")
+    if counts is not None:
+        print("  allocator events during the run: " + (", ".join(f"{k} +{v}" for k, v in sorted(counts.items()))
+                                                      or "none"))
 
 
 def main() -> None:
@@ -183,11 +312,16 @@ def main() -> None:
     ap.add_argument("--workload", default="nano-vllm",
                     help="nano-vllm (bench/vs_vllm.py's), context:N (bench/scaling.py's point of N-token prompts) "
                          "or prefill:N (the same prompts, 1 output token)")
+    ap.add_argument("--gc-log", action="store_true",
+                    help="ours: log every garbage collection, Triton compilation and engine step "
+                         "(time.time_ns) during the profiled run, and say for each > 1 ms GPU idle gap "
+                         "which of them overlapped it (bench/host_stalls.py's logs)")
     ap.add_argument("--worker", choices=["ours", "vllm"], help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        print("RESULT " + json.dumps(run_worker(args.worker, args.model_dir, args.workload)), flush=True)
+        print("RESULT " + json.dumps(run_worker(args.worker, args.model_dir, args.workload,
+                                                gc_log=args.gc_log and args.worker == "ours")), flush=True)
         return
     workload(args.workload)                                           # refuse a bad name before any start-up
     import tempfile
@@ -208,7 +342,7 @@ def main() -> None:
             if kind == "vllm" and not args.vllm_site:
                 continue
             cmd = [sys.executable, os.path.abspath(__file__), "--worker", kind, "--model-dir", model_dir,
-                   "--workload", args.workload]
+                   "--workload", args.workload, *(["--gc-log"] if args.gc_log else [])]
             result[key] = run_subprocess(f"{kind}: profiled throughput run", cmd,
                                          worker_env(kind, args.vllm_site, multiprocess=False), timeout_s=300)
     print_table(result)

@@ -19,6 +19,10 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # last 8 bytes, a 64-bit int (what KV-aware routers index by); 0: the raw bytes.
     "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES":
         lambda: bool(int(os.getenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1"))),
+    # Log every cyclic garbage collection (utils/gc_utils.py, attached by EngineCore
+    # after it froze its start-up heap): "0" off, "1" each collection's time,
+    # '{"top_objects": 5}' and its five most common object types.
+    "VLLM_GC_DEBUG": lambda: os.getenv("VLLM_GC_DEBUG", ""),
     # Ours, not vLLM's: the performance seams' off switches, for A/B runs (set to 0).
     # Qwen3's q/k norm + RoPE in one launch on CUDA (model_executor/models/llama.py),
     # read when the model is built.

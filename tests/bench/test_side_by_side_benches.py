@@ -20,7 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 BENCH = os.path.join(ROOT, "bench")
 FAKE_VLLM = os.path.join(ROOT, "tests", "bench", "fake_vllm")
 BENCH_MODULES = ("vs_vllm", "scaling", "plot_scaling", "side_by_side", "throughput", "kernel_bench", "gpu_breakdown",
-                 "throughput_ab")
+                 "throughput_ab", "host_stalls", "step_overhead")
 
 
 @pytest.fixture(scope="module")
@@ -291,6 +291,80 @@ def test_gpu_breakdown_top_kernels_and_the_context_workload(bench):
     for bad in ("context:", "context:4k", "ctx:4096", "prefill:"):
         with pytest.raises(SystemExit, match="context:N"):
             gb.workload(bad)
+
+
+@pytest.mark.fast
+def test_gpu_breakdown_gc_log_says_what_overlapped_each_gap(bench, capsys):
+    gb = bench.gpu_breakdown
+    # busy 0-100 and 50-300 (two streams), idle 300-1800 (1.5 ms), busy 1800-1900, idle 1900-2500 (0.6 ms)
+    intervals = [(1800.0, 1900.0, "b"), (0.0, 100.0, "a"), (50.0, 300.0, "c"), (2500.0, 2600.0, "d")]
+    assert gb.idle_stretches(intervals, 1000.0) == [(300.0, 1800.0)]
+    assert gb.idle_stretches(intervals, 500.0) == [(300.0, 1800.0), (1900.0, 2500.0)]
+    ms = 1_000_000                                         # ns
+    gaps = [(10 * ms, 15 * ms), (50 * ms, 52 * ms)]
+    gc_events = [{"start_ns": 11 * ms, "duration_s": 0.003, "generation": 2, "collected": 7, "step": 4},
+                 {"start_ns": 30 * ms, "duration_s": 0.001, "generation": 0, "collected": 0, "step": 9}]
+    compiles = [{"start_ns": 49 * ms, "end_ns": 51 * ms, "kernel": "mod._gumbel_sample"}]
+    steps = [{"start_ns": 8 * ms, "end_ns": 16 * ms, "phases_s": {"update_from_output": 0.006, "schedule": 0.001},
+              "num_outputs": 0},
+             {"start_ns": 16 * ms, "end_ns": 49 * ms, "phases_s": {"schedule": 0.001}, "num_outputs": 0},
+             {"start_ns": 49 * ms, "end_ns": 53 * ms, "phases_s": {"sample": 0.003}, "num_outputs": 1}]
+    out = gb.gap_causes(gaps, (0, 100 * ms), gc_events, compiles, steps)
+    assert (out["num_gaps"], out["num_with_gc"], out["num_with_gen2"], out["num_with_triton_compile"]) == (2, 1, 1, 1)
+    first, second = out["gaps"]
+    assert first["ms"] == 5 and first["at"] == 0.1 and second["at"] == 0.5
+    assert first["gc"] == [{"generation": 2, "ms": 3.0, "collected": 7, "overlap_ms": 3.0}]
+    assert first["host_steps"] == [{"step": 0, "ms": 8.0, "top_phases_ms": {"update_from_output": 6.0, "schedule": 1.0}}]
+    assert second["triton_compiles"] == [{"kernel": "mod._gumbel_sample", "ms": 2.0}] and not second["gc"]
+    assert [h["step"] for h in second["host_steps"]] == [2]
+    assert out["gap_s"] == pytest.approx(0.007) and out["gc_overlap_s"] == pytest.approx(0.003)
+    gb.print_gap_causes("vllm_anatomy", out | {
+        "clock_check_ms": 0.4, "median_host_step_ms": 2.0, "num_triton_compiles": 1, "triton_hooks": True,
+        "gc_summary": {"gen0": {"count": 1, "total_s": 0.001}, "gen2": {"count": 1, "total_s": 0.003}}})
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[2].split()[:4] == ["5.00", "0.100", "2:3.00", "-"] and "update_from_output 6.00" in printed[2]
+    assert "mod._gumbel_sample" in printed[3]
+    assert printed[-1].startswith("  2 gaps = 7.0 ms; 1 overlap a collection (1 of gen 2")
+
+
+@pytest.mark.fast
+def test_gpu_breakdown_allocator_counts_keeps_the_event_counters(bench, monkeypatch):
+    import torch
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda: {
+        "num_alloc_retries": 2, "num_device_alloc": 40, "allocated_bytes.all.current": 10, "num_sync_all_streams": 1})
+    monkeypatch.setattr(torch.cuda, "host_memory_stats", lambda: {"num_host_alloc": 5, "host_alloc_time": {"total": 3}})
+    assert bench.gpu_breakdown.allocator_counts() == {"num_alloc_retries": 2, "num_device_alloc": 40,
+                                                      "num_sync_all_streams": 1, "host.num_host_alloc": 5}
+
+
+def test_gpu_breakdown_gc_log_lines_up_a_collection_with_a_gap_of_a_real_trace(bench):
+    """The clock: a CPU trace (the only one without a GPU) with two ops 5+ ms apart and a full
+    collection between them: the gap the profiler's own times show must overlap the collection
+    the GC log timed with time.time_ns()."""
+    import gc
+    import time
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    import host_stalls
+    gc_log = host_stalls.GCLog()
+    compile_log = types.SimpleNamespace(events=[], available=False)
+    step_log = types.SimpleNamespace(steps=[])
+    x = torch.ones(8)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.time_ns()
+        x.add(1)
+        with gc_log:
+            gc.collect(2)
+        time.sleep(0.005)
+        x.mul(2)
+        end = time.time_ns()
+    intervals = [(e.time_range.start, e.time_range.end, e.name) for e in prof.events()]
+    out = bench.gpu_breakdown.gap_causes_of_run(prof, intervals, (start, end), gc_log, compile_log, step_log)
+    assert 0 <= out["clock_check_ms"] < 50
+    assert out["num_gaps"] >= 1 and out["num_with_gen2"] == 1
+    gap = next(g for g in out["gaps"] if g["gc"])
+    assert gap["ms"] >= 5 and gap["gc"][0]["overlap_ms"] == pytest.approx(gap["gc"][0]["ms"], rel=0.05)
 
 
 @pytest.mark.fast

@@ -67,6 +67,7 @@ from vllm_anatomy.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KV
 from vllm_anatomy.structured_output import StructuredOutputManager
 from vllm_anatomy.tracing.recorder import NullRecorder, Recorder
 from vllm_anatomy.tracing.step_tracer import NullStepTrace, StepTrace
+from vllm_anatomy.utils.gc_utils import freeze_gc_heap, maybe_attach_gc_debug_callback
 
 logger = logging.getLogger(__name__)
 
@@ -117,13 +118,13 @@ class EngineCore:
         if cache_config.enable_prefix_caching:
             init_none_hash(sha256)
             self.request_block_hasher = get_request_block_hasher(cache_config.block_size, sha256)
-        # NOTE: (vLLM does the same, "freeze_gc_heap") everything created so far
-        # (model, tokenizer, block pool: hundreds of thousands of objects) lives
-        # as long as the engine; moving it to the GC's permanent generation
-        # stops every full collection from re-scanning it. At batch 256 on the
-        # CPU that was ~25 % of the step time.
-        gc.collect()
-        gc.freeze()
+        # NOTE: (as vLLM: utils/gc_utils.py) everything created so far (model,
+        # tokenizer, block pool: hundreds of thousands of objects) lives as long
+        # as the engine; moving it to the GC's permanent generation stops every
+        # full collection from re-scanning it. At batch 256 on the CPU that was
+        # ~25 % of the step time. Then VLLM_GC_DEBUG's log, if asked for.
+        freeze_gc_heap()
+        self._gc_debug_callback = maybe_attach_gc_debug_callback()
 
     def _initialize_kv_caches(self, vllm_config: VllmConfig) -> KVCacheConfig:
         """Size the KV cache (the workers measure their memory), check that one
@@ -387,3 +388,5 @@ class EngineCore:
         # NOTE: frozen objects are never collected; a process that builds
         # another engine (tests, notebooks) must get this one's cycles back.
         gc.unfreeze()
+        if self._gc_debug_callback in gc.callbacks:
+            gc.callbacks.remove(self._gc_debug_callback)
