@@ -245,13 +245,20 @@ def pick_config(num_queries_per_kv: int, head_dim: int, dtype: torch.dtype) -> d
     if dtype == torch.float32:
         return dict(block_m=32, block_n=32, num_warps=4, num_stages=1, pack_gqa=False,
                     tma="off", warp_specialize=False, fold_scale=False)
-    # NOTE: measured on an H100 (bench/prefill_attention.py, bench/results/prefill_attention_h100.json,
-    # Qwen3-0.6B heads, bf16): 64 x 64 tiles, 4 warps, 3 stages with TMA loads (device-side
-    # descriptors, tma="device") reach 57-60 % of the matmul rate at 4k/8k tokens (unified_attention:
-    # 44-46 %) and stay ahead at 512 tokens (12.7 vs 10.3 %), where 128-row blocks leave most of the
-    # SMs idle. TMA needs Hopper (sm_90) or later.
+    # NOTE: measured on an H200 (bench/prefill_attention.py, bench/results/prefill_attention_h200.json,
+    # Qwen3-0.6B heads, bf16, 31 variants): 128 x 128 tiles, 8 warps, 3 stages, K/V (and Q) through
+    # host-side tensor descriptors (tma="host") and Triton's warp specialisation reach 63-65 % of the
+    # matmul rate at 4k/8k tokens, 1.08x the previous default (64 x 64, 4 warps, device-side
+    # descriptors: 58-61 %; unified_attention 42-46 %; cuDNN 54-69 %; vLLM's FlashAttention 3 ran the
+    # same 64 x 4096 prefill at ~67 %, bench/results/gpu_breakdown_prefill4096_h200.json). At 512 tokens
+    # this shape is worse for a single prompt (10 % against 13-15 %: 128-row blocks leave SMs idle),
+    # which is why the backend sends only long fresh prefills here (VLLM_ANATOMY_PREFILL_MIN_LEN).
+    # Warp specialisation compiles at 8 warps only (Triton 3.6 and 3.9); TMA needs sm_90 or later.
+    if _has_tma():
+        return dict(block_m=128, block_n=128, num_warps=8, num_stages=3, pack_gqa=False,
+                    tma="host", warp_specialize=True, fold_scale=False)
     return dict(block_m=64, block_n=64, num_warps=4, num_stages=3, pack_gqa=False,
-                tma="device" if _has_tma() else "off", warp_specialize=False, fold_scale=False)
+                tma="off", warp_specialize=False, fold_scale=False)
 
 
 @functools.cache
