@@ -41,10 +41,11 @@ work grows. Prints a table per series and writes JSON (with "ttft_ratio": ours/v
 per length, <= 1 where ours is as fast); `--tiny` is the CPU smoke mode (tests/bench/).
 
 `--prefill-kernel [0|1|cudnn]` runs ours with VLLM_ANATOMY_PREFILL_KERNEL set to it (bare:
-1, fresh prefills through vllm_anatomy/kernels/prefill_attention.py; cudnn: those of at
-least VLLM_ANATOMY_PREFILL_SDPA_MIN_LEN tokens, `--prefill-sdpa-min-len`, through torch
-SDPA on cuDNN, vllm_anatomy/kernels/prefill_attention_sdpa.py); recorded as
-"prefill_kernel" in the JSON. `--series` takes a comma-separated list (repeatable). The
+1, fresh prefills of at least VLLM_ANATOMY_PREFILL_MIN_LEN tokens, `--prefill-min-len`,
+through vllm_anatomy/kernels/prefill_attention.py; cudnn: those of at least
+VLLM_ANATOMY_PREFILL_SDPA_MIN_LEN tokens, `--prefill-sdpa-min-len`, through torch SDPA on
+cuDNN, vllm_anatomy/kernels/prefill_attention_sdpa.py; left out: the engine's defaults,
+1 and 2048); recorded as "prefill_kernel" in the JSON (and in ours' settings as read). `--series` takes a comma-separated list (repeatable). The
 A/B of the long prompts, ours only, then against vLLM:
 
     python bench/scaling.py --skip-vllm --series context,ttft --out $OUT/scaling_ctx_off.json
@@ -238,9 +239,12 @@ def arg_parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", default="bench/results/scaling_h200.json")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke mode: tiny model, tiny points, nominal ceilings")
     ap.add_argument("--worker-timeout", type=float, default=420, help="seconds one engine's subprocess may take")
-    ap.add_argument("--prefill-kernel", nargs="?", const="1", default="0", choices=PREFILL_KERNELS,
-                    help="ours with VLLM_ANATOMY_PREFILL_KERNEL set to this (bare: 1, fresh prefills through the "
-                         "Triton prefill kernel; cudnn: the long ones through torch SDPA on cuDNN; default 0)")
+    ap.add_argument("--prefill-kernel", nargs="?", const="1", default=None, choices=PREFILL_KERNELS,
+                    help="ours with VLLM_ANATOMY_PREFILL_KERNEL set to this (bare: 1, long fresh prefills through "
+                         "the Triton prefill kernel; cudnn: the longest through torch SDPA on cuDNN; "
+                         "default: the engine's, 1)")
+    ap.add_argument("--prefill-min-len", type=int,
+                    help="ours with VLLM_ANATOMY_PREFILL_MIN_LEN set to this (default: the engine's, 2048)")
     ap.add_argument("--prefill-sdpa-min-len", type=int,
                     help="ours with VLLM_ANATOMY_PREFILL_SDPA_MIN_LEN set to this (with --prefill-kernel cudnn; "
                          "default: the engine's, 2048)")
@@ -279,6 +283,7 @@ def main() -> None:
         "plan": dataclasses.asdict(plan),
         "series": {s: plan.points(s) for s in series_run},
         "prefill_kernel": args.prefill_kernel, "prefill_sdpa_min_len": args.prefill_sdpa_min_len,
+        "prefill_min_len": args.prefill_min_len,
         "copy_ceiling_bytes_per_s": copy["bytes_per_s"], "matmul_ceiling_flop_per_s": mm["flop_per_s"],
         "ceilings_nominal": args.tiny, "floor": floors(plan, copy["bytes_per_s"], mm["flop_per_s"]),
     }
@@ -295,7 +300,10 @@ def main() -> None:
         # (ours in-process, its default; vLLM's multiprocessing left to its default, as peers/vllm runs it)
         env = worker_env(kind, args.vllm_site, False if kind == "ours" else None)
         if kind == "ours":
-            env["VLLM_ANATOMY_PREFILL_KERNEL"] = args.prefill_kernel
+            if args.prefill_kernel is not None:
+                env["VLLM_ANATOMY_PREFILL_KERNEL"] = args.prefill_kernel
+            if args.prefill_min_len is not None:
+                env["VLLM_ANATOMY_PREFILL_MIN_LEN"] = str(args.prefill_min_len)
             if args.prefill_sdpa_min_len is not None:
                 env["VLLM_ANATOMY_PREFILL_SDPA_MIN_LEN"] = str(args.prefill_sdpa_min_len)
         r = run_subprocess(f"{kind}: {len(series_run)} series", cmd, env, args.worker_timeout)

@@ -74,7 +74,8 @@ class Engine:
         return common | {"attention_backend": cfg.model_config.attention_backend,
                          "trace_level": cfg.observability_config.trace_level,
                          "prefill_kernel": getattr(envs, "VLLM_ANATOMY_PREFILL_KERNEL", None),
-                         "prefill_sdpa_min_len": getattr(envs, "VLLM_ANATOMY_PREFILL_SDPA_MIN_LEN", None)}
+                         "prefill_sdpa_min_len": getattr(envs, "VLLM_ANATOMY_PREFILL_SDPA_MIN_LEN", None),
+                         "prefill_min_len": getattr(envs, "VLLM_ANATOMY_PREFILL_MIN_LEN", None)}
 
     def shutdown(self) -> None:
         if self.kind == "ours":             # (vLLM's engine goes with its process)

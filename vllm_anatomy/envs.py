@@ -31,13 +31,15 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # Temperature-only batches sampled in one read of the logits on CUDA
     # (model_executor/sampler.py, vllm_anatomy/kernels/sampling.py), read when the sampler is imported.
     "VLLM_ANATOMY_FUSED_SAMPLING": lambda: os.getenv("VLLM_ANATOMY_FUSED_SAMPLING", "1") != "0",
-    # Ours, an on switch (default off until measured faster on the lent GPU): the Triton
-    # attention backend runs fresh prefills (no cached context) through the prefill
-    # kernel (attention/backends/prefill_split.py), read when the backend is built.
-    # "0" (off), "1" (kernels/prefill_attention.py), or "cudnn": as "1", but fresh
-    # prefills of at least VLLM_ANATOMY_PREFILL_SDPA_MIN_LEN tokens through torch's
+    # Ours: the Triton attention backend runs fresh prefills (no cached context) of at
+    # least VLLM_ANATOMY_PREFILL_MIN_LEN tokens through the prefill kernel
+    # (attention/backends/prefill_split.py), read when the backend is built.
+    # "0" (off), "1" (kernels/prefill_attention.py; the default), or "cudnn": as "1", but
+    # fresh prefills of at least VLLM_ANATOMY_PREFILL_SDPA_MIN_LEN tokens through torch's
     # SDPA on cuDNN (kernels/prefill_attention_sdpa.py).
-    "VLLM_ANATOMY_PREFILL_KERNEL": lambda: _prefill_kernel(os.getenv("VLLM_ANATOMY_PREFILL_KERNEL", "0")),
+    "VLLM_ANATOMY_PREFILL_KERNEL": lambda: _prefill_kernel(os.getenv("VLLM_ANATOMY_PREFILL_KERNEL", "1")),
+    "VLLM_ANATOMY_PREFILL_MIN_LEN":
+        lambda: _positive_int("VLLM_ANATOMY_PREFILL_MIN_LEN", os.getenv("VLLM_ANATOMY_PREFILL_MIN_LEN", "2048")),
     "VLLM_ANATOMY_PREFILL_SDPA_MIN_LEN":
         lambda: _positive_int("VLLM_ANATOMY_PREFILL_SDPA_MIN_LEN", os.getenv("VLLM_ANATOMY_PREFILL_SDPA_MIN_LEN", "8192")),
     # Linear layers on a CPU multiply with oneDNN on a weight prepacked once

@@ -115,8 +115,8 @@ def test_scaling_command_line(bench):
     def parse(*argv):
         args = scaling.arg_parser().parse_args(list(argv))
         return scaling.series_to_run(args), args.prefill_kernel
-    assert parse() == (("num_seqs", "context", "ttft"), "0")
-    assert parse("--series", "context") == (("context",), "0")
+    assert parse() == (("num_seqs", "context", "ttft"), None)              # the engine's default
+    assert parse("--series", "context", "--prefill-kernel", "0") == (("context",), "0")
     assert parse("--series", "ttft,context", "--prefill-kernel") == (("context", "ttft"), "1")
     assert parse("--series", "ttft", "--series", "num_seqs", "--prefill-kernel", "cudnn") == (
         ("num_seqs", "ttft"), "cudnn")
@@ -207,7 +207,9 @@ def test_scaling_tiny_end_to_end_and_plot(tmp_path):
                        for p in points)
         check_ttft_points(r[engine]["ttft"])
     assert [t["x"] for t in r["ttft_ratio"]] == [16, 48] and all(t["ours_over_vllm"] > 0 for t in r["ttft_ratio"])
-    assert r["vllm_anatomy"]["settings"]["prefill_kernel"] == "0"
+    # no --prefill-kernel: the engine's defaults, as it read them
+    assert (r["prefill_kernel"], r["vllm_anatomy"]["settings"]["prefill_kernel"]) == (None, "1")
+    assert r["vllm_anatomy"]["settings"]["prefill_min_len"] == 2048
     assert "ours/vLLM" in proc.stdout and "ours TTFT ms" in proc.stdout
     pytest.importorskip("matplotlib")
     run_bench([os.path.join(BENCH, "plot_scaling.py"), str(out)], tmp_path)

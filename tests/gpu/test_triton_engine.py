@@ -40,10 +40,13 @@ def test_prefill_kernel_switch_matches_torch_backend(tiny_llama_dir, monkeypatch
     real = pa.context_attention_fwd
     monkeypatch.setattr(pa, "context_attention_fwd", lambda *a, **k: launches.append(1) or real(*a, **k))
     monkeypatch.setenv("VLLM_ANATOMY_PREFILL_KERNEL", "1")
+    monkeypatch.setenv("VLLM_ANATOMY_PREFILL_MIN_LEN", "2")   # split even the short test prompts
     _, on_tokens = _tokens(tiny_llama_dir, "triton")
     assert launches, "the prefill kernel never ran"
     monkeypatch.setenv("VLLM_ANATOMY_PREFILL_KERNEL", "0")
+    monkeypatch.setenv("VLLM_ANATOMY_PREFILL_MIN_LEN", "2")   # split even the short test prompts
     _, torch_tokens = _tokens(tiny_llama_dir, "torch")
     assert on_tokens == torch_tokens
     monkeypatch.setenv("VLLM_ANATOMY_PREFILL_KERNEL", "1")
+    monkeypatch.setenv("VLLM_ANATOMY_PREFILL_MIN_LEN", "2")   # split even the short test prompts
     assert _tokens(tiny_llama_dir, "triton", trace_level="full")[1] == on_tokens

@@ -15,7 +15,8 @@ import torch
 from tests.helpers import build_attn_metadata
 from tests.kernel_tests.kernel_utils import DEVICE, ON_GPU, block_tables_for, forward_through_backends, rel_err
 from tests.kernel_tests.test_unified_attention import check
-from vllm_anatomy.attention.backends.prefill_split import fresh_prefill_mask, split_fresh_prefills
+from vllm_anatomy.attention.backends.prefill_split import (fresh_prefill_mask, split_fresh_prefills,
+                                                           warm_up_prefill_len)
 from vllm_anatomy.attention.selector import get_attn_backend
 from vllm_anatomy.kernels import prefill_attention as pa
 from vllm_anatomy.kernels import unified_attention as ua
@@ -60,6 +61,7 @@ def _step(num_heads, num_kv_heads, head_dim, dtype, block_size=16, pad=3, seed=0
 @pytest.mark.parametrize("num_queries_per_kv,head_dim", [(2, 64), (4, 128)])
 def test_backend_split_matches_torch(monkeypatch, dtype, num_queries_per_kv, head_dim):
     monkeypatch.setenv("VLLM_ANATOMY_PREFILL_KERNEL", "1")
+    monkeypatch.setenv("VLLM_ANATOMY_PREFILL_MIN_LEN", "2")   # split even the short test prompts
     calls = {"prefill": 0, "unified_skip": 0}
     real_pa, real_ua = pa.context_attention_fwd, ua.unified_attention
 
@@ -109,6 +111,7 @@ def test_only_fresh_prefills_is_one_launch_and_switch_off_is_unchanged(monkeypat
     outs = {}
     for switch in ("0", "1"):
         monkeypatch.setenv("VLLM_ANATOMY_PREFILL_KERNEL", switch)
+        monkeypatch.setenv("VLLM_ANATOMY_PREFILL_MIN_LEN", "2")   # split even the short test prompts
         impl = backend.get_impl_cls()(num_heads, head_dim, num_kv_heads, 0.125)
         cache = torch.zeros(backend.get_kv_cache_shape(6, block_size, num_kv_heads, head_dim), device=DEVICE)
         impl.do_kv_cache_update(key, value, cache, meta.slot_mapping)
@@ -167,6 +170,7 @@ def test_backend_cudnn_split_matches_torch(monkeypatch, dtype, min_len):
     when none is short), unified_attention for the rest; output equals the torch backend's."""
     from vllm_anatomy.kernels import prefill_attention_sdpa as pa_sdpa
     monkeypatch.setenv("VLLM_ANATOMY_PREFILL_KERNEL", "cudnn")
+    monkeypatch.setenv("VLLM_ANATOMY_PREFILL_MIN_LEN", "2")   # split even the short test prompts
     monkeypatch.setenv("VLLM_ANATOMY_PREFILL_SDPA_MIN_LEN", str(min_len))
     calls = {"prefill": 0, "sdpa": [], "unified_skip": 0}
     real_pa, real_sdpa, real_ua = pa.context_attention_fwd, pa_sdpa.sdpa_prefill_attention, ua.unified_attention
@@ -220,19 +224,61 @@ def test_backend_cudnn_split_matches_torch(monkeypatch, dtype, min_len):
 @pytest.mark.parametrize("name,value", [("VLLM_ANATOMY_PREFILL_KERNEL", "cudn"),
                                         ("VLLM_ANATOMY_PREFILL_KERNEL", "2"),
                                         ("VLLM_ANATOMY_PREFILL_SDPA_MIN_LEN", "0"),
-                                        ("VLLM_ANATOMY_PREFILL_SDPA_MIN_LEN", "2k")])
+                                        ("VLLM_ANATOMY_PREFILL_SDPA_MIN_LEN", "2k"),
+                                        ("VLLM_ANATOMY_PREFILL_MIN_LEN", "0"),
+                                        ("VLLM_ANATOMY_PREFILL_MIN_LEN", "-5")])
 def test_prefill_switch_refuses_bad_values(monkeypatch, name, value):
     """A misspelt switch is an error when the backend is built, not a silent Triton run."""
     monkeypatch.setenv("VLLM_ANATOMY_PREFILL_KERNEL", "cudnn")
+    monkeypatch.setenv("VLLM_ANATOMY_PREFILL_MIN_LEN", "2")   # split even the short test prompts
     monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match=name):
         get_attn_backend("triton").get_impl_cls()(4, 64, 2, 0.125)
+
+
+def test_min_len_keeps_short_fresh_prefills_with_unified_attention():
+    """Only fresh prefills of at least min_len tokens are split off; shorter ones stay with
+    unified_attention (not skipped by it); none long enough: no split at all."""
+    seq_lens = [c + q for c, q in STEP]
+    _, meta = build_attn_metadata([q for _, q in STEP], seq_lens, [[0] * 4] * len(STEP), 16, device=DEVICE)
+    split = split_fresh_prefills(meta, 32, torch.device(DEVICE), None, 40)        # only the 50-token one
+    assert (split.num_prefill_reqs, split.num_prefill_tokens) == (1, 50)
+    assert split.work_list[:, 0].unique().tolist() == [STEP_STARTS[3]]
+    assert split.skip_seq.tolist() == [0, 0, 0, 1, 0, 0, 0]
+    assert (split.num_other_reqs, split.num_other_tokens) == (6, sum(q for _, q in STEP) - 50)
+    assert split.max_other_query_len == 37
+    # Asked again with another threshold: a split of its own, not the cached one.
+    every = split_fresh_prefills(meta, 32, torch.device(DEVICE), None, 2)
+    assert every is not split and every.num_prefill_reqs == 3
+    assert split_fresh_prefills(meta, 32, torch.device(DEVICE), None, 51) is None
+
+
+@pytest.mark.parametrize("switch,min_len,max_tokens,max_len,expect", [
+    ("1", 2048, 16384, 4096, 2048), ("1", 2048, 1024, 4096, None), ("1", 2048, 16384, 1024, None),
+    ("0", 2048, 16384, 4096, None), ("cudnn", 64, 128, 128, 64)])
+def test_warm_up_prefill_len(monkeypatch, switch, min_len, max_tokens, max_len, expect):
+    """Start-up compiles the prefill kernel with one dummy prefill the split takes, unless
+    the switch is off or no step can hold a fresh prefill that long."""
+    monkeypatch.setenv("VLLM_ANATOMY_PREFILL_KERNEL", switch)
+    monkeypatch.setenv("VLLM_ANATOMY_PREFILL_MIN_LEN", str(min_len))
+    assert warm_up_prefill_len(max_tokens, max_len) == expect
+
+
+def test_prefill_switch_defaults(monkeypatch):
+    """On by default, for fresh prefills of at least 2048 tokens."""
+    from vllm_anatomy import envs
+    monkeypatch.delenv("VLLM_ANATOMY_PREFILL_KERNEL", raising=False)
+    monkeypatch.delenv("VLLM_ANATOMY_PREFILL_MIN_LEN", raising=False)
+    assert (envs.VLLM_ANATOMY_PREFILL_KERNEL, envs.VLLM_ANATOMY_PREFILL_MIN_LEN) == ("1", 2048)
+    impl = get_attn_backend("triton").get_impl_cls()(4, 64, 2, 0.125)
+    assert (impl.use_prefill_kernel, impl.prefill_min_len) == (True, 2048)
 
 
 def test_no_host_copies_no_split(monkeypatch):
     """Captured graphs' dummy metadata has no host copies: never split (a FULL graph
     must hold unified_attention alone)."""
     monkeypatch.setenv("VLLM_ANATOMY_PREFILL_KERNEL", "1")
+    monkeypatch.setenv("VLLM_ANATOMY_PREFILL_MIN_LEN", "2")   # split even the short test prompts
     _, meta = build_attn_metadata([5], [5], [[0]], 16, device=DEVICE)
     meta.query_start_loc_cpu = None
     assert split_fresh_prefills(meta, 32, torch.device(DEVICE)) is None
@@ -289,6 +335,7 @@ def test_engine_greedy_switch_on_equals_off_and_transformers(tiny_llama_dir, mon
         launches["triton"].clear()
         launches["sdpa"].clear()
         monkeypatch.setenv("VLLM_ANATOMY_PREFILL_KERNEL", switch)
+        monkeypatch.setenv("VLLM_ANATOMY_PREFILL_MIN_LEN", "2")   # split even the short test prompts
         tokens[switch] = _greedy_tokens(tiny_llama_dir, "triton", prompts, max_tokens)
         # (the engine runs in this process)
         assert bool(launches["triton"]) == (switch != "0") and bool(launches["sdpa"]) == (switch == "cudnn")

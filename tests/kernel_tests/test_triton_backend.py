@@ -74,6 +74,7 @@ def test_tiny_llama_interpreter(tmp_path, monkeypatch, prefill_kernel):
     from vllm_anatomy.kernels import prefill_attention as pa
     from vllm_anatomy.kernels import prefill_attention_sdpa as pa_sdpa
     monkeypatch.setenv("VLLM_ANATOMY_PREFILL_KERNEL", prefill_kernel)
+    monkeypatch.setenv("VLLM_ANATOMY_PREFILL_MIN_LEN", "2")   # split even the short test prompts
     monkeypatch.setenv("VLLM_ANATOMY_PREFILL_SDPA_MIN_LEN", "20")
     launches, sdpa_launches = [], []
     real, real_sdpa = pa.context_attention_fwd, pa_sdpa.sdpa_prefill_attention
@@ -138,15 +139,19 @@ def test_real_shapes_bf16_gpu(shape, tmp_path):
     assert err_between <= 3 * err_torch + 2e-3
 
 
-@pytest.mark.parametrize("backend", ["triton", "torch", "triton+prefill"])
+@pytest.mark.parametrize("backend", ["triton", "torch", "triton+prefill", "triton+long_prefill"])
 def test_warm_up_shapes_run_through_each_backend(tmp_path, backend, monkeypatch):
     """The start-up warm-up (run on CUDA before the first request, with either
     attention backend) drives every shape through the model without touching
     the KV cache (slot -1); with the prefill split on, its fresh dummy prefills
     launch (so compile) the prefill kernel."""
     launches = []
-    if backend == "triton+prefill":
+    # triton+long_prefill: a threshold of 48 tokens, which only WARM_UP_SHAPES' (1, 64)
+    # and the added dummy prefill of exactly that length reach.
+    monkeypatch.setenv("VLLM_ANATOMY_PREFILL_KERNEL", "0")
+    if backend.startswith("triton+"):
         from vllm_anatomy.kernels import prefill_attention as pa
+        monkeypatch.setenv("VLLM_ANATOMY_PREFILL_MIN_LEN", "2" if backend == "triton+prefill" else "48")
         backend = "triton"
         monkeypatch.setenv("VLLM_ANATOMY_PREFILL_KERNEL", "1")
         real = pa.context_attention_fwd
@@ -168,6 +173,9 @@ def test_warm_up_shapes_run_through_each_backend(tmp_path, backend, monkeypatch)
         runner._warm_up_shapes()
     assert all(not kv.any() for kv in runner.kv_caches), "warm-up wrote into the KV cache"
     assert bool(launches) == (os.environ.get("VLLM_ANATOMY_PREFILL_KERNEL") == "1")
+    if os.environ.get("VLLM_ANATOMY_PREFILL_MIN_LEN") == "48":
+        # (1, 64) of WARM_UP_SHAPES and the added (1, 48); (3, 21) and (2, 32) stay unsplit.
+        assert len(launches) == 2, launches
 
 
 # -- the split-KV ("3D") decode path: vLLM's threshold and buffers ----------------------------

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import torch
 
 from vllm_anatomy.attention.backends.abstract import AttentionMetadata
+from vllm_anatomy.attention.backends.prefill_split import warm_up_prefill_len
 from vllm_anatomy.model_executor.loader import get_model
 from vllm_anatomy.model_executor.sampling_metadata import SamplingMetadata
 from vllm_anatomy.worker.cudagraph import CUDAGraphMode
@@ -162,7 +163,12 @@ class ModelRunnerStartupMixin:
     WARM_UP_SHAPES = ((1, 64), (3, 21), (2, 32), (1, 1), (3, 1), (16, 1))
 
     def _warm_up_shapes(self) -> None:
-        for num_reqs, query_len in self.WARM_UP_SHAPES:
+        shapes: tuple[tuple[int, int], ...] = self.WARM_UP_SHAPES
+        if self.attn_backend_name == "triton":
+            # The prefill split takes only fresh prefills of at least its threshold: one of that length.
+            long_len = warm_up_prefill_len(self.max_num_tokens, self.max_model_len)
+            shapes += ((1, long_len),) if long_len is not None else ()
+        for num_reqs, query_len in shapes:
             num_reqs = min(num_reqs, self.max_num_reqs)
             query_len = min(query_len, self.max_num_tokens // num_reqs, self.max_model_len)
             num_tokens = num_reqs * query_len

@@ -1,7 +1,8 @@
 """Which requests of a step the Triton backend sends to the prefill kernel.
 
-A switch, off by default: VLLM_ANATOMY_PREFILL_KERNEL=1 (vllm_anatomy/envs.py),
-or =cudnn (the last NOTE below).
+A switch, on by default: VLLM_ANATOMY_PREFILL_KERNEL=1 (vllm_anatomy/envs.py; =0 turns
+it off), or =cudnn (the last NOTE below); only fresh prefills of at least
+VLLM_ANATOMY_PREFILL_MIN_LEN tokens (2048) are split off (the NOTE on the threshold).
 
 NOTE: why a split at all. unified_attention (kernels/unified_attention.py)
 computes every request of a step in one launch, reading K/V back from the
@@ -35,6 +36,19 @@ piecewise replay, with the step's metadata, so the split applies there; the
 captured dummy metadata (and so every FULL graph) carries no host copies and
 never splits.
 
+NOTE: why only long fresh prefills (VLLM_ANATOMY_PREFILL_MIN_LEN, 2048 by default). The
+kernel's gain is attention's matmul rate, which only long prompts need: on an H200
+(bench/results/prefill_attention_h200.json) it runs 4k/8k prompts at 63-65 % of the
+matmul rate against unified_attention's 42-46 %, but a single 512-token prompt at 10 %,
+no better than unified_attention, and 32 x 512 at 26 % against 25 %. What a split costs
+is paid per step (a host-built work list, a second launch per layer in a mixed batch, a
+decode remainder without its 3D path): on nano-vllm's workload (prompts of 100-1024
+tokens) splitting every fresh prefill measured 0.996x without it
+(bench/results/throughput_ab_prefill_h200.json, three rounds 0.990-0.997), while the
+4k/8k points of bench/scaling.py gain (bench/results/scaling_ctx_vs_vllm_h200.json).
+With the threshold, a step whose prompts are all shorter never splits: exactly the
+path with the switch off.
+
 NOTE: VLLM_ANATOMY_PREFILL_KERNEL=cudnn, a three-way split. Fresh prefills of
 at least VLLM_ANATOMY_PREFILL_SDPA_MIN_LEN query tokens (8192 by default; read
 once, with the switch) go to torch SDPA on cuDNN
@@ -60,6 +74,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from vllm_anatomy import envs
 from vllm_anatomy.attention.backends.abstract import AttentionMetadata
 from vllm_anatomy.kernels.prefill_attention import prefill_work_list
 
@@ -87,6 +102,22 @@ def fresh_prefill_mask(query_lens: np.ndarray, seq_lens: np.ndarray) -> np.ndarr
     return (seq_lens == query_lens) & (query_lens > 1)
 
 
+def warm_up_prefill_len(max_num_tokens: int, max_model_len: int) -> int | None:
+    """The query length of a start-up dummy prefill that the split takes, so that the prefill
+    kernel compiles before the first request and not in a long prompt's first step (Triton
+    compiles on first launch; one variant serves every length). None: the switch is off, or
+    no step can hold a fresh prefill that long (its first chunk is at most max_num_tokens)."""
+    if envs.VLLM_ANATOMY_PREFILL_KERNEL == "0":
+        return None
+    min_len = envs.VLLM_ANATOMY_PREFILL_MIN_LEN
+    return min_len if min_len <= min(max_num_tokens, max_model_len) else None
+
+
+def routed_prefill_mask(query_lens: np.ndarray, seq_lens: np.ndarray, min_len: int) -> np.ndarray:
+    """[R] bool: the fresh prefills of at least min_len tokens: those the split takes."""
+    return fresh_prefill_mask(query_lens, seq_lens) & (query_lens >= min_len)
+
+
 def sdpa_prefill_mask(query_lens: np.ndarray, fresh: np.ndarray, sdpa_min_len: int | None) -> np.ndarray:
     """[R] bool: the fresh prefills that go to SDPA (at least sdpa_min_len tokens; None: none)."""
     if sdpa_min_len is None:
@@ -95,21 +126,22 @@ def sdpa_prefill_mask(query_lens: np.ndarray, fresh: np.ndarray, sdpa_min_len: i
 
 
 def split_fresh_prefills(attn_metadata: AttentionMetadata, block_q: int, device: torch.device,
-                         sdpa_min_len: int | None = None) -> PrefillSplit | None:
+                         sdpa_min_len: int | None = None, min_len: int = 2) -> PrefillSplit | None:
     """The step's split, computed on the first call and kept on the metadata;
-    None when the step has no fresh prefill or its metadata has no host copies.
+    None when the step has no fresh prefill of at least min_len tokens or its metadata
+    has no host copies. Shorter fresh prefills stay with unified_attention.
     sdpa_min_len: fresh prefills at least this long go to SDPA (None: all to the prefill kernel)."""
-    key = (block_q, sdpa_min_len)
+    key = (block_q, sdpa_min_len, min_len)
     cached = attn_metadata.prefill_split
     if cached is not None and cached[0] == key:
         return cached[1]
-    split = _build_split(attn_metadata, block_q, device, sdpa_min_len)
+    split = _build_split(attn_metadata, block_q, device, sdpa_min_len, min_len)
     attn_metadata.prefill_split = (key, split)
     return split
 
 
 def _build_split(attn_metadata: AttentionMetadata, block_q: int, device: torch.device,
-                 sdpa_min_len: int | None) -> PrefillSplit | None:
+                 sdpa_min_len: int | None, min_len: int) -> PrefillSplit | None:
     # (the exact host copy only: a split without it would wait for the device)
     qsl_cpu, seq_lens_cpu = attn_metadata.query_start_loc_cpu, attn_metadata._seq_lens_cpu
     if qsl_cpu is None or seq_lens_cpu is None:
@@ -118,7 +150,7 @@ def _build_split(attn_metadata: AttentionMetadata, block_q: int, device: torch.d
     qsl = qsl_cpu[:num_reqs + 1].numpy().astype(np.int64)
     seq_lens = seq_lens_cpu[:num_reqs].numpy().astype(np.int64)
     query_lens = np.diff(qsl)
-    fresh = fresh_prefill_mask(query_lens, seq_lens)
+    fresh = routed_prefill_mask(query_lens, seq_lens, min_len)
     if not fresh.any():
         return None
     other = ~fresh

@@ -20,8 +20,9 @@ through the metadata; we have no per-backend metadata builder, so
 TritonAttentionImpl fetches them (once per device and shape, shared by every
 layer: layers run one after another) from softmax_segm_buffers below.
 
-Fresh prefills through the prefill kernel (an on switch, off by default:
-VLLM_ANATOMY_PREFILL_KERNEL=1): requests with no cached context read their K/V
+Fresh prefills through the prefill kernel (a switch, on by default:
+VLLM_ANATOMY_PREFILL_KERNEL=1, for prompts of at least VLLM_ANATOMY_PREFILL_MIN_LEN
+tokens): requests with no cached context read their K/V
 from the step's key/value tensors in kernels/prefill_attention.py, the rest
 stays with unified_attention. Why, when and at what cost: the NOTE at the top of
 prefill_split.py. With VLLM_ANATOMY_PREFILL_KERNEL=cudnn the long fresh prefills
@@ -135,6 +136,7 @@ class TritonAttentionImpl(AttentionImpl):
         self.prefill_kernel = envs.VLLM_ANATOMY_PREFILL_KERNEL
         self.use_prefill_kernel = self.prefill_kernel != "0"
         self.sdpa_min_len = envs.VLLM_ANATOMY_PREFILL_SDPA_MIN_LEN if self.prefill_kernel == "cudnn" else None
+        self.prefill_min_len = envs.VLLM_ANATOMY_PREFILL_MIN_LEN if self.use_prefill_kernel else 2
 
     def do_kv_cache_update(self, key: torch.Tensor, value: torch.Tensor,
                            kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
@@ -201,7 +203,7 @@ class TritonAttentionImpl(AttentionImpl):
         if sdpa_min_len is not None and not pa_sdpa.sdpa_takes(query.dtype, self.head_dim, query.device):
             sdpa_min_len = None                     # e.g. an fp32 model on CUDA: cuDNN refuses it
         return split_fresh_prefills(attn_metadata, self._prefill_config(query.dtype)["block_q"], query.device,
-                                    sdpa_min_len)
+                                    sdpa_min_len, self.prefill_min_len)
 
     def _segm_buffers(self, device: torch.device) -> SoftmaxSegmentBuffers:
         segm = self._segm
