@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from tests.helpers import imported_from
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BENCH = os.path.join(ROOT, "bench")
 BENCH_MODULES = ("kernel_bench", "vs_vllm", "side_by_side", "throughput")
@@ -16,17 +18,9 @@ BENCH_MODULES = ("kernel_bench", "vs_vllm", "side_by_side", "throughput")
 @pytest.fixture(scope="module")
 def kb():
     """bench/kernel_bench.py as a module, bench/ on sys.path only while this file's tests run."""
-    saved_path = list(sys.path)
-    saved_modules = {name: sys.modules.pop(name) for name in BENCH_MODULES if name in sys.modules}
-    sys.path.insert(0, BENCH)
-    try:
+    with imported_from(BENCH, BENCH_MODULES):
         import kernel_bench
         yield kernel_bench
-    finally:
-        sys.path[:] = saved_path
-        for name in BENCH_MODULES:
-            sys.modules.pop(name, None)
-        sys.modules.update(saved_modules)
 
 
 @pytest.mark.fast

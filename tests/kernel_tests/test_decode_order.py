@@ -10,7 +10,8 @@ import torch
 
 from tests.helpers import build_attn_metadata
 from tests.kernel_tests.kernel_utils import DEVICE, ON_GPU, block_tables_for
-from tests.kernel_tests.test_unified_attention import MIXED, make_batch, segm_buffers
+from tests.kernel_tests.test_prefill_split import _greedy_tokens
+from tests.kernel_tests.test_unified_attention import MIXED, make_batch, padded_decode_batch, segm_buffers
 from vllm_anatomy.attention.backends.decode_order import DecodeSeqOrder, lpt_order
 from vllm_anatomy.attention.selector import get_attn_backend
 from vllm_anatomy.kernels import unified_attention as ua
@@ -63,14 +64,8 @@ def test_padded_graph_batch():
     """A decode batch padded to a graph size (padding requests: query_len 0, seq_len 0): with
     the pads mapped to themselves, and with them shuffled among the real requests, the real
     rows equal the reference and the padding rows are left alone."""
-    requests = [(c, 1) for c in (9, 40, 130, 3)]
-    num_heads, num_kv_heads, head_dim, pad = 4, 2, 64, 3
-    q, cache, block_table, qsl, seq_lens = make_batch(requests, num_heads, num_kv_heads, head_dim,
-                                                      torch.float32, seed=2)
-    q = torch.cat([q, torch.randn(pad, num_heads, head_dim, device=q.device)])
-    qsl = torch.cat([qsl, qsl[-1:].repeat(pad)])
-    seq_lens = torch.cat([seq_lens, seq_lens.new_zeros(pad)])
-    block_table = torch.cat([block_table, block_table.new_zeros(pad, block_table.shape[1])])
+    head_dim = 64
+    q, cache, block_table, qsl, seq_lens = padded_decode_batch((9, 40, 130, 3), 4, 2, head_dim, pad=3, seed=2)
     ref = ua.unified_attention_ref(q[:4], cache[0], cache[1], qsl[:5], seq_lens[:4], head_dim ** -0.5,
                                    block_table[:4])
     lpt = lpt_order(seq_lens.cpu().numpy()).tolist()
@@ -225,18 +220,6 @@ def test_backend_applies_the_order_to_decode_steps_only(monkeypatch):
 
 # -- the engine -----------------------------------------------------------------------------------
 
-def _greedy_tokens(model_dir, prompts, max_tokens, backend="triton"):
-    from vllm_anatomy import LLM, SamplingParams
-    llm = LLM(model_dir, device="cpu", dtype="float32", attention_backend=backend, max_model_len=256,
-              num_gpu_blocks_override=64, max_num_batched_tokens=64, max_num_seqs=8)
-    try:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
-    finally:
-        llm.llm_engine.shutdown()
-    return [list(o.outputs[0].token_ids) for o in outs]
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(ON_GPU, reason="CPU engine on the interpreter; tests/gpu/test_triton_engine.py is its GPU twin")
 def test_engine_greedy_lpt_on_equals_off_and_transformers(tiny_llama_dir, monkeypatch):
@@ -257,7 +240,7 @@ def test_engine_greedy_lpt_on_equals_off_and_transformers(tiny_llama_dir, monkey
     for switch in ("0", "1"):
         ordered.clear()
         monkeypatch.setenv("VLLM_ANATOMY_DECODE_LPT", switch)
-        tokens[switch] = _greedy_tokens(tiny_llama_dir, prompts, max_tokens)
+        tokens[switch] = _greedy_tokens(tiny_llama_dir, "triton", prompts, max_tokens)
         assert any(ordered) == (switch == "1")       # (the engine runs in this process)
     hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
     tokens["hf"] = [hf.generate(torch.tensor([p]), max_new_tokens=max_tokens, do_sample=False,
