@@ -225,8 +225,6 @@ def _unified_attention_kernel(
         # axis 1 serves request seq_order[p], the caller's order (longest
         # context first: attention/backends/decode_order.py says why). No search.
         seq_idx = tl.load(seq_order_ptr + tl.program_id(1))
-        q_start = tl.load(query_start_loc_ptr + seq_idx)
-        q_block_local = 0
     else:
         # NOTE: query blocks in reverse order, KV heads on the fastest grid axis:
         # the GPU starts programs roughly in id order (axis 0 first), and within a
@@ -236,11 +234,14 @@ def _unified_attention_kernel(
         # sum of work is unchanged.
         q_block_global = tl.num_programs(1) - 1 - tl.program_id(1)
         seq_idx = _find_seq_idx(query_start_loc_ptr, q_block_global, num_seqs, BLOCK_Q, True)
-        q_start = tl.load(query_start_loc_ptr + seq_idx)
-        q_block_local = q_block_global - (q_start // BLOCK_Q + seq_idx)
     if HAS_SKIP:
         if tl.load(skip_seq_ptr + seq_idx) != 0:
             return                                # a fresh prefill the prefill kernel computes
+    q_start = tl.load(query_start_loc_ptr + seq_idx)
+    if USE_SEQ_ORDER:
+        q_block_local = 0                         # a decode's only query block
+    else:
+        q_block_local = q_block_global - (q_start // BLOCK_Q + seq_idx)
     query_len = tl.load(query_start_loc_ptr + seq_idx + 1) - q_start
     if q_block_local * BLOCK_Q >= query_len:
         return                                    # a surplus program of the upper-bound grid
