@@ -41,8 +41,9 @@ when sequences finish), over one paged cache whose blocks of 16 were handed out 
 engine does (each prompt's blocks at its prefill, then one block per sequence whenever
 a decode crosses a block boundary: interleaved). Per batch, graph-timed: the kernel's
 search path in batch order (VLLM_ANATOMY_DECODE_LPT=0), the ordered path in batch order
-(the grid change alone), and longest context first (the default); ms, fraction of the
-copy ceiling, LPT's speed-up; outputs checked equal. Default JSON:
+(the grid change alone), longest context first (the default) and, as a control, shortest
+first (slower than LPT only if blocks start in blockIdx order); ms, fraction of the copy
+ceiling, LPT's speed-up over batch order; outputs checked equal. Default JSON:
 bench/results/decode_mixed_<card>.json. About a minute on an H100/H200.
 """
 from __future__ import annotations
@@ -429,6 +430,9 @@ def decode_mixed(copy_bw: float, workload: tuple[list[int], list[int]] | None = 
         orders = {"batch_order": None,
                   "batch_order_no_search": torch.arange(batch, dtype=torch.int32, device=device),
                   "lpt": torch.tensor(lpt_order(np.array(seq_lens_l)), dtype=torch.int32, device=device)}
+        # The control: shortest first. Slower than LPT only if the hardware starts blocks in
+        # blockIdx order, i.e. if the order reaches the multiprocessors at all.
+        orders["spt"] = orders["lpt"].flip(0)
         outs = {name: torch.empty_like(q) for name in orders}
         nbytes = (2 * sum(seq_lens_l) * NUM_KV_HEADS * HEAD_DIM * 2 + 2 * batch * NUM_HEADS * HEAD_DIM * 2
                   + sum(map(len, case["block_ids"])) * 4)
@@ -448,7 +452,7 @@ def decode_mixed(copy_bw: float, workload: tuple[list[int], list[int]] | None = 
                                   for name in orders)
         row["speedup_lpt"] = row["batch_order"]["ms"] / row["lpt"]["ms"]
         results.append(row)
-    total = {name: sum(r[name]["ms"] for r in results) for name in ("batch_order", "batch_order_no_search", "lpt")}
+    total = {name: sum(r[name]["ms"] for r in results) for name in ("batch_order", "batch_order_no_search", "lpt", "spt")}
     total_bytes = sum(r["bytes"] for r in results)
     summary = {name: {"ms": ms, "fraction": total_bytes / ms * 1e3 / copy_bw} for name, ms in total.items()}
     return {"workload": "nano-vllm bench.py (bench/vs_vllm.py nano_vllm_workload)", "steps": list(steps),
@@ -458,16 +462,16 @@ def decode_mixed(copy_bw: float, workload: tuple[list[int], list[int]] | None = 
 
 def print_decode_mixed(res: dict) -> None:
     print(f"{'step':>4} {'batch':>5} {'seq_len':>11} {'batch ms':>9} {'of copy':>7} {'no-search ms':>12} "
-          f"{'of copy':>7} {'LPT ms':>8} {'of copy':>7} {'speed-up':>8} {'equal':>5}")
+          f"{'of copy':>7} {'LPT ms':>8} {'of copy':>7} {'SPT ms':>8} {'speed-up':>8} {'equal':>5}")
     for r in res["cases"]:
         b, n, lpt = r["batch_order"], r["batch_order_no_search"], r["lpt"]
         print(f"{r['step']:4d} {r['batch']:5d} {r['min_seq_len']:5d}-{r['max_seq_len']:<5d} {b['ms']:9.4f} "
               f"{b['fraction']:7.1%} {n['ms']:12.4f} {n['fraction']:7.1%} {lpt['ms']:8.4f} {lpt['fraction']:7.1%} "
-              f"{r['speedup_lpt']:8.3f} {str(r['outputs_equal']):>5}")
+              f"{r['spt']['ms']:8.4f} {r['speedup_lpt']:8.3f} {str(r['outputs_equal']):>5}")
     t = res["total"]
     print(f"{'all':>4} {'':>5} {'':>11} {t['batch_order']['ms']:9.4f} {t['batch_order']['fraction']:7.1%} "
           f"{t['batch_order_no_search']['ms']:12.4f} {t['batch_order_no_search']['fraction']:7.1%} "
-          f"{t['lpt']['ms']:8.4f} {t['lpt']['fraction']:7.1%} {res['speedup_lpt']:8.3f}")
+          f"{t['lpt']['ms']:8.4f} {t['lpt']['fraction']:7.1%} {t['spt']['ms']:8.4f} {res['speedup_lpt']:8.3f}")
 
 
 def card_name() -> str:

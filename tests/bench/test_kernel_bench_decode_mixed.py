@@ -63,10 +63,11 @@ def test_table_prints_every_case(kb, capsys):
         return {"ms": ms, "bytes_per_s": 1e12, "fraction": 0.9 / ms}
     cases = [{"step": s, "batch": b, "min_seq_len": 100, "max_seq_len": 2000, "bytes": 1,
               "batch_order": variant(1.0), "batch_order_no_search": variant(0.98), "lpt": variant(0.9),
+              "spt": variant(1.1),
               "speedup_lpt": 1 / 0.9, "outputs_equal": True} for s, b in ((0, 256), (800, 59))]
     res = {"cases": cases, "speedup_lpt": 1.111,
            "total": {k: variant(2 * v) for k, v in (("batch_order", 1.0), ("batch_order_no_search", 0.98),
-                                                     ("lpt", 0.9))}}
+                                                     ("lpt", 0.9), ("spt", 1.1))}}
     kb.print_decode_mixed(res)
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 4 and lines[1].split()[:2] == ["0", "256"] and lines[-1].split()[-1] == "1.111"
@@ -92,4 +93,4 @@ def test_decode_mixed_runs_on_the_interpreter(tmp_path):
     assert [(c["step"], c["batch"]) for c in res["cases"]] == [(0, 3), (3, 2)]
     assert all(c["outputs_equal"] and c["max_abs_diff"] == 0.0 for c in res["cases"])
     assert (res["cases"][1]["min_seq_len"], res["cases"][1]["max_seq_len"]) == (13, 24)   # 9 + 4, 20 + 4
-    assert set(res["total"]) == {"batch_order", "batch_order_no_search", "lpt"}
+    assert set(res["total"]) == {"batch_order", "batch_order_no_search", "lpt", "spt"}
