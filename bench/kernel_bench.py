@@ -2,6 +2,7 @@
 
     python bench/kernel_bench.py [--out bench/results/kernels_h200.json] [--quick]
     python bench/kernel_bench.py --decode-sweep [--out bench/results/decode_split_kv_h200.json] [--quick]
+    python bench/kernel_bench.py --decode-mixed [--out bench/results/decode_mixed_h100.json]
 
 Ceilings, measured in the same run: a large device-to-device copy (bytes read
 + bytes written per second) and a large bf16 matmul (FLOP/s), both on random
@@ -30,6 +31,20 @@ uniform in [100, 2048], seeded); 2D with its default shape, 3D with
 {8, 16, 32} segments x tile {16, 32, 64} (--quick: 16 segments, tiles 16, 64),
 forced whatever the batch size. Bytes = the K/V actually read (sum of
 seq_lens) + q + out + block table.
+
+--decode-mixed measures the 2D kernel's decode order (attention/backends/decode_order.py)
+on nano-vllm's throughput workload (bench/vs_vllm.py nano_vllm_workload: 256 prompts
+and output lengths uniform in [100, 1024]): the decode batches at steps s = 0, 200,
+400, 600, 800 (the sequences still running, each at its prompt + s + 1 keys: 256, 218,
+153, 101, 59 of them), in the engine's batch order (rows condensed as InputBatch does
+when sequences finish), over one paged cache whose blocks of 16 were handed out as the
+engine does (each prompt's blocks at its prefill, then one block per sequence whenever
+a decode crosses a block boundary: interleaved). Per batch, graph-timed: the kernel's
+search path in batch order (VLLM_ANATOMY_DECODE_LPT=0), the ordered path in batch order
+(the grid change alone), longest context first (the default) and, as a control, shortest
+first (slower than LPT only if blocks start in blockIdx order); ms, fraction of the copy
+ceiling, LPT's speed-up over batch order; outputs checked equal. Default JSON:
+bench/results/decode_mixed_<card>.json. About a minute on an H100/H200.
 """
 from __future__ import annotations
 
@@ -39,10 +54,13 @@ import json
 import os
 import platform
 import statistics
+import sys
 
+import numpy as np
 import torch
 import triton
 
+from vllm_anatomy.attention.backends.decode_order import lpt_order
 from vllm_anatomy.kernels.reshape_and_cache import reshape_and_cache
 from vllm_anatomy.kernels.unified_attention import (pick_config, unified_attention,
                                                     unified_attention_ref)
@@ -339,6 +357,135 @@ def print_decode_sweep(sweep: dict) -> None:
         print(f"context {context}: 3D (16 segments, default tile) faster than 2D at batches {wins}")
 
 
+# -- decode order on the throughput workload's batches (--decode-mixed) --------------------------
+
+MIXED_STEPS = (0, 200, 400, 600, 800)
+
+
+def decode_mixed_steps(prompt_lens: list[int], output_lens: list[int], steps=MIXED_STEPS,
+                       block_size: int = BLOCK_SIZE) -> tuple[list[dict], int]:
+    """The decode batches of a workload at the given decode steps, with the engine's block
+    allocation and batch order, simulated on the host.
+
+    Decode step s runs the sequences with more than s + 1 output tokens to make (the prefill
+    sampled the first), each at seq_len = prompt + s + 1. Blocks: each prompt's in one go,
+    requests in order (its prefill), then at every decode step each running sequence, in row
+    order, takes the next free block when its new token starts one; a finished sequence's
+    blocks are not reused. Rows: request order, and when sequences finish, the last row
+    moves into the smallest hole (InputBatch.condense). Returns ([{step, seqs (request
+    ids in row order), seq_lens, block_ids (each row's blocks)}], num_blocks)."""
+    blocks = []
+    next_block = 0
+    for p in prompt_lens:
+        n = triton.cdiv(p, block_size)
+        blocks.append(list(range(next_block, next_block + n)))
+        next_block += n
+    rows: list[int | None] = list(range(len(prompt_lens)))
+    cases = []
+    for s in range(max(steps) + 1):
+        holes = [r for r, i in enumerate(rows) if i is not None and output_lens[i] <= s + 1]
+        for r in holes:
+            rows[r] = None
+        for hole in holes:                                   # InputBatch.condense
+            while rows and rows[-1] is None:
+                rows.pop()
+            if hole >= len(rows):
+                break
+            rows[hole] = rows.pop()
+        while rows and rows[-1] is None:
+            rows.pop()
+        seq_lens = [prompt_lens[i] + s + 1 for i in rows]
+        for i, n in zip(rows, seq_lens):
+            if n > len(blocks[i]) * block_size:
+                blocks[i].append(next_block)
+                next_block += 1
+        if s in steps:
+            cases.append({"step": s, "seqs": list(rows), "seq_lens": seq_lens,
+                          "block_ids": [blocks[i][:triton.cdiv(n, block_size)] for i, n in zip(rows, seq_lens)]})
+    return cases, next_block
+
+
+def decode_mixed(copy_bw: float, workload: tuple[list[int], list[int]] | None = None, steps=MIXED_STEPS,
+                 device: str = "cuda", timer=time_ms) -> dict:
+    """The --decode-mixed measurement. workload: (prompt lengths, output lengths), by default
+    nano-vllm's; device / timer: for the test on the interpreter."""
+    if workload is None:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from vs_vllm import nano_vllm_workload
+        prompts, output_lens = nano_vllm_workload()
+        workload = ([len(p) for p in prompts], output_lens)
+    cases, num_blocks = decode_mixed_steps(*workload, steps=steps)
+    g = torch.Generator(device=device).manual_seed(0)
+    cache = torch.randn(2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, generator=g, device=device, dtype=DTYPE)
+    scale = HEAD_DIM ** -0.5
+    results = []
+    for case in cases:
+        batch, seq_lens_l = len(case["seqs"]), case["seq_lens"]
+        width = max(map(len, case["block_ids"]))
+        block_table = torch.tensor([b + [0] * (width - len(b)) for b in case["block_ids"]], dtype=torch.int32,
+                                   device=device)
+        seq_lens = torch.tensor(seq_lens_l, dtype=torch.int32, device=device)
+        qsl = torch.arange(batch + 1, dtype=torch.int32, device=device)
+        q = torch.randn(batch, NUM_HEADS, HEAD_DIM, generator=g, device=device, dtype=DTYPE)
+        orders = {"batch_order": None,
+                  "batch_order_no_search": torch.arange(batch, dtype=torch.int32, device=device),
+                  "lpt": torch.tensor(lpt_order(np.array(seq_lens_l)), dtype=torch.int32, device=device)}
+        # The control: shortest first. Slower than LPT only if the hardware starts blocks in
+        # blockIdx order, i.e. if the order reaches the multiprocessors at all.
+        orders["spt"] = orders["lpt"].flip(0)
+        outs = {name: torch.empty_like(q) for name in orders}
+        nbytes = (2 * sum(seq_lens_l) * NUM_KV_HEADS * HEAD_DIM * 2 + 2 * batch * NUM_HEADS * HEAD_DIM * 2
+                  + sum(map(len, case["block_ids"])) * 4)
+
+        def launch(name):
+            return lambda: unified_attention(q, cache[0], cache[1], outs[name], qsl, 1, seq_lens, max(seq_lens_l),
+                                             scale, block_table, seq_order=orders[name])
+        row = {"step": case["step"], "batch": batch, "num_keys": sum(seq_lens_l),
+               "min_seq_len": min(seq_lens_l), "max_seq_len": max(seq_lens_l), "bytes": nbytes}
+        for name in orders:
+            ms = timer(launch(name))
+            row[name] = {"ms": ms, "bytes_per_s": nbytes / ms * 1e3, "fraction": nbytes / ms * 1e3 / copy_bw}
+        for name in orders:
+            launch(name)()
+        row["outputs_equal"] = all(torch.equal(outs[name], outs["batch_order"]) for name in orders)
+        row["max_abs_diff"] = max(float((outs[name].float() - outs["batch_order"].float()).abs().max())
+                                  for name in orders)
+        row["speedup_lpt"] = row["batch_order"]["ms"] / row["lpt"]["ms"]
+        results.append(row)
+    total = {name: sum(r[name]["ms"] for r in results) for name in ("batch_order", "batch_order_no_search", "lpt", "spt")}
+    total_bytes = sum(r["bytes"] for r in results)
+    summary = {name: {"ms": ms, "fraction": total_bytes / ms * 1e3 / copy_bw} for name, ms in total.items()}
+    return {"workload": "nano-vllm bench.py (bench/vs_vllm.py nano_vllm_workload)", "steps": list(steps),
+            "num_blocks": num_blocks, "cases": results, "total": summary,
+            "speedup_lpt": total["batch_order"] / total["lpt"]}
+
+
+def print_decode_mixed(res: dict) -> None:
+    print(f"{'step':>4} {'batch':>5} {'seq_len':>11} {'batch ms':>9} {'of copy':>7} {'no-search ms':>12} "
+          f"{'of copy':>7} {'LPT ms':>8} {'of copy':>7} {'SPT ms':>8} {'speed-up':>8} {'equal':>5}")
+    for r in res["cases"]:
+        b, n, lpt = r["batch_order"], r["batch_order_no_search"], r["lpt"]
+        print(f"{r['step']:4d} {r['batch']:5d} {r['min_seq_len']:5d}-{r['max_seq_len']:<5d} {b['ms']:9.4f} "
+              f"{b['fraction']:7.1%} {n['ms']:12.4f} {n['fraction']:7.1%} {lpt['ms']:8.4f} {lpt['fraction']:7.1%} "
+              f"{r['spt']['ms']:8.4f} {r['speedup_lpt']:8.3f} {str(r['outputs_equal']):>5}")
+    t = res["total"]
+    print(f"{'all':>4} {'':>5} {'':>11} {t['batch_order']['ms']:9.4f} {t['batch_order']['fraction']:7.1%} "
+          f"{t['batch_order_no_search']['ms']:12.4f} {t['batch_order_no_search']['fraction']:7.1%} "
+          f"{t['lpt']['ms']:8.4f} {t['lpt']['fraction']:7.1%} {t['spt']['ms']:8.4f} {res['speedup_lpt']:8.3f}")
+
+
+def card_name() -> str:
+    """h100 / h200 / ... from the device name (for default file names)."""
+    name = torch.cuda.get_device_name().lower()
+    return next((c for c in ("h100", "h200", "a100", "l40s", "b200") if c in name), "gpu")
+
+
+def write_json(result: dict, path: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None, help=f"JSON path (default {DEFAULT_OUT}, "
@@ -346,9 +493,25 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="smaller sweeps and copy")
     ap.add_argument("--decode-sweep", action="store_true",
                     help="only the split-KV (3D) vs 2D decode sweep (see the module docstring)")
+    ap.add_argument("--decode-mixed", action="store_true",
+                    help="only the 2D decode order on the throughput workload's batches (module docstring)")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "bench/kernel_bench.py needs a CUDA device"
     torch.manual_seed(0)
+    if args.decode_mixed:
+        args.out = args.out or os.path.join(os.path.dirname(__file__), "results", f"decode_mixed_{card_name()}.json")
+        copy = copy_ceiling(quick=True)
+        mixed = decode_mixed(copy["bytes_per_s"])
+        result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                  "triton": triton.__version__, "dtype": str(DTYPE),
+                  "heads": {"q": NUM_HEADS, "kv": NUM_KV_HEADS, "head_dim": HEAD_DIM},
+                  "block_size": BLOCK_SIZE, "copy_ceiling": copy, "decode_mixed": mixed}
+        write_json(result, args.out)
+        print(f"\n{result['device']}  torch {torch.__version__}  triton {triton.__version__}  "
+              f"copy {copy['bytes_per_s'] / 1e12:.2f} TB/s")
+        print_decode_mixed(mixed)
+        print(f"wrote {args.out}")
+        return
     if args.decode_sweep:
         args.out = args.out or DEFAULT_SWEEP_OUT
         copy = copy_ceiling(quick=True)

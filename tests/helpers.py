@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import itertools
 import random
-from typing import Hashable, Sequence
+import sys
+from contextlib import contextmanager
+from typing import Hashable, Iterator, Sequence
 
 import torch
 
@@ -111,6 +113,23 @@ class PagedSequences:
             hidden_states = self.model(input_ids, positions, self.kv_caches, metadata)
             logits = self.model.compute_logits(hidden_states)       # [T, V]
         return list(logits.split(query_lens))
+
+
+@contextmanager
+def imported_from(folder: str, module_names: Sequence[str]) -> Iterator[None]:
+    """`folder` on sys.path and `module_names` imported afresh while the block runs (scripts
+    such as bench/*.py, which import each other by bare name); afterwards the path and the
+    modules of those names are what they were before."""
+    saved_path = list(sys.path)
+    saved_modules = {name: sys.modules.pop(name) for name in module_names if name in sys.modules}
+    sys.path.insert(0, folder)
+    try:
+        yield
+    finally:
+        sys.path[:] = saved_path
+        for name in module_names:
+            sys.modules.pop(name, None)
+        sys.modules.update(saved_modules)
 
 
 def interrupt_nth_add(monkeypatch, engine_core_client, n: int) -> None:

@@ -42,6 +42,10 @@ environment_variables: dict[str, Callable[[], Any]] = {
         lambda: _positive_int("VLLM_ANATOMY_PREFILL_MIN_LEN", os.getenv("VLLM_ANATOMY_PREFILL_MIN_LEN", "2048")),
     "VLLM_ANATOMY_PREFILL_SDPA_MIN_LEN":
         lambda: _positive_int("VLLM_ANATOMY_PREFILL_SDPA_MIN_LEN", os.getenv("VLLM_ANATOMY_PREFILL_SDPA_MIN_LEN", "8192")),
+    # Ours: decode-only batches of unified_attention's 2D kernel run their sequences
+    # longest context first (attention/backends/decode_order.py), read once when the
+    # model runner is built. "0" keeps batch order (the A/B's baseline).
+    "VLLM_ANATOMY_DECODE_LPT": lambda: os.getenv("VLLM_ANATOMY_DECODE_LPT", "1") not in ("0", "false", "False"),
     # Linear layers on a CPU multiply with oneDNN on a weight prepacked once
     # (model_executor/layers/utils.py), read when a model is loaded.
     "VLLM_ANATOMY_CPU_ONEDNN_GEMM": lambda: os.getenv("VLLM_ANATOMY_CPU_ONEDNN_GEMM", "1") != "0",

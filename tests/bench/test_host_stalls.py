@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import gc
 import os
-import sys
 import types
 
 import pytest
+
+from tests.helpers import imported_from
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BENCH = os.path.join(ROOT, "bench")
@@ -17,17 +18,9 @@ BENCH_MODULES = ("host_stalls", "step_overhead", "throughput", "kernel_bench", "
 @pytest.fixture(scope="module")
 def hs():
     """bench/host_stalls.py as a module, bench/ on sys.path only while this file's tests run."""
-    saved_path = list(sys.path)
-    saved_modules = {name: sys.modules.pop(name) for name in BENCH_MODULES if name in sys.modules}
-    sys.path.insert(0, BENCH)
-    try:
+    with imported_from(BENCH, BENCH_MODULES):
         import host_stalls
         yield host_stalls
-    finally:
-        sys.path[:] = saved_path
-        for name in BENCH_MODULES:
-            sys.modules.pop(name, None)
-        sys.modules.update(saved_modules)
 
 
 def _step(i: int, host_ms: float, prompt: int = 0, finished: int = 0, gcs=()) -> dict:

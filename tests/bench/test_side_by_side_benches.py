@@ -16,6 +16,8 @@ import types
 
 import pytest
 
+from tests.helpers import imported_from
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BENCH = os.path.join(ROOT, "bench")
 FAKE_VLLM = os.path.join(ROOT, "tests", "bench", "fake_vllm")
@@ -27,10 +29,7 @@ BENCH_MODULES = ("vs_vllm", "scaling", "plot_scaling", "side_by_side", "throughp
 def bench():
     """The bench scripts as modules, with bench/ on sys.path only while this file's tests run
     (the path and the modules are taken away again afterwards)."""
-    saved_path = list(sys.path)
-    saved_modules = {name: sys.modules.pop(name) for name in BENCH_MODULES if name in sys.modules}
-    sys.path.insert(0, BENCH)
-    try:
+    with imported_from(BENCH, BENCH_MODULES):
         import gpu_breakdown
         import plot_scaling
         import scaling
@@ -40,11 +39,6 @@ def bench():
         yield types.SimpleNamespace(vs_vllm=vs_vllm, scaling=scaling, plot_scaling=plot_scaling,
                                     side_by_side=side_by_side, gpu_breakdown=gpu_breakdown,
                                     throughput_ab=throughput_ab)
-    finally:
-        sys.path[:] = saved_path
-        for name in BENCH_MODULES:
-            sys.modules.pop(name, None)
-        sys.modules.update(saved_modules)
 
 
 @pytest.mark.fast

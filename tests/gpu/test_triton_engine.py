@@ -50,3 +50,27 @@ def test_prefill_kernel_switch_matches_torch_backend(tiny_llama_dir, monkeypatch
     monkeypatch.setenv("VLLM_ANATOMY_PREFILL_KERNEL", "1")
     monkeypatch.setenv("VLLM_ANATOMY_PREFILL_MIN_LEN", "2")   # split even the short test prompts
     assert _tokens(tiny_llama_dir, "triton", trace_level="full")[1] == on_tokens
+
+
+def test_decode_lpt_switch_matches_torch_backend(tiny_llama_dir, monkeypatch):
+    """VLLM_ANATOMY_DECODE_LPT=1 (decode-only steps run longest context first, through the
+    FULL graphs' persistent order buffer; split-KV off so that every decode takes the 2D
+    kernel): the same greedy tokens as =0 and as the torch backend, traced or not."""
+    from vllm_anatomy.attention.backends import triton_attn
+    from vllm_anatomy.kernels import unified_attention as ua
+    monkeypatch.setattr(triton_attn, "MIN_LAUNCH_GRID_SIZE_2D", 0)
+    ordered = []
+    real = ua.unified_attention
+    monkeypatch.setattr(ua, "unified_attention", lambda *a, **k: ordered.append(
+        ua.use_seq_order(k["max_seqlen_q"], False, k.get("seq_order") is not None)) or real(*a, **k))
+    monkeypatch.setenv("VLLM_ANATOMY_DECODE_LPT", "1")
+    _, on_tokens = _tokens(tiny_llama_dir, "triton")
+    assert any(ordered), "no decode launch took the order (graph capture included)"
+    ordered.clear()
+    monkeypatch.setenv("VLLM_ANATOMY_DECODE_LPT", "0")
+    _, off_tokens = _tokens(tiny_llama_dir, "triton")
+    assert not any(ordered)
+    _, torch_tokens = _tokens(tiny_llama_dir, "torch")
+    assert on_tokens == off_tokens == torch_tokens
+    monkeypatch.setenv("VLLM_ANATOMY_DECODE_LPT", "1")
+    assert _tokens(tiny_llama_dir, "triton", trace_level="full")[1] == on_tokens

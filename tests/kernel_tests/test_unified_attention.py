@@ -256,17 +256,24 @@ def test_split_kv_only_for_small_decode_batches():
     assert ran_3d
 
 
-def test_split_kv_graph_padding():
-    """A decode batch padded to a CUDA-graph size: padding requests with query_len 0 and
-    seq_len 0, padding tokens in no request. 3D leaves their rows alone, as 2D does."""
-    requests = [(c, 1) for c in (9, 40, 130)]
-    num_heads, num_kv_heads, head_dim, pad = 4, 2, 64, 2
-    q, cache, block_table, qsl, seq_lens = make_batch(requests, num_heads, num_kv_heads, head_dim,
-                                                      torch.float32, seed=2)
+def padded_decode_batch(contexts, num_heads, num_kv_heads, head_dim, pad, seed):
+    """make_batch of decodes, padded as a CUDA-graph-sized batch: `pad` padding requests
+    (query_len 0, seq_len 0, block 0) and tokens in no request."""
+    q, cache, block_table, qsl, seq_lens = make_batch([(c, 1) for c in contexts], num_heads, num_kv_heads,
+                                                      head_dim, torch.float32, seed=seed)
     q = torch.cat([q, torch.randn(pad, num_heads, head_dim, device=q.device)])
     qsl = torch.cat([qsl, qsl[-1:].repeat(pad)])
     seq_lens = torch.cat([seq_lens, seq_lens.new_zeros(pad)])
     block_table = torch.cat([block_table, block_table.new_zeros(pad, block_table.shape[1])])
+    return q, cache, block_table, qsl, seq_lens
+
+
+def test_split_kv_graph_padding():
+    """A decode batch padded to a CUDA-graph size: padding requests with query_len 0 and
+    seq_len 0, padding tokens in no request. 3D leaves their rows alone, as 2D does."""
+    num_heads, num_kv_heads, head_dim = 4, 2, 64
+    q, cache, block_table, qsl, seq_lens = padded_decode_batch((9, 40, 130), num_heads, num_kv_heads,
+                                                               head_dim, pad=2, seed=2)
     scale = head_dim ** -0.5
     outs = []
     for segm in (segm_buffers(q.shape[0], num_heads, 4, head_dim), {}):

@@ -31,6 +31,11 @@ softmax (running max M, running sum L, accumulator acc; all fp32). Tiles that
 every row sees whole skip the masks; only the tiles on the causal diagonal
 (and the sequence's ragged end) pay for them.
 
+Decode-only batches in a given order (seq_order, not vLLM's): the grid is
+(num_kv_heads, num_seqs) and program (h, p) serves request seq_order[p], no
+search; the caller passes the longest contexts first (why:
+attention/backends/decode_order.py).
+
 Split-KV ("3D") decode, vLLM's IS_3D path: see the section "3D: split-KV
 decode" below. unified_attention picks it, as vLLM does, only for decode-only
 batches (max_seqlen_q == 1) of at most seq_threshold_3D requests, when the
@@ -194,6 +199,7 @@ def _unified_attention_kernel(
     query_ptr, key_cache_ptr, value_cache_ptr, output_ptr,
     block_table_ptr, query_start_loc_ptr, seq_lens_ptr,
     skip_seq_ptr,                                 # [num_seqs] int32, nonzero: another kernel's (HAS_SKIP)
+    seq_order_ptr,                                # [num_seqs] int32, program -> request (USE_SEQ_ORDER)
     scale_log2,                                   # softmax_scale * log2(e): we use exp2
     num_seqs,
     stride_q_tok, stride_q_head,
@@ -210,22 +216,32 @@ def _unified_attention_kernel(
     TILE_SIZE: tl.constexpr,                      # keys per loop iteration
     DOT_FP32: tl.constexpr,                       # compute the dots in fp32 (fp32 input, interpreter)
     HAS_SKIP: tl.constexpr,                       # skip_seq given: leave those requests' rows alone
+    USE_SEQ_ORDER: tl.constexpr,                  # decode-only batch, one program per request in seq_order
 ):
-    # NOTE: query blocks in reverse order, KV heads on the fastest grid axis:
-    # the GPU starts programs roughly in id order (axis 0 first), and within a
-    # prefill the last query blocks see the most keys. So the heaviest blocks
-    # of every head start first and the lightest come last, keeping the
-    # multiprocessors busy to the end (longest processing time first); the
-    # sum of work is unchanged.
-    q_block_global = tl.num_programs(1) - 1 - tl.program_id(1)
     kv_head = tl.program_id(0)
-
-    seq_idx = _find_seq_idx(query_start_loc_ptr, q_block_global, num_seqs, BLOCK_Q, True)
+    if USE_SEQ_ORDER:
+        # A decode-only batch (every query one token, or none: a CUDA graph's
+        # padding request), one program per (KV head, request): program p of
+        # axis 1 serves request seq_order[p], the caller's order (longest
+        # context first: attention/backends/decode_order.py says why). No search.
+        seq_idx = tl.load(seq_order_ptr + tl.program_id(1))
+    else:
+        # NOTE: query blocks in reverse order, KV heads on the fastest grid axis:
+        # the GPU starts programs roughly in id order (axis 0 first), and within a
+        # prefill the last query blocks see the most keys. So the heaviest blocks
+        # of every head start first and the lightest come last, keeping the
+        # multiprocessors busy to the end (longest processing time first); the
+        # sum of work is unchanged.
+        q_block_global = tl.num_programs(1) - 1 - tl.program_id(1)
+        seq_idx = _find_seq_idx(query_start_loc_ptr, q_block_global, num_seqs, BLOCK_Q, True)
     if HAS_SKIP:
         if tl.load(skip_seq_ptr + seq_idx) != 0:
             return                                # a fresh prefill the prefill kernel computes
     q_start = tl.load(query_start_loc_ptr + seq_idx)
-    q_block_local = q_block_global - (q_start // BLOCK_Q + seq_idx)
+    if USE_SEQ_ORDER:
+        q_block_local = 0                         # a decode's only query block
+    else:
+        q_block_local = q_block_global - (q_start // BLOCK_Q + seq_idx)
     query_len = tl.load(query_start_loc_ptr + seq_idx + 1) - q_start
     if q_block_local * BLOCK_Q >= query_len:
         return                                    # a surplus program of the upper-bound grid
@@ -443,20 +459,31 @@ def use_3d_kernel(max_seqlen_q: int, num_seqs: int, seq_threshold_3D: int | None
     return seq_threshold_3D is not None and max_seqlen_q <= 1 and num_seqs <= seq_threshold_3D
 
 
-def launch_grid(num_tokens: int, num_seqs: int, num_kv_heads: int, block_q: int) -> tuple[int, int]:
-    """(KV heads; query blocks, an upper bound needing no device read)."""
-    return (num_kv_heads, num_tokens // block_q + num_seqs)
+def use_seq_order(max_seqlen_q: int, use_3d: bool, has_seq_order: bool) -> bool:
+    """The 2D kernel walks a decode-only batch in the caller's seq_order (host facts only):
+    an order was given, the batch is decode-only (every query at most one token: max_seqlen_q,
+    exact or an upper bound, is <= 1) and it is not the 3D path's."""
+    return has_seq_order and max_seqlen_q <= 1 and not use_3d
+
+
+def launch_grid(num_tokens: int, num_seqs: int, num_kv_heads: int, block_q: int,
+                seq_order: bool = False) -> tuple[int, int]:
+    """(KV heads; query blocks, an upper bound needing no device read). With seq_order
+    (a decode-only batch walked in a given order): exactly one program per request."""
+    return (num_kv_heads, num_seqs if seq_order else num_tokens // block_q + num_seqs)
 
 
 def default_grid(num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads: int,
                  head_dim: int, max_seqlen_q: int,
-                 num_par_softmax_segments: int | None = None) -> tuple[int, ...]:
+                 num_par_softmax_segments: int | None = None, seq_order: bool = False) -> tuple[int, ...]:
     """The grid unified_attention launches with its default block shapes (for tracing);
-    with num_par_softmax_segments (a 3D launch), the segment axis too."""
+    with num_par_softmax_segments (a 3D launch), the segment axis too; seq_order: a
+    seq_order was handed over (applied only where use_seq_order says)."""
     num_queries_per_kv = num_heads // num_kv_heads
     use_3d = num_par_softmax_segments is not None
     block_m = pick_config(max_seqlen_q, num_queries_per_kv, head_dim, use_3d)["block_m"]
-    grid = launch_grid(num_tokens, num_seqs, num_kv_heads, max(1, block_m // num_queries_per_kv))
+    grid = launch_grid(num_tokens, num_seqs, num_kv_heads, max(1, block_m // num_queries_per_kv),
+                       use_seq_order(max_seqlen_q, use_3d, seq_order))
     return grid + (num_par_softmax_segments,) if num_par_softmax_segments is not None else grid
 
 
@@ -470,6 +497,7 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
                       softmax_segm_max: torch.Tensor | None = None,
                       softmax_segm_expsum: torch.Tensor | None = None,
                       skip_seq: torch.Tensor | None = None,
+                      seq_order: torch.Tensor | None = None,
                       block_m: int | None = None, tile_size: int | None = None,
                       num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
     """Causal paged attention over a flat mixed batch; writes out[:T] (vLLM's argument names).
@@ -488,6 +516,10 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     skip_seq [R] int32 (2D only): requests with a nonzero entry are left alone
     (their rows not written): the fresh prefills the Triton backend hands to
     the prefill kernel (attention/backends/prefill_split.py); not vLLM's.
+    seq_order [>= R] int32 (2D only; not vLLM's): a permutation of 0 .. R-1, the order
+    in which a decode-only batch's requests get their programs (the longest context
+    first: attention/backends/decode_order.py); ignored unless max_seqlen_q <= 1 and
+    the 2D kernel runs. The output does not depend on it.
     block_m / tile_size / num_warps / num_stages override the chosen path's
     defaults (benchmarks).
     """
@@ -508,11 +540,14 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
               and softmax_segm_max is not None and softmax_segm_expsum is not None
               and skip_seq is None and use_3d_kernel(max_seqlen_q, num_seqs, seq_threshold_3D))
     assert skip_seq is None or (skip_seq.dtype == torch.int32 and skip_seq.numel() >= num_seqs)
+    ordered = use_seq_order(max_seqlen_q, use_3d, seq_order is not None)
+    assert not ordered or (seq_order is not None and seq_order.dtype == torch.int32
+                           and seq_order.numel() >= num_seqs)
     cfg = pick_config(max_seqlen_q, num_queries_per_kv, head_dim, use_3d)
     block_m = block_m or cfg["block_m"]
     tile_size = tile_size or cfg["tile_size"]
     block_q = max(1, block_m // num_queries_per_kv)
-    grid = launch_grid(num_tokens, num_seqs, num_kv_heads, block_q)
+    grid = launch_grid(num_tokens, num_seqs, num_kv_heads, block_q, ordered)
     constexprs = dict(
         NUM_QUERIES_PER_KV=num_queries_per_kv, HEAD_DIM=head_dim,
         HEAD_DIM_PADDED=max(16, triton.next_power_of_2(head_dim)), BLOCK_SIZE=block_size,
@@ -522,11 +557,12 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     if not use_3d:
         _unified_attention_kernel[grid](
             q, key_cache, value_cache, out, block_table, cu_seqlens_q, seqused_k,
-            skip_seq if skip_seq is not None else seqused_k, softmax_scale * LOG2E, num_seqs,
+            skip_seq if skip_seq is not None else seqused_k,
+            seq_order if ordered else seqused_k, softmax_scale * LOG2E, num_seqs,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
             value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-            block_table.stride(0), HAS_SKIP=skip_seq is not None, **constexprs)
+            block_table.stride(0), HAS_SKIP=skip_seq is not None, USE_SEQ_ORDER=ordered, **constexprs)
         return out
 
     # 3D: split-KV decode (see the section above), then the merge.

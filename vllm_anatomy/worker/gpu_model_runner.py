@@ -61,7 +61,9 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from vllm_anatomy import envs
 from vllm_anatomy.attention.backends.abstract import AttentionMetadata
+from vllm_anatomy.attention.backends.decode_order import DecodeSeqOrder
 from vllm_anatomy.config import VllmConfig
 from vllm_anatomy.core.outputs import (EMPTY_MODEL_RUNNER_OUTPUT, AsyncModelRunnerOutput, LogprobsTensors,
                                       ModelRunnerOutput)
@@ -161,6 +163,10 @@ class GPUModelRunner(ModelRunnerStartupMixin, AsyncSchedulingMixin, SpecDecodeRu
         # and the stream the sampled ids go to the host on (worker/async_output.py).
         self.splice_indices = self._make_buffer(2 * self.max_num_reqs, dtype=torch.int64)
         self.prepare_inputs_event = torch.cuda.Event() if on_cuda else None
+        # The Triton backend's decode order (attention/backends/decode_order.py), behind
+        # VLLM_ANATOMY_DECODE_LPT (read here, once); None: batch order.
+        self.decode_seq_order = DecodeSeqOrder(self.max_num_reqs, self.device, self.pin_memory) \
+            if self.attn_backend_name == "triton" and envs.VLLM_ANATOMY_DECODE_LPT else None
         self.async_output_copy_stream = torch.cuda.Stream(self.device) \
             if on_cuda and self.use_async_scheduling else None
 
@@ -500,13 +506,16 @@ class GPUModelRunner(ModelRunnerStartupMixin, AsyncSchedulingMixin, SpecDecodeRu
 
     def _attn_metadata(self, num_reqs: int, total: int, max_query_len: int) -> AttentionMetadata:
         block_table = self.input_batch.block_table
+        decode_order = self.decode_seq_order
         return AttentionMetadata(
             num_actual_tokens=total, num_reqs=num_reqs,
             max_query_len=max_query_len, max_seq_len=int(self.seq_lens.np[:num_reqs].max()),
             query_start_loc=self.query_start_loc.gpu[:num_reqs + 1], seq_lens=self.seq_lens.gpu[:num_reqs],
             block_table=block_table.get_device_tensor(num_reqs), slot_mapping=block_table.slot_mapping[:total],
             query_start_loc_cpu=self.query_start_loc.cpu[:num_reqs + 1], _seq_lens_cpu=self.seq_lens.cpu[:num_reqs],
-            seq_lens_cpu_upper_bound=self.seq_lens.cpu[:num_reqs], kernel_timer=self.tracer.kernel_timer)
+            seq_lens_cpu_upper_bound=self.seq_lens.cpu[:num_reqs], kernel_timer=self.tracer.kernel_timer,
+            decode_seq_order=decode_order.prepare(self.seq_lens.np, num_reqs, max_query_len)
+            if decode_order is not None else None)
 
     def _model_forward(self, num_tokens: int, attn_metadata: AttentionMetadata) -> torch.Tensor:
         return self.model(self.input_ids.gpu[:num_tokens], self.positions.gpu[:num_tokens],

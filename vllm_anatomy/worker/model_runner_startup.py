@@ -30,6 +30,7 @@ from vllm_anatomy.model_executor.sampling_metadata import SamplingMetadata
 from vllm_anatomy.worker.cudagraph import CUDAGraphMode
 
 if TYPE_CHECKING:
+    from vllm_anatomy.attention.backends.decode_order import DecodeSeqOrder
     from vllm_anatomy.config import CacheConfig, ModelConfig, VllmConfig
     from vllm_anatomy.model_executor.models.llama import LlamaForCausalLM
     from vllm_anatomy.model_executor.sampler import Sampler
@@ -59,6 +60,7 @@ class ModelRunnerStartupMixin:
     positions: CpuGpuBuffer
     query_start_loc: CpuGpuBuffer
     seq_lens: CpuGpuBuffer
+    decode_seq_order: DecodeSeqOrder | None
     input_batch: InputBatch
     sampler: Sampler
     kv_caches: list[torch.Tensor]
@@ -289,11 +291,13 @@ class ModelRunnerStartupMixin:
                              query_len: int) -> AttentionMetadata:
         """Metadata over the static buffers (views: a graph reads them at replay)."""
         block_table = self.input_batch.block_table
+        decode_order = self.decode_seq_order
         return AttentionMetadata(
             num_actual_tokens=num_tokens, num_reqs=num_reqs, max_query_len=query_len,
             max_seq_len=query_len, query_start_loc=self.query_start_loc.gpu[:num_reqs + 1],
             seq_lens=self.seq_lens.gpu[:num_reqs], block_table=block_table.get_device_tensor(num_reqs),
-            slot_mapping=block_table.slot_mapping[:num_tokens])
+            slot_mapping=block_table.slot_mapping[:num_tokens],
+            decode_seq_order=decode_order.for_capture(num_reqs, query_len) if decode_order is not None else None)
 
     def _dummy_sampler_run(self, hidden_rows: torch.Tensor) -> None:
         logits = self.model.compute_logits(hidden_rows)                        # [R, V]

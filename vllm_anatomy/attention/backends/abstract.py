@@ -56,6 +56,11 @@ class AttentionMetadata:
     # (((block_q, sdpa_min_len), PrefillSplit | None), prefill_split.py), computed
     # by the first layer that asks and reused by the others; None until then.
     prefill_split: Any = None
+    # [R] int32 on the device, or None: the order in which the Triton backend's 2D kernel
+    # runs a decode-only step's requests (longest context first; a view of the runner's
+    # persistent buffer, so a captured graph replays it: attention/backends/decode_order.py).
+    # Set by the model runner for decode-only steps only; it never changes a result.
+    decode_seq_order: torch.Tensor | None = None
 
     @property
     def seq_lens_cpu(self) -> torch.Tensor:

@@ -29,6 +29,11 @@ prefill_split.py. With VLLM_ANATOMY_PREFILL_KERNEL=cudnn the long fresh prefills
 go to torch SDPA on cuDNN instead (kernels/prefill_attention_sdpa.py), the short
 ones to the prefill kernel (the last NOTE of prefill_split.py).
 
+Decode order (on by default; VLLM_ANATOMY_DECODE_LPT=0 turns it off): a
+decode-only step's 2D launch deals its programs out longest context first, in
+the order the model runner put into the metadata's decode_seq_order (why, and
+how it survives CUDA graphs: attention/backends/decode_order.py).
+
 On a machine without CUDA the kernels run in Triton's interpreter: only when
 TRITON_INTERPRET=1 was set before vllm_anatomy.kernels was imported (tests do
 that in tests/kernel_tests/conftest.py). It is slow; the CPU default stays "torch".
@@ -186,8 +191,17 @@ class TritonAttentionImpl(AttentionImpl):
                 num_par_softmax_segments=segm.num_par_softmax_segments,
                 softmax_segm_output=segm.softmax_segm_output, softmax_segm_max=segm.softmax_segm_max,
                 softmax_segm_expsum=segm.softmax_segm_expsum,
-                skip_seq=None if split is None else split.skip_seq)
+                skip_seq=None if split is None else split.skip_seq,
+                seq_order=self._seq_order(attn_metadata, split))
         return output
+
+    @staticmethod
+    def _seq_order(attn_metadata: AttentionMetadata, split: PrefillSplit | None) -> torch.Tensor | None:
+        """The runner's decode order (decode_order.py) for a decode-only step, else None;
+        unified_attention applies it only on its 2D path (use_seq_order)."""
+        if split is not None or attn_metadata.max_query_len != 1:
+            return None
+        return attn_metadata.decode_seq_order
 
     def _prefill_config(self, dtype: torch.dtype) -> Mapping[str, Any]:
         """The prefill kernel's default config for this dtype, with its block_q (host ints)."""
@@ -262,11 +276,14 @@ class TritonAttentionImpl(AttentionImpl):
         if segments is not None:
             # 3D: the fp32 partials (acc, max, sum per segment), written then read by the merge.
             moved += 2 * num_tokens * self.num_heads * segments * (self.head_dim + 2) * 4
+        ordered = ua.use_seq_order(max_query_len, use_3d, self._seq_order(attn_metadata, split) is not None)
         grid = ua.default_grid(num_tokens, attn_metadata.num_reqs, self.num_heads, self.num_kv_heads,
-                               self.head_dim, max_query_len, segments)
+                               self.head_dim, max_query_len, segments, seq_order=ordered)
         attrs = {"vllm_anatomy.grid": list(grid), "vllm_anatomy.num_tokens": num_tokens,
                  "vllm_anatomy.num_reqs": attn_metadata.num_reqs, "vllm_anatomy.num_keys": num_keys,
                  "vllm_anatomy.bytes": moved}
+        if ordered:
+            attrs["vllm_anatomy.seq_order"] = "lpt"      # longest context first (decode_order.py)
         if exact is None and upper_bound is not None:
             attrs["vllm_anatomy.num_keys_upper_bound"] = True
         return attrs
