@@ -208,7 +208,10 @@ def print_summary(result: dict) -> None:
     s = result["summary"]
     for k, v in result["variants"].items():
         med = s["median_tok_per_s"][k]
-        print(f"{k.upper()} = {v['label']}: tree {v['tree']} (rev {v['tree_rev'].get('rev')}), env {v['env']}: "
+        rev = v["tree_rev"].get("rev")
+        # (on the device the .git of the copied tree may be older than its files: say so)
+        rev_text = f"{rev}{', vllm_anatomy/ differs from it' if v['tree_rev'].get('vllm_anatomy_dirty') else ''}"
+        print(f"{k.upper()} = {v['label']}: tree {v['tree']} (rev {rev_text}), env {v['env']}: "
               f"median {'-' if med is None else f'{med:.0f}'} tok/s")
     if s["ratio_median"] is not None:
         print(f"B/A per round: {', '.join(f'{r:.4f}' for r in s['ratios_b_over_a'])}; median {s['ratio_median']:.4f} "
