@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import torch
 
 from vllm_anatomy.attention.backends.abstract import AttentionMetadata
-from vllm_anatomy.attention.backends.prefill_split import warm_up_prefill_len
 from vllm_anatomy.model_executor.loader import get_model
 from vllm_anatomy.model_executor.sampling_metadata import SamplingMetadata
 from vllm_anatomy.worker.cudagraph import CUDAGraphMode
@@ -168,6 +167,9 @@ class ModelRunnerStartupMixin:
         shapes: tuple[tuple[int, int], ...] = self.WARM_UP_SHAPES
         if self.attn_backend_name == "triton":
             # The prefill split takes only fresh prefills of at least its threshold: one of that length.
+            # NOTE: imported here, as the backend itself is (selector.py): prefill_split imports the
+            # Triton kernels, whose decorators must not run before a test sets TRITON_INTERPRET.
+            from vllm_anatomy.attention.backends.prefill_split import warm_up_prefill_len
             long_len = warm_up_prefill_len(self.max_num_tokens, self.max_model_len)
             shapes += ((1, long_len),) if long_len is not None else ()
         for num_reqs, query_len in shapes:
