@@ -486,6 +486,22 @@ def write_json(result: dict, path: str) -> None:
         json.dump(result, f, indent=1)
 
 
+def run_decode_mode(out: str, key: str, measure, show) -> None:
+    """One of the decode-only modes (--decode-sweep, --decode-mixed): the copy ceiling, then
+    measure(copy bytes/s) under `key` beside the setup, written to `out` and printed by show."""
+    copy = copy_ceiling(quick=True)
+    res = measure(copy["bytes_per_s"])
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "triton": triton.__version__, "dtype": str(DTYPE),
+              "heads": {"q": NUM_HEADS, "kv": NUM_KV_HEADS, "head_dim": HEAD_DIM},
+              "block_size": BLOCK_SIZE, "copy_ceiling": copy, key: res}
+    write_json(result, out)
+    print(f"\n{result['device']}  torch {torch.__version__}  triton {triton.__version__}  "
+          f"copy {copy['bytes_per_s'] / 1e12:.2f} TB/s")
+    show(res)
+    print(f"wrote {out}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None, help=f"JSON path (default {DEFAULT_OUT}, "
@@ -499,34 +515,13 @@ def main() -> None:
     assert torch.cuda.is_available(), "bench/kernel_bench.py needs a CUDA device"
     torch.manual_seed(0)
     if args.decode_mixed:
-        args.out = args.out or os.path.join(os.path.dirname(__file__), "results", f"decode_mixed_{card_name()}.json")
-        copy = copy_ceiling(quick=True)
-        mixed = decode_mixed(copy["bytes_per_s"])
-        result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                  "triton": triton.__version__, "dtype": str(DTYPE),
-                  "heads": {"q": NUM_HEADS, "kv": NUM_KV_HEADS, "head_dim": HEAD_DIM},
-                  "block_size": BLOCK_SIZE, "copy_ceiling": copy, "decode_mixed": mixed}
-        write_json(result, args.out)
-        print(f"\n{result['device']}  torch {torch.__version__}  triton {triton.__version__}  "
-              f"copy {copy['bytes_per_s'] / 1e12:.2f} TB/s")
-        print_decode_mixed(mixed)
-        print(f"wrote {args.out}")
+        run_decode_mode(args.out or os.path.join(os.path.dirname(__file__), "results",
+                                                 f"decode_mixed_{card_name()}.json"),
+                        "decode_mixed", decode_mixed, print_decode_mixed)
         return
     if args.decode_sweep:
-        args.out = args.out or DEFAULT_SWEEP_OUT
-        copy = copy_ceiling(quick=True)
-        sweep = decode_sweep(copy["bytes_per_s"], args.quick)
-        result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                  "triton": triton.__version__, "dtype": str(DTYPE),
-                  "heads": {"q": NUM_HEADS, "kv": NUM_KV_HEADS, "head_dim": HEAD_DIM},
-                  "block_size": BLOCK_SIZE, "copy_ceiling": copy, "decode_split_kv": sweep}
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
-        print(f"\n{result['device']}  torch {torch.__version__}  triton {triton.__version__}  "
-              f"copy {copy['bytes_per_s'] / 1e12:.2f} TB/s")
-        print_decode_sweep(sweep)
-        print(f"wrote {args.out}")
+        run_decode_mode(args.out or DEFAULT_SWEEP_OUT, "decode_split_kv",
+                        lambda copy_bw: decode_sweep(copy_bw, args.quick), print_decode_sweep)
         return
     args.out = args.out or DEFAULT_OUT
 
@@ -569,9 +564,7 @@ def main() -> None:
         "decode_attention": decode, "reshape_and_cache": rac, "reshape_and_cache_256": rac_small,
         "prefill_attention": prefill, "prefill_attention_4x": prefill4, "torch_sdpa_prefill": sdpa,
     }
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    write_json(result, args.out)
 
     print(f"\n{result['device']}  torch {torch.__version__}  triton {triton.__version__}")
     print(f"best decode cfg {decode['best']['config']}  rel err {decode['rel_err_vs_ref']:.2e}")

@@ -53,7 +53,7 @@ class AttentionMetadata:
     # never inside a CUDA graph), else a null timer whose `with` does nothing.
     kernel_timer: Any = field(default=NULL_KERNEL_TIMER)
     # The Triton backend's split of this step into fresh prefills and the rest
-    # (((block_q, sdpa_min_len), PrefillSplit | None), prefill_split.py), computed
+    # (((block_q, sdpa_min_len, min_len), PrefillSplit | None), prefill_split.py), computed
     # by the first layer that asks and reused by the others; None until then.
     prefill_split: Any = None
     # [R] int32 on the device, or None: the order in which the Triton backend's 2D kernel
