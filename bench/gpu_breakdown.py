@@ -1,7 +1,7 @@
 """Where the GPU time of the whole throughput run goes, ours and vLLM's, side by side.
 
     python bench/gpu_breakdown.py [--vllm-site DIR] [--out bench/results/gpu_breakdown_h200.json]
-                                  [--workload nano-vllm|context:4096|prefill:4096] [--gc-log]
+                                  [--workload nano-vllm|context:4096|prefill:4096|ttft:4096] [--gc-log]
 
 nano-vllm's workload (bench/vs_vllm.py: 256 sequences, prompts and outputs uniform in
 [100, 1024], temperature 0.6, ignore_eos), run once under torch.profiler with CUDA
@@ -20,7 +20,12 @@ Without --vllm-site only ours runs. It reports:
 --workload context:N profiles one point of bench/scaling.py's context series instead
 (64 sequences of N random prompt tokens, 128 output tokens each): where vLLM's lead
 at long prompts comes from; --workload prefill:N the same prompts with 1 output token
-(the point's prefill alone: context:N minus prefill:N is its decode). --gc-log (ours):
+(the point's prefill alone: context:N minus prefill:N is its decode); --workload ttft:N
+times bench/scaling.py's ttft point: one fresh N-token prompt alone, max_tokens 1, after one
+unprofiled call of that length, TTFT_REPEATS times, and splits each request's wall into the
+host before its first kernel, the GPU's span (busy and idle) and the host after its last
+kernel, with kernel time by kind per request (medians): is a slower TTFT the GPU's or the
+host's, and which kernels? --gc-log (ours):
 every garbage collection, Triton compilation and engine step of the profiled run is logged
 (bench/host_stalls.py's GCLog, TritonCompileLog, HostStepLog), and each > 1 ms idle gap is
 listed with those that overlapped it, the engine steps' longest phases included (issue 34:
@@ -33,6 +38,7 @@ import argparse
 import json
 import os
 import random
+import statistics
 import sys
 import time
 from dataclasses import asdict
@@ -58,17 +64,22 @@ KINDS = [
 NUM_BUCKETS = 20
 TOP_KERNELS = 12
 CONTEXT_NUM_SEQS, CONTEXT_OUTPUT_LEN = 64, 128     # bench/scaling.py's context series
+TTFT_REPEATS = 5                                   # bench/scaling.py's ttft series: median of 5
 
 
 def workload(name: str) -> tuple[list[list[int]], list[int], float, int]:
-    """(prompts, max_tokens, temperature, max_model_len) of `nano-vllm`, `context:N` or `prefill:N`."""
+    """(prompts, max_tokens, temperature, max_model_len) of `nano-vllm`, `context:N`, `prefill:N`
+    or `ttft:N` (1 + TTFT_REPEATS prompts, each run alone: the first one unprofiled)."""
     if name == "nano-vllm":
         prompts, max_tokens = nano_vllm_workload(FULL)
         return prompts, max_tokens, 0.6, 4096
     kind, _, n = name.partition(":")
-    if kind not in ("context", "prefill") or not n.isdigit():
-        raise SystemExit(f"--workload: nano-vllm, context:N or prefill:N (N prompt tokens), not {name!r}")
+    if kind not in ("context", "prefill", "ttft") or not n.isdigit() or int(n) < 1:
+        raise SystemExit(f"--workload: nano-vllm, context:N, prefill:N or ttft:N (N prompt tokens), not {name!r}")
     rng = random.Random(0)
+    if kind == "ttft":
+        prompts = [[rng.randint(0, 10000) for _ in range(int(n))] for _ in range(1 + TTFT_REPEATS)]
+        return prompts, [1] * len(prompts), 0.0, int(n) + CONTEXT_OUTPUT_LEN
     prompts = [[rng.randint(0, 10000) for _ in range(int(n))] for _ in range(CONTEXT_NUM_SEQS)]
     # prefill:N: the same prompts with one output token: the context point's prefill alone, so
     # that context:N minus prefill:N is its decode (the profile cannot tell a kernel's step kind).
@@ -192,6 +203,10 @@ def run_worker(kind: str, model_dir: str, workload_name: str = "nano-vllm", gc_l
     prompts, max_tokens, temperature, max_model_len = workload(workload_name)
     engine = Engine(kind, model_dir, max_model_len=max_model_len)
     engine.generate([list(range(1, 9))], [16], 0.0)                  # warm-up, as nano-vllm's bench
+    if workload_name.startswith("ttft:"):
+        result = {"engine": kind, "settings": engine.settings()} | profile_ttft(engine, prompts)
+        engine.shutdown()
+        return result
     logs, allocator_before = None, {}
     if gc_log:
         from host_stalls import GCLog, HostStepLog, TritonCompileLog
@@ -219,6 +234,64 @@ def run_worker(kind: str, model_dir: str, workload_name: str = "nano-vllm", gc_l
             k: after[k] - allocator_before.get(k, 0) for k in after if after[k] != allocator_before.get(k, 0)}
     engine.shutdown()
     return result
+
+
+def profile_ttft(engine: Engine, prompts: list[list[int]]) -> dict:
+    """--workload ttft:N: prompts[0] alone unprofiled (a first call of a length compiles or
+    autotunes), then each other prompt alone under the profiler, greedy, max_tokens 1."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    engine.generate([prompts[0]], [1], 0.0)
+    windows: list[tuple[int, int]] = []
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for p in prompts[1:]:
+            t0 = time.time_ns()
+            engine.generate([p], [1], 0.0)
+            windows.append((t0, time.time_ns()))
+    origin_ns = prof.profiler.kineto_results.trace_start_ns()
+    gpu = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    intervals = [(origin_ns + e.time_range.start * 1e3, origin_ns + e.time_range.end * 1e3, e.name) for e in gpu]
+    return ttft_phases(intervals, windows)
+
+
+def ttft_phases(intervals_ns: list[tuple[float, float, str]], windows_ns: list[tuple[int, int]]) -> dict:
+    """Each request's window (time.time_ns around generate()) split by the GPU activity inside it:
+    host_head_ms (call to first kernel), gpu_span_ms (first kernel start to last kernel end),
+    gpu_busy_ms (the union of kernels in it), host_tail_ms (last kernel end to return); kernel ms
+    by kind; each request's numbers and their medians ("median")."""
+    requests = []
+    for t0, t1 in windows_ns:
+        inside = sorted((s, e, n) for s, e, n in intervals_ns if s >= t0 and e <= t1)
+        if not inside:
+            raise SystemExit("ttft: no GPU activity inside a request's window (clocks not aligned?)")
+        first, last = inside[0][0], max(e for _, e, _ in inside)
+        busy, covered_to, by_kind = 0.0, float("-inf"), {}
+        for s, e, n in inside:
+            k = kind_of(n)
+            by_kind[k] = by_kind.get(k, 0.0) + (e - s) / 1e6
+            busy += max(0.0, e - max(s, covered_to))
+            covered_to = max(covered_to, e)
+        requests.append({"wall_ms": (t1 - t0) / 1e6, "host_head_ms": (first - t0) / 1e6,
+                         "gpu_span_ms": (last - first) / 1e6, "gpu_busy_ms": busy / 1e6,
+                         "host_tail_ms": (t1 - last) / 1e6, "launches": len(inside), "kernel_ms_by_kind": by_kind})
+    keys = ("wall_ms", "host_head_ms", "gpu_span_ms", "gpu_busy_ms", "host_tail_ms", "launches")
+    kinds = sorted({k for r in requests for k in r["kernel_ms_by_kind"]})
+    median = {k: statistics.median(r[k] for r in requests) for k in keys} | {
+        "kernel_ms_by_kind": {k: statistics.median(r["kernel_ms_by_kind"].get(k, 0.0) for r in requests)
+                              for k in kinds}}
+    return {"ttft_requests": requests, "ttft_median": median}
+
+
+def print_ttft_table(result: dict) -> None:
+    engines = [k for k in ("vllm_anatomy", "vllm") if result.get(k) and "ttft_median" in result[k]]
+    print(f"{'ms per request (median)':28s}" + "".join(f"{e:>14s}" for e in engines))
+    for row in ("wall_ms", "host_head_ms", "gpu_span_ms", "gpu_busy_ms", "host_tail_ms", "launches"):
+        print(f"{row:28s}" + "".join(f"{result[e]['ttft_median'][row]:14.3f}" for e in engines))
+    kinds = sorted({k for e in engines for k in result[e]["ttft_median"]["kernel_ms_by_kind"]},
+                   key=lambda k: -max(result[e]["ttft_median"]["kernel_ms_by_kind"].get(k, 0) for e in engines))
+    for k in kinds:
+        print(f"  {k:26s}" + "".join(f"{result[e]['ttft_median']['kernel_ms_by_kind'].get(k, 0.0):14.3f}"
+                                      for e in engines))
 
 
 def allocator_counts() -> dict[str, int]:
@@ -310,8 +383,9 @@ def main() -> None:
     ap.add_argument("--vllm-site", help="the unpacked vLLM 0.26.0 bundle (../shared/peers/vllm/); omit: ours only")
     ap.add_argument("--out", default="bench/results/gpu_breakdown_h200.json")
     ap.add_argument("--workload", default="nano-vllm",
-                    help="nano-vllm (bench/vs_vllm.py's), context:N (bench/scaling.py's point of N-token prompts) "
-                         "or prefill:N (the same prompts, 1 output token)")
+                    help="nano-vllm (bench/vs_vllm.py's), context:N (bench/scaling.py's point of N-token prompts), "
+                         "prefill:N (the same prompts, 1 output token) or ttft:N (one N-token prompt alone, "
+                         "max_tokens 1, each request's host and GPU time)")
     ap.add_argument("--gc-log", action="store_true",
                     help="ours: log every garbage collection, Triton compilation and engine step "
                          "(time.time_ns) during the profiled run, and say for each > 1 ms GPU idle gap "
@@ -333,6 +407,8 @@ def main() -> None:
         write_models(ours_dir, vllm_dir, tiny=False)
         copy, mm = ceilings(tiny=False)
         prompts, max_tokens, _, _ = workload(args.workload)
+        if args.workload.startswith("ttft:"):                    # the floor of one request
+            prompts, max_tokens = prompts[:1], max_tokens[:1]
         result: dict = {"bench": "gpu_breakdown", "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
                         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                         "workload": args.workload,
@@ -345,7 +421,7 @@ def main() -> None:
                    "--workload", args.workload, *(["--gc-log"] if args.gc_log else [])]
             result[key] = run_subprocess(f"{kind}: profiled throughput run", cmd,
                                          worker_env(kind, args.vllm_site, multiprocess=False), timeout_s=300)
-    print_table(result)
+    (print_ttft_table if args.workload.startswith("ttft:") else print_table)(result)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

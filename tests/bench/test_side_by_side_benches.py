@@ -290,6 +290,40 @@ def test_gpu_breakdown_top_kernels_and_the_context_workload(bench):
 
 
 @pytest.mark.fast
+def test_gpu_breakdown_ttft_splits_each_request_into_host_and_gpu(bench, capsys):
+    gb = bench.gpu_breakdown
+    prompts, max_tokens, temperature, max_model_len = gb.workload("ttft:4096")
+    assert len(prompts) == 1 + gb.TTFT_REPEATS and {len(p) for p in prompts} == {4096}
+    assert len({tuple(p) for p in prompts}) == len(prompts)       # each request fresh: no prefix-cache hit
+    assert set(max_tokens) == {1} and temperature == 0.0 and max_model_len >= 4096
+    for bad in ("ttft:", "ttft:0", "ttft:4k"):
+        with pytest.raises(SystemExit, match="ttft:N"):
+            gb.workload(bad)
+    ms = 1e6                                                        # ns per ms
+    # request 1: called at 0, a GEMM 2-5 ms and attention 4-6 ms (overlapping: busy 4 ms), returns at 7;
+    # request 2: called at 10, attention 12-13, a GEMM 14-15, returns at 18; a kernel between the two
+    # windows (9-9.5 ms) belongs to neither.
+    intervals = [(2 * ms, 5 * ms, "nvjet_gemm"), (4 * ms, 6 * ms, "_unified_attention_kernel"),
+                 (9 * ms, 9.5 * ms, "nvjet_gemm"), (12 * ms, 13 * ms, "prefill_attention_kernel"),
+                 (14 * ms, 15 * ms, "nvjet_gemm")]
+    out = gb.ttft_phases(intervals, [(0, int(7 * ms)), (int(10 * ms), int(18 * ms))])
+    first, second = out["ttft_requests"]
+    assert first["host_head_ms"] == pytest.approx(2) and first["gpu_span_ms"] == pytest.approx(4)
+    assert first["gpu_busy_ms"] == pytest.approx(4) and first["host_tail_ms"] == pytest.approx(1)
+    assert first["kernel_ms_by_kind"] == pytest.approx({"gemm": 3, "attention": 2}) and first["launches"] == 2
+    assert second["host_head_ms"] == pytest.approx(2) and second["gpu_span_ms"] == pytest.approx(3)
+    assert second["gpu_busy_ms"] == pytest.approx(2) and second["host_tail_ms"] == pytest.approx(3)
+    median = out["ttft_median"]
+    assert median["wall_ms"] == pytest.approx(7.5) and median["gpu_busy_ms"] == pytest.approx(3)
+    assert median["kernel_ms_by_kind"] == pytest.approx({"attention": 1.5, "gemm": 2})
+    gb.print_ttft_table({"vllm_anatomy": out, "vllm": out})
+    table = capsys.readouterr().out
+    assert "host_head_ms" in table and "attention" in table
+    with pytest.raises(SystemExit, match="no GPU activity"):
+        gb.ttft_phases(intervals, [(int(20 * ms), int(21 * ms))])
+
+
+@pytest.mark.fast
 def test_gpu_breakdown_gc_log_says_what_overlapped_each_gap(bench, capsys):
     gb = bench.gpu_breakdown
     # busy 0-100 and 50-300 (two streams), idle 300-1800 (1.5 ms), busy 1800-1900, idle 1900-2500 (0.6 ms)
