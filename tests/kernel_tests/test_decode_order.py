@@ -133,6 +133,12 @@ def test_decode_seq_order_buffer():
     assert order.buffer.gpu.tolist() == [1, 0, 2, 3, 4, 5, 6, 7]
     assert step.data_ptr() == captured.data_ptr() == order.buffer.gpu.data_ptr()
     assert order.prepare(seq_lens, 3, 2) is None
+    # The 3D path's batches (at most seq_threshold_3D requests) get no order, and the
+    # buffer is left as it was (no sort, no copy); a larger one still does.
+    order.seq_threshold_3D = 3
+    assert order.prepare(seq_lens[::-1].copy(), 3, 1) is None
+    assert order.buffer.gpu.tolist() == [1, 0, 2, 3, 4, 5, 6, 7]
+    assert order.prepare(seq_lens, 4, 1).tolist() == [1, 3, 0, 2]
 
 
 def _runner(tmp_path, monkeypatch, lpt):
@@ -156,8 +162,17 @@ def _runner(tmp_path, monkeypatch, lpt):
 def test_runner_metadata_carries_the_order(tmp_path, monkeypatch):
     """GPUModelRunner._attn_metadata: a decode-only step's metadata carries the LPT order of
     the host's seq_lens (a view of the buffer the captured dummy metadata points at); a step
-    with a longer query carries none; VLLM_ANATOMY_DECODE_LPT=0: never."""
+    with a longer query carries none; VLLM_ANATOMY_DECODE_LPT=0: never. load_model gives the
+    order the backend's split-KV threshold: batches the 3D path takes carry none."""
+    from vllm_anatomy.attention.backends import triton_attn
     runner = _runner(tmp_path, monkeypatch, "1")
+    runner.load_model()
+    assert runner.decode_seq_order.seq_threshold_3D == triton_attn.decode_seq_threshold_3D(2) > 5
+    assert runner._attn_metadata(5, 5, 1).decode_seq_order is None         # the 3D path's batch
+    monkeypatch.setattr(triton_attn, "MIN_LAUNCH_GRID_SIZE_2D", 0)         # no 3D path at all
+    runner = _runner(tmp_path, monkeypatch, "1")
+    runner.load_model()
+    assert runner.decode_seq_order.seq_threshold_3D == 0
     captured = runner._dummy_attn_metadata(8, 8, 1).decode_seq_order
     assert runner._dummy_attn_metadata(2, 8, 4).decode_seq_order is None
     runner.seq_lens.np[:5] = [10, 40, 20, 40, 1]

@@ -76,6 +76,9 @@ class ModelRunnerStartupMixin:
             self.model = get_model(self.model_config, backend=self.attn_backend_name,
                                    load_config=self.vllm_config.load_config).to(self.device)
             self.tracer.device_timer.watch_layers(self.model.model.layers)
+            if self.decode_seq_order is not None:       # the 3D path's batches need no order
+                from vllm_anatomy.attention.backends.triton_attn import decode_seq_threshold_3D
+                self.decode_seq_order.seq_threshold_3D = decode_seq_threshold_3D(self.model.num_kv_heads)
             if self.drafter is not None:
                 self.drafter.load_model(self.model)     # a draft model (ngram: nothing to load)
 

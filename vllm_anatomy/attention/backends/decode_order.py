@@ -45,6 +45,14 @@ and their programs exit at once.
 Only decode-only batches (max_query_len == 1): a prefill or mixed batch keeps the
 kernel's binary search over query blocks, and the split-KV (3D) path for a few
 decodes ignores the order (its grid already splits each request's keys).
+
+NOTE: so a decode batch of at most seq_threshold_3D requests gets no order at all:
+no sort, no copy (host time on the shortest steps, ~1.5 ms at batch 1). That is
+safe under CUDA graphs because the threshold snaps to a capture size
+(triton_attn.get_seq_threshold_3D): a batch of B <= threshold requests replays a
+graph of N <= threshold, which took the 3D path when it was captured and reads no
+order. The runner sets the threshold once the model (its KV heads per rank) and
+the capture sizes are known; 0 (the default) orders every decode-only batch.
 """
 from __future__ import annotations
 
@@ -63,6 +71,7 @@ class DecodeSeqOrder:
     """The model runner's persistent order buffer (int32 [max_num_reqs], identity past the batch)."""
 
     def __init__(self, max_num_reqs: int, device: torch.device, pin_memory: bool) -> None:
+        self.seq_threshold_3D = 0        # batches of at most this many requests: the 3D path, no order
         self.buffer = CpuGpuBuffer(max_num_reqs, dtype=torch.int32, device=device, pin_memory=pin_memory)
         self.identity = np.arange(max_num_reqs, dtype=np.int32)
         self.buffer.np[:] = self.identity
@@ -70,9 +79,10 @@ class DecodeSeqOrder:
 
     def prepare(self, seq_lens: np.ndarray, num_reqs: int, max_query_len: int) -> torch.Tensor | None:
         """This step's order on the device ([num_reqs], a view of the buffer), or None for a
-        batch that is not decode-only. seq_lens: the host's [>= num_reqs] values of this step.
+        batch that is not decode-only or takes the 3D path. seq_lens: the host's [>= num_reqs]
+        values of this step.
         NOTE: the whole buffer is copied (a few KB): a padded graph replay reads past num_reqs."""
-        if max_query_len != 1:
+        if max_query_len != 1 or num_reqs <= self.seq_threshold_3D:
             return None
         order = self.buffer.np
         order[:num_reqs] = lpt_order(seq_lens[:num_reqs])

@@ -115,6 +115,11 @@ class SoftmaxSegmentBuffers:
                    torch.empty(shape, dtype=torch.float32, device=device))
 
 
+def decode_seq_threshold_3D(num_heads_kv: int) -> int:
+    """get_seq_threshold_3D under the capture sizes set so far: what forward() uses."""
+    return get_seq_threshold_3D(num_heads_kv, _cudagraph_capture_sizes)
+
+
 _segm_buffers: dict[tuple, SoftmaxSegmentBuffers] = {}
 
 
@@ -123,7 +128,7 @@ def softmax_segm_buffers(num_heads_q: int, num_heads_kv: int, headdim: int,
     """The 3D kernel's buffers for these heads on this device: allocated on the first call
     (the start-up warm-up's first decode, outside any graph capture), then the same tensors
     every time, so a captured graph replays on valid addresses."""
-    threshold = get_seq_threshold_3D(num_heads_kv, _cudagraph_capture_sizes)
+    threshold = decode_seq_threshold_3D(num_heads_kv)
     key = (str(device), num_heads_q, headdim, threshold, NUM_PAR_SOFTMAX_SEGMENTS)
     if key not in _segm_buffers:
         _segm_buffers[key] = SoftmaxSegmentBuffers.allocate(threshold, num_heads_q, headdim, device)
