@@ -65,6 +65,9 @@ def _norm_rope_heads(
     HEAD_SIZE: tl.constexpr, ROT_HALF: tl.constexpr, ROT_HALF_PADDED: tl.constexpr,
     PASS_PADDED: tl.constexpr,         # next_pow2(HEAD_SIZE - 2 * ROT_HALF), 0 if none
     IS_NEOX: tl.constexpr,
+    cache_ptr, stride_cache_head,      # WRITE_CACHE only: [BLOCK_T, 1, 1] each token's cache row
+    cache_mask,                        # [BLOCK_T]: tokens with a slot (not -1)
+    WRITE_CACHE: tl.constexpr,         # also store the results there (fused_qk_norm_rope_kvcache.py)
 ):
     head = tl.arange(0, HEADS_PADDED)[None, :, None]                       # [1, H, 1]
     i = tl.arange(0, ROT_HALF_PADDED)[None, None, :]                       # [1, 1, R]
@@ -100,10 +103,18 @@ def _norm_rope_heads(
     o2 = (y2 * cos).to(dtype).to(tl.float32) + (y1 * sin).to(dtype).to(tl.float32)
     tl.store(base + d1, o1.to(dtype), mask=mask)
     tl.store(base + d2, o2.to(dtype), mask=mask)
+    if WRITE_CACHE:    # the same rounded values, converted as reshape_and_cache converts them
+        cache_dtype = cache_ptr.dtype.element_ty
+        cache_row = cache_ptr + head * stride_cache_head                   # [T, H, 1]
+        cmask = mask & cache_mask[:, None, None]
+        tl.store(cache_row + d1, o1.to(dtype).to(cache_dtype), mask=cmask)
+        tl.store(cache_row + d2, o2.to(dtype).to(cache_dtype), mask=cmask)
     if PASS_PADDED > 0:
         w3 = tl.load(w_ptr + p, mask=p < HEAD_SIZE, other=0.0).to(tl.float32)
         y3 = w3 * (x3 * rstd).to(dtype).to(tl.float32)
         tl.store(base + p, y3.to(dtype), mask=pmask)
+        if WRITE_CACHE:
+            tl.store(cache_row + p, y3.to(dtype).to(cache_dtype), mask=pmask & cache_mask[:, None, None])
 
 
 @triton.jit(do_not_specialize=["num_tokens"])   # per-step sizes: see launch.py
@@ -125,11 +136,11 @@ def _fused_qk_norm_rope_kernel(
                                                qkv_ptr, ROT_HALF, ROT_HALF_PADDED, BLOCK_T)
     _norm_rope_heads(qkv_ptr, q_weight_ptr, tok64, tok_mask, stride_qkv_tok, eps, cos, sin,
                      NUM_Q_HEADS, Q_HEADS_PADDED, HEAD_SIZE, ROT_HALF, ROT_HALF_PADDED,
-                     PASS_PADDED, IS_NEOX)
+                     PASS_PADDED, IS_NEOX, qkv_ptr, 0, tok_mask, False)
     _norm_rope_heads(qkv_ptr + NUM_Q_HEADS * HEAD_SIZE, k_weight_ptr, tok64, tok_mask,
                      stride_qkv_tok, eps, cos, sin,
                      NUM_K_HEADS, K_HEADS_PADDED, HEAD_SIZE, ROT_HALF, ROT_HALF_PADDED,
-                     PASS_PADDED, IS_NEOX)
+                     PASS_PADDED, IS_NEOX, qkv_ptr, 0, tok_mask, False)
 
 
 def _tokens_per_program(num_heads_q: int, num_heads_k: int, head_dim: int) -> int:
@@ -156,6 +167,24 @@ def fused_qk_norm_rope(qkv: torch.Tensor, num_heads_q: int, num_heads_k: int, nu
     vLLM's signature (vllm/_custom_ops.py fused_qk_norm_rope, less its
     forced_token_heads_per_warp tuning knob). v is not touched.
     """
+    args = _checked_args(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, q_weight, k_weight,
+                         cos_sin_cache, is_neox, position_ids, _fused_qk_norm_rope_kernel)
+    if args is None:
+        return
+    grid, tensors, constexprs = args
+    position_ids, q_weight, k_weight, cos_sin_cache = tensors
+    _fused_qk_norm_rope_kernel[grid](
+        qkv, position_ids, q_weight, k_weight, cos_sin_cache, qkv.shape[0], eps,
+        qkv.stride(0), cos_sin_cache.stride(0), **constexprs, num_warps=4)
+
+
+def _checked_args(qkv: torch.Tensor, num_heads_q: int, num_heads_k: int, num_heads_v: int,
+                  head_dim: int, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                  cos_sin_cache: torch.Tensor, is_neox: bool, position_ids: torch.Tensor, kernel
+                  ) -> tuple[tuple[int], tuple[torch.Tensor, ...], dict] | None:
+    """Check the arguments; (grid, (position_ids, q_weight, k_weight, cos_sin_cache) made
+    contiguous, the kernel's constexprs), or None for an empty batch. Shared with
+    fused_qk_norm_rope_kvcache.py, whose kernel takes the same norm/RoPE constexprs."""
     assert qkv.dim() == 2, "qkv must be [num_tokens, (nq + nk + nv) * head_dim]"
     num_tokens = qkv.shape[0]
     assert qkv.shape[1] == (num_heads_q + num_heads_k + num_heads_v) * head_dim
@@ -167,24 +196,22 @@ def fused_qk_norm_rope(qkv: torch.Tensor, num_heads_q: int, num_heads_k: int, nu
     assert cos_sin_cache.dim() == 2
     rotary_dim = cos_sin_cache.shape[1]
     assert rotary_dim % 2 == 0 and rotary_dim <= head_dim
-    check_launchable(qkv, _fused_qk_norm_rope_kernel)
+    check_launchable(qkv, kernel)
     if num_tokens == 0:
-        return
+        return None
     position_ids = position_ids.contiguous()     # a slice of the runner's buffer: already is
     q_weight, k_weight = q_weight.contiguous(), k_weight.contiguous()
     cos_sin_cache = cos_sin_cache.contiguous()
     rot_half = rotary_dim // 2
     pass_dims = head_dim - rotary_dim
     block_t = _tokens_per_program(num_heads_q, num_heads_k, head_dim)
-    grid = (triton.cdiv(num_tokens, block_t),)
-    _fused_qk_norm_rope_kernel[grid](
-        qkv, position_ids, q_weight, k_weight, cos_sin_cache, num_tokens, eps,
-        qkv.stride(0), cos_sin_cache.stride(0),
+    constexprs = dict(
         NUM_Q_HEADS=num_heads_q, Q_HEADS_PADDED=triton.next_power_of_2(num_heads_q),
         NUM_K_HEADS=num_heads_k, K_HEADS_PADDED=triton.next_power_of_2(num_heads_k),
         HEAD_SIZE=head_dim, ROT_HALF=rot_half, ROT_HALF_PADDED=triton.next_power_of_2(rot_half),
         PASS_PADDED=triton.next_power_of_2(pass_dims) if pass_dims > 0 else 0,
-        IS_NEOX=is_neox, BLOCK_T=block_t, num_warps=4)
+        IS_NEOX=is_neox, BLOCK_T=block_t)
+    return (triton.cdiv(num_tokens, block_t),), (position_ids, q_weight, k_weight, cos_sin_cache), constexprs
 
 
 def fused_qk_norm_rope_ref(qkv: torch.Tensor, num_heads_q: int, num_heads_k: int,
