@@ -43,8 +43,13 @@ class Attention(nn.Module):
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor | None,
-                attn_metadata: AttentionMetadata | None) -> torch.Tensor:
-        """query [T, nh * hd], key/value [T, nkv * hd] -> [T, nh * hd]."""
+                attn_metadata: AttentionMetadata | None, kv_cache_updated: bool = False) -> torch.Tensor:
+        """query [T, nh * hd], key/value [T, nkv * hd] -> [T, nh * hd].
+
+        kv_cache_updated: key and value are already in the cache (the model ran
+        compilation/qk_norm_rope_kvcache_fusion.py's fused kernel), so no
+        do_kv_cache_update here; in vLLM the fusion pass removes this layer's
+        unified_kv_cache_update op from the compiled graph instead."""
         num_tokens = query.shape[0]
         if attn_metadata is None or kv_cache is None or kv_cache.numel() == 0:
             # NOTE: a dummy/profiling run (the runner measuring peak memory
@@ -54,8 +59,9 @@ class Attention(nn.Module):
         query = query.view(num_tokens, self.num_heads, self.head_size)    # [T, nh, hd]
         key = key.view(num_tokens, self.num_kv_heads, self.head_size)     # [T, nkv, hd]
         value = value.view(num_tokens, self.num_kv_heads, self.head_size)
-        self.impl.do_kv_cache_update(key, value, kv_cache, attn_metadata.slot_mapping,
-                                     kernel_timer=attn_metadata.kernel_timer)
+        if not kv_cache_updated:
+            self.impl.do_kv_cache_update(key, value, kv_cache, attn_metadata.slot_mapping,
+                                         kernel_timer=attn_metadata.kernel_timer)
         output = torch.empty_like(query)                                   # [T, nh, hd]
         unified_attention_with_output(self.impl, query, key, value, kv_cache, output,
                                       attn_metadata=attn_metadata)

@@ -35,7 +35,7 @@ second tiny, launch-bound kernel per layer (an H200 profile of the benchmark:
 one had in registers. Fused, one launch per layer per step goes, and k is read
 once. Who takes it (Qwen3's qk-norm path on CUDA, steps of at most 256 tokens,
 VLLM_ANATOMY_FUSE_QK_NORM_ROPE_KVCACHE) and how the attention layer learns the
-write is done: vllm_anatomy/attention/qk_norm_rope_kvcache_fusion.py.
+write is done: vllm_anatomy/compilation/qk_norm_rope_kvcache_fusion.py.
 """
 from __future__ import annotations
 

@@ -93,6 +93,19 @@ class AttentionImpl:
         kernel_timer: AttentionMetadata.kernel_timer, for backends that launch kernels."""
         raise NotImplementedError
 
+    def fused_qk_norm_rope_kvcache_supported(self) -> bool:
+        """Whether do_qk_norm_rope_kvcache_update exists here (vLLM's name; only the Triton backend's)."""
+        return False
+
+    def do_qk_norm_rope_kvcache_update(self, qkv: torch.Tensor, positions: torch.Tensor,
+                                       q_weight: torch.Tensor, k_weight: torch.Tensor, rms_norm_eps: float,
+                                       cos_sin_cache: torch.Tensor, is_neox: bool, kv_cache: torch.Tensor,
+                                       slot_mapping: torch.Tensor, kernel_timer: Any = NULL_KERNEL_TIMER) -> None:
+        """Qwen3's q/k norm + RoPE in place on qkv [T, (nh + 2 nkv) * hd], and the step's K/V
+        into kv_cache at slot_mapping: do_kv_cache_update's work, done ahead of forward
+        (compilation/qk_norm_rope_kvcache_fusion.py)."""
+        raise NotImplementedError
+
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: AttentionMetadata,
                 output: torch.Tensor, key: torch.Tensor | None = None,
                 value: torch.Tensor | None = None) -> torch.Tensor:

@@ -156,6 +156,22 @@ class TritonAttentionImpl(AttentionImpl):
         with kernel_timer.kernel("reshape_and_cache", lambda: self._cache_launch_attrs(key)):
             rc.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
 
+    def fused_qk_norm_rope_kvcache_supported(self) -> bool:
+        return True
+
+    def do_qk_norm_rope_kvcache_update(self, qkv: torch.Tensor, positions: torch.Tensor,
+                                       q_weight: torch.Tensor, k_weight: torch.Tensor, rms_norm_eps: float,
+                                       cos_sin_cache: torch.Tensor, is_neox: bool, kv_cache: torch.Tensor,
+                                       slot_mapping: torch.Tensor, kernel_timer=NULL_KERNEL_TIMER) -> None:
+        """One launch instead of fused_qk_norm_rope + reshape_and_cache (kernels/fused_qk_norm_rope_kvcache.py).
+        Its span says it holds the cache write (vllm_anatomy.kv_cache_update), which then has none of its own."""
+        from vllm_anatomy.kernels import fused_qk_norm_rope_kvcache as fkv
+        key_cache, value_cache = kv_cache.unbind(0)
+        with kernel_timer.kernel("fused_qk_norm_rope_kvcache", lambda: self._fused_cache_launch_attrs(qkv)):
+            fkv.fused_qk_norm_rope_kvcache(qkv, self.num_heads, self.num_kv_heads, self.num_kv_heads,
+                                           self.head_dim, rms_norm_eps, q_weight, k_weight, cos_sin_cache,
+                                           is_neox, positions, key_cache, value_cache, slot_mapping)
+
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: AttentionMetadata,
                 output: torch.Tensor, key: torch.Tensor | None = None,
                 value: torch.Tensor | None = None) -> torch.Tensor:
@@ -237,6 +253,20 @@ class TritonAttentionImpl(AttentionImpl):
                 "vllm_anatomy.num_tokens": num_tokens,
                 # read K and V, write them into the cache, read the slots
                 "vllm_anatomy.bytes": 4 * key.numel() * key.element_size() + 8 * num_tokens}
+
+    def _fused_cache_launch_attrs(self, qkv: torch.Tensor) -> dict:
+        from vllm_anatomy.kernels import fused_qk_norm_rope as fqk
+        num_tokens = qkv.shape[0]
+        kv_bytes = num_tokens * self.num_kv_heads * self.head_dim * qkv.element_size()
+        q_bytes = num_tokens * self.num_heads * self.head_dim * qkv.element_size()
+        return {"vllm_anatomy.grid": list(fqk.launch_grid(num_tokens, self.num_heads, self.num_kv_heads,
+                                                          self.head_dim)),
+                "vllm_anatomy.num_tokens": num_tokens,
+                # the write reshape_and_cache does unfused: K and V into the cache at slot_mapping
+                "vllm_anatomy.kv_cache_update": "slot_mapping",
+                "vllm_anatomy.fuses": ["fused_qk_norm_rope", "reshape_and_cache"],
+                # q and k read and written back, v read, K and V written into the cache, the slots
+                "vllm_anatomy.bytes": 2 * q_bytes + 5 * kv_bytes + 8 * num_tokens}
 
     def _prefill_launch_attrs(self, query: torch.Tensor, split: PrefillSplit) -> dict:
         cfg = self._prefill_config(query.dtype)

@@ -30,6 +30,11 @@ from vllm_anatomy import envs
 from vllm_anatomy.attention.backends.abstract import AttentionBackend, AttentionMetadata
 from vllm_anatomy.attention.backends.torch_ref import TorchReferenceBackend
 from vllm_anatomy.attention.layer import Attention
+from vllm_anatomy.compilation.qk_norm_rope_kvcache_fusion import (
+    fuse_qk_norm_rope_kvcache_enabled,
+    fused_qk_norm_rope_and_unified_kv_cache_update,
+    takes_fused_kvcache_update,
+)
 from vllm_anatomy.distributed.communication_op import tensor_model_parallel_all_gather
 from vllm_anatomy.distributed.parallel_state import get_tensor_model_parallel_world_size
 from vllm_anatomy.distributed.utils import divide
@@ -93,6 +98,7 @@ class LlamaAttention(nn.Module):
                                    is_neox_style=True, rope_parameters=get_rope_parameters(config))
         # (the performance seam below; vLLM's pass_config name)
         self.enable_qk_norm_rope_fusion = qk_norm and _qk_norm_rope_fusion_enabled()
+        self.fuse_qk_norm_rope_kvcache = self.enable_qk_norm_rope_fusion and fuse_qk_norm_rope_kvcache_enabled()
         self.attn = Attention(self.num_heads, self.head_dim, self.scaling, self.num_kv_heads,
                               attn_backend, prefix=f"{prefix}.attn")
 
@@ -100,14 +106,15 @@ class LlamaAttention(nn.Module):
                 kv_cache: torch.Tensor | None,
                 attn_metadata: AttentionMetadata | None) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)        # [T, q_size + 2 * kv_size] (this rank's heads)
+        kv_cache_updated = False                  # (True: the fused kernel also wrote K/V into the cache)
         if self._use_fused_qk_norm_rope(qkv):     # CUDA, Qwen3: one kernel (see the NOTE there)
-            q, k, v = self._fused_qk_norm_rope(positions, qkv)
+            q, k, v, kv_cache_updated = self._fused_qk_norm_rope(positions, qkv, kv_cache, attn_metadata)
         else:
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             if self.qk_norm:
                 q, k = self._qk_norm(q, k)
             q, k = self.rotary_emb(positions, q, k)
-        attn_output = self.attn(q, k, v, kv_cache, attn_metadata)   # [T, q_size]
+        attn_output = self.attn(q, k, v, kv_cache, attn_metadata, kv_cache_updated)   # [T, q_size]
         return self.o_proj(attn_output)           # [T, H], summed over the ranks
 
     def _qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,20 +132,33 @@ class LlamaAttention(nn.Module):
     # in only with pass_config.enable_qk_norm_rope_fusion (off at O0-O3); ours is
     # on by default on CUDA, off with VLLM_ANATOMY_ENABLE_QK_NORM_ROPE_FUSION=0
     # (read when the model is built). The CPU always runs the readable path.
+    # With VLLM_ANATOMY_FUSE_QK_NORM_ROPE_KVCACHE (default 1) a step of at most 256
+    # tokens also writes K/V into the cache in that launch, and the attention layer
+    # skips its reshape_and_cache: compilation/qk_norm_rope_kvcache_fusion.py says when and why.
     def _use_fused_qk_norm_rope(self, qkv: torch.Tensor) -> bool:
         return (self.enable_qk_norm_rope_fusion and qkv.is_cuda
                 and qkv.dtype == self.q_norm.weight.dtype == self.k_norm.weight.dtype)
 
-    def _fused_qk_norm_rope(self, positions: torch.Tensor, qkv: torch.Tensor
-                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        from vllm_anatomy.kernels.fused_qk_norm_rope import fused_qk_norm_rope   # lazy: CPU never needs it
-        fused_qk_norm_rope(qkv, self.num_heads, self.num_kv_heads, self.num_kv_heads, self.head_dim,
-                           self.q_norm.variance_epsilon, self.q_norm.weight, self.k_norm.weight,
-                           self.rotary_emb.cos_sin_cache, self.rotary_emb.is_neox_style, positions)
+    def _fused_qk_norm_rope(self, positions: torch.Tensor, qkv: torch.Tensor, kv_cache: torch.Tensor | None,
+                            attn_metadata: AttentionMetadata | None
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+        """(q, k, v, whether K/V are already in the cache)."""
+        kv_cache_updated = (self.fuse_qk_norm_rope_kvcache
+                            and takes_fused_kvcache_update(self.attn, qkv, kv_cache, attn_metadata))
+        if kv_cache_updated:
+            assert kv_cache is not None and attn_metadata is not None
+            fused_qk_norm_rope_and_unified_kv_cache_update(
+                self.attn, qkv, positions, self.q_norm.weight, self.k_norm.weight, self.q_norm.variance_epsilon,
+                self.rotary_emb.cos_sin_cache, self.rotary_emb.is_neox_style, kv_cache, attn_metadata)
+        else:
+            from vllm_anatomy.kernels.fused_qk_norm_rope import fused_qk_norm_rope   # lazy: CPU never needs it
+            fused_qk_norm_rope(qkv, self.num_heads, self.num_kv_heads, self.num_kv_heads, self.head_dim,
+                               self.q_norm.variance_epsilon, self.q_norm.weight, self.k_norm.weight,
+                               self.rotary_emb.cos_sin_cache, self.rotary_emb.is_neox_style, positions)
         # q and k are column views of qkv (row stride q_size + 2 * kv_size), as v
         # always is: attention and the cache write read them strided, no copy.
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        return q, k, v
+        return q, k, v, kv_cache_updated
 
 
 class LlamaDecoderLayer(nn.Module):
