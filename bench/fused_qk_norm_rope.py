@@ -1,6 +1,7 @@
 """Qwen3's q_norm + k_norm + RoPE on the GPU: unfused (three Triton launches) vs fused (one).
 
     python bench/fused_qk_norm_rope.py [--out bench/results/fused_qk_norm_rope_h200.json]
+    python bench/fused_qk_norm_rope.py --mode kvcache [--out bench/results/fused_qk_norm_rope_kvcache_h200.json]
 
 Qwen3-0.6B's attention shape (16 query heads, 8 KV heads, head_dim 128, bf16,
 positions < 4096) at T = 1, 16, 256 and 4096 tokens, on one packed qkv output:
@@ -17,6 +18,17 @@ per call of 50 back-to-back eager calls (adds the host's launch cost, what an
 eager prefill step pays). `saved_per_step_us` = (unfused - fused) x 28 layers.
 Also checks the fused result against the unfused one (max abs difference, and
 the fraction of elements not bit-equal). About 20 s on an H200.
+
+--mode kvcache: the KV-cache write fused in too, at T = 1, 16, 64, 256 (the fusion's
+range: compilation/qk_norm_rope_kvcache_fusion.py), same shape, a bf16 paged cache
+[2, 2048 blocks, 16, 8, 128] and T distinct random slots (the last one -1, a padding token):
+
+  pair      fused_qk_norm_rope then reshape_and_cache of qkv's k and v columns
+            (two launches: what a Qwen3 layer ran before, and still runs above 256 tokens);
+  fused     vllm_anatomy/kernels/fused_qk_norm_rope_kvcache.py: one launch.
+
+Same columns (graph_us, eager_us, saved per step over 28 layers), and `bit_equal`:
+whether qkv and the whole cache after `fused` equal those after `pair`.
 """
 from __future__ import annotations
 
@@ -96,11 +108,87 @@ def make_case(num_tokens: int, seed: int = 0):
     return unfused, fused, check
 
 
+KVCACHE_TOKENS = [1, 16, 64, 256]
+NUM_BLOCKS, BLOCK_SIZE = 2048, 16
+
+
+def make_kvcache_case(num_tokens: int, seed: int = 0):
+    """(pair, fused, bit_equal): the two paths on one qkv, positions, cache and slots."""
+    from vllm_anatomy.kernels.fused_qk_norm_rope_kvcache import (
+        fused_qk_norm_rope_kvcache,
+        fused_qk_norm_rope_kvcache_ref,
+    )
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    width = (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM
+    qkv = torch.randn(num_tokens, width, generator=gen, device="cuda").mul_(3).to(DTYPE)
+    q_weight = (1 + 0.2 * torch.randn(HEAD_DIM, generator=gen, device="cuda")).to(DTYPE)
+    k_weight = (1 + 0.2 * torch.randn(HEAD_DIM, generator=gen, device="cuda")).to(DTYPE)
+    rope = RotaryEmbedding(HEAD_DIM, HEAD_DIM, MAX_POSITION, 1000000.0, True).cuda()
+    positions = torch.randint(0, MAX_POSITION, (num_tokens,), generator=gen, device="cuda")
+    cache = torch.randn(2, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, generator=gen,
+                        device="cuda").to(DTYPE)
+    slots = torch.randperm(NUM_BLOCKS * BLOCK_SIZE, generator=gen, device="cuda")[:num_tokens]
+    slots[-1] = -1
+
+    def run(fn, dst=qkv, kv=cache):
+        fn(dst, NUM_HEADS, NUM_KV_HEADS, NUM_KV_HEADS, HEAD_DIM, EPS, q_weight, k_weight,
+           rope.cos_sin_cache, True, positions, kv[0], kv[1], slots)
+
+    outs = []
+    for fn in (fused_qk_norm_rope_kvcache_ref, fused_qk_norm_rope_kvcache):
+        dst, kv = qkv.clone(), cache.clone()
+        run(fn, dst, kv)
+        outs.append((dst, kv))
+    bit_equal = torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    return (lambda: run(fused_qk_norm_rope_kvcache_ref)), (lambda: run(fused_qk_norm_rope_kvcache)), bit_equal
+
+
+def kvcache_main(out: str) -> None:
+    rows = []
+    with torch.inference_mode():
+        for num_tokens in KVCACHE_TOKENS:
+            pair, fused, bit_equal = make_kvcache_case(num_tokens)
+            row = {"num_tokens": num_tokens,
+                   "pair_graph_us": graph_us(pair), "fused_graph_us": graph_us(fused),
+                   "pair_eager_us": eager_us(pair), "fused_eager_us": eager_us(fused),
+                   "launches_pair": 2, "launches_fused": 1, "bit_equal": bit_equal}
+            row["graph_speedup"] = row["pair_graph_us"] / row["fused_graph_us"]
+            row["saved_per_step_us_graph"] = NUM_LAYERS * (row["pair_graph_us"] - row["fused_graph_us"])
+            row["saved_per_step_us_eager"] = NUM_LAYERS * (row["pair_eager_us"] - row["fused_eager_us"])
+            rows.append(row)
+    print(f"{'T':>5} {'pair graph us':>14} {'fused graph us':>15} {'x':>6} {'pair eager us':>14} "
+          f"{'fused eager us':>15} {'saved/step us (graph)':>22} {'saved/step us (eager)':>22} {'bit-equal':>10}")
+    for r in rows:
+        print(f"{r['num_tokens']:>5} {r['pair_graph_us']:>14.2f} {r['fused_graph_us']:>15.2f} "
+              f"{r['graph_speedup']:>6.2f} {r['pair_eager_us']:>14.2f} {r['fused_eager_us']:>15.2f} "
+              f"{r['saved_per_step_us_graph']:>22.1f} {r['saved_per_step_us_eager']:>22.1f} {str(r['bit_equal']):>10}")
+    write_result(out, {
+        "what": "Qwen3 q/k norm + RoPE + KV-cache write: fused_qk_norm_rope + reshape_and_cache (2 launches) "
+                "vs fused_qk_norm_rope_kvcache (1)",
+        "shape": {"num_heads": NUM_HEADS, "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM,
+                  "dtype": str(DTYPE), "num_blocks": NUM_BLOCKS, "block_size": BLOCK_SIZE,
+                  "num_layers_for_per_step": NUM_LAYERS},
+        "rows": rows})
+
+
+def write_result(out: str, result: dict) -> None:
+    result.update(device=torch.cuda.get_device_name(), torch=torch.__version__, host=platform.node())
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"wrote {out}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default="bench/results/fused_qk_norm_rope_h200.json")
+    parser.add_argument("--mode", choices=["qk_norm_rope", "kvcache"], default="qk_norm_rope",
+                        help="kvcache: the KV-cache write fused in too (see the docstring)")
+    parser.add_argument("--out", default=None, help="default: bench/results/fused_qk_norm_rope[_kvcache]_h200.json")
     args = parser.parse_args()
     assert torch.cuda.is_available(), "a GPU benchmark"
+    if args.mode == "kvcache":
+        kvcache_main(args.out or "bench/results/fused_qk_norm_rope_kvcache_h200.json")
+        return
     rows = []
     with torch.inference_mode():
         for num_tokens in TOKENS:
@@ -120,17 +208,11 @@ def main() -> None:
               f"{r['graph_speedup']:>6.2f} {r['unfused_eager_us']:>17.2f} {r['fused_eager_us']:>15.2f} "
               f"{r['saved_per_step_us_graph']:>22.1f} {r['max_abs_diff']:>10.3g} "
               f"{r['frac_not_bit_equal']:>8.2%}")
-    result = {
+    write_result(args.out or "bench/results/fused_qk_norm_rope_h200.json", {
         "what": "Qwen3 q_norm + k_norm + RoPE: unfused (3 Triton launches) vs fused_qk_norm_rope (1)",
         "shape": {"num_heads": NUM_HEADS, "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM,
                   "dtype": str(DTYPE), "num_layers_for_per_step": NUM_LAYERS},
-        "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-        "host": platform.node(), "rows": rows,
-    }
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"wrote {args.out}")
+        "rows": rows})
 
 
 if __name__ == "__main__":
