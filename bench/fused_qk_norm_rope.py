@@ -108,26 +108,40 @@ def make_case(num_tokens: int, seed: int = 0):
     return unfused, fused, check
 
 
+def timed_row(num_tokens: int, base_name: str, base, base_launches: int, fused, **extra) -> dict:
+    """Both timings of `base` (the unfused launches) and `fused` (one launch), and the per-step saving."""
+    row = {"num_tokens": num_tokens,
+           f"{base_name}_graph_us": graph_us(base), "fused_graph_us": graph_us(fused),
+           f"{base_name}_eager_us": eager_us(base), "fused_eager_us": eager_us(fused),
+           f"launches_{base_name}": base_launches, "launches_fused": 1, **extra}
+    row["graph_speedup"] = row[f"{base_name}_graph_us"] / row["fused_graph_us"]
+    for how in ("graph", "eager"):
+        row[f"saved_per_step_us_{how}"] = NUM_LAYERS * (row[f"{base_name}_{how}_us"] - row[f"fused_{how}_us"])
+    return row
+
+
 KVCACHE_TOKENS = [1, 16, 64, 256]
 NUM_BLOCKS, BLOCK_SIZE = 2048, 16
 
 
-def make_kvcache_case(num_tokens: int, seed: int = 0):
-    """(pair, fused, bit_equal): the two paths on one qkv, positions, cache and slots."""
+def make_kvcache_case(num_tokens: int, seed: int = 0, device: str = "cuda", num_blocks: int = NUM_BLOCKS,
+                      dtype: torch.dtype = DTYPE):
+    """(pair, fused, bit_equal): the two paths on one qkv, positions, cache and slots
+    (device "cpu", fp32, with TRITON_INTERPRET=1: the CPU smoke test)."""
     from vllm_anatomy.kernels.fused_qk_norm_rope_kvcache import (
         fused_qk_norm_rope_kvcache,
         fused_qk_norm_rope_kvcache_ref,
     )
-    gen = torch.Generator(device="cuda").manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)
     width = (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM
-    qkv = torch.randn(num_tokens, width, generator=gen, device="cuda").mul_(3).to(DTYPE)
-    q_weight = (1 + 0.2 * torch.randn(HEAD_DIM, generator=gen, device="cuda")).to(DTYPE)
-    k_weight = (1 + 0.2 * torch.randn(HEAD_DIM, generator=gen, device="cuda")).to(DTYPE)
-    rope = RotaryEmbedding(HEAD_DIM, HEAD_DIM, MAX_POSITION, 1000000.0, True).cuda()
-    positions = torch.randint(0, MAX_POSITION, (num_tokens,), generator=gen, device="cuda")
-    cache = torch.randn(2, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, generator=gen,
-                        device="cuda").to(DTYPE)
-    slots = torch.randperm(NUM_BLOCKS * BLOCK_SIZE, generator=gen, device="cuda")[:num_tokens]
+    qkv = torch.randn(num_tokens, width, generator=gen, device=device).mul_(3).to(dtype)
+    q_weight = (1 + 0.2 * torch.randn(HEAD_DIM, generator=gen, device=device)).to(dtype)
+    k_weight = (1 + 0.2 * torch.randn(HEAD_DIM, generator=gen, device=device)).to(dtype)
+    rope = RotaryEmbedding(HEAD_DIM, HEAD_DIM, MAX_POSITION, 1000000.0, True).to(device)
+    positions = torch.randint(0, MAX_POSITION, (num_tokens,), generator=gen, device=device)
+    cache = torch.randn(2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, generator=gen,
+                        device=device).to(dtype)
+    slots = torch.randperm(num_blocks * BLOCK_SIZE, generator=gen, device=device)[:num_tokens]
     slots[-1] = -1
 
     def run(fn, dst=qkv, kv=cache):
@@ -148,14 +162,7 @@ def kvcache_main(out: str) -> None:
     with torch.inference_mode():
         for num_tokens in KVCACHE_TOKENS:
             pair, fused, bit_equal = make_kvcache_case(num_tokens)
-            row = {"num_tokens": num_tokens,
-                   "pair_graph_us": graph_us(pair), "fused_graph_us": graph_us(fused),
-                   "pair_eager_us": eager_us(pair), "fused_eager_us": eager_us(fused),
-                   "launches_pair": 2, "launches_fused": 1, "bit_equal": bit_equal}
-            row["graph_speedup"] = row["pair_graph_us"] / row["fused_graph_us"]
-            row["saved_per_step_us_graph"] = NUM_LAYERS * (row["pair_graph_us"] - row["fused_graph_us"])
-            row["saved_per_step_us_eager"] = NUM_LAYERS * (row["pair_eager_us"] - row["fused_eager_us"])
-            rows.append(row)
+            rows.append(timed_row(num_tokens, "pair", pair, 2, fused, bit_equal=bit_equal))
     print(f"{'T':>5} {'pair graph us':>14} {'fused graph us':>15} {'x':>6} {'pair eager us':>14} "
           f"{'fused eager us':>15} {'saved/step us (graph)':>22} {'saved/step us (eager)':>22} {'bit-equal':>10}")
     for r in rows:
@@ -193,14 +200,7 @@ def main() -> None:
     with torch.inference_mode():
         for num_tokens in TOKENS:
             unfused, fused, check = make_case(num_tokens)
-            row = {"num_tokens": num_tokens,
-                   "unfused_graph_us": graph_us(unfused), "fused_graph_us": graph_us(fused),
-                   "unfused_eager_us": eager_us(unfused), "fused_eager_us": eager_us(fused),
-                   "launches_unfused": 3, "launches_fused": 1, **check}
-            row["graph_speedup"] = row["unfused_graph_us"] / row["fused_graph_us"]
-            row["saved_per_step_us_graph"] = NUM_LAYERS * (row["unfused_graph_us"] - row["fused_graph_us"])
-            row["saved_per_step_us_eager"] = NUM_LAYERS * (row["unfused_eager_us"] - row["fused_eager_us"])
-            rows.append(row)
+            rows.append(timed_row(num_tokens, "unfused", unfused, 3, fused, **check))
     print(f"{'T':>5} {'unfused graph us':>17} {'fused graph us':>15} {'x':>6} {'unfused eager us':>17} "
           f"{'fused eager us':>15} {'saved/step us (graph)':>22} {'max|diff|':>10} {'!=bits':>8}")
     for r in rows:

@@ -260,3 +260,16 @@ def test_attention_writes_the_cache_unless_told(kv_cache_updated):
     cache = torch.zeros(2, 24, BLOCK_SIZE, 2, 16, device=DEVICE)
     attn(q, k, v, cache, md, kv_cache_updated=kv_cache_updated)
     assert bool(cache.any()) is not kv_cache_updated
+
+
+def test_bench_kvcache_mode_smoke():
+    """bench/fused_qk_norm_rope.py --mode kvcache's cases on CPU (interpreted, fp32, 2 tokens, a small
+    cache): both paths run and leave the same qkv and cache (the GPU run times them)."""
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
+    import fused_qk_norm_rope as bench
+    pair, fused, bit_equal = bench.make_kvcache_case(2, device=DEVICE, num_blocks=4, dtype=torch.float32)
+    assert bit_equal
+    pair()
+    fused()
