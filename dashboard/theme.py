@@ -47,7 +47,9 @@ SPAN_COLORS = {"EngineCore": "#4A6FA5", "Scheduler": "#E69F00", "Executor": "#8C
                # device lane, finer grain (full names first: see span_color)
                "GPU.layer": "#F0A35E", "GPU.kernel.unified_attention": "#0072B2",
                "GPU.kernel.prefill_attention": "#3B9AD9",     # VLLM_ANATOMY_PREFILL_KERNEL=1: attention's kin
-               "GPU.kernel.reshape_and_cache": "#6A3D9A", "GPU.kernel.compute_slot_mapping": "#CC79A7",
+               "GPU.kernel.reshape_and_cache": "#6A3D9A",
+               "GPU.kernel.fused_qk_norm_rope_kvcache": "#6A3D9A",   # Qwen3's fused q/k norm + RoPE + KV write
+               "GPU.kernel.compute_slot_mapping": "#CC79A7",
                "GPU.kernel": "#7F7F7F",
                "drafter": "#C71585"}       # speculative decoding's draft model: its phase and forwards
 CUDAGRAPH_COLORS = {"FULL": "#2E9E5B", "PIECEWISE": "#7BAF3A", "NONE": "#8E8E8E"}

@@ -18,6 +18,11 @@ import math
 from dashboard.answers.common import Answer, ShowMe, cannot, ids
 from dashboard.answers.source import RunSource
 
+# The kernels that write a step's K/V into the cache at slot_mapping: the attention backend's own, or
+# (Qwen3 on CUDA, steps of <= 256 tokens) the model's q/k norm + RoPE launch that also does the write
+# (vllm_anatomy/compilation/qk_norm_rope_kvcache_fusion.py).
+KV_WRITE_KERNELS = ("reshape_and_cache", "fused_qk_norm_rope_kvcache")
+
 
 SHOW_TOKENS = 40
 
@@ -99,7 +104,7 @@ def answer(src: RunSource, step: int | None = None, req: str | None = None) -> A
     write, eager = kv_write(src, step, tok, slot, bs, cg.get("mode"))
     show = [ShowMe(f"step {step}, Worker tab (slot_mapping, block tables)", "inspector", step, "worker", req)]
     if eager is not None and eager != step:
-        show.append(ShowMe(f"step {eager}: an eager step, its reshape_and_cache launches on the device lane",
+        show.append(ShowMe(f"step {eager}: an eager step, its K/V-write launches on the device lane",
                            "inspector", eager, "worker"))
     return Answer(
         ok=True, subject=f"request {req} at step {step}", summary=summary,
@@ -160,18 +165,28 @@ def kernel_spans(src: RunSource, name: str, step: int) -> list:
     return sorted(out, key=lambda s: s.start_ns)
 
 
+def kv_write_launches(src: RunSource, step: int) -> tuple[str, list]:
+    """(kernel, its launches) of the first of KV_WRITE_KERNELS the step recorded: reshape_and_cache,
+    or Qwen3's fused q/k norm + RoPE + KV write; ("reshape_and_cache", []) if neither."""
+    for kernel in KV_WRITE_KERNELS:
+        launches = kernel_spans(src, kernel, step)
+        if launches:
+            return kernel, launches
+    return KV_WRITE_KERNELS[0], []
+
+
 def kv_write(src: RunSource, step: int, tok: int, slot: int, bs: int, mode: str | None) -> tuple[str, int | None]:
     """Where the trail meets the kernel: what this step's reshape_and_cache launches did with batch token
     `tok` (its slot), or why the step recorded none; and an eager step of the run that did record them."""
-    launches = kernel_spans(src, "reshape_and_cache", step)
-    eager = next((s for s in src.steps if kernel_spans(src, "reshape_and_cache", s)), None) \
-        if not launches else step
+    kernel, launches = kv_write_launches(src, step)
+    eager = next((s for s in src.steps if kv_write_launches(src, s)[1]), None) if not launches else step
     where = f"slot {slot} (block {slot // bs}, offset {slot % bs})"
     if launches:
         a = launches[0].attributes
         us = sum(x.duration_ns for x in launches) / len(launches) / 1e3
         grid = a.get("vllm_anatomy.grid")
-        return (f"{len(launches)} launches of `reshape_and_cache` in this step, one per layer, each over "
+        fused = "" if kernel == "reshape_and_cache" else " (fused with the layer's q/k norm and RoPE)"
+        return (f"{len(launches)} launches of `{kernel}`{fused} in this step, one per layer, each over "
                 f"{a.get('vllm_anatomy.num_tokens', '?')} tokens" + (f" (grid {list(grid)})" if grid else "")
                 + f", {us:.1f} µs on average: batch token {tok} (this request's query) → {where} of every "
                 "layer's cache", eager)
