@@ -76,6 +76,7 @@ from vllm_anatomy.utils.shutdown import shutdown
 
 SHUTDOWN_GRACE_S = 5.0        # a worker's own exit once its death pipe closes
 SIGTERM_WAIT_S = 1.0          # then SIGTERM, then SIGKILL
+PEER_DEATH_WAIT_S = 0.25      # an error reply may be the echo of another rank's death: wait this long to see
 
 
 class FutureWrapper(Future):
@@ -320,12 +321,26 @@ class MultiprocExecutor(Executor):
                          for r in ranks]
         for rank, response in zip(ranks, responses):
             if response.status != "SUCCESS":
+                self._check_peer_death()
                 raise RuntimeError(f"Worker (rank {rank}) failed in {method}. "
                                    f"Worker traceback:\n{response.error}")
         return_type = worker_method_types(method)[2]
         results = [msgspec.msgpack.decode(r.result, type=return_type, dec_hook=dec_hook, ext_hook=ext_hook)
                    for r in responses]
         return results[0] if single else results
+
+    def _check_peer_death(self) -> None:
+        """Before a rank's error reply is raised: if a local worker has ended, raise its death instead.
+
+        NOTE: when a worker dies mid-step, the rank that replies may get there first: its
+        collective (gloo's all-reduce) loses the peer and fails, and that error reaches us
+        before the monitor thread has seen the dead process's sentinel. The death is the
+        cause, and the error the user should read; its sentinel is readable by then or
+        within moments (the peer's sockets and its sentinel both close at its exit), so a
+        short wait, on error replies only, tells the two apart."""
+        sentinels = [w.proc.sentinel for w in self.workers]
+        if sentinels and multiprocessing.connection.wait(sentinels, timeout=PEER_DEATH_WAIT_S):
+            self._check_alive()
 
     @contextlib.contextmanager
     def _queue_errors(self, method: str):
