@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import zlib
 
 import numpy as np
 import pytest
@@ -37,7 +38,9 @@ def create_scheduler(max_num_seqs: int = 16, max_num_batched_tokens: int = 8192,
 def create_request(req_id: str, prompt: list[int] | int, block_size: int = 16, max_tokens: int = 16,
                    **sampling_kwargs) -> Request:
     if isinstance(prompt, int):
-        prompt = [1000 + hash(req_id) % 1000 + i for i in range(prompt)]
+        # NOTE: a stable offset per id (zlib.crc32, not hash(): str hashes change with every
+        # process, and ~1 run in 300 gave two ids the same offset, so a prefix-cache hit)
+        prompt = [1000 + zlib.crc32(req_id.encode()) % 1000 + i for i in range(prompt)]
     return Request(req_id, prompt, SamplingParams(max_tokens=max_tokens, **sampling_kwargs),
                    block_hasher=get_request_block_hasher(block_size, sha256))
 
