@@ -32,7 +32,7 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # (vLLM's pass_config.fuse_qk_norm_rope_kvcache; compilation/qk_norm_rope_kvcache_fusion.py),
     # for steps of at most 256 tokens, read when the model is built.
     "VLLM_ANATOMY_FUSE_QK_NORM_ROPE_KVCACHE":
-        lambda: os.getenv("VLLM_ANATOMY_FUSE_QK_NORM_ROPE_KVCACHE", "1") not in ("0", "false", "False"),
+        lambda: os.getenv("VLLM_ANATOMY_FUSE_QK_NORM_ROPE_KVCACHE", "0") not in ("0", "false", "False"),
     # Temperature-only batches sampled in one read of the logits on CUDA
     # (model_executor/sampler.py, vllm_anatomy/kernels/sampling.py), read when the sampler is imported.
     "VLLM_ANATOMY_FUSED_SAMPLING": lambda: os.getenv("VLLM_ANATOMY_FUSED_SAMPLING", "1") != "0",

@@ -227,8 +227,12 @@ def test_seam_writes_the_same_cache_and_skips_reshape_and_cache(seam_on_cpu, num
 
 
 def test_switches(monkeypatch):
-    """Built on the q/k norm + RoPE fusion: on by default, off with either switch at 0, never
-    without q/k norm (Llama), never with the torch backend or CPU tensors."""
+    """Built on the q/k norm + RoPE fusion: off by default (until measured on a GPU), on with
+    VLLM_ANATOMY_FUSE_QK_NORM_ROPE_KVCACHE=1, off again with either switch at 0, never without
+    q/k norm (Llama), never with the torch backend or CPU tensors."""
+    monkeypatch.delenv("VLLM_ANATOMY_FUSE_QK_NORM_ROPE_KVCACHE", raising=False)
+    assert not qwen3_attention().fuse_qk_norm_rope_kvcache
+    monkeypatch.setenv("VLLM_ANATOMY_FUSE_QK_NORM_ROPE_KVCACHE", "1")
     assert qwen3_attention().fuse_qk_norm_rope_kvcache
     assert not LlamaAttention(CONFIG, TritonAttentionBackend, False, False, qk_norm=False).fuse_qk_norm_rope_kvcache
     for name in ("VLLM_ANATOMY_FUSE_QK_NORM_ROPE_KVCACHE", "VLLM_ANATOMY_ENABLE_QK_NORM_ROPE_FUSION"):

@@ -18,7 +18,8 @@ reshape_and_cache launch for that layer).
 NOTE: who takes it, and why it is safe.
 - Qwen3's qk-norm path on CUDA with the Triton backend only, with both switches on:
   VLLM_ANATOMY_ENABLE_QK_NORM_ROPE_FUSION (the fused q/k norm + RoPE it builds on)
-  and VLLM_ANATOMY_FUSE_QK_NORM_ROPE_KVCACHE (this one; default 1, 0 for A/B runs),
+  and VLLM_ANATOMY_FUSE_QK_NORM_ROPE_KVCACHE (this one; default 0 until it is measured on a GPU:
+  bit-equal to the unfused pair in the interpreter, never yet run compiled),
   read when the model is built. vLLM enables its pass only on ROCm with AITER; ours
   is a Triton kernel, so it runs wherever our Triton backend does.
 - Llama (SmolLM2, the lessons' default model) has no q/k norm: it keeps
@@ -47,7 +48,7 @@ ROPE_KVCACHE_FUSION_MAX_TOKEN_NUM = 256
 
 
 def fuse_qk_norm_rope_kvcache_enabled() -> bool:
-    """VLLM_ANATOMY_FUSE_QK_NORM_ROPE_KVCACHE (default 1), read when the model is built."""
+    """VLLM_ANATOMY_FUSE_QK_NORM_ROPE_KVCACHE (default 0), read when the model is built."""
     return bool(envs.VLLM_ANATOMY_FUSE_QK_NORM_ROPE_KVCACHE)
 
 
