@@ -13,7 +13,8 @@ Without --vllm-site only ours runs. It reports:
   - busy per twentieth of the run (the start is prefill-heavy, the end has few sequences);
   - the idle gaps binned by length (< 10 us: launch gaps; < 100 us, < 1 ms: step
     boundaries; longer: stalls) and the largest few, with where in the run they fall;
-  - kernel time by kind (attention, GEMM, norms, RoPE, KV-cache writes, SiLU, sampling,
+  - kernel time by kind (attention, GEMM, norms, RoPE (with a fused q/k norm, and its K/V
+    write when fused too), KV-cache writes, SiLU, sampling,
     copies, other), each kind's launch count;
   - the roofline floor of the workload (bench/throughput.py's model) against both.
   - the top kernels by time, by name (which attention kernel: prefill or decode).
@@ -55,7 +56,8 @@ KINDS = [
     ("kv_cache_write", ("reshape_and_cache",)),
     ("gemm", ("gemm", "cutlass", "nvjet", "sm90_xmma", "splitkreduce", "cublas")),
     ("norm", ("rms_norm", "rmsnorm", "layernorm", "layer_norm")),
-    ("rope", ("rotary",)),
+    # Qwen3's fused q/k norm + RoPE (ours, and its twin that also writes K/V; vLLM's fusedQKNormRope)
+    ("rope", ("rotary", "qk_norm_rope", "qknormrope")),
     ("activation", ("silu", "act_and_mul")),
     ("sampling", ("softmax", "distribution", "exponential", "argmax", "reduce_kernel", "sample", "gumbel",
                   "topk", "sort")),

@@ -22,6 +22,9 @@ from dashboard.answers.source import RunSource
 # (Qwen3 on CUDA, steps of <= 256 tokens) the model's q/k norm + RoPE launch that also does the write
 # (vllm_anatomy/compilation/qk_norm_rope_kvcache_fusion.py).
 KV_WRITE_KERNELS = ("reshape_and_cache", "fused_qk_norm_rope_kvcache")
+# The call each of KV_WRITE_KERNELS is launched from (row 4 of the chain).
+KV_WRITE_CALLS = {"reshape_and_cache": "reshape_and_cache (Attention.do_kv_cache_update)",
+                  "fused_qk_norm_rope_kvcache": "fused_qk_norm_rope_kvcache (impl.do_qk_norm_rope_kvcache_update)"}
 
 
 SHOW_TOKENS = 40
@@ -108,7 +111,7 @@ def answer(src: RunSource, step: int | None = None, req: str | None = None) -> A
                            "inspector", eager, "worker"))
     return Answer(
         ok=True, subject=f"request {req} at step {step}", summary=summary,
-        chain=_chain(req, row, len(req_ids), bs, slot, walked, seq_len, write),
+        chain=_chain(req, row, len(req_ids), bs, slot, walked, seq_len, write, kv_write_kernel(src, eager)),
         tables={"block_table as the kernel receives it": _block_table(rows, req_ids, width, max_blocks),
                 "per request": _per_request(pi, req_ids, bs),
                 "slot_mapping, split": _slot_mapping_split(pi, req_ids, tok, bs),
@@ -175,6 +178,12 @@ def kv_write_launches(src: RunSource, step: int) -> tuple[str, list]:
     return KV_WRITE_KERNELS[0], []
 
 
+def kv_write_kernel(src: RunSource, eager: int | None) -> str:
+    """The kernel that wrote K/V in the run: the one an eager step recorded (a graph replay ran the
+    same path: the fusion's switch and token limit are fixed per captured size), else reshape_and_cache."""
+    return kv_write_launches(src, eager)[0] if eager is not None else KV_WRITE_KERNELS[0]
+
+
 def kv_write(src: RunSource, step: int, tok: int, slot: int, bs: int, mode: str | None) -> tuple[str, int | None]:
     """Where the trail meets the kernel: what this step's reshape_and_cache launches did with batch token
     `tok` (its slot), or why the step recorded none; and an eager step of the run that did record them."""
@@ -206,7 +215,7 @@ def kv_write(src: RunSource, step: int, tok: int, slot: int, bs: int, mode: str 
 
 
 def _chain(req: str, row: dict, num_reqs: int, bs: int, slot: int, walked: list[int], seq_len: int,
-           write: str) -> list[dict]:
+           write: str, kernel: str) -> list[dict]:
     """From the scheduler's block ids to the kernel's walk, with this request's values."""
     return [{"#": "1", "call": "SchedulerOutput block ids → _update_states", "what happened here":
              f"request {req}'s InputBatch row {row['index']} holds {ids(row['block_ids'])}"},
@@ -214,7 +223,7 @@ def _chain(req: str, row: dict, num_reqs: int, bs: int, slot: int, walked: list[
              f"block_table[:{num_reqs}] copied to the device, rows zero-padded"},
             {"#": "3", "call": "_prepare_inputs", "what happened here":
              f"positions → slot_mapping (block_table[pos // {bs}] × {bs} + pos % {bs}), seq_lens, query_start_loc"},
-            {"#": "4", "call": "reshape_and_cache (Attention.do_kv_cache_update)", "what happened here":
+            {"#": "4", "call": KV_WRITE_CALLS[kernel], "what happened here":
              f"request {req}: {write}"},
             {"#": "5", "call": "unified_attention (decode)", "what happened here":
              f"reads K/V of blocks {ids(walked)} ({seq_len} tokens) for its one query"}]

@@ -248,6 +248,8 @@ def test_gpu_breakdown_counts_overlap_once_and_sorts_kernels_by_kind(bench):
     assert gb.kind_of("nvjet_tst_128x64_64x4_1x2_h_bz_coopA_NNT") == "gemm"
     assert gb.kind_of("_rms_norm_kernel") == "norm"
     assert gb.kind_of("_reshape_and_cache_kernel") == "kv_cache_write"
+    assert gb.kind_of("_fused_qk_norm_rope_kernel") == "rope"
+    assert gb.kind_of("_fused_qk_norm_rope_kvcache_kernel") == "rope"     # its K/V write is inside
     assert gb.kind_of("void at::native::(anonymous namespace)::cunn_SoftMaxForward<4>") == "sampling"
     assert gb.kind_of("Memcpy HtoD (Pinned -> Device)") == "copy"
     assert gb.kind_of("some_elementwise_kernel") == "other"

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pandas as pd
 
-from dashboard.answers.q3_block_table import kv_write, kv_write_launches
+from dashboard.answers.q3_block_table import KV_WRITE_CALLS, kv_write, kv_write_kernel, kv_write_launches
 from dashboard.components.slot_mapping import kv_write_note
 
 
@@ -58,3 +58,12 @@ def test_q3_follows_the_fused_kernel_and_finds_an_eager_step():
     assert "slot 35 (block 2, offset 3)" in text and eager == 2
     text, eager = kv_write(src, 1, tok=0, slot=35, bs=16, mode="FULL")
     assert "replayed one CUDA graph" in text and eager == 2            # the first step that shows the launches
+
+
+def test_q3_chain_row_names_the_call_that_wrote():
+    fused = Source([span("fused_qk_norm_rope_kvcache", 2, 10)])
+    assert kv_write_kernel(fused, 2) == "fused_qk_norm_rope_kvcache"
+    assert "do_qk_norm_rope_kvcache_update" in KV_WRITE_CALLS[kv_write_kernel(fused, 2)]
+    plain = Source([span("reshape_and_cache", 3, 30)])
+    assert KV_WRITE_CALLS[kv_write_kernel(plain, 3)].startswith("reshape_and_cache (Attention.do_kv_cache_update)")
+    assert kv_write_kernel(plain, None) == "reshape_and_cache"        # no eager step: the plain path's name
