@@ -54,6 +54,13 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # Linear layers on a CPU multiply with oneDNN on a weight prepacked once
     # (model_executor/layers/utils.py), read when a model is loaded.
     "VLLM_ANATOMY_CPU_ONEDNN_GEMM": lambda: os.getenv("VLLM_ANATOMY_CPU_ONEDNN_GEMM", "1") != "0",
+    # Linear layers and the lm_head on CUDA multiply through the split-K Triton kernel
+    # (kernels/skinny_gemm.py) when a step has at most VLLM_ANATOMY_SKINNY_GEMM_MAX_M tokens,
+    # through F.linear (cuBLAS) above it (model_executor/layers/utils.py), read when a model
+    # is loaded. NOTE: off by default until measured on a GPU (bench/skinny_gemm.py).
+    "VLLM_ANATOMY_SKINNY_GEMM": lambda: os.getenv("VLLM_ANATOMY_SKINNY_GEMM", "0") not in ("0", "false", "False"),
+    "VLLM_ANATOMY_SKINNY_GEMM_MAX_M":
+        lambda: _positive_int("VLLM_ANATOMY_SKINNY_GEMM_MAX_M", os.getenv("VLLM_ANATOMY_SKINNY_GEMM_MAX_M", "256")),
     # Seconds a dead EngineCore process may spend shutting down after a fatal
     # error before it dumps every thread's stack to stderr and exits (core_proc.py).
     "VLLM_ANATOMY_DEAD_ENGINE_EXIT_TIMEOUT_S":

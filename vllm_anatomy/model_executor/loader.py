@@ -12,7 +12,8 @@ The order is vLLM's:
      each tensor comes as a safetensors slice, and each rank's weight_loader
      reads only its own rows or columns of it (layers/linear.py);
   4. check that every parameter was loaded; process_weights_after_loading
-     (on a CPU: prepack each linear's weight for oneDNN, layers/utils.py); eval().
+     (on a CPU: prepack each linear's weight for oneDNN; on CUDA with
+     VLLM_ANATOMY_SKINNY_GEMM=1: the split-K kernel for few tokens; layers/utils.py); eval().
 Nothing is downloaded: the directory must exist (see default_model.py for the
 default SmolLM2 model, converted once from its GGUF).
 
@@ -34,7 +35,7 @@ from vllm_anatomy.attention.selector import get_attn_backend
 from vllm_anatomy.config import LoadConfig, ModelConfig
 from vllm_anatomy.distributed.parallel_state import get_tensor_model_parallel_world_size
 from vllm_anatomy.model_executor.layers.linear import LinearBase
-from vllm_anatomy.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+from vllm_anatomy.model_executor.layers.utils import dispatch_unquantized_gemm
 from vllm_anatomy.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 from vllm_anatomy.model_executor.models.llama import LlamaForCausalLM, resolve_model_cls
 
@@ -91,10 +92,12 @@ def get_model(model_config: ModelConfig, backend: str = "torch",
 
 def process_weights_after_loading(model: torch.nn.Module) -> None:
     """What each layer does once its weights are in (vLLM: model_loader/utils.py, same name):
-    on a CPU, every linear layer and the lm_head multiply with oneDNN on a prepacked weight."""
+    every linear layer and the lm_head get their platform's gemm (layers/utils.py): oneDNN on a
+    prepacked weight on a CPU; on CUDA F.linear, or the skinny split-K kernel for few tokens
+    with VLLM_ANATOMY_SKINNY_GEMM=1."""
     for module in model.modules():
         if isinstance(module, (LinearBase, ParallelLMHead)):
-            dispatch_cpu_unquantized_gemm(module)
+            dispatch_unquantized_gemm(module)
 
 
 def load_hf_config(model_dir: str | Path) -> dict:

@@ -1,4 +1,5 @@
-"""How a linear layer multiplies on a CPU: oneDNN on a weight prepacked once.
+"""How a linear layer multiplies: on a CPU, oneDNN on a weight prepacked once; on CUDA,
+F.linear, or (VLLM_ANATOMY_SKINNY_GEMM=1) a split-K Triton kernel for steps of few tokens.
 
 Mirrors vllm/model_executor/layers/utils.py (dispatch_cpu_unquantized_gemm), which
 on a CPU vLLM calls from the process_weights_after_loading of
@@ -20,6 +21,15 @@ copy sits beside the weight, which stays for whatever else reads it (the tied
 embedding's lookup, tests that compare loaded weights), so a CPU model holds
 its matrices twice; vLLM frees a linear's plain weight (remove_weight=True)
 and keeps the lm_head's. VLLM_ANATOMY_CPU_ONEDNN_GEMM=0 keeps F.linear.
+
+On CUDA, dispatch_skinny_unquantized_gemm is the counterpart of what v0.27.1 does
+only on ROCm (rocm_unquantized_gemm_impl: ops.wvSplitK / wvSplitKrc for few tokens,
+behind VLLM_ROCM_USE_SKINNY_GEMM): a layer's `gemm` sends a matmul of at most
+VLLM_ANATOMY_SKINNY_GEMM_MAX_M tokens (256) to vllm_anatomy/kernels/skinny_gemm.py
+and larger ones to F.linear. Its NOTE says why split-K pays on decode shapes and why
+its sum is deterministic. Off by default until bench/skinny_gemm.py has measured it.
+dispatch_unquantized_gemm (vLLM's name; vLLM's returns the platform's function, ours
+sets the layer's) tries the CPU path, then the CUDA one.
 """
 from __future__ import annotations
 
@@ -27,6 +37,7 @@ import logging
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 
 from vllm_anatomy import envs
 
@@ -55,6 +66,46 @@ def dispatch_cpu_unquantized_gemm(layer: LinearBase | ParallelLMHead) -> bool:
     def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         # x [..., in] -> [..., out]; `weight` is the same matrix as `packed`, in torch's layout
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+    layer.gemm = gemm        # type: ignore[assignment]  # this layer's own, over the class's F.linear
+    return True
+
+
+def dispatch_unquantized_gemm(layer: LinearBase | ParallelLMHead) -> bool:
+    """Give `layer` its platform's `gemm` after loading (process_weights_after_loading):
+    oneDNN on a CPU, the skinny kernel on CUDA with the switch on; False: F.linear stays."""
+    return dispatch_cpu_unquantized_gemm(layer) or dispatch_skinny_unquantized_gemm(layer)
+
+
+def _on_cuda(weight: torch.Tensor) -> bool:
+    return weight.device.type == "cuda"
+
+
+def dispatch_skinny_unquantized_gemm(layer: LinearBase | ParallelLMHead) -> bool:
+    """Give `layer` a `gemm(x, weight, bias)` that runs skinny_gemm for at most
+    VLLM_ANATOMY_SKINNY_GEMM_MAX_M tokens and F.linear above; False (F.linear stays) when
+    the switch is off or the weight is not a CUDA bf16/fp16/fp32 matrix.
+
+    NOTE: the choice reads only x's shape (host ints), never the data, so each CUDA graph
+    captures one path and one config. The layer's weight is this rank's shard (column- and
+    row-parallel alike: the kernel multiplies whatever it holds; a row-parallel layer's
+    all-reduce comes after, in linear.py); the tied lm_head's is the embedding table.
+    Each layer owns its tile counters (the split-K kernel's "serial" reduction leaves
+    them zeroed), so no two launches in flight share one."""
+    weight = layer.weight.detach()
+    if (not envs.VLLM_ANATOMY_SKINNY_GEMM or not _on_cuda(weight) or weight.dim() != 2
+            or weight.dtype not in (torch.bfloat16, torch.float16, torch.float32)):
+        return False
+    # NOTE: imported here: a CPU run never needs the Triton kernel.
+    from vllm_anatomy.kernels.skinny_gemm import new_counters, skinny_gemm
+    max_m = envs.VLLM_ANATOMY_SKINNY_GEMM_MAX_M
+    counters = new_counters(weight.shape[0], max_m, weight.device)
+
+    def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        # x [..., in] -> [..., out]
+        if x.numel() // x.shape[-1] <= max_m and x.dtype == weight.dtype:
+            return skinny_gemm(x, weight, bias, counters=counters)
+        return F.linear(x, weight, bias)
 
     layer.gemm = gemm        # type: ignore[assignment]  # this layer's own, over the class's F.linear
     return True

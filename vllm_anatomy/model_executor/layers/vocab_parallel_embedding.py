@@ -74,7 +74,8 @@ class ParallelLMHead(VocabParallelEmbedding):
     and gathered there across the ranks.
     """
 
-    # hidden @ weight.T; on a CPU, oneDNN on a prepacked copy (layers/utils.py), as LinearBase.gemm.
+    # hidden @ weight.T; on a CPU, oneDNN on a prepacked copy (layers/utils.py), as LinearBase.gemm
+    # (and, as there, the skinny split-K kernel on CUDA with VLLM_ANATOMY_SKINNY_GEMM=1).
     gemm = staticmethod(F.linear)
 
     def tie_weights(self, embed_tokens: VocabParallelEmbedding) -> "ParallelLMHead":

@@ -1,0 +1,506 @@
+"""Skinny GEMMs on the GPU: cuBLAS (F.linear) vs vllm_anatomy/kernels/skinny_gemm.py on the
+decode shapes of Qwen3-0.6B, and what the per-step total would be with either.
+
+    python bench/skinny_gemm.py --out $OUT/skinny_gemm_h100.json [--budget-s 120] [--jobs 16] [--no-sweep]
+    python bench/skinny_gemm.py --tiny --out /tmp/skinny.json      # CPU smoke (Triton interpreter)
+
+Shapes (y[M, N] = x[M, K] @ W[N, K]^T, bf16, no bias): the four matmuls of a decoder layer,
+qkv_proj 1024 -> 4096, o_proj 2048 -> 1024, gate_up_proj 1024 -> 6144, down_proj 3072 -> 1024
+(x 28 layers), and the tied lm_head 1024 -> 151936 (once per step), at M tokens in
+{1, 4, 16, 32, 64, 128, 192, 256}.
+
+Times: median of CUDA-event-timed CUDA-graph replays (bench/kernel_bench.py's time_ms). NOTE:
+each graph cycles through enough copies of W to exceed L2 (>= 160 MB of weights), as a decode
+step does (a layer's weights are evicted by the 27 others before the next step): timing one W
+again and again would measure L2, not HBM, for every matrix but the lm_head. x stays hot.
+
+The sweep (ours): for each shape and M bucket (16, 32, 64, 128, 256; timed at that M), phase A
+times tile shapes (BLOCK_M, BLOCK_N in {64, 128}, BLOCK_K in {64, 128, 256}, swapped or not;
+split, stages and warps by the kernel's rules: config_for_tiles), phase B varies the best of A
+(split count, warps x stages, TMA, the second-launch reduction). Every candidate is compiled
+before its phase is timed, in --jobs worker processes that fill Triton's on-disk cache
+(the timing process then loads them); a config that fails to compile or run is listed
+under compile_failed and skipped. Phases stop adding configs after --budget-s seconds.
+Then the table: at every M, cuBLAS, our default (pick_config) and the bucket's best, each
+with its max |error| against the fp32 reference and a bit-equality check over 5 runs; per
+shape, us, fraction of the copy rate (bytes of W + x + y) and of the matmul rate (2MNK),
+speed-up over cuBLAS; per M, the step total (28 x the four layer GEMMs + the lm_head) for
+cuBLAS, ours default, ours best, and "dispatch" (the faster of cuBLAS and ours best per
+shape, what TUNED_CONFIGS plus the threshold could reach). Last, the best config of every
+(shape, bucket) as rows to paste into TUNED_CONFIGS. Copy and matmul rates are measured in
+the same run (kernel_bench.py's copy_ceiling and matmul_ceiling). About 3-4 minutes on an H100.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import platform
+import sys
+import time
+
+if "--tiny" in sys.argv:
+    # Before any Triton kernel is imported: the interpreter is chosen at decoration time.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from kernel_bench import copy_ceiling, matmul_ceiling, time_ms, write_json  # noqa: E402
+
+from vllm_anatomy.kernels import skinny_gemm as sg  # noqa: E402
+from vllm_anatomy.kernels.skinny_gemm import SkinnyGemmConfig  # noqa: E402
+
+NUM_LAYERS = 28
+SHAPES = {"qkv_proj": (4096, 1024), "o_proj": (1024, 2048), "gate_up_proj": (6144, 1024),
+          "down_proj": (1024, 3072), "lm_head": (151936, 1024)}       # name: (N, K)
+MS = [1, 4, 16, 32, 64, 128, 192, 256]
+TINY_SHAPES = {"qkv_proj": (96, 64), "o_proj": (64, 80), "gate_up_proj": (128, 64), "down_proj": (64, 112),
+               "lm_head": (300, 64)}
+TINY_MS = [1, 5, 20]
+COLD_BYTES = 160 * 2 ** 20             # W copies cycled per graph: more than any Hopper L2
+MAX_ERR = 0.05                         # outputs ~N(0, 1): bf16 rounding is <= 0.016 at |y| < 8
+REPEATS = 5                            # runs compared bit for bit
+SMEM_LIMIT = 227 * 1024                # Hopper's shared memory per block
+COMPILED: set[str] = set()             # variant keys compiled (or loaded) in this run
+
+
+class Setup:
+    """Shapes, dtype, device and timing of a run (the GPU's or the CPU smoke test's)."""
+
+    def __init__(self, tiny: bool):
+        self.tiny = tiny
+        if tiny:
+            self.shapes, self.ms, self.dtype, self.device = TINY_SHAPES, TINY_MS, torch.float32, "cpu"
+            self.num_sms = sg.HOPPER_SMS
+        else:
+            self.shapes, self.ms, self.dtype, self.device = SHAPES, MS, torch.bfloat16, "cuda"
+            self.num_sms = sg.num_sms_of(torch.device("cuda"))
+
+    def time_us(self, fn, per_graph: int) -> float:
+        if self.tiny:
+            fn()
+            t0 = time.perf_counter()
+            fn()
+            return (time.perf_counter() - t0) * 1e6
+        return 1e3 * time_ms(fn, warmup=2, reps=10, per_graph=per_graph)
+
+    def sync(self) -> None:
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+
+
+# ------------------------------------------------------------------ ceilings
+
+
+def ceilings(setup: Setup) -> tuple[dict, dict]:
+    if not setup.tiny:
+        return copy_ceiling(quick=True), matmul_ceiling()
+    src = torch.randn(1 << 20)
+    dst = torch.empty_like(src)
+    t0 = time.perf_counter()
+    dst.copy_(src)
+    copy_s = time.perf_counter() - t0
+    a = torch.randn(256, 256)
+    t0 = time.perf_counter()
+    a @ a
+    mm_s = time.perf_counter() - t0
+    return ({"bytes": 8 * src.numel(), "ms": copy_s * 1e3, "bytes_per_s": 8 * src.numel() / copy_s},
+            {"shape": [256] * 3, "ms": mm_s * 1e3, "flop_per_s": 2 * 256 ** 3 / mm_s})
+
+
+# ------------------------------------------------------------------ candidates
+
+
+def bucket_m(setup: Setup, bucket: int) -> int:
+    """The M a bucket's sweep is timed at: its largest M of the run (the bucket itself if none)."""
+    inside = [m for m in setup.ms if sg.m_bucket(m) == bucket]
+    return max(inside) if inside else bucket
+
+
+def sweep_cases(setup: Setup) -> list[tuple[str, int]]:
+    """(shape, bucket) pairs: every bucket some M of the run falls in."""
+    buckets = sorted({sg.m_bucket(m) for m in setup.ms})
+    return [(name, b) for name in setup.shapes for b in buckets]
+
+
+def smem_bytes(cfg: SkinnyGemmConfig, elem: int) -> int:
+    return (cfg.block_m + cfg.block_n) * cfg.block_k * elem * cfg.num_stages
+
+
+def phase_a(setup: Setup, name: str, bucket: int) -> list[SkinnyGemmConfig]:
+    """The default, then tile shapes filled in by the kernel's rules (config_for_tiles)."""
+    n, k = setup.shapes[name]
+    m = bucket_m(setup, bucket)
+    out = [sg.pick_config(m, n, k, setup.dtype, setup.num_sms)]
+    if setup.tiny:
+        tiles = [(16, 32, 32, True), (min(bucket, 32), 64, 32, False)]
+    else:
+        block_ms = sorted({min(bucket, 128), *([64] if bucket >= 128 else []),
+                           *([bucket // 2] if 32 <= bucket <= 64 else [])})
+        tiles = [(bm, bn, bk, swap) for bm in block_ms for bn in (64, 128) for bk in (64, 128, 256)
+                 for swap in (True, False)]
+    for bm, bn, bk, swap in tiles:
+        cfg = sg.config_for_tiles(m, n, k, bm, bn, bk, swap, setup.dtype, setup.num_sms)
+        if cfg not in out and smem_bytes(cfg, setup.dtype.itemsize) <= SMEM_LIMIT:
+            out.append(cfg)
+    return out
+
+
+def phase_b(setup: Setup, name: str, bucket: int, best: SkinnyGemmConfig) -> list[SkinnyGemmConfig]:
+    """Variations of phase A's best: split count, warps x stages, TMA, the reduction."""
+    n, k = setup.shapes[name]
+    elem = setup.dtype.itemsize
+    k_steps = -(-k // best.block_k)
+    out = [dataclasses.replace(best, split_k=s) for s in (1, 2, 4, 8, 16) if s <= k_steps]
+    if not setup.tiny:
+        out += [dataclasses.replace(best, num_warps=w, num_stages=st) for w in (4, 8) for st in (2, 3, 4, 5)]
+    # The second-launch reduction at the best split (at 2 if the best does not split).
+    out += [dataclasses.replace(best, tma=True),
+            dataclasses.replace(best, reduce="kernel", split_k=max(best.split_k, 2))]
+    seen, kept = {best}, []
+    for cfg in out:
+        if cfg not in seen and smem_bytes(cfg, elem) <= SMEM_LIMIT:
+            seen.add(cfg)
+            kept.append(cfg)
+    return kept
+
+
+# ------------------------------------------------------------------ compiling in parallel
+
+
+def variant_key(cfg: SkinnyGemmConfig, k: int) -> str:
+    """What Triton compiles a config into on a K: its constexprs (the split count is a runtime
+    argument; only whether and how tiles are summed is compiled in). compile_failed's keys."""
+    splits = sg.launch_splits(cfg, k)[1]
+    return (f"m{cfg.block_m}n{cfg.block_n}k{cfg.block_k} w{cfg.num_warps} st{cfg.num_stages}"
+            + (" swap" if cfg.swap_ab else "") + (" tma" if cfg.tma else "")
+            + (f" {cfg.reduce}" if splits > 1 else "") + ("" if k % cfg.block_k == 0 else " ragged-K"))
+
+
+def _compile_one(shape, m: int, dtype: torch.dtype, device: str, cfg: SkinnyGemmConfig) -> str | None:
+    """Launch cfg once (compiling it, or loading it from Triton's cache); the error text if it fails."""
+    n, k = shape
+    try:
+        x = torch.randn(m, k, device=device, dtype=dtype)
+        w = torch.randn(n, k, device=device, dtype=dtype)
+        sg.skinny_gemm(x, w, None, config=cfg, counters=sg.new_counters(n, max(m, 16), device))
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return None
+    except Exception as e:                        # out of resources, a compiler error, a launch error
+        return f"{type(e).__name__}: {str(e)[:300]}"
+
+
+def _worker(jobs: list) -> dict[str, str]:
+    """One compile process: (shape, M, dtype name, device, config fields) each launched once."""
+    failed = {}
+    for shape, m, dtype_name, device, fields in jobs:
+        cfg = SkinnyGemmConfig(**fields)
+        err = _compile_one(shape, m, getattr(torch, dtype_name), device, cfg)
+        if err:
+            failed[variant_key(cfg, shape[1])] = err
+    return failed
+
+
+def precompile(setup: Setup, work: list[tuple[tuple[int, int], int, SkinnyGemmConfig]], jobs: int,
+               failed: dict[str, str]) -> int:
+    """Compile each variant (variant_key) of `work` not compiled yet, once, on one of its
+    shapes; adds those that fail to `failed`. Returns how many were compiled.
+
+    NOTE: in `jobs` spawned processes (each with its own CUDA context) when jobs > 1: Triton
+    writes every compiled kernel to its on-disk cache, keyed by source, constants and
+    specialisation, and this process finds it there at its first launch (a load, not a
+    compile). Compiling is most of a sweep's time, and it needs only the CPU cores."""
+    todo = {}
+    for shape, m, cfg in work:
+        key = variant_key(cfg, shape[1])
+        if key not in COMPILED and key not in failed:
+            todo.setdefault(key, (shape, m, cfg))
+    unique = list(todo.values())
+    if jobs > 1 and len(unique) > 1:
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor
+        dtype_name = str(setup.dtype).split(".")[-1]
+        chunks = [[(shape, m, dtype_name, setup.device, dataclasses.asdict(cfg)) for shape, m, cfg in unique[i::jobs]]
+                  for i in range(min(jobs, len(unique)))]
+        try:
+            with ProcessPoolExecutor(max_workers=len(chunks), mp_context=mp.get_context("spawn")) as pool:
+                for part in pool.map(_worker, chunks):
+                    failed.update(part)
+            unique = []
+        except Exception as e:                    # a broken pool: everything compiles here instead
+            print(f"  compile pool failed ({type(e).__name__}: {str(e)[:200]}); compiling in this process")
+    for shape, m, cfg in unique:
+        err = _compile_one(shape, m, setup.dtype, setup.device, cfg)
+        if err:
+            failed[variant_key(cfg, shape[1])] = err
+    COMPILED.update(todo)
+    return len(todo)
+
+
+# ------------------------------------------------------------------ one case
+
+
+class Case:
+    """x, cold copies of W, the fp32 reference and the tile counters of one (shape, M)."""
+
+    def __init__(self, setup: Setup, name: str, m: int, seed: int = 0):
+        n, k = setup.shapes[name]
+        self.setup, self.name, self.m, self.n, self.k = setup, name, m, n, k
+        g = torch.Generator(device=setup.device).manual_seed(seed)
+        self.x = torch.randn(m, k, generator=g, device=setup.device).to(setup.dtype)
+        w = (torch.randn(n, k, generator=g, device=setup.device) / k ** 0.5).to(setup.dtype)
+        copies = 1 if setup.tiny else max(1, -(-COLD_BYTES // w.nbytes))
+        self.weights = [w] + [w.clone() for _ in range(copies - 1)]
+        self.ref = self.x.float() @ w.float().T
+        self.counters = [sg.new_counters(n, max(m, 16), setup.device) for _ in self.weights]
+        self.bytes = (n * k + m * k + m * n) * setup.dtype.itemsize
+        self.flops = 2 * m * n * k
+
+    def time_us(self, launch) -> float:
+        """launch(w, counters) cycled over the copies of W, one graph of them all (10 at least)."""
+        per_graph = max(10, len(self.weights))
+        state = {"i": 0}
+
+        def fn():
+            i = state["i"] % len(self.weights)
+            state["i"] += 1
+            launch(self.weights[i], self.counters[i])
+        return self.setup.time_us(fn, per_graph)
+
+    def cublas(self) -> dict:
+        out = F.linear(self.x, self.weights[0])
+        us = self.time_us(lambda w, c: F.linear(self.x, w))
+        return self.entry("cublas", us, out, [F.linear(self.x, self.weights[0]) for _ in range(REPEATS)])
+
+    def ours(self, label: str, cfg: SkinnyGemmConfig, repeats: int = 0) -> dict:
+        out = sg.skinny_gemm(self.x, self.weights[0], None, config=cfg, counters=self.counters[0])
+        us = self.time_us(lambda w, c: sg.skinny_gemm(self.x, w, None, config=cfg, counters=c))
+        again = [sg.skinny_gemm(self.x, self.weights[0], None, config=cfg, counters=self.counters[0])
+                 for _ in range(repeats)]
+        e = self.entry(label, us, out, again)
+        e["config"] = dataclasses.asdict(cfg)
+        e["config_name"] = cfg.name
+        return e
+
+    def entry(self, label: str, us: float, out: torch.Tensor, again: list[torch.Tensor]) -> dict:
+        self.setup.sync()
+        err = float((out.float() - self.ref).abs().max())
+        e = {"name": label, "us": us, "max_err": err, "ok": err <= MAX_ERR,
+             "copy_fraction": self.bytes / (us * 1e-6) / RATES["copy"],
+             "matmul_fraction": self.flops / (us * 1e-6) / RATES["matmul"]}
+        if again:
+            e["deterministic"] = all(torch.equal(a, out) for a in again)
+        return e
+
+
+RATES = {"copy": 1.0, "matmul": 1.0}
+
+
+def time_candidates(setup: Setup, name: str, bucket: int, configs: list[SkinnyGemmConfig], failed: dict,
+                    deadline: float) -> tuple[list[dict], list[str]]:
+    """Each config timed on one (shape, bucket's M) case until the deadline (the first always)."""
+    case = Case(setup, name, bucket_m(setup, bucket))
+    shape = setup.shapes[name]
+    entries, skipped = [], []
+    for i, cfg in enumerate(configs):
+        if variant_key(cfg, shape[1]) in failed:
+            continue
+        if i and time.monotonic() > deadline:
+            skipped.append(cfg.name)
+            continue
+        try:
+            entries.append(case.ours(cfg.name, cfg))
+        except Exception as e:                     # a launch that fails only here (capture, memory)
+            failed[variant_key(cfg, shape[1])] = f"{type(e).__name__}: {str(e)[:300]}"
+            setup.sync()
+    return entries, skipped
+
+
+def best_of(entries: list[dict]) -> dict | None:
+    good = [e for e in entries if e["ok"]]
+    return min(good, key=lambda e: e["us"]) if good else None
+
+
+# ------------------------------------------------------------------ the run
+
+
+def sweep(setup: Setup, args, failed: dict, result: dict) -> dict[tuple[str, int], SkinnyGemmConfig]:
+    """Phases A and B over every (shape, bucket); returns the best config of each.
+
+    NOTE: the budget counts timing only (compiling is bounded by the candidate lists):
+    60 % for phase A, 40 % for B, each shared equally by the cases still to come, so every
+    case is swept somewhat; a case's first candidate (A: the default) is always timed."""
+    cases = sweep_cases(setup)
+    rows = {(name, b): {"shape": name, "bucket": b, "m": bucket_m(setup, b), "entries": [], "skipped": [],
+                        "best": None} for name, b in cases}
+    result["sweep"] = list(rows.values())
+    for phase, fraction in (("A", 0.6), ("B", 0.4)):
+        plans = {}
+        for name, b in cases:
+            best = rows[(name, b)]["best"]
+            plans[(name, b)] = (phase_a(setup, name, b) if phase == "A" else
+                                phase_b(setup, name, b, SkinnyGemmConfig(**best["config"])) if best else [])
+        work = [(setup.shapes[name], bucket_m(setup, b), cfg) for (name, b), cfgs in plans.items() for cfg in cfgs]
+        t0 = time.monotonic()
+        compiled = precompile(setup, work, args.jobs, failed)
+        print(f"phase {phase}: {len(work)} candidates, {compiled} variants compiled in "
+              f"{time.monotonic() - t0:.0f} s; {len(failed)} failed so far")
+        t0, budget = time.monotonic(), args.budget_s * fraction
+        for i, (name, b) in enumerate(cases):
+            share = max(0.0, budget - (time.monotonic() - t0)) / (len(cases) - i)
+            entries, skipped = time_candidates(setup, name, b, plans[(name, b)], failed, time.monotonic() + share)
+            row = rows[(name, b)]
+            row["entries"] += entries
+            row["skipped"] += skipped
+            row["best"] = best_of(row["entries"])
+        write_json(result, args.out)
+    return {key: SkinnyGemmConfig(**row["best"]["config"]) for key, row in rows.items() if row["best"]}
+
+
+def table(setup: Setup, best: dict[tuple[str, int], SkinnyGemmConfig]) -> list[dict]:
+    rows = []
+    for name in setup.shapes:
+        for m in setup.ms:
+            n, k = setup.shapes[name]
+            case = Case(setup, name, m, seed=1)
+            row = {"shape": name, "m": m, "n": n, "k": k, "cublas": case.cublas()}
+            default = sg.pick_config(m, n, k, setup.dtype, setup.num_sms)
+            for label, cfg in (("default", default), ("best", best.get((name, sg.m_bucket(m))))):
+                if cfg is None:
+                    continue
+                try:
+                    row[label] = case.ours(label, cfg, repeats=REPEATS)
+                except Exception as e:
+                    row[label] = {"name": label, "error": f"{type(e).__name__}: {str(e)[:300]}",
+                                  "config_name": cfg.name}
+                    setup.sync()
+                    continue
+                row[label]["speedup_vs_cublas"] = row["cublas"]["us"] / row[label]["us"]
+            rows.append(row)
+            del case
+            if setup.device == "cuda":
+                torch.cuda.empty_cache()
+    return rows
+
+
+def per_step(setup: Setup, rows: list[dict]) -> list[dict]:
+    """Per M: 28 x (the four layer GEMMs) + the lm_head, in us, for each way."""
+    out = []
+    for m in setup.ms:
+        at = [r for r in rows if r["m"] == m]
+        weight = {r["shape"]: (1 if r["shape"] == "lm_head" else NUM_LAYERS) for r in at}
+
+        def total(pick):
+            vals = [pick(r) for r in at]
+            return None if any(v is None for v in vals) else sum(weight[r["shape"]] * v for r, v in zip(at, vals))
+
+        def us(r, label):
+            e = r.get(label)
+            return e["us"] if e and "us" in e and e["ok"] else None
+        cub = total(lambda r: r["cublas"]["us"])
+        entry = {"m": m, "cublas_us": cub,
+                 "default_us": total(lambda r: us(r, "default")),
+                 "best_us": total(lambda r: us(r, "best")),
+                 "dispatch_us": total(lambda r: min(r["cublas"]["us"], us(r, "best") or math.inf))}
+        for key in ("default", "best", "dispatch"):
+            v = entry[f"{key}_us"]
+            entry[f"{key}_saving_us"] = None if v is None or cub is None else cub - v
+            entry[f"{key}_speedup"] = None if not v or cub is None else cub / v
+        out.append(entry)
+    return out
+
+
+def tuned_rows(setup: Setup, sweep_rows: list[dict]) -> list[dict]:
+    """Each (shape, bucket)'s best against cuBLAS at the bucket's M, as a TUNED_CONFIGS row."""
+    rows = []
+    for row in sweep_rows:
+        best = row.get("best")
+        if not best:
+            continue
+        n, k = setup.shapes[row["shape"]]
+        c = best["config"]
+        literal = (f"    ({n}, {k}, {row['bucket']}): SkinnyGemmConfig({c['block_m']}, {c['block_n']}, "
+                   f"{c['block_k']}, split_k={c['split_k']}, num_warps={c['num_warps']}, "
+                   f"num_stages={c['num_stages']}, swap_ab={c['swap_ab']}, tma={c['tma']}, "
+                   f"reduce={c['reduce']!r}),")
+        rows.append({"shape": row["shape"], "bucket": row["bucket"], "m": row["m"], "config": c,
+                     "us": best["us"], "literal": literal})
+    return rows
+
+
+def print_table(rows: list[dict], steps: list[dict], tuned: list[dict]) -> None:
+    print(f"\n{'shape':<13}{'M':>4} {'cuBLAS us':>9} {'ours dflt':>9} {'x':>6} {'ours best':>9} {'x':>6} "
+          f"{'copy%':>6} {'mm%':>6}  best config")
+    for r in rows:
+        d, b = r.get("default", {}), r.get("best", {})
+
+        def cell(e, key, fmt):
+            return format(e[key], fmt) if e and key in e else "-"
+        flag = "" if all(e.get("ok", True) and e.get("deterministic", True) for e in (d, b)) else "  WRONG/NONDET"
+        best_e = b if b and "us" in b else d
+        print(f"{r['shape']:<13}{r['m']:>4} {r['cublas']['us']:9.2f} {cell(d, 'us', '9.2f')} "
+              f"{cell(d, 'speedup_vs_cublas', '6.2f')} {cell(b, 'us', '9.2f')} {cell(b, 'speedup_vs_cublas', '6.2f')} "
+              f"{100 * best_e.get('copy_fraction', 0):5.1f}% {100 * best_e.get('matmul_fraction', 0):5.1f}%  "
+              f"{best_e.get('config_name', '')}{flag}")
+    print(f"\nper step ({NUM_LAYERS} layers x qkv/o/gate_up/down + lm_head), us:")
+    print(f"{'M':>4} {'cuBLAS':>9} {'default':>9} {'best':>9} {'dispatch':>9} {'saving':>8} {'x':>6}")
+    for s in steps:
+        def f(v, fmt="9.1f"):
+            return "-" if v is None else format(v, fmt)
+        print(f"{s['m']:>4} {f(s['cublas_us'])} {f(s['default_us'])} {f(s['best_us'])} {f(s['dispatch_us'])} "
+              f"{f(s['dispatch_saving_us'], '8.1f')} {f(s['dispatch_speedup'], '6.3f')}")
+    print("\nbest config per (shape, bucket), rows for TUNED_CONFIGS in vllm_anatomy/kernels/skinny_gemm.py:")
+    for t in tuned:
+        print(f"{t['literal']}  # {t['shape']}, timed at M={t['m']}: {t['us']:.2f} us")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "skinny_gemm.json"))
+    ap.add_argument("--tiny", action="store_true", help="CPU smoke mode (Triton interpreter, tiny shapes)")
+    ap.add_argument("--budget-s", type=float, default=120.0,
+                    help="seconds of sweep timing (compiling not counted); later configs are skipped")
+    ap.add_argument("--jobs", type=int, default=None,
+                    help="compile processes (default: up to 16 on a GPU, 1 with --tiny)")
+    ap.add_argument("--no-sweep", action="store_true", help="cuBLAS vs the default table only")
+    args = ap.parse_args()
+    if not args.tiny and not torch.cuda.is_available():
+        sys.exit("needs a CUDA GPU (or --tiny for the CPU smoke mode)")
+    setup = Setup(args.tiny)
+    if args.jobs is None:
+        args.jobs = 1 if args.tiny else min(16, os.cpu_count() or 1)
+    start = time.monotonic()
+    copy, matmul = ceilings(setup)
+    RATES.update(copy=copy["bytes_per_s"], matmul=matmul["flop_per_s"])
+    print(f"copy {copy['bytes_per_s'] / 1e12:.2f} TB/s, matmul {matmul['flop_per_s'] / 1e12:.1f} TFLOP/s, "
+          f"{setup.num_sms} SMs")
+    failed: dict[str, str] = {}
+    result = {
+        "device": torch.cuda.get_device_name() if setup.device == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__, "triton": __import__("triton").__version__, "tiny": args.tiny,
+        "dtype": str(setup.dtype), "num_sms": setup.num_sms, "copy_ceiling": copy, "matmul_ceiling": matmul,
+        "shapes": {k: list(v) for k, v in setup.shapes.items()}, "ms": setup.ms, "num_layers": NUM_LAYERS,
+        "cold_bytes": 0 if setup.tiny else COLD_BYTES, "compile_failed": failed, "sweep": [],
+    }
+    best = {} if args.no_sweep else sweep(setup, args, failed, result)
+    result["sweep_s"] = time.monotonic() - start
+    result["table"] = table(setup, best)
+    result["per_step"] = per_step(setup, result["table"])
+    result["tuned_rows"] = tuned_rows(setup, result["sweep"])
+    result["wall_s"] = time.monotonic() - start
+    write_json(result, args.out)
+    print_table(result["table"], result["per_step"], result["tuned_rows"])
+    if failed:
+        print(f"\n{len(failed)} configs failed to compile or run (compile_failed in the JSON), e.g. "
+              f"{next(iter(failed))}: {next(iter(failed.values()))[:150]}")
+    print(f"\nwrote {args.out} ({result['wall_s']:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
