@@ -207,31 +207,37 @@ def _worker(jobs: list) -> dict[str, str]:
     return failed
 
 
-def precompile(setup: Setup, work: list[tuple[tuple[int, int], int, SkinnyGemmConfig]], jobs: int,
+def compile_pool(jobs: int):
+    """`jobs` spawned compile processes (each with its own CUDA context), or None for jobs <= 1."""
+    if jobs <= 1:
+        return None
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+    return ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn"))
+
+
+def precompile(setup: Setup, work: list[tuple[tuple[int, int], int, SkinnyGemmConfig]], pool,
                failed: dict[str, str]) -> int:
     """Compile each variant (variant_key) of `work` not compiled yet, once, on one of its
     shapes; adds those that fail to `failed`. Returns how many were compiled.
 
-    NOTE: in `jobs` spawned processes (each with its own CUDA context) when jobs > 1: Triton
-    writes every compiled kernel to its on-disk cache, keyed by source, constants and
-    specialisation, and this process finds it there at its first launch (a load, not a
-    compile). Compiling is most of a sweep's time, and it needs only the CPU cores."""
+    NOTE: in the processes of `pool` when there is one: Triton writes every compiled kernel
+    to its on-disk cache, keyed by source, constants and specialisation, and this process
+    finds it there at its first launch (a load, not a compile). Compiling is most of a
+    sweep's time, and it needs only the CPU cores. A launch that breaks a worker's CUDA
+    context fails only there (and the rest of that worker's jobs with it: listed as failed)."""
     todo = {}
     for shape, m, cfg in work:
         key = variant_key(cfg, shape[1])
         if key not in COMPILED and key not in failed:
             todo.setdefault(key, (shape, m, cfg))
     unique = list(todo.values())
-    if jobs > 1 and len(unique) > 1:
-        import multiprocessing as mp
-        from concurrent.futures import ProcessPoolExecutor
+    if pool is not None and unique:
         dtype_name = str(setup.dtype).split(".")[-1]
-        chunks = [[(shape, m, dtype_name, setup.device, dataclasses.asdict(cfg)) for shape, m, cfg in unique[i::jobs]]
-                  for i in range(min(jobs, len(unique)))]
+        jobs = [[(shape, m, dtype_name, setup.device, dataclasses.asdict(cfg))] for shape, m, cfg in unique]
         try:
-            with ProcessPoolExecutor(max_workers=len(chunks), mp_context=mp.get_context("spawn")) as pool:
-                for part in pool.map(_worker, chunks):
-                    failed.update(part)
+            for part in pool.map(_worker, jobs):
+                failed.update(part)
             unique = []
         except Exception as e:                    # a broken pool: everything compiles here instead
             print(f"  compile pool failed ({type(e).__name__}: {str(e)[:200]}); compiling in this process")
@@ -340,6 +346,7 @@ def sweep(setup: Setup, args, failed: dict, result: dict) -> dict[tuple[str, int
     rows = {(name, b): {"shape": name, "bucket": b, "m": bucket_m(setup, b), "entries": [], "skipped": [],
                         "best": None} for name, b in cases}
     result["sweep"] = list(rows.values())
+    pool = compile_pool(args.jobs)
     for phase, fraction in (("A", 0.6), ("B", 0.4)):
         plans = {}
         for name, b in cases:
@@ -348,7 +355,7 @@ def sweep(setup: Setup, args, failed: dict, result: dict) -> dict[tuple[str, int
                                 phase_b(setup, name, b, SkinnyGemmConfig(**best["config"])) if best else [])
         work = [(setup.shapes[name], bucket_m(setup, b), cfg) for (name, b), cfgs in plans.items() for cfg in cfgs]
         t0 = time.monotonic()
-        compiled = precompile(setup, work, args.jobs, failed)
+        compiled = precompile(setup, work, pool, failed)
         print(f"phase {phase}: {len(work)} candidates, {compiled} variants compiled in "
               f"{time.monotonic() - t0:.0f} s; {len(failed)} failed so far")
         t0, budget = time.monotonic(), args.budget_s * fraction
@@ -360,6 +367,8 @@ def sweep(setup: Setup, args, failed: dict, result: dict) -> dict[tuple[str, int
             row["skipped"] += skipped
             row["best"] = best_of(row["entries"])
         write_json(result, args.out)
+    if pool is not None:
+        pool.shutdown()
     return {key: SkinnyGemmConfig(**row["best"]["config"]) for key, row in rows.items() if row["best"]}
 
 

@@ -2,11 +2,13 @@
 and the seam that sends a layer's matmul to it (model_executor/layers/utils.py:
 dispatch_skinny_unquantized_gemm) only with VLLM_ANATOMY_SKINNY_GEMM=1 and few tokens.
 On a GPU the kernels compile; here they run in Triton's interpreter (fp32 dots)."""
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.kernel_tests.kernel_utils import DEVICE, ON_GPU, assert_close_ulp
+from tests.kernel_tests.kernel_utils import DEVICE, ON_GPU, assert_close_ulp, requires_cuda
 from vllm_anatomy.kernels import skinny_gemm as sg
 from vllm_anatomy.kernels.skinny_gemm import SkinnyGemmConfig, skinny_gemm, skinny_gemm_ref
 from vllm_anatomy.model_executor.layers import utils as layer_utils
@@ -116,7 +118,8 @@ QWEN3_0_6B = {"qkv_proj": (4096, 1024), "o_proj": (1024, 2048), "gate_up_proj": 
 def test_default_table_fills_the_gpu_from_shapes_alone(m):
     """Host-side choice only (no launch): for every Qwen3-0.6B decode shape the default
     config keeps every split non-empty, gives at least one wave of 132 programs or stops
-    at two BLOCK_K steps per split, never splits the lm_head, and is a function of shapes."""
+    at two BLOCK_K steps per split or where the fp32 partials would outweigh W, never
+    splits the lm_head, and is a function of shapes."""
     for name, (n, k) in QWEN3_0_6B.items():
         cfg = sg.pick_config(m, n, k, torch.bfloat16, 132)
         assert cfg == sg.pick_config(m, n, k, torch.bfloat16, 132)
@@ -124,11 +127,41 @@ def test_default_table_fills_the_gpu_from_shapes_alone(m):
         k_per_split, _ = sg.launch_splits(cfg, k)
         steps = k_per_split // cfg.block_k
         assert (splits - 1) * k_per_split < k <= splits * k_per_split and steps >= 2
-        assert tiles_m * tiles_n * splits >= 132 or steps < 4 or splits == 16, (name, cfg)
+        partials_double = 2 * splits * m * 4 > k * 2           # twice the split: partials outweigh W
+        assert tiles_m * tiles_n * splits >= 132 or steps < 4 or splits == 16 or partials_double, (name, cfg)
+        assert splits * m * 4 <= k * 2, (name, cfg)
         assert cfg.swap_ab == (m <= 64) and cfg.block_m >= min(m, 128)
         if name == "lm_head":
             assert splits == 1
         assert (cfg.block_m + cfg.block_n) * cfg.block_k * 2 * cfg.num_stages <= 160 * 1024
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("name", list(QWEN3_0_6B))
+def test_qwen3_shapes_in_cuda_graphs(name):
+    """The real decode shapes, bf16, default configs: within one bf16 ulp of the fp32 reference,
+    and CUDA-graph replays (reusing the tile counters, as the engine does) give the eager bits;
+    the in-launch and the second-launch reductions agree bit for bit."""
+    n, k = QWEN3_0_6B[name]
+    for m in (1, 16, 64, 256):
+        x, w, _ = _inputs(m, n, k, torch.bfloat16, bias=False, seed=m)
+        counters = sg.new_counters(n, 256, DEVICE)
+        eager = skinny_gemm(x, w, counters=counters)
+        assert_close_ulp(eager, skinny_gemm_ref(x, w), ulps=1.0, atol=1e-3)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = skinny_gemm(x, w, counters=counters)
+        for _ in range(3):
+            out.zero_()
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, eager), (name, m)
+        assert not counters.any()
+        cfg = sg.pick_config(m, n, k, torch.bfloat16, sg.num_sms_of(x.device))
+        if sg.launch_splits(cfg, k)[1] > 1:
+            other = dataclasses.replace(cfg, reduce="kernel" if cfg.reduce == "serial" else "serial")
+            assert torch.equal(skinny_gemm(x, w, config=other), eager), (name, m)
 
 
 def test_tuned_rows_override_the_default(monkeypatch):

@@ -284,14 +284,17 @@ def config_for_tiles(m: int, n: int, k: int, block_m: int, block_n: int, block_k
     sweep fills its tile candidates with it).
 
     NOTE: K is split in powers of two until tiles x splits reach one wave of SMs, keeping
-    at least two BLOCK_K steps per split (something to pipeline), 16 splits at most.
+    at least two BLOCK_K steps per split (something to pipeline), 16 splits at most, and
+    partials that weigh no more than the weights they save reading slowly: splits x M x N
+    fp32 <= N x K of W (at 256 tokens and K = 1024, two splits; at 16 tokens, any).
     Stages: as many as fit in ~160 KB of shared memory, 2 to 4. 8 warps from 128 x 128 tiles.
     """
     elem = 4 if dtype == torch.float32 else 2
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     k_steps = triton.cdiv(k, block_k)
     split_k = 1
-    while split_k < 16 and tiles * split_k < num_sms and k_steps // (2 * split_k) >= 2:
+    while (split_k < 16 and tiles * split_k < num_sms and k_steps // (2 * split_k) >= 2
+           and 2 * split_k * m * 4 <= k * elem):
         split_k *= 2
     stage_bytes = (block_m + block_n) * block_k * elem
     num_stages = max(2, min(4, (160 * 1024) // stage_bytes))

@@ -91,7 +91,12 @@ def dispatch_skinny_unquantized_gemm(layer: LinearBase | ParallelLMHead) -> bool
     row-parallel alike: the kernel multiplies whatever it holds; a row-parallel layer's
     all-reduce comes after, in linear.py); the tied lm_head's is the embedding table.
     Each layer owns its tile counters (the split-K kernel's "serial" reduction leaves
-    them zeroed), so no two launches in flight share one."""
+    them zeroed), so no two launches in flight share one. fp32 weights (tests) multiply in
+    full fp32, as F.linear does without TF32.
+    NOTE: the host's cost. A Triton launch takes more host time than a cuBLAS call; CUDA
+    graphs (every decode step, mixed steps in pieces) pay it once, at capture, but an eager
+    step of at most VLLM_ANATOMY_SKINNY_GEMM_MAX_M tokens pays it per layer: what
+    bench/throughput_ab.py's A/B of the switch has to show is the sum of both."""
     weight = layer.weight.detach()
     if (not envs.VLLM_ANATOMY_SKINNY_GEMM or not _on_cuda(weight) or weight.dim() != 2
             or weight.dtype not in (torch.bfloat16, torch.float16, torch.float32)):
