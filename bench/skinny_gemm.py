@@ -425,21 +425,29 @@ def per_step(setup: Setup, rows: list[dict]) -> list[dict]:
     return out
 
 
-def tuned_rows(setup: Setup, sweep_rows: list[dict]) -> list[dict]:
-    """Each (shape, bucket)'s best against cuBLAS at the bucket's M, as a TUNED_CONFIGS row."""
+def tuned_rows(setup: Setup, sweep_rows: list[dict], table_rows: list[dict]) -> list[dict]:
+    """Each (shape, bucket) as a TUNED_CONFIGS row: its best config, or None where cuBLAS took
+    less time over the table's Ms of that bucket (the engine then keeps F.linear there)."""
     rows = []
     for row in sweep_rows:
         best = row.get("best")
         if not best:
             continue
         n, k = setup.shapes[row["shape"]]
+        inside = [t for t in table_rows if t["shape"] == row["shape"] and sg.m_bucket(t["m"]) == row["bucket"]]
+        timed = [t for t in inside if "us" in t.get("best", {}) and t["best"]["ok"]]
+        cublas_us = sum(t["cublas"]["us"] for t in timed)
+        ours_us = sum(t["best"]["us"] for t in timed)
         c = best["config"]
-        literal = (f"    ({n}, {k}, {row['bucket']}): SkinnyGemmConfig({c['block_m']}, {c['block_n']}, "
-                   f"{c['block_k']}, split_k={c['split_k']}, num_warps={c['num_warps']}, "
-                   f"num_stages={c['num_stages']}, swap_ab={c['swap_ab']}, tma={c['tma']}, "
-                   f"reduce={c['reduce']!r}),")
+        wins = bool(timed) and len(timed) == len(inside) and ours_us < cublas_us
+        literal = f"    ({n}, {k}, {row['bucket']}): " + (
+            f"SkinnyGemmConfig({c['block_m']}, {c['block_n']}, {c['block_k']}, split_k={c['split_k']}, "
+            f"num_warps={c['num_warps']}, num_stages={c['num_stages']}, swap_ab={c['swap_ab']}, "
+            f"tma={c['tma']}, reduce={c['reduce']!r})," if wins else "None,")
         rows.append({"shape": row["shape"], "bucket": row["bucket"], "m": row["m"], "config": c,
-                     "us": best["us"], "literal": literal})
+                     "config_name": best["config_name"], "us": best["us"],
+                     "ms_in_table": [t["m"] for t in timed], "ours_us": ours_us, "cublas_us": cublas_us,
+                     "wins": wins, "literal": literal})
     return rows
 
 
@@ -464,9 +472,11 @@ def print_table(rows: list[dict], steps: list[dict], tuned: list[dict]) -> None:
             return "-" if v is None else format(v, fmt)
         print(f"{s['m']:>4} {f(s['cublas_us'])} {f(s['default_us'])} {f(s['best_us'])} {f(s['dispatch_us'])} "
               f"{f(s['dispatch_saving_us'], '8.1f')} {f(s['dispatch_speedup'], '6.3f')}")
-    print("\nbest config per (shape, bucket), rows for TUNED_CONFIGS in vllm_anatomy/kernels/skinny_gemm.py:")
+    print("\nbest config per (shape, bucket), rows for TUNED_CONFIGS in vllm_anatomy/kernels/skinny_gemm.py")
+    print("(None: cuBLAS was faster over the bucket's Ms, F.linear stays there):")
     for t in tuned:
-        print(f"{t['literal']}  # {t['shape']}, timed at M={t['m']}: {t['us']:.2f} us")
+        print(f"{t['literal']}  # {t['shape']}, best {t['config_name']}, M {t['ms_in_table']}: "
+              f"ours {t['ours_us']:.2f} us, cuBLAS {t['cublas_us']:.2f} us")
 
 
 def main() -> None:
@@ -501,7 +511,7 @@ def main() -> None:
     result["sweep_s"] = time.monotonic() - start
     result["table"] = table(setup, best)
     result["per_step"] = per_step(setup, result["table"])
-    result["tuned_rows"] = tuned_rows(setup, result["sweep"])
+    result["tuned_rows"] = tuned_rows(setup, result["sweep"], result["table"])
     result["wall_s"] = time.monotonic() - start
     write_json(result, args.out)
     print_table(result["table"], result["per_step"], result["tuned_rows"])

@@ -45,9 +45,14 @@ def test_skinny_gemm_tiny_end_to_end(tmp_path):
         assert step["cublas_us"] == pytest.approx(want)
         assert step["dispatch_us"] <= min(step["cublas_us"], step["best_us"]) + 1e-6
     assert len(r["tuned_rows"]) == len(r["sweep"])
-    assert all(t["literal"].strip().startswith(f"({r['shapes'][t['shape']][0]}, {r['shapes'][t['shape']][1]}, ")
-               for t in r["tuned_rows"])
-    assert "rows for TUNED_CONFIGS" in proc.stdout and "SkinnyGemmConfig(" in proc.stdout
+    for t in r["tuned_rows"]:
+        n, k = r["shapes"][t["shape"]]
+        assert t["ms_in_table"] == [m for m in ms if (m <= 16) == (t["bucket"] == 16)]
+        body = "SkinnyGemmConfig(" if t["wins"] else "None,"
+        assert t["literal"].strip().startswith(f"({n}, {k}, {t['bucket']}): {body}")
+        assert t["wins"] == (t["ours_us"] < t["cublas_us"])
+    assert "rows for TUNED_CONFIGS" in proc.stdout
+    assert all(t["literal"] in proc.stdout for t in r["tuned_rows"])
 
 
 GPU_PLAN = r"""

@@ -167,9 +167,13 @@ def test_qwen3_shapes_in_cuda_graphs(name):
 def test_tuned_rows_override_the_default(monkeypatch):
     row = SkinnyGemmConfig(32, 128, 64, split_k=2, num_warps=8, num_stages=5, tma=True)
     monkeypatch.setitem(sg.TUNED_CONFIGS, (1024, 2048, 32), row)
+    monkeypatch.setitem(sg.TUNED_CONFIGS, (1024, 2048, 64), None)
     assert sg.pick_config(17, 1024, 2048, torch.bfloat16) == row        # M 17..32: bucket 32
     assert sg.pick_config(33, 1024, 2048, torch.bfloat16) != row
     assert sg.pick_config(17, 1024, 2048, torch.float32) != row         # rows are for 16-bit types
+    assert [sg.prefers_cublas(m, 1024, 2048, torch.bfloat16) for m in (32, 33, 64, 65)] == [False, True, True, False]
+    assert not sg.prefers_cublas(40, 1024, 2048, torch.float32)
+    assert sg.pick_config(40, 1024, 2048, torch.bfloat16) == sg.default_config(40, 1024, 2048, torch.bfloat16)
 
 
 def test_launch_splits_are_never_empty():
@@ -240,6 +244,15 @@ def test_seam_takes_the_kernel_under_the_threshold_only(monkeypatch):
         _check(head.gemm(x, head.weight, None), F.linear(x, head.weight))
         assert [c[0] for c in calls] == ([t] * 3 if t <= 8 else [])
         assert len({c[1] for c in calls}) == len(calls)              # each layer its own counters
+    # A None row of the table (bf16/fp16 only): cuBLAS measured faster there, F.linear stays.
+    monkeypatch.setitem(sg.TUNED_CONFIGS, (40, 48, 16), None)
+    lin16 = LinearBase(48, 40).to(DEVICE, torch.bfloat16)
+    assert layer_utils.dispatch_unquantized_gemm(lin16)
+    calls.clear()
+    lin16(torch.randn(3, 48, device=DEVICE, dtype=torch.bfloat16))
+    lin(torch.randn(3, 48, device=DEVICE))
+    row(torch.randn(3, 48, device=DEVICE))
+    assert [c[0] for c in calls] == [3, 3]                               # the fp32 ones only
     monkeypatch.setenv("VLLM_ANATOMY_SKINNY_GEMM", "0")
     plain = _layers()[0]
     assert not layer_utils.dispatch_unquantized_gemm(plain) and "gemm" not in vars(plain)

@@ -302,10 +302,17 @@ def config_for_tiles(m: int, n: int, k: int, block_m: int, block_n: int, block_k
     return SkinnyGemmConfig(block_m, block_n, block_k, split_k, num_warps, num_stages, swap_ab)
 
 
-# Measured rows: (N, K, M bucket) -> config, for bf16/fp16 on Hopper (H100/H200). Printed by
-# bench/skinny_gemm.py ("best config per shape") on the GPU; shapes without a row use
-# default_config. Empty until that run: see the NOTE on default_config for what it picks.
-TUNED_CONFIGS: dict[tuple[int, int, int], SkinnyGemmConfig] = {}
+# Measured rows: (N, K, M bucket) -> config, for bf16/fp16 on Hopper (H100/H200), or None where
+# cuBLAS measured faster (the layer's gemm then calls F.linear for those shapes: prefers_cublas).
+# Printed by bench/skinny_gemm.py ("rows for TUNED_CONFIGS") on the GPU; shapes without a row
+# use default_config. Empty until that run: see the NOTE on default_config for what it picks.
+TUNED_CONFIGS: dict[tuple[int, int, int], SkinnyGemmConfig | None] = {}
+
+
+def prefers_cublas(m: int, n: int, k: int, dtype: torch.dtype) -> bool:
+    """True where TUNED_CONFIGS holds None for this shape's bucket: F.linear was faster there."""
+    key = (n, k, m_bucket(m))
+    return dtype != torch.float32 and key in TUNED_CONFIGS and TUNED_CONFIGS[key] is None
 
 
 def pick_config(m: int, n: int, k: int, dtype: torch.dtype, num_sms: int = HOPPER_SMS) -> SkinnyGemmConfig:

@@ -83,8 +83,9 @@ def _on_cuda(weight: torch.Tensor) -> bool:
 
 def dispatch_skinny_unquantized_gemm(layer: LinearBase | ParallelLMHead) -> bool:
     """Give `layer` a `gemm(x, weight, bias)` that runs skinny_gemm for at most
-    VLLM_ANATOMY_SKINNY_GEMM_MAX_M tokens and F.linear above; False (F.linear stays) when
-    the switch is off or the weight is not a CUDA bf16/fp16/fp32 matrix.
+    VLLM_ANATOMY_SKINNY_GEMM_MAX_M tokens and F.linear above (and where the kernel's table
+    measured cuBLAS faster: prefers_cublas); False (F.linear stays) when the switch is off
+    or the weight is not a CUDA bf16/fp16/fp32 matrix.
 
     NOTE: the choice reads only x's shape (host ints), never the data, so each CUDA graph
     captures one path and one config. The layer's weight is this rank's shard (column- and
@@ -102,13 +103,14 @@ def dispatch_skinny_unquantized_gemm(layer: LinearBase | ParallelLMHead) -> bool
             or weight.dtype not in (torch.bfloat16, torch.float16, torch.float32)):
         return False
     # NOTE: imported here: a CPU run never needs the Triton kernel.
-    from vllm_anatomy.kernels.skinny_gemm import new_counters, skinny_gemm
+    from vllm_anatomy.kernels.skinny_gemm import new_counters, prefers_cublas, skinny_gemm
     max_m = envs.VLLM_ANATOMY_SKINNY_GEMM_MAX_M
     counters = new_counters(weight.shape[0], max_m, weight.device)
 
     def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         # x [..., in] -> [..., out]
-        if x.numel() // x.shape[-1] <= max_m and x.dtype == weight.dtype:
+        m, (n, k) = x.numel() // x.shape[-1], weight.shape
+        if m <= max_m and x.dtype == weight.dtype and not prefers_cublas(m, n, k, x.dtype):
             return skinny_gemm(x, weight, bias, counters=counters)
         return F.linear(x, weight, bias)
 
