@@ -95,6 +95,8 @@ def test_bad_input_is_refused():
     x, w, b = _inputs(4, 32, 48, torch.float32)
     with pytest.raises(ValueError, match="do not multiply"):
         skinny_gemm(x, w[:, :40])
+    with pytest.raises(ValueError, match="do not multiply"):
+        skinny_gemm(x, w[0])
     with pytest.raises(ValueError, match="share"):
         skinny_gemm(x, w.to(torch.bfloat16))
     with pytest.raises(ValueError, match="share"):

@@ -37,11 +37,13 @@ NOTE: why split-K. A decode step of Qwen3-0.6B multiplies at most 256 tokens by
 matrices of 1024-6144 rows (and the 151,936-row lm_head). Tiled 128 x 128 as cuBLAS
 tiles large problems, o_proj and down_proj (N = 1024) give 8-16 tiles, i.e. 8-16 busy
 SMs of 132, each streaming 0.5-1 MB of weight: latency-bound, far from the copy rate
-(the H200 profile, bench/results/gpu_breakdown_h200.json: ~7 us per such GEMM, ~32 us
-per layer where reading the layer's 31 MB of weights takes ~6.5 us). Cutting K into
+(the H200 profile, bench/results/gpu_breakdown_h200.json: 1.01 s of cuBLAS GEMMs in
+131,876 launches, 7.7 us each on average, ~30 us per layer, where reading a layer's 31 MB
+of weights at 4.8 TB/s takes ~6.5 us). Cutting K into
 `splits` pieces multiplies the programs by `splits` with the same bytes read in all, so
 a tile count x splits of about one or two waves of SMs keeps the whole chip reading.
-The price is the partial tiles (splits x M x N fp32, mostly from L2) and their sum.
+The price is the partial tiles (splits x M x N fp32, mostly from L2) and their sum,
+which is why the split shrinks as M grows (config_for_tiles).
 
 NOTE: why deterministic. A greedy token must not change from one run to the next, and
 fp32 addition is not associative: accumulating the partials with fp32 atomics (the
@@ -353,9 +355,9 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     tensor is made per call (a memset more). Never syncs the host: safe to capture.
     """
     k = x.shape[-1]
-    n = weight.shape[0]
     if weight.dim() != 2 or weight.shape[1] != k:
         raise ValueError(f"x [..., {k}] and weight {tuple(weight.shape)} do not multiply")
+    n = weight.shape[0]
     if x.dtype != weight.dtype or x.dtype not in DTYPES:
         raise ValueError(f"x and weight must share one of {DTYPES}, got {x.dtype} and {weight.dtype}")
     if weight.stride(1) != 1 or x.stride(-1) != 1:
