@@ -21,9 +21,7 @@ Prints a table and writes bench/results/tracing_threads_cpu.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import random
 import sys
 import tempfile
@@ -104,14 +102,10 @@ def main() -> None:
           f"{table['added_wall_ms_per_step']:>9.3f}")
     for name, v in table["traced_engine_background_cpu_ms_per_step"].items():
         print(f"{name + ' CPU ms/step':<34}{'':>9}{v:>9.3f}")
-    results = {"workload": {"requests": 256, "prompt_len": 16, "max_tokens": 64, "async_scheduling": True,
-                            "rounds": args.rounds, "steady_steps": "5..59 of each round"},
-               "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(),
-                           "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "loadavg_1m": os.getloadavg()[0]},
-               **table}
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=2)
+    T.write_results(args.out, {"workload": {"requests": 256, "prompt_len": 16, "max_tokens": 64,
+                                            "async_scheduling": True, "rounds": args.rounds,
+                                            "steady_steps": "5..59 of each round"},
+                               "machine": T.machine(), **table})
     print(f"wrote {args.out}")
 
 
