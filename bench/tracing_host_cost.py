@@ -187,14 +187,21 @@ def main() -> None:
     results = {"workload": {"requests": args.requests, "prompt_len": args.prompt_len,
                             "max_tokens": args.max_tokens, "ignore_eos": True, "rounds": args.rounds,
                             "async_scheduling": args.async_scheduling},
-               "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(),
-                           "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-                           "loadavg_1m": os.getloadavg()[0]},
-               "levels": table, "run_store_bytes": args.run_store_bytes}
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=2)
+               "machine": machine(), "levels": table, "run_store_bytes": args.run_store_bytes}
+    write_results(args.out, results)
     print(f"run stores: {args.run_store_bytes / 1e6:.1f} MB; wrote {args.out}")
+
+
+def machine() -> dict:
+    """The host a result was measured on (the load of its other users included)."""
+    return {"platform": platform.platform(), "cpu_count": os.cpu_count(),
+            "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "loadavg_1m": os.getloadavg()[0]}
+
+
+def write_results(path: str, results: dict) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(results, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -8,15 +8,12 @@ times a LocalSpan. With the SDK's default sampler, ParentBased(ALWAYS_ON), all
 of that decides nothing for a root or a child of a sampled span: it is
 recorded and sampled.
 
-`SpanSink.start` makes a LocalSpan in exactly those cases:
-    - the provider's sampler is the SDK's default (sampling.DEFAULT_ON: no
-      OTEL_TRACES_SAMPLER, or "parentbased_always_on"), its tracer is the
-      SDK's (OTEL_SDK_DISABLED would give a no-op one), and every span
-      processor is a BatchSpanProcessor (whose on_start does nothing, so not
-      calling it loses nothing);
-    - the parent span context is invalid (a root) or sampled (local or remote).
-Otherwise (another sampler, an unsampled parent) it returns None and the
-caller asks the SDK's Tracer; so does a span given links at its start.
+`SpanSink.start` (deferred_span.py) takes our path in exactly those cases
+(the sampler is the SDK's default, the parent invalid or sampled; else the
+caller asks the SDK's Tracer). There the engine's thread writes a
+DeferredSpan, and the exporter's thread builds this LocalSpan from it
+(deferred_span.py says how and why that is the same span); under a
+value-length limit the LocalSpan is made on the spot.
 
 NOTE: what a LocalSpan hands to the processors is what the SDK's span would:
 a ReadableSpan (this class is one) with the parent's trace id and trace state
@@ -34,23 +31,18 @@ from __future__ import annotations
 import logging
 import time
 import traceback
-from typing import Any, Mapping, Sequence, cast
+from typing import TYPE_CHECKING, Any, Mapping, Sequence, cast
 
 from opentelemetry import trace
 from opentelemetry.attributes import BoundedAttributes
-from opentelemetry.sdk.trace import Event, ReadableSpan, SpanLimits
-from opentelemetry.sdk.trace import Tracer as SDKTracer
-from opentelemetry.sdk.trace import TracerProvider, sampling
-from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.sdk.trace import Event, ReadableSpan
 from opentelemetry.sdk.util import BoundedList
-from opentelemetry.sdk.util.instrumentation import InstrumentationScope
-from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
+from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode
+
+if TYPE_CHECKING:
+    from vllm_anatomy.tracing.deferred_span import SpanSink
 
 logger = logging.getLogger(__name__)
-
-_SAMPLED = TraceFlags(TraceFlags.SAMPLED)
-_SAMPLED_RANDOM = TraceFlags(TraceFlags.SAMPLED | TraceFlags.RANDOM_TRACE_ID)
-
 
 _SCALARS = frozenset((str, bool, int, float))
 
@@ -83,67 +75,6 @@ def _fits(plain: Mapping[str, Any], attributes: Mapping[str, Any], maxlen: int |
     if maxlen is None or not plain:
         return maxlen is None or len(attributes) <= maxlen
     return len(plain) + sum(1 for key in attributes if key not in plain) <= maxlen
-
-
-class SpanSink:
-    """What LocalSpans share: the provider's resource, ids and limits, the tracer's
-    scope, and the span processors they are handed to when they end."""
-
-    def __init__(self, provider: TracerProvider, limits: SpanLimits, tracer: trace.Tracer,
-                 tracer_name: str) -> None:
-        self.resource = provider.resource
-        self.limits = limits
-        # NOTE: what provider.get_tracer(tracer_name) gives its spans (version "" when none).
-        self.scope = InstrumentationScope(tracer_name, "")
-        ids = provider.id_generator
-        self.new_span_id, self.new_trace_id = ids.generate_span_id, ids.generate_trace_id
-        self.root_flags = _SAMPLED_RANDOM if ids.is_trace_id_random() else _SAMPLED
-        self.processors: list[BatchSpanProcessor] = []
-        self.enabled = provider.sampler is sampling.DEFAULT_ON and isinstance(tracer, SDKTracer)
-
-    def add_processor(self, processor: BatchSpanProcessor) -> None:
-        """Register a processor (the caller also adds it to the provider)."""
-        self.processors.append(processor)
-        self.enabled = self.enabled and type(processor) is BatchSpanProcessor
-
-    def start(self, name: str, parent: SpanContext, kind: SpanKind, attributes: Mapping[str, Any] | None,
-              start_time: int | None = None) -> LocalSpan | None:
-        """A LocalSpan under `parent` (invalid: a root), or None where the SDK's tracer must decide."""
-        if not self.enabled:
-            return None
-        if not parent.is_valid:
-            context = SpanContext(self.new_trace_id(), self.new_span_id(), is_remote=False,
-                                  trace_flags=self.root_flags)
-            return LocalSpan(self, name, context, None, kind, attributes, start_time)
-        flags = parent.trace_flags
-        if not flags.sampled:
-            return None
-        context = SpanContext(parent.trace_id, self.new_span_id(), is_remote=False,
-                              trace_flags=_SAMPLED_RANDOM if flags.random_trace_id else _SAMPLED,
-                              trace_state=parent.trace_state)
-        return LocalSpan(self, name, context, parent, kind, attributes, start_time)
-
-    def start_follower(self, name: str, cause: SpanContext, kind: SpanKind, attributes: Mapping[str, Any] | None,
-                       start_time: int | None = None) -> LocalSpan | None:
-        """A LocalSpan in `cause`'s trace with no parent, its first link naming the cause
-        (recorder.py: "Followers"); None where the SDK's tracer must decide.
-
-        NOTE: the SDK's tracer cannot make one (a span without a parent starts a new
-        trace there); the OTLP data model can, and Jaeger reads the link as a
-        FOLLOWS_FROM reference (opentracing.ref_type, OpenTelemetry's attribute for it)."""
-        if not self.enabled or not cause.is_valid or not cause.trace_flags.sampled:
-            return None
-        flags = cause.trace_flags
-        context = SpanContext(cause.trace_id, self.new_span_id(), is_remote=False,
-                              trace_flags=_SAMPLED_RANDOM if flags.random_trace_id else _SAMPLED,
-                              trace_state=cause.trace_state)
-        span = LocalSpan(self, name, context, None, kind, attributes, start_time)
-        span.extend_links([Link(cause, _FOLLOWS_FROM)])
-        return span
-
-
-# The attribute of a follower's link to its cause (OpenTelemetry's name for OpenTracing's reference type).
-_FOLLOWS_FROM = BoundedAttributes(attributes={"opentracing.ref_type": "follows_from"}, immutable=True)
 
 
 class LocalSpan(trace.Span, ReadableSpan):
@@ -275,8 +206,7 @@ class LocalSpan(trace.Span, ReadableSpan):
             logger.warning("Calling end() on an ended span.")
             return
         self._end_time = end_time if end_time is not None else time.time_ns()
-        for processor in self._sink.processors:
-            processor.on_end(self)
+        self._sink.emit(self)
 
     def _ended(self, what: str) -> bool:
         if self._end_time is None:

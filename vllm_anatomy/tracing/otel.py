@@ -1,6 +1,6 @@
 """OTelRecorder: the Recorder backed by the OpenTelemetry SDK.
 
-With local_span.py, trace_context.py (the W3C codec), span_export.py (where
+With deferred_span.py, local_span.py, trace_context.py (the W3C codec), span_export.py (where
 finished spans go) and the exporters, the only modules that import
 OpenTelemetry. Each process of a run builds one recorder, hence one
 TracerProvider, whose resource names the service and the process
@@ -8,9 +8,13 @@ TracerProvider, whose resource names the service and the process
 `vllm_anatomy.engine_core`, `vllm_anatomy.worker`, unless OTEL_SERVICE_NAME or
 OTEL_RESOURCE_ATTRIBUTES name one; the service instance, pid, runtime and host
 per OpenTelemetry's semantic conventions). The run store keeps each process'
-resource in its meta table (`resource.<pid>`), so the file exports carry it too. Spans the SDK's default sampler would record are built by
-local_span.py (the SDK tracer's per-span work is most of level spans' host
-cost), the others by the provider's tracer. A BatchSpanProcessor feeds
+resource in its meta table (`resource.<pid>`), so the file exports carry it
+too. Spans the SDK's default sampler would record are ours: the engine's
+thread writes each down as a DeferredSpan, and the exporter's thread builds
+it into a LocalSpan (deferred_span.py, local_span.py: the SDK tracer's
+per-span work was most of level spans' host cost); the others are the
+provider's tracer's. A DeferredSpanProcessor (deferred_span.py: what the
+SDK's BatchSpanProcessor does, building our spans as it exports) feeds
     - the run store (tracing/store.py) when trace_dir is set, and
     - live OTLP (gRPC or HTTP/protobuf) when `otlp_traces_endpoint` is given
       (as vLLM's --otlp-traces-endpoint) or the standard OTEL_EXPORTER_OTLP_*
@@ -34,17 +38,18 @@ import socket
 import sys
 import time
 import uuid
-from typing import Any, Iterable, Iterator, Sequence, cast
+from typing import Any, Iterable, Iterator, Mapping, Sequence, cast
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanLimits, TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
+from opentelemetry.sdk.trace.export import SpanExporter
 from opentelemetry.sdk.util import BoundedList
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 
-from vllm_anatomy.tracing.local_span import LocalSpan, SpanSink
+from vllm_anatomy.tracing.deferred_span import DeferredSpan, DeferredSpanProcessor, SpanSink
+from vllm_anatomy.tracing.local_span import LocalSpan
 from vllm_anatomy.tracing.recorder import LEVELS, Recorder, SpanHandle, StepRef
 from vllm_anatomy.tracing.span_export import StoreSpanExporter, make_otlp_exporter
 from vllm_anatomy.tracing.store import RunStore, to_json
@@ -78,7 +83,7 @@ def _extend_links(span: trace.Span, links: list[Link]) -> None:
     extend counts what the limit drops as add_link would. An ended span, or
     an SDK whose span keeps its links otherwise, takes the public path.
     test_links_take_the_batch_path_on_sdk_spans pins that the installed SDK takes the fast one."""
-    if type(span) is LocalSpan:
+    if type(span) is DeferredSpan or type(span) is LocalSpan:
         span.extend_links(links)
         return
     bounded = getattr(span, "_links", None)
@@ -89,7 +94,7 @@ def _extend_links(span: trace.Span, links: list[Link]) -> None:
             span.add_link(link.context, link.attributes)
 
 
-def _attrs(attrs: dict[str, Any]) -> dict[str, Any]:
+def _attrs(attrs: Mapping[str, Any]) -> dict[str, Any]:
     """OpenTelemetry accepts scalars and homogeneous sequences of them; the rest as text."""
     out: dict[str, Any] = {}
     for k, v in attrs.items():
@@ -104,6 +109,46 @@ def _attrs(attrs: dict[str, Any]) -> dict[str, Any]:
         else:
             out[k] = to_json(v)
     return out
+
+
+_PLAIN = frozenset(_SCALARS)
+_STR = frozenset((str,))
+
+
+def _kept_attrs(attrs: Mapping[str, Any]) -> dict[str, Any] | None:
+    """local_span._kept(_attrs(attrs)) in one pass where every value is plain: None (left
+    out), a str, bool, int or float, or a list or tuple of one of those types (kept as a
+    tuple). None for anything else: the caller takes the general path (_attrs, then
+    the span's set_attributes)."""
+    # NOTE: most calls carry scalars under our own (str) keys: checked in C-level passes, copied as is.
+    if set(map(type, attrs.values())) <= _PLAIN and set(map(type, attrs)) <= _STR and "" not in attrs:
+        return dict(attrs)
+    out: dict[str, Any] = {}
+    for key, value in attrs.items():
+        kind = type(value)
+        if type(key) is not str or not key:
+            return None
+        if kind in _PLAIN:
+            out[key] = value
+        elif value is None:
+            continue
+        elif kind is list or kind is tuple:
+            if value and (type(value[0]) not in _PLAIN or any(type(v) is not type(value[0]) for v in value)):
+                return None
+            out[key] = tuple(value)
+        else:
+            return None
+    return out
+
+
+def _set_attributes(span: trace.Span, attrs: Mapping[str, Any]) -> None:
+    """span.set_attributes(_attrs(attrs)); on a DeferredSpan in one pass where the values are plain."""
+    if type(span) is DeferredSpan:
+        kept = _kept_attrs(attrs)
+        if kept is not None:
+            span.set_kept_attributes(kept)
+            return
+    span.set_attributes(_attrs(attrs))
 
 
 class _Use:
@@ -127,7 +172,7 @@ class _Use:
 
 
 class OTelSpan(SpanHandle):
-    """SpanHandle over an OpenTelemetry span (a LocalSpan or the SDK's): what
+    """SpanHandle over an OpenTelemetry span (a DeferredSpan, a LocalSpan or the SDK's): what
     span() yields and start_span() returns.
 
     NOTE: links added without attributes wait in `_pending` and join the
@@ -135,24 +180,35 @@ class OTelSpan(SpanHandle):
     so the exported links, and their order, are what add_link was given).
     After end `_pending` is None and add_link takes the SDK's path, which
     ignores (and warns about) a link added to an ended span."""
-    __slots__ = ("span", "_pending")
+    __slots__ = ("span", "_pending", "_headers")
 
     def __init__(self, span: trace.Span) -> None:
         self.span = span
         self._pending: list[Link] | None = []
+        self._headers: dict[str, str] | None = None
 
     def set_attribute(self, key: str, value: Any) -> None:
+        span = self.span
         if type(value) in _SCALARS:         # NOTE: exact types: a bool subclass or numpy scalar is converted
-            self.span.set_attribute(key, value)
+            if type(span) is DeferredSpan and type(key) is str and key:
+                span.set_kept_attributes({key: value})
+            else:
+                span.set_attribute(key, value)
         else:
-            self.span.set_attributes(_attrs({key: value}))
+            _set_attributes(span, {key: value})
 
     def set_attributes(self, attributes: dict[str, Any]) -> None:
         """All at once: one pass of the span's attribute bookkeeping, not one per key."""
-        self.span.set_attributes(_attrs(attributes))
+        _set_attributes(self.span, attributes)
 
     def add_event(self, name: str, time_ns: int | None = None, **attrs: Any) -> None:
-        self.span.add_event(name, _attrs(attrs), timestamp=time_ns)
+        span = self.span
+        if type(span) is DeferredSpan:
+            kept = _kept_attrs(attrs) if attrs else None
+            if kept is not None or not attrs:
+                span.add_kept_event(name, kept, time_ns)
+                return
+        span.add_event(name, _attrs(attrs), timestamp=time_ns)
 
     def add_link(self, trace_headers: dict | None, **attrs: Any) -> None:
         pending = self._pending
@@ -208,39 +264,63 @@ class OTelSpan(SpanHandle):
             self._pending = []
 
     def trace_headers(self) -> dict[str, str]:
-        return headers_of(self.span.get_span_context())
+        # (a span's context never changes: its headers are made once; each caller gets its own dict)
+        headers = self._headers
+        if headers is None:
+            headers = self._headers = headers_of(self.span.get_span_context())
+        return dict(headers)
 
     def end(self, end_ns: int | None = None) -> None:
-        self.flush_links()
+        if self._pending:
+            self.flush_links()
         self._pending = None
         self.span.end(end_time=end_ns)
 
 
-class _Scope:
-    """span(): start a span, make it current, end it on exit (faster than a generator)."""
-    __slots__ = ("recorder", "name", "attrs", "links", "follows", "handle", "token")
+class _Scope(OTelSpan):
+    """span(): start a span, make it current, end it on exit (faster than a generator).
+    The scope is the span's handle too (what `with recorder.span(...) as handle` gives)."""
+    __slots__ = ("recorder", "name", "attrs", "links", "follows", "token")
 
     def __init__(self, recorder: OTelRecorder, name: str, attrs: dict, links: list | None,
                  follows: trace.SpanContext | None = None) -> None:
         self.recorder, self.name, self.attrs, self.links, self.follows = recorder, name, attrs, links, follows
 
     def __enter__(self) -> OTelSpan:
+        recorder = self.recorder
+        span: trace.Span | None
+        # (the current context, read once: the parent is in it, and the span's own context extends it)
+        context = otel_context.get_current()
         if self.links:
             links = [lk for lk in map(new_link, self.links) if lk is not None]
-            span = self.recorder.tracer.start_span(self.name, attributes=_attrs(self.attrs), links=links)
+            span = recorder.tracer.start_span(self.name, attributes=_attrs(self.attrs), links=links)
+        elif self.follows is None:
+            # NOTE: _new_span(name, None, attrs) for a child of the current span, the common
+            # case, in fewer calls (a child of a span of ours in the fewest: SpanSink.child);
+            # a follower or the SDK's span takes _new_span itself.
+            current = trace.get_current_span(context)
+            span = recorder.sink.child(self.name, current)
+            if span is None:
+                parent = current.get_span_context()
+                if parent is not recorder._follow:
+                    span = recorder.sink.start(self.name, parent, SpanKind.INTERNAL)
+            if span is None:
+                span = recorder._new_span(self.name, None, self.attrs)
+            elif self.attrs:
+                _set_attributes(span, self.attrs)
         else:
-            span = self.recorder._new_span(self.name, None, _attrs(self.attrs), follows=self.follows)
-        self.token = otel_context.attach(trace.set_span_in_context(span))
-        self.handle = OTelSpan(span)
-        return self.handle
+            span = recorder._new_span(self.name, None, self.attrs, follows=self.follows)
+        self.token = otel_context.attach(trace.set_span_in_context(span, context))
+        self.span, self._pending, self._headers = span, [], None
+        return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        span = self.handle.span
+        span = self.span
         if exc is not None:
             span.record_exception(exc)
             span.set_status(Status(StatusCode.ERROR, f"{exc_type.__name__}: {exc}"))
         otel_context.detach(self.token)
-        self.handle.end()
+        self.end()
 
 
 def process_resource(process_kind: str, process_name: str, service_name: str | None = None) -> dict[str, Any]:
@@ -301,24 +381,26 @@ class OTelRecorder(Recorder):
         limits = SpanLimits(max_links=max_links)
         self.provider = TracerProvider(resource=resource, span_limits=limits)
         self.tracer = self.provider.get_tracer(TRACER_NAME)
-        # NOTE: child spans of sampled parents skip the SDK's tracer (local_span.py);
+        # NOTE: child spans of sampled parents skip the SDK's tracer (deferred_span.py);
         # they reach the same processors through the sink.
         self.sink = SpanSink(self.provider, limits, self.tracer, TRACER_NAME)
         if store is not None:
             # The process, as the exports show it (tracing/exporters).
             store.set_meta(f"resource.{os.getpid()}", dict(resource.attributes))
             # NOTE: a short delay so the live dashboard (and a crash) lose little.
-            self._add_processor(BatchSpanProcessor(StoreSpanExporter(store), schedule_delay_millis=200))
+            self._add_processor(StoreSpanExporter(store), schedule_delay_millis=200)
         self.live_exporter = make_otlp_exporter(otlp_traces_endpoint)
         for exporter in ([self.live_exporter] if self.live_exporter else []) + list(exporters):
-            self._add_processor(BatchSpanProcessor(exporter))
+            self._add_processor(exporter)
         # The caller whose work follows (remote_parent(follows=True)), and the step being worked on.
         self._follow: trace.SpanContext | None = None
         self._step: StepRef | None = None
         self._closed = False
         atexit.register(self.shutdown)
 
-    def _add_processor(self, processor: BatchSpanProcessor) -> None:
+    def _add_processor(self, exporter: SpanExporter, **options: Any) -> None:
+        """A DeferredSpanProcessor for `exporter` (deferred_span.py: BatchSpanProcessor's job)."""
+        processor = DeferredSpanProcessor(exporter, **options)
         self.provider.add_span_processor(processor)
         self.sink.add_processor(processor)
 
@@ -326,7 +408,8 @@ class OTelRecorder(Recorder):
                   start_ns: int | None = None, kind: SpanKind = SpanKind.INTERNAL,
                   follows: trace.SpanContext | None = None, root: bool = False) -> trace.Span:
         """A span, not made current: under `remote_parent` if given, else under the current
-        span; or, given `follows`, a follower of that span (recorder.py: "Followers")."""
+        span; or, given `follows`, a follower of that span (recorder.py: "Followers").
+        `attrs` as the recorder's callers give them (_attrs converts them)."""
         parent: trace.SpanContext | None
         if root:
             parent = trace.INVALID_SPAN_CONTEXT
@@ -337,35 +420,45 @@ class OTelRecorder(Recorder):
         else:
             parent = remote_parent
         if follows is not None:
-            span: trace.Span | None = self.sink.start_follower(name, follows, kind, attrs, start_ns)
+            span: trace.Span | None = self.sink.start_follower(name, follows, kind, start_ns)
             if span is not None:
+                if attrs:
+                    _set_attributes(span, attrs)
                 return span
             # NOTE: the SDK's tracer cannot make a follower: a child of the cause instead.
             remote_parent = follows
             parent = follows
         assert parent is not None
-        span = self.sink.start(name, parent, kind, attrs, start_ns)
-        if span is None:                    # another sampler, an unsampled parent: the SDK decides
-            context = (trace.set_span_in_context(trace.NonRecordingSpan(remote_parent))
-                       if remote_parent is not None else otel_context.Context() if root else None)
-            span = self.tracer.start_span(name, context=context, kind=kind, attributes=attrs, start_time=start_ns)
-        return span
+        span = self.sink.start(name, parent, kind, start_ns)
+        if span is not None:
+            # (as given to the span's start: its first change)
+            if attrs:
+                _set_attributes(span, attrs)
+            return span
+        # another sampler, an unsampled parent: the SDK decides
+        context = (trace.set_span_in_context(trace.NonRecordingSpan(remote_parent))
+                   if remote_parent is not None else otel_context.Context() if root else None)
+        return self.tracer.start_span(name, context=context, kind=kind, attributes=_attrs(attrs),
+                                      start_time=start_ns)
 
     def span(self, name: str, links: list[dict] | None = None, *, follows_from: Any = None, **attrs: Any) -> _Scope:
-        return _Scope(self, name, attrs, links, _context_of(follows_from))
+        return _Scope(self, name, attrs, links, None if follows_from is None else _context_of(follows_from))
 
     def record_span(self, name: str, start_ns: int, end_ns: int, *, parent: SpanHandle | None = None,
                     follows_from: Any = None, **attrs: Any) -> OTelSpan:
-        span = self._new_span(name, _context_of(parent), _attrs(attrs), start_ns, follows=_context_of(follows_from))
+        span = self._new_span(name, _context_of(parent), attrs, start_ns, follows=_context_of(follows_from))
         span.end(end_time=end_ns)
         return OTelSpan(span)
 
     def start_span(self, name: str, trace_headers: dict | None = None, kind: str = "internal",
                    start_ns: int | None = None, *, parent: SpanHandle | None = None,
                    follows_from: Any = None, root: bool = False, **attrs: Any) -> OTelSpan:
-        remote = _context_of(parent) or remote_span_context(trace_headers)
-        return OTelSpan(self._new_span(name, remote, _attrs(attrs), start_ns, _KINDS[kind],
-                                       follows=_context_of(follows_from), root=root and remote is None))
+        # (None, the common case for each, costs no call)
+        remote = (None if parent is None else _context_of(parent)) or (
+            None if not trace_headers else remote_span_context(trace_headers))
+        return OTelSpan(self._new_span(name, remote, attrs, start_ns, _KINDS[kind],
+                                       follows=None if follows_from is None else _context_of(follows_from),
+                                       root=root and remote is None))
 
     @contextlib.contextmanager
     def remote_parent(self, trace_headers: dict | None, follows: bool = False,

@@ -100,7 +100,8 @@ class Recorder:
     _step: "StepRef | None" = None
 
     def step_scope(self, handle: "SpanHandle") -> contextlib.AbstractContextManager:
-        """Inside: `handle` (an EngineCore.step span) is the step being worked on."""
+        """Inside: `handle` (an EngineCore.step span) is the step being worked on. The object
+        may be entered again once it is left (StepTrace enters one for each phase of its step)."""
         return _StepScope(self, handle)
 
     def current_step(self) -> "StepRef | None":
@@ -153,15 +154,19 @@ class Recorder:
 
 
 class _StepScope:
-    """step_scope(): the step being worked on, inside (a class: entered twice per step)."""
-    __slots__ = ("recorder", "handle", "saved")
+    """step_scope(): the step being worked on, inside (a class: entered twice per step; one
+    object may be entered again once it is left, naming the same step)."""
+    __slots__ = ("recorder", "handle", "saved", "ref")
 
     def __init__(self, recorder: Recorder, handle: "SpanHandle") -> None:
         self.recorder, self.handle = recorder, handle
+        self.ref: StepRef | None = None
 
     def __enter__(self) -> None:
         self.saved = self.recorder._step
-        self.recorder._step = StepRef(self.handle.trace_headers(), False)
+        if self.ref is None:
+            self.ref = StepRef(self.handle.trace_headers(), False)
+        self.recorder._step = self.ref
 
     def __exit__(self, *exc: object) -> None:
         self.recorder._step = self.saved

@@ -32,6 +32,7 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.trace import Link, SpanKind, StatusCode
 
+from vllm_anatomy.tracing.deferred_span import DeferredSpan, PlainSpan
 from vllm_anatomy.tracing.store import RunStore, to_json
 from vllm_anatomy.tracing.trace_context import SharedLink, link_dict, plain_attributes
 
@@ -43,14 +44,29 @@ _RESOURCE_FIELDS: dict[int, tuple] = {}
 
 
 class StoreSpanExporter(SpanExporter):
-    """Writes finished spans into the run store (called on the batch processor's thread)."""
+    """Writes finished spans into the run store (called on the batch processor's thread).
+
+    NOTE: it takes DeferredSpans as they are (DeferredSpanProcessor hands it the batch
+    unbuilt): the row of one is made from its plain values (DeferredSpan.plain: the
+    LocalSpan's, read without building it), else from the LocalSpan it builds."""
+    takes_deferred_spans = True
 
     def __init__(self, store: RunStore) -> None:
         self.store = store
 
-    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        self.store.write_spans([span_to_row(s) for s in spans])
-        details = [row for s in spans if (row := span_details(s)) is not None]
+    def export(self, spans: Sequence[ReadableSpan | DeferredSpan]) -> SpanExportResult:
+        rows, details = [], []
+        for s in spans:
+            if type(s) is DeferredSpan:
+                plain = s.plain()
+                if plain is not None:
+                    rows.append(plain_span_to_row(plain, s._sink.resource))
+                    continue                # (our scope, no status message: no details row)
+                s = s.build()
+            rows.append(span_to_row(s))
+            if (row := span_details(s)) is not None:
+                details.append(row)
+        self.store.write_spans(rows)
         if details:
             self.store.write_span_details(details)
         return SpanExportResult.SUCCESS
@@ -75,6 +91,23 @@ def span_to_row(s) -> tuple:
                      for e in events]) if events else "[]",
             _links_json(links) if links else "[]",
             "UNSET" if status is StatusCode.UNSET else status.name, service, process_kind, pid,
+            attrs.get("vllm_anatomy.step_id"), str(request_id) if request_id is not None else None)
+
+
+def plain_span_to_row(s: PlainSpan, resource: Resource) -> tuple:
+    """span_to_row of the LocalSpan a DeferredSpan stands for, from its plain values
+    (status unset). NOTE: tests/tracing/test_deferred_spans.py holds the two equal."""
+    ctx, parent, attrs, events, links = s.context, s.parent, s.attributes, s.events, s.links
+    service, process_kind, pid = _resource_fields(resource)
+    kind = s.kind
+    request_id = attrs.get("vllm_anatomy.request_id")
+    return (_trace_hex(ctx.trace_id), f"{ctx.span_id:016x}", f"{parent.span_id:016x}" if parent else None,
+            s.name, "internal" if kind is SpanKind.INTERNAL else _KIND_NAMES[kind], s.start_time, s.end_time,
+            to_json(attrs),
+            to_json([{"name": name, "time_ns": time_ns, "attributes": event_attrs}
+                     for name, event_attrs, time_ns in events]) if events else "[]",
+            _links_json(links) if links else "[]",
+            "UNSET", service, process_kind, pid,
             attrs.get("vllm_anatomy.step_id"), str(request_id) if request_id is not None else None)
 
 

@@ -42,10 +42,9 @@ the quiet-call count are drained, and exist only for this tracer).
 """
 from __future__ import annotations
 
-import contextlib
 import operator
 import time
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable
 
 import msgspec
 
@@ -180,8 +179,7 @@ class StepTracer:
         if self.snapshot_at_launch:
             self.on_update.append(SpecDecodeSnapshotter(self.recorder, scheduler))
 
-    @contextlib.contextmanager
-    def add_request(self, request: Any) -> Iterator[None]:
+    def add_request(self, request: Any) -> _AddRequestSpan:
         """`with tracer.add_request(request):` the EngineCore.add_request span.
 
         NOTE: in the request's own trace (its W3C context rides on the request), not
@@ -189,17 +187,7 @@ class StepTracer:
         frontend adds it in this process, and waits), else a follower of it
         (another process: the frontend may finish the request first, e.g. when its
         client goes away). A request refused inside leaves its span unended (unrecorded)."""
-        start_ns = self.recorder.now_ns()
-        headers = request.trace_headers
-        where: dict[str, Any] = ({"trace_headers": headers} if self.recorder.is_current(headers)
-                                 else {"follows_from": headers})
-        attrs: dict[str, Any] = {REQUEST_ID: request.request_id}
-        span = self.recorder.start_span("EngineCore.add_request", **where, **attrs)
-        with self.recorder.use_span(span):
-            yield
-        span.end()
-        if self.links_requests and headers:
-            self.lives[request.request_id] = _RequestLife(headers, start_ns)
+        return _AddRequestSpan(self, request)
 
     def start_step(self) -> StepTrace:
         """Open the next step's EngineCore.step span (not current until `with trace:`)."""
@@ -235,9 +223,18 @@ class StepTracer:
         llm_request: the frontend may have finished it first), from
         EngineCore.add_request to now, linked to every step that scheduled it."""
         lives = self.lives
+        # NOTE: requests that ran together share their epochs' lists (a whole batch
+        # finishing at once shares all of them): their step headers are gathered once,
+        # into one tuple, from which the recorder makes the links once (OTelSpan.add_links).
+        # Keyed by the lists' ids, kept alive by the value for the call.
+        gathered: dict[tuple[int, ...], tuple[list, tuple[dict, ...]]] = {}
         for req_id in [r for r in req_ids if r in lives]:
             life = lives.pop(req_id)
-            steps = [h for epoch in life.epochs for h in epoch]
+            key = tuple(map(id, life.epochs))
+            hit = gathered.get(key)
+            if hit is None:
+                hit = gathered[key] = (life.epochs, tuple([h for epoch in life.epochs for h in epoch]))
+            steps = hit[1]
             attrs: dict[str, Any] = {REQUEST_ID: req_id, "vllm_anatomy.num_steps": len(steps)}
             span = self.recorder.start_span("Request", follows_from=life.headers, start_ns=life.start_ns, **attrs)
             span.add_links(steps)
@@ -272,6 +269,34 @@ class StepTracer:
         return self.recorder.now_ns() - time.monotonic_ns() + int(monotonic_s * 1e9)
 
 
+class _AddRequestSpan:
+    """StepTracer.add_request (a class, not a generator: entered once per request)."""
+    __slots__ = ("tracer", "request", "headers", "start_ns", "span", "scope")
+
+    def __init__(self, tracer: StepTracer, request: Any) -> None:
+        self.tracer, self.request = tracer, request
+
+    def __enter__(self) -> None:
+        recorder = self.tracer.recorder
+        self.start_ns = recorder.now_ns()
+        self.headers = headers = self.request.trace_headers
+        where: dict[str, Any] = ({"trace_headers": headers} if recorder.is_current(headers)
+                                 else {"follows_from": headers})
+        attrs: dict[str, Any] = {REQUEST_ID: self.request.request_id}
+        self.span = recorder.start_span("EngineCore.add_request", **where, **attrs)
+        self.scope = recorder.use_span(self.span)
+        self.scope.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.scope.__exit__(*exc)
+        if exc[1] is not None:
+            return                          # (refused: its span stays unended, unrecorded)
+        self.span.end()
+        tracer = self.tracer
+        if tracer.links_requests and self.headers:
+            tracer.lives[self.request.request_id] = _RequestLife(self.headers, self.start_ns)
+
+
 class StepTrace:
     """One step's EngineCore.step span, and the spans of its phases under it.
 
@@ -291,18 +316,20 @@ class StepTrace:
         self._headers: dict | None = None
 
     def __enter__(self) -> StepTrace:
-        """Make the step span current (it stays open on exit), and the step being worked on."""
+        """Make the step span current (it stays open on exit), and the step being worked on.
+        (Entered up to three times a step, one after the other: the step scope, which can be
+        entered again, is made once.)"""
         recorder = self.tracer.recorder
+        if self._step_scope is None:
+            self._step_scope = recorder.step_scope(self.span)
         self._scope = recorder.use_span(self.span)
         self._scope.__enter__()
-        self._step_scope = recorder.step_scope(self.span)
         self._step_scope.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> Any:
+        self._step_scope.__exit__(*exc)
         scope, self._scope = self._scope, None
-        step_scope, self._step_scope = self._step_scope, None
-        step_scope.__exit__(*exc)
         return scope.__exit__(*exc)
 
     def headers(self) -> dict:

@@ -9,6 +9,7 @@ are made once per request (memoised) and shared.
 from __future__ import annotations
 
 import functools
+import re
 from typing import Any
 
 from opentelemetry import context as otel_context
@@ -20,6 +21,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from vllm_anatomy.tracing.store import to_json
 
 _PROPAGATOR = TraceContextTextMapPropagator()
+_OWN_TRACEPARENT = re.compile("00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
 
 
 def inject_trace_headers(ctx: otel_context.Context | None = None) -> dict[str, str]:
@@ -67,6 +69,16 @@ def _parse_w3c(traceparent: str | None, tracestate: str | None) -> trace.SpanCon
     parses per step at batch 256 if each were parsed): memoised."""
     if not traceparent:
         return None
+    if tracestate is None:
+        # NOTE: the form headers_of writes (version 00, nothing after the flags): what the
+        # propagator makes of it, without its carrier, getter and context (a step's own
+        # headers are new every step, so this runs once per step and per rank).
+        own = _OWN_TRACEPARENT.fullmatch(traceparent)
+        if own is not None:
+            trace_id, span_id = int(own[1], 16), int(own[2], 16)
+            if not trace_id or not span_id:
+                return None
+            return trace.SpanContext(trace_id, span_id, is_remote=True, trace_flags=trace.TraceFlags(int(own[3], 16)))
     carrier = {"traceparent": traceparent, **({"tracestate": tracestate} if tracestate else {})}
     span_context = trace.get_current_span(_PROPAGATOR.extract(carrier)).get_span_context()
     return span_context if span_context.is_valid else None
@@ -118,6 +130,9 @@ def headers_of(span_context: trace.SpanContext) -> dict[str, str]:
     if not span_context.trace_state and span_context.is_valid:
         return {"traceparent": f"00-{span_context.trace_id:032x}-{span_context.span_id:016x}-"
                                f"{span_context.trace_flags:02x}"}
+    if span_context is trace.INVALID_SPAN_CONTEXT:
+        # (no current span: an offline caller without one asks for every request it adds)
+        return {}
     return inject_trace_headers(trace.set_span_in_context(trace.NonRecordingSpan(span_context)))
 
 
