@@ -80,34 +80,32 @@ def span_to_row(s) -> tuple:
 
     NOTE: runs on the exporter's thread but holds the GIL, so the engine's
     thread waits for it: every span of every step passes here once."""
-    ctx, parent, attrs, events, links = s.context, s.parent, plain_attributes(s.attributes), s.events, s.links
-    service, process_kind, pid = _resource_fields(s.resource)
-    kind, status = s.kind, s.status.status_code
-    request_id = attrs.get("vllm_anatomy.request_id")
-    return (_trace_hex(ctx.trace_id), f"{ctx.span_id:016x}", f"{parent.span_id:016x}" if parent else None,
-            s.name, "internal" if kind is SpanKind.INTERNAL else _KIND_NAMES[kind], s.start_time, s.end_time,
-            to_json(attrs),
-            to_json([{"name": e.name, "time_ns": e.timestamp, "attributes": plain_attributes(e.attributes)}
-                     for e in events]) if events else "[]",
-            _links_json(links) if links else "[]",
-            "UNSET" if status is StatusCode.UNSET else status.name, service, process_kind, pid,
-            attrs.get("vllm_anatomy.step_id"), str(request_id) if request_id is not None else None)
+    events, status = s.events, s.status.status_code
+    return _row(s.context, s.parent, s.name, s.kind, s.start_time, s.end_time, plain_attributes(s.attributes),
+                to_json([{"name": e.name, "time_ns": e.timestamp, "attributes": plain_attributes(e.attributes)}
+                         for e in events]) if events else "[]",
+                s.links, "UNSET" if status is StatusCode.UNSET else status.name, s.resource)
 
 
 def plain_span_to_row(s: PlainSpan, resource: Resource) -> tuple:
     """span_to_row of the LocalSpan a DeferredSpan stands for, from its plain values
     (status unset). NOTE: tests/tracing/test_deferred_spans.py holds the two equal."""
-    ctx, parent, attrs, events, links = s.context, s.parent, s.attributes, s.events, s.links
+    events = s.events
+    return _row(s.context, s.parent, s.name, s.kind, s.start_time, s.end_time, s.attributes,
+                to_json([{"name": name, "time_ns": time_ns, "attributes": event_attrs}
+                         for name, event_attrs, time_ns in events]) if events else "[]",
+                s.links, "UNSET", resource)
+
+
+def _row(ctx, parent, name: str, kind: SpanKind, start_time: int, end_time: int, attrs: dict, events_json: str,
+         links, status: str, resource: Resource) -> tuple:
+    """The row of a span given its plain attributes, its events as JSON and its status name."""
     service, process_kind, pid = _resource_fields(resource)
-    kind = s.kind
     request_id = attrs.get("vllm_anatomy.request_id")
     return (_trace_hex(ctx.trace_id), f"{ctx.span_id:016x}", f"{parent.span_id:016x}" if parent else None,
-            s.name, "internal" if kind is SpanKind.INTERNAL else _KIND_NAMES[kind], s.start_time, s.end_time,
-            to_json(attrs),
-            to_json([{"name": name, "time_ns": time_ns, "attributes": event_attrs}
-                     for name, event_attrs, time_ns in events]) if events else "[]",
-            _links_json(links) if links else "[]",
-            "UNSET", service, process_kind, pid,
+            name, "internal" if kind is SpanKind.INTERNAL else _KIND_NAMES[kind], start_time, end_time,
+            to_json(attrs), events_json, _links_json(links) if links else "[]",
+            status, service, process_kind, pid,
             attrs.get("vllm_anatomy.step_id"), str(request_id) if request_id is not None else None)
 
 
