@@ -49,7 +49,7 @@ from opentelemetry.sdk.util import BoundedList
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 
 from vllm_anatomy.tracing.deferred_span import DeferredSpan, DeferredSpanProcessor, SpanSink
-from vllm_anatomy.tracing.local_span import LocalSpan
+from vllm_anatomy.tracing.local_span import LocalSpan, _kept
 from vllm_anatomy.tracing.recorder import LEVELS, Recorder, SpanHandle, StepRef
 from vllm_anatomy.tracing.span_export import StoreSpanExporter, make_otlp_exporter
 from vllm_anatomy.tracing.store import RunStore, to_json
@@ -116,29 +116,12 @@ _STR = frozenset((str,))
 
 
 def _kept_attrs(attrs: Mapping[str, Any]) -> dict[str, Any] | None:
-    """local_span._kept(_attrs(attrs)) in one pass where every value is plain: None (left
-    out), a str, bool, int or float, or a list or tuple of one of those types (kept as a
-    tuple). None for anything else: the caller takes the general path (_attrs, then
-    the span's set_attributes)."""
+    """local_span._kept(_attrs(attrs)): the attributes as a DeferredSpan keeps them, or None
+    where the caller must take the general path (_attrs, then the span's set_attributes)."""
     # NOTE: most calls carry scalars under our own (str) keys: checked in C-level passes, copied as is.
     if set(map(type, attrs.values())) <= _PLAIN and set(map(type, attrs)) <= _STR and "" not in attrs:
         return dict(attrs)
-    out: dict[str, Any] = {}
-    for key, value in attrs.items():
-        kind = type(value)
-        if type(key) is not str or not key:
-            return None
-        if kind in _PLAIN:
-            out[key] = value
-        elif value is None:
-            continue
-        elif kind is list or kind is tuple:
-            if value and (type(value[0]) not in _PLAIN or any(type(v) is not type(value[0]) for v in value)):
-                return None
-            out[key] = tuple(value)
-        else:
-            return None
-    return out
+    return _kept(_attrs(attrs))
 
 
 def _set_attributes(span: trace.Span, attrs: Mapping[str, Any]) -> None:
