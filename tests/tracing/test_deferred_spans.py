@@ -214,6 +214,30 @@ def test_full_queue_drops_the_oldest_and_warns_once(caplog):
     assert not processor.queue
 
 
+def test_a_span_that_fails_to_build_fails_its_batch_only(monkeypatch, caplog):
+    exporter = _Slow()
+    processor = DeferredSpanProcessor(exporter, schedule_delay_millis=60_000)
+    rec = OTelRecorder("spans")
+    rec.sink.processors.append(processor)
+    build = DeferredSpan.build
+
+    def broken(span):
+        if span._name == "bad":
+            raise RuntimeError("a bug in build")
+        return build(span)
+    monkeypatch.setattr(DeferredSpan, "build", broken)
+    for name in ("ok1", "bad"):
+        with rec.span(name):
+            pass
+    with caplog.at_level(logging.ERROR, logger="vllm_anatomy.tracing.deferred_span"):
+        processor.force_flush()                         # the batch is lost and logged, nothing raised
+    assert exporter.batches == [] and any("exporting 2 spans" in r.getMessage() for r in caplog.records)
+    with rec.span("ok2"):
+        pass
+    processor.shutdown()                                # the worker went on: later spans are exported
+    assert [s.name for batch in exporter.batches for s in batch] == ["ok2"]
+
+
 def test_shutdown_exports_what_is_queued_from_another_thread():
     exporter = InMemorySpanExporter()
     rec = OTelRecorder("spans", exporters=[exporter])

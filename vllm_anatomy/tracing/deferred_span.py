@@ -524,9 +524,10 @@ class DeferredSpanProcessor(SpanProcessor):
                 self._dropping = False
                 # (the exporter's own calls, an HTTP client's, are not traced: as BatchSpanProcessor)
                 token = otel_context.attach(otel_context.set_value(otel_context._SUPPRESS_INSTRUMENTATION_KEY, True))
-                spans: list[Any] = ([s.build() if type(s) is DeferredSpan else s for s in batch] if self.builds
-                                    else batch)     # (an exporter with takes_deferred_spans takes them as they are)
                 try:
+                    # (built inside the try: a span that fails to build fails its batch, as the NOTE says)
+                    spans: list[Any] = ([s.build() if type(s) is DeferredSpan else s for s in batch] if self.builds
+                                        else batch)     # (an exporter with takes_deferred_spans takes them as they are)
                     self.exporter.export(spans)
                 except Exception:       # noqa: BLE001 (as BatchSpanProcessor: log, lose the batch, go on)
                     logger.exception("Exception while exporting %d spans.", count)
