@@ -264,6 +264,9 @@ def launch_grid(m: int, n: int, k: int, cfg: SkinnyGemmConfig) -> tuple[int, int
     return triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), launch_splits(cfg, k)[1]
 
 
+# NOTE: cached: a pure function of host ints, asked by every linear layer of every eager step
+# (a graph replay asks nothing); the config is frozen, so sharing it is safe.
+@functools.cache
 def default_config(m: int, n: int, k: int, dtype: torch.dtype, num_sms: int = HOPPER_SMS) -> SkinnyGemmConfig:
     """The first-principles choice for shapes TUNED_CONFIGS has no row for.
 
