@@ -30,9 +30,10 @@ environment_variables: dict[str, Callable[[], Any]] = {
         lambda: os.getenv("VLLM_ANATOMY_ENABLE_QK_NORM_ROPE_FUSION", "1") not in ("0", "false", "False"),
     # ... and, on top of it, the step's K/V written into the paged cache by the same launch
     # (vLLM's pass_config.fuse_qk_norm_rope_kvcache; compilation/qk_norm_rope_kvcache_fusion.py),
-    # for steps of at most 256 tokens, read when the model is built.
+    # for steps of at most 256 tokens, read when the model is built. On by default: +1.2-1.4 %
+    # output tok/s on an H100 (bench/results/throughput_ab_fuse_kv_h100.json, two ABBA rounds).
     "VLLM_ANATOMY_FUSE_QK_NORM_ROPE_KVCACHE":
-        lambda: os.getenv("VLLM_ANATOMY_FUSE_QK_NORM_ROPE_KVCACHE", "0") not in ("0", "false", "False"),
+        lambda: os.getenv("VLLM_ANATOMY_FUSE_QK_NORM_ROPE_KVCACHE", "1") not in ("0", "false", "False"),
     # Temperature-only batches sampled in one read of the logits on CUDA
     # (model_executor/sampler.py, vllm_anatomy/kernels/sampling.py), read when the sampler is imported.
     "VLLM_ANATOMY_FUSED_SAMPLING": lambda: os.getenv("VLLM_ANATOMY_FUSED_SAMPLING", "1") != "0",
@@ -57,8 +58,10 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # Linear layers and the lm_head on CUDA multiply through the split-K Triton kernel
     # (kernels/skinny_gemm.py) when a step has at most VLLM_ANATOMY_SKINNY_GEMM_MAX_M tokens,
     # through F.linear (cuBLAS) above it (model_executor/layers/utils.py), read when a model
-    # is loaded. NOTE: off by default until measured on a GPU (bench/skinny_gemm.py).
-    "VLLM_ANATOMY_SKINNY_GEMM": lambda: os.getenv("VLLM_ANATOMY_SKINNY_GEMM", "0") not in ("0", "false", "False"),
+    # is loaded. "tuned" (the default): only for (N, K, token bucket)s whose TUNED_CONFIGS row
+    # measured the kernel faster than cuBLAS; "1": every shape (default_config where no row);
+    # "0": F.linear always (the A/B's baseline).
+    "VLLM_ANATOMY_SKINNY_GEMM": lambda: _skinny_gemm(os.getenv("VLLM_ANATOMY_SKINNY_GEMM", "tuned")),
     "VLLM_ANATOMY_SKINNY_GEMM_MAX_M":
         lambda: _positive_int("VLLM_ANATOMY_SKINNY_GEMM_MAX_M", os.getenv("VLLM_ANATOMY_SKINNY_GEMM_MAX_M", "256")),
     # Seconds a dead EngineCore process may spend shutting down after a fatal
@@ -92,6 +95,18 @@ def _prefill_kernel(value: str) -> str:
         return "cudnn"
     raise ValueError(f"VLLM_ANATOMY_PREFILL_KERNEL={value!r}: expected 0 (off), 1 (the Triton prefill "
                      "kernel) or cudnn (long fresh prefills through torch SDPA on cuDNN, the rest as 1)")
+
+
+def _skinny_gemm(value: str) -> str:
+    """VLLM_ANATOMY_SKINNY_GEMM as "0", "tuned" or "1"; anything else is refused."""
+    if value in ("0", "false", "False", ""):
+        return "0"
+    if value in ("1", "true", "True"):
+        return "1"
+    if value == "tuned":
+        return "tuned"
+    raise ValueError(f"VLLM_ANATOMY_SKINNY_GEMM={value!r}: expected 0 (F.linear always), tuned (the split-K "
+                     "kernel where TUNED_CONFIGS measured it faster) or 1 (the kernel for every shape)")
 
 
 def _positive_int(name: str, value: str) -> int:

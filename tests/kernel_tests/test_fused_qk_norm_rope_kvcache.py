@@ -31,10 +31,11 @@ from vllm_anatomy.model_executor.models.llama import LlamaAttention
 BLOCK_SIZE, NUM_BLOCKS = 16, 8
 
 
-def random_slots(num_tokens, num_pad, gen, device=DEVICE):
+def random_slots(num_tokens, num_pad, gen, num_blocks=NUM_BLOCKS, device=DEVICE):
     """Distinct slots, slot 0 first (the edge of slot >= 0), ~20 % of the others -1, and -1 for
     the padding tail (a graph-sized batch)."""
-    perm = torch.randperm(NUM_BLOCKS * BLOCK_SIZE, generator=gen)
+    assert num_tokens + num_pad <= num_blocks * BLOCK_SIZE, "fewer slots than tokens"
+    perm = torch.randperm(num_blocks * BLOCK_SIZE, generator=gen)
     slots = torch.cat([torch.zeros(1, dtype=torch.long), perm[perm != 0]])[:num_tokens + num_pad]
     drop = torch.rand(num_tokens + num_pad, generator=gen) < 0.2
     drop[0] = False
@@ -53,8 +54,10 @@ def run_pair(num_tokens, num_heads, num_kv_heads, head_dim, dtype, is_neox, seed
     cols = slice(row_pad // 2, row_pad // 2 + qkv.shape[1])
     wide = torch.randn(qkv.shape[0], qkv.shape[1] + row_pad, generator=gen).to(dtype).to(DEVICE)
     wide[:, cols] = qkv
-    slots = random_slots(num_tokens, num_pad, gen)
-    cache = torch.randn(2, NUM_BLOCKS, BLOCK_SIZE, num_kv_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
+    # NOTE: at least one slot per token (the GPU case batches 256 + 5 tokens), plus a spare block
+    num_blocks = max(NUM_BLOCKS, -(-(num_tokens + num_pad) // BLOCK_SIZE) + 1)
+    slots = random_slots(num_tokens, num_pad, gen, num_blocks)
+    cache = torch.randn(2, num_blocks, BLOCK_SIZE, num_kv_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
     before = cache.clone()
     outs = []
     for fn in (fused_qk_norm_rope_kvcache, fused_qk_norm_rope_kvcache_ref):
@@ -227,11 +230,11 @@ def test_seam_writes_the_same_cache_and_skips_reshape_and_cache(seam_on_cpu, num
 
 
 def test_switches(monkeypatch):
-    """Built on the q/k norm + RoPE fusion: off by default (until measured on a GPU), on with
-    VLLM_ANATOMY_FUSE_QK_NORM_ROPE_KVCACHE=1, off again with either switch at 0, never without
+    """Built on the q/k norm + RoPE fusion: on by default (measured on an H100), and with
+    VLLM_ANATOMY_FUSE_QK_NORM_ROPE_KVCACHE=1, off with either switch at 0, never without
     q/k norm (Llama), never with the torch backend or CPU tensors."""
     monkeypatch.delenv("VLLM_ANATOMY_FUSE_QK_NORM_ROPE_KVCACHE", raising=False)
-    assert not qwen3_attention().fuse_qk_norm_rope_kvcache
+    assert qwen3_attention().fuse_qk_norm_rope_kvcache
     monkeypatch.setenv("VLLM_ANATOMY_FUSE_QK_NORM_ROPE_KVCACHE", "1")
     assert qwen3_attention().fuse_qk_norm_rope_kvcache
     assert not LlamaAttention(CONFIG, TritonAttentionBackend, False, False, qk_norm=False).fuse_qk_norm_rope_kvcache

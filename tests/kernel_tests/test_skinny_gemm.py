@@ -1,6 +1,7 @@
 """skinny_gemm (kernels/skinny_gemm.py) against its torch reference, bit-for-bit repeatable,
 and the seam that sends a layer's matmul to it (model_executor/layers/utils.py:
-dispatch_skinny_unquantized_gemm) only with VLLM_ANATOMY_SKINNY_GEMM=1 and few tokens.
+dispatch_skinny_unquantized_gemm) with VLLM_ANATOMY_SKINNY_GEMM=1 (or =tuned where a row
+was measured) and few tokens.
 On a GPU the kernels compile; here they run in Triton's interpreter (fp32 dots)."""
 import dataclasses
 
@@ -123,8 +124,8 @@ def test_default_table_fills_the_gpu_from_shapes_alone(m):
     at two BLOCK_K steps per split or where the fp32 partials would outweigh W, never
     splits the lm_head, and is a function of shapes."""
     for name, (n, k) in QWEN3_0_6B.items():
-        cfg = sg.pick_config(m, n, k, torch.bfloat16, 132)
-        assert cfg == sg.pick_config(m, n, k, torch.bfloat16, 132)
+        cfg = sg.default_config(m, n, k, torch.bfloat16, 132)
+        assert cfg == sg.default_config(m, n, k, torch.bfloat16, 132)
         tiles_m, tiles_n, splits = sg.launch_grid(m, n, k, cfg)
         k_per_split, _ = sg.launch_splits(cfg, k)
         steps = k_per_split // cfg.block_k
@@ -168,6 +169,7 @@ def test_qwen3_shapes_in_cuda_graphs(name):
 
 def test_tuned_rows_override_the_default(monkeypatch):
     row = SkinnyGemmConfig(32, 128, 64, split_k=2, num_warps=8, num_stages=5, tma=True)
+    monkeypatch.setattr(sg, "TUNED_CONFIGS", {})                          # not the shipped rows
     monkeypatch.setitem(sg.TUNED_CONFIGS, (1024, 2048, 32), row)
     monkeypatch.setitem(sg.TUNED_CONFIGS, (1024, 2048, 64), None)
     assert sg.pick_config(17, 1024, 2048, torch.bfloat16) == row        # M 17..32: bucket 32
@@ -201,23 +203,79 @@ def _layers():
 
 
 def test_switches(monkeypatch):
-    """Off by default (until measured on a GPU); on with =1, off with =0; never off CUDA;
-    the threshold is a positive int, 256 by default."""
+    """"tuned" by default, "1" and "0" (and their spellings) too, anything else refused;
+    never off CUDA; the threshold is a positive int, 256 by default."""
     monkeypatch.delenv("VLLM_ANATOMY_SKINNY_GEMM", raising=False)
     monkeypatch.delenv("VLLM_ANATOMY_SKINNY_GEMM_MAX_M", raising=False)
     from vllm_anatomy import envs
-    assert envs.VLLM_ANATOMY_SKINNY_GEMM is False and envs.VLLM_ANATOMY_SKINNY_GEMM_MAX_M == 256
+    assert envs.VLLM_ANATOMY_SKINNY_GEMM == "tuned" and envs.VLLM_ANATOMY_SKINNY_GEMM_MAX_M == 256
     lin, _, _ = _layers()
-    assert not layer_utils.dispatch_skinny_unquantized_gemm(lin) and "gemm" not in vars(lin)
+    assert not layer_utils.dispatch_skinny_unquantized_gemm(lin) and "gemm" not in vars(lin)   # no row for 40x48
     monkeypatch.setenv("VLLM_ANATOMY_SKINNY_GEMM", "1")
     assert layer_utils.dispatch_skinny_unquantized_gemm(lin) == ON_GPU       # CPU tensors: never
-    for off in ("0", "false"):
-        monkeypatch.setenv("VLLM_ANATOMY_SKINNY_GEMM", off)
-        assert not layer_utils.dispatch_skinny_unquantized_gemm(_layers()[0])
+    for value, parsed in (("0", "0"), ("false", "0"), ("", "0"), ("true", "1"), ("tuned", "tuned")):
+        monkeypatch.setenv("VLLM_ANATOMY_SKINNY_GEMM", value)
+        assert envs.VLLM_ANATOMY_SKINNY_GEMM == parsed
+        if parsed == "0":
+            assert not layer_utils.dispatch_skinny_unquantized_gemm(_layers()[0])
+    for bad in ("2", "Tuned", "on"):
+        monkeypatch.setenv("VLLM_ANATOMY_SKINNY_GEMM", bad)
+        with pytest.raises(ValueError, match="VLLM_ANATOMY_SKINNY_GEMM="):
+            envs.VLLM_ANATOMY_SKINNY_GEMM  # noqa: B018
+    monkeypatch.delenv("VLLM_ANATOMY_SKINNY_GEMM")
     for bad in ("0", "-3", "many"):
         monkeypatch.setenv("VLLM_ANATOMY_SKINNY_GEMM_MAX_M", bad)
         with pytest.raises(ValueError, match="VLLM_ANATOMY_SKINNY_GEMM_MAX_M"):
             envs.VLLM_ANATOMY_SKINNY_GEMM_MAX_M  # noqa: B018
+
+
+def test_tuned_mode_takes_only_the_measured_rows(monkeypatch):
+    """VLLM_ANATOMY_SKINNY_GEMM=tuned (the default): a 16-bit weight with a config row in some
+    bucket gets a gemm that runs the kernel in those buckets only (no row, or a None row:
+    F.linear); a weight without any config row, an fp32 one, or one off Hopper keeps F.linear."""
+    monkeypatch.delenv("VLLM_ANATOMY_SKINNY_GEMM", raising=False)
+    monkeypatch.setenv("VLLM_ANATOMY_CPU_ONEDNN_GEMM", "0")
+    monkeypatch.setattr(layer_utils, "_on_cuda", lambda weight: True)
+    hopper = [True]
+    monkeypatch.setattr(layer_utils, "_on_hopper", lambda weight: hopper[0])
+    calls = []
+    real = sg.skinny_gemm
+
+    def counting(x, weight, bias=None, **kw):
+        calls.append(x.shape[0])
+        return real(x, weight, bias, **kw)
+    monkeypatch.setattr(sg, "skinny_gemm", counting)
+    row = SkinnyGemmConfig(16, 32, 32, split_k=2, num_warps=4, num_stages=2)
+    monkeypatch.setitem(sg.TUNED_CONFIGS, (40, 48, 32), row)          # M 17..32 only
+    monkeypatch.setitem(sg.TUNED_CONFIGS, (40, 48, 64), None)         # cuBLAS measured faster
+    dtype = torch.float16
+    lin = LinearBase(48, 40, bias=True).to(DEVICE, dtype)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn_like(lin.weight))
+        lin.bias.copy_(torch.randn_like(lin.bias))
+    assert layer_utils.dispatch_unquantized_gemm(lin) and "gemm" in vars(lin)
+    for t in (3, 17, 32, 33, 64, 100):
+        x = torch.randn(t, 48, device=DEVICE).to(dtype)
+        calls.clear()
+        ref = F.linear(x.float(), lin.weight.float(), lin.bias.float())
+        torch.testing.assert_close(lin(x).float(), ref, rtol=2e-2, atol=2e-2)
+        assert calls == ([t] if 17 <= t <= 32 else []), t
+    other = LinearBase(48, 24).to(DEVICE, dtype)                       # no row for 24x48
+    assert not layer_utils.dispatch_unquantized_gemm(other) and "gemm" not in vars(other)
+    fp32 = LinearBase(48, 40).to(DEVICE)                               # rows are for 16-bit types
+    assert not layer_utils.dispatch_unquantized_gemm(fp32) and "gemm" not in vars(fp32)
+    hopper[0] = False
+    elsewhere = LinearBase(48, 40).to(DEVICE, dtype)
+    assert not layer_utils.dispatch_unquantized_gemm(elsewhere) and "gemm" not in vars(elsewhere)
+
+
+def test_the_committed_rows_name_qwen3_shapes_and_win_somewhere():
+    """The shipped TUNED_CONFIGS (measured on an H100): every key is a Qwen3-0.6B decode shape
+    and a bucket of M_BUCKETS, and some rows are configs (else "tuned" would be "0")."""
+    shapes = set(QWEN3_0_6B.values())
+    assert sg.TUNED_CONFIGS and all((n, k) in shapes and b in sg.M_BUCKETS for n, k, b in sg.TUNED_CONFIGS)
+    assert any(isinstance(c, SkinnyGemmConfig) for c in sg.TUNED_CONFIGS.values())
+    assert sg.tuned_buckets(1024, 3072) == [16, 32, 64]                 # down_proj, split-K 4
 
 
 def test_seam_takes_the_kernel_under_the_threshold_only(monkeypatch):

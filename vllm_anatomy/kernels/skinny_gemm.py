@@ -307,17 +307,59 @@ def config_for_tiles(m: int, n: int, k: int, block_m: int, block_n: int, block_k
     return SkinnyGemmConfig(block_m, block_n, block_k, split_k, num_warps, num_stages, swap_ab)
 
 
-# Measured rows: (N, K, M bucket) -> config, for bf16/fp16 on Hopper (H100/H200), or None where
+# Measured rows: (N, K, M bucket) -> config, for bf16/fp16 on Hopper (sm_90), or None where
 # cuBLAS measured faster (the layer's gemm then calls F.linear for those shapes: prefers_cublas).
-# Printed by bench/skinny_gemm.py ("rows for TUNED_CONFIGS") on the GPU; shapes without a row
-# use default_config. Empty until that run: see the NOTE on default_config for what it picks.
-TUNED_CONFIGS: dict[tuple[int, int, int], SkinnyGemmConfig | None] = {}
+# Printed by bench/skinny_gemm.py ("rows for TUNED_CONFIGS") on an H100 80GB HBM3 (2026-12-07,
+# bench/results/skinny_gemm_h100.json): Qwen3-0.6B's decode shapes, timed with the weights past
+# L2, the best of each bucket's sweep against cuBLAS over the bucket's Ms (1/4/16, 32, 64, 128,
+# 192/256). The kernel won 10 of 25: down_proj up to 64 tokens (split-K 4, 6-12 % under cuBLAS),
+# gate_up at 17-64 (4-7 %), qkv at 17-32 (1 %) and the lm_head up to 128 (1-4 %); cuBLAS kept the rest.
+# With VLLM_ANATOMY_SKINNY_GEMM=tuned (the default) only the config rows take the kernel; with
+# =1 shapes without a row take default_config (see its NOTE).
+TUNED_CONFIGS: dict[tuple[int, int, int], SkinnyGemmConfig | None] = {
+    (4096, 1024, 16): None,
+    (4096, 1024, 32): SkinnyGemmConfig(16, 64, 128, split_k=1, num_warps=4, num_stages=4, swap_ab=True, tma=False, reduce='serial'),
+    (4096, 1024, 64): None,
+    (4096, 1024, 128): None,
+    (4096, 1024, 256): None,
+    (1024, 2048, 16): None,
+    (1024, 2048, 32): None,
+    (1024, 2048, 64): None,
+    (1024, 2048, 128): None,
+    (1024, 2048, 256): None,
+    (6144, 1024, 16): None,
+    (6144, 1024, 32): SkinnyGemmConfig(16, 64, 128, split_k=1, num_warps=4, num_stages=4, swap_ab=True, tma=True, reduce='serial'),
+    (6144, 1024, 64): SkinnyGemmConfig(32, 64, 128, split_k=1, num_warps=4, num_stages=4, swap_ab=True, tma=True, reduce='serial'),
+    (6144, 1024, 128): None,
+    (6144, 1024, 256): None,
+    (1024, 3072, 16): SkinnyGemmConfig(16, 64, 256, split_k=4, num_warps=4, num_stages=4, swap_ab=True, tma=False, reduce='serial'),
+    (1024, 3072, 32): SkinnyGemmConfig(16, 64, 256, split_k=4, num_warps=4, num_stages=4, swap_ab=True, tma=False, reduce='serial'),
+    (1024, 3072, 64): SkinnyGemmConfig(32, 64, 256, split_k=4, num_warps=4, num_stages=4, swap_ab=True, tma=False, reduce='serial'),
+    (1024, 3072, 128): None,
+    (1024, 3072, 256): None,
+    (151936, 1024, 16): SkinnyGemmConfig(16, 128, 128, split_k=1, num_warps=8, num_stages=2, swap_ab=True, tma=False, reduce='serial'),
+    (151936, 1024, 32): SkinnyGemmConfig(32, 64, 128, split_k=1, num_warps=4, num_stages=2, swap_ab=True, tma=False, reduce='serial'),
+    (151936, 1024, 64): SkinnyGemmConfig(64, 64, 64, split_k=1, num_warps=4, num_stages=5, swap_ab=False, tma=False, reduce='serial'),
+    (151936, 1024, 128): SkinnyGemmConfig(128, 64, 64, split_k=1, num_warps=4, num_stages=4, swap_ab=True, tma=True, reduce='serial'),
+    (151936, 1024, 256): None,
+}
 
 
 def prefers_cublas(m: int, n: int, k: int, dtype: torch.dtype) -> bool:
     """True where TUNED_CONFIGS holds None for this shape's bucket: F.linear was faster there."""
     key = (n, k, m_bucket(m))
     return dtype != torch.float32 and key in TUNED_CONFIGS and TUNED_CONFIGS[key] is None
+
+
+def has_tuned_row(m: int, n: int, k: int, dtype: torch.dtype) -> bool:
+    """True where TUNED_CONFIGS holds a config for this shape's bucket: the kernel measured
+    faster than cuBLAS there (what VLLM_ANATOMY_SKINNY_GEMM=tuned runs)."""
+    return dtype != torch.float32 and TUNED_CONFIGS.get((n, k, m_bucket(m))) is not None
+
+
+def tuned_buckets(n: int, k: int) -> list[int]:
+    """The M buckets of an [N, K] weight that TUNED_CONFIGS sends to the kernel (16-bit types)."""
+    return [b for b in M_BUCKETS if TUNED_CONFIGS.get((n, k, b)) is not None]
 
 
 def pick_config(m: int, n: int, k: int, dtype: torch.dtype, num_sms: int = HOPPER_SMS) -> SkinnyGemmConfig:

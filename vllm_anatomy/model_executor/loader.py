@@ -12,8 +12,8 @@ The order is vLLM's:
      each tensor comes as a safetensors slice, and each rank's weight_loader
      reads only its own rows or columns of it (layers/linear.py);
   4. check that every parameter was loaded; process_weights_after_loading
-     (on a CPU: prepack each linear's weight for oneDNN; on CUDA with
-     VLLM_ANATOMY_SKINNY_GEMM=1: the split-K kernel for few tokens; layers/utils.py); eval().
+     (on a CPU: prepack each linear's weight for oneDNN; on Hopper, by
+     default: the split-K kernel for few tokens where it was measured faster; layers/utils.py); eval().
 Nothing is downloaded: the directory must exist (see default_model.py for the
 default SmolLM2 model, converted once from its GGUF).
 
@@ -94,7 +94,7 @@ def process_weights_after_loading(model: torch.nn.Module) -> None:
     """What each layer does once its weights are in (vLLM: model_loader/utils.py, same name):
     every linear layer and the lm_head get their platform's gemm (layers/utils.py): oneDNN on a
     prepacked weight on a CPU; on CUDA F.linear, or the skinny split-K kernel for few tokens
-    with VLLM_ANATOMY_SKINNY_GEMM=1."""
+    (VLLM_ANATOMY_SKINNY_GEMM: where its table says so by default, everywhere with =1)."""
     for module in model.modules():
         if isinstance(module, (LinearBase, ParallelLMHead)):
             dispatch_unquantized_gemm(module)

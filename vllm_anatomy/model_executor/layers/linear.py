@@ -117,7 +117,7 @@ class LinearBase(nn.Module):
 
     # x @ W.T (+ b). NOTE: on a CPU, loading swaps in oneDNN on a prepacked copy of
     # the weight (layers/utils.py: dispatch_cpu_unquantized_gemm, vLLM's name); on CUDA,
-    # with VLLM_ANATOMY_SKINNY_GEMM=1, a split-K kernel for few tokens (same file).
+    # per VLLM_ANATOMY_SKINNY_GEMM, a split-K kernel for few tokens (same file).
     gemm = staticmethod(F.linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

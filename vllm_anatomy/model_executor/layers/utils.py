@@ -1,5 +1,5 @@
 """How a linear layer multiplies: on a CPU, oneDNN on a weight prepacked once; on CUDA,
-F.linear, or (VLLM_ANATOMY_SKINNY_GEMM=1) a split-K Triton kernel for steps of few tokens.
+F.linear, or (VLLM_ANATOMY_SKINNY_GEMM, on Hopper) a split-K Triton kernel for steps of few tokens.
 
 Mirrors vllm/model_executor/layers/utils.py (dispatch_cpu_unquantized_gemm), which
 on a CPU vLLM calls from the process_weights_after_loading of
@@ -27,7 +27,9 @@ only on ROCm (rocm_unquantized_gemm_impl: ops.wvSplitK / wvSplitKrc for few toke
 behind VLLM_ROCM_USE_SKINNY_GEMM): a layer's `gemm` sends a matmul of at most
 VLLM_ANATOMY_SKINNY_GEMM_MAX_M tokens (256) to vllm_anatomy/kernels/skinny_gemm.py
 and larger ones to F.linear. Its NOTE says why split-K pays on decode shapes and why
-its sum is deterministic. Off by default until bench/skinny_gemm.py has measured it.
+its sum is deterministic. By default (VLLM_ANATOMY_SKINNY_GEMM=tuned) only where the
+kernel's TUNED_CONFIGS holds a config row, i.e. where bench/skinny_gemm.py measured it
+faster than cuBLAS on Hopper; =1 everywhere up to the limit, =0 never.
 dispatch_unquantized_gemm (vLLM's name; vLLM's returns the platform's function, ours
 sets the layer's) tries the CPU path, then the CUDA one.
 """
@@ -81,11 +83,17 @@ def _on_cuda(weight: torch.Tensor) -> bool:
     return weight.device.type == "cuda"
 
 
+def _on_hopper(weight: torch.Tensor) -> bool:
+    """sm_90 (H100/H200): where TUNED_CONFIGS' rows were measured."""
+    return torch.cuda.get_device_capability(weight.device)[0] == 9
+
+
 def dispatch_skinny_unquantized_gemm(layer: LinearBase | ParallelLMHead) -> bool:
     """Give `layer` a `gemm(x, weight, bias)` that runs skinny_gemm for at most
     VLLM_ANATOMY_SKINNY_GEMM_MAX_M tokens and F.linear above (and where the kernel's table
-    measured cuBLAS faster: prefers_cublas); False (F.linear stays) when the switch is off
-    or the weight is not a CUDA bf16/fp16/fp32 matrix.
+    measured cuBLAS faster: prefers_cublas; at "tuned", also where it has no row);
+    False (F.linear stays) when the switch is off, the weight is not a CUDA bf16/fp16/fp32
+    matrix, or at "tuned" no row of this weight's shape holds a config (or not on sm_90).
 
     NOTE: the choice reads only x's shape (host ints), never the data, so each CUDA graph
     captures one path and one config. The layer's weight is this rank's shard (column- and
@@ -99,18 +107,26 @@ def dispatch_skinny_unquantized_gemm(layer: LinearBase | ParallelLMHead) -> bool
     step of at most VLLM_ANATOMY_SKINNY_GEMM_MAX_M tokens pays it per layer: what
     bench/throughput_ab.py's A/B of the switch has to show is the sum of both."""
     weight = layer.weight.detach()
-    if (not envs.VLLM_ANATOMY_SKINNY_GEMM or not _on_cuda(weight) or weight.dim() != 2
+    mode = envs.VLLM_ANATOMY_SKINNY_GEMM
+    if (mode == "0" or not _on_cuda(weight) or weight.dim() != 2
             or weight.dtype not in (torch.bfloat16, torch.float16, torch.float32)):
         return False
     # NOTE: imported here: a CPU run never needs the Triton kernel.
-    from vllm_anatomy.kernels.skinny_gemm import new_counters, prefers_cublas, skinny_gemm
+    from vllm_anatomy.kernels.skinny_gemm import has_tuned_row, new_counters, prefers_cublas, skinny_gemm, tuned_buckets
     max_m = envs.VLLM_ANATOMY_SKINNY_GEMM_MAX_M
+    tuned_only = mode == "tuned"
+    # NOTE: "tuned" trusts only rows measured on Hopper (sm_90) for this weight's shape; a
+    # weight without one keeps F.linear outright (no gemm, no counters).
+    if tuned_only and (weight.dtype == torch.float32 or not tuned_buckets(*weight.shape)
+                       or not _on_hopper(weight)):
+        return False
     counters = new_counters(weight.shape[0], max_m, weight.device)
 
     def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         # x [..., in] -> [..., out]
         m, (n, k) = x.numel() // x.shape[-1], weight.shape
-        if m <= max_m and x.dtype == weight.dtype and not prefers_cublas(m, n, k, x.dtype):
+        if (m <= max_m and x.dtype == weight.dtype and not prefers_cublas(m, n, k, x.dtype)
+                and (not tuned_only or has_tuned_row(m, n, k, x.dtype))):
             return skinny_gemm(x, weight, bias, counters=counters)
         return F.linear(x, weight, bias)
 

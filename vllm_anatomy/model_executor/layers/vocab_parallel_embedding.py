@@ -75,7 +75,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     """
 
     # hidden @ weight.T; on a CPU, oneDNN on a prepacked copy (layers/utils.py), as LinearBase.gemm
-    # (and, as there, the skinny split-K kernel on CUDA with VLLM_ANATOMY_SKINNY_GEMM=1).
+    # (and, as there, the skinny split-K kernel on CUDA per VLLM_ANATOMY_SKINNY_GEMM).
     gemm = staticmethod(F.linear)
 
     def tie_weights(self, embed_tokens: VocabParallelEmbedding) -> "ParallelLMHead":

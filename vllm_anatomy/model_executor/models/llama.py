@@ -132,7 +132,7 @@ class LlamaAttention(nn.Module):
     # in only with pass_config.enable_qk_norm_rope_fusion (off at O0-O3); ours is
     # on by default on CUDA, off with VLLM_ANATOMY_ENABLE_QK_NORM_ROPE_FUSION=0
     # (read when the model is built). The CPU always runs the readable path.
-    # With VLLM_ANATOMY_FUSE_QK_NORM_ROPE_KVCACHE=1 (off by default for now) a step of at most 256
+    # With VLLM_ANATOMY_FUSE_QK_NORM_ROPE_KVCACHE (on by default; =0 turns it off) a step of at most 256
     # tokens also writes K/V into the cache in that launch, and the attention layer
     # skips its reshape_and_cache: compilation/qk_norm_rope_kvcache_fusion.py says when and why.
     def _use_fused_qk_norm_rope(self, qkv: torch.Tensor) -> bool:
