@@ -191,6 +191,25 @@ class ModelRunnerStartupMixin:
             metadata._seq_lens_cpu = metadata.seq_lens_cpu_upper_bound = qsl[1:] - qsl[:-1]
             hidden = self._model_forward(num_tokens, metadata)
             self._dummy_sampler_run(hidden[:num_reqs])
+        self._warm_up_logits(hidden.shape[-1], hidden.dtype)
+
+    def _warm_up_logits(self, hidden_size: int, dtype: torch.dtype) -> None:
+        """compute_logits on 1, 2, 4, ... rows, up to max_num_reqs.
+
+        NOTE: the logits matmul runs outside every CUDA graph, on however many rows
+        the step samples (1 to max_num_reqs), and the kernel behind it may compile a
+        variant per size: on Hopper the lm_head's gemm is the skinny split-K kernel
+        with one config per power-of-two bucket of rows (kernels/skinny_gemm.py,
+        TUNED_CONFIGS). Without this, the first step of each new bucket compiled one
+        in the middle of serving: on a cold Triton cache (a fresh machine) three
+        compiles landed inside the first nano-vllm workload on an H100, -5 % tok/s."""
+        rows = torch.zeros(self.max_num_reqs, hidden_size, dtype=dtype, device=self.device)
+        num_rows = 1
+        while True:
+            self.model.compute_logits(rows[:num_rows])                     # [R, V], discarded
+            if num_rows >= self.max_num_reqs:
+                return
+            num_rows = min(2 * num_rows, self.max_num_reqs)
 
     def _warm_up_slot_mapping(self, num_reqs: int, num_tokens: int) -> None:
         """Launch _prepare_inputs' slot-mapping kernel on this dummy step, then restore slot -1.
