@@ -6,12 +6,10 @@ greedy runs (CUDA graphs, the split-K GEMM on every shape: VLLM_ANATOMY_SKINNY_G
 
     python -m pytest -q -m gpu tests/gpu/test_pdl_engine.py
 """
-import gc
-
 import pytest
 import torch
 
-from tests.gpu.conftest import NUM_BLOCKS
+from tests.gpu.conftest import NUM_BLOCKS, generate_greedy_and_close
 from tests.gpu.test_fused_qk_norm_rope_engine import tiny_qwen3_dir  # noqa: F401  (a fixture)
 
 pytestmark = [pytest.mark.gpu,
@@ -20,26 +18,20 @@ pytestmark = [pytest.mark.gpu,
 
 
 def _tokens(model_dir, num_prompts, monkeypatch, pdl, enforce_eager=False, max_tokens=24):
-    from vllm_anatomy import LLM, SamplingParams
+    from vllm_anatomy import LLM
     from vllm_anatomy.model_executor.layers.layernorm import RMSNorm
     monkeypatch.setenv("VLLM_ANATOMY_PDL", "1" if pdl else "0")
     monkeypatch.setenv("VLLM_ANATOMY_SKINNY_GEMM", "1")           # the GEMMs through the PDL kernel too
     llm = LLM(model_dir, device="cuda", dtype="bfloat16", max_model_len=512, num_gpu_blocks_override=NUM_BLOCKS,
               max_num_batched_tokens=256, max_num_seqs=128, enforce_eager=enforce_eager)
-    try:
+    vocab = llm.llm_engine.vllm_config.model_config.hf_config["vocab_size"]
+    prompts = [[(7 * i + 3 * j) % (min(vocab, 512) - 10) + 5 for j in range(3 + (11 * i) % 40)]
+               for i in range(num_prompts)]
+
+    def switch_was_read(llm):
         model = llm.llm_engine.engine_core.model_executor.driver_worker.model_runner.model
         assert {m.pdl for m in model.modules() if isinstance(m, RMSNorm)} == {pdl}
-        vocab = llm.llm_engine.vllm_config.model_config.hf_config["vocab_size"]
-        prompts = [[(7 * i + 3 * j) % (min(vocab, 512) - 10) + 5 for j in range(3 + (11 * i) % 40)]
-                   for i in range(num_prompts)]
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
-    finally:
-        llm.llm_engine.shutdown()
-    del llm
-    gc.collect()
-    torch.cuda.empty_cache()
-    return [list(o.outputs[0].token_ids) for o in outs]
+    return generate_greedy_and_close(llm, prompts, max_tokens, before=switch_was_read)
 
 
 @pytest.mark.parametrize("num_prompts", [9, 100])     # decode batches on the 3D kernel; on the 2D kernel
