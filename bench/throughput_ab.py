@@ -12,6 +12,13 @@ is staged here first, into .gpu/, which git ignores, and carried):
         --model-dir /tmp/ab-model --out $OUT/throughput_ab_386d464.json        # device, carry .gpu/ab/386d464
     python bench/throughput_ab.py --a-env VLLM_ANATOMY_PREFILL_KERNEL=0 --b-env VLLM_ANATOMY_PREFILL_KERNEL=1 \\
         --model-dir /tmp/ab-model --out $OUT/throughput_ab_prefill.json        # one tree, two settings
+    python bench/throughput_ab.py --a-env VLLM_ANATOMY_PDL=0 --b-env VLLM_ANATOMY_PDL=1 \
+        --model-dir /tmp/ab-model --out $OUT/throughput_ab_pdl_tuned.json      # PDL, GEMMs at =tuned
+    python bench/throughput_ab.py --a-env VLLM_ANATOMY_PDL=0 --a-env VLLM_ANATOMY_SKINNY_GEMM=1 \
+        --b-env VLLM_ANATOMY_PDL=1 --b-env VLLM_ANATOMY_SKINNY_GEMM=1 \
+        --model-dir /tmp/ab-model --out $OUT/throughput_ab_pdl_skinny1.json    # PDL, every GEMM split-K
+    (one K=V per --a-env/--b-env; repeat the flag for more. PDL's prefetch helps only the
+    GEMMs that run through the split-K kernel: at =tuned cuBLAS keeps most shapes, so try both.)
 
     python bench/throughput_ab.py [--a TREE] [--b TREE] [--a-env K=V ...] [--b-env K=V ...]
         [--a-label NAME] [--b-label NAME] [--rounds 3] [--model-dir DIR] [--out FILE] [--tiny]

@@ -64,6 +64,11 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "VLLM_ANATOMY_SKINNY_GEMM": lambda: _skinny_gemm(os.getenv("VLLM_ANATOMY_SKINNY_GEMM", "tuned")),
     "VLLM_ANATOMY_SKINNY_GEMM_MAX_M":
         lambda: _positive_int("VLLM_ANATOMY_SKINNY_GEMM_MAX_M", os.getenv("VLLM_ANATOMY_SKINNY_GEMM_MAX_M", "256")),
+    # Ours: the decode step's Triton kernels (skinny_gemm, rms_norm, silu_and_mul, the fused
+    # q/k norm + RoPE (+ KV cache write), unified_attention) launched with Hopper's programmatic
+    # dependent launch (kernels/pdl.py says how and why), read when a layer or the attention
+    # backend is built. "0" (the default: not measured yet) or "1"; sm_90+ only, else ignored.
+    "VLLM_ANATOMY_PDL": lambda: _flag("VLLM_ANATOMY_PDL", os.getenv("VLLM_ANATOMY_PDL", "0")),
     # Seconds a dead EngineCore process may spend shutting down after a fatal
     # error before it dumps every thread's stack to stderr and exits (core_proc.py).
     "VLLM_ANATOMY_DEAD_ENGINE_EXIT_TIMEOUT_S":
@@ -107,6 +112,15 @@ def _skinny_gemm(value: str) -> str:
         return "tuned"
     raise ValueError(f"VLLM_ANATOMY_SKINNY_GEMM={value!r}: expected 0 (F.linear always), tuned (the split-K "
                      "kernel where TUNED_CONFIGS measured it faster) or 1 (the kernel for every shape)")
+
+
+def _flag(name: str, value: str) -> bool:
+    """A 0/1 switch; anything else is refused (a typo must not silently measure the other side)."""
+    if value in ("0", "false", "False", ""):
+        return False
+    if value in ("1", "true", "True"):
+        return True
+    raise ValueError(f"{name}={value!r}: expected 0 or 1")
 
 
 def _positive_int(name: str, value: str) -> int:

@@ -30,3 +30,23 @@ def qwen3_shape_dir(tmp_path_factory):
     with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
         json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "t1", "unk_token": "t0"}, f)
     return str(path)
+
+
+def generate_greedy_and_close(llm, prompts, max_tokens: int, before=None):
+    """Greedy token ids of `prompts` (lists of ids, ignore_eos) from `llm`, which is then shut down
+    and its GPU memory released, error or not. before(llm), if given, runs first (to inspect the model)."""
+    import gc
+
+    import torch
+
+    from vllm_anatomy import SamplingParams
+    try:
+        if before is not None:
+            before(llm)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
+    finally:
+        llm.llm_engine.shutdown()
+        gc.collect()
+        torch.cuda.empty_cache()
+    return [list(o.outputs[0].token_ids) for o in outs]

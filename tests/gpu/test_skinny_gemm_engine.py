@@ -6,13 +6,12 @@ shape (3 layers) CUDA-graph runs equal eager runs and repeat bit for bit.
 
     python -m pytest -q -m gpu tests/gpu/test_skinny_gemm_engine.py
 """
-import gc
 import types
 
 import pytest
 import torch
 
-from tests.gpu.conftest import NUM_BLOCKS
+from tests.gpu.conftest import NUM_BLOCKS, generate_greedy_and_close
 from tests.gpu.test_fused_qk_norm_rope_engine import tiny_qwen3_dir  # noqa: F401  (a fixture)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -26,25 +25,20 @@ def _prompts(vocab: int):
 
 
 def _tokens(model_dir, dtype, enforce_eager=False, max_tokens=MAX_TOKENS):
-    from vllm_anatomy import LLM, SamplingParams
+    from vllm_anatomy import LLM
     from vllm_anatomy.model_executor.layers.linear import LinearBase
     from vllm_anatomy.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
     llm = LLM(model_dir, device="cuda", dtype=dtype, max_model_len=512, num_gpu_blocks_override=NUM_BLOCKS,
               max_num_batched_tokens=128, max_num_seqs=16, enforce_eager=enforce_eager)
-    try:
+    own_gemm: set = set()
+
+    def read_gemms(llm):
         model = llm.llm_engine.engine_core.model_executor.driver_worker.model_runner.model
         # (layer class, has its own gemm) over every linear layer and the lm_head
-        own_gemm = {(type(m).__name__, "gemm" in vars(m)) for m in model.modules()
-                    if isinstance(m, (LinearBase, ParallelLMHead))}
-        vocab = llm.llm_engine.vllm_config.model_config.hf_config["vocab_size"]
-        outs = llm.generate([{"prompt_token_ids": p} for p in _prompts(vocab)],
-                            SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
-    finally:
-        llm.llm_engine.shutdown()
-    del llm
-    gc.collect()
-    torch.cuda.empty_cache()
-    return [list(o.outputs[0].token_ids) for o in outs], own_gemm
+        own_gemm.update((type(m).__name__, "gemm" in vars(m)) for m in model.modules()
+                        if isinstance(m, (LinearBase, ParallelLMHead)))
+    vocab = llm.llm_engine.vllm_config.model_config.hf_config["vocab_size"]
+    return generate_greedy_and_close(llm, _prompts(vocab), max_tokens, before=read_gemms), own_gemm
 
 
 def test_switch_matches_cublas_and_transformers(tiny_qwen3_dir, monkeypatch):  # noqa: F811

@@ -32,7 +32,7 @@ def compile_cfg(cfg, k):
              "w_desc": f"tensordesc<bf16[{cfg.block_n}, {cfg.block_k}]>" if cfg.tma else "*bf16"}
     constexprs = {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "SPLIT": split,
                   "SWAP_AB": cfg.swap_ab, "TMA": cfg.tma, "HAS_BIAS": False, "EVEN_K": k % cfg.block_k == 0,
-                  "DOT_FP32": False}
+                  "DOT_FP32": False, "USE_PDL": False, "PF_LINES": sg.prefetch_lines(cfg.block_k, 2)}
     sig = {name: "constexpr" if name in constexprs else types.get(name, "i32") for name in fn.arg_names}
     # as launched: 16-byte aligned pointers; N, K, M * N and the row strides divisible by 16
     aligned = {"x_ptr", "w_ptr", "out_ptr", "bias_ptr", "partial_ptr", "counter_ptr", "N", "K", "split_size",

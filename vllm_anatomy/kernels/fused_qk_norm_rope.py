@@ -52,6 +52,7 @@ import triton
 import triton.language as tl
 
 from vllm_anatomy.kernels.launch import check_launchable
+from vllm_anatomy.kernels.pdl import pdl_launch_dependents, pdl_wait, use_pdl
 from vllm_anatomy.kernels.rotary_embedding import _token_cos_sin
 
 
@@ -131,12 +132,15 @@ def _fused_qk_norm_rope_kernel(
     PASS_PADDED: tl.constexpr,
     IS_NEOX: tl.constexpr,
     BLOCK_T: tl.constexpr,
+    USE_PDL: tl.constexpr,             # launched with PDL (pdl.py): wait before any load or store
 ):
+    pdl_wait(USE_PDL)
     tok64, tok_mask, cos, sin = _token_cos_sin(positions_ptr, cos_sin_ptr, num_tokens, stride_cos_sin,
                                                qkv_ptr, ROT_HALF, ROT_HALF_PADDED, BLOCK_T)
     _norm_rope_heads(qkv_ptr, q_weight_ptr, tok64, tok_mask, stride_qkv_tok, eps, cos, sin,
                      NUM_Q_HEADS, Q_HEADS_PADDED, HEAD_SIZE, ROT_HALF, ROT_HALF_PADDED,
                      PASS_PADDED, IS_NEOX, qkv_ptr, 0, tok_mask, False)
+    pdl_launch_dependents(USE_PDL)     # q done, k left: the next kernel may launch
     _norm_rope_heads(qkv_ptr + NUM_Q_HEADS * HEAD_SIZE, k_weight_ptr, tok64, tok_mask,
                      stride_qkv_tok, eps, cos, sin,
                      NUM_K_HEADS, K_HEADS_PADDED, HEAD_SIZE, ROT_HALF, ROT_HALF_PADDED,
@@ -161,11 +165,12 @@ def launch_grid(num_tokens: int, num_heads_q: int, num_heads_k: int, head_dim: i
 def fused_qk_norm_rope(qkv: torch.Tensor, num_heads_q: int, num_heads_k: int, num_heads_v: int,
                        head_dim: int, eps: float, q_weight: torch.Tensor, k_weight: torch.Tensor,
                        cos_sin_cache: torch.Tensor, is_neox: bool,
-                       position_ids: torch.Tensor) -> None:
+                       position_ids: torch.Tensor, *, pdl: bool = False) -> None:
     """RMSNorm each q and k head of qkv [T, (nq + nk + nv) * head_dim], then RoPE them; in place.
 
     vLLM's signature (vllm/_custom_ops.py fused_qk_norm_rope, less its
     forced_token_heads_per_warp tuning knob). v is not touched.
+    pdl: the VLLM_ANATOMY_PDL switch as the caller read it (kernels/pdl.py; same results).
     """
     args = _checked_args(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, q_weight, k_weight,
                          cos_sin_cache, is_neox, position_ids, _fused_qk_norm_rope_kernel)
@@ -175,7 +180,13 @@ def fused_qk_norm_rope(qkv: torch.Tensor, num_heads_q: int, num_heads_k: int, nu
     position_ids, q_weight, k_weight, cos_sin_cache = tensors
     _fused_qk_norm_rope_kernel[grid](
         qkv, position_ids, q_weight, k_weight, cos_sin_cache, qkv.shape[0], eps,
-        qkv.stride(0), cos_sin_cache.stride(0), **constexprs, num_warps=4)
+        qkv.stride(0), cos_sin_cache.stride(0), **constexprs, **pdl_args(qkv, pdl), num_warps=4)
+
+
+def pdl_args(qkv: torch.Tensor, pdl: bool) -> dict:
+    """USE_PDL and launch_pdl for a launch on qkv (kernels/pdl.py), shared with the KV-cache kernel."""
+    on = use_pdl(qkv, pdl)
+    return dict(USE_PDL=on, launch_pdl=on)
 
 
 def _checked_args(qkv: torch.Tensor, num_heads_q: int, num_heads_k: int, num_heads_v: int,

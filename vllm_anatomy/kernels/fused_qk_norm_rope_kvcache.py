@@ -43,7 +43,8 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_anatomy.kernels.fused_qk_norm_rope import _checked_args, _norm_rope_heads
+from vllm_anatomy.kernels.fused_qk_norm_rope import _checked_args, _norm_rope_heads, pdl_args
+from vllm_anatomy.kernels.pdl import pdl_launch_dependents, pdl_wait
 from vllm_anatomy.kernels.rotary_embedding import _token_cos_sin
 
 
@@ -79,7 +80,9 @@ def _fused_qk_norm_rope_kvcache_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,          # the cache's tokens per block
     HEAD_SIZE_PADDED: tl.constexpr,    # next_pow2(HEAD_SIZE), for the v copy
+    USE_PDL: tl.constexpr,             # launched with PDL (pdl.py): wait before any load or store
 ):
+    pdl_wait(USE_PDL)
     tok64, tok_mask, cos, sin = _token_cos_sin(positions_ptr, cos_sin_ptr, num_tokens, stride_cos_sin,
                                                qkv_ptr, ROT_HALF, ROT_HALF_PADDED, BLOCK_T)
     slot = tl.load(slot_mapping_ptr + tok64, mask=tok_mask, other=-1).to(tl.int64)
@@ -93,6 +96,7 @@ def _fused_qk_norm_rope_kvcache_kernel(
     _norm_rope_heads(qkv_ptr, q_weight_ptr, tok64, tok_mask, stride_qkv_tok, eps, cos, sin,
                      NUM_Q_HEADS, Q_HEADS_PADDED, HEAD_SIZE, ROT_HALF, ROT_HALF_PADDED,
                      PASS_PADDED, IS_NEOX, qkv_ptr, 0, tok_mask, False)
+    pdl_launch_dependents(USE_PDL)     # q done, k and v left: the next kernel may launch
     _norm_rope_heads(qkv_ptr + NUM_Q_HEADS * HEAD_SIZE, k_weight_ptr, tok64, tok_mask,
                      stride_qkv_tok, eps, cos, sin,
                      NUM_K_HEADS, K_HEADS_PADDED, HEAD_SIZE, ROT_HALF, ROT_HALF_PADDED,
@@ -106,12 +110,13 @@ def fused_qk_norm_rope_kvcache(qkv: torch.Tensor, num_heads_q: int, num_heads_k:
                                head_dim: int, eps: float, q_weight: torch.Tensor, k_weight: torch.Tensor,
                                cos_sin_cache: torch.Tensor, is_neox: bool, position_ids: torch.Tensor,
                                key_cache: torch.Tensor, value_cache: torch.Tensor,
-                               slot_mapping: torch.Tensor) -> None:
+                               slot_mapping: torch.Tensor, *, pdl: bool = False) -> None:
     """fused_qk_norm_rope(qkv, ...) in place, then k and v of each token into
     key_cache/value_cache [num_blocks, block_size, nk, hd] at slot_mapping[:T] (-1 skipped).
 
     vLLM's do_qk_norm_rope_kvcache_update, with fused_qk_norm_rope's arguments
     plus the cache and the slots (its q_out/k_out are qkv itself here).
+    pdl: the VLLM_ANATOMY_PDL switch as the caller read it (kernels/pdl.py; same results).
     """
     assert num_heads_v == num_heads_k, "the cache holds as many v heads as k heads"
     assert key_cache.shape[2:] == (num_heads_k, head_dim) and value_cache.shape == key_cache.shape
@@ -129,7 +134,7 @@ def fused_qk_norm_rope_kvcache(qkv: torch.Tensor, num_heads_q: int, num_heads_k:
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         **constexprs, BLOCK_SIZE=key_cache.shape[1], HEAD_SIZE_PADDED=triton.next_power_of_2(head_dim),
-        num_warps=4)
+        **pdl_args(qkv, pdl), num_warps=4)
 
 
 def fused_qk_norm_rope_kvcache_ref(qkv: torch.Tensor, num_heads_q: int, num_heads_k: int,

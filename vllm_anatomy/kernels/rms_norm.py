@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 
 from vllm_anatomy.kernels.launch import check_launchable
+from vllm_anatomy.kernels.pdl import pdl_launch_dependents, pdl_wait, use_pdl
 
 
 @triton.jit(do_not_specialize=["num_rows"])   # per-step sizes: see launch.py
@@ -60,7 +61,9 @@ def _rms_norm_kernel(
     HIDDEN_PADDED: tl.constexpr,   # next_pow2(D)
     BLOCK_R: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    USE_PDL: tl.constexpr,         # launched with PDL (pdl.py): wait before any load or store
 ):
+    pdl_wait(USE_PDL)
     row = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)               # [R]
     row_mask = row < num_rows
     row64 = row.to(tl.int64)
@@ -83,6 +86,7 @@ def _rms_norm_kernel(
         s = (x + r).to(residual_out_ptr.dtype.element_ty)
         tl.store(residual_out_ptr + out_off, s, mask=mask)
         x = s.to(tl.float32)
+    pdl_launch_dependents(USE_PDL)     # the inputs are read: the next kernel may launch
     variance = tl.sum(x * x, axis=1) / HIDDEN                              # [R] fp32
     xn = x * tl.rsqrt(variance + eps)[:, None]
     # Rounded to the activation dtype *before* the weight (transformers' order).
@@ -108,12 +112,13 @@ def launch_grid(num_rows: int, hidden: int) -> tuple[int]:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None
+             residual: torch.Tensor | None = None, *, pdl: bool = False
              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm over the last dim of x ([T, D] or [T, H, D], strided; others are reshaped).
 
     Returns out, or (out, new_residual) when residual is given; both are new
     contiguous tensors of x's shape. x, residual and weight are not modified.
+    pdl: the VLLM_ANATOMY_PDL switch as the caller read it (kernels/pdl.py; same results).
     """
     orig_shape = x.shape
     hidden = x.shape[-1]
@@ -150,13 +155,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     hidden_padded = triton.next_power_of_2(hidden)
     block_r = _rows_per_program(hidden)
     grid = (triton.cdiv(num_rows, block_r),)
+    on = use_pdl(x, pdl)
     _rms_norm_kernel[grid](
         x, residual if residual is not None else x, weight, out,
         residual_out,
         num_rows, eps, stride_x[0], stride_x[1], stride_r[0], stride_r[1],
         NUM_HEADS=num_heads, HIDDEN=hidden, HIDDEN_PADDED=hidden_padded, BLOCK_R=block_r,
-        HAS_RESIDUAL=residual is not None,
-        num_warps=4 if block_r * hidden_padded <= 4096 else 8)
+        HAS_RESIDUAL=residual is not None, USE_PDL=on,
+        num_warps=4 if block_r * hidden_padded <= 4096 else 8, launch_pdl=on)
     return out if residual is None else (out, residual_out)
 
 

@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from vllm_anatomy.kernels.launch import check_launchable
+from vllm_anatomy.kernels.pdl import pdl_launch_dependents, pdl_wait, use_pdl
 
 
 @triton.jit(do_not_specialize=["num_tokens"])   # per-step sizes: see launch.py
@@ -40,7 +41,9 @@ def _silu_and_mul_kernel(
     stride_x_tok,
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr,     # launched with PDL (pdl.py): wait before any load or store
 ):
+    pdl_wait(USE_PDL)
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     col = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask = (tok < num_tokens)[:, None] & (col < d)[None, :]
@@ -48,6 +51,7 @@ def _silu_and_mul_kernel(
     src = x_ptr + tok64 * stride_x_tok + col[None, :]
     gate = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(src + d, mask=mask, other=0.0).to(tl.float32)
+    pdl_launch_dependents(USE_PDL)     # the inputs are read: the next kernel may launch
     dtype = out_ptr.dtype.element_ty
     silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
     tl.store(out_ptr + tok64 * d + col[None, :], (silu * up).to(dtype), mask=mask)
@@ -66,8 +70,9 @@ def launch_grid(num_tokens: int, d: int) -> tuple[int, int]:
     return (triton.cdiv(num_tokens, block_t), triton.cdiv(d, block_d))
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x [..., 2 * d] -> silu(x[..., :d]) * x[..., d:], a new contiguous [..., d]."""
+def silu_and_mul(x: torch.Tensor, *, pdl: bool = False) -> torch.Tensor:
+    """x [..., 2 * d] -> silu(x[..., :d]) * x[..., d:], a new contiguous [..., d].
+    pdl: the VLLM_ANATOMY_PDL switch as the caller read it (kernels/pdl.py; same results)."""
     assert x.shape[-1] % 2 == 0
     d = x.shape[-1] // 2
     out_shape = x.shape[:-1] + (d,)
@@ -82,8 +87,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return out
     block_t, block_d = _blocks(d)
     grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(d, block_d))
+    on = use_pdl(x, pdl)
     _silu_and_mul_kernel[grid](x, out, num_tokens, d, x.stride(0),
-                               BLOCK_T=block_t, BLOCK_D=block_d, num_warps=4)
+                               BLOCK_T=block_t, BLOCK_D=block_d, USE_PDL=on, num_warps=4, launch_pdl=on)
     return out
 
 

@@ -59,6 +59,14 @@ captures CUDA graphs, one per batch size, and a capture may neither time candida
 nor sync the host. pick_config is a pure function of (M, N, K, dtype, SM count),
 so the grid of every captured launch is fixed by shapes; bench/skinny_gemm.py sweeps
 candidates on a GPU and prints rows for TUNED_CONFIGS.
+
+NOTE: with PDL (VLLM_ANATOMY_PDL, kernels/pdl.py, sm_90+) a launch may start while the
+kernel before it (the norm, the activation, attention: x's producer) still runs. A program
+then first prefetches its own slice of W into L2 (the weight is constant, the one input
+allowed before the wait, and only read), waits (pdl_wait), and only then reads x, the
+partials or the counters and writes anything; it lets the next kernel launch after its main
+loop. The "kernel" reduction waits first. The arithmetic and its order are untouched: the
+results are those of the switch off, bit for bit.
 """
 from __future__ import annotations
 
@@ -71,6 +79,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from vllm_anatomy.kernels.launch import check_launchable, is_interpreted
+from vllm_anatomy.kernels.pdl import pdl_launch_dependents, pdl_wait, prefetch_l2, use_pdl
 
 REDUCE_MODES = ("serial", "kernel")
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -110,6 +119,8 @@ def _skinny_gemm_kernel(
     HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr,      # K % BLOCK_K == 0: no mask along K
     DOT_FP32: tl.constexpr,    # fp32 input, or the interpreter: dots in fp32 ("ieee")
+    USE_PDL: tl.constexpr,     # launched with PDL (pdl.py): prefetch W into L2, then wait
+    PF_LINES: tl.constexpr,    # 128-byte lines in a BLOCK_K row segment of W (at least 1)
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -128,6 +139,16 @@ def _skinny_gemm_kernel(
     rows_w = (offs_n % N).to(tl.int64)
     x_ptrs = x_ptr + rows_x[:, None] * stride_xm + (k_start + offs_k)[None, :]
     w_ptrs = w_ptr + rows_w[:, None] * stride_wn + (k_start + offs_k)[None, :]
+    if USE_PDL:
+        # NOTE: with PDL this runs while the previous kernel (the norm or activation that
+        # produces x) still does: the weight is a constant input, so its slice of this
+        # program, [BLOCK_N, k_start:k_end), may be pulled into L2 before the wait, one
+        # prefetch per 128-byte line (columns clamped to K - 1: always in bounds). Nothing
+        # else is read, and nothing written, before pdl_wait (pdl.py, NOTE (a)).
+        pf_cols = tl.arange(0, PF_LINES) * (BLOCK_K // PF_LINES)
+        for kk in range(k_start, k_end, BLOCK_K):
+            prefetch_l2(w_ptr + rows_w[:, None] * stride_wn + tl.minimum(kk + pf_cols, K - 1)[None, :], USE_PDL)
+    pdl_wait(USE_PDL)
     if SWAP_AB:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
@@ -158,6 +179,7 @@ def _skinny_gemm_kernel(
                 acc = tl.dot(x, tl.trans(w), acc)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    pdl_launch_dependents(USE_PDL)      # after the main loop (pdl.py, NOTE (b))
 
     # Indices of acc's elements in y, in acc's orientation.
     if SWAP_AB:
@@ -199,7 +221,9 @@ def _splitk_reduce_kernel(
     num_elements, N, num_splits,
     BLOCK: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    USE_PDL: tl.constexpr,     # launched with PDL (pdl.py): the partials are the GEMM's, wait first
 ):
+    pdl_wait(USE_PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < num_elements
     total = tl.zeros([BLOCK], dtype=tl.float32)
@@ -207,6 +231,7 @@ def _splitk_reduce_kernel(
     for _ in range(0, num_splits):                 # split order: the same sum as "serial"
         total += tl.load(partials, mask=mask, other=0.0)
         partials += num_elements
+    pdl_launch_dependents(USE_PDL)
     if HAS_BIAS:
         total += tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
@@ -385,19 +410,27 @@ def new_counters(n: int, max_m: int, device: torch.device | str) -> torch.Tensor
     return torch.zeros(triton.cdiv(max_m, 16) * triton.cdiv(n, 16), dtype=torch.int32, device=device)
 
 
+def prefetch_lines(block_k: int, element_size: int) -> int:
+    """128-byte lines in BLOCK_K elements of a W row (at least 1): the PDL prefetch's width."""
+    return max(1, block_k * element_size // 128)
+
+
 def _tma_ok(t: torch.Tensor) -> bool:
     """TMA reads rows starting 16-byte aligned (base and row stride)."""
     return t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                config: SkinnyGemmConfig | None = None, counters: torch.Tensor | None = None) -> torch.Tensor:
+                config: SkinnyGemmConfig | None = None, counters: torch.Tensor | None = None,
+                pdl: bool = False) -> torch.Tensor:
     """x [..., K] @ weight[N, K].T (+ bias [N]) -> a new [..., N] in x's dtype.
 
     config: pick_config's by default (the benchmark passes others). counters: the
     caller's zeroed int32 tile counters for the "serial" reduction (new_counters; they
     are left zeroed), reused launch after launch by one layer; without them a zeroed
-    tensor is made per call (a memset more). Never syncs the host: safe to capture.
+    tensor is made per call (a memset more). pdl: the VLLM_ANATOMY_PDL switch as the caller
+    read it (kernels/pdl.py: launched with PDL where use_pdl says so; the same results).
+    Never syncs the host: safe to capture.
     """
     k = x.shape[-1]
     if weight.dim() != 2 or weight.shape[1] != k:
@@ -428,6 +461,7 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         elif counters.numel() < tiles or counters.dtype != torch.int32:
             raise ValueError(f"counters: need {tiles} int32, got {counters.numel()} {counters.dtype}")
     tma = cfg.tma and _tma_ok(x2) and _tma_ok(weight)
+    on = use_pdl(x2, pdl)
     descs: tuple = (x2, weight)
     if tma:
         descs = (TensorDescriptor(x2, [m, k], [x2.stride(0), 1], [cfg.block_m, cfg.block_k]),
@@ -439,12 +473,13 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split,
         SWAP_AB=cfg.swap_ab, TMA=tma, HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0,
         DOT_FP32=x.dtype == torch.float32 or is_interpreted(_skinny_gemm_kernel),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        USE_PDL=on, PF_LINES=prefetch_lines(cfg.block_k, weight.element_size()),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=on)
     if split == "kernel":
         block = 1024
         _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
             partial, out, bias if bias is not None else out, m * n, n, splits,
-            BLOCK=block, HAS_BIAS=bias is not None, num_warps=4)
+            BLOCK=block, HAS_BIAS=bias is not None, USE_PDL=on, num_warps=4, launch_pdl=on)
     return out.view(out_shape)
 
 

@@ -51,6 +51,7 @@ import triton
 import triton.language as tl
 
 from vllm_anatomy.kernels.launch import check_launchable, is_interpreted
+from vllm_anatomy.kernels.pdl import pdl_launch_dependents, pdl_wait, use_pdl
 
 LOG2E = 1.4426950408889634
 
@@ -217,7 +218,10 @@ def _unified_attention_kernel(
     DOT_FP32: tl.constexpr,                       # compute the dots in fp32 (fp32 input, interpreter)
     HAS_SKIP: tl.constexpr,                       # skip_seq given: leave those requests' rows alone
     USE_SEQ_ORDER: tl.constexpr,                  # decode-only batch, one program per request in seq_order
+    USE_PDL: tl.constexpr,                        # launched with PDL (pdl.py): wait before anything
 ):
+    # NOTE: first, before the early exits below (pdl.py, NOTE (d)).
+    pdl_wait(USE_PDL)
     kv_head = tl.program_id(0)
     if USE_SEQ_ORDER:
         # A decode-only batch (every query one token, or none: a CUDA graph's
@@ -266,6 +270,7 @@ def _unified_attention_kernel(
         causal_limit, bt_row, k_base, v_base, offs_d, d_mask,
         stride_kc_block, stride_kc_off, stride_vc_block, stride_vc_off, scale_log2,
         BLOCK_SIZE, TILE_SIZE, HEAD_DIM != HEAD_DIM_PADDED, DOT_FP32)
+    pdl_launch_dependents(USE_PDL)                # after the main loop (pdl.py, NOTE (b))
 
     out = acc / l_i[:, None]
     o_ptrs = output_ptr + q_tok[:, None] * stride_o_tok + head[:, None] * stride_o_head + offs_d[None, :]
@@ -322,7 +327,9 @@ def _unified_attention_3d_kernel(
     TILE_SIZE: tl.constexpr,
     NUM_SEGMENTS_PER_SEQ: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    USE_PDL: tl.constexpr,                        # launched with PDL (pdl.py): wait before anything
 ):
+    pdl_wait(USE_PDL)                             # before the early exits (pdl.py, NOTE (d))
     kv_head = tl.program_id(0)
     q_block_global = tl.program_id(1)
     segm_idx = tl.program_id(2)
@@ -359,6 +366,7 @@ def _unified_attention_3d_kernel(
         key_cache_ptr + kv_head * stride_kc_head, value_cache_ptr + kv_head * stride_vc_head,
         offs_d, d_mask, stride_kc_block, stride_kc_off, stride_vc_block, stride_vc_off, scale_log2,
         BLOCK_SIZE, TILE_SIZE, HEAD_DIM != HEAD_DIM_PADDED, DOT_FP32)
+    pdl_launch_dependents(USE_PDL)                # after the main loop (pdl.py, NOTE (b))
 
     # Partials, not normalised: reduce_segments merges the segments.
     so_ptrs = (segm_output_ptr + q_tok[:, None] * stride_so_tok + head[:, None] * stride_so_head
@@ -381,8 +389,10 @@ def reduce_segments(
     HEAD_DIM_PADDED: tl.constexpr,
     TILE_SIZE: tl.constexpr,
     NUM_SEGMENTS_PER_SEQ: tl.constexpr,
+    USE_PDL: tl.constexpr,                        # launched with PDL (pdl.py): wait before anything
 ):
     """One program per (query token, query head): output = merge of its segments' partials."""
+    pdl_wait(USE_PDL)                             # before the early exit (pdl.py, NOTE (d))
     token = tl.program_id(0)
     head = tl.program_id(1)
     seq_idx = _find_seq_idx(query_start_loc_ptr, token, num_seqs, 1, False)
@@ -414,6 +424,7 @@ def reduce_segments(
     so_ptrs = (segm_output_ptr + token.to(tl.int64) * stride_so_tok + head * stride_so_head
                + offs_s[:, None] * stride_so_segm + offs_d[None, :])
     segm_output = tl.load(so_ptrs, mask=segm_mask[:, None] & d_mask[None, :], other=0.0)
+    pdl_launch_dependents(USE_PDL)
     acc = tl.sum(segm_output * weight[:, None], axis=0)                   # [D]
     out = tl.where(overall_expsum == 0.0, 0.0, acc / overall_expsum)
     o_ptrs = output_ptr + token.to(tl.int64) * stride_o_tok + head * stride_o_head + offs_d
@@ -498,6 +509,7 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
                       softmax_segm_expsum: torch.Tensor | None = None,
                       skip_seq: torch.Tensor | None = None,
                       seq_order: torch.Tensor | None = None,
+                      pdl: bool = False,
                       block_m: int | None = None, tile_size: int | None = None,
                       num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
     """Causal paged attention over a flat mixed batch; writes out[:T] (vLLM's argument names).
@@ -520,6 +532,8 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     in which a decode-only batch's requests get their programs (the longest context
     first: attention/backends/decode_order.py); ignored unless max_seqlen_q <= 1 and
     the 2D kernel runs. The output does not depend on it.
+    pdl: the VLLM_ANATOMY_PDL switch as the caller read it (kernels/pdl.py: every launch
+    here with PDL where use_pdl says so; the same results).
     block_m / tile_size / num_warps / num_stages override the chosen path's
     defaults (benchmarks).
     """
@@ -554,6 +568,8 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
         BLOCK_M=block_m, BLOCK_Q=block_q, TILE_SIZE=tile_size,
         DOT_FP32=(q.dtype == torch.float32 or interpreted),
         num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"])
+    on = use_pdl(q, pdl)
+    constexprs.update(USE_PDL=on, launch_pdl=on)
     if not use_3d:
         _unified_attention_kernel[grid](
             q, key_cache, value_cache, out, block_table, cu_seqlens_q, seqused_k,
@@ -593,7 +609,7 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
         segm_output.stride(0), segm_output.stride(1), segm_output.stride(2),
         segm_max.stride(0), segm_max.stride(1),
         HEAD_DIM=head_dim, HEAD_DIM_PADDED=constexprs["HEAD_DIM_PADDED"], TILE_SIZE=tile_size,
-        NUM_SEGMENTS_PER_SEQ=num_segments)
+        NUM_SEGMENTS_PER_SEQ=num_segments, USE_PDL=on, launch_pdl=on)
     return out
 
 

@@ -147,6 +147,8 @@ class TritonAttentionImpl(AttentionImpl):
         self.use_prefill_kernel = self.prefill_kernel != "0"
         self.sdpa_min_len = envs.VLLM_ANATOMY_PREFILL_SDPA_MIN_LEN if self.prefill_kernel == "cudnn" else None
         self.prefill_min_len = envs.VLLM_ANATOMY_PREFILL_MIN_LEN if self.use_prefill_kernel else 2
+        # PDL launches of the decode kernels (kernels/pdl.py), read once with the rest.
+        self.pdl = envs.VLLM_ANATOMY_PDL
 
     def do_kv_cache_update(self, key: torch.Tensor, value: torch.Tensor,
                            kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
@@ -170,7 +172,8 @@ class TritonAttentionImpl(AttentionImpl):
         with kernel_timer.kernel("fused_qk_norm_rope_kvcache", lambda: self._fused_cache_launch_attrs(qkv)):
             fkv.fused_qk_norm_rope_kvcache(qkv, self.num_heads, self.num_kv_heads, self.num_kv_heads,
                                            self.head_dim, rms_norm_eps, q_weight, k_weight, cos_sin_cache,
-                                           is_neox, positions, key_cache, value_cache, slot_mapping)
+                                           is_neox, positions, key_cache, value_cache, slot_mapping,
+                                           pdl=self.pdl)
 
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: AttentionMetadata,
                 output: torch.Tensor, key: torch.Tensor | None = None,
@@ -213,7 +216,7 @@ class TritonAttentionImpl(AttentionImpl):
                 softmax_segm_output=segm.softmax_segm_output, softmax_segm_max=segm.softmax_segm_max,
                 softmax_segm_expsum=segm.softmax_segm_expsum,
                 skip_seq=None if split is None else split.skip_seq,
-                seq_order=self._seq_order(attn_metadata, split))
+                seq_order=self._seq_order(attn_metadata, split), pdl=self.pdl)
         return output
 
     @staticmethod

@@ -11,9 +11,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vllm_anatomy import envs
+
 
 class SiluAndMul(nn.Module):
     """x: [..., 2 * d] -> silu(x[..., :d]) * x[..., d:], shape [..., d]."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pdl = envs.VLLM_ANATOMY_PDL          # CUDA: PDL launches (kernels/pdl.py), read once
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # NOTE: dispatch as vLLM's CustomOp does. On CUDA, silu + mul are two
@@ -33,4 +39,4 @@ class SiluAndMul(nn.Module):
     def forward_cuda(self, x: torch.Tensor) -> torch.Tensor:
         # NOTE: imported lazily: CPU runs never need the kernel module.
         from vllm_anatomy.kernels.silu_and_mul import silu_and_mul
-        return silu_and_mul(x)                     # new contiguous [..., d]
+        return silu_and_mul(x, pdl=self.pdl)       # new contiguous [..., d]

@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from vllm_anatomy import envs
+
 
 class RMSNorm(nn.Module):
 
@@ -24,6 +26,7 @@ class RMSNorm(nn.Module):
         # NOTE: torch.empty, not ones: every weight is overwritten by load_weights;
         # a norm left at its init value would hide a missing checkpoint tensor.
         self.weight = nn.Parameter(torch.empty(hidden_size))
+        self.pdl = envs.VLLM_ANATOMY_PDL          # CUDA: PDL launches (kernels/pdl.py), read once
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
@@ -67,7 +70,7 @@ class RMSNorm(nn.Module):
         # NOTE: imported here, not at the top: the kernels pick compiled or
         # interpreted Triton at import, and CPU runs never need them.
         from vllm_anatomy.kernels.rms_norm import rms_norm
-        return rms_norm(x, self.weight, self.variance_epsilon, residual)
+        return rms_norm(x, self.weight, self.variance_epsilon, residual, pdl=self.pdl)
 
     def extra_repr(self) -> str:
         return f"hidden_size={self.hidden_size}, eps={self.variance_epsilon}"

@@ -121,13 +121,14 @@ def dispatch_skinny_unquantized_gemm(layer: LinearBase | ParallelLMHead) -> bool
                        or not _on_hopper(weight)):
         return False
     counters = new_counters(weight.shape[0], max_m, weight.device)
+    pdl = envs.VLLM_ANATOMY_PDL          # PDL launches (kernels/pdl.py), read once like the rest
 
     def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         # x [..., in] -> [..., out]
         m, (n, k) = x.numel() // x.shape[-1], weight.shape
         if (m <= max_m and x.dtype == weight.dtype and not prefers_cublas(m, n, k, x.dtype)
                 and (not tuned_only or has_tuned_row(m, n, k, x.dtype))):
-            return skinny_gemm(x, weight, bias, counters=counters)
+            return skinny_gemm(x, weight, bias, counters=counters, pdl=pdl)
         return F.linear(x, weight, bias)
 
     layer.gemm = gemm        # type: ignore[assignment]  # this layer's own, over the class's F.linear

@@ -99,6 +99,7 @@ class LlamaAttention(nn.Module):
         # (the performance seam below; vLLM's pass_config name)
         self.enable_qk_norm_rope_fusion = qk_norm and _qk_norm_rope_fusion_enabled()
         self.fuse_qk_norm_rope_kvcache = self.enable_qk_norm_rope_fusion and fuse_qk_norm_rope_kvcache_enabled()
+        self.pdl = envs.VLLM_ANATOMY_PDL          # CUDA: PDL launches (kernels/pdl.py), read once
         self.attn = Attention(self.num_heads, self.head_dim, self.scaling, self.num_kv_heads,
                               attn_backend, prefix=f"{prefix}.attn")
 
@@ -154,7 +155,8 @@ class LlamaAttention(nn.Module):
             from vllm_anatomy.kernels.fused_qk_norm_rope import fused_qk_norm_rope   # lazy: CPU never needs it
             fused_qk_norm_rope(qkv, self.num_heads, self.num_kv_heads, self.num_kv_heads, self.head_dim,
                                self.q_norm.variance_epsilon, self.q_norm.weight, self.k_norm.weight,
-                               self.rotary_emb.cos_sin_cache, self.rotary_emb.is_neox_style, positions)
+                               self.rotary_emb.cos_sin_cache, self.rotary_emb.is_neox_style, positions,
+                               pdl=self.pdl)
         # q and k are column views of qkv (row stride q_size + 2 * kv_size), as v
         # always is: attention and the cache write read them strided, no copy.
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
