@@ -1,8 +1,9 @@
-"""bench/pdl_chain.py without a GPU: its --tiny mode end to end in Triton's interpreter (the plain
-variant against a torch reference; the PDL variants are reported as skipped, not faked), and its
-kernels compiled offline for sm_90: with USE_PDL the GEMV prefetches its weight into L2 before
-griddepcontrol.wait and loads or stores nothing of global memory before it; without, no PDL
-instruction at all. (Subprocesses: this session may hold the kernels interpreted.)"""
+"""bench/pdl_chain.py and bench/pdl_layers.py without a GPU: their --tiny modes end to end in
+Triton's interpreter (results against a torch or F.linear reference; PDL variants are left out or
+reported as skipped, not faked), and pdl_chain's kernels compiled offline for sm_90: with USE_PDL
+the GEMV prefetches its weight into L2 before griddepcontrol.wait and loads or stores nothing of
+global memory before it; without, no PDL instruction at all. (Subprocesses: this session may
+hold the kernels interpreted.)"""
 from __future__ import annotations
 
 import json
@@ -78,3 +79,21 @@ def test_pdl_chain_kernels_compile_for_sm90_with_the_wait_first():
     pre = r["gemv True True"]
     assert pre["prefetch.global.L2"] is not None and pre["prefetch.global.L2"] < pre["griddepcontrol.wait"]
     assert r["gemv True False"]["prefetch.global.L2"] is None
+
+
+@pytest.mark.slow
+def test_pdl_layers_tiny_end_to_end(tmp_path):
+    """bench/pdl_layers.py's CPU mode: the engine's own kernels (rms_norm, silu_and_mul, the
+    split-K GEMM) in a layer's chain, each GEMM choice (0, tuned, 1) against F.linear's result."""
+    out = tmp_path / "layers.json"
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "pdl_layers.py"), "--tiny", "--out", str(out)],
+                          cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["tiny"] and list(r["variants"]) == ["cublas", "tuned", "skinny"]
+    assert [row["m"] for row in r["rows"]] == [1, 3]
+    for row in r["rows"]:
+        assert set(row["us_per_layer"]) == set(r["variants"]) and all(v > 0 for v in row["us_per_layer"].values())
+        assert all(err < 1e-5 for err in row["rel_err_vs_cublas"].values()), row
+        assert row["best"] in r["variants"]
