@@ -1,0 +1,100 @@
+#!/bin/bash
+# The device session's measurements as named stages, so a whole plan is a few `run` calls.
+#
+#   bash bench/peers/device_stages.sh STAGE [STAGE ...]      # on the device, in the repo root
+#
+# Prepare here (PyPI reachable; the paths are git-ignored through .git/info/exclude):
+#   echo /.whl/ >> .git/info/exclude; echo /.gpu/ >> .git/info/exclude
+#   bash bench/peers/device_wheels.sh .whl                      # ~18 MiB: carry on a fresh machine
+#   python bench/throughput_ab.py --export REV .gpu/base         # an older tree, for stage `tracing`
+#   bash ../shared/peers/vllm/make_bundle.sh /tmp/bundle         # vLLM 0.26.0, two parts of ~38 MiB, then
+#   cat /tmp/bundle/*.part0 /tmp/bundle/*.part1 | split -n 3 -d -a 1 - /tmp/bpart
+#   for i in 0 1 2; do mkdir -p .gpu/q$i; mv /tmp/bpart$i .gpu/q$i/p; done   # ~26 MiB each
+# The tracked tree is ~39 MB and a call carries at most 64 MiB, so one part per call: stages
+# q0 and q1 park parts 0 and 1 in /tmp, and `vs` (carrying .gpu/q2) joins the three. Those
+# calls must follow each other within the machine's ~30 s warm window, or /tmp is gone.
+# A call on a fresh machine carries .whl (installed once into /tmp/site). Each stage writes
+# its JSON/logs under $OUT, named with the card (h100, h200).
+#
+# Stages:
+#   skinny   bench/skinny_gemm.py sweep -> paste its rows (paste_tuned_rows.py) -> the skinny
+#            GPU tests -> A/B of VLLM_ANATOMY_SKINNY_GEMM 0 vs tuned (AB_ROUNDS, default 2)
+#   fuse     the fused q/k-norm+RoPE+KV-write GPU tests, A/B of its switch 0 vs 1
+#   pdl      the PDL GPU tests, bench/pdl_chain.py, bench/pdl_layers.py, A/B of VLLM_ANATOMY_PDL
+#            at SKINNY_GEMM=tuned and at =1
+#   tracing  bench/tracing_overhead.py --gpu off,spans: .gpu/base's tree, then this one, two rounds
+#   cold     an A/A run on an emptied Triton cache (the first variant cold): compiles mid-workload
+#   q0, q1   park a vLLM bundle part in /tmp (carry .gpu/q0, then .gpu/q1)
+#   vs       join the parts (carry .gpu/q2), unpack, bench/vs_vllm.py --skip-gpu-time (R: round)
+#   vs2      another round, --skip-latency, on the unpacked bundle (R: round)
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+if [ -d .whl ] && [ ! -f /tmp/site/.done ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && touch /tmp/site/.done || exit 1
+fi
+export PYTHONPATH=/tmp/site:$PWD
+CARD=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[0-9][0-9]*' | head -1 | tr A-Z a-z)
+echo "card=$CARD"; nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv
+T0=$SECONDS
+quiet() { grep -v "Capturing\|it/s\]"; }
+ab() {  # ab NAME A_ENV B_ENV [more --a-env/--b-env flags]
+  local name=$1; shift
+  python3 bench/throughput_ab.py "$@" --rounds "${AB_ROUNDS:-2}" --model-dir /tmp/ab-model \
+    --out "$OUT/throughput_ab_${name}_$CARD.json" 2>&1 | quiet | tail -6
+}
+vllm_env() {
+  local cu13
+  cu13=$(PYTHONPATH=/tmp/vllm-site python3 -c 'import nvidia,os;print(os.path.join(list(nvidia.__path__)[0],"cu13","lib"))' 2>/dev/null || true)
+  if [ -n "$cu13" ] && [ -d "$cu13" ]; then export LD_LIBRARY_PATH=$cu13${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}; fi
+}
+for STAGE in "$@"; do
+  echo "=== stage $STAGE at $((SECONDS - T0)) s"
+  case $STAGE in
+  skinny)
+    python3 bench/skinny_gemm.py --budget-s "${SK_BUDGET:-60}" --out "$OUT/skinny_gemm_$CARD.json" 2>&1 \
+      | tee "$OUT/skinny_log_$CARD.txt" | tail -40
+    python3 bench/peers/paste_tuned_rows.py "$OUT/skinny_gemm_$CARD.json" && cp vllm_anatomy/kernels/skinny_gemm.py "$OUT/"
+    timeout 300 python3 -m pytest -q -rs tests/kernel_tests/test_skinny_gemm.py tests/gpu/test_skinny_gemm_engine.py 2>&1 \
+      | tee "$OUT/skinny_tests_$CARD.log" | tail -6
+    ab skinny --a-env VLLM_ANATOMY_SKINNY_GEMM=0 --b-env VLLM_ANATOMY_SKINNY_GEMM=tuned --a-label cublas --b-label tuned ;;
+  fuse)
+    timeout 200 python3 -m pytest -q -rs tests/kernel_tests/test_fused_qk_norm_rope_kvcache.py \
+      tests/gpu/test_fused_qk_norm_rope_kvcache_engine.py 2>&1 | tee "$OUT/fuse_tests_$CARD.log" | tail -6
+    ab fuse_kv --a-env VLLM_ANATOMY_FUSE_QK_NORM_ROPE_KVCACHE=0 --b-env VLLM_ANATOMY_FUSE_QK_NORM_ROPE_KVCACHE=1 \
+      --a-label split --b-label fused ;;
+  pdl)
+    timeout 300 python3 -m pytest -q -rs tests/kernel_tests/test_pdl.py tests/gpu/test_pdl_engine.py \
+      tests/gpu/test_skinny_gemm_engine.py 2>&1 | tee "$OUT/pdl_tests_$CARD.log" | tail -6
+    python3 bench/pdl_chain.py --out "$OUT/pdl_chain_$CARD.json" 2>&1 | tail -6
+    python3 bench/pdl_layers.py --out "$OUT/pdl_layers_$CARD.json" 2>&1 | tail -9
+    ab pdl_tuned --a-env VLLM_ANATOMY_PDL=0 --b-env VLLM_ANATOMY_PDL=1 --a-label off --b-label pdl
+    ab pdl_skinny1 --a-env VLLM_ANATOMY_PDL=0 --a-env VLLM_ANATOMY_SKINNY_GEMM=1 \
+      --b-env VLLM_ANATOMY_PDL=1 --b-env VLLM_ANATOMY_SKINNY_GEMM=1 --a-label off_skinny1 --b-label pdl_skinny1 ;;
+  tracing)
+    for r in 1 2; do
+      PYTHONPATH=/tmp/site:$PWD/.gpu/base python3 bench/tracing_overhead.py --gpu --levels off,spans \
+        --out "$OUT/tracing_overhead_${CARD}_base_r$r.json" 2>&1 | tail -4
+      python3 bench/tracing_overhead.py --gpu --levels off,spans --out "$OUT/tracing_overhead_${CARD}_r$r.json" 2>&1 | tail -4
+    done ;;
+  cold)
+    export TRITON_CACHE_DIR=/tmp/tc_fresh; rm -rf /tmp/tc_fresh
+    AB_ROUNDS=1 ab cold_cache --a-env VLLM_ANATOMY_X=cold --b-env VLLM_ANATOMY_X=warm --a-label cold_cache --b-label warm_cache
+    find /tmp/tc_fresh -type f -name "*.cubin" -printf "%TT %f\n" | sort > "$OUT/cold_cache_mtimes_$CARD.txt"
+    unset TRITON_CACHE_DIR ;;
+  q0|q1)
+    cp ".gpu/$STAGE/p" "/tmp/vpart_$STAGE" && ls -la /tmp/vpart_* ;;
+  vs)
+    cat /tmp/vpart_q0 /tmp/vpart_q1 .gpu/q2/p > /tmp/b.tar.xz && rm -rf /tmp/vllm-site && mkdir -p /tmp/vllm-site \
+      && tar -C /tmp/vllm-site -xJf /tmp/b.tar.xz && echo "unpacked at $((SECONDS - T0)) s" || exit 1
+    vllm_env
+    python3 bench/vs_vllm.py --vllm-site /tmp/vllm-site --skip-gpu-time ${VS_ARGS:-} \
+      --out "$OUT/vs_vllm_${CARD}_r${R:-1}.json" 2>&1 | quiet | tail -14 ;;
+  vs2)
+    vllm_env
+    python3 bench/vs_vllm.py --vllm-site /tmp/vllm-site --skip-gpu-time --skip-latency ${VS_ARGS:-} \
+      --out "$OUT/vs_vllm_${CARD}_r${R:-2}.json" 2>&1 | quiet | tail -10 ;;
+  *) echo "unknown stage $STAGE"; exit 2 ;;
+  esac
+done
+echo "=== done at $((SECONDS - T0)) s"
