@@ -16,7 +16,7 @@ The chain here stands for a decode step without attention: per layer, an RMS-nor
 kernel over x [M, H] (H = 1024), a GEMV-like kernel x @ W1.T with W1 [I, H] (I = 4096), the
 row kernel over [M, I], then x @ W2.T with W2 [H, I], each layer with its own weights (28
 layers: 470 MB, far past L2, as in a real step). Both kernels are small Triton kernels of
-this file with a USE_PDL switch (wait before the first dependent load, launch_dependents
+this file (using vllm_anatomy/kernels/pdl.py's helpers) with a USE_PDL switch (wait before the first dependent load, launch_dependents
 after the main loop) and, for the GEMV, a PREFETCH switch (prefetch.global.L2 of its
 weight slice before the wait). Variants, each captured whole in one CUDA graph and timed
 by its replays: "plain" (ordinary launches), "pdl" (PDL, no prefetch), "pdl+prefetch".
@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import statistics
 import sys
 import time
 
@@ -45,21 +44,11 @@ import triton.language as tl  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from kernel_bench import copy_ceiling, write_json  # noqa: E402
+from kernel_bench import copy_ceiling, time_ms, write_json  # noqa: E402
+
+from vllm_anatomy.kernels.pdl import pdl_launch_dependents, pdl_wait, prefetch_l2  # noqa: E402
 
 VARIANTS = {"plain": (False, False), "pdl": (True, False), "pdl+prefetch": (True, True)}
-
-
-@triton.jit
-def _gdc_wait(USE_PDL: tl.constexpr):
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-
-
-@triton.jit
-def _gdc_launch_dependents(USE_PDL: tl.constexpr):
-    if USE_PDL:
-        tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit
@@ -68,10 +57,10 @@ def _row_norm_kernel(x_ptr, y_ptr, H, eps, BLOCK_H: tl.constexpr, USE_PDL: tl.co
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK_H)
     mask = cols < H
-    _gdc_wait(USE_PDL)                          # x is the previous kernel's output
+    pdl_wait(USE_PDL)                           # x is the previous kernel's output
     x = tl.load(x_ptr + row * H + cols, mask=mask, other=0.0).to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / H + eps)
-    _gdc_launch_dependents(USE_PDL)             # the main work is done: let the next grid in
+    pdl_launch_dependents(USE_PDL)              # the main work is done: let the next grid in
     tl.store(y_ptr + row * H + cols, (x * inv).to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -91,16 +80,14 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K,
         # (here only prefetched into L2, one address per 128-byte line) before the wait.
         lines = tl.arange(0, BLOCK_K // 64) * 64
         for k0 in range(0, K, BLOCK_K):
-            ptrs = w_ptr + rn[:, None] * K + (k0 + lines)[None, :]
-            tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [ptrs],
-                                      dtype=tl.int32, is_pure=False, pack=1)
-    _gdc_wait(USE_PDL)                          # x is the previous kernel's output
+            prefetch_l2(w_ptr + rn[:, None] * K + (k0 + lines)[None, :], USE_PDL)
+    pdl_wait(USE_PDL)                           # x is the previous kernel's output
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         x = tl.load(x_ptr + rm[:, None] * K + (k0 + rk)[None, :], mask=rm[:, None] < M, other=0.0)
         w = tl.load(w_ptr + rn[:, None] * K + (k0 + rk)[None, :], mask=rn[:, None] < N, other=0.0)
         acc = tl.dot(x, tl.trans(w), acc)
-    _gdc_launch_dependents(USE_PDL)
+    pdl_launch_dependents(USE_PDL)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     tl.store(out_ptr + rm[:, None] * N + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -164,22 +151,10 @@ def _launch(use_pdl: bool) -> dict:
 
 
 def time_graph_us(chain: Chain, use_pdl: bool, prefetch: bool, reps: int) -> tuple[float, torch.Tensor]:
-    """Median microseconds of one replay of the whole chain captured as one CUDA graph."""
-    for _ in range(2):                                             # compile outside the capture
-        chain.run(use_pdl, prefetch)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        chain.run(use_pdl, prefetch)
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times), chain.h.clone()
+    """Median microseconds of one replay of the whole chain captured as one CUDA graph
+    (kernel_bench.time_ms), and the chain's output after the replays."""
+    us = time_ms(lambda: chain.run(use_pdl, prefetch), warmup=2, reps=reps, per_graph=1) * 1e3
+    return us, chain.h.clone()
 
 
 def measure(args) -> list[dict]:

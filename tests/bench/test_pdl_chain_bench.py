@@ -16,13 +16,19 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def run_tiny(script: str, out) -> subprocess.CompletedProcess:
+    """bench/<script> --tiny --out OUT in the interpreter; its stdout, after a clean exit."""
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", script), "--tiny", "--out", str(out)],
+                          cwd=str(out.parent), env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
 @pytest.mark.slow
 def test_pdl_chain_tiny_end_to_end(tmp_path):
     out = tmp_path / "pdl.json"
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "pdl_chain.py"), "--tiny", "--out", str(out)],
-                          cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = run_tiny("pdl_chain.py", out)
     r = json.loads(out.read_text())
     assert r["tiny"] and [row["m"] for row in r["rows"]] == [1, 4]
     for row in r["rows"]:
@@ -86,10 +92,7 @@ def test_pdl_layers_tiny_end_to_end(tmp_path):
     """bench/pdl_layers.py's CPU mode: the engine's own kernels (rms_norm, silu_and_mul, the
     split-K GEMM) in a layer's chain, each GEMM choice (0, tuned, 1) against F.linear's result."""
     out = tmp_path / "layers.json"
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "pdl_layers.py"), "--tiny", "--out", str(out)],
-                          cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_tiny("pdl_layers.py", out)
     r = json.loads(out.read_text())
     assert r["tiny"] and list(r["variants"]) == ["cublas", "tuned", "skinny"]
     assert [row["m"] for row in r["rows"]] == [1, 3]
