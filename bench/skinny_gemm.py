@@ -2,6 +2,7 @@
 decode shapes of Qwen3-0.6B, and what the per-step total would be with either.
 
     python bench/skinny_gemm.py --out $OUT/skinny_gemm_h100.json [--budget-s 120] [--jobs 16] [--no-sweep]
+    python bench/skinny_gemm.py --pdl --out $OUT/skinny_gemm_pdl_h100.json [--budget-s 60]  # in context, PDL
     python bench/skinny_gemm.py --tiny --out /tmp/skinny.json      # CPU smoke (Triton interpreter)
 
 Shapes (y[M, N] = x[M, K] @ W[N, K]^T, bf16, no bias): the four matmuls of a decoder layer,
@@ -29,6 +30,27 @@ cuBLAS, ours default, ours best, and "dispatch" (the faster of cuBLAS and ours b
 shape, what TUNED_CONFIGS plus the threshold could reach). Last, the best config of every
 (shape, bucket) as rows to paste into TUNED_CONFIGS. Copy and matmul rates are measured in
 the same run (kernel_bench.py's copy_ceiling and matmul_ceiling). About 3-4 minutes on an H100.
+
+--pdl: every GEMM, ours and cuBLAS, timed in context, as the engine runs it with VLLM_ANATOMY_PDL=1.
+Why: with PDL (vllm_anatomy/kernels/pdl.py) our kernel launches while the kernel before it still
+runs, prefetches its slice of W into L2 and lets the kernel after it launch early; cuBLAS takes
+no part (an ordinary launch: a full barrier on both sides, kernels/pdl.py NOTE (c)). Timed alone,
+back to back, neither has a PDL neighbour, so the table above undervalues ours wherever PDL is
+on and its TUNED_CONFIGS rows would send shapes to cuBLAS that our kernel wins in a PDL step.
+How: inside the captured graph every GEMM launch is preceded by its producer, the engine's own
+rms_norm (kernels/rms_norm.py, launched with pdl=True whatever follows, as the engine's norms
+are) writing the GEMM's x [M, K] from a hot x_in [M, K]; ours is launched with pdl=True, cuBLAS
+as it is. The producer alone is timed the same way (a graph of as many norms) and subtracted,
+so "us" stays the GEMM's time per launch, comparable with the table without --pdl (each entry
+also keeps in_context_us and producer_us). NOTE: the producer is a stand-in for o_proj (x is
+attention's output, K = 2048) and down_proj (silu_and_mul's, K = 3072): an rms_norm over K of
+the same [M, K] size; for qkv_proj, gate_up_proj and the lm_head (K = hidden = 1024) it is the
+real one (without the residual add). W is cycled past L2 as above. Ours with and without PDL
+must be bit-equal (the wait, the trigger and the prefetch move no arithmetic): checked on one
+config per shape (pdl_bit_equal). The JSON says "pdl": true and its tuned_rows are those
+chosen in context. With --tiny (the interpreter) nothing can launch with PDL (pdl.py's use_pdl
+says no): the producer is still timed and subtracted, and the JSON and the printout say
+"pdl_effective": false.
 """
 from __future__ import annotations
 
@@ -53,6 +75,8 @@ import torch.nn.functional as F  # noqa: E402
 from kernel_bench import copy_ceiling, matmul_ceiling, time_ms, write_json  # noqa: E402
 
 from vllm_anatomy.kernels import skinny_gemm as sg  # noqa: E402
+from vllm_anatomy.kernels.pdl import use_pdl  # noqa: E402
+from vllm_anatomy.kernels.rms_norm import rms_norm  # noqa: E402
 from vllm_anatomy.kernels.skinny_gemm import SkinnyGemmConfig  # noqa: E402
 
 NUM_LAYERS = 28
@@ -66,13 +90,18 @@ COLD_BYTES = 160 * 2 ** 20             # W copies cycled per graph: more than an
 MAX_ERR = 0.05                         # outputs ~N(0, 1): bf16 rounding is <= 0.016 at |y| < 8
 REPEATS = 5                            # runs compared bit for bit
 SMEM_LIMIT = 227 * 1024                # Hopper's shared memory per block
+NORM_EPS = 1e-6                        # --pdl's producer (Qwen3's rms_norm_eps)
 COMPILED: set[str] = set()             # variant keys compiled (or loaded) in this run
+PRODUCER_US: dict[tuple[int, int, int], float] = {}   # --pdl: (M, K, per graph) -> the producer alone, us
 
 
 class Setup:
     """Shapes, dtype, device and timing of a run (the GPU's or the CPU smoke test's)."""
 
-    def __init__(self, tiny: bool):
+    pdl = False                # --pdl: GEMMs timed after their producer (Case.time_us)
+    pdl_effective = False      # ... and launched with PDL (use_pdl: a GPU of sm_90+, no interpreter)
+
+    def __init__(self, tiny: bool, pdl: bool = False):
         self.tiny = tiny
         if tiny:
             self.shapes, self.ms, self.dtype, self.device = TINY_SHAPES, TINY_MS, torch.float32, "cpu"
@@ -80,13 +109,30 @@ class Setup:
         else:
             self.shapes, self.ms, self.dtype, self.device = SHAPES, MS, torch.bfloat16, "cuda"
             self.num_sms = sg.num_sms_of(torch.device("cuda"))
+        self.pdl = pdl
+        self.pdl_effective = pdl and use_pdl(torch.empty(1, device=self.device), True)
+
+    def pdl_note(self) -> str:
+        """What --pdl did in this run, for the printout and the JSON."""
+        if self.pdl_effective:
+            return ("each GEMM timed after its producer (rms_norm over K), both launched with PDL (cuBLAS "
+                    "without: it cannot take part); the producer alone subtracted")
+        return ("PDL NOT effective here (the Triton interpreter, the CPU or a GPU before sm_90: use_pdl says "
+                "no): each GEMM timed after its producer (rms_norm over K), the producer alone subtracted, "
+                "nothing launched with PDL" + ("; --tiny: each time is a difference of two interpreter timings, "
+                                                "mostly noise (it can be negative)" if self.tiny else ""))
 
     def time_us(self, fn, per_graph: int) -> float:
         if self.tiny:
             fn()
-            t0 = time.perf_counter()
-            fn()
-            return (time.perf_counter() - t0) * 1e6
+            times = []
+            # NOTE: with --pdl the least of a few calls: a difference of two interpreter timings
+            # (in context minus the producer) is otherwise mostly the CPU's noise.
+            for _ in range(REPEATS if self.pdl else 1):
+                t0 = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t0) * 1e6)
+            return min(times)
         return 1e3 * time_ms(fn, warmup=2, reps=10, per_graph=per_graph)
 
     def sync(self) -> None:
@@ -182,13 +228,15 @@ def variant_key(cfg: SkinnyGemmConfig, k: int) -> str:
             + (f" {cfg.reduce}" if splits > 1 else "") + ("" if k % cfg.block_k == 0 else " ragged-K"))
 
 
-def _compile_one(shape, m: int, dtype: torch.dtype, device: str, cfg: SkinnyGemmConfig) -> str | None:
-    """Launch cfg once (compiling it, or loading it from Triton's cache); the error text if it fails."""
+def _compile_one(shape, m: int, dtype: torch.dtype, device: str, cfg: SkinnyGemmConfig,
+                 pdl: bool = False) -> str | None:
+    """Launch cfg once (compiling it, or loading it from Triton's cache); the error text if it fails.
+    pdl: as the timing will launch it (USE_PDL is a constexpr: a variant of its own)."""
     n, k = shape
     try:
         x = torch.randn(m, k, device=device, dtype=dtype)
         w = torch.randn(n, k, device=device, dtype=dtype)
-        sg.skinny_gemm(x, w, None, config=cfg, counters=sg.new_counters(n, max(m, 16), device))
+        sg.skinny_gemm(x, w, None, config=cfg, counters=sg.new_counters(n, max(m, 16), device), pdl=pdl)
         if device == "cuda":
             torch.cuda.synchronize()
         return None
@@ -197,11 +245,11 @@ def _compile_one(shape, m: int, dtype: torch.dtype, device: str, cfg: SkinnyGemm
 
 
 def _worker(jobs: list) -> dict[str, str]:
-    """One compile process: (shape, M, dtype name, device, config fields) each launched once."""
+    """One compile process: (shape, M, dtype name, device, config fields, pdl) each launched once."""
     failed = {}
-    for shape, m, dtype_name, device, fields in jobs:
+    for shape, m, dtype_name, device, fields, pdl in jobs:
         cfg = SkinnyGemmConfig(**fields)
-        err = _compile_one(shape, m, getattr(torch, dtype_name), device, cfg)
+        err = _compile_one(shape, m, getattr(torch, dtype_name), device, cfg, pdl)
         if err:
             failed[variant_key(cfg, shape[1])] = err
     return failed
@@ -234,7 +282,8 @@ def precompile(setup: Setup, work: list[tuple[tuple[int, int], int, SkinnyGemmCo
     unique = list(todo.values())
     if pool is not None and unique:
         dtype_name = str(setup.dtype).split(".")[-1]
-        jobs = [[(shape, m, dtype_name, setup.device, dataclasses.asdict(cfg))] for shape, m, cfg in unique]
+        jobs = [[(shape, m, dtype_name, setup.device, dataclasses.asdict(cfg), setup.pdl)]
+                for shape, m, cfg in unique]
         try:
             for part in pool.map(_worker, jobs):
                 failed.update(part)
@@ -242,7 +291,7 @@ def precompile(setup: Setup, work: list[tuple[tuple[int, int], int, SkinnyGemmCo
         except Exception as e:                    # a broken pool: everything compiles here instead
             print(f"  compile pool failed ({type(e).__name__}: {str(e)[:200]}); compiling in this process")
     for shape, m, cfg in unique:
-        err = _compile_one(shape, m, setup.dtype, setup.device, cfg)
+        err = _compile_one(shape, m, setup.dtype, setup.device, cfg, setup.pdl)
         if err:
             failed[variant_key(cfg, shape[1])] = err
     COMPILED.update(todo)
@@ -253,7 +302,8 @@ def precompile(setup: Setup, work: list[tuple[tuple[int, int], int, SkinnyGemmCo
 
 
 class Case:
-    """x, cold copies of W, the fp32 reference and the tile counters of one (shape, M)."""
+    """x, cold copies of W, the fp32 reference and the tile counters of one (shape, M); with
+    --pdl also the producer of x (an rms_norm over K of a hot x_in, see the module docstring)."""
 
     def __init__(self, setup: Setup, name: str, m: int, seed: int = 0):
         n, k = setup.shapes[name]
@@ -263,36 +313,82 @@ class Case:
         w = (torch.randn(n, k, generator=g, device=setup.device) / k ** 0.5).to(setup.dtype)
         copies = 1 if setup.tiny else max(1, -(-COLD_BYTES // w.nbytes))
         self.weights = [w] + [w.clone() for _ in range(copies - 1)]
+        if setup.pdl:
+            # NOTE: x is the producer's output, computed once here: rms_norm is deterministic,
+            # so every x the graphs produce equals it bit for bit and the reference holds.
+            self.x_in = self.x                                                          # [M, K]
+            self.norm_w = (1 + 0.1 * torch.randn(k, generator=g, device=setup.device)).to(setup.dtype)  # [K]
+            self.x = self.produce()
         self.ref = self.x.float() @ w.float().T
         self.counters = [sg.new_counters(n, max(m, 16), setup.device) for _ in self.weights]
         self.bytes = (n * k + m * k + m * n) * setup.dtype.itemsize
         self.flops = 2 * m * n * k
 
-    def time_us(self, launch) -> float:
-        """launch(w, counters) cycled over the copies of W, one graph of them all (10 at least)."""
-        per_graph = max(10, len(self.weights))
+    def produce(self) -> torch.Tensor:
+        """--pdl's producer: a new x [M, K] = rms_norm(x_in), launched with PDL where it can be
+        (in the engine the norm is a PDL kernel whatever follows it)."""
+        out = rms_norm(self.x_in, self.norm_w, NORM_EPS, pdl=True)
+        assert isinstance(out, torch.Tensor)
+        return out
+
+    def per_graph(self) -> int:
+        return max(10, len(self.weights))
+
+    def producer_us(self) -> float:
+        """The producer alone, timed as the GEMMs are (as many launches per graph).
+
+        NOTE: once per (M, K, launches per graph) in a run, shared by every case of that size
+        (the sweep's phases, the table; shapes of one K whose W makes as many copies): the same
+        work, and every candidate, cuBLAS too, then has the same number subtracted, so the
+        producer's timing noise never reorders them. Per graph size as the GEMMs' graphs: the
+        graph's own start is spread over its launches."""
+        key = (self.m, self.k, self.per_graph())
+        if key not in PRODUCER_US:
+            PRODUCER_US[key] = self.setup.time_us(self.produce, self.per_graph())
+        return PRODUCER_US[key]
+
+    def time_us(self, launch) -> tuple[float, dict]:
+        """launch(x, w, counters) cycled over the copies of W, one graph of them all (10 at least):
+        (us per launch, {}). With --pdl each launch follows its producer, whose time alone is
+        subtracted: (us, {"in_context_us": producer and GEMM, "producer_us": producer alone})."""
         state = {"i": 0}
 
         def fn():
             i = state["i"] % len(self.weights)
             state["i"] += 1
-            launch(self.weights[i], self.counters[i])
-        return self.setup.time_us(fn, per_graph)
+            launch(self.produce() if self.setup.pdl else self.x, self.weights[i], self.counters[i])
+        us = self.setup.time_us(fn, self.per_graph())
+        if not self.setup.pdl:
+            return us, {}
+        producer = self.producer_us()
+        return us - producer, {"in_context_us": us, "producer_us": producer}
 
     def cublas(self) -> dict:
         out = F.linear(self.x, self.weights[0])
-        us = self.time_us(lambda w, c: F.linear(self.x, w))
-        return self.entry("cublas", us, out, [F.linear(self.x, self.weights[0]) for _ in range(REPEATS)])
+        us, extra = self.time_us(lambda x, w, c: F.linear(x, w))
+        e = self.entry("cublas", us, out, [F.linear(self.x, self.weights[0]) for _ in range(REPEATS)])
+        return {**e, **extra}
 
     def ours(self, label: str, cfg: SkinnyGemmConfig, repeats: int = 0) -> dict:
-        out = sg.skinny_gemm(self.x, self.weights[0], None, config=cfg, counters=self.counters[0])
-        us = self.time_us(lambda w, c: sg.skinny_gemm(self.x, w, None, config=cfg, counters=c))
-        again = [sg.skinny_gemm(self.x, self.weights[0], None, config=cfg, counters=self.counters[0])
+        pdl = self.setup.pdl
+        out = sg.skinny_gemm(self.x, self.weights[0], None, config=cfg, counters=self.counters[0], pdl=pdl)
+        us, extra = self.time_us(lambda x, w, c: sg.skinny_gemm(x, w, None, config=cfg, counters=c, pdl=pdl))
+        again = [sg.skinny_gemm(self.x, self.weights[0], None, config=cfg, counters=self.counters[0], pdl=pdl)
                  for _ in range(repeats)]
         e = self.entry(label, us, out, again)
         e["config"] = dataclasses.asdict(cfg)
         e["config_name"] = cfg.name
-        return e
+        return {**e, **extra}
+
+    def pdl_bit_equal(self, cfg: SkinnyGemmConfig) -> dict:
+        """Ours launched with PDL right after its producer (also with PDL) against ours without
+        PDL on the same x: bit-equal, since the wait, the trigger and the prefetch move no
+        arithmetic (kernels/pdl.py NOTE (f))."""
+        w, c = self.weights[0], self.counters[0]
+        on = sg.skinny_gemm(self.produce(), w, None, config=cfg, counters=c, pdl=True)
+        off = sg.skinny_gemm(self.x, w, None, config=cfg, counters=c, pdl=False)
+        self.setup.sync()
+        return {"shape": self.name, "m": self.m, "config_name": cfg.name, "equal": torch.equal(on, off)}
 
     def entry(self, label: str, us: float, out: torch.Tensor, again: list[torch.Tensor]) -> dict:
         self.setup.sync()
@@ -372,7 +468,11 @@ def sweep(setup: Setup, args, failed: dict, result: dict) -> dict[tuple[str, int
     return {key: SkinnyGemmConfig(**row["best"]["config"]) for key, row in rows.items() if row["best"]}
 
 
-def table(setup: Setup, best: dict[tuple[str, int], SkinnyGemmConfig]) -> list[dict]:
+def table(setup: Setup, best: dict[tuple[str, int], SkinnyGemmConfig],
+          bit_equal: list[dict] | None = None) -> list[dict]:
+    """cuBLAS, our default and the bucket's best at every (shape, M). With --pdl also the
+    producer's time per row, and (into bit_equal) ours with and without PDL compared bit for
+    bit on one config per shape: the default at the shape's first M."""
     rows = []
     for name in setup.shapes:
         for m in setup.ms:
@@ -380,6 +480,10 @@ def table(setup: Setup, best: dict[tuple[str, int], SkinnyGemmConfig]) -> list[d
             case = Case(setup, name, m, seed=1)
             row = {"shape": name, "m": m, "n": n, "k": k, "cublas": case.cublas()}
             default = sg.pick_config(m, n, k, setup.dtype, setup.num_sms)
+            if setup.pdl:
+                row["producer_us"] = case.producer_us()
+                if bit_equal is not None and m == setup.ms[0]:
+                    bit_equal.append(case.pdl_bit_equal(default))
             for label, cfg in (("default", default), ("best", best.get((name, sg.m_bucket(m))))):
                 if cfg is None:
                     continue
@@ -451,7 +555,13 @@ def tuned_rows(setup: Setup, sweep_rows: list[dict], table_rows: list[dict]) -> 
     return rows
 
 
-def print_table(rows: list[dict], steps: list[dict], tuned: list[dict]) -> None:
+def print_table(rows: list[dict], steps: list[dict], tuned: list[dict], context: str = "") -> None:
+    """The table, the step totals and the TUNED_CONFIGS rows; context: what --pdl did (a line
+    before each part), empty without --pdl."""
+    if context:
+        print(f"\n--pdl: {context}")
+        print("producer alone (subtracted from every time below), us per launch: " + ", ".join(
+            f"K={k} M={m} x{p} {us:.2f}" for (m, k, p), us in sorted(PRODUCER_US.items(), key=lambda i: i[0][::-1])))
     print(f"\n{'shape':<13}{'M':>4} {'cuBLAS us':>9} {'ours dflt':>9} {'x':>6} {'ours best':>9} {'x':>6} "
           f"{'copy%':>6} {'mm%':>6}  best config")
     for r in rows:
@@ -472,7 +582,8 @@ def print_table(rows: list[dict], steps: list[dict], tuned: list[dict]) -> None:
             return "-" if v is None else format(v, fmt)
         print(f"{s['m']:>4} {f(s['cublas_us'])} {f(s['default_us'])} {f(s['best_us'])} {f(s['dispatch_us'])} "
               f"{f(s['dispatch_saving_us'], '8.1f')} {f(s['dispatch_speedup'], '6.3f')}")
-    print("\nbest config per (shape, bucket), rows for TUNED_CONFIGS in vllm_anatomy/kernels/skinny_gemm.py")
+    print("\nbest config per (shape, bucket), rows for TUNED_CONFIGS in vllm_anatomy/kernels/skinny_gemm.py"
+          + (" (in context, --pdl)" if context else ""))
     print("(None: cuBLAS was faster over the bucket's Ms, F.linear stays there):")
     for t in tuned:
         print(f"{t['literal']}  # {t['shape']}, best {t['config_name']}, M {t['ms_in_table']}: "
@@ -488,10 +599,13 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=None,
                     help="compile processes (default: up to 16 on a GPU, 1 with --tiny)")
     ap.add_argument("--no-sweep", action="store_true", help="cuBLAS vs the default table only")
+    ap.add_argument("--pdl", action="store_true",
+                    help="time every GEMM in context: after its producer (rms_norm over K, subtracted), ours "
+                         "launched with PDL (see the docstring); the rows are chosen so")
     args = ap.parse_args()
     if not args.tiny and not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU (or --tiny for the CPU smoke mode)")
-    setup = Setup(args.tiny)
+    setup = Setup(args.tiny, pdl=args.pdl)
     if args.jobs is None:
         args.jobs = 1 if args.tiny else min(16, os.cpu_count() or 1)
     start = time.monotonic()
@@ -507,14 +621,26 @@ def main() -> None:
         "shapes": {k: list(v) for k, v in setup.shapes.items()}, "ms": setup.ms, "num_layers": NUM_LAYERS,
         "cold_bytes": 0 if setup.tiny else COLD_BYTES, "compile_failed": failed, "sweep": [],
     }
+    bit_equal: list[dict] = []
+    if setup.pdl:
+        result.update(pdl=True, pdl_effective=setup.pdl_effective, pdl_note=setup.pdl_note(),
+                      pdl_producer=f"rms_norm(x_in [M, K], weight [K], eps={NORM_EPS}, pdl=True) -> x [M, K]",
+                      pdl_bit_equal=bit_equal)
+        print(f"--pdl: {setup.pdl_note()}")
     best = {} if args.no_sweep else sweep(setup, args, failed, result)
     result["sweep_s"] = time.monotonic() - start
-    result["table"] = table(setup, best)
+    result["table"] = table(setup, best, bit_equal)
     result["per_step"] = per_step(setup, result["table"])
+    if setup.pdl:
+        result["pdl_producer_us"] = [{"m": m, "k": k, "per_graph": p, "us": us}
+                                     for (m, k, p), us in sorted(PRODUCER_US.items())]
     result["tuned_rows"] = tuned_rows(setup, result["sweep"], result["table"])
     result["wall_s"] = time.monotonic() - start
     write_json(result, args.out)
-    print_table(result["table"], result["per_step"], result["tuned_rows"])
+    print_table(result["table"], result["per_step"], result["tuned_rows"], setup.pdl_note() if setup.pdl else "")
+    if setup.pdl:
+        print("ours with PDL vs without, bit for bit: " + ", ".join(
+            f"{b['shape']} M={b['m']} {b['config_name']}: {'equal' if b['equal'] else 'DIFFERENT'}" for b in bit_equal))
     if failed:
         print(f"\n{len(failed)} configs failed to compile or run (compile_failed in the JSON), e.g. "
               f"{next(iter(failed))}: {next(iter(failed.values()))[:150]}")

@@ -20,8 +20,10 @@
 #   skinny   bench/skinny_gemm.py sweep -> paste its rows (paste_tuned_rows.py) -> the skinny
 #            GPU tests -> A/B of VLLM_ANATOMY_SKINNY_GEMM 0 vs tuned (AB_ROUNDS, default 2)
 #   fuse     the fused q/k-norm+RoPE+KV-write GPU tests, A/B of its switch 0 vs 1
-#   pdl      the PDL GPU tests, bench/pdl_chain.py, bench/pdl_layers.py, A/B of VLLM_ANATOMY_PDL
-#            at SKINNY_GEMM=tuned and at =1
+#   pdl      the PDL GPU tests, bench/pdl_chain.py, bench/pdl_layers.py, bench/skinny_gemm.py --pdl
+#            (the rows chosen in context, with PDL) -> paste its rows (paste_tuned_rows.py; they
+#            replace any `skinny` rows of the same call), A/B of VLLM_ANATOMY_PDL 0 vs 1 at
+#            SKINNY_GEMM=tuned (the default: those rows) and at =1
 #   tracing  bench/tracing_overhead.py --gpu off,spans: .gpu/base's tree, then this one, two rounds
 #   cold     an A/A run on an emptied Triton cache (the first variant cold): compiles mid-workload
 #   q0, q1   park a vLLM bundle part in /tmp (carry .gpu/q0, then .gpu/q1)
@@ -68,6 +70,10 @@ for STAGE in "$@"; do
       tests/gpu/test_skinny_gemm_engine.py 2>&1 | tee "$OUT/pdl_tests_$CARD.log" | tail -6
     python3 bench/pdl_chain.py --out "$OUT/pdl_chain_$CARD.json" 2>&1 | tail -6
     python3 bench/pdl_layers.py --out "$OUT/pdl_layers_$CARD.json" 2>&1 | tail -9
+    python3 bench/skinny_gemm.py --pdl --budget-s 60 --out "$OUT/skinny_gemm_pdl_$CARD.json" 2>&1 \
+      | tee "$OUT/skinny_pdl_log_$CARD.txt" | tail -40
+    python3 bench/peers/paste_tuned_rows.py "$OUT/skinny_gemm_pdl_$CARD.json" \
+      && cp vllm_anatomy/kernels/skinny_gemm.py "$OUT/skinny_gemm_pdl_rows.py"
     ab pdl_tuned --a-env VLLM_ANATOMY_PDL=0 --b-env VLLM_ANATOMY_PDL=1 --a-label off --b-label pdl
     ab pdl_skinny1 --a-env VLLM_ANATOMY_PDL=0 --a-env VLLM_ANATOMY_SKINNY_GEMM=1 \
       --b-env VLLM_ANATOMY_PDL=1 --b-env VLLM_ANATOMY_SKINNY_GEMM=1 --a-label off_skinny1 --b-label pdl_skinny1 ;;

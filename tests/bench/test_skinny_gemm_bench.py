@@ -1,5 +1,6 @@
 """bench/skinny_gemm.py on the CPU: its --tiny smoke mode end to end (Triton interpreter, two
-compile processes), and the GPU sweep's candidate lists and failure handling without a GPU."""
+compile processes), with and without --pdl, and the GPU sweep's candidate lists and failure
+handling without a GPU; on a GPU (marked gpu), --pdl's table in context."""
 from __future__ import annotations
 
 import json
@@ -13,14 +14,36 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 ENV = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", TRITON_INTERPRET="1")
 
 
-@pytest.mark.slow
-def test_skinny_gemm_tiny_end_to_end(tmp_path):
+def run_bench(tmp_path, *flags: str, env: dict = ENV) -> tuple[dict, str]:
+    """bench/skinny_gemm.py with flags: (its JSON, its stdout)."""
     out = tmp_path / "skinny.json"
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "skinny_gemm.py"), "--tiny", "--jobs", "2",
-                           "--out", str(out)], cwd=str(tmp_path), env=ENV, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "skinny_gemm.py"), *flags, "--out", str(out)],
+                          cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "per step" in proc.stdout and "WRONG" not in proc.stdout and "pool failed" not in proc.stdout
-    r = json.loads(out.read_text())
+    return json.loads(out.read_text()), proc.stdout
+
+
+def check_tuned_rows(r: dict, stdout: str) -> None:
+    """One TUNED_CONFIGS row per swept (shape, bucket), its literal as the engine's table holds
+    them, a config exactly where ours took less time than cuBLAS over the bucket's Ms."""
+    assert len(r["tuned_rows"]) == len(r["sweep"])
+    for t in r["tuned_rows"]:
+        n, k = r["shapes"][t["shape"]]
+        assert t["ms_in_table"] == [m for m in r["ms"] if (m <= 16) == (t["bucket"] == 16)]
+        body = "SkinnyGemmConfig(" if t["wins"] else "None,"
+        assert t["literal"].strip().startswith(f"({n}, {k}, {t['bucket']}): {body}")
+        assert t["wins"] == (t["ours_us"] < t["cublas_us"])
+    assert "rows for TUNED_CONFIGS" in stdout
+    assert all(t["literal"] in stdout for t in r["tuned_rows"])
+
+
+@pytest.mark.slow
+def test_skinny_gemm_tiny_end_to_end(tmp_path):
+    r, stdout = run_bench(tmp_path, "--tiny", "--jobs", "2")
+    # without --pdl: nothing of it in the JSON or the printout (the output as before --pdl existed)
+    assert not {"pdl", "pdl_effective", "pdl_bit_equal"} & set(r) and "--pdl" not in stdout
+    assert not any("producer_us" in t or "producer_us" in t["cublas"] for t in r["table"])
     assert r["tiny"] and r["compile_failed"] == {} and r["copy_ceiling"]["bytes_per_s"] > 0
     shapes, ms = list(r["shapes"]), r["ms"]
     assert shapes == ["qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head"] and ms == [1, 5, 20]
@@ -44,15 +67,71 @@ def test_skinny_gemm_tiny_end_to_end(tmp_path):
         want = sum((1 if s == "lm_head" else 28) * at[s]["cublas"]["us"] for s in shapes)
         assert step["cublas_us"] == pytest.approx(want)
         assert step["dispatch_us"] <= min(step["cublas_us"], step["best_us"]) + 1e-6
-    assert len(r["tuned_rows"]) == len(r["sweep"])
-    for t in r["tuned_rows"]:
-        n, k = r["shapes"][t["shape"]]
-        assert t["ms_in_table"] == [m for m in ms if (m <= 16) == (t["bucket"] == 16)]
-        body = "SkinnyGemmConfig(" if t["wins"] else "None,"
-        assert t["literal"].strip().startswith(f"({n}, {k}, {t['bucket']}): {body}")
-        assert t["wins"] == (t["ours_us"] < t["cublas_us"])
-    assert "rows for TUNED_CONFIGS" in proc.stdout
-    assert all(t["literal"] in proc.stdout for t in r["tuned_rows"])
+    check_tuned_rows(r, stdout)
+
+
+def check_in_context(e: dict, producer_us: float) -> None:
+    """An entry timed after its producer: both times kept, the producer's (its case's) subtracted."""
+    assert e["producer_us"] == producer_us and e["in_context_us"] > 0
+    assert e["us"] == pytest.approx(e["in_context_us"] - e["producer_us"])
+
+
+@pytest.mark.slow
+def test_skinny_gemm_tiny_pdl_end_to_end(tmp_path):
+    """--pdl on the CPU: PDL cannot run in the interpreter, and the run says so rather than
+    pretend; every GEMM is still timed after its producer (rms_norm over K), whose time alone
+    is recorded and subtracted, and the rows are chosen from those times. (On the CPU the
+    difference of two interpreter timings is mostly noise: no sign is asserted for cuBLAS.)"""
+    r, stdout = run_bench(tmp_path, "--tiny", "--pdl", "--jobs", "2")
+    assert r["pdl"] is True and r["pdl_effective"] is False and "NOT effective" in r["pdl_note"]
+    assert "rms_norm" in r["pdl_producer"] and "PDL NOT effective" in stdout and "(in context, --pdl)" in stdout
+    assert r["compile_failed"] == {}
+    shapes, ms = list(r["shapes"]), r["ms"]
+    # ours with PDL vs without, one config per shape, bit for bit (trivially here: both without)
+    assert [(b["shape"], b["m"]) for b in r["pdl_bit_equal"]] == [(s, ms[0]) for s in shapes]
+    assert all(b["equal"] for b in r["pdl_bit_equal"]) and "DIFFERENT" not in stdout
+    # the producer alone: timed once per (M, K) (and graph size: 10 launches with one W here),
+    # subtracted from every GEMM of that size
+    assert all(p["per_graph"] == 10 for p in r["pdl_producer_us"])
+    producer = {(p["m"], p["k"]): p["us"] for p in r["pdl_producer_us"]}
+    assert all(us > 0 and f"K={k} M={m} x10 {us:.2f}" in stdout for (m, k), us in producer.items())
+    assert set(producer) == {(m, k) for m in ms for n, k in r["shapes"].values()}  # the sweep times at 5 and 20
+    for s in r["sweep"]:
+        assert s["best"] and s["entries"]
+        for e in s["entries"]:
+            check_in_context(e, producer[(s["m"], r["shapes"][s["shape"]][1])])
+            assert e["ok"]
+        assert s["best"]["us"] == min(e["us"] for e in s["entries"])    # chosen in context
+    assert [(t["shape"], t["m"]) for t in r["table"]] == [(s, m) for s in shapes for m in ms]
+    for t in r["table"]:
+        assert t["producer_us"] == producer[(t["m"], t["k"])]
+        for label in ("cublas", "default", "best"):
+            e = t[label]
+            check_in_context(e, t["producer_us"])
+            assert e["ok"] and e["max_err"] < 1e-4 and e["deterministic"], (t["shape"], t["m"], e)
+    for step in r["per_step"]:
+        at = {t["shape"]: t for t in r["table"] if t["m"] == step["m"]}
+        assert step["cublas_us"] == pytest.approx(sum((1 if s == "lm_head" else 28) * at[s]["cublas"]["us"]
+                                                      for s in shapes))
+    check_tuned_rows(r, stdout)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_skinny_gemm_pdl_on_gpu(tmp_path):
+    """On an sm_90+ GPU: --pdl launches with PDL, ours with and without it bit-equal, and every
+    GEMM's time after subtracting its producer is positive (the table only: --no-sweep)."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("needs a CUDA GPU of sm_90+")
+    env = {k: v for k, v in ENV.items() if k != "TRITON_INTERPRET"}
+    r, stdout = run_bench(tmp_path, "--pdl", "--no-sweep", "--budget-s", "5", env=env)
+    assert r["pdl"] is True and r["pdl_effective"] is True and "NOT effective" not in stdout
+    assert len(r["pdl_bit_equal"]) == 5 and all(b["equal"] for b in r["pdl_bit_equal"])
+    for t in r["table"]:
+        for label in ("cublas", "default"):
+            check_in_context(t[label], t["producer_us"])
+            assert t[label]["ok"] and t[label]["us"] > 0, (t["shape"], t["m"], t[label])
 
 
 GPU_PLAN = r"""
