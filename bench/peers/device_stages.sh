@@ -20,10 +20,12 @@
 #   skinny   bench/skinny_gemm.py sweep -> paste its rows (paste_tuned_rows.py) -> the skinny
 #            GPU tests -> A/B of VLLM_ANATOMY_SKINNY_GEMM 0 vs tuned (AB_ROUNDS, default 2)
 #   fuse     the fused q/k-norm+RoPE+KV-write GPU tests, A/B of its switch 0 vs 1
-#   pdl      the PDL GPU tests, bench/pdl_chain.py, bench/pdl_layers.py, bench/skinny_gemm.py --pdl
-#            (the rows chosen in context, with PDL) -> paste its rows (paste_tuned_rows.py; they
-#            replace any `skinny` rows of the same call), A/B of VLLM_ANATOMY_PDL 0 vs 1 at
-#            SKINNY_GEMM=tuned (the default: those rows) and at =1
+#   pdl      the PDL GPU tests, bench/pdl_chain.py, bench/pdl_layers.py
+#   pdltune  bench/skinny_gemm.py --pdl (the rows chosen in context, with PDL) -> paste its rows
+#            (paste_tuned_rows.py; they replace any `skinny` rows of the same call) -> A/B of the
+#            committed rows without PDL (a copy of the package from before the paste) against
+#            those rows with VLLM_ANATOMY_PDL=1, then PDL 0 vs 1 at SKINNY_GEMM=1. Its own call:
+#            the sweep and two A/Bs take most of the 10 minutes.
 #   tracing  bench/tracing_overhead.py --gpu off,spans: .gpu/base's tree, then this one, two rounds
 #   cold     an A/A run on an emptied Triton cache (the first variant cold): compiles mid-workload
 #   q0, q1   park a vLLM bundle part in /tmp (carry .gpu/q0, then .gpu/q1)
@@ -69,12 +71,17 @@ for STAGE in "$@"; do
     timeout 300 python3 -m pytest -q -rs tests/kernel_tests/test_pdl.py tests/gpu/test_pdl_engine.py \
       tests/gpu/test_skinny_gemm_engine.py 2>&1 | tee "$OUT/pdl_tests_$CARD.log" | tail -6
     python3 bench/pdl_chain.py --out "$OUT/pdl_chain_$CARD.json" 2>&1 | tail -6
-    python3 bench/pdl_layers.py --out "$OUT/pdl_layers_$CARD.json" 2>&1 | tail -9
+    python3 bench/pdl_layers.py --out "$OUT/pdl_layers_$CARD.json" 2>&1 | tail -9 ;;
+  pdltune)
+    # NOTE: A keeps the committed rows (a copy of the package before the paste) without PDL;
+    # B runs the rows chosen in context with PDL on: the engine as each switch would ship it.
+    rm -rf /tmp/a_tree && mkdir -p /tmp/a_tree && cp -r vllm_anatomy /tmp/a_tree/
     python3 bench/skinny_gemm.py --pdl --budget-s 60 --out "$OUT/skinny_gemm_pdl_$CARD.json" 2>&1 \
       | tee "$OUT/skinny_pdl_log_$CARD.txt" | tail -40
     python3 bench/peers/paste_tuned_rows.py "$OUT/skinny_gemm_pdl_$CARD.json" \
       && cp vllm_anatomy/kernels/skinny_gemm.py "$OUT/skinny_gemm_pdl_rows.py"
-    ab pdl_tuned --a-env VLLM_ANATOMY_PDL=0 --b-env VLLM_ANATOMY_PDL=1 --a-label off --b-label pdl
+    ab pdl_tuned --a /tmp/a_tree --a-env VLLM_ANATOMY_PDL=0 --b-env VLLM_ANATOMY_PDL=1 \
+      --a-label committed_rows_off --b-label pdl_rows_pdl
     ab pdl_skinny1 --a-env VLLM_ANATOMY_PDL=0 --a-env VLLM_ANATOMY_SKINNY_GEMM=1 \
       --b-env VLLM_ANATOMY_PDL=1 --b-env VLLM_ANATOMY_SKINNY_GEMM=1 --a-label off_skinny1 --b-label pdl_skinny1 ;;
   tracing)
