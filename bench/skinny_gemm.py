@@ -29,7 +29,8 @@ speed-up over cuBLAS; per M, the step total (28 x the four layer GEMMs + the lm_
 cuBLAS, ours default, ours best, and "dispatch" (the faster of cuBLAS and ours best per
 shape, what TUNED_CONFIGS plus the threshold could reach). Last, the best config of every
 (shape, bucket) as rows to paste into TUNED_CONFIGS. Copy and matmul rates are measured in
-the same run (kernel_bench.py's copy_ceiling and matmul_ceiling). About 3-4 minutes on an H100.
+the same run (kernel_bench.py's copy_ceiling and matmul_ceiling). About half a minute on an H100 (16 compile
+processes; bench/results/skinny_gemm_h100.json took 22 s, its 60 s sweep budget not reached).
 
 --pdl: every GEMM, ours and cuBLAS, timed in context, as the engine runs it with VLLM_ANATOMY_PDL=1.
 Why: with PDL (vllm_anatomy/kernels/pdl.py) our kernel launches while the kernel before it still
