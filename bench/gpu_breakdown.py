@@ -52,9 +52,11 @@ from vs_vllm import FULL, nano_vllm_workload  # noqa: E402
 # Kernel name (lower case) -> kind; the first kind whose any substring matches wins.
 KINDS = [
     # (cuDNN's fused attention, VLLM_ANATOMY_PREFILL_KERNEL=cudnn: cudnn_generated_..._sdpa_..._fprop_...)
-    ("attention", ("attention", "flash_fwd", "flash::", "fmha", "sdpa")),
+    # (reduce_segments: our split-KV decode's combine of the 3D kernel's segments)
+    ("attention", ("attention", "flash_fwd", "flash::", "fmha", "sdpa", "reduce_segments")),
     ("kv_cache_write", ("reshape_and_cache",)),
-    ("gemm", ("gemm", "cutlass", "nvjet", "sm90_xmma", "splitkreduce", "cublas")),
+    # (_skinny_gemm_kernel and its second-launch sum _splitk_reduce_kernel: kernels/skinny_gemm.py)
+    ("gemm", ("gemm", "cutlass", "nvjet", "sm90_xmma", "splitkreduce", "splitk_reduce", "cublas")),
     ("norm", ("rms_norm", "rmsnorm", "layernorm", "layer_norm")),
     # Qwen3's fused q/k norm + RoPE (ours, and its twin that also writes K/V; vLLM's fusedQKNormRope)
     ("rope", ("rotary", "qk_norm_rope", "qknormrope")),

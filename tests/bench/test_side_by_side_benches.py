@@ -246,6 +246,9 @@ def test_gpu_breakdown_counts_overlap_once_and_sorts_kernels_by_kind(bench):
     assert gb.kind_of("void flash::flash_fwd_splitkv_kernel<...>") == "attention"
     assert gb.kind_of("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x128") == "attention"
     assert gb.kind_of("nvjet_tst_128x64_64x4_1x2_h_bz_coopA_NNT") == "gemm"
+    assert gb.kind_of("_skinny_gemm_kernel") == "gemm"
+    assert gb.kind_of("_splitk_reduce_kernel") == "gemm"                 # not "sampling" (reduce_kernel)
+    assert gb.kind_of("reduce_segments") == "attention"                   # the 3D decode's combine
     assert gb.kind_of("_rms_norm_kernel") == "norm"
     assert gb.kind_of("_reshape_and_cache_kernel") == "kv_cache_write"
     assert gb.kind_of("_fused_qk_norm_rope_kernel") == "rope"
