@@ -43,7 +43,10 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # "0" (off), "1" (kernels/prefill_attention.py; the default), or "cudnn": as "1", but
     # fresh prefills of at least VLLM_ANATOMY_PREFILL_SDPA_MIN_LEN tokens through torch's
     # SDPA on cuDNN (kernels/prefill_attention_sdpa.py).
-    "VLLM_ANATOMY_PREFILL_KERNEL": lambda: _prefill_kernel(os.getenv("VLLM_ANATOMY_PREFILL_KERNEL", "1")),
+    "VLLM_ANATOMY_PREFILL_KERNEL": lambda: _switch(
+        "VLLM_ANATOMY_PREFILL_KERNEL", os.getenv("VLLM_ANATOMY_PREFILL_KERNEL", "1"), "cudnn",
+        "0 (off), 1 (the Triton prefill kernel) or cudnn (long fresh prefills through torch SDPA on cuDNN, "
+        "the rest as 1)"),
     "VLLM_ANATOMY_PREFILL_MIN_LEN":
         lambda: _positive_int("VLLM_ANATOMY_PREFILL_MIN_LEN", os.getenv("VLLM_ANATOMY_PREFILL_MIN_LEN", "2048")),
     "VLLM_ANATOMY_PREFILL_SDPA_MIN_LEN":
@@ -61,14 +64,17 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # is loaded. "tuned" (the default): only for (N, K, token bucket)s whose TUNED_CONFIGS row
     # measured the kernel faster than cuBLAS; "1": every shape (default_config where no row);
     # "0": F.linear always (the A/B's baseline).
-    "VLLM_ANATOMY_SKINNY_GEMM": lambda: _skinny_gemm(os.getenv("VLLM_ANATOMY_SKINNY_GEMM", "tuned")),
+    "VLLM_ANATOMY_SKINNY_GEMM": lambda: _switch(
+        "VLLM_ANATOMY_SKINNY_GEMM", os.getenv("VLLM_ANATOMY_SKINNY_GEMM", "tuned"), "tuned",
+        "0 (F.linear always), tuned (the split-K kernel where TUNED_CONFIGS measured it faster) or 1 (the "
+        "kernel for every shape)"),
     "VLLM_ANATOMY_SKINNY_GEMM_MAX_M":
         lambda: _positive_int("VLLM_ANATOMY_SKINNY_GEMM_MAX_M", os.getenv("VLLM_ANATOMY_SKINNY_GEMM_MAX_M", "256")),
     # Ours: the decode step's Triton kernels (skinny_gemm, rms_norm, silu_and_mul, the fused
     # q/k norm + RoPE (+ KV cache write), unified_attention) launched with Hopper's programmatic
     # dependent launch (kernels/pdl.py says how and why), read when a layer or the attention
     # backend is built. "0" (the default: not measured yet) or "1"; sm_90+ only, else ignored.
-    "VLLM_ANATOMY_PDL": lambda: _flag("VLLM_ANATOMY_PDL", os.getenv("VLLM_ANATOMY_PDL", "0")),
+    "VLLM_ANATOMY_PDL": lambda: _switch("VLLM_ANATOMY_PDL", os.getenv("VLLM_ANATOMY_PDL", "0")) == "1",
     # Seconds a dead EngineCore process may spend shutting down after a fatal
     # error before it dumps every thread's stack to stderr and exits (core_proc.py).
     "VLLM_ANATOMY_DEAD_ENGINE_EXIT_TIMEOUT_S":
@@ -85,42 +91,21 @@ environment_variables: dict[str, Callable[[], Any]] = {
 }
 
 
-PREFILL_KERNEL_OFF = ("0", "false", "False", "")
-PREFILL_KERNEL_TRITON = ("1", "true", "True")
+OFF_VALUES = ("0", "false", "False", "")
+ON_VALUES = ("1", "true", "True")
 
 
-def _prefill_kernel(value: str) -> str:
-    """VLLM_ANATOMY_PREFILL_KERNEL as "0", "1" or "cudnn"; anything else is refused
-    (a misspelt "cudnn" must not silently measure the Triton path)."""
-    if value in PREFILL_KERNEL_OFF:
+def _switch(name: str, value: str, word: str | None = None, expected: str = "0 or 1") -> str:
+    """A switch's value as "0", "1" or (where the switch has one) its third setting `word`;
+    anything else is refused: a typo (a misspelt "cudnn", say) must not silently measure the
+    other side."""
+    if value in OFF_VALUES:
         return "0"
-    if value in PREFILL_KERNEL_TRITON:
+    if value in ON_VALUES:
         return "1"
-    if value == "cudnn":
-        return "cudnn"
-    raise ValueError(f"VLLM_ANATOMY_PREFILL_KERNEL={value!r}: expected 0 (off), 1 (the Triton prefill "
-                     "kernel) or cudnn (long fresh prefills through torch SDPA on cuDNN, the rest as 1)")
-
-
-def _skinny_gemm(value: str) -> str:
-    """VLLM_ANATOMY_SKINNY_GEMM as "0", "tuned" or "1"; anything else is refused."""
-    if value in ("0", "false", "False", ""):
-        return "0"
-    if value in ("1", "true", "True"):
-        return "1"
-    if value == "tuned":
-        return "tuned"
-    raise ValueError(f"VLLM_ANATOMY_SKINNY_GEMM={value!r}: expected 0 (F.linear always), tuned (the split-K "
-                     "kernel where TUNED_CONFIGS measured it faster) or 1 (the kernel for every shape)")
-
-
-def _flag(name: str, value: str) -> bool:
-    """A 0/1 switch; anything else is refused (a typo must not silently measure the other side)."""
-    if value in ("0", "false", "False", ""):
-        return False
-    if value in ("1", "true", "True"):
-        return True
-    raise ValueError(f"{name}={value!r}: expected 0 or 1")
+    if word is not None and value == word:
+        return word
+    raise ValueError(f"{name}={value!r}: expected {expected}")
 
 
 def _positive_int(name: str, value: str) -> int:
