@@ -15,7 +15,8 @@ is microseconds per layer, the median of REPEATS timings of ITERS replays. Varia
     cublas+pdl      the same, the Triton kernels with PDL (cuBLAS stays an ordinary barrier)
     tuned, tuned+pdl  each GEMM as the engine's default picks it: the split-K kernel where
                     TUNED_CONFIGS holds a config for its (shape, bucket), else F.linear
-    skinny, skinny+pdl  every GEMM through the split-K kernel (pick_config), as SKINNY_GEMM=1
+    skinny, skinny+pdl  as SKINNY_GEMM=1: the split-K kernel (pick_config) for every GEMM but
+                    those whose TUNED_CONFIGS row is None (cuBLAS measured faster)
 
 What PDL can save is at kernel boundaries, and a GEMM's weight prefetch only happens in the
 split-K kernel, so the question this answers is which GEMM choice wins once PDL is on: the
@@ -52,14 +53,15 @@ def make_layers(dev: str, dtype: torch.dtype, dims: dict, layers: int) -> list[d
 
 
 def make_gemm(mode: str, pdl: bool, counters: dict):
-    """gemm(name, x, w): F.linear, the split-K kernel, or the engine's per-shape choice."""
+    """gemm(name, x, w) as the engine's layer picks it at VLLM_ANATOMY_SKINNY_GEMM=mode
+    (layers/utils.py, through the same takes_skinny): F.linear or the split-K kernel."""
     import torch.nn.functional as F
 
-    from vllm_anatomy.kernels.skinny_gemm import has_tuned_row, skinny_gemm
+    from vllm_anatomy.kernels.skinny_gemm import skinny_gemm, takes_skinny
 
     def gemm(name: str, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         m, (n, k) = x.shape[0], w.shape
-        if mode == "1" or (mode == "tuned" and has_tuned_row(m, n, k, x.dtype)):
+        if mode != "0" and takes_skinny(m, n, k, x.dtype, tuned_only=mode == "tuned"):   # the engine's choice
             return skinny_gemm(x, w, counters=counters[name], pdl=pdl)
         return F.linear(x, w)
     return gemm

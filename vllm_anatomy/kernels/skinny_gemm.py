@@ -382,6 +382,13 @@ def has_tuned_row(m: int, n: int, k: int, dtype: torch.dtype) -> bool:
     return dtype != torch.float32 and TUNED_CONFIGS.get((n, k, m_bucket(m))) is not None
 
 
+def takes_skinny(m: int, n: int, k: int, dtype: torch.dtype, tuned_only: bool) -> bool:
+    """Whether a layer's gemm runs this matmul (of at most VLLM_ANATOMY_SKINNY_GEMM_MAX_M
+    tokens) through the kernel: at "tuned" where its bucket's row is a config, at "1"
+    everywhere but where the row is None (prefers_cublas)."""
+    return has_tuned_row(m, n, k, dtype) if tuned_only else not prefers_cublas(m, n, k, dtype)
+
+
 def tuned_buckets(n: int, k: int) -> list[int]:
     """The M buckets of an [N, K] weight that TUNED_CONFIGS sends to the kernel (16-bit types)."""
     return [b for b in M_BUCKETS if TUNED_CONFIGS.get((n, k, b)) is not None]

@@ -112,7 +112,7 @@ def dispatch_skinny_unquantized_gemm(layer: LinearBase | ParallelLMHead) -> bool
             or weight.dtype not in (torch.bfloat16, torch.float16, torch.float32)):
         return False
     # NOTE: imported here: a CPU run never needs the Triton kernel.
-    from vllm_anatomy.kernels.skinny_gemm import has_tuned_row, new_counters, prefers_cublas, skinny_gemm, tuned_buckets
+    from vllm_anatomy.kernels.skinny_gemm import new_counters, skinny_gemm, takes_skinny, tuned_buckets
     max_m = envs.VLLM_ANATOMY_SKINNY_GEMM_MAX_M
     tuned_only = mode == "tuned"
     # NOTE: "tuned" trusts only rows measured on Hopper (sm_90) for this weight's shape; a
@@ -126,8 +126,7 @@ def dispatch_skinny_unquantized_gemm(layer: LinearBase | ParallelLMHead) -> bool
     def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         # x [..., in] -> [..., out]
         m, (n, k) = x.numel() // x.shape[-1], weight.shape
-        if (m <= max_m and x.dtype == weight.dtype and not prefers_cublas(m, n, k, x.dtype)
-                and (not tuned_only or has_tuned_row(m, n, k, x.dtype))):
+        if m <= max_m and x.dtype == weight.dtype and takes_skinny(m, n, k, x.dtype, tuned_only):
             return skinny_gemm(x, weight, bias, counters=counters, pdl=pdl)
         return F.linear(x, weight, bias)
 
