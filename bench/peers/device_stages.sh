@@ -20,7 +20,8 @@
 #   skinny   bench/skinny_gemm.py sweep -> paste its rows (paste_tuned_rows.py) -> the skinny
 #            GPU tests -> A/B of VLLM_ANATOMY_SKINNY_GEMM 0 vs tuned (AB_ROUNDS, default 2)
 #   fuse     the fused q/k-norm+RoPE+KV-write GPU tests, A/B of its switch 0 vs 1
-#   pdl      the PDL GPU tests, bench/pdl_chain.py, bench/pdl_layers.py
+#   pdl      the PDL GPU tests, bench/pdl_chain.py, bench/pdl_layers.py, A/B of VLLM_ANATOMY_PDL 0 vs 1
+#            with the committed rows
 #   pdltune  bench/skinny_gemm.py --pdl (the rows chosen in context, with PDL) -> paste its rows
 #            (paste_tuned_rows.py; they replace any `skinny` rows of the same call) -> A/B of the
 #            committed rows without PDL (a copy of the package from before the paste) against
@@ -71,7 +72,8 @@ for STAGE in "$@"; do
     timeout 300 python3 -m pytest -q -rs tests/kernel_tests/test_pdl.py tests/gpu/test_pdl_engine.py \
       tests/gpu/test_skinny_gemm_engine.py 2>&1 | tee "$OUT/pdl_tests_$CARD.log" | tail -6
     python3 bench/pdl_chain.py --out "$OUT/pdl_chain_$CARD.json" 2>&1 | tail -6
-    python3 bench/pdl_layers.py --out "$OUT/pdl_layers_$CARD.json" 2>&1 | tail -9 ;;
+    python3 bench/pdl_layers.py --out "$OUT/pdl_layers_$CARD.json" 2>&1 | tail -9
+    ab pdl --a-env VLLM_ANATOMY_PDL=0 --b-env VLLM_ANATOMY_PDL=1 --a-label off --b-label pdl ;;
   pdltune)
     # NOTE: A keeps the committed rows (a copy of the package before the paste) without PDL;
     # B runs the rows chosen in context with PDL on: the engine as each switch would ship it.
