@@ -28,6 +28,7 @@
 #            those rows with VLLM_ANATOMY_PDL=1, then PDL 0 vs 1 at SKINNY_GEMM=1. Its own call:
 #            the sweep and two A/Bs take most of the 10 minutes.
 #   tracing  bench/tracing_overhead.py --gpu off,spans: .gpu/base's tree, then this one, two rounds
+#   breakdown  bench/gpu_breakdown.py --gc-log, ours only: kernel time by kind, idle gaps, what overlapped them
 #   cold     an A/A run on an emptied Triton cache (the first variant cold): compiles mid-workload
 #   q0, q1   park a vLLM bundle part in /tmp (carry .gpu/q0, then .gpu/q1)
 #   vs       join the parts (carry .gpu/q2), unpack, bench/vs_vllm.py --skip-gpu-time (R: round)
@@ -92,6 +93,8 @@ for STAGE in "$@"; do
         --out "$OUT/tracing_overhead_${CARD}_base_r$r.json" 2>&1 | tail -4
       python3 bench/tracing_overhead.py --gpu --levels off,spans --out "$OUT/tracing_overhead_${CARD}_r$r.json" 2>&1 | tail -4
     done ;;
+  breakdown)
+    python3 bench/gpu_breakdown.py --gc-log --out "$OUT/gpu_breakdown_${CARD}_gaps_gc.json" 2>&1 | quiet | tail -45 ;;
   cold)
     export TRITON_CACHE_DIR=/tmp/tc_fresh; rm -rf /tmp/tc_fresh
     AB_ROUNDS=1 ab cold_cache --a-env VLLM_ANATOMY_X=cold --b-env VLLM_ANATOMY_X=warm --a-label cold_cache --b-label warm_cache
