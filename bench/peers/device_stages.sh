@@ -27,6 +27,7 @@
 #            committed rows without PDL (a copy of the package from before the paste) against
 #            those rows with VLLM_ANATOMY_PDL=1, then PDL 0 vs 1 at SKINNY_GEMM=1. Its own call:
 #            the sweep and two A/Bs take most of the 10 minutes.
+#   pdlx     A/B: PDL off (default) vs PDL on for every kernel but unified_attention (a patched copy)
 #   tracing  bench/tracing_overhead.py --gpu off,spans: .gpu/base's tree, then this one, two rounds
 #   breakdown  bench/gpu_breakdown.py --gc-log, ours only: kernel time by kind, idle gaps, what overlapped them
 #   cold     an A/A run on an emptied Triton cache (the first variant cold): compiles mid-workload
@@ -87,6 +88,15 @@ for STAGE in "$@"; do
       --a-label committed_rows_off --b-label pdl_rows_pdl
     ab pdl_skinny1 --a-env VLLM_ANATOMY_PDL=0 --a-env VLLM_ANATOMY_SKINNY_GEMM=1 \
       --b-env VLLM_ANATOMY_PDL=1 --b-env VLLM_ANATOMY_SKINNY_GEMM=1 --a-label off_skinny1 --b-label pdl_skinny1 ;;
+  pdlx)
+    # NOTE: an experiment, not a switch: B is a copy of the package whose unified_attention launches
+    # without PDL (every other kernel with it), against the default (PDL off).
+    rm -rf /tmp/b_tree && mkdir -p /tmp/b_tree && cp -r vllm_anatomy /tmp/b_tree/
+    sed -i 's/seq_order=self._seq_order(attn_metadata, split), pdl=self.pdl)/seq_order=self._seq_order(attn_metadata, split), pdl=False)/' \
+      /tmp/b_tree/vllm_anatomy/attention/backends/triton_attn.py
+    grep -c "split), pdl=False)" /tmp/b_tree/vllm_anatomy/attention/backends/triton_attn.py || exit 3
+    ab pdl_no_attention --b /tmp/b_tree --a-env VLLM_ANATOMY_PDL=0 --b-env VLLM_ANATOMY_PDL=1 \
+      --a-label off --b-label pdl_but_attention ;;
   tracing)
     for r in 1 2; do
       PYTHONPATH=/tmp/site:$PWD/.gpu/base python3 bench/tracing_overhead.py --gpu --levels off,spans \
