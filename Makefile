@@ -67,8 +67,9 @@ lint: $(EDITABLE)
 	$(VENV)/bin/ruff check .
 	$(MAKE) --no-print-directory typecheck
 
-# mypy over vllm_anatomy/, its kernels included ([tool.mypy] in pyproject.toml says what is
-# checked and which packages are still a follow-up).
+# mypy over vllm_anatomy/ (its kernels included) and bench/ ([tool.mypy] in pyproject.toml
+# says what is checked, how the bench scripts' sibling imports resolve, and what is still a
+# follow-up).
 typecheck: $(EDITABLE)
 	$(VENV)/bin/mypy
 

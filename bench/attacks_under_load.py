@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import platform
@@ -95,10 +96,11 @@ def run_label(label: str, root: str, rev: str, rows: list[str], extra: list[str]
             try:
                 if row in CONTROLLED:
                     result = asyncio.run(measure_with_control(
-                        url, MODEL, row, lambda a=attack: a(url, MODEL), lambda a=attack: as_control(a)(url, MODEL),
+                        url, MODEL, row, functools.partial(attack, url, MODEL),
+                        functools.partial(as_control(attack), url, MODEL),
                         baseline_s=window_s, min_attack_s=window_s))
                 else:
-                    result = asyncio.run(measure_attack(url, MODEL, row, lambda a=attack: a(url, MODEL),
+                    result = asyncio.run(measure_attack(url, MODEL, row, functools.partial(attack, url, MODEL),
                                                         baseline_s=window_s, min_attack_s=window_s))
                 entry = {**result.as_dict(), "statuses": statuses(result.outcome)}
             except Exception as e:  # noqa: BLE001 - a broken server is a result too

@@ -152,7 +152,10 @@ def measure(path: str, rounds: int, think_s: float = 0.0) -> list[dict]:
             timed("page switch", f"→ {page}", at.run)
         at.session_state["tab"] = "Worker (model runner)"       # the inspector's tabs (bind="query-params")
         timed("page switch", "→ inspector, Worker tab", at.run)
-        steps = data.run_info(path, data.file_version(path))["steps"]
+        info = data.run_info(path, data.file_version(path))
+        if isinstance(info, data.RunError):      # (an unreadable store: say why, not "not subscriptable")
+            raise RuntimeError(f"dashboard_scale: {info.message}")
+        steps = info["steps"]
         for what, step in (("next step (501)", 501), ("next step (502)", 502), ("jump to step 900", 900),
                            ("jump to step 10", 10)):
             at.session_state["cursor"] = step if step in steps else steps[-1]

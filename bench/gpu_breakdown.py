@@ -43,6 +43,7 @@ import statistics
 import sys
 import time
 from dataclasses import asdict
+from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -122,7 +123,7 @@ def breakdown(intervals: list[tuple[float, float, str]]) -> dict:
                 if overlap > 0:
                     buckets[b] += overlap
         covered_to = max(covered_to, e)
-    order = sorted(time_by_kind, key=time_by_kind.get, reverse=True)
+    order = sorted(time_by_kind, key=time_by_kind.__getitem__, reverse=True)
     return {"span_s": span / 1e6, "busy_s": busy / 1e6, "busy_fraction": busy / span,
             "busy_fraction_by_twentieth": [round(b / (span / NUM_BUCKETS), 4) for b in buckets],
             "kernel_s_by_kind": {k: time_by_kind[k] / 1e6 for k in order},
@@ -169,7 +170,7 @@ def gap_causes(gaps_ns: list[tuple[float, float]], run_ns: tuple[float, float], 
     span (where in the run a gap falls). gc_events: bench/host_stalls.GCEvent dicts; compiles
     and host_steps: TritonCompileLog.events and HostStepLog.steps."""
     span = max(run_ns[1] - run_ns[0], 1.0)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for g0, g1 in gaps_ns:
         gcs = [{"generation": e["generation"], "ms": e["duration_s"] * 1e3, "collected": e["collected"],
                 "overlap_ms": _overlap_ns(g0, g1, e["start_ns"], e["start_ns"] + e["duration_s"] * 1e9) / 1e6}
@@ -263,13 +264,14 @@ def ttft_phases(intervals_ns: list[tuple[float, float, str]], windows_ns: list[t
     host_head_ms (call to first kernel), gpu_span_ms (first kernel start to last kernel end),
     gpu_busy_ms (the union of kernels in it), host_tail_ms (last kernel end to return); kernel ms
     by kind; each request's numbers and their medians ("median")."""
-    requests = []
+    requests: list[dict[str, Any]] = []
     for t0, t1 in windows_ns:
         inside = sorted((s, e, n) for s, e, n in intervals_ns if s >= t0 and e <= t1)
         if not inside:
             raise SystemExit("ttft: no GPU activity inside a request's window (clocks not aligned?)")
         first, last = inside[0][0], max(e for _, e, _ in inside)
-        busy, covered_to, by_kind = 0.0, float("-inf"), {}
+        busy, covered_to = 0.0, float("-inf")
+        by_kind: dict[str, float] = {}
         for s, e, n in inside:
             k = kind_of(n)
             by_kind[k] = by_kind.get(k, 0.0) + (e - s) / 1e6

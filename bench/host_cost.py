@@ -42,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PHASES = ("schedule", "update_from_output", "process_outputs")
@@ -80,7 +81,7 @@ def measure(batch: int, async_scheduling: bool, steps: int, seed: int = 0,
     scheduler_cls = sc.get_scheduler_cls()
     # NOTE: the signature, not an ImportError, tells the trees apart: the venv's
     # editable install can resolve a submodule an older tree lacks to /work/main's.
-    if "num_gpu_blocks" in inspect.signature(scheduler_cls.__init__).parameters:
+    if "num_gpu_blocks" in inspect.signature(scheduler_cls).parameters:      # (its __init__'s, less self)
         # an older tree: Scheduler(vllm_config, num_gpu_blocks)
         scheduler = scheduler_cls(config, num_gpu_blocks=num_blocks, log_stats=True)
     else:   # vLLM 0.27.1's constructor: Scheduler(vllm_config, kv_cache_config, structured_output_manager, ...)
@@ -113,7 +114,7 @@ def measure(batch: int, async_scheduling: bool, steps: int, seed: int = 0,
 
     in_flight: deque = deque()
     depth = sc.max_concurrent_batches
-    times = {phase: [] for phase in PHASES}
+    times: dict[str, list[float]] = {phase: [] for phase in PHASES}
 
     def one_step(timed: bool) -> None:
         t0 = clock()
@@ -230,7 +231,7 @@ def main() -> None:
             order = list(trees.items())[::-1 if round_index % 2 else 1]
             for batch in args.batches:
                 for async_scheduling in args.modes:
-                    medians = {}
+                    medians: dict[str, dict[str, float]] = {}
                     for name, src in order:
                         for key, times in _run_child(src, args, batch, async_scheduling).items():
                             medians[name] = {phase: statistics.median(v) for phase, v in times.items()}
@@ -245,14 +246,14 @@ def main() -> None:
         for path in worktrees:
             subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", path], check=False)
 
-    rows = []
+    rows: list[dict[str, Any]] = []
     for key in samples["after"]:
         batch, async_scheduling = map(int, key.split("/"))
-        row = {"batch": batch, "async_scheduling": bool(async_scheduling)}
+        row: dict[str, Any] = {"batch": batch, "async_scheduling": bool(async_scheduling)}
         for name in trees:
-            medians = {phase: statistics.median(v) * 1e3 for phase, v in samples[name][key].items()}
-            _add_sums(medians)
-            row[f"{name}_ms"] = {k: round(v, 4) for k, v in medians.items()}
+            ms = {phase: statistics.median(v) * 1e3 for phase, v in samples[name][key].items()}
+            _add_sums(ms)
+            row[f"{name}_ms"] = {k: round(v, 4) for k, v in ms.items()}
         if args.before:
             # The median over rounds of each round's after/before ratio (robust to a noisy round).
             row["ratio_after_over_before"] = {k: round(statistics.median(v), 3)

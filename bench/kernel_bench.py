@@ -394,14 +394,16 @@ def decode_mixed_steps(prompt_lens: list[int], output_lens: list[int], steps=MIX
             rows[hole] = rows.pop()
         while rows and rows[-1] is None:
             rows.pop()
-        seq_lens = [prompt_lens[i] + s + 1 for i in rows]
-        for i, n in zip(rows, seq_lens):
+        live = [i for i in rows if i is not None]
+        assert len(live) == len(rows), "decode_mixed_steps: condense left a hole"
+        seq_lens = [prompt_lens[i] + s + 1 for i in live]
+        for i, n in zip(live, seq_lens):
             if n > len(blocks[i]) * block_size:
                 blocks[i].append(next_block)
                 next_block += 1
         if s in steps:
-            cases.append({"step": s, "seqs": list(rows), "seq_lens": seq_lens,
-                          "block_ids": [blocks[i][:triton.cdiv(n, block_size)] for i, n in zip(rows, seq_lens)]})
+            cases.append({"step": s, "seqs": live, "seq_lens": seq_lens,
+                          "block_ids": [blocks[i][:triton.cdiv(n, block_size)] for i, n in zip(live, seq_lens)]})
     return cases, next_block
 
 
@@ -427,12 +429,13 @@ def decode_mixed(copy_bw: float, workload: tuple[list[int], list[int]] | None = 
         seq_lens = torch.tensor(seq_lens_l, dtype=torch.int32, device=device)
         qsl = torch.arange(batch + 1, dtype=torch.int32, device=device)
         q = torch.randn(batch, NUM_HEADS, HEAD_DIM, generator=g, device=device, dtype=DTYPE)
+        lpt = torch.tensor(lpt_order(np.array(seq_lens_l)), dtype=torch.int32, device=device)
         orders = {"batch_order": None,
                   "batch_order_no_search": torch.arange(batch, dtype=torch.int32, device=device),
-                  "lpt": torch.tensor(lpt_order(np.array(seq_lens_l)), dtype=torch.int32, device=device)}
+                  "lpt": lpt}
         # The control: shortest first. Slower than LPT only if the hardware starts blocks in
         # blockIdx order, i.e. if the order reaches the multiprocessors at all.
-        orders["spt"] = orders["lpt"].flip(0)
+        orders["spt"] = lpt.flip(0)
         outs = {name: torch.empty_like(q) for name in orders}
         nbytes = (2 * sum(seq_lens_l) * NUM_KV_HEADS * HEAD_DIM * 2 + 2 * batch * NUM_HEADS * HEAD_DIM * 2
                   + sum(map(len, case["block_ids"])) * 4)

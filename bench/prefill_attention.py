@@ -44,6 +44,7 @@ import os
 import platform
 import sys
 import time
+from typing import Any
 
 if "--tiny" in sys.argv:
     # Before any Triton kernel is imported: the interpreter is chosen at decoration time.
@@ -74,7 +75,8 @@ WS_SHAPES = [(128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3)]
 # Named rows: (switch name, the switches, its block shapes, its --quick shapes). The tutorial's
 # Hopper kernel (triton python/tutorials/06-fused-attention.py) is host descriptors + folded scale
 # (+ warp specialisation): those rows come first, so that the time budget never cuts them.
-VARIANTS = [
+Shape = tuple[int, int, int, int]
+VARIANTS: list[tuple[str, dict[str, Any], list[Shape], list[Shape]]] = [
     ("host", dict(tma="host"), HOST_SHAPES, [(64, 64, 4, 3), (128, 64, 4, 2), (128, 128, 8, 3)]),
     ("host+fold", dict(tma="host", fold_scale=True), HOST_SHAPES,
      [(64, 64, 4, 3), (128, 64, 4, 2), (128, 128, 8, 3)]),
@@ -263,7 +265,7 @@ def run_case(setup: Setup, num_seqs: int, seq_len: int, rate: float, quick: bool
     pairs = sum(n * (n + 1) // 2 for n in lens)
     flops = 4 * setup.num_heads * setup.head_dim * pairs
 
-    def entry(name, fn, *args):
+    def entry(name, fn, *args) -> dict[str, Any]:
         try:
             ms, how, err = fn(*args)
         except Exception as e:                      # a config that does not compile here, out of memory
@@ -271,7 +273,8 @@ def run_case(setup: Setup, num_seqs: int, seq_len: int, rate: float, quick: bool
         return {"name": name, "ms": ms, "timing": how, "tflop_per_s": flops / ms / 1e9,
                 "fraction": flops / ms * 1e3 / rate, "max_err": err, "ok": err <= MAX_ERR}
 
-    ours, skipped = [], []
+    ours: list[dict[str, Any]] = []
+    skipped: list[str] = []
     for name, cfg in ours_variants(setup, quick):
         if name in failed:
             ours.append({"name": name, "config": cfg, "error": failed[name]})
@@ -342,6 +345,7 @@ def rank_variants(cases: list[dict], long_tokens: int) -> list[dict]:
         for e in c["ours"]:
             if "ms" in e and e["ok"] and default is not None:
                 timed.setdefault(e["name"], []).append((e["fraction"], default["ms"] / e["ms"]))
+    rows: list[dict[str, Any]]
     rows = [{"name": name, "mean_fraction": sum(f for f, _ in vals) / len(vals),
              "speedup_vs_default": math.exp(sum(math.log(r) for _, r in vals) / len(vals)),
              "cases": len(vals)}

@@ -65,6 +65,7 @@ import statistics
 import sys
 import tempfile
 import time
+from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -126,7 +127,7 @@ def draw(point: dict, rng: random.Random) -> list[list[int]]:
 def run_worker(kind: str, model_dir: str, plan: Plan, series_run: tuple[str, ...] = SERIES) -> dict:
     engine = Engine(kind, model_dir, max_model_len=plan.max_model_len)
     engine.generate([list(range(1, 9))], [16], 0.0)                     # warm-up, as nano-vllm's bench
-    result = {"engine": kind, "startup_seconds": engine.startup_s, "settings": engine.settings()}
+    result: dict[str, Any] = {"engine": kind, "startup_seconds": engine.startup_s, "settings": engine.settings()}
     rng = random.Random(0)
     for series in series_run:
         if series == "ttft":
@@ -168,7 +169,7 @@ def ttft_points(engine: Engine, plan: Plan, rng: random.Random) -> list[dict]:
 def floors(plan: Plan, copy_bw: float, matmul_rate: float) -> dict:
     """Each point's roofline floor (bench/throughput.py's model: only the lengths matter)."""
     from throughput import roofline
-    out = {}
+    out: dict[str, list[dict]] = {}
     for series in THROUGHPUT_SERIES:
         out[series] = []
         for p in plan.points(series):

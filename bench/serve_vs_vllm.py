@@ -50,6 +50,7 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
+from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -299,6 +300,7 @@ def main() -> int:
     card = device_name(args.tiny)
     tag = "cpu" if args.tiny else ("h200" if "H200" in card else "h100" if "H100" in card else "gpu")
     out = args.out or os.path.join(ROOT, "bench", "results", f"serve_vs_vllm_{tag}.json")
+    result: dict[str, Any]                          # (the JSON this bench writes)
     result = {"bench": "serve_vs_vllm", "device": card, "machine": {"platform": platform.platform(),
               "cpus": os.cpu_count()}, "workload": {"rates": rates, "seconds_per_rate": args.seconds,
               "input_len": args.input_len, "output_len": args.output_len, "clients": args.clients,

@@ -31,19 +31,18 @@ class Engine:
         t0 = time.perf_counter()
         if kind == "vllm":
             import vllm
-            from vllm import LLM, SamplingParams
             self.version = vllm.__version__
-            self.llm = LLM(model_dir, load_format="dummy", skip_tokenizer_init=True, enforce_eager=False,
-                           max_model_len=max_model_len, attention_backend="FLASH_ATTN",
-                           gpu_memory_utilization=0.9)
+            self.llm = vllm.LLM(model_dir, load_format="dummy", skip_tokenizer_init=True, enforce_eager=False,
+                                max_model_len=max_model_len, attention_backend="FLASH_ATTN",
+                                gpu_memory_utilization=0.9)
             self.extra = {"detokenize": False}
+            self.SamplingParams = vllm.SamplingParams
         else:
             import vllm_anatomy
-            from vllm_anatomy import LLM, SamplingParams
             self.version = getattr(vllm_anatomy, "__version__", "main")
-            self.llm = LLM(model_dir, max_model_len=max_model_len, trace_level=trace_level)
+            self.llm = vllm_anatomy.LLM(model_dir, max_model_len=max_model_len, trace_level=trace_level)
             self.extra = {}
-        self.SamplingParams = SamplingParams
+            self.SamplingParams = vllm_anatomy.SamplingParams
         self.startup_s = time.perf_counter() - t0
 
     def generate(self, prompts: list[list[int]], max_tokens: list[int], temperature: float) -> tuple[float, int]:
@@ -97,6 +96,8 @@ def worker_env(kind: str, vllm_site: str | None, multiprocess: bool | None, tree
     if multiprocess is not None:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
     if kind == "vllm":
+        if not vllm_site:
+            raise ValueError("worker_env: vLLM's subprocess needs vllm_site (--vllm-site)")
         # As ../shared/peers/vllm/run_on_gpu.sh: the bundle first on the path, no FlashInfer sampler
         # (the slim bundle has no FlashInfer), offline, no telemetry.
         env["PYTHONPATH"] = vllm_site + os.pathsep + env.get("PYTHONPATH", "")

@@ -62,6 +62,7 @@ import os
 import platform
 import sys
 import time
+from typing import Any
 
 if "--tiny" in sys.argv:
     # Before any Triton kernel is imported: the interpreter is chosen at decoration time.
@@ -275,7 +276,7 @@ def precompile(setup: Setup, work: list[tuple[tuple[int, int], int, SkinnyGemmCo
     finds it there at its first launch (a load, not a compile). Compiling is most of a
     sweep's time, and it needs only the CPU cores. A launch that breaks a worker's CUDA
     context fails only there (and the rest of that worker's jobs with it: listed as failed)."""
-    todo = {}
+    todo: dict[str, tuple[tuple[int, int], int, SkinnyGemmConfig]] = {}     # variant_key -> its first (shape, m, cfg)
     for shape, m, cfg in work:
         key = variant_key(cfg, shape[1])
         if key not in COMPILED and key not in failed:
@@ -440,6 +441,7 @@ def sweep(setup: Setup, args, failed: dict, result: dict) -> dict[tuple[str, int
     60 % for phase A, 40 % for B, each shared equally by the cases still to come, so every
     case is swept somewhat; a case's first candidate (A: the default) is always timed."""
     cases = sweep_cases(setup)
+    rows: dict[tuple[str, int], dict[str, Any]]    # the JSON's "sweep" rows, by (shape, bucket)
     rows = {(name, b): {"shape": name, "bucket": b, "m": bucket_m(setup, b), "entries": [], "skipped": [],
                         "best": None} for name, b in cases}
     result["sweep"] = list(rows.values())
@@ -479,7 +481,7 @@ def table(setup: Setup, best: dict[tuple[str, int], SkinnyGemmConfig],
         for m in setup.ms:
             n, k = setup.shapes[name]
             case = Case(setup, name, m, seed=1)
-            row = {"shape": name, "m": m, "n": n, "k": k, "cublas": case.cublas()}
+            row: dict[str, Any] = {"shape": name, "m": m, "n": n, "k": k, "cublas": case.cublas()}
             default = sg.pick_config(m, n, k, setup.dtype, setup.num_sms)
             if setup.pdl:
                 row["producer_us"] = case.producer_us()

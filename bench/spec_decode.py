@@ -57,7 +57,7 @@ COPY_TASKS = [
 def methods(model_dir: str, draft_dir: str | None, on_gpu: bool) -> dict[str, dict]:
     """name -> engine arguments."""
     ngram = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
-    out = {"off": {"async_scheduling": False}}
+    out: dict[str, dict] = {"off": {"async_scheduling": False}}
     if on_gpu:
         out["off_async"] = {"async_scheduling": True}
     out["ngram"] = {"speculative_config": ngram}

@@ -39,6 +39,7 @@ import statistics
 import sys
 import tempfile
 import time
+from typing import Any
 
 import torch
 
@@ -87,8 +88,9 @@ def instrument(llm, clock: PhaseClock) -> None:
     # the ModelRunnerOutput); a class attribute, so every step's output is timed.
     from vllm_anatomy.worker.async_output import AsyncGPUModelRunnerOutput
     original = getattr(AsyncGPUModelRunnerOutput, "_unclocked_get_output", AsyncGPUModelRunnerOutput.get_output)
-    AsyncGPUModelRunnerOutput._unclocked_get_output = original   # (this run's clock replaces the last one's)
-    AsyncGPUModelRunnerOutput.get_output = original
+    # (setattr: class attributes patched on purpose, which mypy rejects as plain assignments)
+    setattr(AsyncGPUModelRunnerOutput, "_unclocked_get_output", original)   # (this run's clock replaces the last one's)
+    setattr(AsyncGPUModelRunnerOutput, "get_output", original)
     clock.wrap(AsyncGPUModelRunnerOutput, "get_output", "async_output")
     clock.wrap(engine.output_processor, "process_outputs", "process_outputs")
     # The step's one sync point (sync: _bookkeeping_sync; async: the output
@@ -206,6 +208,7 @@ def main() -> None:
     # methods in this process: the engine must run here (LLMEngine.engine_core),
     # whatever VLLM_ENABLE_V1_MULTIPROCESSING says.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    results: dict[str, Any]                         # (the JSON this bench writes)
     results = {"bench": "step_overhead", "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
                "gpu": torch.cuda.get_device_name() if not args.cpu else None, "torch": torch.__version__,
                "workload": vars(args), "modes": {}}

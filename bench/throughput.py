@@ -39,7 +39,7 @@ def qwen3_06b_config(num_hidden_layers: int = 28):
     return transformers.Qwen3Config(
         vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=num_hidden_layers,
         num_attention_heads=16, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
-        max_position_embeddings=40960, tie_word_embeddings=True, torch_dtype="bfloat16",
+        max_position_embeddings=40960, tie_word_embeddings=True, dtype="bfloat16",
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
 
 
@@ -103,7 +103,8 @@ def run_engine(path, prompts, outs, async_scheduling: bool = True, multiprocess:
 def run_hf(path, prompts, outs, batch_size: int) -> dict:
     """HF generate, batched: requests grouped by output length so each batch stops together."""
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="sdpa").cuda().eval()
+    # (type: ignore: transformers types the decorated classmethod from_pretrained as needing `self`)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="sdpa").cuda().eval()  # type: ignore[call-arg]
     order = sorted(range(len(prompts)), key=lambda i: outs[i])
     total, t = 0, None
     with torch.inference_mode():

@@ -70,7 +70,6 @@ import sys
 import tarfile
 import tempfile
 import time
-import tomllib
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -156,8 +155,14 @@ def package_folders(rev: str) -> dict[str, str]:
     folders = {"vllm_anatomy": "vllm_anatomy"}
     text = git(ROOT, "show", f"{rev}:pyproject.toml")
     if text:
-        mapped = tomllib.loads(text).get("tool", {}).get("setuptools", {}).get("package-dir", {})
-        folders |= {pkg: folder for pkg, folder in mapped.items() if pkg.startswith("vllm_anatomy.")}
+        # NOTE: tomllib is imported here, not at the top: it is Python >= 3.11's, the package
+        # admits 3.10 (requires-python) and only --export reads TOML.
+        if sys.version_info < (3, 11):
+            raise SystemExit("--export reads REV's pyproject.toml with tomllib: it needs Python >= 3.11")
+        else:
+            import tomllib
+            mapped = tomllib.loads(text).get("tool", {}).get("setuptools", {}).get("package-dir", {})
+            folders |= {pkg: folder for pkg, folder in mapped.items() if pkg.startswith("vllm_anatomy.")}
     return folders
 
 

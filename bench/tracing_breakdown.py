@@ -74,7 +74,7 @@ class Timers:
                 return export(exporter, spans)
             finally:
                 self.wall[EXPORT_THREAD] += time.thread_time() - t
-        span_export.StoreSpanExporter.export = timed_export
+        setattr(span_export.StoreSpanExporter, "export", timed_export)   # (patched on purpose: setattr, not a method assignment)
 
     def _wrap(self, fn, label):
         @functools.wraps(fn)

@@ -23,6 +23,7 @@ import platform
 import statistics
 import tempfile
 import time
+from typing import Any
 
 TARGETS = {"spans": 0.95, "full": 0.75}
 LEVELS = ("off", "spans", "full")
@@ -110,6 +111,7 @@ def main_gpu(args) -> None:
 
 def report(args, rates, trace_dir) -> None:
     best = {lvl: max(r) for lvl, r in rates.items()}    # NOTE: best of rounds: least disturbed
+    results: dict[str, Any]                         # (the JSON this bench writes)
     results = {"workload": {"requests": args.requests, "max_tokens": args.max_tokens, "ignore_eos": True,
                             "rounds": args.rounds},
                "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(),

@@ -27,13 +27,17 @@ import sys
 import tempfile
 import threading
 import time
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(__file__))
 import tracing_host_cost as T  # noqa: E402
 
 
-def thread_cpu_ms(native_id: int) -> float:
-    """CPU time of one thread of this process (Linux: /proc/self/task/<tid>/schedstat, ns)."""
+def thread_cpu_ms(native_id: int | None) -> float:
+    """CPU time of one thread of this process (Linux: /proc/self/task/<tid>/schedstat, ns).
+    native_id: Thread.native_id, None only for a thread not started yet."""
+    if native_id is None:
+        raise ValueError("thread_cpu_ms: the thread has not started (no native id)")
     with open(f"/proc/self/task/{native_id}/schedstat") as f:
         return int(f.read().split()[0]) / 1e6
 
@@ -88,6 +92,7 @@ def main() -> None:
                 k += 1
         for engine in engines.values():
             engine.shutdown()
+    table: dict[str, Any]                           # (written to the JSON below)
     table = {"steady_steps": steps,
              "engine_thread_cpu_ms_per_step": {lvl: v / steps for lvl, v in cpu.items()},
              "step_wall_ms": {lvl: v / steps for lvl, v in wall.items()},

@@ -70,6 +70,7 @@ import statistics
 import sys
 import tempfile
 import time
+from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -254,6 +255,7 @@ def tok_per_s(r: dict | None) -> float | None:
 
 def print_tables(result: dict, plan: Plan) -> None:
     roof = result["roofline"]
+    rows: list[tuple[str, Any]]                     # (name, its result; runs that did not happen are dropped below)
     rows = [(name, result.get(key)) for name, key in
             (("vllm_anatomy", "vllm_anatomy"), ("vLLM", "vllm"), ("vllm_anatomy spans", "vllm_anatomy_trace_spans"),
              ("vllm_anatomy mp", "vllm_anatomy_mp"))]
