@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import sqlite3
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 import pandas as pd
@@ -151,9 +152,9 @@ def step_scan(path: str, version: tuple) -> dict | RunError:
 
 
 def _step_tables(rows: list, bad: BadRows) -> dict:
-    scan = {"steps": [], "time_ns": [], "records": [], "usage": [], "finished": [], "events": [],
-            "prompts": {}, "statuses": {}, "bad_rows": bad}
-    statuses = scan["statuses"]
+    scan: dict[str, Any] = {"steps": [], "time_ns": [], "records": [], "usage": [], "finished": [], "events": [],
+                            "prompts": {}, "statuses": {}, "bad_rows": bad}
+    statuses: dict[str, dict[int, str]] = scan["statuses"]
     for step_id, t, ix in rows:
         sched, out = ix.scheduler, ix.scheduler_output
         for q in (sched.waiting, sched.running, sched.skipped_waiting):
@@ -277,9 +278,10 @@ def _step_row(step_id, time_ns, rec, usage, finished, events) -> dict:
 def step_table(path: str, version: tuple) -> pd.DataFrame | RunError:
     """One row per committed step: what the metrics, lessons and journey pages need."""
     scan, runner = step_scan(path, version), runner_scan(path, version)
-    for x in (scan, runner):
-        if isinstance(x, RunError):
-            return x
+    if isinstance(scan, RunError):
+        return scan
+    if isinstance(runner, RunError):
+        return runner
     bad = BadRows(scan["bad_rows"] + [b for b in runner["bad_rows"] if b not in scan["bad_rows"]])
     cg_rows = {r[0]: r for r in runner["cudagraph"]}
     out = []
@@ -351,12 +353,12 @@ def token_index(path: str, version: tuple) -> dict | RunError:
     or directly when the runner snapshot has `sampled_token_ids`.
     """
     scan, runner = step_scan(path, version), runner_scan(path, version)
-    for x in (scan, runner):
-        if isinstance(x, RunError):
-            return x
-    runner = runner["tokens"]
+    if isinstance(scan, RunError):
+        return scan
+    if isinstance(runner, RunError):
+        return runner
     with paused_gc():           # (a table of every token of every request: see Run.index)
-        return _token_index(scan, runner)
+        return _token_index(scan, runner["tokens"])
 
 
 def _token_index(scan: dict, runner: list[tuple]) -> dict:

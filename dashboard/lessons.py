@@ -137,7 +137,8 @@ def _finish(f: Facts) -> Found:
     the first that finished at all (an abort)."""
     done = f.finishes()
     own = [d for d in done if f.reasons.get(d[1]) in ("stop", "length")]
-    return (own or done or [(None, None)])[0]
+    first = own or done
+    return first[0] if first else (None, None)
 
 
 def _graph_step(f: Facts) -> Found:

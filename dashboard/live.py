@@ -166,7 +166,7 @@ def last_error_line(log: str) -> str | None:
     traceback (the log file keeps it)."""
     lines = [ln.strip() for ln in log.splitlines() if ln.strip()]
     errors = [ln for ln in lines if re.match(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b:?", ln)]
-    return (errors or lines or [None])[-1]
+    return (errors or lines)[-1] if lines else None
 
 
 class LiveRun:

@@ -250,8 +250,8 @@ def _wait_for_spec(spec_path: str, status_path: str, parent: int) -> bool:
 def child_main(spec_path: str, status_path: str, wait_for: int | None = None) -> int:
     signal.signal(signal.SIGTERM, _on_sigterm)
     wait = wait_for is not None
-    parent = wait_for if wait else os.getppid()     # the dashboard: if it goes, so do we
-    if wait and not _wait_for_spec(spec_path, status_path, wait_for):
+    parent = wait_for if wait_for is not None else os.getppid()     # the dashboard: if it goes, so do we
+    if wait_for is not None and not _wait_for_spec(spec_path, status_path, wait_for):
         write_json(status_path, {"state": "stopped", "pid": os.getpid()})
         return 0
     status = {"state": "loading", "pid": os.getpid(), "t_process_ns": time.time_ns(), "prestarted": wait}
@@ -285,7 +285,7 @@ def child_main(spec_path: str, status_path: str, wait_for: int | None = None) ->
         traceback.print_exc(file=sys.stdout)
         sys.stdout.flush()
         status.update(state="error", error=str(e) if isinstance(e, SpecRefused) else f"{type(e).__name__}: {e}")
-        if recorder is not None:
+        if recorder is not None and recorder.run_path is not None:
             status["step"] = _committed_steps(recorder.run_path)     # what the page can show, not an older count
         write_json(status_path, status)
         if recorder is not None:
@@ -306,7 +306,8 @@ def _status_writer(status: dict, status_path: str, parent: int, **fields):
 
 
 def _run_three_processes(config, recorder, spec: dict, status: dict, status_path: str, parent: int) -> None:
-    status["refused"] = refused = {}      # filled by drive_http, written with every status update
+    refused: dict[str, str] = {}      # filled by drive_http, written with every status update
+    status["refused"] = refused
     outputs = drive_http(config, recorder, spec, _status_writer(status, status_path, parent, state="running"),
                          refused)
     recorder.shutdown()

@@ -25,15 +25,18 @@ class LivePair:
 
     def poll(self) -> dict:
         """Where the pair is; starts B when A has finished (never when A failed)."""
-        a = self.runs["a"].status()
+        run_a = self.runs["a"]
+        assert run_a is not None, "A starts in __init__"
+        a = run_a.status()
         if a["state"] in ("error", "crashed", "stopped"):
             return {"state": "error", "side": "a", "a": a, "b": None,
                     "error": a.get("error") or f"run A {a['state']}"}
         if a["state"] != "done":
             return {"state": "running", "side": "a", "a": a, "b": None}
-        if self.runs["b"] is None:
-            self.runs["b"] = LiveRun.start(self.specs[1], self.trace_dir)
-        b = self.runs["b"].status()
+        run_b = self.runs["b"]
+        if run_b is None:
+            run_b = self.runs["b"] = LiveRun.start(self.specs[1], self.trace_dir)
+        b = run_b.status()
         if b["state"] in ("error", "crashed", "stopped"):
             return {"state": "error", "side": "b", "a": a, "b": b, "error": b.get("error") or f"run B {b['state']}"}
         return {"state": "done" if b["state"] == "done" else "running", "side": "b", "a": a, "b": b}

@@ -159,7 +159,7 @@ def held_by(df: pd.DataFrame, holder: str, column: str) -> pd.Series:
 
 def _request_row(s) -> dict:
     a = s.attributes
-    ev = {}
+    ev: dict[str, list[int]] = {}
     for e in s.events:
         ev.setdefault(e["name"], []).append(e["time_ns"])
     first = ev.get("FIRST_TOKEN", [None])[0]
@@ -231,7 +231,7 @@ def step_flags(df: pd.DataFrame) -> dict[int, str]:
             if not hot.empty:     # name the kernel, else the layer it ran in
                 pick = hot[hot["device_row"] == "kernels"] if (hot["device_row"] == "kernels").any() else hot
                 jit = pick.loc[pick["dur_ms"].idxmax()]
-        if jit is not None:
+        if jit is not None and dev_med is not None:      # (jit is only found against dev_med)
             name = jit["name"].removeprefix("GPU.kernel.")
             if jit["name"] == "GPU.layer" and jit.get("layer") is not None and pd.notna(jit.get("layer")):
                 name = f"decoder layer {int(jit['layer'])}"

@@ -35,14 +35,15 @@ def allocations(src: RunSource) -> list[tuple[int, str]]:
     return out
 
 
-def default_pick(src: RunSource, allocs: list[tuple[int, str]]) -> tuple[int, str] | None:
-    """An allocation that shows the most: a prefix hit and an eviction, else either, else the first."""
+def default_pick(src: RunSource, allocs: list[tuple[int, str]]) -> tuple[int, str]:
+    """An allocation that shows the most: a prefix hit and an eviction, else either, else the first
+    (`allocs` is not empty: answer() says so before it picks)."""
     def score(a):
         step, req = a
         evs = _my_events(src, step, req)
         return (bool(_hit(src, step, req)["hit_block_ids"]) and any(e["kind"] == "evict" for e in evs),
                 any(e["kind"] == "evict" for e in evs), bool(_hit(src, step, req)["hit_block_ids"]), -step)
-    return max(allocs, key=score) if allocs else None
+    return max(allocs, key=score)
 
 
 def _hit(src: RunSource, step: int, req: str) -> dict:
@@ -137,6 +138,7 @@ class _Allocation:
 def _allocation(src: RunSource, step: int, req: str) -> _Allocation:
     bs = src.block_size
     ent = _entry(src, step, req)
+    assert ent is not None, "answer() picks (step, req) from allocations(): the step scheduled it"
     hit = _hit(src, step, req)
     hit_ids = list(hit["hit_block_ids"])
     so = (src.snap(step) or {}).get("scheduler_output", {})

@@ -35,7 +35,8 @@ def default_step(src: RunSource) -> int | None:
         return bool(rec.get("preempted_req_ids")) or any(e["kind"] != "decode" for e in rec.get("scheduled", [])) \
             or (prev is not None and len(src.record(prev).get("scheduled", [])) != len(rec.get("scheduled", [])))
     look = [s for s in src.steps[1:] if busy(s)][:MAX_LOOK] or src.steps[1:MAX_LOOK + 1]
-    best, best_score = None, (-1,)
+    best: int | None = None
+    best_score: tuple[int, ...] = (-1,)
     for s in look:
         mr, prev = src.mr(s), src.mr(src.prev_step(s))
         if mr.get("input_batch") is None or prev.get("input_batch") is None:
@@ -62,6 +63,7 @@ def answer(src: RunSource, step: int | None = None) -> Answer:
         return cannot("This run has no two consecutive steps with the worker's InputBatch recorded "
                       "(model_runner snapshots), so there is nothing to diff.")
     prev = src.prev_step(step)
+    assert prev is not None, "step is a candidate_steps() one: never the first"
     snap = src.snap(step) or {}
     mr = src.mr(step)
     before, after = _rows(src.mr(prev)), _rows(mr)

@@ -61,13 +61,14 @@ def _reason(src: RunSource, req: str) -> str | None:
     return r[0] if isinstance(r, list) and r else r
 
 
-def default_pick(src: RunSource, done: list[tuple[int, str]]) -> tuple[int, str] | None:
-    """A request that finished on its own (stop / length), best one with a shared block and a later reuse."""
+def default_pick(src: RunSource, done: list[tuple[int, str]]) -> tuple[int, str]:
+    """A request that finished on its own (stop / length), best one with a shared block and a later reuse
+    (`done` is not empty: answer() says so before it picks)."""
     def score(d):
         a = _facts(src, *d)
         return (_reason(src, d[1]) in ("stop", "length"), bool(a and a["shared"]), bool(a and a["reused"]), -d[0])
     # (a big run finishes hundreds: the first MAX_LOOK are enough to find a telling one)
-    return max(done[:MAX_LOOK], key=score) if done else None
+    return max(done[:MAX_LOOK], key=score)
 
 
 MAX_LOOK = 40
@@ -81,7 +82,8 @@ def _facts(src: RunSource, step: int, req: str) -> dict | None:
         return None
     fstep, ev = found
     # ref_cnt before / after and the end each block joined: recorded, else replayed from the pool before.
-    replay = PoolReplay(src.kv(src.prev_step(fstep)) if src.prev_step(fstep) is not None else {}, src.enable_caching)
+    before_free = src.prev_step(fstep)
+    replay = PoolReplay(src.kv(before_free) if before_free is not None else {}, src.enable_caching)
     did = {}
     for e in src.events(fstep):
         d = replay.apply(e)
@@ -90,7 +92,9 @@ def _facts(src: RunSource, step: int, req: str) -> dict | None:
             break
     after = ev.get("ref_cnts") or did.get("ref_after") or []
     before = [a + 1 for a in after] if ev.get("ref_cnts") is not None else did.get("ref_before", [])
-    ends = ev.get("queue_ends") if ev.get("queue_ends") is not None else did.get("ends", [])
+    ends = ev.get("queue_ends")
+    if ends is None:
+        ends = did.get("ends", [])
     hashes = did.get("hashes") or [None] * len(ev["block_ids"])
     kv = src.kv(fstep)
     fq = kv.get("free_queue", [])

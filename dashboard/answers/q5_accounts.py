@@ -155,7 +155,7 @@ def _memory_account(src: RunSource, mine: dict[int, dict]) -> tuple[dict, float 
     """Its KV blocks at their peak against the pool and the weights; the bytes of a block; where the weights' size comes from."""
     from dashboard.components.kv_memory import MB, block_bytes, rank_block_bytes
     mr0 = src.mr(src.steps[0])
-    per_block = block_bytes(src.meta, mr0, src.block_size)
+    per_block: float | None = block_bytes(src.meta, mr0, src.block_size)
     if src.tp > 1:
         # NOTE: the weights are one rank's (the article's "per GPU"), so the KV is too: a rank holds
         # its own KV heads of every block (its worker's kv_cache_shape; replicated heads when

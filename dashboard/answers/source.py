@@ -246,7 +246,8 @@ class PoolReplay:
                 self.hash[b] = h
         elif kind == "free":
             before = [self.ref.get(b, 1) for b in ids]
-            front, tail, ends, after = [], [], [], []
+            front, tail, after = [], [], []
+            ends: list[str | None] = []          # per block: the free queue's end it went to, None = still held
             for b in ids:
                 self.ref[b] = self.ref.get(b, 1) - 1
                 after.append(self.ref[b])

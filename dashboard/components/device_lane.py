@@ -249,9 +249,9 @@ def device_lane(step_spans: pd.DataFrame | None, device: str, step_id: int) -> N
     if not launches.empty:
         st.markdown("**Kernel launches** (this step) · achieved GB/s = bytes moved / duration — compare with the "
                     "GPU's memory bandwidth (an H200's HBM3e: about 4,800 GB/s)")
-        note = launch_bound_note(launches)
-        if note:
-            st.info(note, icon=":material/info:")
+        bound = launch_bound_note(launches)
+        if bound:
+            st.info(bound, icon=":material/info:")
         rate = {"GB/s": st.column_config.NumberColumn(format="%.1f", help="bytes moved / duration"),
                 "MB": st.column_config.NumberColumn(format="%.4f")}
         st.dataframe(kernel_summary(launches), hide_index=True, width="stretch", column_config=rate)

@@ -37,7 +37,9 @@ def header_fields(meta: dict, name: str | None = None, mr: dict | None = None) -
     """(label, value or None when the run did not record it, tooltip) for the header. `mr`:
     a "model_runner" snapshot of the run, for the KV block size of runs recorded before the
     meta had it (its kv_cache_shape; components/kv_memory.py: block_bytes)."""
-    cfg = meta.get("config") if isinstance(meta.get("config"), dict) else {}
+    cfg = meta.get("config")
+    if not isinstance(cfg, dict):
+        cfg = {}
     model = meta.get("model")
     device = meta.get("device")
     if device and meta.get("device_name"):

@@ -141,7 +141,7 @@ def run_picker() -> None:
         st.info("No recorded run yet: start one on the Live run page.")
     else:
         ss.picked_run = cur if cur in labels else None
-        st.selectbox("Open a run", paths, key="picked_run", index=None, format_func=labels.get,
+        st.selectbox("Open a run", paths, key="picked_run", index=None, format_func=labels.__getitem__,
                      placeholder="pick a recorded or sample run", on_change=_on_pick)
     gpu = gpu_sample(samples)
     if gpu is not None and cur != gpu["path"]:

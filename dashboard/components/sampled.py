@@ -70,7 +70,7 @@ def execution_mode(meta: dict, cudagraph: dict | None = None) -> tuple[str, str]
         return head, why
     short = reason[:-len(": eager")] if reason.endswith(": eager") else reason
     head = f"eager · {short or 'no reason recorded'}"
-    why = EAGER_WHY.get(reason_code(cudagraph), "This step launches its kernels one by one.")
+    why = EAGER_WHY.get(reason_code(cudagraph) or "", "This step launches its kernels one by one.")
     if reason_code(cudagraph) == "cudagraphs_off" and device.startswith("cpu"):
         why += " On a CPU there are no kernel launches to save."
     return head, why
@@ -105,7 +105,7 @@ def execution_panel(meta: dict, mr: dict) -> None:
     """The forward pass of this step: graph replay or eager, with the one-line why."""
     cg = (mr.get("prepare_inputs") or {}).get("cudagraph")
     head, why = execution_mode(meta, cg)
-    mode = (cg or {}).get("mode")
+    mode = (cg or {}).get("mode") or ""
     label = {"FULL": "CUDA graph", "PIECEWISE": "piecewise graphs"}.get(mode, "eager")
     badge = chip(label, CUDAGRAPH_COLORS.get(mode, "#8E8E8E")) if cg else ""
     st.markdown(f"**Forward pass** {badge} **{head}**", unsafe_allow_html=True)

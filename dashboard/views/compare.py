@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import cast
 
 import pandas as pd
 import plotly.graph_objects as go
@@ -111,7 +112,10 @@ def _pair_form() -> None:
     knobs = [k for k in cmp.KNOBS]
     label = {k.arg: k.label + ("" if k.available else " — not in this engine yet")
              + (" — GPU only" if k.needs_gpu and not on_gpu else "") for k in knobs}
-    arg = st.selectbox("Change one knob", [k.arg for k in knobs], key="cmp_knob", format_func=label.get)
+    # (the casts below: each widget has options and an index, so its value is one of them; [tool.mypy] says
+    # why mypy reads None)
+    arg = cast(str, st.selectbox("Change one knob", [k.arg for k in knobs], key="cmp_knob",
+                                 format_func=label.__getitem__))
     knob = cmp.BY_ARG[arg]
     st.caption(f"`{knob.arg}`: {knob.what}.")
     if arg == "speculative_config":
@@ -132,10 +136,12 @@ def _pair_form() -> None:
         return
     c1, c2, c3 = st.columns([1, 1, 2])
     a_default, b_default = knob.values
+    a: dict[str, str | int] | bool | int | None      # the knob's value: a speculative config, a switch, a size
+    b: dict[str, str | int] | bool | int | None
     if arg == "speculative_config":
         names = list(SPEC_CHOICES)
-        a = SPEC_CHOICES[c1.selectbox("A", names, index=0, key="cmp_va_spec")]
-        b = SPEC_CHOICES[c2.selectbox("B", names, index=names.index(cmp.spec_text(b_default)), key="cmp_vb_spec")]
+        a = SPEC_CHOICES[cast(str, c1.selectbox("A", names, index=0, key="cmp_va_spec"))]
+        b = SPEC_CHOICES[cast(str, c2.selectbox("B", names, index=names.index(cmp.spec_text(b_default)), key="cmp_vb_spec"))]
     elif isinstance(a_default, bool):
         a = c1.selectbox("A", [False, True], index=int(a_default), key=f"cmp_va_{arg}", format_func=lambda v: "on" if v else "off")
         b = c2.selectbox("B", [False, True], index=int(b_default), key=f"cmp_vb_{arg}", format_func=lambda v: "on" if v else "off")
@@ -144,8 +150,8 @@ def _pair_form() -> None:
         b = c2.number_input("B", 1, 8192, int(b_default), key=f"cmp_vb_{arg}")
     if arg == "enforce_eager":
         st.caption("enforce_eager on = CUDA graphs off.")
-    procs = c3.radio("Processes", [1, 3], key="cmp_procs", horizontal=True,
-                     format_func=lambda n: "one process" if n == 1 else "three (API server → engine → worker)")
+    procs = cast(int, c3.radio("Processes", [1, 3], key="cmp_procs", horizontal=True,
+                               format_func=lambda n: "one process" if n == 1 else "three (API server → engine → worker)"))
     if st.button("Start the pair", key="cmp_start", icon=":material/play_arrow:", type="primary", disabled=a == b):
         old = ss.get("live_pair")
         if old is not None:
@@ -191,10 +197,11 @@ def _pair_progress() -> None:
 @st.cache_data(max_entries=16, show_spinner=False)
 def _summary(path: str, version: tuple) -> dict | data.RunError:
     steps = data.step_table(path, version)
+    if isinstance(steps, data.RunError):
+        return steps
     reqs = spans.request_table(path, version)
-    for x in (steps, reqs):
-        if isinstance(x, data.RunError):
-            return x
+    if isinstance(reqs, data.RunError):
+        return reqs
     return cmp.summary(path, steps, reqs)
 
 
@@ -241,17 +248,15 @@ def _aligned(sa: pd.DataFrame, sb: pd.DataFrame) -> go.Figure:
 
 def compare_view(path_a: str, path_b: str) -> None:
     va, vb = data.file_version(path_a), data.file_version(path_b)
-    infos = [data.run_info(path_a, va), data.run_info(path_b, vb)]
-    for info in infos:
-        if isinstance(info, data.RunError):
-            state.show_error(info)
-            return
-    knobs = cmp.knob_of(infos[0]["meta"], infos[1]["meta"])
+    info_a, info_b = data.run_info(path_a, va), data.run_info(path_b, vb)
+    if isinstance(info_a, data.RunError) or isinstance(info_b, data.RunError):
+        state.show_error(next(x for x in (info_a, info_b) if isinstance(x, data.RunError)))
+        return
+    knobs = cmp.knob_of(info_a["meta"], info_b["meta"])
     a, b = _summary(path_a, va), _summary(path_b, vb)
-    for x in (a, b):
-        if isinstance(x, data.RunError):
-            state.show_error(x)
-            return
+    if isinstance(a, data.RunError) or isinstance(b, data.RunError):
+        state.show_error(next(x for x in (a, b) if isinstance(x, data.RunError)))
+        return
     names = (os.path.basename(path_a), os.path.basename(path_b))
     st.query_params["a"], st.query_params["b"] = names
     ss.cmp_url = names          # (our own write: not a new link for _from_url)
@@ -267,7 +272,7 @@ def compare_view(path_a: str, path_b: str) -> None:
     elif len(knobs) > 1:
         st.warning("These runs differ in " + ", ".join(f"`{k.arg}`" for k, _, _ in knobs) + ": a fair comparison "
                    "changes one knob, so the sentences below name no cause.", icon=":material/warning:")
-    rest = cmp.other_differences(infos[0]["meta"], infos[1]["meta"])
+    rest = cmp.other_differences(info_a["meta"], info_b["meta"])
     if rest:
         st.caption("Also different: " + "; ".join(rest[:6]) + (" …" if len(rest) > 6 else ""))
     st.markdown("#### What moved, and why")

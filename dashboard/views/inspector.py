@@ -55,6 +55,20 @@ def step_spans(path: str, version: tuple, meta: dict, step_id: int):
     return df[df["step_id"] == step_id]
 
 
+def tensor_parallel(path: str, version: tuple, meta: dict, step_id: int) -> dict | None:
+    """The step's ranks and collectives (components/tensor_parallel.py), None unless the run is
+    tensor-parallel; when its spans cannot be read, the message, and None (the step is still shown)."""
+    if not meta.get("ranks"):
+        return None
+    # NOTE: RunSource reads the spans directly and raises on a spans table it cannot read: the
+    # request spans' loader says first whether they can be read.
+    reqs = spans.request_table(path, version)
+    if isinstance(reqs, data.RunError):
+        state.show_error(reqs)
+        return None
+    return tp_facts(source(path, version), step_id)
+
+
 def main() -> None:
     st.title("Step inspector")
     cur = state.current()
@@ -84,7 +98,7 @@ def main() -> None:
     state_machine(moves)
     head, _ = execution_mode(info["meta"], (mr.get("prepare_inputs") or {}).get("cudagraph"))
     st.markdown(f":material/memory: Forward pass: **{head}** — why, and the device lane: *Worker* tab")
-    tp = tp_facts(source(path, version), step_id) if info["meta"].get("ranks") else None
+    tp = tensor_parallel(path, version, info["meta"], step_id)
     if tp is not None:
         st.markdown(tp_line(tp))
     focus_anchor()        # the request a link named, and where a link that names a tab lands

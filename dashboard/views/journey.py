@@ -7,6 +7,8 @@ journey of the request that was preempted, at the step it was preempted. Click a
 step on the chart (or pick one below) to open it in the step inspector."""
 from __future__ import annotations
 
+from typing import cast
+
 import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
@@ -223,18 +225,19 @@ def main() -> None:
     version = data.file_version(path)
     reqs, records, tokens, queues = (spans.request_table(path, version), data.step_records(path, version),
                                      data.token_index(path, version), data.queue_statuses(path, version))
-    for x in (reqs, records, tokens, queues):
-        if isinstance(x, data.RunError):
-            state.show_error(x)
-            return
+    if isinstance(reqs, data.RunError) or isinstance(records, data.RunError) or isinstance(tokens, data.RunError) \
+            or isinstance(queues, data.RunError):
+        state.show_error(next(x for x in (reqs, records, tokens, queues) if isinstance(x, data.RunError)))
+        return
     by_id = {r["request_id"]: r for r in reqs}
     ids = _requests(reqs, records)
     if not ids:
         st.info("No request in this run yet.")
         return
     # NOTE: no format_func: a bound widget writes its displayed option into the URL, which must stay the id.
-    req_id = st.selectbox("Request id", ids, key=REQUEST_KEY, bind="query-params",
-                          help="every request of the run; the URL's `request` opens one")
+    # (cast: ids is not empty, so the pick is one of them; [tool.mypy] says why mypy reads None)
+    req_id = cast(str, st.selectbox("Request id", ids, key=REQUEST_KEY, bind="query-params",
+                                    help="every request of the run; the URL's `request` opens one"))
     req = by_id.get(req_id)
     if req:
         metrics_row(req)

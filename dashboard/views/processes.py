@@ -9,7 +9,7 @@ import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
-from dashboard import data, state
+from dashboard import data, spans, state
 from dashboard.answers.cached import source
 from dashboard.components.code_ref import code_ref
 from dashboard.components.nav import open_view, point_data, selected_points
@@ -167,6 +167,12 @@ def main() -> None:
         return
     path, info = cur
     version = data.file_version(path)
+    # NOTE: RunSource reads the spans directly (and raises on a spans table it cannot read): the
+    # request spans' loader says first, as a message, whether the file's spans can be read.
+    reqs = spans.request_table(path, version)
+    if isinstance(reqs, data.RunError):
+        state.show_error(reqs)
+        return
     src = source(path, version)
     steps = [s for s in info["steps"] if s in src.step_spans]
     if not steps:

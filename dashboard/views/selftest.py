@@ -10,7 +10,7 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from dashboard import data, state
+from dashboard import data, spans, state
 from dashboard.answers import QUESTIONS
 from dashboard.answers.cached import answer, source
 from dashboard.components.code_ref import code_ref
@@ -148,6 +148,12 @@ def main() -> None:
         return
     path, info = cur
     version = data.file_version(path)
+    # NOTE: RunSource reads the spans directly (and raises on a spans table it cannot read): the
+    # request spans' loader says first, as a message, whether the file's spans can be read.
+    reqs = spans.request_table(path, version)
+    if isinstance(reqs, data.RunError):
+        state.show_error(reqs)
+        return
     src = source(path, version)
     kinds = sorted(src.pids)
     single = set(kinds) <= {"frontend"} and len(src.pids.get("frontend", ())) <= 1

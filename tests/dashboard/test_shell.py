@@ -270,6 +270,43 @@ def test_damaged_rows_are_reported_per_row(dirs):
         assert len(spans) == _sample_counts()[1] - 2
 
 
+@needs_sample
+def test_unreadable_spans_give_a_message_on_every_page(dirs):
+    """A run store whose snapshots read but whose spans table does not (a damaged page of the
+    file, here the table dropped): each page shows the loader's message, none a traceback.
+    (The Processes and Self-test pages read spans through answers.RunSource, which raised.)"""
+    path = _copy(GPU_SAMPLE, os.path.join(dirs["trace"], "run-nospans.sqlite"))
+    conn = sqlite3.connect(path)
+    conn.execute("DROP TABLE spans")
+    conn.commit()
+    conn.close()
+    for page in PAGES + ("processes", "selftest"):
+        at = _app(run="run-nospans.sqlite", page=page, step=8)
+        _no_exception(at)
+        if page in ("journey", "processes", "selftest"):
+            errors = " ".join(e.value for e in at.error)
+            assert "cannot read request spans" in errors and "no such table: spans" in errors, (page, errors)
+
+
+TP_SAMPLE = os.path.join(ROOT, "samples", "cpu-smollm2-tp3-full.sqlite")
+
+
+@pytest.mark.skipif(not os.path.exists(TP_SAMPLE), reason="samples/cpu-smollm2-tp3-full.sqlite not shipped")
+def test_a_tensor_parallel_step_without_readable_spans_is_still_shown(dirs):
+    """The inspector of a TP run reads its ranks' spans (answers.RunSource, which raised): with the
+    spans table unreadable it says so and still shows the step, its tabs and its snapshots."""
+    _copy(TP_SAMPLE, os.path.join(dirs["trace"], "run-tp-nospans.sqlite"))
+    conn = sqlite3.connect(os.path.join(dirs["trace"], "run-tp-nospans.sqlite"))
+    conn.execute("DROP TABLE spans")
+    conn.commit()
+    conn.close()
+    at = _app(run="run-tp-nospans.sqlite", page="inspector", step=3)
+    _no_exception(at)
+    errors = " ".join(e.value for e in at.error)
+    assert "cannot read request spans" in errors and "no such table: spans" in errors, errors
+    assert at.title[0].value == "Step inspector" and len(at.tabs) >= 3
+
+
 # -- the run header ---------------------------------------------------------------------------
 @needs_sample
 def test_run_header_shows_the_run_meta(dirs):
