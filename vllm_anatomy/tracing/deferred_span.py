@@ -523,6 +523,10 @@ class DeferredSpanProcessor(SpanProcessor):
                 batch = [queue.popleft() for _ in range(count)]
                 self._dropping = False
                 # (the exporter's own calls, an HTTP client's, are not traced: as BatchSpanProcessor)
+                # NOTE: the key is private, and the SDK's own processors (sdk.trace.export,
+                # sdk._shared_internal) attach this same object: instrumentations compare keys by
+                # identity, so no public create_key("suppress_instrumentation") could stand in for it.
+                # A test in tests/tracing/test_deferred_spans.py fails if an OTel release renames it.
                 token = otel_context.attach(otel_context.set_value(otel_context._SUPPRESS_INSTRUMENTATION_KEY, True))
                 try:
                     # (built inside the try: a span that fails to build fails its batch, as the NOTE says)
