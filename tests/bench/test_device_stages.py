@@ -24,7 +24,8 @@ def test_documented_stages_are_the_stages():
     labels = set()
     for label in re.findall(r"^  ([a-z0-9|]+)\)$", text, re.M):
         labels |= set(label.split("|"))
-    assert documented == labels == {"skinny", "fuse", "pdl", "pdltune", "tracing", "cold", "q0", "q1", "vs", "vs2"}
+    assert documented == labels == {"skinny", "fuse", "pdl", "pdltune", "pdlx", "tracing", "breakdown", "ttft", "cold", "q0", "q1",
+                                     "vs", "vs2"}
 
 
 def test_named_files_exist():
