@@ -28,19 +28,45 @@ def _tokens(model_dir, backend="triton", **kw):
     return num_layers, [list(o.outputs[0].token_ids) for o in outs]
 
 
-def test_switch_matches_unfused_and_torch_backend(tiny_qwen3_dir, monkeypatch):  # noqa: F811
-    from vllm_anatomy.kernels import fused_qk_norm_rope_kvcache as fkv
+def count_calls(monkeypatch, fused_module, fused_name: str) -> dict[str, int]:
+    """Launches of the fused kernel's wrapper and of reshape_and_cache, counted from here on."""
     from vllm_anatomy.kernels import reshape_and_cache as rc
     calls = {"fused": 0, "reshape_and_cache": 0}
-    real_fused, real_rc = fkv.fused_qk_norm_rope_kvcache, rc.reshape_and_cache
 
     def count(name, real):
         def wrapped(*a, **k):
             calls[name] += 1
             return real(*a, **k)
         return wrapped
-    monkeypatch.setattr(fkv, "fused_qk_norm_rope_kvcache", count("fused", real_fused))
-    monkeypatch.setattr(rc, "reshape_and_cache", count("reshape_and_cache", real_rc))
+    monkeypatch.setattr(fused_module, fused_name, count("fused", getattr(fused_module, fused_name)))
+    monkeypatch.setattr(rc, "reshape_and_cache", count("reshape_and_cache", rc.reshape_and_cache))
+    return calls
+
+
+def assert_fused_write_spans(rec: InMemoryRecorder, num_layers: int, kernel: str, fuses: list[str]) -> None:
+    """A step of <= 256 tokens: one GPU.kernel.<kernel> span per layer, naming the slot_mapping write
+    (and what it fuses), no reshape_and_cache; a bigger step: one reshape_and_cache per layer."""
+    by_step: dict[int, list[str]] = {}
+    fused_spans = []
+    for s in rec.spans:
+        if s.name.startswith("GPU.kernel."):
+            by_step.setdefault(s.attrs["vllm_anatomy.step_id"], []).append(s.name)
+        if s.name == f"GPU.kernel.{kernel}":
+            fused_spans.append(s)
+    kinds = set()
+    for names in by_step.values():
+        fused, rc = names.count(f"GPU.kernel.{kernel}"), names.count("GPU.kernel.reshape_and_cache")
+        assert (fused, rc) in ((num_layers, 0), (0, num_layers)), names
+        kinds.add(fused > 0)
+    assert kinds == {True, False}
+    assert fused_spans and all(s.attrs["vllm_anatomy.kv_cache_update"] == "slot_mapping"
+                               and s.attrs["vllm_anatomy.fuses"] == fuses
+                               and s.attrs["vllm_anatomy.num_tokens"] <= 256 for s in fused_spans)
+
+
+def test_switch_matches_unfused_and_torch_backend(tiny_qwen3_dir, monkeypatch):  # noqa: F811
+    from vllm_anatomy.kernels import fused_qk_norm_rope_kvcache as fkv
+    calls = count_calls(monkeypatch, fkv, "fused_qk_norm_rope_kvcache")
     monkeypatch.setenv("VLLM_ANATOMY_FUSE_QK_NORM_ROPE_KVCACHE", "1")
     _, on = _tokens(tiny_qwen3_dir)
     assert calls["fused"] > 0, "no step took the fused launch (graph capture included)"
@@ -61,18 +87,4 @@ def test_full_trace_times_the_fused_write(tiny_qwen3_dir, monkeypatch):  # noqa:
     rec = InMemoryRecorder("full")
     num_layers, traced = _tokens(tiny_qwen3_dir, recorder=rec, enforce_eager=True)
     assert traced == _tokens(tiny_qwen3_dir)[1]
-    by_step: dict[int, list[str]] = {}
-    fused_spans = []
-    for s in rec.spans:
-        if s.name.startswith("GPU.kernel."):
-            by_step.setdefault(s.attrs["vllm_anatomy.step_id"], []).append(s.name)
-        if s.name == "GPU.kernel.fused_qk_norm_rope_kvcache":
-            fused_spans.append(s)
-    kinds = set()
-    for names in by_step.values():
-        fused, rc = names.count("GPU.kernel.fused_qk_norm_rope_kvcache"), names.count("GPU.kernel.reshape_and_cache")
-        assert (fused, rc) in ((num_layers, 0), (0, num_layers)), names
-        kinds.add(fused > 0)
-    assert kinds == {True, False}
-    assert fused_spans and all(s.attrs["vllm_anatomy.kv_cache_update"] == "slot_mapping"
-                               and s.attrs["vllm_anatomy.num_tokens"] <= 256 for s in fused_spans)
+    assert_fused_write_spans(rec, num_layers, "fused_qk_norm_rope_kvcache", ["fused_qk_norm_rope", "reshape_and_cache"])

@@ -195,3 +195,56 @@ def test_switch(monkeypatch):
     assert not fusion.takes_fused_rope_kvcache_update(attn.attn, qkv, cache, None)
     big = torch.zeros(fusion.ROPE_KVCACHE_FUSION_MAX_TOKEN_NUM + 1, 15 * 64, device=DEVICE)
     assert not fusion.takes_fused_rope_kvcache_update(attn.attn, big, cache, md)
+
+
+# ---------------------------------------------------------------- the engine (CPU, interpreted)
+
+
+def _greedy(model_dir, backend, prompts, max_tokens):
+    """Each request's (token ids, the sampled tokens' logprobs): the logprobs show a changed K/V
+    even where the argmax does not move."""
+    from vllm_anatomy import LLM, SamplingParams
+    llm = LLM(model_dir, device="cpu", dtype="float32", attention_backend=backend, max_model_len=256,
+              num_gpu_blocks_override=64, max_num_batched_tokens=64, max_num_seqs=8)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0),
+                            use_tqdm=False)
+    finally:
+        llm.llm_engine.shutdown()
+    return [(list(o.outputs[0].token_ids), [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids,
+                                                                            o.outputs[0].logprobs)])
+            for o in outs]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(ON_GPU, reason="CPU engine on the interpreter; tests/gpu/test_fused_rope_kvcache_engine.py "
+                                   "is its GPU twin")
+def test_engine_greedy_switch_on_equals_off(tiny_smollm2_dir, monkeypatch):
+    """The whole engine (interpreted Triton kernels, fp32): greedy tokens and their logprobs with
+    VLLM_ANATOMY_FUSE_ROPE_KVCACHE=1 equal those with =0, bit for bit, and the tokens the torch
+    backend's. The seam's device check is patched (CPU tensors) and its limit lowered to 16 tokens
+    so that, under a 64-token budget, prefill steps keep reshape_and_cache and decode steps take
+    the fused launch."""
+    from vllm_anatomy.kernels import fused_rope_kvcache as frkv
+    from vllm_anatomy.kernels import reshape_and_cache as rc
+    monkeypatch.setattr(fusion, "_on_device", lambda qkv: True)
+    monkeypatch.setattr(fusion, "ROPE_KVCACHE_FUSION_MAX_TOKEN_NUM", 16)
+    calls = {"fused": 0, "reshape_and_cache": 0}
+
+    def count(name, real):
+        def wrapped(*a, **k):
+            calls[name] += 1
+            return real(*a, **k)
+        return wrapped
+    monkeypatch.setattr(frkv, "fused_rope_kvcache", count("fused", frkv.fused_rope_kvcache))
+    monkeypatch.setattr(rc, "reshape_and_cache", count("reshape_and_cache", rc.reshape_and_cache))
+    prompts = [[(7 * i + 3 * j) % 500 + 5 for j in range(n)] for i, n in enumerate([3, 40, 17, 25])]
+    out = {}
+    for switch in ("1", "0"):
+        calls.update(fused=0, reshape_and_cache=0)
+        monkeypatch.setenv("VLLM_ANATOMY_FUSE_ROPE_KVCACHE", switch)
+        out[switch] = _greedy(tiny_smollm2_dir, "triton", prompts, 6)
+        assert (calls["fused"] > 0) == (switch == "1") and calls["reshape_and_cache"] > 0, (switch, calls)
+    assert out["1"] == out["0"]
+    assert [t for t, _ in out["1"]] == [t for t, _ in _greedy(tiny_smollm2_dir, "torch", prompts, 6)]
