@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tests.gpu.conftest import NUM_BLOCKS
+from tests.helpers import count_calls
 from tests.gpu.test_fused_qk_norm_rope_engine import tiny_qwen3_dir  # noqa: F401  (a fixture)
 from vllm_anatomy.tracing.recorder import InMemoryRecorder
 
@@ -26,21 +27,6 @@ def _tokens(model_dir, backend="triton", **kw):
                         use_tqdm=False)
     llm.llm_engine.shutdown()
     return num_layers, [list(o.outputs[0].token_ids) for o in outs]
-
-
-def count_calls(monkeypatch, fused_module, fused_name: str) -> dict[str, int]:
-    """Launches of the fused kernel's wrapper and of reshape_and_cache, counted from here on."""
-    from vllm_anatomy.kernels import reshape_and_cache as rc
-    calls = {"fused": 0, "reshape_and_cache": 0}
-
-    def count(name, real):
-        def wrapped(*a, **k):
-            calls[name] += 1
-            return real(*a, **k)
-        return wrapped
-    monkeypatch.setattr(fused_module, fused_name, count("fused", getattr(fused_module, fused_name)))
-    monkeypatch.setattr(rc, "reshape_and_cache", count("reshape_and_cache", rc.reshape_and_cache))
-    return calls
 
 
 def assert_fused_write_spans(rec: InMemoryRecorder, num_layers: int, kernel: str, fuses: list[str]) -> None:
@@ -64,19 +50,27 @@ def assert_fused_write_spans(rec: InMemoryRecorder, num_layers: int, kernel: str
                                and s.attrs["vllm_anatomy.num_tokens"] <= 256 for s in fused_spans)
 
 
-def test_switch_matches_unfused_and_torch_backend(tiny_qwen3_dir, monkeypatch):  # noqa: F811
-    from vllm_anatomy.kernels import fused_qk_norm_rope_kvcache as fkv
-    calls = count_calls(monkeypatch, fkv, "fused_qk_norm_rope_kvcache")
-    monkeypatch.setenv("VLLM_ANATOMY_FUSE_QK_NORM_ROPE_KVCACHE", "1")
-    _, on = _tokens(tiny_qwen3_dir)
+def assert_switch_matches_unfused_and_torch(model_dir, monkeypatch, env: str, fused_module, fused_name: str) -> None:
+    """With env=1 some steps (graph capture included) take the fused launch and the > 256-token first
+    step keeps reshape_and_cache; with env=0 none takes it; the same greedy tokens either way and
+    with the torch backend."""
+    calls = count_calls(monkeypatch, fused_module, fused_name)
+    monkeypatch.setenv(env, "1")
+    _, on = _tokens(model_dir)
     assert calls["fused"] > 0, "no step took the fused launch (graph capture included)"
     assert calls["reshape_and_cache"] > 0, "the > 256-token first step must keep reshape_and_cache"
     calls.update(fused=0, reshape_and_cache=0)
-    monkeypatch.setenv("VLLM_ANATOMY_FUSE_QK_NORM_ROPE_KVCACHE", "0")
-    _, off = _tokens(tiny_qwen3_dir)
+    monkeypatch.setenv(env, "0")
+    _, off = _tokens(model_dir)
     assert calls["fused"] == 0 and calls["reshape_and_cache"] > 0
-    _, torch_tokens = _tokens(tiny_qwen3_dir, "torch")
+    _, torch_tokens = _tokens(model_dir, "torch")
     assert on == off == torch_tokens
+
+
+def test_switch_matches_unfused_and_torch_backend(tiny_qwen3_dir, monkeypatch):  # noqa: F811
+    from vllm_anatomy.kernels import fused_qk_norm_rope_kvcache as fkv
+    assert_switch_matches_unfused_and_torch(tiny_qwen3_dir, monkeypatch, "VLLM_ANATOMY_FUSE_QK_NORM_ROPE_KVCACHE",
+                                            fkv, "fused_qk_norm_rope_kvcache")
 
 
 def test_full_trace_times_the_fused_write(tiny_qwen3_dir, monkeypatch):  # noqa: F811

@@ -7,7 +7,11 @@ level full its kernel span stands for the cache write."""
 import pytest
 import torch
 
-from tests.gpu.test_fused_qk_norm_rope_kvcache_engine import _tokens, assert_fused_write_spans, count_calls
+from tests.gpu.test_fused_qk_norm_rope_kvcache_engine import (
+    _tokens,
+    assert_fused_write_spans,
+    assert_switch_matches_unfused_and_torch,
+)
 from vllm_anatomy.tracing.recorder import InMemoryRecorder
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -15,17 +19,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 def test_switch_matches_unfused_and_torch_backend(tiny_smollm2_dir, monkeypatch):
     from vllm_anatomy.kernels import fused_rope_kvcache as frkv
-    calls = count_calls(monkeypatch, frkv, "fused_rope_kvcache")
-    monkeypatch.setenv("VLLM_ANATOMY_FUSE_ROPE_KVCACHE", "1")
-    _, on = _tokens(tiny_smollm2_dir)
-    assert calls["fused"] > 0, "no step took the fused launch (graph capture included)"
-    assert calls["reshape_and_cache"] > 0, "the > 256-token first step must keep reshape_and_cache"
-    calls.update(fused=0, reshape_and_cache=0)
-    monkeypatch.setenv("VLLM_ANATOMY_FUSE_ROPE_KVCACHE", "0")
-    _, off = _tokens(tiny_smollm2_dir)
-    assert calls["fused"] == 0 and calls["reshape_and_cache"] > 0
-    _, torch_tokens = _tokens(tiny_smollm2_dir, "torch")
-    assert on == off == torch_tokens
+    assert_switch_matches_unfused_and_torch(tiny_smollm2_dir, monkeypatch, "VLLM_ANATOMY_FUSE_ROPE_KVCACHE",
+                                            frkv, "fused_rope_kvcache")
 
 
 def test_full_trace_times_the_fused_write(tiny_smollm2_dir, monkeypatch):

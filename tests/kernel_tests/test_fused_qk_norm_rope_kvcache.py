@@ -213,8 +213,16 @@ def test_seam_writes_the_same_cache_and_skips_reshape_and_cache(seam_on_cpu, num
     reshape_and_cache; 257: fused_qk_norm_rope (untimed, as before) + reshape_and_cache.
     Either way the same cache and the same q/k/v as with the switch off."""
     attn = qwen3_attention()
-    cache_off, kernels_off, qkv_off, slots = run_layer(attn, num_tokens, False, seam_on_cpu)
-    cache_on, kernels_on, qkv_on, _ = run_layer(attn, num_tokens, True, seam_on_cpu)
+    off = run_layer(attn, num_tokens, False, seam_on_cpu)
+    on = run_layer(attn, num_tokens, True, seam_on_cpu)
+    assert_same_write(on, off, num_tokens, "fused_qk_norm_rope_kvcache", ["fused_qk_norm_rope", "reshape_and_cache"])
+
+
+def assert_same_write(on, off, num_tokens, kernel, fuses):
+    """A layer's step with the fusion's switch on and off (run_layer's (cache, kernels, q/k/v handed to
+    attention, slots) each): the same cache, every slot written, the same q/k/v; at most 256 tokens one
+    `kernel` launch whose span names the cache write and what it `fuses`, else reshape_and_cache as off."""
+    (cache_on, kernels_on, qkv_on, slots), (cache_off, kernels_off, qkv_off, _) = on, off
     assert [n for n, _ in kernels_off] == ["reshape_and_cache"]
     for a, b in zip(qkv_on, qkv_off):
         assert torch.equal(a, b)
@@ -223,9 +231,9 @@ def test_seam_writes_the_same_cache_and_skips_reshape_and_cache(seam_on_cpu, num
     assert written.nonzero().flatten().tolist() == sorted(slots.tolist())
     if num_tokens <= ROPE_KVCACHE_FUSION_MAX_TOKEN_NUM:
         ((name, attrs),) = kernels_on
-        assert name == "fused_qk_norm_rope_kvcache"
+        assert name == kernel
         assert attrs["vllm_anatomy.kv_cache_update"] == "slot_mapping"
-        assert attrs["vllm_anatomy.fuses"] == ["fused_qk_norm_rope", "reshape_and_cache"]
+        assert attrs["vllm_anatomy.fuses"] == fuses
         assert attrs["vllm_anatomy.num_tokens"] == num_tokens and attrs["vllm_anatomy.grid"][0] >= 1
     else:
         assert [n for n, _ in kernels_on] == ["reshape_and_cache"]

@@ -20,6 +20,7 @@ from tests.kernel_tests.test_fused_qk_norm_rope_kvcache import (  # noqa: F401  
     BLOCK_SIZE,
     RecordingKernelTimer,
     assert_same,
+    assert_same_write,
     one_prefill_metadata,
     run_pair,
     seam_on_cpu,
@@ -136,23 +137,10 @@ def test_seam_writes_the_same_cache_and_skips_reshape_and_cache(llama_seam_on_cp
     257: rotary_embedding + reshape_and_cache, as with the switch off. Either way the same cache and
     the same q/k/v as with the switch off."""
     attn = llama_attention()
-    cache_on, kernels_on, qkv_on, slots = run_layer(attn, num_tokens, llama_seam_on_cpu)
+    on = run_layer(attn, num_tokens, llama_seam_on_cpu)
     attn.fuse_rope_kvcache = False
-    cache_off, kernels_off, qkv_off, _ = run_layer(attn, num_tokens, llama_seam_on_cpu)
-    assert [n for n, _ in kernels_off] == ["reshape_and_cache"]
-    for a, b in zip(qkv_on, qkv_off):
-        assert torch.equal(a, b)
-    assert torch.equal(cache_on, cache_off)
-    written = cache_on.ne(0).any(-1).any(-1).any(0).flatten()    # [num_blocks * block_size]: slots
-    assert written.nonzero().flatten().tolist() == sorted(slots.tolist())
-    if num_tokens <= fusion.ROPE_KVCACHE_FUSION_MAX_TOKEN_NUM:
-        ((name, attrs),) = kernels_on
-        assert name == "fused_rope_kvcache"
-        assert attrs["vllm_anatomy.kv_cache_update"] == "slot_mapping"
-        assert attrs["vllm_anatomy.fuses"] == ["rotary_embedding", "reshape_and_cache"]
-        assert attrs["vllm_anatomy.num_tokens"] == num_tokens and attrs["vllm_anatomy.grid"][0] >= 1
-    else:
-        assert [n for n, _ in kernels_on] == ["reshape_and_cache"]
+    off = run_layer(attn, num_tokens, llama_seam_on_cpu)
+    assert_same_write(on, off, num_tokens, "fused_rope_kvcache", ["rotary_embedding", "reshape_and_cache"])
 
 
 def test_layer_skips_its_write_only_when_the_fused_launch_wrote(llama_seam_on_cpu, monkeypatch):
@@ -226,19 +214,11 @@ def test_engine_greedy_switch_on_equals_off(tiny_smollm2_dir, monkeypatch):
     backend's. The seam's device check is patched (CPU tensors) and its limit lowered to 16 tokens
     so that, under a 64-token budget, prefill steps keep reshape_and_cache and decode steps take
     the fused launch."""
+    from tests.helpers import count_calls
     from vllm_anatomy.kernels import fused_rope_kvcache as frkv
-    from vllm_anatomy.kernels import reshape_and_cache as rc
     monkeypatch.setattr(fusion, "_on_device", lambda qkv: True)
     monkeypatch.setattr(fusion, "ROPE_KVCACHE_FUSION_MAX_TOKEN_NUM", 16)
-    calls = {"fused": 0, "reshape_and_cache": 0}
-
-    def count(name, real):
-        def wrapped(*a, **k):
-            calls[name] += 1
-            return real(*a, **k)
-        return wrapped
-    monkeypatch.setattr(frkv, "fused_rope_kvcache", count("fused", frkv.fused_rope_kvcache))
-    monkeypatch.setattr(rc, "reshape_and_cache", count("reshape_and_cache", rc.reshape_and_cache))
+    calls = count_calls(monkeypatch, frkv, "fused_rope_kvcache")
     prompts = [[(7 * i + 3 * j) % 500 + 5 for j in range(n)] for i, n in enumerate([3, 40, 17, 25])]
     out = {}
     for switch in ("1", "0"):
