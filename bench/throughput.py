@@ -43,11 +43,21 @@ def qwen3_06b_config(num_hidden_layers: int = 28):
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
 
 
-def write_random_model(path: str, num_hidden_layers: int = 28) -> None:
-    """config.json, random bf16 safetensors (transformers' names) and a word-level tokenizer."""
+def smollm2_135m_config(num_hidden_layers: int = 30):
+    """The default model's shape (SmolLM2-135M, a LlamaForCausalLM): 9 q heads over 3 KV heads of 64, no q/k norm."""
+    import transformers
+    return transformers.LlamaConfig(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=num_hidden_layers,
+        num_attention_heads=9, num_key_value_heads=3, rms_norm_eps=1e-5, max_position_embeddings=8192,
+        tie_word_embeddings=True, dtype="bfloat16", rope_parameters={"rope_type": "default", "rope_theta": 100000.0})
+
+
+def write_random_model(path: str, num_hidden_layers: int = 28, cfg=None) -> None:
+    """config.json, random bf16 safetensors (transformers' names) and a word-level tokenizer;
+    cfg: a transformers config (default: Qwen3-0.6B's shape with num_hidden_layers)."""
     import transformers
     from safetensors.torch import save_file
-    cfg = qwen3_06b_config(num_hidden_layers)
+    cfg = cfg or qwen3_06b_config(num_hidden_layers)
     cfg.save_pretrained(path)
     with torch.device("meta"):
         params = dict(transformers.AutoModelForCausalLM.from_config(cfg).named_parameters())

@@ -19,9 +19,15 @@ is staged here first, into .gpu/, which git ignores, and carried):
         --model-dir /tmp/ab-model --out $OUT/throughput_ab_pdl_skinny1.json    # PDL, every GEMM split-K
     (one K=V per --a-env/--b-env; repeat the flag for more. PDL's prefetch helps only the
     GEMMs that run through the split-K kernel: at =tuned cuBLAS keeps most shapes, so try both.)
+    python bench/throughput_ab.py --shape smollm2-135m --a-env VLLM_ANATOMY_FUSE_ROPE_KVCACHE=0 \
+        --b-env VLLM_ANATOMY_FUSE_ROPE_KVCACHE=1 --model-dir /tmp/ab-model-smollm2 \
+        --out $OUT/throughput_ab_fuse_rope_kv.json                            # Llama's RoPE + KV write
+    (--shape smollm2-135m: the default model's shape, a Llama without q/k norm, for what only a
+    Llama takes; give it its own --model-dir: a directory holding the other shape is refused.)
 
     python bench/throughput_ab.py [--a TREE] [--b TREE] [--a-env K=V ...] [--b-env K=V ...]
-        [--a-label NAME] [--b-label NAME] [--rounds 3] [--model-dir DIR] [--out FILE] [--tiny]
+        [--a-label NAME] [--b-label NAME] [--rounds 3] [--shape qwen3-0.6b|smollm2-135m]
+        [--model-dir DIR] [--out FILE] [--tiny]
 
 A tree is a directory holding a `vllm_anatomy/` package (default: this checkout). The
 package imports nothing from outside its folder (only the CLI's `lesson` and `dashboard`
@@ -35,8 +41,8 @@ PYTHONPATH held (the device's wheels in /tmp/site), and the variant's environmen
 ours' usual one: bench/vs_vllm.py's "ours" throughput worker exactly (its run_worker:
 in-process engine, default settings, trace level off, nano-vllm's warm-up, then
 nano-vllm's workload: 256 sequences, prompts and outputs uniform in [100, 1024],
-temperature 0.6, ignore_eos, Qwen3-0.6B-shaped random bf16 weights, written once and
-shared). The bench code is this checkout's; only the engine comes from the tree. Each
+temperature 0.6, ignore_eos, Qwen3-0.6B-shaped random bf16 weights (or --shape
+smollm2-135m's), written once and shared). The bench code is this checkout's; only the engine comes from the tree. Each
 worker reports the `vllm_anatomy.__file__` it imported; a sample from the wrong tree
 stops the run.
 
@@ -77,6 +83,9 @@ from side_by_side import ROOT, run_subprocess, worker_env, write_models  # noqa:
 from vs_vllm import FULL, TINY, run_worker, tok_per_s, workload_record  # noqa: E402
 
 MARKER = "throughput_ab_export.json"     # written by --export beside the package
+# --shape: the model the workload runs on (random bf16 weights), and the model_type its config.json says.
+SHAPES = {"qwen3-0.6b": ("Qwen3-0.6B shape, random bf16 weights", "qwen3"),
+          "smollm2-135m": ("SmolLM2-135M shape (Llama, no q/k norm), random bf16 weights", "llama")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,6 +246,8 @@ def arg_parser() -> argparse.ArgumentParser:
         ap.add_argument(f"--{k}-env", action="append", default=[], metavar="K=V", help="an environment override (repeatable)")
         ap.add_argument(f"--{k}-label", help="a name for the table and the JSON")
     ap.add_argument("--rounds", type=int, default=3, help="rounds of one run each (ABBA order)")
+    ap.add_argument("--shape", choices=list(SHAPES), default="qwen3-0.6b",
+                    help="the model's shape (GPU runs; --tiny writes its own tiny Qwen3)")
     ap.add_argument("--model-dir", help="write the model here, or reuse the one written here before (default: a temp dir)")
     ap.add_argument("--out", default="bench/results/throughput_ab.json")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke mode: tiny model, tiny workload")
@@ -245,6 +256,16 @@ def arg_parser() -> argparse.ArgumentParser:
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--env-keys", default="", help=argparse.SUPPRESS)
     return ap
+
+
+def check_shape(model_dir: str, shape: str, tiny: bool) -> None:
+    """A reused --model-dir must hold the --shape asked for (its config's model_type)."""
+    if tiny:
+        return
+    with open(os.path.join(model_dir, "config.json")) as f:
+        model_type = json.load(f).get("model_type")
+    if model_type != SHAPES[shape][1]:
+        sys.exit(f"--model-dir {model_dir} holds a {model_type!r} model, not --shape {shape}: give another directory")
 
 
 def run_rounds(args: argparse.Namespace, variants: dict[str, Variant], model_dir: str, result: dict) -> bool:
@@ -280,6 +301,8 @@ def main() -> None:
         return
     if args.rounds < 1:
         sys.exit("--rounds must be at least 1")
+    if args.tiny and args.shape != "qwen3-0.6b":
+        sys.exit("--shape is for GPU runs: --tiny writes its own tiny Qwen3")
     variants = {k: make_variant(k, getattr(args, k), getattr(args, f"{k}_env"), getattr(args, f"{k}_label"))
                 for k in "ab"}
     import torch
@@ -289,7 +312,8 @@ def main() -> None:
         "bench": "throughput_ab", "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "torch": torch.__version__, "machine": platform.node(), "smoke": args.tiny, "argv": sys.argv[1:],
-        "workload": workload_record(TINY if args.tiny else FULL, args.tiny), "rounds": args.rounds,
+        "workload": workload_record(TINY if args.tiny else FULL, args.tiny)
+        | ({} if args.tiny else {"model": SHAPES[args.shape][0]}), "shape": args.shape, "rounds": args.rounds,
         "order": order(args.rounds),
         "variants": {k: {"label": v.label, "tree": v.tree, "tree_rev": tree_rev(v.tree), "env": v.env}
                      for k, v in variants.items()},
@@ -298,9 +322,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryDirectory() as vllm_dir:
         model_dir = os.path.abspath(args.model_dir or tmp)
         result["model_reused"] = os.path.exists(os.path.join(model_dir, "config.json"))
-        if not result["model_reused"]:
+        if result["model_reused"]:
+            check_shape(model_dir, args.shape, args.tiny)
+        else:
             os.makedirs(model_dir, exist_ok=True)
-            write_models(model_dir, vllm_dir, args.tiny)
+            if args.shape == "qwen3-0.6b":
+                write_models(model_dir, vllm_dir, args.tiny)
+            else:
+                from throughput import smollm2_135m_config, write_random_model
+                write_random_model(model_dir, cfg=smollm2_135m_config())
         ok = run_rounds(args, variants, model_dir, result)
     print_summary(result)
     print(f"wrote {args.out}")

@@ -49,6 +49,7 @@ SPAN_COLORS = {"EngineCore": "#4A6FA5", "Scheduler": "#E69F00", "Executor": "#8C
                "GPU.kernel.prefill_attention": "#3B9AD9",     # VLLM_ANATOMY_PREFILL_KERNEL=1: attention's kin
                "GPU.kernel.reshape_and_cache": "#6A3D9A",
                "GPU.kernel.fused_qk_norm_rope_kvcache": "#6A3D9A",   # Qwen3's fused q/k norm + RoPE + KV write
+               "GPU.kernel.fused_rope_kvcache": "#6A3D9A",           # Llama's fused RoPE + KV write
                "GPU.kernel.compute_slot_mapping": "#CC79A7",
                "GPU.kernel": "#7F7F7F",
                "drafter": "#C71585"}       # speculative decoding's draft model: its phase and forwards

@@ -64,6 +64,23 @@ def tiny_llama_dir(tmp_path_factory):
     return str(path)
 
 
+@pytest.fixture(scope="session")
+def tiny_smollm2_dir(tmp_path_factory):
+    """The default model's attention shape (SmolLM2-135M: 9 q heads over 3 KV heads of 64, hidden 576,
+    RoPE theta 1e5) in 2 layers with a small vocabulary, random weights saved by transformers."""
+    import torch
+    import transformers
+    path = tmp_path_factory.mktemp("tiny_smollm2")
+    cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=576, intermediate_size=256, num_hidden_layers=2,
+                                   num_attention_heads=9, num_key_value_heads=3, rms_norm_eps=1e-5,
+                                   max_position_embeddings=512, tie_word_embeddings=True,
+                                   rope_parameters={"rope_type": "default", "rope_theta": 100000.0})
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+    save_word_level_tokenizer(str(path))
+    return str(path)
+
+
 # -- a declared dependency that does not import is an error, never a skip --------------------------
 # NOTE: pytest.importorskip turns any ImportError into a skip. When transformers 5.25 met our old
 # top-level kernels/ folder, `import transformers` raised ImportError: a module guarded by

@@ -142,3 +142,19 @@ def interrupt_nth_add(monkeypatch, engine_core_client, n: int) -> None:
             raise KeyboardInterrupt
         add(request)
     monkeypatch.setattr(engine_core_client, "add_request", interrupted_add)
+
+
+def count_calls(monkeypatch, fused_module, fused_name: str) -> dict[str, int]:
+    """Calls of a fused KV-write kernel's wrapper (fused_module.fused_name) and of reshape_and_cache,
+    counted from here on (the engine tests of the RoPE + KV-cache fusions)."""
+    from vllm_anatomy.kernels import reshape_and_cache as rc
+    calls = {"fused": 0, "reshape_and_cache": 0}
+
+    def count(name, real):
+        def wrapped(*a, **k):
+            calls[name] += 1
+            return real(*a, **k)
+        return wrapped
+    monkeypatch.setattr(fused_module, fused_name, count("fused", getattr(fused_module, fused_name)))
+    monkeypatch.setattr(rc, "reshape_and_cache", count("reshape_and_cache", rc.reshape_and_cache))
+    return calls

@@ -19,12 +19,16 @@ from dashboard.answers.common import Answer, ShowMe, cannot, ids
 from dashboard.answers.source import RunSource
 
 # The kernels that write a step's K/V into the cache at slot_mapping: the attention backend's own, or
-# (Qwen3 on CUDA, steps of <= 256 tokens) the model's q/k norm + RoPE launch that also does the write
-# (vllm_anatomy/compilation/qk_norm_rope_kvcache_fusion.py).
-KV_WRITE_KERNELS = ("reshape_and_cache", "fused_qk_norm_rope_kvcache")
+# (on CUDA, steps of <= 256 tokens) the model's launch that also does the write: Qwen3's q/k norm + RoPE
+# (vllm_anatomy/compilation/qk_norm_rope_kvcache_fusion.py), or Llama's RoPE with
+# VLLM_ANATOMY_FUSE_ROPE_KVCACHE=1 (vllm_anatomy/compilation/rope_kvcache_fusion.py).
+KV_WRITE_KERNELS = ("reshape_and_cache", "fused_qk_norm_rope_kvcache", "fused_rope_kvcache")
 # The call each of KV_WRITE_KERNELS is launched from (row 4 of the chain).
 KV_WRITE_CALLS = {"reshape_and_cache": "reshape_and_cache (Attention.do_kv_cache_update)",
-                  "fused_qk_norm_rope_kvcache": "fused_qk_norm_rope_kvcache (impl.do_qk_norm_rope_kvcache_update)"}
+                  "fused_qk_norm_rope_kvcache": "fused_qk_norm_rope_kvcache (impl.do_qk_norm_rope_kvcache_update)",
+                  "fused_rope_kvcache": "fused_rope_kvcache (impl.do_rope_and_kv_cache_update)"}
+# What the layer's launch did besides the write, for each fused one of KV_WRITE_KERNELS.
+KV_WRITE_FUSED_WITH = {"fused_qk_norm_rope_kvcache": "q/k norm and RoPE", "fused_rope_kvcache": "RoPE"}
 
 
 SHOW_TOKENS = 40
@@ -170,7 +174,7 @@ def kernel_spans(src: RunSource, name: str, step: int) -> list:
 
 def kv_write_launches(src: RunSource, step: int) -> tuple[str, list]:
     """(kernel, its launches) of the first of KV_WRITE_KERNELS the step recorded: reshape_and_cache,
-    or Qwen3's fused q/k norm + RoPE + KV write; ("reshape_and_cache", []) if neither."""
+    or a fused (q/k norm +) RoPE + KV write; ("reshape_and_cache", []) if none."""
     for kernel in KV_WRITE_KERNELS:
         launches = kernel_spans(src, kernel, step)
         if launches:
@@ -194,7 +198,7 @@ def kv_write(src: RunSource, step: int, tok: int, slot: int, bs: int, mode: str 
         a = launches[0].attributes
         us = sum(x.duration_ns for x in launches) / len(launches) / 1e3
         grid = a.get("vllm_anatomy.grid")
-        fused = "" if kernel == "reshape_and_cache" else " (fused with the layer's q/k norm and RoPE)"
+        fused = f" (fused with the layer's {KV_WRITE_FUSED_WITH[kernel]})" if kernel in KV_WRITE_FUSED_WITH else ""
         return (f"{len(launches)} launches of `{kernel}`{fused} in this step, one per layer, each over "
                 f"{a.get('vllm_anatomy.num_tokens', '?')} tokens" + (f" (grid {list(grid)})" if grid else "")
                 + f", {us:.1f} µs on average: batch token {tok} (this request's query) → {where} of every "

@@ -13,7 +13,7 @@ import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
-from dashboard.answers.q3_block_table import KV_WRITE_KERNELS
+from dashboard.answers.q3_block_table import KV_WRITE_FUSED_WITH, KV_WRITE_KERNELS
 from dashboard.components.code_ref import code_ref
 from dashboard.theme import request_color, short_req_id, style_figure, text_on
 
@@ -62,7 +62,7 @@ def slot_figure(df: pd.DataFrame, block_size: int) -> go.Figure:
 
 def kv_write_note(step_spans: pd.DataFrame | None, mode: str | None, device: str) -> str:
     """Where these slots are written: this step's reshape_and_cache launches (one per layer; or the
-    fused q/k norm + RoPE + KV write), or why the step has none of its own (a graph replay, graph
+    fused (q/k norm +) RoPE + KV write), or why the step has none of its own (a graph replay, graph
     pieces, a CPU run)."""
     if step_spans is not None:
         # (the target's: a draft model writes its own cache, in the same slots, after the step's sampling)
@@ -70,8 +70,8 @@ def kv_write_note(step_spans: pd.DataFrame | None, mode: str | None, device: str
         for kernel in KV_WRITE_KERNELS:
             k = step_spans[(step_spans["name"] == f"GPU.kernel.{kernel}") & target]
             if not k.empty:
-                fused = "" if kernel == "reshape_and_cache" else \
-                    " (the same launch as the layer's q/k norm and RoPE: they are fused on this model)"
+                fused = (f" (the same launch as the layer's {KV_WRITE_FUSED_WITH[kernel]}: they are fused on this "
+                         "model)") if kernel in KV_WRITE_FUSED_WITH else ""
                 return (f"`{kernel}` writes each token's K and V to its slot, in every layer{fused}: "
                         f"**{len(k)} launches** this step (one per layer, {k['dur_ms'].mean() * 1e3:.1f} µs on "
                         "average; the kernels row of the device lane above).")

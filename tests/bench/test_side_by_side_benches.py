@@ -454,6 +454,27 @@ def test_throughput_ab_order_ratios_and_isolation_check(bench, tmp_path):
         ab.make_variant("a", str(tmp_path / "nowhere"), [], None)
 
 
+@pytest.mark.fast
+def test_throughput_ab_shape_smollm2(bench, tmp_path, monkeypatch):
+    """--shape smollm2-135m: the default model's Llama shape (what the Llama-only fusions need); a reused
+    --model-dir of the other shape is refused; the CPU smoke mode keeps its own tiny Qwen3."""
+    import json
+    import sys
+    ab = bench.throughput_ab
+    import throughput                                    # (bench/ is on sys.path while `bench` is up)
+    cfg = throughput.smollm2_135m_config()
+    assert (cfg.model_type, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hidden_size // 9,
+            cfg.num_hidden_layers) == ("llama", 9, 3, 64, 30)
+    assert ab.arg_parser().parse_args(["--shape", "smollm2-135m"]).shape == "smollm2-135m"
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
+    ab.check_shape(str(tmp_path), "qwen3-0.6b", tiny=False)
+    with pytest.raises(SystemExit, match="not --shape smollm2-135m"):
+        ab.check_shape(str(tmp_path), "smollm2-135m", tiny=False)
+    monkeypatch.setattr(sys, "argv", ["throughput_ab.py", "--tiny", "--shape", "smollm2-135m"])
+    with pytest.raises(SystemExit, match="--tiny writes its own tiny Qwen3"):
+        ab.main()
+
+
 @pytest.mark.slow
 def test_throughput_ab_tiny_runs_each_variant_from_its_own_tree(tmp_path):
     """HEAD's package exported into tmp_path (A, prefill switch 0) against this checkout (B,

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tests.gpu.conftest import NUM_BLOCKS
+from tests.helpers import count_calls
 from tests.gpu.test_fused_qk_norm_rope_engine import tiny_qwen3_dir  # noqa: F401  (a fixture)
 from vllm_anatomy.tracing.recorder import InMemoryRecorder
 
@@ -28,29 +29,48 @@ def _tokens(model_dir, backend="triton", **kw):
     return num_layers, [list(o.outputs[0].token_ids) for o in outs]
 
 
-def test_switch_matches_unfused_and_torch_backend(tiny_qwen3_dir, monkeypatch):  # noqa: F811
-    from vllm_anatomy.kernels import fused_qk_norm_rope_kvcache as fkv
-    from vllm_anatomy.kernels import reshape_and_cache as rc
-    calls = {"fused": 0, "reshape_and_cache": 0}
-    real_fused, real_rc = fkv.fused_qk_norm_rope_kvcache, rc.reshape_and_cache
+def assert_fused_write_spans(rec: InMemoryRecorder, num_layers: int, kernel: str, fuses: list[str]) -> None:
+    """A step of <= 256 tokens: one GPU.kernel.<kernel> span per layer, naming the slot_mapping write
+    (and what it fuses), no reshape_and_cache; a bigger step: one reshape_and_cache per layer."""
+    by_step: dict[int, list[str]] = {}
+    fused_spans = []
+    for s in rec.spans:
+        if s.name.startswith("GPU.kernel."):
+            by_step.setdefault(s.attrs["vllm_anatomy.step_id"], []).append(s.name)
+        if s.name == f"GPU.kernel.{kernel}":
+            fused_spans.append(s)
+    kinds = set()
+    for names in by_step.values():
+        fused, rc = names.count(f"GPU.kernel.{kernel}"), names.count("GPU.kernel.reshape_and_cache")
+        assert (fused, rc) in ((num_layers, 0), (0, num_layers)), names
+        kinds.add(fused > 0)
+    assert kinds == {True, False}
+    assert fused_spans and all(s.attrs["vllm_anatomy.kv_cache_update"] == "slot_mapping"
+                               and s.attrs["vllm_anatomy.fuses"] == fuses
+                               and s.attrs["vllm_anatomy.num_tokens"] <= 256 for s in fused_spans)
 
-    def count(name, real):
-        def wrapped(*a, **k):
-            calls[name] += 1
-            return real(*a, **k)
-        return wrapped
-    monkeypatch.setattr(fkv, "fused_qk_norm_rope_kvcache", count("fused", real_fused))
-    monkeypatch.setattr(rc, "reshape_and_cache", count("reshape_and_cache", real_rc))
-    monkeypatch.setenv("VLLM_ANATOMY_FUSE_QK_NORM_ROPE_KVCACHE", "1")
-    _, on = _tokens(tiny_qwen3_dir)
+
+def assert_switch_matches_unfused_and_torch(model_dir, monkeypatch, env: str, fused_module, fused_name: str) -> None:
+    """With env=1 some steps (graph capture included) take the fused launch and the > 256-token first
+    step keeps reshape_and_cache; with env=0 none takes it; the same greedy tokens either way and
+    with the torch backend."""
+    calls = count_calls(monkeypatch, fused_module, fused_name)
+    monkeypatch.setenv(env, "1")
+    _, on = _tokens(model_dir)
     assert calls["fused"] > 0, "no step took the fused launch (graph capture included)"
     assert calls["reshape_and_cache"] > 0, "the > 256-token first step must keep reshape_and_cache"
     calls.update(fused=0, reshape_and_cache=0)
-    monkeypatch.setenv("VLLM_ANATOMY_FUSE_QK_NORM_ROPE_KVCACHE", "0")
-    _, off = _tokens(tiny_qwen3_dir)
+    monkeypatch.setenv(env, "0")
+    _, off = _tokens(model_dir)
     assert calls["fused"] == 0 and calls["reshape_and_cache"] > 0
-    _, torch_tokens = _tokens(tiny_qwen3_dir, "torch")
+    _, torch_tokens = _tokens(model_dir, "torch")
     assert on == off == torch_tokens
+
+
+def test_switch_matches_unfused_and_torch_backend(tiny_qwen3_dir, monkeypatch):  # noqa: F811
+    from vllm_anatomy.kernels import fused_qk_norm_rope_kvcache as fkv
+    assert_switch_matches_unfused_and_torch(tiny_qwen3_dir, monkeypatch, "VLLM_ANATOMY_FUSE_QK_NORM_ROPE_KVCACHE",
+                                            fkv, "fused_qk_norm_rope_kvcache")
 
 
 def test_full_trace_times_the_fused_write(tiny_qwen3_dir, monkeypatch):  # noqa: F811
@@ -61,18 +81,4 @@ def test_full_trace_times_the_fused_write(tiny_qwen3_dir, monkeypatch):  # noqa:
     rec = InMemoryRecorder("full")
     num_layers, traced = _tokens(tiny_qwen3_dir, recorder=rec, enforce_eager=True)
     assert traced == _tokens(tiny_qwen3_dir)[1]
-    by_step: dict[int, list[str]] = {}
-    fused_spans = []
-    for s in rec.spans:
-        if s.name.startswith("GPU.kernel."):
-            by_step.setdefault(s.attrs["vllm_anatomy.step_id"], []).append(s.name)
-        if s.name == "GPU.kernel.fused_qk_norm_rope_kvcache":
-            fused_spans.append(s)
-    kinds = set()
-    for names in by_step.values():
-        fused, rc = names.count("GPU.kernel.fused_qk_norm_rope_kvcache"), names.count("GPU.kernel.reshape_and_cache")
-        assert (fused, rc) in ((num_layers, 0), (0, num_layers)), names
-        kinds.add(fused > 0)
-    assert kinds == {True, False}
-    assert fused_spans and all(s.attrs["vllm_anatomy.kv_cache_update"] == "slot_mapping"
-                               and s.attrs["vllm_anatomy.num_tokens"] <= 256 for s in fused_spans)
+    assert_fused_write_spans(rec, num_layers, "fused_qk_norm_rope_kvcache", ["fused_qk_norm_rope", "reshape_and_cache"])

@@ -22,6 +22,7 @@ from vllm_anatomy.attention.backends.abstract import AttentionMetadata
 from vllm_anatomy.attention.backends.torch_ref import TorchReferenceBackend
 from vllm_anatomy.attention.backends.triton_attn import TritonAttentionBackend
 from vllm_anatomy.compilation import qk_norm_rope_kvcache_fusion as fusion
+from vllm_anatomy.compilation.rope_kvcache_fusion import ROPE_KVCACHE_FUSION_MAX_TOKEN_NUM
 from vllm_anatomy.kernels.fused_qk_norm_rope_kvcache import (
     fused_qk_norm_rope_kvcache,
     fused_qk_norm_rope_kvcache_ref,
@@ -45,8 +46,9 @@ def random_slots(num_tokens, num_pad, gen, num_blocks=NUM_BLOCKS, device=DEVICE)
 
 
 def run_pair(num_tokens, num_heads, num_kv_heads, head_dim, dtype, is_neox, seed, num_pad=0,
-             row_pad=0, rotary_dim=None):
-    """(qkv and cache after the fused kernel, after the unfused pair, the cache before, slots)."""
+             row_pad=0, rotary_dim=None, fns=(fused_qk_norm_rope_kvcache, fused_qk_norm_rope_kvcache_ref)):
+    """(qkv and cache after the fused kernel, after the unfused pair, the cache before, slots).
+    fns: (fused, unfused pair), called with fused_qk_norm_rope_kvcache's arguments."""
     qkv, q_weight, k_weight, rope, positions = qk_norm_rope_inputs(
         num_tokens + num_pad, num_heads, num_kv_heads, head_dim, dtype, is_neox, seed, rotary_dim)
     gen = torch.Generator().manual_seed(seed + 1)
@@ -60,7 +62,7 @@ def run_pair(num_tokens, num_heads, num_kv_heads, head_dim, dtype, is_neox, seed
     cache = torch.randn(2, num_blocks, BLOCK_SIZE, num_kv_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
     before = cache.clone()
     outs = []
-    for fn in (fused_qk_norm_rope_kvcache, fused_qk_norm_rope_kvcache_ref):
+    for fn in fns:
         x = wide.clone()
         c = cache.clone()
         assert x[:, cols].is_contiguous() == (row_pad == 0)
@@ -211,19 +213,27 @@ def test_seam_writes_the_same_cache_and_skips_reshape_and_cache(seam_on_cpu, num
     reshape_and_cache; 257: fused_qk_norm_rope (untimed, as before) + reshape_and_cache.
     Either way the same cache and the same q/k/v as with the switch off."""
     attn = qwen3_attention()
-    cache_off, kernels_off, qkv_off, slots = run_layer(attn, num_tokens, False, seam_on_cpu)
-    cache_on, kernels_on, qkv_on, _ = run_layer(attn, num_tokens, True, seam_on_cpu)
+    off = run_layer(attn, num_tokens, False, seam_on_cpu)
+    on = run_layer(attn, num_tokens, True, seam_on_cpu)
+    assert_same_write(on, off, num_tokens, "fused_qk_norm_rope_kvcache", ["fused_qk_norm_rope", "reshape_and_cache"])
+
+
+def assert_same_write(on, off, num_tokens, kernel, fuses):
+    """A layer's step with the fusion's switch on and off (run_layer's (cache, kernels, q/k/v handed to
+    attention, slots) each): the same cache, every slot written, the same q/k/v; at most 256 tokens one
+    `kernel` launch whose span names the cache write and what it `fuses`, else reshape_and_cache as off."""
+    (cache_on, kernels_on, qkv_on, slots), (cache_off, kernels_off, qkv_off, _) = on, off
     assert [n for n, _ in kernels_off] == ["reshape_and_cache"]
     for a, b in zip(qkv_on, qkv_off):
         assert torch.equal(a, b)
     assert torch.equal(cache_on, cache_off)
     written = cache_on.ne(0).any(-1).any(-1).any(0).flatten()    # [num_blocks * block_size]: slots
     assert written.nonzero().flatten().tolist() == sorted(slots.tolist())
-    if num_tokens <= fusion.ROPE_KVCACHE_FUSION_MAX_TOKEN_NUM:
+    if num_tokens <= ROPE_KVCACHE_FUSION_MAX_TOKEN_NUM:
         ((name, attrs),) = kernels_on
-        assert name == "fused_qk_norm_rope_kvcache"
+        assert name == kernel
         assert attrs["vllm_anatomy.kv_cache_update"] == "slot_mapping"
-        assert attrs["vllm_anatomy.fuses"] == ["fused_qk_norm_rope", "reshape_and_cache"]
+        assert attrs["vllm_anatomy.fuses"] == fuses
         assert attrs["vllm_anatomy.num_tokens"] == num_tokens and attrs["vllm_anatomy.grid"][0] >= 1
     else:
         assert [n for n, _ in kernels_on] == ["reshape_and_cache"]
@@ -252,7 +262,7 @@ def test_switches(monkeypatch):
     assert not fusion.takes_fused_kvcache_update(qwen3_attention(TorchReferenceBackend).attn, qkv, cache, md)
     assert not fusion.takes_fused_kvcache_update(attn.attn, qkv, None, md)          # a dummy run
     assert not fusion.takes_fused_kvcache_update(attn.attn, qkv, cache, None)
-    big = torch.zeros(fusion.ROPE_KVCACHE_FUSION_MAX_TOKEN_NUM + 1, 8 * 16, device=DEVICE)
+    big = torch.zeros(ROPE_KVCACHE_FUSION_MAX_TOKEN_NUM + 1, 8 * 16, device=DEVICE)
     assert not fusion.takes_fused_kvcache_update(attn.attn, big, cache, md)
 
 

@@ -85,7 +85,13 @@ def kernels(use):
         "silu_and_mul": compile_ptx(sm._silu_and_mul_kernel, dict(BLOCK_T=2, BLOCK_D=1024, USE_PDL=use)),
         "fused_qk_norm_rope": compile_ptx(fqk._fused_qk_norm_rope_kernel, nrp),
         "fused_qk_norm_rope_kvcache": compile_ptx(fkv._fused_qk_norm_rope_kvcache_kernel,
-                                                  dict(nrp, BLOCK_SIZE=16, HEAD_SIZE_PADDED=128)),
+                                                  dict(nrp, BLOCK_SIZE=16, HEAD_SIZE_PADDED=128, APPLY_NORM=True)),
+        # (Llama's RoPE + KV write, fused_rope_kvcache.py: the same kernel, no norm, no weights; SmolLM2's heads)
+        "fused_rope_kvcache": compile_ptx(fkv._fused_qk_norm_rope_kvcache_kernel,
+                                          dict(nrp, NUM_Q_HEADS=9, Q_HEADS_PADDED=16, NUM_K_HEADS=3, K_HEADS_PADDED=4,
+                                               HEAD_SIZE=64, ROT_HALF=32, ROT_HALF_PADDED=32, BLOCK_T=2,
+                                               BLOCK_SIZE=16, HEAD_SIZE_PADDED=64, APPLY_NORM=False,
+                                               q_weight_ptr=None, k_weight_ptr=None)),
         "unified_attention_2d": compile_ptx(ua._unified_attention_kernel,
                                             dict(attn, HAS_SKIP=False, USE_SEQ_ORDER=True)),
         "unified_attention_3d": compile_ptx(ua._unified_attention_3d_kernel, dict(attn, NUM_SEGMENTS_PER_SEQ=16)),
@@ -109,7 +115,7 @@ def ptx_facts():
 @pytest.mark.slow
 def test_pdl_kernels_wait_before_any_global_access(ptx_facts):
     on = ptx_facts["True"]
-    assert len(on) == 11
+    assert len(on) == 12
     for name, f in on.items():
         assert f["wait"] >= 1 and f["launch"] >= 1, (name, f)
         assert f["accesses"] > 0 and f["stores"] > 0, (name, f)               # the parse saw the kernel's traffic

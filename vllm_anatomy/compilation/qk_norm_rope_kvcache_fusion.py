@@ -24,13 +24,15 @@ NOTE: who takes it, and why it is safe.
   read when the model is built. vLLM enables its pass only on ROCm with AITER; ours
   is a Triton kernel, so it runs wherever our Triton backend does.
 - Llama (SmolLM2, the lessons' default model) has no q/k norm: it keeps
-  rotary_embedding + reshape_and_cache, and its traces keep their
-  GPU.kernel.reshape_and_cache spans. (vLLM's sibling, fuse_rope_kvcache for RoPE
-  without the norm, is not built here.)
+  rotary_embedding + reshape_and_cache (and its traces their
+  GPU.kernel.reshape_and_cache spans) unless VLLM_ANATOMY_FUSE_ROPE_KVCACHE is on
+  (off by default): then vLLM's sibling for RoPE without the norm,
+  rope_kvcache_fusion.py, does the same for its rotary_embedding.
 - The CPU and the torch backend never take it (the torch backend does not support it).
-- The threshold is on qkv.shape[0], a host int: under CUDA graphs the captured
-  (padded) batch size, the same at capture and at every replay, so a graph always
-  replays the path it was captured with. A step of more than 256 tokens (a prefill)
+- The threshold (rope_kvcache_fusion.py's: vLLM has one pass_config field for both
+  passes) is on qkv.shape[0], a host int: under CUDA graphs the captured (padded)
+  batch size, the same at capture and at every replay, so a graph always replays
+  the path it was captured with. A step of more than 256 tokens (a prefill)
   runs fused_qk_norm_rope and then the backend's reshape_and_cache, as before.
 - Traces: at level full the fused launch is timed as GPU.kernel.fused_qk_norm_rope_kvcache,
   whose attributes name the cache write it holds (vllm_anatomy.kv_cache_update =
@@ -43,13 +45,11 @@ import torch
 from vllm_anatomy import envs
 from vllm_anatomy.attention.backends.abstract import AttentionMetadata
 from vllm_anatomy.attention.layer import Attention
-
-# vLLM's pass_config.rope_kvcache_fusion_max_token_num.
-ROPE_KVCACHE_FUSION_MAX_TOKEN_NUM = 256
+from vllm_anatomy.compilation.rope_kvcache_fusion import fits_rope_kvcache_fusion
 
 
 def fuse_qk_norm_rope_kvcache_enabled() -> bool:
-    """VLLM_ANATOMY_FUSE_QK_NORM_ROPE_KVCACHE (default 0), read when the model is built."""
+    """VLLM_ANATOMY_FUSE_QK_NORM_ROPE_KVCACHE (default 1), read when the model is built."""
     return bool(envs.VLLM_ANATOMY_FUSE_QK_NORM_ROPE_KVCACHE)
 
 
@@ -58,8 +58,7 @@ def takes_fused_kvcache_update(attn: Attention, qkv: torch.Tensor, kv_cache: tor
     """Whether this layer's step goes through fused_qk_norm_rope_and_unified_kv_cache_update
     (the model's switches were checked when it was built)."""
     return (_on_device(qkv) and attn.impl.fused_qk_norm_rope_kvcache_supported()
-            and attn_metadata is not None and kv_cache is not None and kv_cache.numel() > 0
-            and qkv.shape[0] <= ROPE_KVCACHE_FUSION_MAX_TOKEN_NUM)
+            and fits_rope_kvcache_fusion(qkv, kv_cache, attn_metadata))
 
 
 def fused_qk_norm_rope_and_unified_kv_cache_update(

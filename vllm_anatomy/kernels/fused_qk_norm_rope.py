@@ -69,6 +69,7 @@ def _norm_rope_heads(
     cache_ptr, stride_cache_head,      # WRITE_CACHE only: [BLOCK_T, 1, 1] each token's cache row
     cache_mask,                        # [BLOCK_T]: tokens with a slot (not -1)
     WRITE_CACHE: tl.constexpr,         # also store the results there (fused_qk_norm_rope_kvcache.py)
+    APPLY_NORM: tl.constexpr,          # False: RoPE only, w_ptr and eps unused (fused_rope_kvcache.py)
 ):
     head = tl.arange(0, HEADS_PADDED)[None, :, None]                       # [1, H, 1]
     i = tl.arange(0, ROT_HALF_PADDED)[None, None, :]                       # [1, 1, R]
@@ -87,18 +88,25 @@ def _norm_rope_heads(
     # and the norm sums in fp32 anyway). Masked lanes read 0: they add nothing.
     x1 = tl.load(base + d1, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(base + d2, mask=mask, other=0.0).to(tl.float32)
-    sum_sq = tl.sum(x1 * x1, axis=2) + tl.sum(x2 * x2, axis=2)            # [T, H]
-    if PASS_PADDED > 0:    # dims past rotary_dim: normalized, not rotated
+    if PASS_PADDED > 0:    # dims past rotary_dim: normalized (if APPLY_NORM), not rotated
         p = 2 * ROT_HALF + tl.arange(0, PASS_PADDED)[None, None, :]
         pmask = head_mask & (p < HEAD_SIZE)
         x3 = tl.load(base + p, mask=pmask, other=0.0).to(tl.float32)
-        sum_sq += tl.sum(x3 * x3, axis=2)
-    rstd = tl.rsqrt(sum_sq / HEAD_SIZE + eps)[:, :, None]                 # [T, H, 1]
-    # RMSNorm, rounded as the torch layer rounds: to dtype before the weight, then after.
-    w1 = tl.load(w_ptr + d1, mask=rot_mask, other=0.0).to(tl.float32)
-    w2 = tl.load(w_ptr + d2, mask=rot_mask, other=0.0).to(tl.float32)
-    y1 = (w1 * (x1 * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-    y2 = (w2 * (x2 * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    if APPLY_NORM:
+        sum_sq = tl.sum(x1 * x1, axis=2) + tl.sum(x2 * x2, axis=2)        # [T, H]
+        if PASS_PADDED > 0:
+            sum_sq += tl.sum(x3 * x3, axis=2)
+        rstd = tl.rsqrt(sum_sq / HEAD_SIZE + eps)[:, :, None]             # [T, H, 1]
+        # RMSNorm, rounded as the torch layer rounds: to dtype before the weight, then after.
+        w1 = tl.load(w_ptr + d1, mask=rot_mask, other=0.0).to(tl.float32)
+        w2 = tl.load(w_ptr + d2, mask=rot_mask, other=0.0).to(tl.float32)
+        y1 = (w1 * (x1 * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        y2 = (w2 * (x2 * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    else:
+        # NOTE: RoPE only (Llama): x1, x2 are the loaded dtype values, exact in fp32, so the
+        # rotation below is rotary_embedding.py's _rotate_heads, op for op.
+        y1 = x1
+        y2 = x2
     # RoPE: each product rounded to dtype before the sum, as torch's separate ops round it.
     o1 = (y1 * cos).to(dtype).to(tl.float32) - (y2 * sin).to(dtype).to(tl.float32)
     o2 = (y2 * cos).to(dtype).to(tl.float32) + (y1 * sin).to(dtype).to(tl.float32)
@@ -111,9 +119,12 @@ def _norm_rope_heads(
         tl.store(cache_row + d1, o1.to(dtype).to(cache_dtype), mask=cmask)
         tl.store(cache_row + d2, o2.to(dtype).to(cache_dtype), mask=cmask)
     if PASS_PADDED > 0:
-        w3 = tl.load(w_ptr + p, mask=p < HEAD_SIZE, other=0.0).to(tl.float32)
-        y3 = w3 * (x3 * rstd).to(dtype).to(tl.float32)
-        tl.store(base + p, y3.to(dtype), mask=pmask)
+        if APPLY_NORM:
+            w3 = tl.load(w_ptr + p, mask=p < HEAD_SIZE, other=0.0).to(tl.float32)
+            y3 = w3 * (x3 * rstd).to(dtype).to(tl.float32)
+            tl.store(base + p, y3.to(dtype), mask=pmask)
+        else:              # unchanged in qkv: only the cache gets a copy
+            y3 = x3
         if WRITE_CACHE:
             tl.store(cache_row + p, y3.to(dtype).to(cache_dtype), mask=pmask & cache_mask[:, None, None])
 
@@ -139,12 +150,12 @@ def _fused_qk_norm_rope_kernel(
                                                qkv_ptr, ROT_HALF, ROT_HALF_PADDED, BLOCK_T)
     _norm_rope_heads(qkv_ptr, q_weight_ptr, tok64, tok_mask, stride_qkv_tok, eps, cos, sin,
                      NUM_Q_HEADS, Q_HEADS_PADDED, HEAD_SIZE, ROT_HALF, ROT_HALF_PADDED,
-                     PASS_PADDED, IS_NEOX, qkv_ptr, 0, tok_mask, False)
+                     PASS_PADDED, IS_NEOX, qkv_ptr, 0, tok_mask, False, True)
     pdl_launch_dependents(USE_PDL)     # q done, k left: the next kernel may launch
     _norm_rope_heads(qkv_ptr + NUM_Q_HEADS * HEAD_SIZE, k_weight_ptr, tok64, tok_mask,
                      stride_qkv_tok, eps, cos, sin,
                      NUM_K_HEADS, K_HEADS_PADDED, HEAD_SIZE, ROT_HALF, ROT_HALF_PADDED,
-                     PASS_PADDED, IS_NEOX, qkv_ptr, 0, tok_mask, False)
+                     PASS_PADDED, IS_NEOX, qkv_ptr, 0, tok_mask, False, True)
 
 
 def _tokens_per_program(num_heads_q: int, num_heads_k: int, head_dim: int) -> int:
@@ -177,9 +188,9 @@ def fused_qk_norm_rope(qkv: torch.Tensor, num_heads_q: int, num_heads_k: int, nu
     if args is None:
         return
     grid, tensors, constexprs = args
-    position_ids, q_weight, k_weight, cos_sin_cache = tensors
+    position_ids, q_w, k_w, cos_sin_cache = tensors
     _fused_qk_norm_rope_kernel[grid](
-        qkv, position_ids, q_weight, k_weight, cos_sin_cache, qkv.shape[0], eps,
+        qkv, position_ids, q_w, k_w, cos_sin_cache, qkv.shape[0], eps,
         qkv.stride(0), cos_sin_cache.stride(0), **constexprs, **pdl_args(qkv, pdl), num_warps=4)
 
 
@@ -190,20 +201,25 @@ def pdl_args(qkv: torch.Tensor, pdl: bool) -> dict:
 
 
 def _checked_args(qkv: torch.Tensor, num_heads_q: int, num_heads_k: int, num_heads_v: int,
-                  head_dim: int, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                  head_dim: int, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
                   cos_sin_cache: torch.Tensor, is_neox: bool, position_ids: torch.Tensor, kernel
-                  ) -> tuple[tuple[int], tuple[torch.Tensor, ...], dict] | None:
+                  ) -> tuple[tuple[int], tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None,
+                                               torch.Tensor], dict] | None:
     """Check the arguments; (grid, (position_ids, q_weight, k_weight, cos_sin_cache) made
     contiguous, the kernel's constexprs), or None for an empty batch. Shared with
-    fused_qk_norm_rope_kvcache.py, whose kernel takes the same norm/RoPE constexprs."""
+    fused_qk_norm_rope_kvcache.py, whose kernel takes the same norm/RoPE constexprs (there
+    both weights may be None: RoPE only, for fused_rope_kvcache.py)."""
     assert qkv.dim() == 2, "qkv must be [num_tokens, (nq + nk + nv) * head_dim]"
     num_tokens = qkv.shape[0]
     assert qkv.shape[1] == (num_heads_q + num_heads_k + num_heads_v) * head_dim
     assert qkv.stride(-1) == 1, "qkv's last dim must be contiguous (it is written in place)"
     assert position_ids.dim() == 1 and position_ids.shape[0] == num_tokens
-    assert q_weight.shape == (head_dim,) and k_weight.shape == (head_dim,)
-    assert q_weight.dtype == qkv.dtype and k_weight.dtype == qkv.dtype, \
-        "norm weights must be in qkv's dtype (the result is written back into qkv)"
+    assert (q_weight is None) == (k_weight is None), "both norm weights, or neither (RoPE only)"
+    if q_weight is not None and k_weight is not None:
+        assert q_weight.shape == (head_dim,) and k_weight.shape == (head_dim,)
+        assert q_weight.dtype == qkv.dtype and k_weight.dtype == qkv.dtype, \
+            "norm weights must be in qkv's dtype (the result is written back into qkv)"
+        q_weight, k_weight = q_weight.contiguous(), k_weight.contiguous()
     assert cos_sin_cache.dim() == 2
     rotary_dim = cos_sin_cache.shape[1]
     assert rotary_dim % 2 == 0 and rotary_dim <= head_dim
@@ -211,7 +227,6 @@ def _checked_args(qkv: torch.Tensor, num_heads_q: int, num_heads_k: int, num_hea
     if num_tokens == 0:
         return None
     position_ids = position_ids.contiguous()     # a slice of the runner's buffer: already is
-    q_weight, k_weight = q_weight.contiguous(), k_weight.contiguous()
     cos_sin_cache = cos_sin_cache.contiguous()
     rot_half = rotary_dim // 2
     pass_dims = head_dim - rotary_dim

@@ -19,6 +19,7 @@ bit for bit:
 Memory layout:
     qkv            [T, (nq + nk + nv) * hd]  any row stride, last dim contiguous
     q_weight, k_weight, cos_sin_cache, position_ids: as fused_qk_norm_rope.py
+                   (weights None with APPLY_NORM off: fused_rope_kvcache.py, RoPE only)
     key_cache,     [num_blocks, block_size, nk, hd] each (kv_cache[0], kv_cache[1]
     value_cache    of abstract.py's [2, ...] cache; any strides, last dim contiguous)
     slot_mapping   [>= T] int64; token t -> block slot // block_size, offset slot % block_size
@@ -81,6 +82,7 @@ def _fused_qk_norm_rope_kvcache_kernel(
     BLOCK_SIZE: tl.constexpr,          # the cache's tokens per block
     HEAD_SIZE_PADDED: tl.constexpr,    # next_pow2(HEAD_SIZE), for the v copy
     USE_PDL: tl.constexpr,             # launched with PDL (pdl.py): wait before any load or store
+    APPLY_NORM: tl.constexpr,          # False: RoPE only, no weights (fused_rope_kvcache.py, Llama)
 ):
     pdl_wait(USE_PDL)
     tok64, tok_mask, cos, sin = _token_cos_sin(positions_ptr, cos_sin_ptr, num_tokens, stride_cos_sin,
@@ -95,12 +97,12 @@ def _fused_qk_norm_rope_kvcache_kernel(
     v_row = value_cache_ptr + block * stride_vc_block + offset * stride_vc_off
     _norm_rope_heads(qkv_ptr, q_weight_ptr, tok64, tok_mask, stride_qkv_tok, eps, cos, sin,
                      NUM_Q_HEADS, Q_HEADS_PADDED, HEAD_SIZE, ROT_HALF, ROT_HALF_PADDED,
-                     PASS_PADDED, IS_NEOX, qkv_ptr, 0, tok_mask, False)
+                     PASS_PADDED, IS_NEOX, qkv_ptr, 0, tok_mask, False, APPLY_NORM)
     pdl_launch_dependents(USE_PDL)     # q done, k and v left: the next kernel may launch
     _norm_rope_heads(qkv_ptr + NUM_Q_HEADS * HEAD_SIZE, k_weight_ptr, tok64, tok_mask,
                      stride_qkv_tok, eps, cos, sin,
                      NUM_K_HEADS, K_HEADS_PADDED, HEAD_SIZE, ROT_HALF, ROT_HALF_PADDED,
-                     PASS_PADDED, IS_NEOX, k_row, stride_kc_head, valid, True)
+                     PASS_PADDED, IS_NEOX, k_row, stride_kc_head, valid, True, APPLY_NORM)
     _copy_heads_to_cache(qkv_ptr + (NUM_Q_HEADS + NUM_K_HEADS) * HEAD_SIZE, stride_qkv_tok, tok64,
                          v_row, stride_vc_head, valid,
                          NUM_K_HEADS, K_HEADS_PADDED, HEAD_SIZE, HEAD_SIZE_PADDED)
@@ -118,6 +120,17 @@ def fused_qk_norm_rope_kvcache(qkv: torch.Tensor, num_heads_q: int, num_heads_k:
     plus the cache and the slots (its q_out/k_out are qkv itself here).
     pdl: the VLLM_ANATOMY_PDL switch as the caller read it (kernels/pdl.py; same results).
     """
+    launch_kvcache_kernel(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, eps, q_weight, k_weight,
+                          cos_sin_cache, is_neox, position_ids, key_cache, value_cache, slot_mapping, pdl)
+
+
+def launch_kvcache_kernel(qkv: torch.Tensor, num_heads_q: int, num_heads_k: int, num_heads_v: int,
+                          head_dim: int, eps: float, q_weight: torch.Tensor | None,
+                          k_weight: torch.Tensor | None, cos_sin_cache: torch.Tensor, is_neox: bool,
+                          position_ids: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                          slot_mapping: torch.Tensor, pdl: bool) -> None:
+    """The launch behind fused_qk_norm_rope_kvcache and fused_rope_kvcache.py: with both norm
+    weights the q/k norm runs (APPLY_NORM), with neither (None) only RoPE and the cache write."""
     assert num_heads_v == num_heads_k, "the cache holds as many v heads as k heads"
     assert key_cache.shape[2:] == (num_heads_k, head_dim) and value_cache.shape == key_cache.shape
     assert key_cache.stride(-1) == 1 and value_cache.stride(-1) == 1, "the head_dim axis must be contiguous"
@@ -127,14 +140,14 @@ def fused_qk_norm_rope_kvcache(qkv: torch.Tensor, num_heads_q: int, num_heads_k:
     if args is None:
         return
     grid, tensors, constexprs = args
-    position_ids, q_weight, k_weight, cos_sin_cache = tensors
+    position_ids, q_weight, k_weight, cos_sin_cache = tensors      # (weights None: RoPE only)
     _fused_qk_norm_rope_kvcache_kernel[grid](
         qkv, position_ids, q_weight, k_weight, cos_sin_cache, key_cache, value_cache, slot_mapping,
         qkv.shape[0], eps, qkv.stride(0), cos_sin_cache.stride(0),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         **constexprs, BLOCK_SIZE=key_cache.shape[1], HEAD_SIZE_PADDED=triton.next_power_of_2(head_dim),
-        **pdl_args(qkv, pdl), num_warps=4)
+        APPLY_NORM=q_weight is not None, **pdl_args(qkv, pdl), num_warps=4)
 
 
 def fused_qk_norm_rope_kvcache_ref(qkv: torch.Tensor, num_heads_q: int, num_heads_k: int,

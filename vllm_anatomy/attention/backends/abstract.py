@@ -106,6 +106,18 @@ class AttentionImpl:
         (compilation/qk_norm_rope_kvcache_fusion.py)."""
         raise NotImplementedError
 
+    def fused_rope_kvcache_supported(self) -> bool:
+        """Whether do_rope_and_kv_cache_update exists here (vLLM's name; only the Triton backend's)."""
+        return False
+
+    def do_rope_and_kv_cache_update(self, qkv: torch.Tensor, positions: torch.Tensor,
+                                    cos_sin_cache: torch.Tensor, is_neox: bool, kv_cache: torch.Tensor,
+                                    slot_mapping: torch.Tensor, kernel_timer: Any = NULL_KERNEL_TIMER) -> None:
+        """RoPE in place on qkv's q and k columns [T, (nh + 2 nkv) * hd] (a model without q/k norm),
+        and the step's K/V into kv_cache at slot_mapping: do_kv_cache_update's work, done ahead of
+        forward (compilation/rope_kvcache_fusion.py)."""
+        raise NotImplementedError
+
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: AttentionMetadata,
                 output: torch.Tensor, key: torch.Tensor | None = None,
                 value: torch.Tensor | None = None) -> torch.Tensor:

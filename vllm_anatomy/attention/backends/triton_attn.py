@@ -169,11 +169,28 @@ class TritonAttentionImpl(AttentionImpl):
         Its span says it holds the cache write (vllm_anatomy.kv_cache_update), which then has none of its own."""
         from vllm_anatomy.kernels import fused_qk_norm_rope_kvcache as fkv
         key_cache, value_cache = kv_cache.unbind(0)
-        with kernel_timer.kernel("fused_qk_norm_rope_kvcache", lambda: self._fused_cache_launch_attrs(qkv)):
+        with kernel_timer.kernel("fused_qk_norm_rope_kvcache",
+                                 lambda: self._fused_cache_launch_attrs(qkv, "fused_qk_norm_rope")):
             fkv.fused_qk_norm_rope_kvcache(qkv, self.num_heads, self.num_kv_heads, self.num_kv_heads,
                                            self.head_dim, rms_norm_eps, q_weight, k_weight, cos_sin_cache,
                                            is_neox, positions, key_cache, value_cache, slot_mapping,
                                            pdl=self.pdl)
+
+    def fused_rope_kvcache_supported(self) -> bool:
+        return True
+
+    def do_rope_and_kv_cache_update(self, qkv: torch.Tensor, positions: torch.Tensor,
+                                    cos_sin_cache: torch.Tensor, is_neox: bool, kv_cache: torch.Tensor,
+                                    slot_mapping: torch.Tensor, kernel_timer=NULL_KERNEL_TIMER) -> None:
+        """One launch instead of rotary_embedding + reshape_and_cache (kernels/fused_rope_kvcache.py).
+        Its span says it holds the cache write (vllm_anatomy.kv_cache_update), which then has none of its own."""
+        from vllm_anatomy.kernels import fused_rope_kvcache as frkv
+        key_cache, value_cache = kv_cache.unbind(0)
+        with kernel_timer.kernel("fused_rope_kvcache",
+                                 lambda: self._fused_cache_launch_attrs(qkv, "rotary_embedding")):
+            frkv.fused_rope_kvcache(qkv, self.num_heads, self.num_kv_heads, self.num_kv_heads, self.head_dim,
+                                    cos_sin_cache, is_neox, positions, key_cache, value_cache, slot_mapping,
+                                    pdl=self.pdl)
 
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: AttentionMetadata,
                 output: torch.Tensor, key: torch.Tensor | None = None,
@@ -257,7 +274,8 @@ class TritonAttentionImpl(AttentionImpl):
                 # read K and V, write them into the cache, read the slots
                 "vllm_anatomy.bytes": 4 * key.numel() * key.element_size() + 8 * num_tokens}
 
-    def _fused_cache_launch_attrs(self, qkv: torch.Tensor) -> dict:
+    def _fused_cache_launch_attrs(self, qkv: torch.Tensor, fused_with: str) -> dict:
+        """fused_with: the model's launch the write joined (fused_qk_norm_rope or rotary_embedding)."""
         from vllm_anatomy.kernels import fused_qk_norm_rope as fqk
         num_tokens = qkv.shape[0]
         kv_bytes = num_tokens * self.num_kv_heads * self.head_dim * qkv.element_size()
@@ -267,7 +285,7 @@ class TritonAttentionImpl(AttentionImpl):
                 "vllm_anatomy.num_tokens": num_tokens,
                 # the write reshape_and_cache does unfused: K and V into the cache at slot_mapping
                 "vllm_anatomy.kv_cache_update": "slot_mapping",
-                "vllm_anatomy.fuses": ["fused_qk_norm_rope", "reshape_and_cache"],
+                "vllm_anatomy.fuses": [fused_with, "reshape_and_cache"],
                 # q and k read and written back, v read, K and V written into the cache, the slots
                 "vllm_anatomy.bytes": 2 * q_bytes + 5 * kv_bytes + 8 * num_tokens}
 

@@ -35,6 +35,11 @@ from vllm_anatomy.compilation.qk_norm_rope_kvcache_fusion import (
     fused_qk_norm_rope_and_unified_kv_cache_update,
     takes_fused_kvcache_update,
 )
+from vllm_anatomy.compilation.rope_kvcache_fusion import (
+    fuse_rope_kvcache_enabled,
+    fused_rope_and_unified_kv_cache_update,
+    takes_fused_rope_kvcache_update,
+)
 from vllm_anatomy.distributed.communication_op import tensor_model_parallel_all_gather
 from vllm_anatomy.distributed.parallel_state import get_tensor_model_parallel_world_size
 from vllm_anatomy.distributed.utils import divide
@@ -99,6 +104,7 @@ class LlamaAttention(nn.Module):
         # (the performance seam below; vLLM's pass_config name)
         self.enable_qk_norm_rope_fusion = qk_norm and _qk_norm_rope_fusion_enabled()
         self.fuse_qk_norm_rope_kvcache = self.enable_qk_norm_rope_fusion and fuse_qk_norm_rope_kvcache_enabled()
+        self.fuse_rope_kvcache = not qk_norm and fuse_rope_kvcache_enabled()   # Llama: RoPE + KV write
         self.pdl = envs.VLLM_ANATOMY_PDL          # CUDA: PDL launches (kernels/pdl.py), read once
         self.attn = Attention(self.num_heads, self.head_dim, self.scaling, self.num_kv_heads,
                               attn_backend, prefix=f"{prefix}.attn")
@@ -110,6 +116,8 @@ class LlamaAttention(nn.Module):
         kv_cache_updated = False                  # (True: the fused kernel also wrote K/V into the cache)
         if self._use_fused_qk_norm_rope(qkv):     # CUDA, Qwen3: one kernel (see the NOTE there)
             q, k, v, kv_cache_updated = self._fused_qk_norm_rope(positions, qkv, kv_cache, attn_metadata)
+        elif self.fuse_rope_kvcache and takes_fused_rope_kvcache_update(self.attn, qkv, kv_cache, attn_metadata):
+            q, k, v, kv_cache_updated = self._fused_rope_kvcache(positions, qkv, kv_cache, attn_metadata)
         else:
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             if self.qk_norm:
@@ -161,6 +169,23 @@ class LlamaAttention(nn.Module):
         # always is: attention and the cache write read them strided, no copy.
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         return q, k, v, kv_cache_updated
+
+    # ---- performance seam: RoPE + the KV-cache write fused (CUDA only, no q/k norm) ----
+    # NOTE: with VLLM_ANATOMY_FUSE_ROPE_KVCACHE=1 (off by default; read when the model is built)
+    # a Llama step of at most 256 tokens rotates q and k in place on qkv and writes K/V into
+    # the cache in one launch, instead of rotary_embedding here and reshape_and_cache in the
+    # attention layer, which then skips its write: compilation/rope_kvcache_fusion.py says why
+    # that is exact.
+    def _fused_rope_kvcache(self, positions: torch.Tensor, qkv: torch.Tensor, kv_cache: torch.Tensor | None,
+                            attn_metadata: AttentionMetadata | None
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+        """(q, k, v, True): K/V are in the cache (takes_fused_rope_kvcache_update said this step may)."""
+        assert kv_cache is not None and attn_metadata is not None
+        fused_rope_and_unified_kv_cache_update(self.attn, qkv, positions, self.rotary_emb.cos_sin_cache,
+                                               self.rotary_emb.is_neox_style, kv_cache, attn_metadata)
+        # column views of qkv, as after fused_qk_norm_rope
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return q, k, v, True
 
 
 class LlamaDecoderLayer(nn.Module):
