@@ -20,6 +20,8 @@
 #   skinny   bench/skinny_gemm.py sweep -> paste its rows (paste_tuned_rows.py) -> the skinny
 #            GPU tests -> A/B of VLLM_ANATOMY_SKINNY_GEMM 0 vs tuned (AB_ROUNDS, default 2)
 #   fuse     the fused q/k-norm+RoPE+KV-write GPU tests, A/B of its switch 0 vs 1
+#   fuse_rope  Llama's RoPE + KV-write fusion: its GPU tests, A/B of VLLM_ANATOMY_FUSE_ROPE_KVCACHE 0 vs 1
+#            on the SmolLM2-135M shape
 #   pdl      the PDL GPU tests, bench/pdl_chain.py, bench/pdl_layers.py, A/B of VLLM_ANATOMY_PDL 0 vs 1
 #            with the committed rows
 #   pdltune  bench/skinny_gemm.py --pdl (the rows chosen in context, with PDL) -> paste its rows
@@ -71,6 +73,12 @@ for STAGE in "$@"; do
       tests/gpu/test_fused_qk_norm_rope_kvcache_engine.py 2>&1 | tee "$OUT/fuse_tests_$CARD.log" | tail -6
     ab fuse_kv --a-env VLLM_ANATOMY_FUSE_QK_NORM_ROPE_KVCACHE=0 --b-env VLLM_ANATOMY_FUSE_QK_NORM_ROPE_KVCACHE=1 \
       --a-label split --b-label fused ;;
+  fuse_rope)
+    timeout 300 python3 -m pytest -q -rs tests/kernel_tests/test_fused_rope_kvcache.py tests/gpu/test_fused_rope_kvcache_engine.py \
+      2>&1 | tee "$OUT/fuse_rope_tests_$CARD.log" | tail -6
+    python3 bench/throughput_ab.py --shape smollm2-135m --a-env VLLM_ANATOMY_FUSE_ROPE_KVCACHE=0 \
+      --b-env VLLM_ANATOMY_FUSE_ROPE_KVCACHE=1 --a-label split --b-label fused --rounds "${AB_ROUNDS:-2}" \
+      --model-dir /tmp/ab-model-smollm2 --out "$OUT/throughput_ab_fuse_rope_kv_$CARD.json" 2>&1 | quiet | tail -6 ;;
   pdl)
     timeout 300 python3 -m pytest -q -rs tests/kernel_tests/test_pdl.py tests/gpu/test_pdl_engine.py \
       tests/gpu/test_skinny_gemm_engine.py 2>&1 | tee "$OUT/pdl_tests_$CARD.log" | tail -6

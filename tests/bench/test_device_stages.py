@@ -19,12 +19,12 @@ def test_documented_stages_are_the_stages():
     text = open(SCRIPT).read()
     header = text[text.index("# Stages:"):text.index("set -uo pipefail")]
     documented = set()
-    for name in re.findall(r"^#   ([a-z][a-z0-9, ]*?)\s{2,}", header, re.M):
+    for name in re.findall(r"^#   ([a-z][a-z0-9_, ]*?)\s{2,}", header, re.M):
         documented |= {n.strip() for n in name.split(",")}
     labels = set()
-    for label in re.findall(r"^  ([a-z0-9|]+)\)$", text, re.M):
+    for label in re.findall(r"^  ([a-z0-9_|]+)\)$", text, re.M):
         labels |= set(label.split("|"))
-    assert documented == labels == {"skinny", "fuse", "pdl", "pdltune", "pdlx", "tracing", "breakdown", "ttft", "cold", "q0", "q1",
+    assert documented == labels == {"skinny", "fuse", "fuse_rope", "pdl", "pdltune", "pdlx", "tracing", "breakdown", "ttft", "cold", "q0", "q1",
                                      "vs", "vs2"}
 
 
