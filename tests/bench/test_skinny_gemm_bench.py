@@ -129,6 +129,7 @@ def test_skinny_gemm_tiny_in_context_end_to_end(tmp_path):
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "peers", "paste_tuned_rows.py"),
                            str(tmp_path / "skinny.json"), str(kernel)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and f"pasted {len(r['tuned_rows'])} rows" in proc.stdout, proc.stderr
+    assert "chosen in context, PDL off" in proc.stdout
     pasted = kernel.read_text()
     assert all(t["literal"] in pasted for t in r["tuned_rows"]) and "(4096, 1024, 16)" not in pasted
 
