@@ -2,6 +2,7 @@
 decode shapes of Qwen3-0.6B, and what the per-step total would be with either.
 
     python bench/skinny_gemm.py --out $OUT/skinny_gemm_h100.json [--budget-s 120] [--jobs 16] [--no-sweep]
+    python bench/skinny_gemm.py --in-context --out $OUT/skinny_gemm_incontext_h100.json [--budget-s 60]  # in context
     python bench/skinny_gemm.py --pdl --out $OUT/skinny_gemm_pdl_h100.json [--budget-s 60]  # in context, PDL
     python bench/skinny_gemm.py --tiny --out /tmp/skinny.json      # CPU smoke (Triton interpreter)
 
@@ -32,26 +33,39 @@ shape, what TUNED_CONFIGS plus the threshold could reach). Last, the best config
 the same run (kernel_bench.py's copy_ceiling and matmul_ceiling). About half a minute on an H100 (16 compile
 processes; bench/results/skinny_gemm_h100.json took 22 s, its 60 s sweep budget not reached).
 
---pdl: every GEMM, ours and cuBLAS, timed in context, as the engine runs it with VLLM_ANATOMY_PDL=1.
-Why: with PDL (vllm_anatomy/kernels/pdl.py) our kernel launches while the kernel before it still
-runs, prefetches its slice of W into L2 and lets the kernel after it launch early; cuBLAS takes
-no part (an ordinary launch: a full barrier on both sides, kernels/pdl.py NOTE (c)). Timed alone,
-back to back, neither has a PDL neighbour, so the table above undervalues ours wherever PDL is
-on and its TUNED_CONFIGS rows would send shapes to cuBLAS that our kernel wins in a PDL step.
+--in-context: every GEMM, ours and cuBLAS, timed in context, as the default engine runs it (no
+kernel launched with PDL), and the rows chosen from those times. Why: bench/pdl_layers.py timed a
+layer's kernel chain (norm -> qkv -> ... -> down, one CUDA graph) on an H100, PDL off: with the
+rows chosen here alone (VLLM_ANATOMY_SKINNY_GEMM=tuned) the chain was SLOWER than with every GEMM
+on cuBLAS at 16-64 tokens (bench/results/pdl_layers_h100.json: 31.6 vs 29.5 us per layer at M=16,
+31.3 vs 30.0 at 32, 32.6 vs 30.9 at 64), though faster at M=1 (28.06 vs 29.07). A GEMM timed
+alone follows a copy of itself; in a step it follows another kernel (a norm, attention, an
+activation), and a config that wins the first way may lose the second: rows chosen alone may be
+wrong in context, and this mode measures them the second way.
 How: inside the captured graph every GEMM launch is preceded by its producer, the engine's own
-rms_norm (kernels/rms_norm.py, launched with pdl=True whatever follows, as the engine's norms
-are) writing the GEMM's x [M, K] from a hot x_in [M, K]; ours is launched with pdl=True, cuBLAS
-as it is. The producer alone is timed the same way (a graph of as many norms) and subtracted,
-so "us" stays the GEMM's time per launch, comparable with the table without --pdl (each entry
-also keeps in_context_us and producer_us). NOTE: the producer is a stand-in for o_proj (x is
-attention's output, K = 2048) and down_proj (silu_and_mul's, K = 3072): an rms_norm over K of
-the same [M, K] size; for qkv_proj, gate_up_proj and the lm_head (K = hidden = 1024) it is the
-real one (without the residual add). W is cycled past L2 as above. Ours with and without PDL
-must be bit-equal (the wait, the trigger and the prefetch move no arithmetic): checked on one
-config per shape (pdl_bit_equal). The JSON says "pdl": true and its tuned_rows are those
-chosen in context. With --tiny (the interpreter) nothing can launch with PDL (pdl.py's use_pdl
-says no): the producer is still timed and subtracted, and the JSON and the printout say
-"pdl_effective": false.
+rms_norm (kernels/rms_norm.py) writing the GEMM's x [M, K] from a hot x_in [M, K]. The producer
+alone is timed the same way (a graph of as many norms) and subtracted, so "us" stays the GEMM's
+time per launch, comparable with the table without it (each entry also keeps in_context_us and
+producer_us). NOTE: the producer is a stand-in for o_proj (x is attention's output, K = 2048) and
+down_proj (silu_and_mul's, K = 3072): an rms_norm over K of the same [M, K] size; for qkv_proj,
+gate_up_proj and the lm_head (K = hidden = 1024) it is the real one (without the residual add).
+W is cycled past L2 as above. The JSON says "in_context": true, "pdl": false, names the producer
+and its times (producer, producer_us), and its tuned_rows are those chosen in context: the rows
+for the default engine (VLLM_ANATOMY_PDL off).
+
+--pdl: --in-context (implied) with PDL, as the engine runs it with VLLM_ANATOMY_PDL=1. Why: with
+PDL (vllm_anatomy/kernels/pdl.py) our kernel launches while the kernel before it still runs,
+prefetches its slice of W into L2 and lets the kernel after it launch early; cuBLAS takes no part
+(an ordinary launch: a full barrier on both sides, kernels/pdl.py NOTE (c)). Timed alone, back
+to back, neither has a PDL neighbour, so the table above undervalues ours wherever PDL is on.
+How: as --in-context, with the producer launched with pdl=True (as the engine's norms are,
+whatever follows) and ours with pdl=True; cuBLAS as it is. Ours with and without PDL must be
+bit-equal (the wait, the trigger and the prefetch move no arithmetic): checked on one config per
+shape (pdl_bit_equal). The JSON says "in_context": true, "pdl": true and its tuned_rows are those
+chosen in context with PDL: the rows for VLLM_ANATOMY_PDL=1. With --tiny (the interpreter)
+nothing can launch with PDL (pdl.py's use_pdl says no): the producer is still timed and
+subtracted, and the JSON and the printout say "pdl_effective": false. Without either flag the
+JSON says "in_context": false, "pdl": false (each GEMM alone).
 """
 from __future__ import annotations
 
@@ -92,18 +106,20 @@ COLD_BYTES = 160 * 2 ** 20             # W copies cycled per graph: more than an
 MAX_ERR = 0.05                         # outputs ~N(0, 1): bf16 rounding is <= 0.016 at |y| < 8
 REPEATS = 5                            # runs compared bit for bit
 SMEM_LIMIT = 227 * 1024                # Hopper's shared memory per block
-NORM_EPS = 1e-6                        # --pdl's producer (Qwen3's rms_norm_eps)
+NORM_EPS = 1e-6                        # the in-context producer's (Qwen3's rms_norm_eps)
 COMPILED: set[str] = set()             # variant keys compiled (or loaded) in this run
-PRODUCER_US: dict[tuple[int, int, int], float] = {}   # --pdl: (M, K, per graph) -> the producer alone, us
+PRODUCER_US: dict[tuple[int, int, int], float] = {}   # in context: (M, K, per graph) -> the producer alone, us
 
 
 class Setup:
-    """Shapes, dtype, device and timing of a run (the GPU's or the CPU smoke test's)."""
+    """Shapes, dtype, device and timing of a run (the GPU's or the CPU smoke test's), and its mode:
+    each GEMM alone (the default), in context (--in-context), or in context with PDL (--pdl)."""
 
-    pdl = False                # --pdl: GEMMs timed after their producer (Case.time_us)
-    pdl_effective = False      # ... and launched with PDL (use_pdl: a GPU of sm_90+, no interpreter)
+    in_context = False         # --in-context, --pdl: GEMMs timed after their producer (Case.time_us)
+    pdl = False                # --pdl: the producer and ours launched with pdl=True
+    pdl_effective = False      # ... and PDL really on (use_pdl: a GPU of sm_90+, no interpreter)
 
-    def __init__(self, tiny: bool, pdl: bool = False):
+    def __init__(self, tiny: bool, in_context: bool = False, pdl: bool = False):
         self.tiny = tiny
         if tiny:
             self.shapes, self.ms, self.dtype, self.device = TINY_SHAPES, TINY_MS, torch.float32, "cpu"
@@ -111,26 +127,36 @@ class Setup:
         else:
             self.shapes, self.ms, self.dtype, self.device = SHAPES, MS, torch.bfloat16, "cuda"
             self.num_sms = sg.num_sms_of(torch.device("cuda"))
+        self.in_context = in_context or pdl        # NOTE: PDL only exists between neighbours
         self.pdl = pdl
         self.pdl_effective = pdl and use_pdl(torch.empty(1, device=self.device), True)
 
-    def pdl_note(self) -> str:
-        """What --pdl did in this run, for the printout and the JSON."""
+    @property
+    def flag(self) -> str:
+        """The mode's flag, for the printout: "--pdl", "--in-context" or "" (each GEMM alone)."""
+        return "--pdl" if self.pdl else "--in-context" if self.in_context else ""
+
+    def context_note(self) -> str:
+        """What --in-context or --pdl did in this run, for the printout and the JSON."""
+        tiny = ("; --tiny: each time is a difference of two interpreter timings, mostly noise (it can be "
+                "negative)" if self.tiny else "")
+        if not self.pdl:
+            return ("each GEMM timed after its producer (rms_norm over K), nothing launched with PDL (the default "
+                    "engine, VLLM_ANATOMY_PDL off); the producer alone subtracted" + tiny)
         if self.pdl_effective:
             return ("each GEMM timed after its producer (rms_norm over K), both launched with PDL (cuBLAS "
                     "without: it cannot take part); the producer alone subtracted")
         return ("PDL NOT effective here (the Triton interpreter, the CPU or a GPU before sm_90: use_pdl says "
                 "no): each GEMM timed after its producer (rms_norm over K), the producer alone subtracted, "
-                "nothing launched with PDL" + ("; --tiny: each time is a difference of two interpreter timings, "
-                                                "mostly noise (it can be negative)" if self.tiny else ""))
+                "nothing launched with PDL" + tiny)
 
     def time_us(self, fn, per_graph: int) -> float:
         if self.tiny:
             fn()
             times = []
-            # NOTE: with --pdl the least of a few calls: a difference of two interpreter timings
+            # NOTE: in context the least of a few calls: a difference of two interpreter timings
             # (in context minus the producer) is otherwise mostly the CPU's noise.
-            for _ in range(REPEATS if self.pdl else 1):
+            for _ in range(REPEATS if self.in_context else 1):
                 t0 = time.perf_counter()
                 fn()
                 times.append((time.perf_counter() - t0) * 1e6)
@@ -304,8 +330,9 @@ def precompile(setup: Setup, work: list[tuple[tuple[int, int], int, SkinnyGemmCo
 
 
 class Case:
-    """x, cold copies of W, the fp32 reference and the tile counters of one (shape, M); with
-    --pdl also the producer of x (an rms_norm over K of a hot x_in, see the module docstring)."""
+    """x, cold copies of W, the fp32 reference and the tile counters of one (shape, M); in context
+    (--in-context, --pdl) also the producer of x (an rms_norm over K of a hot x_in, see the module
+    docstring)."""
 
     def __init__(self, setup: Setup, name: str, m: int, seed: int = 0):
         n, k = setup.shapes[name]
@@ -315,7 +342,7 @@ class Case:
         w = (torch.randn(n, k, generator=g, device=setup.device) / k ** 0.5).to(setup.dtype)
         copies = 1 if setup.tiny else max(1, -(-COLD_BYTES // w.nbytes))
         self.weights = [w] + [w.clone() for _ in range(copies - 1)]
-        if setup.pdl:
+        if setup.in_context:
             # NOTE: x is the producer's output, computed once here: rms_norm is deterministic,
             # so every x the graphs produce equals it bit for bit and the reference holds.
             self.x_in = self.x                                                          # [M, K]
@@ -327,9 +354,10 @@ class Case:
         self.flops = 2 * m * n * k
 
     def produce(self) -> torch.Tensor:
-        """--pdl's producer: a new x [M, K] = rms_norm(x_in), launched with PDL where it can be
-        (in the engine the norm is a PDL kernel whatever follows it)."""
-        out = rms_norm(self.x_in, self.norm_w, NORM_EPS, pdl=True)
+        """The in-context producer: a new x [M, K] = rms_norm(x_in); with --pdl launched with PDL
+        where it can be (in a PDL engine the norm is a PDL kernel whatever follows it), with
+        --in-context without (the default engine: no kernel launches with PDL)."""
+        out = rms_norm(self.x_in, self.norm_w, NORM_EPS, pdl=self.setup.pdl)
         assert isinstance(out, torch.Tensor)
         return out
 
@@ -351,16 +379,16 @@ class Case:
 
     def time_us(self, launch) -> tuple[float, dict]:
         """launch(x, w, counters) cycled over the copies of W, one graph of them all (10 at least):
-        (us per launch, {}). With --pdl each launch follows its producer, whose time alone is
+        (us per launch, {}). In context each launch follows its producer, whose time alone is
         subtracted: (us, {"in_context_us": producer and GEMM, "producer_us": producer alone})."""
         state = {"i": 0}
 
         def fn():
             i = state["i"] % len(self.weights)
             state["i"] += 1
-            launch(self.produce() if self.setup.pdl else self.x, self.weights[i], self.counters[i])
+            launch(self.produce() if self.setup.in_context else self.x, self.weights[i], self.counters[i])
         us = self.setup.time_us(fn, self.per_graph())
-        if not self.setup.pdl:
+        if not self.setup.in_context:
             return us, {}
         producer = self.producer_us()
         return us - producer, {"in_context_us": us, "producer_us": producer}
@@ -473,9 +501,9 @@ def sweep(setup: Setup, args, failed: dict, result: dict) -> dict[tuple[str, int
 
 def table(setup: Setup, best: dict[tuple[str, int], SkinnyGemmConfig],
           bit_equal: list[dict] | None = None) -> list[dict]:
-    """cuBLAS, our default and the bucket's best at every (shape, M). With --pdl also the
-    producer's time per row, and (into bit_equal) ours with and without PDL compared bit for
-    bit on one config per shape: the default at the shape's first M."""
+    """cuBLAS, our default and the bucket's best at every (shape, M). In context also the
+    producer's time per row; with --pdl (into bit_equal) ours with and without PDL compared bit
+    for bit on one config per shape: the default at the shape's first M."""
     rows = []
     for name in setup.shapes:
         for m in setup.ms:
@@ -483,10 +511,10 @@ def table(setup: Setup, best: dict[tuple[str, int], SkinnyGemmConfig],
             case = Case(setup, name, m, seed=1)
             row: dict[str, Any] = {"shape": name, "m": m, "n": n, "k": k, "cublas": case.cublas()}
             default = sg.pick_config(m, n, k, setup.dtype, setup.num_sms)
-            if setup.pdl:
+            if setup.in_context:
                 row["producer_us"] = case.producer_us()
-                if bit_equal is not None and m == setup.ms[0]:
-                    bit_equal.append(case.pdl_bit_equal(default))
+            if setup.pdl and bit_equal is not None and m == setup.ms[0]:
+                bit_equal.append(case.pdl_bit_equal(default))
             for label, cfg in (("default", default), ("best", best.get((name, sg.m_bucket(m))))):
                 if cfg is None:
                     continue
@@ -558,11 +586,11 @@ def tuned_rows(setup: Setup, sweep_rows: list[dict], table_rows: list[dict]) -> 
     return rows
 
 
-def print_table(rows: list[dict], steps: list[dict], tuned: list[dict], context: str = "") -> None:
-    """The table, the step totals and the TUNED_CONFIGS rows; context: what --pdl did (a line
-    before each part), empty without --pdl."""
-    if context:
-        print(f"\n--pdl: {context}")
+def print_table(setup: Setup, rows: list[dict], steps: list[dict], tuned: list[dict]) -> None:
+    """The table, the step totals and the TUNED_CONFIGS rows, each said to be of the run's mode;
+    in context, first what --in-context or --pdl did and the producer's times."""
+    if setup.in_context:
+        print(f"\n{setup.flag}: {setup.context_note()}")
         print("producer alone (subtracted from every time below), us per launch: " + ", ".join(
             f"K={k} M={m} x{p} {us:.2f}" for (m, k, p), us in sorted(PRODUCER_US.items(), key=lambda i: i[0][::-1])))
     print(f"\n{'shape':<13}{'M':>4} {'cuBLAS us':>9} {'ours dflt':>9} {'x':>6} {'ours best':>9} {'x':>6} "
@@ -586,7 +614,8 @@ def print_table(rows: list[dict], steps: list[dict], tuned: list[dict], context:
         print(f"{s['m']:>4} {f(s['cublas_us'])} {f(s['default_us'])} {f(s['best_us'])} {f(s['dispatch_us'])} "
               f"{f(s['dispatch_saving_us'], '8.1f')} {f(s['dispatch_speedup'], '6.3f')}")
     print("\nbest config per (shape, bucket), rows for TUNED_CONFIGS in vllm_anatomy/kernels/skinny_gemm.py"
-          + (" (in context, --pdl)" if context else ""))
+          + (f" (in context, {setup.flag}{'' if setup.pdl else ': PDL off, for the default engine'})"
+             if setup.in_context else " (each GEMM alone, PDL off)"))
     print("(None: cuBLAS was faster over the bucket's Ms, F.linear stays there):")
     for t in tuned:
         print(f"{t['literal']}  # {t['shape']}, best {t['config_name']}, M {t['ms_in_table']}: "
@@ -602,13 +631,18 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=None,
                     help="compile processes (default: up to 16 on a GPU, 1 with --tiny)")
     ap.add_argument("--no-sweep", action="store_true", help="cuBLAS vs the default table only")
+    ap.add_argument("--in-context", action="store_true",
+                    help="time every GEMM in context: after its producer (rms_norm over K, its time subtracted), "
+                         "nothing launched with PDL, as the default engine runs them; the rows are chosen so "
+                         "(see the docstring: bench/results/pdl_layers_h100.json found the rows chosen alone "
+                         "slower in a layer at 16-64 tokens)")
     ap.add_argument("--pdl", action="store_true",
-                    help="time every GEMM in context: after its producer (rms_norm over K, subtracted), ours "
-                         "launched with PDL (see the docstring); the rows are chosen so")
+                    help="as --in-context (implied), with the producer and ours launched with PDL, as the engine "
+                         "runs them with VLLM_ANATOMY_PDL=1; the rows are chosen so")
     args = ap.parse_args()
     if not args.tiny and not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU (or --tiny for the CPU smoke mode)")
-    setup = Setup(args.tiny, pdl=args.pdl)
+    setup = Setup(args.tiny, in_context=args.in_context, pdl=args.pdl)
     if args.jobs is None:
         args.jobs = 1 if args.tiny else min(16, os.cpu_count() or 1)
     start = time.monotonic()
@@ -622,25 +656,27 @@ def main() -> None:
         "torch": torch.__version__, "triton": __import__("triton").__version__, "tiny": args.tiny,
         "dtype": str(setup.dtype), "num_sms": setup.num_sms, "copy_ceiling": copy, "matmul_ceiling": matmul,
         "shapes": {k: list(v) for k, v in setup.shapes.items()}, "ms": setup.ms, "num_layers": NUM_LAYERS,
-        "cold_bytes": 0 if setup.tiny else COLD_BYTES, "compile_failed": failed, "sweep": [],
+        "cold_bytes": 0 if setup.tiny else COLD_BYTES, "compile_failed": failed,
+        "in_context": setup.in_context, "pdl": setup.pdl, "sweep": [],
     }
     bit_equal: list[dict] = []
+    if setup.in_context:
+        result.update(context_note=setup.context_note(),
+                      producer=f"rms_norm(x_in [M, K], weight [K], eps={NORM_EPS}, pdl={setup.pdl}) -> x [M, K]")
+        print(f"{setup.flag}: {setup.context_note()}")
     if setup.pdl:
-        result.update(pdl=True, pdl_effective=setup.pdl_effective, pdl_note=setup.pdl_note(),
-                      pdl_producer=f"rms_norm(x_in [M, K], weight [K], eps={NORM_EPS}, pdl=True) -> x [M, K]",
-                      pdl_bit_equal=bit_equal)
-        print(f"--pdl: {setup.pdl_note()}")
+        result.update(pdl_effective=setup.pdl_effective, pdl_bit_equal=bit_equal)
     best = {} if args.no_sweep else sweep(setup, args, failed, result)
     result["sweep_s"] = time.monotonic() - start
     result["table"] = table(setup, best, bit_equal)
     result["per_step"] = per_step(setup, result["table"])
-    if setup.pdl:
-        result["pdl_producer_us"] = [{"m": m, "k": k, "per_graph": p, "us": us}
-                                     for (m, k, p), us in sorted(PRODUCER_US.items())]
+    if setup.in_context:
+        result["producer_us"] = [{"m": m, "k": k, "per_graph": p, "us": us}
+                                 for (m, k, p), us in sorted(PRODUCER_US.items())]
     result["tuned_rows"] = tuned_rows(setup, result["sweep"], result["table"])
     result["wall_s"] = time.monotonic() - start
     write_json(result, args.out)
-    print_table(result["table"], result["per_step"], result["tuned_rows"], setup.pdl_note() if setup.pdl else "")
+    print_table(setup, result["table"], result["per_step"], result["tuned_rows"])
     if setup.pdl:
         print("ours with PDL vs without, bit for bit: " + ", ".join(
             f"{b['shape']} M={b['m']} {b['config_name']}: {'equal' if b['equal'] else 'DIFFERENT'}" for b in bit_equal))

@@ -34,7 +34,11 @@ def main() -> None:
         source = f.read()
     with open(path, "w") as f:
         f.write(paste(rows, source))
-    print(f"pasted {len(rows)} rows ({sum(r['wins'] for r in rows)} configs, the rest None) into {path}")
+    # NOTE: older JSONs have no "in_context" (each GEMM alone) and "pdl" only with --pdl (in context)
+    mode = ("in context, PDL on" if result.get("pdl") else "in context, PDL off" if result.get("in_context")
+            else "each GEMM alone")
+    print(f"pasted {len(rows)} rows ({sum(r['wins'] for r in rows)} configs, the rest None; chosen {mode}) "
+          f"into {path}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """bench/skinny_gemm.py on the CPU: its --tiny smoke mode end to end (Triton interpreter, two
-compile processes), with and without --pdl, and the GPU sweep's candidate lists and failure
-handling without a GPU; on a GPU (marked gpu), --pdl's table in context."""
+compile processes), each GEMM alone, --in-context and --pdl; what each mode launches inside a
+timed graph; the GPU sweep's candidate lists and failure handling without a GPU; on a GPU
+(marked gpu), --pdl's table in context."""
 from __future__ import annotations
 
 import json
@@ -41,8 +42,10 @@ def check_tuned_rows(r: dict, stdout: str) -> None:
 @pytest.mark.slow
 def test_skinny_gemm_tiny_end_to_end(tmp_path):
     r, stdout = run_bench(tmp_path, "--tiny", "--jobs", "2")
-    # without --pdl: nothing of it in the JSON or the printout (the output as before --pdl existed)
-    assert not {"pdl", "pdl_effective", "pdl_bit_equal"} & set(r) and "--pdl" not in stdout
+    # each GEMM alone: the mode said, nothing of --in-context or --pdl in the JSON or the printout
+    assert r["in_context"] is False and r["pdl"] is False and "(each GEMM alone, PDL off)" in stdout
+    assert not {"pdl_effective", "pdl_bit_equal", "producer", "producer_us", "context_note"} & set(r)
+    assert "--pdl" not in stdout and "--in-context" not in stdout
     assert not any("producer_us" in t or "producer_us" in t["cublas"] for t in r["table"])
     assert r["tiny"] and r["compile_failed"] == {} and r["copy_ceiling"]["bytes_per_s"] > 0
     shapes, ms = list(r["shapes"]), r["ms"]
@@ -76,24 +79,16 @@ def check_in_context(e: dict, producer_us: float) -> None:
     assert e["us"] == pytest.approx(e["in_context_us"] - e["producer_us"])
 
 
-@pytest.mark.slow
-def test_skinny_gemm_tiny_pdl_end_to_end(tmp_path):
-    """--pdl on the CPU: PDL cannot run in the interpreter, and the run says so rather than
-    pretend; every GEMM is still timed after its producer (rms_norm over K), whose time alone
-    is recorded and subtracted, and the rows are chosen from those times. (On the CPU the
+def check_in_context_run(r: dict, stdout: str) -> None:
+    """A --tiny run in context (--in-context or --pdl): the producer alone timed once per (M, K)
+    (and graph size: 10 launches with one W here) and subtracted from every GEMM of that size,
+    in the sweep and the table, cuBLAS too; the rows chosen from those times. (On the CPU the
     difference of two interpreter timings is mostly noise: no sign is asserted for cuBLAS.)"""
-    r, stdout = run_bench(tmp_path, "--tiny", "--pdl", "--jobs", "2")
-    assert r["pdl"] is True and r["pdl_effective"] is False and "NOT effective" in r["pdl_note"]
-    assert "rms_norm" in r["pdl_producer"] and "PDL NOT effective" in stdout and "(in context, --pdl)" in stdout
-    assert r["compile_failed"] == {}
+    assert r["in_context"] is True and "rms_norm" in r["producer"]
+    assert f"pdl={r['pdl']})" in r["producer"] and r["compile_failed"] == {}
     shapes, ms = list(r["shapes"]), r["ms"]
-    # ours with PDL vs without, one config per shape, bit for bit (trivially here: both without)
-    assert [(b["shape"], b["m"]) for b in r["pdl_bit_equal"]] == [(s, ms[0]) for s in shapes]
-    assert all(b["equal"] for b in r["pdl_bit_equal"]) and "DIFFERENT" not in stdout
-    # the producer alone: timed once per (M, K) (and graph size: 10 launches with one W here),
-    # subtracted from every GEMM of that size
-    assert all(p["per_graph"] == 10 for p in r["pdl_producer_us"])
-    producer = {(p["m"], p["k"]): p["us"] for p in r["pdl_producer_us"]}
+    assert all(p["per_graph"] == 10 for p in r["producer_us"])
+    producer = {(p["m"], p["k"]): p["us"] for p in r["producer_us"]}
     assert all(us > 0 and f"K={k} M={m} x10 {us:.2f}" in stdout for (m, k), us in producer.items())
     assert set(producer) == {(m, k) for m in ms for n, k in r["shapes"].values()}  # the sweep times at 5 and 20
     for s in r["sweep"]:
@@ -116,6 +111,105 @@ def test_skinny_gemm_tiny_pdl_end_to_end(tmp_path):
     check_tuned_rows(r, stdout)
 
 
+@pytest.mark.slow
+def test_skinny_gemm_tiny_in_context_end_to_end(tmp_path):
+    """--in-context on the CPU: every GEMM timed after its producer with PDL off everywhere (the
+    default engine's launches), the producer's time recorded and subtracted, the rows chosen
+    from those times and said to be; paste_tuned_rows.py takes them as they are."""
+    r, stdout = run_bench(tmp_path, "--tiny", "--in-context", "--jobs", "2")
+    assert r["in_context"] is True and r["pdl"] is False and r["producer"].endswith("pdl=False) -> x [M, K]")
+    assert not {"pdl_effective", "pdl_bit_equal"} & set(r) and "PDL" not in r["producer"]
+    assert "nothing launched with PDL (the default engine" in r["context_note"] and "--pdl" not in stdout
+    assert "--in-context: each GEMM timed after its producer" in stdout
+    assert "(in context, --in-context: PDL off, for the default engine)" in stdout
+    check_in_context_run(r, stdout)
+    # the device stage pastes these rows into TUNED_CONFIGS: the JSON as it is
+    kernel = tmp_path / "skinny_gemm.py"
+    kernel.write_text(open(os.path.join(ROOT, "vllm_anatomy", "kernels", "skinny_gemm.py")).read())
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "peers", "paste_tuned_rows.py"),
+                           str(tmp_path / "skinny.json"), str(kernel)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and f"pasted {len(r['tuned_rows'])} rows" in proc.stdout, proc.stderr
+    assert "chosen in context, PDL off" in proc.stdout
+    pasted = kernel.read_text()
+    assert all(t["literal"] in pasted for t in r["tuned_rows"]) and "(4096, 1024, 16)" not in pasted
+
+
+@pytest.mark.slow
+def test_skinny_gemm_tiny_pdl_end_to_end(tmp_path):
+    """--pdl on the CPU: in context as --in-context, the producer and ours asked for PDL; PDL
+    cannot run in the interpreter, and the run says so rather than pretend."""
+    r, stdout = run_bench(tmp_path, "--tiny", "--pdl", "--jobs", "2")
+    assert r["in_context"] is True and r["pdl"] is True and r["producer"].endswith("pdl=True) -> x [M, K]")
+    assert r["pdl_effective"] is False and "NOT effective" in r["context_note"]
+    assert "PDL NOT effective" in stdout and "(in context, --pdl)" in stdout and "--in-context" not in stdout
+    # ours with PDL vs without, one config per shape, bit for bit (trivially here: both without)
+    shapes, ms = list(r["shapes"]), r["ms"]
+    assert [(b["shape"], b["m"]) for b in r["pdl_bit_equal"]] == [(s, ms[0]) for s in shapes]
+    assert all(b["equal"] for b in r["pdl_bit_equal"]) and "DIFFERENT" not in stdout
+    check_in_context_run(r, stdout)
+
+
+LAUNCHES = r"""
+import json, sys
+sys.path.insert(0, 'bench')
+import skinny_gemm as b
+from vllm_anatomy.kernels import skinny_gemm as sg
+log, timed, last = [], [], {}             # every launch; those of each timed call; the producer's last x
+norm, gemm, linear = b.rms_norm, sg.skinny_gemm, b.F.linear
+def traced_norm(x, w, eps, residual=None, *, pdl=False):
+    last['x'] = norm(x, w, eps, residual, pdl=pdl)
+    log.append(('norm', pdl, None))
+    return last['x']
+def traced_gemm(x, w, bias=None, **kw):   # on the producer's output?
+    log.append(('ours', kw['pdl'], x is last['x'] if 'x' in last else None))
+    return gemm(x, w, bias, **kw)
+def traced_linear(x, w, bias=None):
+    log.append(('cublas', None, x is last['x'] if 'x' in last else None))
+    return linear(x, w, bias)
+b.rms_norm, sg.skinny_gemm, b.F.linear = traced_norm, traced_gemm, traced_linear
+out = {}
+for mode, kw in (('alone', {}), ('in_context', {'in_context': True}), ('pdl', {'pdl': True})):
+    s = b.Setup(True, **kw)
+    def timing(fn, per_graph, time_us=s.time_us):   # each call of a timed function: what it launched
+        def call():
+            start = len(log)
+            fn()
+            timed.append(log[start:])
+        return time_us(call, per_graph)
+    s.time_us = timing
+    last.clear()
+    b.PRODUCER_US.clear()                          # one mode a run: its producer times
+    case = b.Case(s, 'qkv_proj', 5)
+    del timed[:]
+    case.ours('dflt', sg.pick_config(5, 96, 64, s.dtype, s.num_sms))
+    case.cublas()
+    out[mode] = {'calls': list(timed), 'in_context': s.in_context, 'pdl': s.pdl}
+print(json.dumps(out))
+"""
+
+
+def test_in_context_launches_the_producer_before_every_gemm():
+    """What each mode launches in one timed graph's function: alone, the GEMM only; in context
+    (--in-context, --pdl), the producer, then the GEMM on the producer's output, for ours and for
+    cuBLAS alike, plus the producer alone (the time subtracted); PDL asked for by the producer
+    and ours only with --pdl (--in-context: pdl=False everywhere, the default engine's launches).
+    A run that silently dropped the producer, or launched anything with PDL under --in-context,
+    fails here. (A subprocess: the kernels must import interpreted.)"""
+    proc = subprocess.run([sys.executable, "-c", LAUNCHES], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert (r["alone"]["in_context"], r["alone"]["pdl"]) == (False, False)
+    assert (r["in_context"]["in_context"], r["in_context"]["pdl"]) == (True, False)
+    assert (r["pdl"]["in_context"], r["pdl"]["pdl"]) == (True, True)
+    alone = [[tuple(c) for c in call] for call in r["alone"]["calls"]]
+    assert alone == [[("ours", False, None)]] * 2 + [[("cublas", None, None)]] * 2   # warm-up + 1 timed each
+    for mode, pdl in (("in_context", False), ("pdl", True)):
+        calls = [[tuple(c) for c in call] for call in r[mode]["calls"]]
+        norm = ("norm", pdl, None)
+        # ours: a warm-up and REPEATS timed calls, then the producer alone (as many), then cuBLAS
+        want = ([[norm, ("ours", pdl, True)]] * 6 + [[norm]] * 6 + [[norm, ("cublas", None, True)]] * 6)
+        assert calls == want, (mode, calls)
 @pytest.mark.gpu
 @pytest.mark.slow
 def test_skinny_gemm_pdl_on_gpu(tmp_path):
