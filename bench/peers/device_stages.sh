@@ -29,6 +29,9 @@
 #            committed rows without PDL (a copy of the package from before the paste) against
 #            those rows with VLLM_ANATOMY_PDL=1, then PDL 0 vs 1 at SKINNY_GEMM=1. Its own call:
 #            the sweep and two A/Bs take most of the 10 minutes.
+#   incontext  bench/skinny_gemm.py --in-context (rows chosen after their producer, PDL off) -> paste
+#            its rows -> the skinny engine GPU tests -> A/B of the committed rows (a copy of the package
+#            before the paste) against them, both PDL off. Its own call.
 #   pdlx     A/B: PDL off (default) vs PDL on for every kernel but unified_attention (a patched copy)
 #   tracing  bench/tracing_overhead.py --gpu off,spans: .gpu/base's tree, then this one, two rounds
 #   breakdown  bench/gpu_breakdown.py --gc-log, ours only: kernel time by kind, idle gaps, what overlapped them
@@ -97,6 +100,18 @@ for STAGE in "$@"; do
       --a-label committed_rows_off --b-label pdl_rows_pdl
     ab pdl_skinny1 --a-env VLLM_ANATOMY_PDL=0 --a-env VLLM_ANATOMY_SKINNY_GEMM=1 \
       --b-env VLLM_ANATOMY_PDL=1 --b-env VLLM_ANATOMY_SKINNY_GEMM=1 --a-label off_skinny1 --b-label pdl_skinny1 ;;
+  incontext)
+    # NOTE: A keeps the committed rows (a copy of the package before the paste), B the rows chosen
+    # in context; both PDL off, as the default engine ships. If B's rows are committed, commit their
+    # JSON too and point tests/bench/test_paste_tuned_rows.py's RESULT at it.
+    rm -rf /tmp/a_tree && mkdir -p /tmp/a_tree && cp -r vllm_anatomy /tmp/a_tree/
+    python3 bench/skinny_gemm.py --in-context --budget-s 60 --out "$OUT/skinny_gemm_incontext_$CARD.json" 2>&1 \
+      | tee "$OUT/skinny_incontext_log_$CARD.txt" | tail -40
+    python3 bench/peers/paste_tuned_rows.py "$OUT/skinny_gemm_incontext_$CARD.json" \
+      && cp vllm_anatomy/kernels/skinny_gemm.py "$OUT/skinny_gemm_incontext_rows.py"
+    timeout 200 python3 -m pytest -q -rs tests/gpu/test_skinny_gemm_engine.py 2>&1 | tee "$OUT/skinny_incontext_tests_$CARD.log" | tail -4
+    ab incontext_tuned --a /tmp/a_tree --a-env VLLM_ANATOMY_PDL=0 --b-env VLLM_ANATOMY_PDL=0 \
+      --a-label committed_rows --b-label incontext_rows ;;
   pdlx)
     # NOTE: an experiment, not a switch: B is a copy of the package whose unified_attention launches
     # without PDL (every other kernel with it), against the default (PDL off).
