@@ -37,9 +37,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # Llama's (no q/k norm) RoPE and the step's K/V write into the paged cache in one launch
     # (vLLM's pass_config.fuse_rope_kvcache; compilation/rope_kvcache_fusion.py), for steps of at
     # most 256 tokens, read when the model is built. Off by default: bit-equal to the unfused pair
-    # in the interpreter, not yet timed on a GPU ("1" turns it on).
+    # in the interpreter, not yet timed on a GPU ("1" turns it on; other values are refused).
     "VLLM_ANATOMY_FUSE_ROPE_KVCACHE":
-        lambda: os.getenv("VLLM_ANATOMY_FUSE_ROPE_KVCACHE", "0") not in ("0", "false", "False"),
+        lambda: _switch("VLLM_ANATOMY_FUSE_ROPE_KVCACHE", os.getenv("VLLM_ANATOMY_FUSE_ROPE_KVCACHE", "0")) == "1",
     # Temperature-only batches sampled in one read of the logits on CUDA
     # (model_executor/sampler.py, vllm_anatomy/kernels/sampling.py), read when the sampler is imported.
     "VLLM_ANATOMY_FUSED_SAMPLING": lambda: os.getenv("VLLM_ANATOMY_FUSED_SAMPLING", "1") != "0",

@@ -169,6 +169,9 @@ def test_switch(monkeypatch):
         monkeypatch.setenv("VLLM_ANATOMY_FUSE_ROPE_KVCACHE", value)
         assert envs.VLLM_ANATOMY_FUSE_ROPE_KVCACHE is on, value
         assert LlamaAttention(CONFIG, TritonAttentionBackend, False, False, qk_norm=False).fuse_rope_kvcache is on
+    monkeypatch.setenv("VLLM_ANATOMY_FUSE_ROPE_KVCACHE", "on")     # a typo must not silently measure a side
+    with pytest.raises(ValueError, match="VLLM_ANATOMY_FUSE_ROPE_KVCACHE"):
+        envs.VLLM_ANATOMY_FUSE_ROPE_KVCACHE
     monkeypatch.setenv("VLLM_ANATOMY_FUSE_ROPE_KVCACHE", "1")
     assert not LlamaAttention(CONFIG, TritonAttentionBackend, False, False, qk_norm=True).fuse_rope_kvcache
     md, _ = one_prefill_metadata(4, RecordingKernelTimer())
