@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from dashboard import data
+from dashboard import data, spans
 from dashboard.answers import q1_allocation, q2_update_states, q3_block_table, q4_finish, q5_accounts
 from dashboard.answers.common import Answer, cannot
 from dashboard.answers.source import RunSource
@@ -15,6 +15,14 @@ def source(path: str, version: tuple) -> RunSource:
     scan, statuses = data.step_scan(path, version), data.queue_statuses(path, version)
     return RunSource(path, scan=scan if isinstance(scan, dict) else None,
                      statuses=statuses if isinstance(statuses, dict) else None)
+
+
+def readable_source(path: str, version: tuple) -> RunSource | data.RunError:
+    """source(), or the RunError of a run whose spans cannot be read.
+    NOTE: RunSource reads the spans directly and raises on a spans table it cannot read; the
+    request spans' loader says first, as a message, whether the file's spans can be read."""
+    reqs = spans.request_table(path, version)
+    return reqs if isinstance(reqs, data.RunError) else source(path, version)
 
 
 def _safe(fn, *args) -> Answer:

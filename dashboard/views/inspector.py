@@ -11,7 +11,7 @@ from __future__ import annotations
 import streamlit as st
 
 from dashboard import data, spans, state
-from dashboard.answers.cached import source
+from dashboard.answers.cached import readable_source
 from dashboard.components.block_pool import block_pool
 from dashboard.components.block_tables import block_tables
 from dashboard.components.budget import budget
@@ -60,13 +60,11 @@ def tensor_parallel(path: str, version: tuple, meta: dict, step_id: int) -> dict
     tensor-parallel; when its spans cannot be read, the message, and None (the step is still shown)."""
     if not meta.get("ranks"):
         return None
-    # NOTE: RunSource reads the spans directly and raises on a spans table it cannot read: the
-    # request spans' loader says first whether they can be read.
-    reqs = spans.request_table(path, version)
-    if isinstance(reqs, data.RunError):
-        state.show_error(reqs)
+    src = readable_source(path, version)
+    if isinstance(src, data.RunError):
+        state.show_error(src)
         return None
-    return tp_facts(source(path, version), step_id)
+    return tp_facts(src, step_id)
 
 
 def main() -> None:

@@ -9,8 +9,8 @@ import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
-from dashboard import data, spans, state
-from dashboard.answers.cached import source
+from dashboard import data, state
+from dashboard.answers.cached import readable_source
 from dashboard.components.code_ref import code_ref
 from dashboard.components.nav import open_view, point_data, selected_points
 from dashboard.components.tensor_parallel import article_line, tp_facts
@@ -167,13 +167,10 @@ def main() -> None:
         return
     path, info = cur
     version = data.file_version(path)
-    # NOTE: RunSource reads the spans directly (and raises on a spans table it cannot read): the
-    # request spans' loader says first, as a message, whether the file's spans can be read.
-    reqs = spans.request_table(path, version)
-    if isinstance(reqs, data.RunError):
-        state.show_error(reqs)
+    src = readable_source(path, version)
+    if isinstance(src, data.RunError):
+        state.show_error(src)
         return
-    src = source(path, version)
     steps = [s for s in info["steps"] if s in src.step_spans]
     if not steps:
         st.info("This run has no EngineCore.step span yet.")

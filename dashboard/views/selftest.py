@@ -10,9 +10,9 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from dashboard import data, spans, state
+from dashboard import data, state
 from dashboard.answers import QUESTIONS
-from dashboard.answers.cached import answer, source
+from dashboard.answers.cached import answer, readable_source
 from dashboard.components.code_ref import code_ref
 from dashboard.components.five_accounts import five_accounts
 from dashboard.components.nav import link, open_view
@@ -148,13 +148,10 @@ def main() -> None:
         return
     path, info = cur
     version = data.file_version(path)
-    # NOTE: RunSource reads the spans directly (and raises on a spans table it cannot read): the
-    # request spans' loader says first, as a message, whether the file's spans can be read.
-    reqs = spans.request_table(path, version)
-    if isinstance(reqs, data.RunError):
-        state.show_error(reqs)
+    src = readable_source(path, version)
+    if isinstance(src, data.RunError):
+        state.show_error(src)
         return
-    src = source(path, version)
     kinds = sorted(src.pids)
     single = set(kinds) <= {"frontend"} and len(src.pids.get("frontend", ())) <= 1
     procs = ("one process (the offline LLM: engine and worker called in-process)" if single else
