@@ -52,7 +52,20 @@ class HostStream:
 
 
 class HostDeviceTimer(device_timer.DeviceTimer):
-    """The DeviceTimer, enabled on a CPU (its events: HostClockEvent)."""
+    """The DeviceTimer, enabled on a CPU (its events: HostClockEvent).
+
+    NOTE: no wait dates an event here. On a GPU, a host that waited on the sync
+    point's event (>= ANCHOR_MIN_WAIT_S) arrived before the device got there, so
+    the wait's end is when the step's last event completed. A HostClockEvent
+    completed when it was recorded, and its synchronize() waits on nothing: any
+    time it seems to take is the host's own noise (a collection, the other thread
+    of a 2-core machine running first). Taken as a wait, that noise dated a step's
+    last event at the sync point, which with async scheduling is a whole step
+    later (seconds, in Triton's interpreter). Every step is placed from the anchor
+    calibrate() takes at start-up instead: on the host's clock, as the events are.
+    """
+
+    ANCHOR_MIN_WAIT_S = float("inf")
 
     def __init__(self, device: torch.device, recorder) -> None:
         super().__init__(device, recorder)
