@@ -27,13 +27,13 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # Qwen3's q/k norm + RoPE in one launch on CUDA (model_executor/models/llama.py),
     # read when the model is built.
     "VLLM_ANATOMY_ENABLE_QK_NORM_ROPE_FUSION":
-        lambda: os.getenv("VLLM_ANATOMY_ENABLE_QK_NORM_ROPE_FUSION", "1") not in ("0", "false", "False"),
+        lambda: _default_on("VLLM_ANATOMY_ENABLE_QK_NORM_ROPE_FUSION"),
     # ... and, on top of it, the step's K/V written into the paged cache by the same launch
     # (vLLM's pass_config.fuse_qk_norm_rope_kvcache; compilation/qk_norm_rope_kvcache_fusion.py),
     # for steps of at most 256 tokens, read when the model is built. On by default: +1.2-1.4 %
     # output tok/s on an H100 (bench/results/throughput_ab_fuse_kv_h100.json, two ABBA rounds).
     "VLLM_ANATOMY_FUSE_QK_NORM_ROPE_KVCACHE":
-        lambda: os.getenv("VLLM_ANATOMY_FUSE_QK_NORM_ROPE_KVCACHE", "1") not in ("0", "false", "False"),
+        lambda: _default_on("VLLM_ANATOMY_FUSE_QK_NORM_ROPE_KVCACHE"),
     # Llama's (no q/k norm) RoPE and the step's K/V write into the paged cache in one launch
     # (vLLM's pass_config.fuse_rope_kvcache; compilation/rope_kvcache_fusion.py), for steps of at
     # most 256 tokens, read when the model is built. Off by default: bit-equal to the unfused pair
@@ -42,7 +42,7 @@ environment_variables: dict[str, Callable[[], Any]] = {
         lambda: _switch("VLLM_ANATOMY_FUSE_ROPE_KVCACHE", os.getenv("VLLM_ANATOMY_FUSE_ROPE_KVCACHE", "0")) == "1",
     # Temperature-only batches sampled in one read of the logits on CUDA
     # (model_executor/sampler.py, vllm_anatomy/kernels/sampling.py), read when the sampler is imported.
-    "VLLM_ANATOMY_FUSED_SAMPLING": lambda: os.getenv("VLLM_ANATOMY_FUSED_SAMPLING", "1") != "0",
+    "VLLM_ANATOMY_FUSED_SAMPLING": lambda: _default_on("VLLM_ANATOMY_FUSED_SAMPLING"),
     # Ours: the Triton attention backend runs fresh prefills (no cached context) of at
     # least VLLM_ANATOMY_PREFILL_MIN_LEN tokens through the prefill kernel
     # (attention/backends/prefill_split.py), read when the backend is built.
@@ -60,10 +60,10 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # Ours: decode-only batches of unified_attention's 2D kernel run their sequences
     # longest context first (attention/backends/decode_order.py), read once when the
     # model runner is built. "0" keeps batch order (the A/B's baseline).
-    "VLLM_ANATOMY_DECODE_LPT": lambda: os.getenv("VLLM_ANATOMY_DECODE_LPT", "1") not in ("0", "false", "False"),
+    "VLLM_ANATOMY_DECODE_LPT": lambda: _default_on("VLLM_ANATOMY_DECODE_LPT"),
     # Linear layers on a CPU multiply with oneDNN on a weight prepacked once
     # (model_executor/layers/utils.py), read when a model is loaded.
-    "VLLM_ANATOMY_CPU_ONEDNN_GEMM": lambda: os.getenv("VLLM_ANATOMY_CPU_ONEDNN_GEMM", "1") != "0",
+    "VLLM_ANATOMY_CPU_ONEDNN_GEMM": lambda: _default_on("VLLM_ANATOMY_CPU_ONEDNN_GEMM"),
     # Linear layers and the lm_head on CUDA multiply through the split-K Triton kernel
     # (kernels/skinny_gemm.py) when a step has at most VLLM_ANATOMY_SKINNY_GEMM_MAX_M tokens,
     # through F.linear (cuBLAS) above it (model_executor/layers/utils.py), read when a model
@@ -112,6 +112,15 @@ def _switch(name: str, value: str, word: str | None = None, expected: str = "0 o
     if word is not None and value == word:
         return word
     raise ValueError(f"{name}={value!r}: expected {expected}")
+
+
+def _default_on(name: str) -> bool:
+    """A switch that is on unless set to an off value ("0", "false", "False"); unset or empty
+    keeps it on, as before these switches shared _switch.
+
+    NOTE: these five once read any value but their off words as on, so a typo in an A/B run
+    ("no", "off") silently measured the switch on against itself; now it is refused."""
+    return _switch(name, os.getenv(name) or "1") == "1"
 
 
 def _positive_int(name: str, value: str) -> int:
