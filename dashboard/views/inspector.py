@@ -121,7 +121,7 @@ def main() -> None:
             if tp is not None:
                 tp_panel(tp)
             lane = step_spans(path, version, info["meta"], step_id)
-            device_lane(lane, str(info["meta"].get("device")), step_id)
+            device_lane(lane, str(info["meta"].get("device")), step_id, info["meta"].get("device_name"))
             sampled(info["meta"], step_id, tokens, step["scheduler_output"], final_lengths(path, version))
             spec_decode(info["meta"], step, kv["block_size"], d["verified"], d.get("spec"), d.get("next_spec"))
             pi = mr.get("prepare_inputs")

@@ -4,6 +4,8 @@ a learner on a CPU machine reads it: what the pages say about it must hold for a
 Found by walking the dashboard in Chromium (1440x900) on the sample:
 - Processes, chain ①–⑪ of the run's last steps (nothing scheduled, no forward): ⑧ and ⑨ said
   "a CPU run", ⑦ and ⑩ "a plain call ... no span of its own", on an H100 run.
+- Step inspector, Worker tab: the kernel table said "compare with ... an H200's HBM3e: about 4,800 GB/s"
+  under an H100's run header.
 """
 import os
 
@@ -11,7 +13,7 @@ import pytest
 
 from dashboard import processes
 from dashboard.answers.source import RunSource
-from tests.dashboard.conftest import GPU_SAMPLE, ROOT
+from tests.dashboard.conftest import APP, GPU_SAMPLE, ROOT
 
 TP_SAMPLE = os.path.join(ROOT, "samples", "cpu-smollm2-tp3-full.sqlite")
 pytestmark = pytest.mark.skipif(not os.path.exists(GPU_SAMPLE), reason="samples/h100-smollm2-full.sqlite not shipped")
@@ -20,6 +22,26 @@ pytestmark = pytest.mark.skipif(not os.path.exists(GPU_SAMPLE), reason="samples/
 @pytest.fixture(scope="module")
 def gpu():
     return RunSource(GPU_SAMPLE)
+
+
+@pytest.fixture
+def sample_app(monkeypatch, tmp_path):
+    """AppTest of the dashboard on the shipped H100 sample (page, step, more of the URL)."""
+    from streamlit.testing.v1 import AppTest
+    monkeypatch.setenv("VLLM_ANATOMY_TRACE_DIR", str(tmp_path))
+    monkeypatch.setenv("VLLM_ANATOMY_SAMPLES_DIR", os.path.dirname(GPU_SAMPLE))
+
+    def make(page: str, step: int, **query):
+        at = AppTest.from_file(APP, default_timeout=120)
+        at.query_params.update({"run": os.path.basename(GPU_SAMPLE), "page": page, "step": str(step), **query})
+        at.run()
+        assert not at.exception, [e.value for e in at.exception]
+        return at
+    return make
+
+
+def _text(at) -> str:
+    return "\n".join([m.value for m in at.markdown] + [c.value for c in at.caption] + [i.value for i in at.info])
 
 
 def _rows(src: RunSource, step: int) -> dict[str, dict]:
@@ -45,3 +67,15 @@ def test_processes_chain_of_a_graph_replay_and_of_a_cpu_run(gpu):
         step = cpu.steps[len(cpu.steps) // 2]
         rows = _rows(cpu, step)
         assert "CPU run" in rows["⑧"]["process · thread"] and "CPU run" in rows["⑨"]["process · thread"]
+
+
+def test_kernel_table_compares_with_the_runs_own_gpu(gpu, sample_app):
+    from dashboard.components.device_lane import bandwidth_heading, peak_bandwidth
+    assert gpu.meta["device_name"] == "NVIDIA H100 80GB HBM3"
+    assert peak_bandwidth("NVIDIA H100 80GB HBM3")[0] == 3350 and peak_bandwidth("NVIDIA H200")[0] == 4800
+    assert peak_bandwidth("NVIDIA H100 PCIe")[0] == 2000 and peak_bandwidth("Some GPU") is None
+    assert "spec sheet" in bandwidth_heading("Some GPU") and "4,800" not in bandwidth_heading("Some GPU")
+    text = _text(sample_app("inspector", 28, tab="Worker (model runner)"))
+    assert "Kernel launches" in text
+    assert "H200" not in text and "4,800" not in text
+    assert "an H100 SXM's HBM3: about 3,350 GB/s" in text and "~3,350 GB/s" in text
