@@ -6,6 +6,9 @@ Found by walking the dashboard in Chromium (1440x900) on the sample:
   "a CPU run", ⑦ and ⑩ "a plain call ... no span of its own", on an H100 run.
 - Step inspector, Worker tab: the kernel table said "compare with ... an H200's HBM3e: about 4,800 GB/s"
   under an H100's run header.
+- Its Sampled tokens read "token 657 ''": an empty text where the text was unknown (the sample's
+  tokenizer path is the recording machine's, /tmp/vac/models/...). Now the id alone, and the text
+  from this machine's model cache when the same model is there (the default model is).
 """
 import os
 
@@ -79,3 +82,28 @@ def test_kernel_table_compares_with_the_runs_own_gpu(gpu, sample_app):
     assert "Kernel launches" in text
     assert "H200" not in text and "4,800" not in text
     assert "an H100 SXM's HBM3: about 3,350 GB/s" in text and "~3,350 GB/s" in text
+
+
+def _sampled_lines(at) -> list[str]:
+    return [m.value for m in at.markdown if "position" in m.value and "token <code>" in m.value]
+
+
+def test_sampled_tokens_never_show_an_unknown_text_as_empty(gpu, sample_app, monkeypatch, tmp_path):
+    from dashboard import data
+    assert not os.path.exists(os.path.join(gpu.meta["model"], "tokenizer.json"))   # recorded elsewhere
+    monkeypatch.setenv("VLLM_ANATOMY_CACHE", str(tmp_path / "empty-cache"))
+    assert data.decode(gpu.meta, [657]) is None
+    lines = _sampled_lines(sample_app("inspector", 28, tab="Worker (model runner)"))
+    assert len(lines) == 1 and "token <code>657</code>" in lines[0], lines
+    assert "<code>''</code>" not in lines[0], lines
+
+
+def test_sampled_tokens_read_the_local_model_cache(gpu, sample_app):
+    from dashboard import data
+    from vllm_anatomy.transformers_utils.default_model import model_dir
+    if not (model_dir() / "tokenizer.json").exists() or os.path.basename(gpu.meta["model"]) != model_dir().name:
+        pytest.skip("the default model is not in this machine's cache")
+    text = data.decode(gpu.meta, [657])
+    assert text, text
+    lines = _sampled_lines(sample_app("inspector", 28, tab="Worker (model runner)"))
+    assert f"<code>{text!r}</code>" in lines[0], lines
