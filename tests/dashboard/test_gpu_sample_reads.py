@@ -107,3 +107,19 @@ def test_sampled_tokens_read_the_local_model_cache(gpu, sample_app):
     assert text, text
     lines = _sampled_lines(sample_app("inspector", 28, tab="Worker (model runner)"))
     assert f"<code>{text!r}</code>" in lines[0], lines
+
+
+def test_q4_finish_under_async_scheduling_names_the_schedule_that_told_the_worker(gpu):
+    """Self-test Q4 on the sample said finished_req_ids was 'not seen in a recorded step' for request 0
+    (finished at step 10) while step 10's own SchedulerOutput lists it: with async scheduling the finish
+    is processed after step 9's schedule(), so the next schedule() is step 10's, not step 11's."""
+    from dashboard.answers import q4_finish
+    so10 = (gpu.snap(10) or {}).get("scheduler_output") or {}
+    assert "0" in [str(x) for x in so10["finished_req_ids"]]
+    a = q4_finish.answer(gpu, 10, "0")
+    assert a.ok and a.facts["told_step"] == 10 and a.facts["told_next_step"]
+    row = next(r for r in a.chain if r["#"] == "4")
+    assert row["what happened here"].startswith("step 10:"), row
+    assert "step 10's `SchedulerOutput.finished_req_ids` told the worker" in a.summary
+    note = " ".join(a.notes)
+    assert "last token came from step 8" in note and "after step 9's schedule()" in note, note
