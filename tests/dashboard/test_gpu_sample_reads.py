@@ -123,3 +123,28 @@ def test_q4_finish_under_async_scheduling_names_the_schedule_that_told_the_worke
     assert "step 10's `SchedulerOutput.finished_req_ids` told the worker" in a.summary
     note = " ".join(a.notes)
     assert "last token came from step 8" in note and "after step 9's schedule()" in note, note
+
+
+def test_run_source_fails_with_the_pages_message_when_spans_cannot_be_read(tmp_path):
+    """RunSource raised SQLite's own error from whichever answer first read spans; the pages had to ask
+    spans.request_table first (readable_source). Now it fails when built, with a message, and the
+    cached source is the RunError the pages show (test_shell's unreadable-spans tests: every page)."""
+    import shutil
+    import sqlite3
+
+    from dashboard import data
+    from dashboard.answers import cached
+    from dashboard.answers.source import RunSourceError
+    path = str(tmp_path / "run-nospans.sqlite")
+    shutil.copyfile(GPU_SAMPLE, path)
+    conn = sqlite3.connect(path)
+    conn.execute("DROP TABLE spans")
+    conn.commit()
+    conn.close()
+    with pytest.raises(RunSourceError, match="cannot read request spans .*no such table: spans"):
+        RunSource(path)
+    version = data.file_version(path)
+    src = cached.source(path, version)
+    assert isinstance(src, data.RunError) and "no such table: spans" in src.message
+    a = cached.answer(path, version, "q1")
+    assert not a.ok and "cannot read request spans" in a.why_not
