@@ -148,3 +148,13 @@ def test_run_source_fails_with_the_pages_message_when_spans_cannot_be_read(tmp_p
     assert isinstance(src, data.RunError) and "no such table: spans" in src.message
     a = cached.answer(path, version, "q1")
     assert not a.ok and "cannot read request spans" in a.why_not
+
+
+def test_queue_chips_explain_computed_tokens_ahead_of_the_tokens(gpu, sample_app):
+    """Async scheduling: step 3's chips read 'req 0 · 36/35 tok' (computed past the request's own
+    tokens) with nothing saying why; the tokens in flight are now shown (36/35+2) and explained."""
+    r0 = next(r for r in gpu.snap(3)["scheduler"]["running"] if str(r["request_id"]) == "0")
+    assert (r0["num_computed_tokens"], r0["num_tokens"], r0["num_output_placeholders"]) == (36, 35, 2)
+    text = _text(sample_app("inspector", 3))
+    assert "req 0 · 36/35+2 tok" in text and "36/35 tok" not in text
+    assert "output placeholders" in text
