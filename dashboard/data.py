@@ -385,17 +385,32 @@ def _token_index(scan: dict, runner: list[tuple]) -> dict:
     return {"tokens": tokens, "sampled": sampled}
 
 
+def tokenizer_path(model_dir: str) -> str | None:
+    """The run's tokenizer.json: next to the weights it was recorded with, else (a run recorded on
+    another machine, as the shipped samples are: their model path is the recording machine's) in this
+    machine's model cache under the same model name (`vllm-anatomy download`'s directory); None if neither."""
+    from vllm_anatomy.transformers_utils.default_model import get_cache_dir
+    name = os.path.basename((model_dir or "").rstrip("/"))
+    here = [os.path.join(model_dir or "", "tokenizer.json")]
+    if name:
+        here.append(os.path.join(str(get_cache_dir()), "models", name, "tokenizer.json"))
+    return next((p for p in here if os.path.isfile(p)), None)
+
+
 @st.cache_resource(show_spinner=False)
-def tokenizer_for(model_dir: str):
-    """The run's tokenizer (tokenizer.json next to the weights), or None."""
-    path = os.path.join(model_dir or "", "tokenizer.json")
-    if not os.path.isfile(path):
-        return None
+def _load_tokenizer(path: str):
     from tokenizers import Tokenizer
     return Tokenizer.from_file(path)
 
 
+def tokenizer_for(model_dir: str):
+    """The run's tokenizer (tokenizer_path), or None."""
+    path = tokenizer_path(model_dir)
+    return _load_tokenizer(path) if path is not None else None
+
+
 def decode(meta: dict, ids: list[int]) -> str | None:
+    """The text of token ids, or None where the run's tokenizer is not on this machine."""
     tok = tokenizer_for(meta.get("model", ""))
     return tok.decode(ids, skip_special_tokens=False) if tok is not None else None
 

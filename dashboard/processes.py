@@ -182,9 +182,13 @@ def step_view(src: RunSource, step: int) -> dict:
     from vllm_anatomy.tracing.reader import open_run
     lay = layout(src)
     root = src.step_spans.get(step)
+    so = (src.snap(step) or {}).get("scheduler_output") or {}
+    # NOTE: a step that schedules no token runs no forward (⑦–⑩ have no span because nothing ran,
+    # not because of the device); the run's device says whether a missing kernel span means a CPU run.
+    facts = {"device": str(src.meta.get("device") or ""), "forward": bool(so.get("total_num_scheduled_tokens", 1))}
     if root is None:
-        return {"layout": lay, "spans": [], "hops": [], "t0": 0, "t1": 0}
-    so_new = ((src.snap(step) or {}).get("scheduler_output") or {}).get("scheduled_new_reqs", [])
+        return {"layout": lay, "spans": [], "hops": [], "t0": 0, "t1": 0, **facts}
+    so_new = so.get("scheduled_new_reqs", [])
     admitted = [str(r["req_id"]) for r in so_new]
     t0, t1 = root.start_ns, root.end_ns
     with open_run(src.path) as run:
@@ -209,7 +213,7 @@ def step_view(src: RunSource, step: int) -> dict:
     output_hops, output_spans, t1 = _output_hops(src, step, near, in_step, lay, t1)
     hops += output_hops
     drawn, t0, t1 = _drawn(in_step + extra + output_spans + https, lay, t0, t1)
-    return {"layout": lay, "spans": drawn, "hops": hops, "t0": t0, "t1": t1, "admitted": admitted}
+    return {"layout": lay, "spans": drawn, "hops": hops, "t0": t0, "t1": t1, "admitted": admitted, **facts}
 
 
 def _owns(rid, admitted: list[str]) -> bool:
@@ -335,13 +339,21 @@ def forward_mode(view: dict) -> str | None:
     return None
 
 
+NO_FORWARD = "no forward this step: nothing was scheduled (total_num_scheduled_tokens 0)"
+
+
+def _on_cuda(view: dict) -> bool:
+    return view.get("device", "").startswith("cuda") or any(s["lane"].startswith(f"{DEVICE}:") for s in view["spans"])
+
+
 def _no_kernel_why(view: dict) -> str:
     """Why a step has no attention-kernel span (⑧) on this run."""
     mode = forward_mode(view)
-    on_cuda = any(s["lane"].startswith(f"{DEVICE}:") for s in view["spans"])
+    if not view.get("forward", True):
+        return NO_FORWARD
     if mode == "FULL":
         return "inside this step's CUDA graph replay (⑨): a replay records no span per kernel"
-    if on_cuda:
+    if _on_cuda(view):
         return "no kernel span recorded for this step (kernel spans need trace level full)"
     return "a CPU run: attention is torch code on the CPU, no CUDA kernel launch"
 
@@ -361,16 +373,18 @@ def chain_rows(view: dict, step: int) -> list[dict]:
                          "process · thread": "; ".join(where), "ms (sum)": round(total, 3)})
         else:
             why = ("not in this step (no request arrived here)" if marker in ("①", "②", "③") else
+                   NO_FORWARD if marker in ("⑦", "⑧", "⑨", "⑩") and not view.get("forward", True) else
                    _no_kernel_why(view) if marker in ("⑧", "⑨") else
                    "a plain call in one process: no span of its own" if view["layout"]["single"] else "not recorded")
             if marker == "①" and not any(s["name"].startswith("POST ") for s in view["spans"]):
                 why = "not in this step/run (no HTTP server: requests came through LLM / AsyncLLM)" \
                     if not view.get("admitted") else "not in this run (no HTTP server: LLM / AsyncLLM)"
-            if marker == "⑨":
+            if marker == "⑨" and view.get("forward", True):
                 mode = forward_mode(view) if any(s["name"] == "GPU.model_forward" for s in view["spans"]) else None
                 why = ("piecewise CUDA graphs this step (not a pure decode batch: attention runs eager between the "
                        "graph pieces)" if mode == "PIECEWISE" else "eager forward this step (no CUDA graph replay)"
-                       if mode is not None else "a CPU run: no CUDA graphs")
+                       if mode is not None else "no CUDA-graph mode recorded for this step" if _on_cuda(view)
+                       else "a CPU run: no CUDA graphs")
             rows.append({"#": marker, "the article": what, "this run's spans": "—", "process · thread": why,
                          "ms (sum)": "—"})
     return rows

@@ -4,25 +4,21 @@ from __future__ import annotations
 
 import streamlit as st
 
-from dashboard import data, spans
+from dashboard import data
 from dashboard.answers import q1_allocation, q2_update_states, q3_block_table, q4_finish, q5_accounts
 from dashboard.answers.common import Answer, cannot
-from dashboard.answers.source import RunSource
+from dashboard.answers.source import RunSource, RunSourceError
 
 
 @st.cache_resource(max_entries=4, ttl=3600, show_spinner=False)
-def source(path: str, version: tuple) -> RunSource:
+def source(path: str, version: tuple) -> RunSource | data.RunError:
+    """The run's RunSource, or the RunError (shown by state.show_error) of a run whose spans cannot be read."""
     scan, statuses = data.step_scan(path, version), data.queue_statuses(path, version)
-    return RunSource(path, scan=scan if isinstance(scan, dict) else None,
-                     statuses=statuses if isinstance(statuses, dict) else None)
-
-
-def readable_source(path: str, version: tuple) -> RunSource | data.RunError:
-    """source(), or the RunError of a run whose spans cannot be read.
-    NOTE: RunSource reads the spans directly and raises on a spans table it cannot read; the
-    request spans' loader says first, as a message, whether the file's spans can be read."""
-    reqs = spans.request_table(path, version)
-    return reqs if isinstance(reqs, data.RunError) else source(path, version)
+    try:
+        return RunSource(path, scan=scan if isinstance(scan, dict) else None,
+                         statuses=statuses if isinstance(statuses, dict) else None)
+    except RunSourceError as e:
+        return data.RunError(str(e))
 
 
 def _safe(fn, *args) -> Answer:
@@ -35,6 +31,8 @@ def _safe(fn, *args) -> Answer:
 @st.cache_data(max_entries=64, show_spinner=False)
 def answer(path: str, version: tuple, key: str, step: int | None = None, request: str | None = None) -> Answer:
     src = source(path, version)
+    if isinstance(src, data.RunError):
+        return cannot(src.message)
     if key == "q1":
         return _safe(q1_allocation.answer, src, step, request)
     if key == "q2":

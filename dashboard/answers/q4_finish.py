@@ -153,8 +153,14 @@ def answer(src: RunSource, step: int | None = None, req: str | None = None) -> A
         return cannot(f"Request {req} left the queues at step {step}, but no free event of its blocks was "
                       "recorded (block-pool events are kept at trace level full only).")
     nxt = src.next_step(step)
-    so_next = (src.snap(nxt) or {}).get("scheduler_output", {}) if nxt is not None else {}
-    told = req in [str(x) for x in so_next.get("finished_req_ids", [])]
+    # NOTE: the first schedule() after the finish lists it in finished_req_ids. Without async scheduling
+    # that is the next step's (the finish happened in this step's update_from_output, after its
+    # schedule()); with it, this step's own: step N's update_from_output (of step N-1's tokens) runs after
+    # step N's snapshot, so the request is first missing from step N+1's queues, whose schedule() says so.
+    told_step = next((s for s in (step, nxt) if s is not None and req in
+                      [str(x) for x in ((src.snap(s) or {}).get("scheduler_output") or {}).get("finished_req_ids", [])]),
+                     None)
+    told = told_step is not None
     reason = _reason(src, req)
     fstep = f["fstep"]
     reuse_rows = [{"block": b, "step": r["step"], "by request": r["by"], "how": r["how"]}
@@ -162,7 +168,7 @@ def answer(src: RunSource, step: int | None = None, req: str | None = None) -> A
     first_reuse = min((r["step"] for r in f["reused"].values()), default=None)
     summary = (f"Request **{req}** finished in **step {step}** ({reason or 'reason not recorded'}): "
                f"`Scheduler.update_from_output` took it out of `running` and returned its last output; "
-               + (f"step {nxt}'s `SchedulerOutput.finished_req_ids` told the worker. " if told else "")
+               + (f"step {told_step}'s `SchedulerOutput.finished_req_ids` told the worker. " if told else "")
                + f"`KVCacheManager.free` handed `BlockPool.free_blocks` its blocks in reverse order "
                f"{ids(f['event']['block_ids'])}: "
                + (f"**{ids(f['freed'])}** reached ref_cnt 0 and joined the free queue" if f["freed"] else "none reached 0")
@@ -178,17 +184,17 @@ def answer(src: RunSource, step: int | None = None, req: str | None = None) -> A
                 f"blocks {ids(f['held'] or list(reversed(f['event']['block_ids'])))} handed back, tail first"},
                {"#": "3", "call": "BlockPool.free_blocks", "what happened here":
                 f"ref_cnt −1 each; {ids(f['freed'])} to the free queue, {ids(f['shared']) if f['shared'] else 'none'} kept"},
-               {"#": "4", "call": "SchedulerOutput.finished_req_ids (next step)", "what happened here":
-                (f"step {nxt}: the worker drops its CachedRequestState and row" if told else
+               {"#": "4", "call": "SchedulerOutput.finished_req_ids (the next schedule())", "what happened here":
+                (f"step {told_step}: the worker drops its CachedRequestState and row" if told else
                  "not seen in a recorded step")}],
         tables={"KVCacheManager.free, block by block": f["rows"], "later use of the freed blocks": reuse_rows},
-        notes=_notes(src, f, step), show_me=_show_me(step, req, first_reuse, reuse_rows),
+        notes=_notes(src, f, step, req), show_me=_show_me(step, req, first_reuse, reuse_rows),
         facts={"step": step, "request": req, "free_step": fstep, "freed_order": list(f["event"]["block_ids"]),
                "freed": f["freed"], "shared": f["shared"], "reused": {b: r["step"] for b, r in f["reused"].items()},
-               "told_next_step": told, "finishes": done})
+               "told_next_step": told, "told_step": told_step, "finishes": done})
 
 
-def _notes(src: RunSource, f: dict, step: int) -> list[str]:
+def _notes(src: RunSource, f: dict, step: int, req: str) -> list[str]:
     notes = []
     if "call" not in f["event"]:
         notes.append("This run's free event does not carry ref_cnt and queue ends (recorded before that was added): "
@@ -196,8 +202,15 @@ def _notes(src: RunSource, f: dict, step: int) -> list[str]:
     if not f["replay_ok"]:
         notes.append(f"The replay disagrees with the run ({f['replay_problem']}).")
     if src.async_scheduling:
-        notes.append("Async scheduling: a step's snapshot is taken after schedule(), so the free made by step "
-                     f"{step}'s update_from_output is listed with step {f['fstep']}'s events.")
+        last = max((s for s in src.steps if s < step and any(str(x["request_id"]) == req for x in
+                                                             src.record(s).get("scheduled", []))), default=None)
+        after = src.next_step(last) if last is not None else None
+        if last is not None and after is not None:
+            notes.append(f"Async scheduling: request {req}'s last token came from step {last}; step {last}'s "
+                         f"update_from_output, which saw it finish and freed its blocks, ran after step {after}'s "
+                         f"schedule() (step N+1 is scheduled before step N's output is processed, and each snapshot is "
+                         f"taken right after schedule()): so it leaves the queues in step {step}'s snapshot, and its "
+                         f"free is listed with step {f['fstep']}'s events.")
     return notes
 
 

@@ -1,6 +1,8 @@
 """What the self-test answers read: one run store, through tracing/reader.py.
 
-`RunSource(path)` opens nothing until asked; every read goes through `open_run`
+`RunSource(path)` reads the run's meta, steps and request spans, and fails there, with
+RunSourceError (its message is what the pages show), when the run store's spans cannot be
+read; everything else is read when asked. Every read goes through `open_run`
 (read-only) and is kept for the life of the object (the page keeps one per run
 version in st.cache_resource). The dashboard may hand it the tables it has
 already built (data.step_scan, data.queue_statuses); without them it builds the
@@ -11,9 +13,10 @@ from __future__ import annotations
 import functools
 import math
 import os
+import sqlite3
 from typing import Any
 
-from vllm_anatomy.tracing.reader import open_run
+from vllm_anatomy.tracing.reader import TraceStoreError, open_run
 
 # Where an event came from, by kind (BlockPool methods; v0.27.1 names).
 EVENT_METHOD = {"hit": "BlockPool.touch", "evict": "BlockPool._maybe_evict_cached_block",
@@ -32,12 +35,25 @@ def worker_ranks(meta: dict) -> dict[int, int]:
     return {int(r["pid"]): int(r["rank"]) for r in meta.get("ranks") or [] if "pid" in r and "rank" in r}
 
 
+class RunSourceError(TraceStoreError):
+    """A run store whose spans cannot be read (a damaged page, a dropped table): the message names the
+    file and SQLite's reason, as spans.request_table's RunError does."""
+
+
 class RunSource:
     def __init__(self, path: str, scan: dict | None = None, statuses: dict | None = None) -> None:
         self.path = path
         with open_run(path) as run:
             self.meta = run.meta
             self.steps: list[int] = run.steps()
+            # NOTE: every answer reads spans: an unreadable spans table fails here, once, with a message,
+            # not later as an SQLite error from whichever answer reads them first.
+            try:
+                reqs = run.requests()
+            except (TraceStoreError, sqlite3.Error, OSError) as e:
+                raise RunSourceError(f"{path}: cannot read request spans ({e})") from e
+        self.requests: dict[str, Any] = {str(s.request_id or s.attributes.get("vllm_anatomy.request_id")): s
+                                         for s in reqs}
         self._scan = scan if isinstance(scan, dict) else None
         self._statuses = statuses if isinstance(statuses, dict) else None
         cfg = self.meta.get("config") or {}
@@ -117,11 +133,6 @@ class RunSource:
             return []
         with open_run(self.path) as run:
             return run.spans(where="trace_id = ?", args=(root.trace_id,))
-
-    @functools.cached_property
-    def requests(self) -> dict[str, Any]:
-        with open_run(self.path) as run:
-            return {str(s.request_id or s.attributes.get("vllm_anatomy.request_id")): s for s in run.requests()}
 
     @functools.lru_cache(maxsize=8)
     def spans(self, name: str) -> list:

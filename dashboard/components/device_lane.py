@@ -150,21 +150,46 @@ def kernel_summary(launches: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-PEAK_GBPS = 4800.0       # an H200's HBM3e
+# Spec-sheet memory bandwidth (GB/s) by the name the run recorded (meta device_name,
+# torch.cuda.get_device_name), first match wins: "NVIDIA H100 80GB HBM3" is an H100 SXM.
+PEAK_GBPS_BY_NAME = [("H200", 4800.0, "an H200's HBM3e"), ("H100 PCIe", 2000.0, "an H100 PCIe's HBM2e"),
+                     ("H100 NVL", 3900.0, "an H100 NVL's HBM3"), ("H100", 3350.0, "an H100 SXM's HBM3"),
+                     ("A100-SXM4-80GB", 2039.0, "an A100 80GB's HBM2e"), ("A100 80GB", 1935.0, "an A100 80GB PCIe's HBM2e"),
+                     ("A100", 1555.0, "an A100 40GB's HBM2")]
+PEAK_GBPS = 4800.0       # where the GPU is not one of those: the largest, so the note below stays conservative
 LAUNCH_BOUND = 0.05      # below 5 % of it, the kernels' bandwidth says little about the memory
 
 
-def launch_bound_note(launches: pd.DataFrame) -> str | None:
+def peak_bandwidth(device_name: str | None) -> tuple[float, str] | None:
+    """(GB/s, which memory) of the run's GPU from its recorded name; None for a GPU not listed."""
+    for key, gbps, what in PEAK_GBPS_BY_NAME:
+        if key in (device_name or ""):
+            return gbps, what
+    return None
+
+
+def bandwidth_heading(device_name: str | None) -> str:
+    """The kernel table's heading, naming the run's own GPU's bandwidth (not another card's)."""
+    peak = peak_bandwidth(device_name)
+    ref = (f"the GPU's memory bandwidth ({peak[1]}: about {peak[0]:,.0f} GB/s)" if peak is not None else
+           f"the GPU's memory bandwidth ({device_name or 'this GPU'}: see its spec sheet)")
+    return f"**Kernel launches** (this step) · achieved GB/s = bytes moved / duration — compare with {ref}"
+
+
+def launch_bound_note(launches: pd.DataFrame, device_name: str | None = None) -> str | None:
     """The caveat for tiny kernels: at a few KB to a few MB per launch, a kernel's time is mostly its
     fixed launch and scheduling cost, so bytes / time is far below the memory's bandwidth."""
     rates = [r for r in launches.get("GB/s", []) if r is not None and pd.notna(r)]
-    if not rates or max(rates) >= LAUNCH_BOUND * PEAK_GBPS:
+    peak = peak_bandwidth(device_name)
+    gbps = peak[0] if peak is not None else PEAK_GBPS
+    if not rates or max(rates) >= LAUNCH_BOUND * gbps:
         return None
     mb_per = launches["bytes"].dropna()
     size = (f"{mb_per.median() / 1e6:.2f} MB per launch (median)" if not mb_per.empty else "little data per launch")
     return (f"Launch-bound, not bandwidth-bound: this small model's kernels move {size}, so each launch's fixed cost "
             f"(a few µs to start a grid and drain it) dominates its time, and the achieved rate ({min(rates):.1f}–"
-            f"{max(rates):.1f} GB/s here) says nothing about the GPU's ~{PEAK_GBPS:,.0f} GB/s. Large models and "
+            f"{max(rates):.1f} GB/s here) says nothing about the GPU's "
+            f"{f'~{gbps:,.0f} GB/s' if peak is not None else 'memory bandwidth'}. Large models and "
             f"batches move MBs to GBs per kernel and approach it; `bench/kernel_bench.py` measures the same kernels at "
             f"those sizes. CUDA graphs exist for this: one replay pays the launch cost once for the whole forward.")
 
@@ -191,8 +216,9 @@ def step_figure(dev: pd.DataFrame) -> go.Figure:
     return fig
 
 
-def device_lane(step_spans: pd.DataFrame | None, device: str, step_id: int) -> None:
-    """The Worker tab's device panel for one step (step_spans: that step's span_table rows)."""
+def device_lane(step_spans: pd.DataFrame | None, device: str, step_id: int, device_name: str | None = None) -> None:
+    """The Worker tab's device panel for one step (step_spans: that step's span_table rows; device_name:
+    the run's GPU as recorded, for its memory bandwidth)."""
     dev = None if step_spans is None or step_spans.empty else step_spans[step_spans["lane"] == "device"]
     if dev is None or dev.empty:
         st.markdown("**Device lane** · no device span recorded for this step")
@@ -247,9 +273,8 @@ def device_lane(step_spans: pd.DataFrame | None, device: str, step_id: int) -> N
         st.caption(f"Decoder layers: {n_layers} spans, median {lay.median():.1f} µs (min {lay.min():.1f}, "
                    f"max {lay.max():.1f}), {lay.sum() / 1e3:.3f} ms of the forward.{note}")
     if not launches.empty:
-        st.markdown("**Kernel launches** (this step) · achieved GB/s = bytes moved / duration — compare with the "
-                    "GPU's memory bandwidth (an H200's HBM3e: about 4,800 GB/s)")
-        bound = launch_bound_note(launches)
+        st.markdown(bandwidth_heading(device_name))
+        bound = launch_bound_note(launches, device_name)
         if bound:
             st.info(bound, icon=":material/info:")
         rate = {"GB/s": st.column_config.NumberColumn(format="%.1f", help="bytes moved / duration"),

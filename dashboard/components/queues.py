@@ -50,12 +50,23 @@ def transitions(prev: dict | None, step: dict, finish_reasons: dict[str, str]) -
     return out
 
 
+def _tokens(r: dict) -> str:
+    """num_computed_tokens/num_tokens, and "+N" for N output placeholders: with async scheduling a
+    request is scheduled for its next token before the previous one is sampled, so N tokens are in
+    flight and its computed positions run ahead of the tokens it has (36/35+2: two in flight; the
+    second's position, 36, is fed once the first is sampled)."""
+    extra = int(r.get("num_output_placeholders") or 0)
+    return f"{r['num_computed_tokens']}/{r['num_tokens']}" + (f"+{extra}" if extra else "")
+
+
 def _queue_html(reqs: list[dict], per_block: int | None) -> str:
     if not reqs:
         return "<span style='color:#4D4D4D'>empty</span>"
-    return " ".join(chip(f"req {short_req_id(r['request_id'])} · {r['num_computed_tokens']}/{r['num_tokens']} tok · "
+    return " ".join(chip(f"req {short_req_id(r['request_id'])} · {_tokens(r)} tok · "
                          f"{len(r['block_ids'])} blk", request_color(r["request_id"]),
-                         title=f"request {r['request_id']}: num_computed_tokens / num_tokens; holds "
+                         title=f"request {r['request_id']}: num_computed_tokens / num_tokens"
+                               + (" + output placeholders (tokens scheduled, not sampled yet)"
+                                  if r.get("num_output_placeholders") else "") + "; holds "
                                f"{blocks_mb(len(r['block_ids']), per_block)} {r['block_ids']}") +
                     chip(r["status"], STATUS_COLORS.get(r["status"], "#777"), title=STATUS_DESCRIPTIONS.get(r["status"]))
                     for r in reqs)
@@ -80,8 +91,12 @@ def queues(step: dict, per_block: int | None = None) -> None:
         st.caption("Passed over this step: " + "; ".join(
             f"req {short_req_id(r)}: {DeferReason(c).description if c in DeferReason._value2member_map_ else c}"
             for r, c in deferred.items()))
+    placeholders = any(r.get("num_output_placeholders") for r in sched["running"] + sched["waiting"] + skipped)
     st.caption("Chip: `req id · num_computed_tokens/num_tokens tok · KV blocks held`"
-               + (f" (one block = {mb(per_block)})" if per_block else "") + "; hover a chip for its block ids.")
+               + (f" (one block = {mb(per_block)})" if per_block else "") + "; hover a chip for its block ids."
+               + (" `+N`: output placeholders, N tokens scheduled but not sampled yet (async scheduling schedules "
+                  "a request's next token before its last one is sampled), which is why num_computed_tokens can run "
+                  "ahead of num_tokens." if placeholders else ""))
     code_ref("vllm_anatomy/core/sched/scheduler.py", "Scheduler.snapshot · self.waiting / self.running")
 
 

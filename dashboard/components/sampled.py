@@ -136,8 +136,9 @@ def sampled(meta: dict, step_id: int, tokens: dict, so: dict, final_len: dict[st
             text = data.decode(meta, [tok])
             end = (final_len or {}).get(req)
             after = f" — {STOPPED_BEFORE.format(end - 1, 'it')}" if end is not None and pos >= end else ""
-            lines.append(f"{req_chip(req)} position {pos}: token <code>{tok}</code> "
-                         f"<code>{(text or '').replace('<', '&lt;')!r}</code>{after}")
+            # (no tokenizer here: the id alone, not an empty text)
+            shown = f" <code>{text.replace('<', '&lt;')!r}</code>" if text is not None else ""
+            lines.append(f"{req_chip(req)} position {pos}: token <code>{tok}</code>{shown}{after}")
     st.markdown("<br>".join(lines), unsafe_allow_html=True)
     code_ref("vllm_anatomy/worker/gpu_model_runner.py", "GPUModelRunner.sample_tokens · _bookkeeping_sync")
 

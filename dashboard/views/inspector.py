@@ -11,7 +11,7 @@ from __future__ import annotations
 import streamlit as st
 
 from dashboard import data, spans, state
-from dashboard.answers.cached import readable_source
+from dashboard.answers.cached import source
 from dashboard.components.block_pool import block_pool
 from dashboard.components.block_tables import block_tables
 from dashboard.components.budget import budget
@@ -60,7 +60,7 @@ def tensor_parallel(path: str, version: tuple, meta: dict, step_id: int) -> dict
     tensor-parallel; when its spans cannot be read, the message, and None (the step is still shown)."""
     if not meta.get("ranks"):
         return None
-    src = readable_source(path, version)
+    src = source(path, version)
     if isinstance(src, data.RunError):
         state.show_error(src)
         return None
@@ -121,7 +121,7 @@ def main() -> None:
             if tp is not None:
                 tp_panel(tp)
             lane = step_spans(path, version, info["meta"], step_id)
-            device_lane(lane, str(info["meta"].get("device")), step_id)
+            device_lane(lane, str(info["meta"].get("device")), step_id, info["meta"].get("device_name"))
             sampled(info["meta"], step_id, tokens, step["scheduler_output"], final_lengths(path, version))
             spec_decode(info["meta"], step, kv["block_size"], d["verified"], d.get("spec"), d.get("next_spec"))
             pi = mr.get("prepare_inputs")

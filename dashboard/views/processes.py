@@ -10,7 +10,7 @@ import plotly.graph_objects as go
 import streamlit as st
 
 from dashboard import data, state
-from dashboard.answers.cached import readable_source
+from dashboard.answers.cached import source
 from dashboard.components.code_ref import code_ref
 from dashboard.components.nav import open_view, point_data, selected_points
 from dashboard.components.tensor_parallel import article_line, tp_facts
@@ -167,7 +167,7 @@ def main() -> None:
         return
     path, info = cur
     version = data.file_version(path)
-    src = readable_source(path, version)
+    src = source(path, version)
     if isinstance(src, data.RunError):
         state.show_error(src)
         return

@@ -12,7 +12,7 @@ import streamlit as st
 
 from dashboard import data, state
 from dashboard.answers import QUESTIONS
-from dashboard.answers.cached import answer, readable_source
+from dashboard.answers.cached import answer, source
 from dashboard.components.code_ref import code_ref
 from dashboard.components.five_accounts import five_accounts
 from dashboard.components.nav import link, open_view
@@ -148,7 +148,7 @@ def main() -> None:
         return
     path, info = cur
     version = data.file_version(path)
-    src = readable_source(path, version)
+    src = source(path, version)
     if isinstance(src, data.RunError):
         state.show_error(src)
         return

@@ -1,0 +1,160 @@
+"""The shipped H100 sample (samples/h100-smollm2-full.sqlite: CUDA graphs, async scheduling) as
+a learner on a CPU machine reads it: what the pages say about it must hold for a GPU run.
+
+Found by walking the dashboard in Chromium (1440x900) on the sample:
+- Processes, chain ①–⑪ of the run's last steps (nothing scheduled, no forward): ⑧ and ⑨ said
+  "a CPU run", ⑦ and ⑩ "a plain call ... no span of its own", on an H100 run.
+- Step inspector, Worker tab: the kernel table said "compare with ... an H200's HBM3e: about 4,800 GB/s"
+  under an H100's run header.
+- Its Sampled tokens read "token 657 ''": an empty text where the text was unknown (the sample's
+  tokenizer path is the recording machine's, /tmp/vac/models/...). Now the id alone, and the text
+  from this machine's model cache when the same model is there (the default model is).
+"""
+import os
+
+import pytest
+
+from dashboard import processes
+from dashboard.answers.source import RunSource
+from tests.dashboard.conftest import APP, GPU_SAMPLE, ROOT
+
+TP_SAMPLE = os.path.join(ROOT, "samples", "cpu-smollm2-tp3-full.sqlite")
+pytestmark = pytest.mark.skipif(not os.path.exists(GPU_SAMPLE), reason="samples/h100-smollm2-full.sqlite not shipped")
+
+
+@pytest.fixture(scope="module")
+def gpu():
+    return RunSource(GPU_SAMPLE)
+
+
+@pytest.fixture
+def sample_app(monkeypatch, tmp_path):
+    """AppTest of the dashboard on the shipped H100 sample (page, step, more of the URL)."""
+    from streamlit.testing.v1 import AppTest
+    monkeypatch.setenv("VLLM_ANATOMY_TRACE_DIR", str(tmp_path))
+    monkeypatch.setenv("VLLM_ANATOMY_SAMPLES_DIR", os.path.dirname(GPU_SAMPLE))
+
+    def make(page: str, step: int, **query):
+        at = AppTest.from_file(APP, default_timeout=120)
+        at.query_params.update({"run": os.path.basename(GPU_SAMPLE), "page": page, "step": str(step), **query})
+        at.run()
+        assert not at.exception, [e.value for e in at.exception]
+        return at
+    return make
+
+
+def _text(at) -> str:
+    return "\n".join([m.value for m in at.markdown] + [c.value for c in at.caption] + [i.value for i in at.info])
+
+
+def _rows(src: RunSource, step: int) -> dict[str, dict]:
+    return {r["#"]: r for r in processes.chain_rows(processes.step_view(src, step), step)}
+
+
+def test_processes_chain_of_a_step_without_a_forward_on_a_gpu_run(gpu):
+    idle = [s for s in gpu.steps if not (gpu.snap(s) or {}).get("scheduler_output", {}).get("total_num_scheduled_tokens")]
+    assert idle, "the sample's last steps schedule nothing (async scheduling: the last tokens are in flight)"
+    rows = _rows(gpu, idle[-1])
+    for marker in ("⑦", "⑧", "⑨", "⑩"):
+        why = rows[marker]["process · thread"]
+        assert "CPU run" not in why and "plain call" not in why, (marker, why)
+        assert "no forward" in why and "nothing was scheduled" in why, (marker, why)
+
+
+def test_processes_chain_of_a_graph_replay_and_of_a_cpu_run(gpu):
+    replay = _rows(gpu, 5)          # 7 decodes, a full CUDA graph replay
+    assert replay["⑨"]["this run's spans"] == "GPU.model_forward"
+    assert "CPU run" not in replay["⑧"]["process · thread"]
+    if os.path.exists(TP_SAMPLE):   # a CPU run with a forward still says why there is no kernel launch
+        cpu = RunSource(TP_SAMPLE)
+        step = cpu.steps[len(cpu.steps) // 2]
+        rows = _rows(cpu, step)
+        assert "CPU run" in rows["⑧"]["process · thread"] and "CPU run" in rows["⑨"]["process · thread"]
+
+
+def test_kernel_table_compares_with_the_runs_own_gpu(gpu, sample_app):
+    from dashboard.components.device_lane import bandwidth_heading, peak_bandwidth
+    assert gpu.meta["device_name"] == "NVIDIA H100 80GB HBM3"
+    assert peak_bandwidth("NVIDIA H100 80GB HBM3")[0] == 3350 and peak_bandwidth("NVIDIA H200")[0] == 4800
+    assert peak_bandwidth("NVIDIA H100 PCIe")[0] == 2000 and peak_bandwidth("Some GPU") is None
+    assert "spec sheet" in bandwidth_heading("Some GPU") and "4,800" not in bandwidth_heading("Some GPU")
+    text = _text(sample_app("inspector", 28, tab="Worker (model runner)"))
+    assert "Kernel launches" in text
+    assert "H200" not in text and "4,800" not in text
+    assert "an H100 SXM's HBM3: about 3,350 GB/s" in text and "~3,350 GB/s" in text
+
+
+def _sampled_lines(at) -> list[str]:
+    return [m.value for m in at.markdown if "position" in m.value and "token <code>" in m.value]
+
+
+def test_sampled_tokens_never_show_an_unknown_text_as_empty(gpu, sample_app, monkeypatch, tmp_path):
+    from dashboard import data
+    assert not os.path.exists(os.path.join(gpu.meta["model"], "tokenizer.json"))   # recorded elsewhere
+    monkeypatch.setenv("VLLM_ANATOMY_CACHE", str(tmp_path / "empty-cache"))
+    assert data.decode(gpu.meta, [657]) is None
+    lines = _sampled_lines(sample_app("inspector", 28, tab="Worker (model runner)"))
+    assert len(lines) == 1 and "token <code>657</code>" in lines[0], lines
+    assert "<code>''</code>" not in lines[0], lines
+
+
+def test_sampled_tokens_read_the_local_model_cache(gpu, sample_app):
+    from dashboard import data
+    from vllm_anatomy.transformers_utils.default_model import model_dir
+    if not (model_dir() / "tokenizer.json").exists() or os.path.basename(gpu.meta["model"]) != model_dir().name:
+        pytest.skip("the default model is not in this machine's cache")
+    text = data.decode(gpu.meta, [657])
+    assert text, text
+    lines = _sampled_lines(sample_app("inspector", 28, tab="Worker (model runner)"))
+    assert f"<code>{text!r}</code>" in lines[0], lines
+
+
+def test_q4_finish_under_async_scheduling_names_the_schedule_that_told_the_worker(gpu):
+    """Self-test Q4 on the sample said finished_req_ids was 'not seen in a recorded step' for request 0
+    (finished at step 10) while step 10's own SchedulerOutput lists it: with async scheduling the finish
+    is processed after step 9's schedule(), so the next schedule() is step 10's, not step 11's."""
+    from dashboard.answers import q4_finish
+    so10 = (gpu.snap(10) or {}).get("scheduler_output") or {}
+    assert "0" in [str(x) for x in so10["finished_req_ids"]]
+    a = q4_finish.answer(gpu, 10, "0")
+    assert a.ok and a.facts["told_step"] == 10 and a.facts["told_next_step"]
+    row = next(r for r in a.chain if r["#"] == "4")
+    assert row["what happened here"].startswith("step 10:"), row
+    assert "step 10's `SchedulerOutput.finished_req_ids` told the worker" in a.summary
+    note = " ".join(a.notes)
+    assert "last token came from step 8" in note and "after step 9's schedule()" in note, note
+
+
+def test_run_source_fails_with_the_pages_message_when_spans_cannot_be_read(tmp_path):
+    """RunSource raised SQLite's own error from whichever answer first read spans; the pages had to ask
+    spans.request_table first (readable_source). Now it fails when built, with a message, and the
+    cached source is the RunError the pages show (test_shell's unreadable-spans tests: every page)."""
+    import shutil
+    import sqlite3
+
+    from dashboard import data
+    from dashboard.answers import cached
+    from dashboard.answers.source import RunSourceError
+    path = str(tmp_path / "run-nospans.sqlite")
+    shutil.copyfile(GPU_SAMPLE, path)
+    conn = sqlite3.connect(path)
+    conn.execute("DROP TABLE spans")
+    conn.commit()
+    conn.close()
+    with pytest.raises(RunSourceError, match="cannot read request spans .*no such table: spans"):
+        RunSource(path)
+    version = data.file_version(path)
+    src = cached.source(path, version)
+    assert isinstance(src, data.RunError) and "no such table: spans" in src.message
+    a = cached.answer(path, version, "q1")
+    assert not a.ok and "cannot read request spans" in a.why_not
+
+
+def test_queue_chips_explain_computed_tokens_ahead_of_the_tokens(gpu, sample_app):
+    """Async scheduling: step 3's chips read 'req 0 · 36/35 tok' (computed past the request's own
+    tokens) with nothing saying why; the tokens in flight are now shown (36/35+2) and explained."""
+    r0 = next(r for r in gpu.snap(3)["scheduler"]["running"] if str(r["request_id"]) == "0")
+    assert (r0["num_computed_tokens"], r0["num_tokens"], r0["num_output_placeholders"]) == (36, 35, 2)
+    text = _text(sample_app("inspector", 3))
+    assert "req 0 · 36/35+2 tok" in text and "36/35 tok" not in text
+    assert "output placeholders" in text
