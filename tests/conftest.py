@@ -88,15 +88,25 @@ def tiny_smollm2_dir(tmp_path_factory):
 # pyproject.toml declares (its dependencies and the test extra) must import; only optional ones
 # (the bench extra's matplotlib, say) may skip.
 
+# NOTE: tomllib is Python >= 3.11's and the package admits 3.10 (requires-python): there the
+# same lists are read from the installed distribution's Requires-Dist (`make setup` installs it
+# from this pyproject.toml, and reinstalls when it changes).
+
 @functools.lru_cache(maxsize=None)
 def _declared_import_names() -> frozenset[str]:
     import re
-    import tomllib
+    import sys
     from importlib import metadata
-    with open(TESTS_DIR.parent / "pyproject.toml", "rb") as f:
-        project = tomllib.load(f)["project"]
+    if sys.version_info >= (3, 11):
+        import tomllib
+        with open(TESTS_DIR.parent / "pyproject.toml", "rb") as f:
+            project = tomllib.load(f)["project"]
+        requirements = project["dependencies"] + project["optional-dependencies"]["test"]
+    else:
+        requirements = [req for req in metadata.requires("vllm_anatomy") or []
+                        if "extra ==" not in req or re.search(r"extra == ['\"]test['\"]", req)]
     wanted = {re.split(r"[\s<>=!~\[;]", req, maxsplit=1)[0].lower().replace("_", "-")
-              for req in project["dependencies"] + project["optional-dependencies"]["test"]}
+              for req in requirements}
     return frozenset(top for top, dists in metadata.packages_distributions().items()
                      if any(d.lower().replace("_", "-") in wanted for d in dists))
 

@@ -10,10 +10,12 @@ step by step without the engine.
 """
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import random
 import sys
 from contextlib import contextmanager
+from types import ModuleType
 from typing import Hashable, Iterator, Sequence
 
 import torch
@@ -93,7 +95,10 @@ class PagedSequences:
         context is already in the cache). Returns each chunk's logits
         [len(chunk), V] (float32) — every position, not just the last one.
         """
-        query_lens, seq_lens, block_tables, input_ids = [], [], [], []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        block_tables: list[list[int]] = []
+        token_ids_flat: list[int] = []
         for seq_id, token_ids in chunks:
             num_computed = self.num_computed_tokens.get(seq_id, 0)
             seq_len = num_computed + len(token_ids)
@@ -103,12 +108,12 @@ class PagedSequences:
             query_lens.append(len(token_ids))
             seq_lens.append(seq_len)
             block_tables.append(blocks)
-            input_ids.extend(token_ids)
+            token_ids_flat.extend(token_ids)
             self.num_computed_tokens[seq_id] = seq_len
         device = self.kv_caches[0].device
         positions, metadata = build_attn_metadata(query_lens, seq_lens, block_tables,
                                                   self.block_size, device=device)
-        input_ids = torch.tensor(input_ids, dtype=torch.long, device=device)
+        input_ids = torch.tensor(token_ids_flat, dtype=torch.long, device=device)   # [T]
         with torch.inference_mode():
             hidden_states = self.model(input_ids, positions, self.kv_caches, metadata)
             logits = self.model.compute_logits(hidden_states)       # [T, V]
@@ -130,6 +135,16 @@ def imported_from(folder: str, module_names: Sequence[str]) -> Iterator[None]:
         for name in module_names:
             sys.modules.pop(name, None)
         sys.modules.update(saved_modules)
+
+
+def module_from_file(name: str, path: str) -> ModuleType:
+    """The Python file at `path` run as a fresh module `name` (not put in sys.modules): a
+    lesson or a script that is no importable module."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None, f"{path} is not a Python file"
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def interrupt_nth_add(monkeypatch, engine_core_client, n: int) -> None:

@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from tests.helpers import module_from_file
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BENCH = os.path.join(ROOT, "bench")
 
@@ -75,10 +77,7 @@ def test_cpu_smoke_run_writes_both_servers(tmp_path):
 def test_plot_serve_draws_each_servers_p99s_goodput_and_knee(tmp_path):
     """bench/plot_serve.py: the series it draws come from the JSON's rows (sorted by rate), servers
     without rows are left out, and the PNG is written when matplotlib is there."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("plot_serve", os.path.join(BENCH, "plot_serve.py"))
-    plot_serve = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(plot_serve)
+    plot_serve = module_from_file("plot_serve", os.path.join(BENCH, "plot_serve.py"))
 
     def row(rate, ttft, tpot, goodput):
         return {"offered_rate": rate, "ttft_ms": {"p99": ttft}, "tpot_ms": {"p99": tpot},

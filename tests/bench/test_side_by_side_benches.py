@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import types
+from typing import Any
 
 import pytest
 
@@ -139,7 +140,7 @@ def synthetic_scaling_result(bench) -> dict:
     result = {"gpu": None, "model": "synthetic", "smoke": True, "series": {s: plan.points(s) for s in scaling.SERIES},
               "floor": scaling.floors(plan, 1e10, 1e11)}
     for key, fraction in (("vllm_anatomy", 0.5), ("vllm", 0.4)):
-        engine = {"settings": {"version": "x"}}
+        engine: dict[str, Any] = {"settings": {"version": "x"}}
         for s in scaling.THROUGHPUT_SERIES:
             engine[s] = [p | {"tok_per_s": fraction * f["floor_tok_per_s"]}
                          for p, f in zip(plan.points(s), result["floor"][s])]

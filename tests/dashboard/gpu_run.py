@@ -172,16 +172,17 @@ def pick_steps(path: str) -> dict:
     eager step with layer spans (the second, if there are two); plus every step's decision."""
     from vllm_anatomy.tracing.reader import open_run
     with open_run(path) as run:
+        # (a snapshot or span outside any step has no step_id: it is no step to show)
         decisions = {s.step_id: s.data["prepare_inputs"]["cudagraph"] for s in run.snapshots("model_runner")
-                     if (s.data.get("prepare_inputs") or {}).get("cudagraph")}
-        layer_steps = sorted({s.step_id for s in run.spans("GPU.layer")})
+                     if s.step_id is not None and (s.data.get("prepare_inputs") or {}).get("cudagraph")}
+        layer_steps = sorted({s.step_id for s in run.spans("GPU.layer") if s.step_id is not None})
     full = [k for k, d in sorted(decisions.items()) if d["mode"] == "FULL"]
     padded = [k for k in full if decisions[k]["num_padded_tokens"] > decisions[k]["num_tokens"]]
     eager = [k for k in layer_steps if decisions.get(k, {}).get("mode") == "NONE"]
     # NOTE: not the run's first eager step if there is another: its first kernel launches
     # may include a JIT compile, which is not what a typical eager step looks like.
-    eager_step = (eager[1:] or eager or [None])[0]
+    eager_step = next(iter(eager[1:] or eager), None)
     # A step for the timeline: an eager step among graph replays, away from the run's start.
     later = [k for k in eager if decisions and k > min(decisions) + 3]
-    return {"decisions": decisions, "graph_step": (padded or full or [None])[0], "eager_step": eager_step,
-            "timeline_step": (later or [eager_step])[0]}
+    return {"decisions": decisions, "graph_step": next(iter(padded or full), None), "eager_step": eager_step,
+            "timeline_step": next(iter(later), eager_step)}

@@ -89,7 +89,9 @@ def _query(pg) -> dict[str, str]:
 
 
 def _inspector_step(pg) -> int:
-    m = re.search(r"step (\d+) · \d+ of \d+ committed", pg.get_by_text(re.compile(r"of \d+ committed")).first.inner_text())
+    text = pg.get_by_text(re.compile(r"of \d+ committed")).first.inner_text()
+    m = re.search(r"step (\d+) · \d+ of \d+ committed", text)
+    assert m, text
     return int(m[1])
 
 

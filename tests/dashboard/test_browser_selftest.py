@@ -181,7 +181,7 @@ def _click_a_hop(pg, step: int, shot: str) -> None:
         .map(e => e.getBoundingClientRect()).filter(r => r.width > 1 && r.top >= 0 && r.bottom <= innerHeight)
         .map(r => ({x: r.x + r.width / 2, y: r.y + r.height / 2}))""")
     assert pts
-    clicked = False
+    clicked: int | None = None
     for pt in pts:
         pg.mouse.move(pt["x"] - 20, pt["y"] - 20)
         pg.mouse.move(pt["x"], pt["y"], steps=3)

@@ -38,7 +38,8 @@ class Source:
     """The few RunSource calls kv_write makes: spans by name, steps, ranks, meta."""
 
     def __init__(self, spans: list[SimpleNamespace]) -> None:
-        self._spans, self.steps, self.ranks, self.meta = spans, [1, 2, 3], {}, {"device": "cuda:0"}
+        self._spans, self.steps, self.meta = spans, [1, 2, 3], {"device": "cuda:0"}
+        self.ranks: dict[int, int] = {}
 
     def spans(self, name: str) -> list[SimpleNamespace]:
         return [s for s in self._spans if s.name == name]

@@ -72,6 +72,7 @@ def answer_text(at, n: int) -> str:
 
 def _req_at(text: str) -> tuple[str, int]:
     m = re.match(r"\*\*Answer, from this run \(request (\S+) at step (\d+)\)", text)
+    assert m, text[:120]
     return m[1], int(m[2])
 
 

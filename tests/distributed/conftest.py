@@ -5,6 +5,8 @@ on two ranks. Random biases (Qwen2's q/k/v), random norm weights (Qwen3's
 per-head q/k norms) and an untied LM head (Qwen2) so that every sharded or
 replicated weight matters; a large init scale so greedy tokens vary.
 """
+from typing import Any
+
 import pytest
 
 from tests.conftest import save_word_level_tokenizer
@@ -15,18 +17,17 @@ ARCHS = ("llama", "qwen2", "qwen3")
 def make_tiny_model(path: str, arch: str) -> str:
     import torch
     import transformers
-    common = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                  initializer_range=0.2)
+    common: dict[str, Any] = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                  initializer_range=0.2)
+    torch.manual_seed(0)                  # (before the weights' init; building a config draws nothing)
+    model: transformers.PreTrainedModel
     if arch == "llama":
-        config, cls = transformers.LlamaConfig(tie_word_embeddings=True, **common), transformers.LlamaForCausalLM
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(tie_word_embeddings=True, **common))
     elif arch == "qwen2":
-        config, cls = transformers.Qwen2Config(tie_word_embeddings=False, **common), transformers.Qwen2ForCausalLM
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(tie_word_embeddings=False, **common))
     else:
-        config, cls = (transformers.Qwen3Config(head_dim=48, tie_word_embeddings=True, **common),
-                       transformers.Qwen3ForCausalLM)
-    torch.manual_seed(0)
-    model = cls(config)
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(head_dim=48, tie_word_embeddings=True, **common))
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("bias") or "norm" in name:

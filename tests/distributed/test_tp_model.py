@@ -18,6 +18,7 @@ import torch.multiprocessing as mp
 from vllm_anatomy.config import ModelConfig
 from vllm_anatomy.distributed import parallel_state as ps
 from vllm_anatomy.model_executor.loader import get_model
+from vllm_anatomy.model_executor.models.llama import LlamaDecoderLayer
 from vllm_anatomy.utils.network_utils import get_distributed_init_method, get_open_port
 
 from tests.helpers import PagedSequences
@@ -34,9 +35,11 @@ def _run_model(model_dir: str) -> tuple[list[torch.Tensor], dict]:
     logits = seqs.step([("a", a[:11]), ("b", b)])          # a's first chunk, b whole
     logits += seqs.step([("a", a[11:]), ("b", [77])])      # a's second chunk, b decodes
     logits += seqs.step([("a", [3]), ("b", [4])])          # both decode
-    attn = model.model.layers[0].self_attn
+    layer = model.model.layers[0]
+    assert isinstance(layer, LlamaDecoderLayer)
+    attn = layer.self_attn
     shapes = {"qkv": tuple(attn.qkv_proj.weight.shape), "o": tuple(attn.o_proj.weight.shape),
-              "gate_up": tuple(model.model.layers[0].mlp.gate_up_proj.weight.shape),
+              "gate_up": tuple(layer.mlp.gate_up_proj.weight.shape),
               "embed": tuple(model.model.embed_tokens.weight.shape),
               "heads": (attn.num_heads, attn.num_kv_heads), "kv_cache": tuple(seqs.kv_caches[0].shape)}
     return logits, shapes
@@ -56,7 +59,8 @@ def _rank_main(rank: int, world_size: int, init_method: str, model_dirs: list[st
         ps.destroy_distributed_environment()
 
 
-def _run_ranks(world_size: int, model_dirs: list[str]) -> list:
+def _run_ranks(world_size: int, model_dirs: list[str]) -> list[list[tuple[list[torch.Tensor], dict]]]:
+    """Per rank, _run_model's (logits, shapes) of each model dir."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     init_method = get_distributed_init_method("127.0.0.1", get_open_port())
@@ -64,7 +68,8 @@ def _run_ranks(world_size: int, model_dirs: list[str]) -> list:
              for r in range(world_size)]
     for p in procs:
         p.start()
-    out, deadline = {}, time.monotonic() + 300
+    out: dict[int, list[tuple[list[torch.Tensor], dict]]] = {}
+    deadline = time.monotonic() + 300
     try:
         while len(out) < world_size:
             try:

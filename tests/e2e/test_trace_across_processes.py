@@ -11,7 +11,7 @@ import os
 import httpx
 import pytest
 
-from tests.e2e.server_utils import RemoteOpenAIServer
+from server_utils import RemoteOpenAIServer
 from tests.tracing.otlp_receiver import HttpReceiver
 from vllm_anatomy.tracing.reader import open_run
 

@@ -105,8 +105,8 @@ def first_output(c, rid):
 def run_to_completion(c, requests) -> dict[str, list[int]]:
     for r in requests:
         c.add_request(r)
-    tokens = {r.request_id: [] for r in requests}
-    finished = set()
+    tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
+    finished: set[str] = set()
     deadline = time.monotonic() + 60
     while len(finished) < len(requests):
         assert time.monotonic() < deadline

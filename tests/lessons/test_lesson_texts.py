@@ -4,18 +4,16 @@ processes apart from Python's helper, lesson 9 sends the learner to the dashboar
 from __future__ import annotations
 
 import ast
-import importlib.util
 import os
+from types import ModuleType
+
+from tests.helpers import module_from_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _lesson(name: str):
-    path = os.path.join(ROOT, "lessons", name)
-    spec = importlib.util.spec_from_file_location(name[:-3], path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def _lesson(name: str) -> ModuleType:
+    return module_from_file(name[:-3], os.path.join(ROOT, "lessons", name))
 
 
 def test_lesson_7_counts_three_serving_processes_and_names_the_helper():

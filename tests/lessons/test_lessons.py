@@ -86,6 +86,7 @@ def _check_landing(run_path: str, query: dict[str, str]) -> None:
             assert query["request"] in {s.request_id for s in run.requests()}, query
             if "step" in query:
                 snap = run.snapshot(step)
+                assert snap is not None, f"step {step} has no snapshot"
                 rec, sched = snap["scheduler"]["step_record"], snap["scheduler"]
                 there = ({x["request_id"] for x in rec["scheduled"]} | set(rec["preempted_req_ids"])
                          | {r["request_id"] for r in sched["waiting"] + sched["running"]})

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 from types import SimpleNamespace
+from typing import cast
 
 import pytest
 from opentelemetry import trace
@@ -33,6 +34,7 @@ from vllm_anatomy.tracing.local_span import LocalSpan, _kept
 from vllm_anatomy.tracing.otel import OTelRecorder, _attrs, _kept_attrs
 from vllm_anatomy.tracing.span_export import plain_span_to_row, span_to_row
 from vllm_anatomy.tracing.step_tracer import StepTracer
+from tests.tracing.test_fast_paths import Attrs
 
 
 class _Keep:
@@ -48,16 +50,17 @@ class _Keep:
 def _recorder() -> tuple[OTelRecorder, _Keep]:
     rec = OTelRecorder("spans", process_kind="engine_core")
     keep = _Keep()
-    rec.sink.processors.append(keep)
+    # (appended, not rec.sink.add_processor: a processor of another type turns the sink's own spans off)
+    rec.sink.processors.append(cast(DeferredSpanProcessor, keep))
     return rec, keep
 
 
 def _drive(rec: OTelRecorder) -> None:
     """Spans of every shape the engine makes, and a few it might."""
-    req = rec.start_span("llm_request", kind="server", root=True, **{"vllm_anatomy.request_id": "r0", "n": 3})
+    req = rec.start_span("llm_request", kind="server", root=True, **Attrs({"vllm_anatomy.request_id": "r0", "n": 3}))
     req.add_event("QUEUED")
     with rec.use_span(req):
-        with rec.span("InputProcessor.process_inputs", **{"vllm_anatomy.request_id": "r0"}) as s:
+        with rec.span("InputProcessor.process_inputs", **Attrs({"vllm_anatomy.request_id": "r0"})) as s:
             s.set_attribute("n", 4)                                      # set again: moves last
             s.set_attributes({"ids": [1, 2], "none": None, "t": 0.5})
             s.add_event("e", ids=(3,), flag=True)
@@ -70,9 +73,9 @@ def _drive(rec: OTelRecorder) -> None:
         with rec.span("Scheduler.schedule"):
             rec.event("admitted", **{"vllm_anatomy.num": 2})
     step.end()
-    rec.start_span("Request", follows_from=headers, **{"vllm_anatomy.request_id": "r0"}).end()
+    rec.start_span("Request", follows_from=headers, **Attrs({"vllm_anatomy.request_id": "r0"})).end()
     t0 = rec.now_ns()
-    rec.record_span("GPU.sample", t0, t0 + 10, follows_from=step.trace_headers(), **{"vllm_anatomy.lane": "device"})
+    rec.record_span("GPU.sample", t0, t0 + 10, follows_from=step.trace_headers(), **Attrs({"vllm_anatomy.lane": "device"}))
     with rec.span("OutputProcessor.process_outputs", follows_from=step.trace_headers()):
         pass
     with pytest.raises(ValueError):

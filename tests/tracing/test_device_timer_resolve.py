@@ -70,7 +70,8 @@ def test_resolved_events_are_reused_but_never_the_anchor():
     timer = DeviceTimer(torch.device("cpu"), rec)
 
     def step(t0: float) -> StepEvents:
-        marks = [(p, FakeEvent(t0 + i), {}, 0) for i, p in enumerate(["model_forward", "sample", "end"])]
+        marks: list[tuple[str, FakeEvent, dict, int]] = [
+            (p, FakeEvent(t0 + i), {}, 0) for i, p in enumerate(["model_forward", "sample", "end"])]
         return StepEvents(marks, [("GPU.layer", FakeEvent(t0), FakeEvent(t0 + 0.5), {}, 0)])
 
     first = step(0.0)
@@ -94,7 +95,8 @@ class ClockEvent:
     now_ms = 0.0
 
     def __init__(self, **_) -> None:
-        self.t_ms, self.done = None, True
+        self.t_ms: float | None = None
+        self.done = True
 
     def record(self, stream=None) -> None:
         self.t_ms = ClockEvent.now_ms
@@ -106,6 +108,7 @@ class ClockEvent:
         self.done = True
 
     def elapsed_time(self, end: "ClockEvent") -> float:
+        assert self.t_ms is not None and end.t_ms is not None, "an event never recorded (CUDA raises)"
         return end.t_ms - self.t_ms
 
 

@@ -11,9 +11,11 @@ Each test drives one recorder on the fast path and one forced onto the SDK's
 path (sink disabled) and compares what they exported.
 """
 import json
+from typing import Any
 
 import pytest
 from opentelemetry import trace
+from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.sdk.util import BoundedList
 from opentelemetry.trace import Status, StatusCode
@@ -24,6 +26,12 @@ from vllm_anatomy.tracing.otel import OTelRecorder
 from vllm_anatomy.tracing.recorder import InMemoryRecorder
 from vllm_anatomy.tracing.span_export import span_to_row
 from vllm_anatomy.tracing.store import to_json
+
+# NOTE: span attributes are named like "vllm_anatomy.request_id", no Python identifiers, so they
+# reach `**attrs` as `**{...}`; mypy checks such a dict's values against every named parameter
+# of the call (start_ns: int | None, links: list | None, ...), a dict[str, Any] against none.
+# `**Attrs({...})` is that dict, typed so.
+Attrs = dict[str, Any]
 
 
 def _recorder(fast: bool) -> tuple[OTelRecorder, InMemorySpanExporter]:
@@ -36,11 +44,11 @@ def _recorder(fast: bool) -> tuple[OTelRecorder, InMemorySpanExporter]:
 
 def _drive(rec: OTelRecorder) -> None:
     """What the engine does, and a few things it might: every span API the recorder offers."""
-    req = rec.start_span("llm_request", kind="server", **{"gen_ai.request.model": "m", "n": 3, "t": 0.5,
-                                                           "flag": True, "none": None})
+    req = rec.start_span("llm_request", kind="server", **Attrs({"gen_ai.request.model": "m", "n": 3, "t": 0.5,
+                                                                "flag": True, "none": None}))
     req.add_event("QUEUED")
     with rec.use_span(req):
-        with rec.span("EngineCore.add_request", **{"vllm_anatomy.request_id": "r0"}):
+        with rec.span("EngineCore.add_request", **Attrs({"vllm_anatomy.request_id": "r0"})):
             pass
     headers = req.trace_headers()
     other = rec.start_span("llm_request", kind="server")
@@ -53,13 +61,13 @@ def _drive(rec: OTelRecorder) -> None:
             sched.set_attribute("vllm_anatomy.new_block_ids", [4, 5])
         step.set_attribute("vllm_anatomy.step_id", 1)
         step.add_link(headers)
-        step.add_link(other.trace_headers(), **{"why": "attrs"})
+        step.add_link(other.trace_headers(), **Attrs({"why": "attrs"}))
         step.add_link(other.trace_headers())
         with rec.span("Executor.execute_model") as ex:
             worker = rec.start_span("Worker.execute_model", trace_headers=ex.trace_headers())
             with rec.use_span(worker):
                 with pytest.raises(ValueError):
-                    with rec.span("GPUModelRunner._model_forward", **{"vllm_anatomy.cudagraph_mode": "NONE"}):
+                    with rec.span("GPUModelRunner._model_forward", **Attrs({"vllm_anatomy.cudagraph_mode": "NONE"})):
                         raise ValueError("boom")
             worker.end()
         with pytest.raises(KeyError):
@@ -75,13 +83,13 @@ def _drive(rec: OTelRecorder) -> None:
     step.end()
     step.add_link(headers)                                          # after end: ignored
     t0 = rec.now_ns()
-    rec.record_span("GPU.sample", t0, t0 + 10, **{"vllm_anatomy.lane": "device"})
+    rec.record_span("GPU.sample", t0, t0 + 10, **Attrs({"vllm_anatomy.lane": "device"}))
     other.end()
     # a remote parent with a tracestate (an HTTP client's): the child carries it on
     remote = {"traceparent": f"00-{'c' * 32}-{'d' * 16}-01", "tracestate": "vendor=v1"}
-    rec.start_span("EngineCore.add_request", trace_headers=remote, **{"vllm_anatomy.request_id": "r1"}).end()
+    rec.start_span("EngineCore.add_request", trace_headers=remote, **Attrs({"vllm_anatomy.request_id": "r1"})).end()
     req.set_attribute("gen_ai.response.finish_reasons", ["stop"])
-    req.add_event("FINISHED", **{"vllm_anatomy.finish_reason": "stop"})
+    req.add_event("FINISHED", **Attrs({"vllm_anatomy.finish_reason": "stop"}))
     req.end()
     req.add_event("late")                                            # after end: ignored
     req.set_attribute("late", 1)
@@ -109,8 +117,9 @@ def _view(spans) -> list[dict]:
     return out
 
 
-def _both(drive=_drive) -> tuple[list, list]:
-    results = []
+def _both(drive=_drive) -> tuple[tuple[ReadableSpan, ...], tuple[ReadableSpan, ...]]:
+    """What the fast path exported, and what the SDK's own path did."""
+    results: list[tuple[ReadableSpan, ...]] = []
     for fast in (True, False):
         rec, exporter = _recorder(fast)
         drive(rec)

@@ -137,6 +137,7 @@ def test_async_llm_ends_every_span(tiny_llama_dir, tmp_path, monkeypatch):
                     break
                 await asyncio.sleep(0.02)
             _tracer_empty(engine.request_tracer)
+            assert engine.recorder.run_path is not None, "the recorder wrote no run"
             return engine.recorder.run_path
         finally:
             engine.shutdown()

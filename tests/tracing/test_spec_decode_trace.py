@@ -134,7 +134,11 @@ def check_step_spans(run_path: str, method: str) -> int:
     """Each step span carries its verifications (totals and one event per request), as the step
     records say; returns how many steps verified drafts."""
     with open_run(run_path) as run:
-        records = {i: run.step_snapshot(i).scheduler.step_record.spec_decode for i in run.steps()}
+        records = {}
+        for i in run.steps():
+            snap = run.step_snapshot(i)
+            assert snap is not None and snap.scheduler.step_record is not None, f"step {i} has no step record"
+            records[i] = snap.scheduler.step_record.spec_decode
         spans = {s.attributes.get("vllm_anatomy.step_id"): s for s in run.spans("EngineCore.step")}
         proposes = run.spans("GPUModelRunner.propose_draft_token_ids")
     assert proposes and all(p.attributes.get("vllm_anatomy.spec_decode_method") == method for p in proposes)

@@ -18,7 +18,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):",
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
 
-def _run(model_dir: str) -> tuple[list[list[int]], list[torch.nn.Module]]:
+def _run(model_dir: str) -> tuple[list[list[int]], list[LinearBase | ParallelLMHead]]:
     llm = LLM(model_dir, max_model_len=256, num_gpu_blocks_override=64, max_num_batched_tokens=32)
     try:
         model = llm.llm_engine.engine_core.model_executor.driver_worker.model_runner.model

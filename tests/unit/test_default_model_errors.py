@@ -57,7 +57,10 @@ def _llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 def _hf_weights(vocab: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(0)
-    r = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
+
+    def r(*shape: int) -> np.ndarray:
+        return rng.standard_normal(shape).astype(np.float32)
+
     p = "model.layers.0."
     return {
         "model.embed_tokens.weight": r(vocab, HIDDEN),

@@ -10,12 +10,14 @@ import os
 import signal
 import time
 from types import SimpleNamespace
+from typing import cast
 
 import msgspec
 import pytest
 
 from vllm_anatomy.executor.multiproc_executor import BackgroundResources, MultiprocExecutor
-from vllm_anatomy.executor.worker_proc import RPCResponse
+from vllm_anatomy.executor.shm_broadcast import MessageQueue
+from vllm_anatomy.executor.worker_proc import RPCResponse, WorkerProcHandle
 
 
 def _sleep_forever() -> None:
@@ -33,8 +35,9 @@ def executor_over(procs: list) -> MultiprocExecutor:
     ex = object.__new__(MultiprocExecutor)          # its fields only: no workers started here
     ex.resources = BackgroundResources(None)
     ex.shutdown_event = ex.resources.shutdown_event
-    ex.workers = [SimpleNamespace(proc=p, rank=r) for r, p in enumerate(procs)]
-    ex.response_mqs = [OneReply() for _ in procs]
+    # Stand-ins: _get_response reads only a worker's .proc and .rank, and a reply queue's dequeue.
+    ex.workers = cast("list[WorkerProcHandle]", [SimpleNamespace(proc=p, rank=r) for r, p in enumerate(procs)])
+    ex.response_mqs = cast("list[MessageQueue]", [OneReply() for _ in procs])
     ex.is_failed, ex.failure_message, ex.failure_callback = False, None, None
     return ex
 

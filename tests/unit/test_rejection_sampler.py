@@ -30,7 +30,8 @@ def metadata(batch: int, temperature: float | None, top_k: int | None = None, lo
              generators: dict | None = None) -> SamplingMetadata:
     greedy = temperature is None
     return SamplingMetadata(
-        temperature=None if greedy else torch.full((batch,), temperature), all_greedy=greedy, all_random=not greedy,
+        temperature=None if temperature is None else torch.full((batch,), temperature), all_greedy=greedy,
+        all_random=not greedy,
         top_p=None, top_k=None if top_k is None else torch.full((batch,), top_k, dtype=torch.int32), min_p=None,
         generators=generators or {}, max_num_logprobs=logprobs)
 

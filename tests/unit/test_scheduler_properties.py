@@ -87,16 +87,16 @@ def check_invariants(s: Scheduler) -> None:
     assert len(free) == len(set(free)) == pool.get_num_free_blocks()
     assert set(free) == {blk.block_id for blk in pool.blocks[1:] if blk.ref_cnt == 0}
     # A block is in two requests only through a hash hit; never twice in one request.
-    owners = Counter()
+    owners: Counter[int] = Counter()
     for blocks in req_to_blocks.values():
         assert len({blk.block_id for blk in blocks}) == len(blocks)
         owners.update(blk.block_id for blk in blocks)
     for block_id, n in owners.items():
         assert n == 1 or pool.blocks[block_id].block_hash is not None
     # Hash map and block hashes agree; a hashed block i of a request holds its hash i (group 0).
-    hashed = [blk for blk in pool.blocks if blk.block_hash is not None]
-    assert all(pool.cached_block_hash_to_block.contain(blk.block_hash, blk.block_id) for blk in hashed)
-    assert len(pool.cached_block_hash_to_block) == len({blk.block_hash for blk in hashed})
+    hashed = {blk.block_id: blk.block_hash for blk in pool.blocks if blk.block_hash is not None}
+    assert all(pool.cached_block_hash_to_block.contain(key, block_id) for block_id, key in hashed.items())
+    assert len(pool.cached_block_hash_to_block) == len(set(hashed.values()))
     for req_id, blocks in req_to_blocks.items():
         req = s.requests[req_id]
         for i, blk in enumerate(blocks):

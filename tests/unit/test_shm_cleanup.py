@@ -22,6 +22,7 @@ pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="POSIX sha
 def _create_and_wait(ipc_dir: str, conn) -> None:
     """Child: create a queue (its segment and socket) in ipc_dir, report, then hang until killed."""
     mq = MessageQueue(1, 4096, 2, ipc_dir=ipc_dir)
+    assert mq.buffer is not None                  # (a queue with a local reader has a segment)
     conn.send(mq.buffer.name)
     signal.pause()
 

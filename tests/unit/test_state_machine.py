@@ -21,8 +21,8 @@ from tests.unit.test_scheduler import create_request, create_scheduler, make_out
 from tests.unit.test_structured_output import make_config, make_manager
 from tests.unit.test_structured_output import make_request as make_structured_request
 from tests.unit.test_structured_output import make_scheduler as make_structured_scheduler
-from tests.unit.test_structured_output import output, tok
-from vllm_anatomy.core.request import RequestStatus
+from tests.unit.test_structured_output import backend_of, output, so_request, tok
+from vllm_anatomy.core.request import Request, RequestStatus
 from vllm_anatomy.core.sched.scheduler import Scheduler
 from vllm_anatomy.core.state_machine import (ARRIVAL, ARTICLE_PATHS, FINISH_REASONS, NEVER_FROM_A_QUEUE,
                                              PATH_ONLY_EDGES, STATUS_DESCRIPTIONS, STATUS_TRANSITIONS,
@@ -33,8 +33,10 @@ class Watcher:
     """Every request's status after each scheduler call; the changes seen."""
 
     def __init__(self, scheduler) -> None:
-        self.s, self.last, self.moves = scheduler, {}, set()
-        self.known = {}
+        self.s = scheduler
+        self.last: dict[str, str] = {}                       # request id -> its status's name
+        self.moves: set[tuple[str, str]] = set()             # (from, to) status names
+        self.known: dict[str, Request] = {}
         self._scheduled: set[str] = set()    # RUNNING requests the last schedule() gave tokens
 
     def add(self, request) -> None:
@@ -101,15 +103,15 @@ def structured_scenarios() -> set:
     w = Watcher(s)
     slow = make_structured_request("slow", choice="yn")
     pending: Future = Future()
-    slow.structured_output_request.grammar = pending
+    so_request(slow).grammar = pending
     w.add(slow)
     bad = make_structured_request("bad", choice="yn")
     failed: Future = Future()
     failed.set_exception(RuntimeError("cannot compile"))
-    bad.structured_output_request.grammar = failed
+    so_request(bad).grammar = failed
     w.add(bad)
     gone = make_structured_request("gone", choice="yn")
-    gone.structured_output_request.grammar = Future()
+    so_request(gone).grammar = Future()
     w.add(gone)
     so = s.schedule()
     w.look()
@@ -117,8 +119,7 @@ def structured_scenarios() -> set:
     w.look()
     s.finish_requests("gone", RequestStatus.FINISHED_ABORTED)
     w.look()
-    pending.set_result(s.structured_output_manager.backend.compile_grammar(
-        *slow.structured_output_request.structured_output_key))
+    pending.set_result(backend_of(s).compile_grammar(*so_request(slow).structured_output_key))
     so = s.schedule()                                     # promoted, then scheduled
     w.look()
     s.update_from_output(so, output(so, {"slow": [tok("x")]}))   # the grammar refuses it
@@ -135,12 +136,12 @@ def structured_scenarios() -> set:
     w.step()                                              # 4 of the 5 blocks held
     late = make_structured_request("late", prompt_len=20, choice="yn")
     grammar: Future = Future()
-    grammar.set_result(s.structured_output_manager.backend.compile_grammar(
-        *late.structured_output_request.structured_output_key))
-    late.structured_output_request.grammar = grammar
+    grammar.set_result(backend_of(s).compile_grammar(*so_request(late).structured_output_key))
+    so_request(late).grammar = grammar
     w.add(late)
     w.step()
-    assert late.status == RequestStatus.WAITING and s.last_step_record.admission_stop_reason == "no_free_blocks"
+    assert late.status == RequestStatus.WAITING
+    assert s.last_step_record is not None and s.last_step_record.admission_stop_reason == "no_free_blocks"
     return moves | w.moves
 
 

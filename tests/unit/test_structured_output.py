@@ -36,7 +36,9 @@ from vllm_anatomy.core.sched.scheduler import Scheduler
 from vllm_anatomy.engine.protocol import FinishReason
 from vllm_anatomy.sampling_params import SamplingParams, StructuredOutputsParams
 from vllm_anatomy.structured_output import StructuredOutputManager
+from vllm_anatomy.structured_output.backend_types import StructuredOutputBackend
 from vllm_anatomy.structured_output.backend_xgrammar import XgrammarBackend
+from vllm_anatomy.structured_output.request import StructuredOutputRequest
 from vllm_anatomy.structured_output.utils import apply_grammar_bitmask
 from tests.unit.core_utils import new_scheduler
 
@@ -75,10 +77,22 @@ def make_request(req_id: str, prompt_len: int = 4, choice: str | None = None, ma
                    SamplingParams(max_tokens=max_tokens, structured_outputs=so, eos_token_id=EOS))
 
 
+def so_request(request: Request) -> StructuredOutputRequest:
+    """The request's structured-output state (one made with a constraint has it)."""
+    assert request.structured_output_request is not None, f"{request.request_id} has no constraint"
+    return request.structured_output_request
+
+
+def backend_of(s: Scheduler) -> StructuredOutputBackend:
+    """The scheduler's grammar backend (made by the first grammar_init)."""
+    assert s.structured_output_manager.backend is not None, "no grammar_init yet"
+    return s.structured_output_manager.backend
+
+
 def add(s: Scheduler, request: Request) -> Request:
     """As EngineCore.preprocess_add_request + add_request: grammar_init, then queue."""
     s.structured_output_manager.grammar_init(request)
-    while request.use_structured_output and not request.structured_output_request.is_grammar_ready:
+    while request.use_structured_output and not so_request(request).is_grammar_ready:
         time.sleep(0.001)                                        # compiling (a few ms)
     s.add_request(request)
     return request

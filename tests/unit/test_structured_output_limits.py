@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from vllm_anatomy.exceptions import VLLMValidationError
 from vllm_anatomy.sampling_params import SamplingParams, StructuredOutputsParams
 from vllm_anatomy.structured_output import limits
 
@@ -30,7 +31,7 @@ def optional_properties(n: int, required: int = 0) -> dict:
 
 
 def refused(match: str, **constraint) -> None:
-    with pytest.raises(ValueError, match=match) as info:
+    with pytest.raises(VLLMValidationError, match=match) as info:
         verify(**constraint)
     assert info.value.parameter == "structured_outputs"
 

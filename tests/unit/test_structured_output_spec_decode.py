@@ -33,9 +33,11 @@ from vllm_anatomy.core.sched.output import GrammarOutput
 from vllm_anatomy.core.sched.scheduler import Scheduler
 from vllm_anatomy.engine.protocol import EngineCoreOutputs, FinishReason
 from vllm_anatomy.sampling_params import SamplingParams, StructuredOutputsParams
+from vllm_anatomy.structured_output.backend_xgrammar import XgrammarGrammar
 from vllm_anatomy.structured_output.utils import apply_grammar_bitmask
 from tests.unit.core_utils import new_scheduler
-from tests.unit.test_structured_output import EOS, VOCAB_SIZE, add, allowed, finishes, make_manager, output, tok
+from tests.unit.test_structured_output import (EOS, VOCAB_SIZE, add, allowed, finishes, make_manager, output,
+                                               so_request, tok)
 
 K = 3
 ALL = set(range(VOCAB_SIZE))
@@ -58,7 +60,8 @@ def make_request(req_id: str, regex: str | None = None) -> Request:
 
 def grammar_state(s: Scheduler, req_id: str) -> tuple[set[int], int, bool]:
     """What the request's grammar allows next, how many tokens it has taken, whether it ended."""
-    grammar = s.requests[req_id].structured_output_request.grammar
+    grammar = so_request(s.requests[req_id]).grammar
+    assert isinstance(grammar, XgrammarGrammar), grammar        # compiled, not failed
     mask = torch.zeros((1, 1), dtype=torch.int32)
     grammar.fill_bitmask(mask, 0)
     return allowed(mask.numpy()[0]), grammar.num_processed_tokens, grammar.is_terminated()

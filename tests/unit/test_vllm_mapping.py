@@ -26,6 +26,8 @@ from functools import lru_cache
 
 import pytest
 
+from tests.helpers import module_from_file
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DOC = os.path.join(REPO, "docs", "vllm-mapping.md")
 MANIFEST = os.path.join(REPO, "docs", "vllm-v0.27.1-symbols.json.gz")
@@ -388,9 +390,7 @@ def test_manifest_is_v0_27_1_and_small():
 
 
 def test_manifest_script_reads_symbols():
-    spec = importlib.util.spec_from_file_location("vllm_manifest", os.path.join(REPO, "scripts", "vllm_manifest.py"))
-    vm = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(vm)
+    vm = module_from_file("vllm_manifest", os.path.join(REPO, "scripts", "vllm_manifest.py"))
     src = ("import os\nX: int = 1\nA, B = 1, 2\nif os.name:\n    def f(): pass\n"
            "class C:\n    y: int\n    def m(self):\n        z = 1\n    class D: pass\n"
            "if TYPE_CHECKING:\n    from x import T\nelse:\n    T = object\n")
