@@ -45,7 +45,10 @@ METRICS = [
     ("time", "tok_s", "output tokens per second", "tok/s", False),
     ("memory", "peak_blocks", "KV blocks held at the peak", "blocks", None),
     ("memory", "peak_kv_mb", "KV memory at the peak", "MB", None),
-    ("memory", "pool_mb", "KV pool", "MB", None),
+    # NOTE: the pool as requests see it: num_gpu_blocks − 1 (block 0 is the null block, never allocated; the
+    # run header counts all num_gpu_blocks), so the label says which blocks it counts.
+    ("memory", "pool_blocks", "KV pool, usable blocks (num_gpu_blocks − 1: the null block left out)", "blocks", None),
+    ("memory", "pool_mb", "KV pool, usable blocks (one rank)", "MB", None),
     ("memory", "weights_mb", "weights (one rank)", "MB", None),
     ("memory", "rolled_back_slots", "KV slots written by rejected drafts, then rolled back", "slots", True),
     ("communication", "ranks", "tensor-parallel ranks", "", None),
@@ -264,6 +267,7 @@ def summary(path: str, steps: pd.DataFrame, reqs: list[dict]) -> dict:
         (cfg.get("cache_config") or {}).get("num_gpu_blocks_override")
     per_block = meta.get("kv_cache_bytes_per_block")
     if not steps.empty and blocks:
+        out["pool_blocks"] = int(blocks) - 1
         out["peak_blocks"] = int(round(float(steps["kv_usage"].max()) * (int(blocks) - 1)))
         if per_block:
             out["peak_kv_mb"] = out["peak_blocks"] * per_block / tp / 2 ** 20

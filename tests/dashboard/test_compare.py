@@ -219,3 +219,36 @@ def test_the_spec_pair_changes_one_knob_on_a_gpu_too():
     assert a["engine_args"]["speculative_config"] is None and b["engine_args"]["speculative_config"] == NGRAM_K3
     assert {k: v for k, v in a["engine_args"].items() if k != "speculative_config"} == \
         {k: v for k, v in b["engine_args"].items() if k != "speculative_config"}
+
+
+def test_the_kv_pool_reads_the_same_in_the_run_header_and_the_table(monkeypatch, tmp_path):
+    """Found at 1440x900: the run header said "KV blocks 18 (12.7 MB)" and the table "KV pool (MB) 11.95"
+    (the table leaves out the null block) with nothing saying why. The table now names the usable blocks,
+    and the header's tooltip says block 0 is the null block."""
+    from streamlit.testing.v1 import AppTest
+
+    from dashboard.components.run_header import header_fields
+    from dashboard.components.kv_memory import MB
+    from tests.dashboard.conftest import APP
+    pair = os.path.join(COMPARE_DIR, "cpu-chunk-size-a.sqlite")
+    if not os.path.exists(pair):
+        pytest.skip("no compare pairs shipped")
+    from vllm_anatomy.tracing.reader import open_run
+    with open_run(pair) as run:
+        meta = run.meta
+    blocks, per_block = meta["config"]["cache_config"]["num_gpu_blocks"], meta["kv_cache_bytes_per_block"]
+    kv = dict((label, (value, why)) for label, value, why in header_fields(meta))["KV blocks"]
+    assert kv[0].startswith(f"{blocks} ") and "null block" in kv[1], kv
+    monkeypatch.setenv("VLLM_ANATOMY_TRACE_DIR", str(tmp_path))
+    monkeypatch.setenv("VLLM_ANATOMY_SAMPLES_DIR", os.path.dirname(COMPARE_DIR))
+    at = AppTest.from_file(APP, default_timeout=120)
+    at.query_params.update({"page": "compare", "a": "cpu-chunk-size-a.sqlite", "b": "cpu-chunk-size-b.sqlite"})
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    table = at.table[0].value
+    rows = {m: r for m, r in zip(table["metric"], table.to_dict("records"))}
+    pool = [m for m in rows if m.startswith("KV pool")]
+    usable = next(m for m in pool if m.endswith("(blocks)"))
+    assert rows[usable]["A"] == str(blocks - 1) and "null block" in usable, rows[usable]
+    in_mb = next(m for m in pool if m.endswith("(MB)"))
+    assert "usable" in in_mb and rows[in_mb]["A"] == f"{(blocks - 1) * per_block / MB:.2f}", (in_mb, rows[in_mb])
