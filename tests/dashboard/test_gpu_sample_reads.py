@@ -158,3 +158,43 @@ def test_queue_chips_explain_computed_tokens_ahead_of_the_tokens(gpu, sample_app
     text = _text(sample_app("inspector", 3))
     assert "req 0 · 36/35+2 tok" in text and "36/35 tok" not in text
     assert "output placeholders" in text
+
+
+def _metric_charts(at) -> dict[str, dict]:
+    import json
+    return {json.loads(p.proto.spec)["layout"]["title"]["text"]: json.loads(p.proto.spec)["layout"]
+            for p in at.get("plotly_chart")}
+
+
+def test_metrics_cursor_caption_axes_and_pool(gpu, monkeypatch, tmp_path):
+    """Found at 1440x900: Metrics over time said "the dashed line is the cursor" with no step in the URL
+    and no line drawn; the bar chart's x-axis (autoranged to its bars) did not line up with the charts
+    beside it; and the KV chart's pool (num_gpu_blocks, the null block in) was not the pool its usage
+    is a share of (the usable blocks)."""
+    from streamlit.testing.v1 import AppTest
+
+    from dashboard.components.kv_memory import mb
+    monkeypatch.setenv("VLLM_ANATOMY_TRACE_DIR", str(tmp_path))
+    monkeypatch.setenv("VLLM_ANATOMY_SAMPLES_DIR", os.path.dirname(GPU_SAMPLE))
+    for step in (None, 30):
+        at = AppTest.from_file(APP, default_timeout=120)
+        at.query_params.update({"run": os.path.basename(GPU_SAMPLE), "page": "metrics",
+                                **({"step": str(step)} if step else {})})
+        at.run()
+        assert not at.exception, [e.value for e in at.exception]
+        captions = " ".join(c.value for c in at.caption)
+        charts = _metric_charts(at)
+        assert len(charts) == 5
+        ranges = {tuple(lay.get("xaxis", {}).get("range") or ()) for lay in charts.values()}
+        assert len(ranges) == 1 and len(next(iter(ranges))) == 2, ranges      # one x range for all five
+        assert len({(lay["margin"]["l"], lay["yaxis"].get("automargin")) for lay in charts.values()}) == 1
+        lines = [[s for s in lay.get("shapes", []) if s.get("type") == "line"] for lay in charts.values()]
+        if step is None:
+            assert "dashed line" not in captions and not any(lines), captions
+        else:
+            assert f"dashed line is the cursor (step {step})" in captions, captions
+            assert all(len(x) == 1 and x[0]["x0"] == step for x in lines), lines
+    kv = gpu.snap(gpu.steps[0])["scheduler"]["kv_cache"]
+    usable = kv["num_gpu_blocks"] - 1
+    title = next(t for t in charts if t.startswith("KV cache usage"))
+    assert f"{usable} usable blocks, {mb(usable * gpu.meta['kv_cache_bytes_per_block'])}" in title, title
