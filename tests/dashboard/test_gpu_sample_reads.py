@@ -198,3 +198,21 @@ def test_metrics_cursor_caption_axes_and_pool(gpu, monkeypatch, tmp_path):
     usable = kv["num_gpu_blocks"] - 1
     title = next(t for t in charts if t.startswith("KV cache usage"))
     assert f"{usable} usable blocks, {mb(usable * gpu.meta['kv_cache_bytes_per_block'])}" in title, title
+
+
+def test_journey_a_running_step_without_tokens_is_not_a_step_served(gpu, sample_app):
+    """Found at 1440x900: request 0 at step 9 of the H100 sample was RUNNING but not scheduled (async
+    scheduling: its 7 output tokens and 1 in flight reach max_tokens 8), yet it sat on the 'steps served'
+    lane, kind 'running', 0 tokens."""
+    import json
+    rec = gpu.snap(9)["scheduler"]["step_record"]
+    assert "0" not in {s["request_id"] for s in rec["scheduled"]}
+    at = sample_app("journey", 9, request="0")
+    fig = json.loads(at.get("plotly_chart")[0].proto.spec)
+    lanes = {t["name"]: [c[0] for c in t["customdata"]] for t in fig["data"] if t.get("name", "").startswith("steps ")}
+    assert 9 not in lanes["steps served"] and 9 in lanes["steps not scheduled"], lanes
+    assert 8 in lanes["steps served"]
+    row = at.dataframe[0].value.set_index("step").loc[9]
+    assert row["kind"] == "not scheduled" and row["status"] == "RUNNING", row
+    line = next(m.value for m in at.markdown if m.value.startswith(":material/arrow_right: **Step 9**"))
+    assert "running · running" not in line.lower() and "not scheduled" in line, line
