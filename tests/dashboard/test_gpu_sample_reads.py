@@ -216,3 +216,33 @@ def test_journey_a_running_step_without_tokens_is_not_a_step_served(gpu, sample_
     assert row["kind"] == "not scheduled" and row["status"] == "RUNNING", row
     line = next(m.value for m in at.markdown if m.value.startswith(":material/arrow_right: **Step 9**"))
     assert "running · running" not in line.lower() and "not scheduled" in line, line
+
+
+@pytest.mark.parametrize("run,step", [(os.path.basename(GPU_SAMPLE), 10), ("h100-smollm2-full-3proc.sqlite", 17)])
+def test_timeline_legend_gives_every_entry_its_own_colour(run, step, monkeypatch, tmp_path):
+    """Found at 1440x900 (H100 sample, the eager step 10's window): the legend gave update_from_output and
+    GPU.kernel.compute_slot_mapping one pink, _model_forward and GPU.kernel.unified_attention one blue, and
+    AsyncGPUModelRunnerOutput and OutputProcessor one grey, each as entries of their own."""
+    import json
+
+    from streamlit.testing.v1 import AppTest
+    if not os.path.exists(os.path.join(os.path.dirname(GPU_SAMPLE), run)):
+        pytest.skip(f"samples/{run} not shipped")
+    monkeypatch.setenv("VLLM_ANATOMY_TRACE_DIR", str(tmp_path))
+    monkeypatch.setenv("VLLM_ANATOMY_SAMPLES_DIR", os.path.dirname(GPU_SAMPLE))
+    at = AppTest.from_file(APP, default_timeout=120)
+    at.query_params.update({"run": run, "page": "timeline", "step": str(step)})
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    fig = next(json.loads(p.proto.spec) for p in at.get("plotly_chart") if "_bookkeeping_sync" in p.proto.spec)
+    # (the bars' entries: the sync point's ▼ may share _bookkeeping_sync's red, it is another shape)
+    entries = [(t["name"], t["marker"]["color"]) for t in fig["data"]
+               if t.get("showlegend") is not False and t["type"] == "bar"]
+    names = [n for n, _ in entries]
+    assert "GPU.kernel.compute_slot_mapping" in names and "update_from_output" in names, names
+    if run == os.path.basename(GPU_SAMPLE):
+        assert "GPU.kernel.unified_attention" in names and "_model_forward" in names, names
+    colours: dict[str, list[str]] = {}
+    for name, colour in entries:
+        colours.setdefault(str(colour).upper(), []).append(name)
+    assert all(len(v) == 1 for v in colours.values()), {c: v for c, v in colours.items() if len(v) > 1}
