@@ -246,3 +246,27 @@ def test_timeline_legend_gives_every_entry_its_own_colour(run, step, monkeypatch
     for name, colour in entries:
         colours.setdefault(str(colour).upper(), []).append(name)
     assert all(len(v) == 1 for v in colours.values()), {c: v for c, v in colours.items() if len(v) > 1}
+
+
+def test_processes_opens_on_a_step_that_shows_the_chain(gpu, monkeypatch, tmp_path):
+    """Found at 1440x900: Processes opened on the run's last step, which on a finished async run
+    schedules nothing (⑦–⑩ empty). With no step asked, it opens on the first step that admits a
+    request and runs a forward; a step in the URL is still the one shown."""
+    from streamlit.testing.v1 import AppTest
+    monkeypatch.setenv("VLLM_ANATOMY_TRACE_DIR", str(tmp_path))
+    monkeypatch.setenv("VLLM_ANATOMY_SAMPLES_DIR", os.path.dirname(GPU_SAMPLE))
+    shown = {}
+    for step in (None, gpu.steps[-1]):
+        at = AppTest.from_file(APP, default_timeout=120)
+        at.query_params.update({"run": os.path.basename(GPU_SAMPLE), "page": "processes",
+                                **({"step": str(step)} if step else {})})
+        at.run()
+        assert not at.exception, [e.value for e in at.exception]
+        shown[step] = at.selectbox(key="proc_step").value
+        chain = at.table[-1].value
+        rows = dict(zip(chain.index, chain["this run's spans"]))
+        if step is None:
+            assert all(rows[m] != "—" for m in "②③④⑤⑥⑦⑧⑩⑪"), rows
+    snap = gpu.snap(shown[None])["scheduler_output"]
+    assert snap["scheduled_new_reqs"] and snap["total_num_scheduled_tokens"] > 0
+    assert shown[gpu.steps[-1]] == gpu.steps[-1]
