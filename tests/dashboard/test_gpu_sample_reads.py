@@ -270,3 +270,19 @@ def test_processes_opens_on_a_step_that_shows_the_chain(gpu, monkeypatch, tmp_pa
     snap = gpu.snap(shown[None])["scheduler_output"]
     assert snap["scheduled_new_reqs"] and snap["total_num_scheduled_tokens"] > 0
     assert shown[gpu.steps[-1]] == gpu.steps[-1]
+
+
+def test_q4_counts_a_reuse_in_the_step_that_listed_the_free(gpu):
+    """Found by clicking Q4's "Show me" (step 10, KV cache tab, request 0): block 3 shows F A C — freed by
+    request 0, then allocated to request 7 in the same step — while the answer said the freed blocks were
+    first reused in step 13 (and block 3 in step 48). With async scheduling the free is drained into the
+    next step's events before its schedule() allocates: a reuse after the free event, in that step, counts."""
+    from dashboard.answers import q4_finish
+    events = gpu.events(10)
+    kinds = [(e["kind"], e.get("request_id")) for e in events]
+    assert kinds.index(("free", "0")) < kinds.index(("allocate", "7"))
+    assert 3 in next(e for e in events if e["kind"] == "allocate")["block_ids"]
+    a = q4_finish.answer(gpu, 10, "0")
+    assert a.facts["free_step"] == 10 and a.facts["reused"][3] == 10, a.facts["reused"]
+    assert "first in **step 10**" in a.summary, a.summary
+    assert a.show_me[1].step == 10 and "block 3 reused by request 7" in a.show_me[1].label, a.show_me
