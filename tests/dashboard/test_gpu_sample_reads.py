@@ -286,3 +286,13 @@ def test_q4_counts_a_reuse_in_the_step_that_listed_the_free(gpu):
     assert a.facts["free_step"] == 10 and a.facts["reused"][3] == 10, a.facts["reused"]
     assert "first in **step 10**" in a.summary, a.summary
     assert a.show_me[1].step == 10 and "block 3 reused by request 7" in a.show_me[1].label, a.show_me
+
+
+def test_kv_pool_usage_says_which_blocks_it_is_a_share_of(gpu, sample_app):
+    """Found on Q1's "Show me" page (step 48, KV cache tab): "usage 87% ... pool 8.44 MB, in use 7.03 MB",
+    and 7.03 / 8.44 is 83%: usage is a share of the usable blocks (the null block left out), the pool of all."""
+    kv = gpu.snap(48)["scheduler"]["kv_cache"]
+    used = kv["num_gpu_blocks"] - kv["num_free_blocks"] - 1
+    at = sample_app("inspector", 48, tab="KV cache")
+    line = next(m.value for m in at.markdown if m.value.startswith("**KV block pool**"))
+    assert f"usage **{kv['usage']:.0%}** ({used} of {kv['num_gpu_blocks'] - 1} usable blocks)" in line, line
