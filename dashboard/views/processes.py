@@ -191,7 +191,6 @@ def main() -> None:
         return
     if ss.get("cursor") is None:
         ss.cursor = opening_step(src, steps)
-    idx = state.cursor_index(steps)
     lay_single = set(src.pids) <= {"frontend"}
     if lay_single:
         st.info(f"**One process** (pid {', '.join(map(str, sorted(src.pids.get('frontend', []))))}): this run was "
@@ -208,7 +207,8 @@ def main() -> None:
                 "in collectives (GroupCoordinator.all_reduce: the thin dark row under each rank's forward); only "
                 "rank 0 answers.", icon=":material/info:")
     c1, c2, c3 = st.columns([3, 1, 1], vertical_alignment="bottom")
-    step = c1.selectbox("step", steps, index=idx, key="proc_step", format_func=lambda s: f"step {s}",
+    state.pick_on_cursor("proc_step", steps)
+    step = c1.selectbox("step", steps, key="proc_step", format_func=lambda s: f"step {s}",
                         on_change=lambda: state.goto(int(ss.proc_step)))
     admits = [s for s in steps if ((src.snap(s) or {}).get("scheduler_output") or {}).get("scheduled_new_reqs")]
     nxt = next((s for s in admits if s > step), None)

@@ -253,7 +253,8 @@ def main() -> None:
     else:
         _eager_step_button(df, steps_df, flags)
     c1, c2 = st.columns([1, 3], vertical_alignment="bottom")
-    pick = c1.selectbox("Open step", steps, index=state.cursor_index(steps), key="tl_pick")
+    state.pick_on_cursor("tl_pick", steps)
+    pick = c1.selectbox("Open step", steps, key="tl_pick")
     c2.button("Open in the step inspector", key="tl_open", icon=":material/search:", on_click=open_view,
               args=("inspector", pick))
     code_ref("vllm_anatomy/engine/core.py", "EngineCore.step → Scheduler.schedule, Executor.execute_model, "

@@ -296,3 +296,25 @@ def test_kv_pool_usage_says_which_blocks_it_is_a_share_of(gpu, sample_app):
     at = sample_app("inspector", 48, tab="KV cache")
     line = next(m.value for m in at.markdown if m.value.startswith("**KV block pool**"))
     assert f"usage **{kv['usage']:.0%}** ({used} of {kv['num_gpu_blocks'] - 1} usable blocks)" in line, line
+
+
+def test_step_pickers_follow_the_cursor_when_a_button_moves_it(gpu, sample_app):
+    """Found by clicking: Processes' "next arrival →" moved the URL to the next arrival step while its
+    step picker (a keyed selectbox keeps its own value) and so the chart and tables stayed on the old step;
+    a hop clicked then opened the old step. The Timeline's "Open step" picker likewise stayed on step 5
+    after "Show an eager step (step 10)" moved the cursor."""
+    admits = [s for s in gpu.steps if (gpu.snap(s) or {}).get("scheduler_output", {}).get("scheduled_new_reqs")]
+    nxt = next(s for s in admits if s > 1)
+    at = sample_app("processes", 1)
+    assert at.selectbox(key="proc_step").value == 1
+    at.button(key="proc_next_arrival").click().run()
+    assert at.session_state["cursor"] == nxt
+    assert at.selectbox(key="proc_step").value == nxt, (nxt, at.selectbox(key="proc_step").value)
+    at.selectbox(key="proc_step").set_value(30).run()          # the picker itself still moves the cursor
+    assert at.session_state["cursor"] == 30 and at.selectbox(key="proc_step").value == 30
+    tl = sample_app("timeline", 5)
+    assert tl.selectbox(key="tl_pick").value == 5
+    tl.button(key="tl_eager").click().run()
+    assert tl.session_state["cursor"] == 10 and tl.selectbox(key="tl_pick").value == 10
+    tl.selectbox(key="tl_pick").set_value(40).run()            # a pick of its own is kept until the cursor moves
+    assert tl.selectbox(key="tl_pick").value == 40
