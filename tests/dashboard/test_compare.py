@@ -248,7 +248,15 @@ def test_the_kv_pool_reads_the_same_in_the_run_header_and_the_table(monkeypatch,
     table = at.table[0].value
     rows = {m: r for m, r in zip(table["metric"], table.to_dict("records"))}
     pool = [m for m in rows if m.startswith("KV pool")]
-    usable = next(m for m in pool if m.endswith("(blocks)"))
+    usable = next(m for m in pool if m.startswith("KV pool, usable blocks (num_gpu_blocks"))
     assert rows[usable]["A"] == str(blocks - 1) and "null block" in usable, rows[usable]
     in_mb = next(m for m in pool if m.endswith("(MB)"))
     assert "usable" in in_mb and rows[in_mb]["A"] == f"{(blocks - 1) * per_block / MB:.2f}", (in_mb, rows[in_mb])
+
+
+def test_a_delta_of_thousands_is_not_written_in_e_notation():
+    """Found on the cpu-max-num-seqs pair at 1440x900: the TTFT row's Δ B − A read '-2.55e+03' (ms)."""
+    assert cmp.delta_text(-2552.4) == "-2,552"
+    assert cmp.delta_text(-979.2) == "-979" and cmp.delta_text(4.72) == "+4.72"
+    assert cmp.delta_text(-0.0595) == "-0.0595" and cmp.delta_text(0) == "0" and cmp.delta_text(None) == "—"
+    assert cmp.delta_text(12345678) == "+12,345,678" and "e" not in cmp.delta_text(1.5e-5)
