@@ -360,7 +360,7 @@ def fmt(v, unit: str = "") -> str:
 
 def value_text(knob: Knob | None, v) -> str:
     if knob is not None and knob.arg == "enforce_eager" and isinstance(v, bool):
-        return "off (eager)" if v else "on"
+        return "on (eager: CUDA graphs off)" if v else "off (CUDA graphs on)"
     if knob is not None and knob.arg == "speculative_config":
         return spec_text(spec_value(v))
     return fmt(v)

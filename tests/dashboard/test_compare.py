@@ -260,3 +260,18 @@ def test_a_delta_of_thousands_is_not_written_in_e_notation():
     assert cmp.delta_text(-979.2) == "-979" and cmp.delta_text(4.72) == "+4.72"
     assert cmp.delta_text(-0.0595) == "-0.0595" and cmp.delta_text(0) == "0" and cmp.delta_text(None) == "—"
     assert cmp.delta_text(12345678) == "+12,345,678" and "e" not in cmp.delta_text(1.5e-5)
+
+
+def test_enforce_eager_reads_as_its_own_value():
+    """Found on the h100-cuda-graphs pair at 1440x900: run A (CUDA graphs NONE, enforce_eager True) was
+    headed "`enforce_eager` = off (eager)" and run B (graphs on) "`enforce_eager` = on": the words were
+    the graphs' state under the argument's name."""
+    k = cmp.BY_ARG["enforce_eager"]
+    assert cmp.value_text(k, True) == "on (eager: CUDA graphs off)"
+    assert cmp.value_text(k, False) == "off (CUDA graphs on)"
+    pair = os.path.join(COMPARE_DIR, "h100-cuda-graphs-a.sqlite")
+    if os.path.exists(pair):
+        from vllm_anatomy.tracing.reader import open_run
+        with open_run(pair) as a, open_run(pair.replace("-a.", "-b.")) as b:
+            [(knob, va, vb)] = cmp.knob_of(a.meta, b.meta)
+        assert knob is k and cmp.value_text(k, va).startswith("on") and cmp.value_text(k, vb).startswith("off")
