@@ -318,3 +318,14 @@ def test_step_pickers_follow_the_cursor_when_a_button_moves_it(gpu, sample_app):
     assert tl.session_state["cursor"] == 10 and tl.selectbox(key="tl_pick").value == 10
     tl.selectbox(key="tl_pick").set_value(40).run()            # a pick of its own is kept until the cursor moves
     assert tl.selectbox(key="tl_pick").value == 40
+
+
+def test_eager_vs_graph_line_names_the_async_sync_point(gpu, sample_app):
+    """Found after "Show an eager step (step 10)" on the Timeline: under async scheduling the line said the
+    graph replay "runs ahead and waits at `_bookkeeping_sync` (0.00 ms)" right below the note that nothing
+    waits there any more (the wait is AsyncGPUModelRunnerOutput.get_output's, 0.011 ms at step 10)."""
+    assert gpu.meta["config"]["scheduler_config"]["async_scheduling"]
+    at = sample_app("timeline", 10)
+    line = next(m.value for m in at.markdown if m.value.startswith("**Eager vs CUDA graph replay:**"))
+    assert "`_bookkeeping_sync`" not in line and "`AsyncGPUModelRunnerOutput.get_output`" in line, line
+    assert "waits 0.01 ms" in line, line          # step 10's own get_output wait (0.0115 ms)
