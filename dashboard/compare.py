@@ -45,7 +45,10 @@ METRICS = [
     ("time", "tok_s", "output tokens per second", "tok/s", False),
     ("memory", "peak_blocks", "KV blocks held at the peak", "blocks", None),
     ("memory", "peak_kv_mb", "KV memory at the peak", "MB", None),
-    ("memory", "pool_mb", "KV pool", "MB", None),
+    # NOTE: the pool as requests see it: num_gpu_blocks − 1 (block 0 is the null block, never allocated; the
+    # run header counts all num_gpu_blocks), so the label says which blocks it counts.
+    ("memory", "pool_blocks", "KV pool, usable blocks (num_gpu_blocks − 1: the null block left out)", "", None),
+    ("memory", "pool_mb", "KV pool, usable blocks (one rank)", "MB", None),
     ("memory", "weights_mb", "weights (one rank)", "MB", None),
     ("memory", "rolled_back_slots", "KV slots written by rejected drafts, then rolled back", "slots", True),
     ("communication", "ranks", "tensor-parallel ranks", "", None),
@@ -264,6 +267,7 @@ def summary(path: str, steps: pd.DataFrame, reqs: list[dict]) -> dict:
         (cfg.get("cache_config") or {}).get("num_gpu_blocks_override")
     per_block = meta.get("kv_cache_bytes_per_block")
     if not steps.empty and blocks:
+        out["pool_blocks"] = int(blocks) - 1
         out["peak_blocks"] = int(round(float(steps["kv_usage"].max()) * (int(blocks) - 1)))
         if per_block:
             out["peak_kv_mb"] = out["peak_blocks"] * per_block / tp / 2 ** 20
@@ -356,7 +360,7 @@ def fmt(v, unit: str = "") -> str:
 
 def value_text(knob: Knob | None, v) -> str:
     if knob is not None and knob.arg == "enforce_eager" and isinstance(v, bool):
-        return "off (eager)" if v else "on"
+        return "on (eager: CUDA graphs off)" if v else "off (CUDA graphs on)"
     if knob is not None and knob.arg == "speculative_config":
         return spec_text(spec_value(v))
     return fmt(v)
@@ -370,6 +374,19 @@ def quality(key: str, d: float) -> str | None:
     """"better" / "worse" for a move of metric `key` by d, None where neither direction is better."""
     lower = LOWER.get(key)
     return None if lower is None or d == 0 else ("better" if (d < 0) == lower else "worse")
+
+
+def delta_text(d: float | None) -> str:
+    """B − A as the table writes it: three significant digits, never e-notation ('-2,552', not
+    '-2.55e+03': a learner reads milliseconds, not exponents)."""
+    if d is None:
+        return "—"
+    if d == 0:
+        return "0"
+    if abs(d) >= 1000:
+        return f"{d:+,.0f}"
+    text = f"{d:+.3g}"
+    return text if "e" not in text else f"{d:+.6f}".rstrip("0").rstrip(".")
 
 
 def change_text(rel: float) -> str:

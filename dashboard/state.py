@@ -276,6 +276,20 @@ def cursor_index(steps: list[int]) -> int:
     return steps.index(cur)
 
 
+def pick_on_cursor(key: str, steps: list[int]) -> None:
+    """Put the keyed step picker `key` (a selectbox over `steps`, made right after) on the cursor
+    whenever the cursor moved since it last did (a button, a chart click, a link).
+
+    NOTE: a keyed widget keeps its own value across reruns and ignores a new `index`, so without
+    this a picker stays on the old step while the URL and the cursor show another. A step picked
+    in the widget itself is kept until the cursor moves again."""
+    cur = steps[cursor_index(steps)]
+    mark = f"_{key}_on"
+    if ss.get(mark) != cur or ss.get(key) not in steps:
+        ss[key] = cur
+        ss[mark] = cur
+
+
 def move(steps: list[int], delta: int) -> None:
     """Callback: move the cursor by delta steps (stops playing at either end)."""
     idx = cursor_index(steps) + delta

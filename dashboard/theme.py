@@ -50,7 +50,7 @@ SPAN_COLORS = {"EngineCore": "#4A6FA5", "Scheduler": "#E69F00", "Executor": "#8C
                "GPU.kernel.reshape_and_cache": "#6A3D9A",
                "GPU.kernel.fused_qk_norm_rope_kvcache": "#6A3D9A",   # Qwen3's fused q/k norm + RoPE + KV write
                "GPU.kernel.fused_rope_kvcache": "#6A3D9A",           # Llama's fused RoPE + KV write
-               "GPU.kernel.compute_slot_mapping": "#CC79A7",
+               "GPU.kernel.compute_slot_mapping": "#999933",     # olive: update_from_output has the pink
                "GPU.kernel": "#7F7F7F",
                "drafter": "#C71585"}       # speculative decoding's draft model: its phase and forwards
 CUDAGRAPH_COLORS = {"FULL": "#2E9E5B", "PIECEWISE": "#7BAF3A", "NONE": "#8E8E8E"}

@@ -111,11 +111,18 @@ def _facts(src: RunSource, step: int, req: str) -> dict | None:
     freed = [r["block"] for r, e in zip(rows, ends) if e]
     shared = [r["block"] for r, e in zip(rows, ends) if not e]
     # Later: the first hit / allocate touching each freed block.
+    # NOTE: from the free event on, in fstep itself too: with async scheduling the free (the previous
+    # step's update_from_output) is drained into the events of a step whose schedule() then allocates,
+    # so a freed block can be handed out again in the very step that lists its free.
     reused = {}
     for s in src.steps:
-        if s <= fstep:
+        if s < fstep:
             continue
-        for e in src.events(s):
+        evs = src.events(s)
+        if s == fstep:
+            at = next((i for i, e in enumerate(evs) if e is ev or e == ev), len(evs))
+            evs = evs[at + 1:]
+        for e in evs:
             if e["kind"] in ("hit", "allocate"):
                 for b in e["block_ids"]:
                     if b in freed and b not in reused:

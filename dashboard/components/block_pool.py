@@ -87,11 +87,13 @@ def block_pool(kv: dict, events: list[dict], prev_kv: dict | None, per_block: in
     sparse = kv.get("sparse", False)
     hashed = "" if sparse else f" (of which {n_cached} still hashed = prefix-cache hits until evicted)"
     total = kv["num_gpu_blocks"]
-    used = total - kv["num_free_blocks"] - (1 if any(b["is_null"] for b in blocks) else 0)
+    # NOTE: usage is BlockPool.get_usage: a share of the usable blocks (num_gpu_blocks − 1, block 0 is the
+    # null block), while "pool" counts all of them: the line says which, or in use / pool ≠ usage.
+    used = total - kv["num_free_blocks"] - 1
     size = (f" · one block = {mb(per_block)} (K and V of {kv['block_size']} tokens in every layer), pool "
             f"{mb(total * per_block)}, in use {mb(max(used, 0) * per_block)}" if per_block else "")
     st.markdown(f"**KV block pool** · {kv['num_gpu_blocks']} blocks × {kv['block_size']} tokens · usage "
-                f"**{kv['usage']:.0%}** · free {kv['num_free_blocks']}{hashed} · "
+                f"**{kv['usage']:.0%}** ({max(used, 0)} of {total - 1} usable blocks) · free {kv['num_free_blocks']}{hashed} · "
                 f"prefix caching {'on' if kv['enable_caching'] else 'off'}{size}")
     if sparse:
         st.caption(f"A GPU-sized pool: this step's snapshot lists only the {len(blocks)} blocks it touched, "

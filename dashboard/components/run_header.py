@@ -79,7 +79,8 @@ def header_fields(meta: dict, name: str | None = None, mr: dict | None = None) -
         ("TP", None if tp is None else str(tp), "tensor-parallel size (parallel_config.tensor_parallel_size)"),
         ("block size", None if _get(cfg, "cache_config", "block_size") is None
          else f"{_get(cfg, 'cache_config', 'block_size')} tokens", "tokens per KV-cache block (cache_config.block_size)"),
-        ("KV blocks", kv, "cache_config.num_gpu_blocks, and their size: K and V of every layer"),
+        ("KV blocks", kv, "cache_config.num_gpu_blocks, and their size: K and V of every layer. Block 0 is the "
+                          "null block (never allocated): requests hold the other num_gpu_blocks − 1"),
         ("token budget", None if budget is None else f"{budget:,} / step",
          "scheduler_config.max_num_batched_tokens: tokens scheduled per step at most"),
         ("max_num_seqs", None if _get(cfg, "scheduler_config", "max_num_seqs") is None

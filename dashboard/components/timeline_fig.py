@@ -18,11 +18,13 @@ Every bar carries [step id] as customdata: a click opens that step (views/timeli
 """
 from __future__ import annotations
 
+from collections.abc import Set as AbstractSet
+
 import pandas as pd
 import plotly.graph_objects as go
 
 from dashboard.components.device_lane import bar_label, family, hover_text
-from dashboard.theme import FONT_PX, INK, MIN_FONT_PX, span_color, style_figure
+from dashboard.theme import FONT_PX, INK, MIN_FONT_PX, span_color, style_figure, text_on
 
 SYNC = "GPUModelRunner._bookkeeping_sync"
 # NOTE: with async scheduling the wait moves out of _bookkeeping_sync: the sampled ids are
@@ -35,12 +37,16 @@ MAIN_SPANS = {"Scheduler.schedule": "Scheduler.schedule", "GPUModelRunner._updat
               "GPUModelRunner._prepare_inputs": "_prepare_inputs", "GPUModelRunner._model_forward": "_model_forward",
               "GPUModelRunner._bookkeeping_sync": "_bookkeeping_sync",
               "Scheduler.update_from_output": "update_from_output"}
+# NOTE: no device-lane colour (theme.SPAN_COLORS) repeats one of these: the legend shows both, and two
+# entries of one colour cannot be told apart (_model_forward is indigo: attention kernels are blue).
 MAIN_COLORS = {"Scheduler.schedule": "#E69F00", "GPUModelRunner._update_states": "#56B4E9",
-               "GPUModelRunner._prepare_inputs": "#009E73", "GPUModelRunner._model_forward": "#0072B2",
+               "GPUModelRunner._prepare_inputs": "#009E73", "GPUModelRunner._model_forward": "#332288",
                "GPUModelRunner._bookkeeping_sync": "#C8404F", "Scheduler.update_from_output": "#CC79A7"}
-# Every other host span: grey by class (the main spans carry the colour).
+# Every other host span: grey by class (the main spans carry the colour), under one legend entry;
+# a class not listed here (OutputProcessor, AsyncGPUModelRunnerOutput, MPClient, ...) gets OTHER_GREY.
 OTHER_COLORS = {"EngineCore": "#5F6B7A", "Executor": "#A7A7A7", "Worker": "#BDBDBD",
                 "GPUModelRunner": "#CFCFCF", "KVCacheManager": "#8F8F8F", "Scheduler": "#B0A48A"}
+OTHER_GREY = "#9A9A9A"
 ROW_PX = 26
 LABEL_PX = 19          # one staircase label line
 LEVELS = {"phases": 0, "layers": 1, "kernels": 2}
@@ -53,11 +59,16 @@ def _group(r) -> str:
     return r["family"]
 
 
-def _color(group: str) -> str:
+def _is_other(group: str, device_groups: AbstractSet[str]) -> bool:
+    """A host span's class outside the main spans: grey, under the one "other spans" legend entry."""
+    return group not in MAIN_SPANS and group not in device_groups
+
+
+def _color(group: str, device_groups: AbstractSet[str]) -> str:
     if group in MAIN_COLORS:
         return MAIN_COLORS[group]
-    if group in OTHER_COLORS:
-        return OTHER_COLORS[group]
+    if group in OTHER_COLORS or _is_other(group, device_groups):
+        return OTHER_COLORS.get(group, OTHER_GREY)
     return span_color(group)
 
 
@@ -140,19 +151,20 @@ def timeline_figure(df: pd.DataFrame, t0_ns: int, cursor: int | None) -> go.Figu
 def _add_span_bars(fig: go.Figure, df: pd.DataFrame) -> None:
     """One bar trace per span group: the main spans by name, the rest grey under one legend entry."""
     order = list(MAIN_SPANS) + sorted(set(df["group"]) - set(MAIN_SPANS))
-    others = [g for g in order if g in OTHER_COLORS]
+    device_groups = set(df.loc[df["lane"] == "device", "group"])
+    others = [g for g in order if _is_other(g, device_groups)]
     for grp in order:
         g = df[df["group"] == grp]
         if g.empty:
             continue
         main = grp in MAIN_SPANS
-        color = _color(grp)
+        color = _color(grp, device_groups)
         # The grey spans share one legend entry (their names are in the bars and the hover).
         legend = dict(legendgroup="other", showlegend=grp == next((o for o in others if (df["group"] == o).any()), None),
-                      name="other spans (grey, by class)") if grp in OTHER_COLORS else dict(name=MAIN_SPANS.get(grp, grp))
+                      name="other spans (grey, by class)") if grp in others else dict(name=MAIN_SPANS.get(grp, grp))
         fig.add_bar(y=g["row"].tolist(), x=g["dur_ms"].tolist(), base=g["start_ms"].tolist(), orientation="h",
                     **legend, width=0.85, textposition="inside", insidetextanchor="start",
-                    textfont=dict(color="white" if color in ("#0072B2", "#C8404F", "#5F6B7A") else INK),
+                    textfont=dict(color=text_on(color)),
                     marker=dict(color=color, line=dict(color="white", width=0.5 if not grp.startswith("GPU.") else 0)),
                     legendrank=1 if main else 2,
                     customdata=[[int(s) if pd.notna(s) else -1] for s in g["step_id"]],

@@ -223,7 +223,7 @@ def _table(a: dict, b: dict) -> pd.DataFrame:
             ("better" if (d < 0) == lower else "worse")
         rows.append({"account": cmp.ACCOUNT_TITLES[account], "metric": label + (f" ({unit})" if unit else ""),
                      "A": cmp.fmt(a.get(key)), "B": cmp.fmt(b.get(key)),
-                     "Δ B − A": "—" if d is None else ("0" if d == 0 else f"{d:+,.3g}"),
+                     "Δ B − A": cmp.delta_text(d),
                      "change": "—" if rel is None else cmp.change_text(rel)
                      + (f" · {better}" if better else "")})
     return pd.DataFrame(rows)

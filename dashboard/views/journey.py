@@ -52,7 +52,10 @@ def life_steps(records: dict[int, dict], statuses: dict[int, str], req: str, tok
         if s is not None:
             kind, n, frm, blocks = s["kind"], s["num_tokens"], s["num_computed_tokens_before"], str(s["new_block_ids"])
         else:
-            kind, n, frm, blocks, tok = ("preempted" if pre else (status or "?").lower()), 0, None, "", None
+            # NOTE: RUNNING without a scheduled entry: it holds its blocks but got no token this step
+            # (the budget ran out, or under async scheduling its tokens in flight reach max_tokens).
+            why = "not scheduled" if status == "RUNNING" else (status or "?").lower()
+            kind, n, frm, blocks, tok = ("preempted" if pre else why), 0, None, "", None
         if status is None and s is not None and last_seen is not None and step_id > last_seen:
             status = "finished"         # served, then gone from the queues: it finished in this step
         rows.append({"step": step_id, "time_ns": rec.get("time_ns"), "status": status or "—", "kind": kind,
@@ -80,7 +83,7 @@ def _thin(xs: list[float], min_gap: float, first: int | None = None) -> list[boo
 def journey_figure(req: dict | None, life: pd.DataFrame, req_id: str, cursor: int | None) -> go.Figure:
     t0 = req["start_ns"] if req else int(life["time_ns"].dropna().min())
     fig = go.Figure()
-    lane_req, lane_run, lane_wait = "frontend · llm_request", "engine · steps served", "engine · steps waiting"
+    lane_req, lane_run, lane_wait = "frontend · llm_request", "engine · steps served", "engine · steps not scheduled"
     if req:
         fig.add_bar(y=[lane_req], x=[(req["end_ns"] - t0) / 1e6], base=[0], orientation="h",
                     marker_color=request_color(req_id), marker_opacity=0.35, width=0.5, name="llm_request span",
@@ -96,8 +99,7 @@ def journey_figure(req: dict | None, life: pd.DataFrame, req_id: str, cursor: in
         x = ((timed["time_ns"] - t0) / 1e6).tolist()
         end = (req["end_ns"] - t0) / 1e6 if req else 0.0
         rng = (max(x + [end]) - min(x + [0.0])) or 1.0
-        run = [k not in ("waiting", "preempted") and s not in ("WAITING", "PREEMPTED")
-               for k, s in zip(timed["kind"], timed["status"])]
+        run = [n > 0 and s not in ("WAITING", "PREEMPTED") for n, s in zip(timed["tokens"], timed["status"])]
         for served, lane in ((True, lane_run), (False, lane_wait)):
             part = timed[[r == served for r in run]]
             if part.empty:
@@ -113,7 +115,7 @@ def journey_figure(req: dict | None, life: pd.DataFrame, req_id: str, cursor: in
                                         line=dict(width=2 if not served else 0, color=colors)),
                             customdata=[[int(s), req_id, k, st_] for s, k, st_ in
                                         zip(part["step"], part["kind"], part["status"])],
-                            name="steps served" if served else "steps waiting", showlegend=False,
+                            name="steps served" if served else "steps not scheduled", showlegend=False,
                             hovertemplate="step %{customdata[0]}: %{customdata[3]} · %{customdata[2]}"
                                           "<extra>click: open in the inspector</extra>")
         if cursor is not None and cursor in set(timed["step"]):
@@ -172,7 +174,10 @@ def _cursor_line(life: pd.DataFrame, req_id: str, cursor: int | None) -> None:
     if not here.empty:
         r = here.iloc[0]
         what = {"preempted": "preempted in this step: its KV blocks were freed, it waits (PREEMPTED) to be recomputed",
-                "waiting": "waiting: not admitted yet", "finished": "served for the last time: it finished"}
+                "waiting": "waiting: not admitted yet", "finished": "served for the last time: it finished",
+                "not scheduled": "RUNNING but not scheduled: it keeps its KV blocks and gets no token this step "
+                                 "(no token budget was left for it, or, with async scheduling, its tokens in flight "
+                                 "already reach max_tokens)"}
         line = what.get(r["kind"]) or what.get(str(r["status"])) or f"{r['status']} · {r['kind']}, {r['tokens']} tokens"
         st.markdown(f":material/arrow_right: **Step {cursor}** (the cursor, marked on the chart): req {req_id} — "
                     f"{line}.")
@@ -191,7 +196,8 @@ def _life_table(life: pd.DataFrame, cursor: int | None) -> None:
                  column_config={"status": st.column_config.TextColumn(help="WAITING / RUNNING / PREEMPTED after the "
                                                                       "step; finished = its last step"),
                                 "kind": st.column_config.TextColumn(help="how it was served: prefill_chunk, "
-                                                                    "final_prefill_chunk, decode, resumed; or why not"),
+                                                                    "final_prefill_chunk, decode, resumed; or why not: "
+                                                                    "waiting, preempted, not scheduled"),
                                 "sampled": st.column_config.NumberColumn(help="the token id it sampled this step")})
 
 
@@ -256,7 +262,8 @@ def main() -> None:
     _pick_step(life, req_id)
     cursor = ss.get("cursor")
     st.caption("Top: the request's span in the frontend and its events; middle: the steps that served it (filled, "
-               "coloured by chunk kind); bottom: the steps it waited (open squares: yellow WAITING, red PREEMPTED). "
+               "coloured by chunk kind); bottom: the steps it was not scheduled (open squares: yellow WAITING, red "
+               "PREEMPTED, grey RUNNING but given no token). "
                "**Click a step to open it in the Step inspector.**")
     st.plotly_chart(journey_figure(req, life, req_id, cursor), width="stretch", key="journey_fig",
                     on_select=on_click_open("journey_fig", "inspector", with_request=True), selection_mode="points",

@@ -85,9 +85,11 @@ def _strip_body(samples: list[dict], primary: bool) -> None:
             st.markdown("**2 · Open a recorded run**  \nPick any run of the trace directory in the sidebar "
                         "(no GPU sample ships with this checkout).")
     _card_three(c3, samples, gpu)
-    st.page_link("views/compare.py", label="Trade-offs: compare two runs — the same prompts with one knob changed "
-                 "(batch size, chunk size, prefix caching, async scheduling, CUDA graphs, TP, speculative decoding), side by side",
+    # NOTE: a page link's label is one line, clipped where the column ends: the knobs go in a caption.
+    st.page_link("views/compare.py", label="Trade-offs: compare two runs, side by side",
                  icon=":material/compare_arrows:")
+    st.caption("The same prompts with one knob changed: batch size, chunk size, prefix caching, async scheduling, "
+               "CUDA graphs, TP, speculative decoding.")
 
 
 def _card_three(c3, samples: list[dict], gpu: dict | None) -> None:

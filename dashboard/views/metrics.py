@@ -15,6 +15,7 @@ from dashboard.components.nav import on_click_open
 from dashboard.theme import KIND_COLORS, STATUS_COLORS, style_figure
 
 MAX_POINTS = 2000
+Y_LABEL_PX = 48        # the left margin of every chart: room for its y-axis labels, the same for all
 
 
 def downsample(df: pd.DataFrame) -> pd.DataFrame:
@@ -57,7 +58,26 @@ def _hover(fmt: str = "%{y}") -> str:
     return "step %{x}: " + fmt + "<extra>%{fullData.name} · click: open this step</extra>"
 
 
-def figures(d: pd.DataFrame, cursor: int | None, pool_bytes: int | None = None) -> list[tuple[str, go.Figure]]:
+def x_range(d: pd.DataFrame) -> list[float]:
+    """The x range every chart shares: its bars' half-step margin on either side.
+
+    NOTE: set on all five, not autoranged: a bar chart pads its range by half a bar, a line chart
+    with markers by a few percent, so the charts side by side would not line up step for step. The
+    y-axis labels get one fixed width (Y_LABEL_PX) for the same reason: "100%" is wider than "6"."""
+    lo, hi = float(d["step"].min()), float(d["step"].max())
+    pad = max(0.5, (hi - lo) * 0.01)
+    return [lo - pad, hi + pad]
+
+
+def cursor_caption(cursor: int | None) -> str:
+    """The caption over the charts: the dashed line only where there is a cursor to draw."""
+    line = "" if cursor is None else f"; the dashed line is the cursor (step {cursor})"
+    return f"One point per step{line}. **Click a point or bar to open that step in the Step inspector.**"
+
+
+def figures(d: pd.DataFrame, cursor: int | None, pool_bytes: int | None = None,
+            pool_blocks: int | None = None) -> list[tuple[str, go.Figure]]:
+    """pool_bytes: the usable pool's bytes (pool_blocks of them: num_gpu_blocks − the null block)."""
     tok = _fig("Batch tokens per step")
     cd = _steps(d)
     tok.add_bar(x=d["step"], y=d["prefill_tokens"], name="prefill", marker_color=KIND_COLORS["final_prefill_chunk"],
@@ -70,7 +90,8 @@ def figures(d: pd.DataFrame, cursor: int | None, pool_bytes: int | None = None) 
                   customdata=cd, mode="lines+markers", marker=dict(size=5), hovertemplate=_hover())
     q.add_scatter(x=d["step"], y=d["waiting"], name="waiting", line=dict(color=STATUS_COLORS["WAITING"], shape="hv"),
                   customdata=cd, mode="lines+markers", marker=dict(size=5), hovertemplate=_hover())
-    kv = _fig("KV cache usage and prefix-cache hit rate" + (f" (pool: {mb(pool_bytes)})" if pool_bytes else ""))
+    kv = _fig("KV cache usage and prefix-cache hit rate"
+              + (f" (pool: {pool_blocks} usable blocks, {mb(pool_bytes)})" if pool_bytes else ""))
     usage_mb = [mb(u * pool_bytes) for u in d["kv_usage"]] if pool_bytes else [""] * len(d)
     kv.add_scatter(x=d["step"], y=d["kv_usage"], name="KV usage", fill="tozeroy", line=dict(color="#4A6FA5"),
                    customdata=[[c[0], m] for c, m in zip(cd, usage_mb)], mode="lines+markers", marker=dict(size=4),
@@ -87,7 +108,11 @@ def figures(d: pd.DataFrame, cursor: int | None, pool_bytes: int | None = None) 
     thr.add_scatter(x=d["step"], y=d["throughput"], name="tokens/s", line=dict(color="#009E73"), customdata=cd,
                     mode="lines+markers", marker=dict(size=4), hovertemplate=_hover("%{y:,.0f} tokens/s"))
     out = [("tokens", tok), ("queues", q), ("kv", kv), ("preemptions", pre), ("throughput", thr)]
+    rng = x_range(d)
     for _, f in out:
+        f.update_xaxes(range=rng)
+        f.update_yaxes(automargin=False)
+        f.update_layout(margin=dict(l=Y_LABEL_PX))
         if cursor is not None:
             f.add_vline(x=cursor, line=dict(color="#E69F00", dash="dash"))
         style_figure(f, legend_top=True)
@@ -95,15 +120,18 @@ def figures(d: pd.DataFrame, cursor: int | None, pool_bytes: int | None = None) 
     return out
 
 
-def _pool_bytes(path: str, info: dict) -> int | None:
-    """Bytes of the whole KV pool (blocks × bytes per block), if the run tells the block size in bytes."""
+def _pool(path: str, info: dict) -> tuple[int | None, int | None]:
+    """(bytes, blocks) of the usable KV pool, the blocks usage is a share of: num_gpu_blocks − 1
+    (block 0 is the null block: BlockPool.get_usage leaves it out); bytes None when the run does
+    not tell the block size in bytes."""
     steps = info["steps"]
     d = data.step_data(path, steps[0]) if steps else None
     if not isinstance(d, dict):
-        return None
+        return None, None
     kv = d["step"]["scheduler"]["kv_cache"]
     per = block_bytes(info["meta"], d["mr"], kv.get("block_size"))
-    return per * kv["num_gpu_blocks"] if per else None
+    usable = kv["num_gpu_blocks"] - 1
+    return (per * usable if per else None), usable
 
 
 def main() -> None:
@@ -114,15 +142,15 @@ def main() -> None:
     path, info, df = cur
     d = derive(df)
     last = d.iloc[-1]
-    pool_bytes = _pool_bytes(path, info)
+    pool_bytes, pool_blocks = _pool(path, info)
     c = st.columns(5)
     c[0].metric("steps", len(d))
     c[1].metric("tokens scheduled", int(d["tokens"].sum()), help="prompt and generated tokens run through the "
                                                                  "model, summed over the steps")
     peak = d["kv_usage"].max()
     c[2].metric("peak KV usage" + (f" ({mb(peak * pool_bytes)})" if pool_bytes else ""), f"{peak:.0%}",
-                help="the most KV blocks held at once, as a share of the pool" +
-                     (f" ({mb(pool_bytes)})" if pool_bytes else ""))
+                help="the most KV blocks held at once, as a share of the usable pool" +
+                     (f" ({pool_blocks} blocks, {mb(pool_bytes)}; the null block left out)" if pool_bytes else ""))
     c[3].metric("prefix-cache hit rate", f"{last['hit_rate']:.0%}", help="prompt tokens found in the prefix cache "
                                                                         "/ prompt tokens looked up (cumulative)")
     c[4].metric("preemptions", int(last["cum_preempted"]), help="RUNNING → PREEMPTED transitions: a request lost its "
@@ -130,9 +158,9 @@ def main() -> None:
     shown = downsample(d)
     if len(shown) < len(d):
         st.caption(f"{len(d)} steps downsampled to {len(shown)} points (max for levels, sums for counts)")
-    st.caption("One point per step; the dashed line is the cursor. **Click a point or bar to open that step in the "
-               "Step inspector.**")
-    figs = figures(shown, st.session_state.get("cursor"), pool_bytes)
+    cursor = st.session_state.get("cursor")
+    st.caption(cursor_caption(cursor))
+    figs = figures(shown, cursor, pool_bytes, pool_blocks)
     cols = st.columns(2)
     for i, (key, fig) in enumerate(figs):
         cols[i % 2].plotly_chart(fig, width="stretch", key=f"metric_{key}", selection_mode="points",

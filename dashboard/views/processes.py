@@ -11,6 +11,7 @@ import streamlit as st
 
 from dashboard import data, state
 from dashboard.answers.cached import source
+from dashboard.answers.source import RunSource
 from dashboard.components.code_ref import code_ref
 from dashboard.components.nav import open_view, point_data, selected_points
 from dashboard.components.tensor_parallel import article_line, tp_facts
@@ -156,6 +157,19 @@ def _on_hop() -> None:
             return
 
 
+def opening_step(src: RunSource, steps: list[int]) -> int:
+    """The step the page opens on when none is asked: the first that admits a request and runs a
+    forward, so the chain shows ② ③ (the arrival) and ⑦ ⑧ ⑩ (the forward) in one step.
+
+    NOTE: not the last step (the other pages' default): a finished run's last steps often schedule
+    nothing (async scheduling: the last tokens are in flight), leaving ⑦–⑩ empty. A run without such a
+    step opens on its last step that ran a forward, else its last step."""
+    def out(s: int) -> dict:
+        return (src.snap(s) or {}).get("scheduler_output") or {}
+    forward = [s for s in steps if out(s).get("total_num_scheduled_tokens")]
+    return next((s for s in forward if out(s).get("scheduled_new_reqs")), forward[-1] if forward else steps[-1])
+
+
 def main() -> None:
     st.title("Processes")
     st.caption("The article's call chain ①–⑪ (§六) in this run's own spans: one lane per process and thread. "
@@ -175,7 +189,8 @@ def main() -> None:
     if not steps:
         st.info("This run has no EngineCore.step span yet.")
         return
-    idx = state.cursor_index(steps)
+    if ss.get("cursor") is None:
+        ss.cursor = opening_step(src, steps)
     lay_single = set(src.pids) <= {"frontend"}
     if lay_single:
         st.info(f"**One process** (pid {', '.join(map(str, sorted(src.pids.get('frontend', []))))}): this run was "
@@ -192,7 +207,8 @@ def main() -> None:
                 "in collectives (GroupCoordinator.all_reduce: the thin dark row under each rank's forward); only "
                 "rank 0 answers.", icon=":material/info:")
     c1, c2, c3 = st.columns([3, 1, 1], vertical_alignment="bottom")
-    step = c1.selectbox("step", steps, index=idx, key="proc_step", format_func=lambda s: f"step {s}",
+    state.pick_on_cursor("proc_step", steps)
+    step = c1.selectbox("step", steps, key="proc_step", format_func=lambda s: f"step {s}",
                         on_change=lambda: state.goto(int(ss.proc_step)))
     admits = [s for s in steps if ((src.snap(s) or {}).get("scheduler_output") or {}).get("scheduled_new_reqs")]
     nxt = next((s for s in admits if s > step), None)

@@ -81,14 +81,19 @@ def eager_vs_graph(win: pd.DataFrame) -> str | None:
         return float(rows[col].fillna(0).mean()) if not rows.empty else 0.0
     host_e, dev_e = mean("GPUModelRunner._model_forward", eager, False), mean("GPU.model_forward", eager, True)
     host_g, dev_g = mean("GPUModelRunner._model_forward", graph, False), mean("GPU.model_forward", graph, True)
-    wait_e = mean("GPUModelRunner._bookkeeping_sync", eager, False, "sync_wait_ms")
-    wait_g = mean("GPUModelRunner._bookkeeping_sync", graph, False, "sync_wait_ms")
+    # NOTE: the wait is read where this run waited: with async scheduling nothing waits in _bookkeeping_sync,
+    # AsyncGPUModelRunnerOutput.get_output does (its span carries the step of the tokens it waits for).
+    sync = sync_points(win)
+    name = ASYNC_SYNC if (sync["name"] == ASYNC_SYNC).any() else "GPUModelRunner._bookkeeping_sync"
+    wait_e, wait_g = mean(name, eager, False, "sync_wait_ms"), mean(name, graph, False, "sync_wait_ms")
+    where = f"`{name}`" if name == ASYNC_SYNC else "`_bookkeeping_sync`"
     return (f"**Eager vs CUDA graph replay:** an eager step (here {', '.join(map(str, eager))}: a prefill chunk in "
             f"the batch) launches every kernel from Python, layer by layer, so the CPU's `_model_forward` lasts as "
             f"long as the GPU's forward ({host_e:.2f} vs {dev_e:.2f} ms) and the sync point waits {wait_e:.2f} ms: it "
             f"looks synchronous; a graph replay (pure decodes) launches the whole forward in one call "
             f"({host_g:.3f} ms on the CPU for {dev_g:.2f} ms on the GPU), so the CPU runs ahead and waits at "
-            f"`_bookkeeping_sync` ({wait_g:.2f} ms).")
+            f"{where} ({wait_g:.2f} ms)" + (" — one step later, with async scheduling" if name == ASYNC_SYNC else "")
+            + ".")
 
 
 def _captures_text(caps: pd.DataFrame, sizes: list[int]) -> str:
@@ -253,7 +258,8 @@ def main() -> None:
     else:
         _eager_step_button(df, steps_df, flags)
     c1, c2 = st.columns([1, 3], vertical_alignment="bottom")
-    pick = c1.selectbox("Open step", steps, index=state.cursor_index(steps), key="tl_pick")
+    state.pick_on_cursor("tl_pick", steps)
+    pick = c1.selectbox("Open step", steps, key="tl_pick")
     c2.button("Open in the step inspector", key="tl_open", icon=":material/search:", on_click=open_view,
               args=("inspector", pick))
     code_ref("vllm_anatomy/engine/core.py", "EngineCore.step → Scheduler.schedule, Executor.execute_model, "

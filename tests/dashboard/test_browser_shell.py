@@ -94,6 +94,12 @@ def test_landing_has_one_primary_action_above_the_fold(server, page):
         assert primary.first.inner_text().strip().endswith("Start the guided tour")
         for way in ("Watch a live run", "Open the GPU sample", "Follow the lessons"):
             assert page.get_by_text(re.compile(way)).first.is_visible()
+        # Found at 1440x900: the compare link's one-line label was cut mid-word ("speculative c").
+        link = page.locator("[data-testid='stPageLink-NavLink']").filter(has_text="compare two runs").first
+        assert link.is_visible()
+        clipped = link.evaluate("a => [...a.querySelectorAll('*')].concat([a]).filter("
+                                "e => e.scrollWidth > e.clientWidth + 1).map(e => e.textContent)")
+        assert clipped == [], (width, clipped)
         page.screenshot(path=os.path.join(SHOTS, f"shell-landing-{width}.png"), full_page=False)
     assert page.external == [], page.external
 

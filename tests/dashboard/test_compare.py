@@ -219,3 +219,59 @@ def test_the_spec_pair_changes_one_knob_on_a_gpu_too():
     assert a["engine_args"]["speculative_config"] is None and b["engine_args"]["speculative_config"] == NGRAM_K3
     assert {k: v for k, v in a["engine_args"].items() if k != "speculative_config"} == \
         {k: v for k, v in b["engine_args"].items() if k != "speculative_config"}
+
+
+def test_the_kv_pool_reads_the_same_in_the_run_header_and_the_table(monkeypatch, tmp_path):
+    """Found at 1440x900: the run header said "KV blocks 18 (12.7 MB)" and the table "KV pool (MB) 11.95"
+    (the table leaves out the null block) with nothing saying why. The table now names the usable blocks,
+    and the header's tooltip says block 0 is the null block."""
+    from streamlit.testing.v1 import AppTest
+
+    from dashboard.components.run_header import header_fields
+    from dashboard.components.kv_memory import MB
+    from tests.dashboard.conftest import APP
+    pair = os.path.join(COMPARE_DIR, "cpu-chunk-size-a.sqlite")
+    if not os.path.exists(pair):
+        pytest.skip("no compare pairs shipped")
+    from vllm_anatomy.tracing.reader import open_run
+    with open_run(pair) as run:
+        meta = run.meta
+    blocks, per_block = meta["config"]["cache_config"]["num_gpu_blocks"], meta["kv_cache_bytes_per_block"]
+    kv = dict((label, (value, why)) for label, value, why in header_fields(meta))["KV blocks"]
+    assert kv[0].startswith(f"{blocks} ") and "null block" in kv[1], kv
+    monkeypatch.setenv("VLLM_ANATOMY_TRACE_DIR", str(tmp_path))
+    monkeypatch.setenv("VLLM_ANATOMY_SAMPLES_DIR", os.path.dirname(COMPARE_DIR))
+    at = AppTest.from_file(APP, default_timeout=120)
+    at.query_params.update({"page": "compare", "a": "cpu-chunk-size-a.sqlite", "b": "cpu-chunk-size-b.sqlite"})
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    table = at.table[0].value
+    rows = {m: r for m, r in zip(table["metric"], table.to_dict("records"))}
+    pool = [m for m in rows if m.startswith("KV pool")]
+    usable = next(m for m in pool if m.startswith("KV pool, usable blocks (num_gpu_blocks"))
+    assert rows[usable]["A"] == str(blocks - 1) and "null block" in usable, rows[usable]
+    in_mb = next(m for m in pool if m.endswith("(MB)"))
+    assert "usable" in in_mb and rows[in_mb]["A"] == f"{(blocks - 1) * per_block / MB:.2f}", (in_mb, rows[in_mb])
+
+
+def test_a_delta_of_thousands_is_not_written_in_e_notation():
+    """Found on the cpu-max-num-seqs pair at 1440x900: the TTFT row's Δ B − A read '-2.55e+03' (ms)."""
+    assert cmp.delta_text(-2552.4) == "-2,552"
+    assert cmp.delta_text(-979.2) == "-979" and cmp.delta_text(4.72) == "+4.72"
+    assert cmp.delta_text(-0.0595) == "-0.0595" and cmp.delta_text(0) == "0" and cmp.delta_text(None) == "—"
+    assert cmp.delta_text(12345678) == "+12,345,678" and "e" not in cmp.delta_text(1.5e-5)
+
+
+def test_enforce_eager_reads_as_its_own_value():
+    """Found on the h100-cuda-graphs pair at 1440x900: run A (CUDA graphs NONE, enforce_eager True) was
+    headed "`enforce_eager` = off (eager)" and run B (graphs on) "`enforce_eager` = on": the words were
+    the graphs' state under the argument's name."""
+    k = cmp.BY_ARG["enforce_eager"]
+    assert cmp.value_text(k, True) == "on (eager: CUDA graphs off)"
+    assert cmp.value_text(k, False) == "off (CUDA graphs on)"
+    pair = os.path.join(COMPARE_DIR, "h100-cuda-graphs-a.sqlite")
+    if os.path.exists(pair):
+        from vllm_anatomy.tracing.reader import open_run
+        with open_run(pair) as a, open_run(pair.replace("-a.", "-b.")) as b:
+            [(knob, va, vb)] = cmp.knob_of(a.meta, b.meta)
+        assert knob is k and cmp.value_text(k, va).startswith("on") and cmp.value_text(k, vb).startswith("off")

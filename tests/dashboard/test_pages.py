@@ -71,7 +71,9 @@ def test_inspector_shows_the_snapshot(make_app, open_app, run_facts, worker_fact
     # Only the open tab is computed: the KV panel is not there until the KV tab is asked for (URL `tab`).
     assert "**KV block pool**" not in text
     kv_text = _text(open_app("inspector", step, tab="KV cache"))
-    assert f"usage **{kv['usage']:.0%}** · free {kv['num_free_blocks']}" in kv_text
+    used = kv["num_gpu_blocks"] - kv["num_free_blocks"] - 1          # usage is a share of the usable blocks
+    assert (f"usage **{kv['usage']:.0%}** ({used} of {kv['num_gpu_blocks'] - 1} usable blocks) · "
+            f"free {kv['num_free_blocks']}") in kv_text
     # memory beside blocks: 2 x layers x kv heads x head dim x block size x dtype bytes, from the worker snapshot
     mr = worker_facts["mrs"][step]
     shape, layers = mr["kv_cache_shape"], mr["num_kv_cache_layers"]
