@@ -49,7 +49,7 @@ def test_a_shipped_pair_side_by_side(server, page):
     assert re.search(r"→ .* \([+-]\d+%\)", lines["Time"]), lines["Time"]       # the move, with its size
     rows = page.locator("[data-testid=stTable] tbody tr").count()
     from dashboard.compare import METRICS, SPEC_ONLY
-    assert rows == len([m for m in METRICS if m[1] not in SPEC_ONLY]) == 22, rows   # every metric but speculation's
+    assert rows == len([m for m in METRICS if m[1] not in SPEC_ONLY]) == 23, rows   # every metric but speculation's
     legend = page.evaluate("() => [...document.querySelectorAll('.st-key-cmp_aligned .legendtext')]"
                            ".map(t => t.textContent)")
     assert legend == ["run A", "run B"], legend
