@@ -182,7 +182,7 @@ def step_view(src: RunSource, step: int) -> dict:
     from vllm_anatomy.tracing.reader import open_run
     lay = layout(src)
     root = src.step_spans.get(step)
-    so = (src.snap(step) or {}).get("scheduler_output") or {}
+    so = src.scheduler_output(step)
     # NOTE: a step that schedules no token runs no forward (⑦–⑩ have no span because nothing ran,
     # not because of the device); the run's device says whether a missing kernel span means a CPU run.
     facts = {"device": str(src.meta.get("device") or ""), "forward": bool(so.get("total_num_scheduled_tokens", 1))}
@@ -349,8 +349,6 @@ def _on_cuda(view: dict) -> bool:
 def _no_kernel_why(view: dict) -> str:
     """Why a step has no attention-kernel span (⑧) on this run."""
     mode = forward_mode(view)
-    if not view.get("forward", True):
-        return NO_FORWARD
     if mode == "FULL":
         return "inside this step's CUDA graph replay (⑨): a replay records no span per kernel"
     if _on_cuda(view):

@@ -165,7 +165,7 @@ def answer(src: RunSource, step: int | None = None, req: str | None = None) -> A
     # schedule()); with it, this step's own: step N's update_from_output (of step N-1's tokens) runs after
     # step N's snapshot, so the request is first missing from step N+1's queues, whose schedule() says so.
     told_step = next((s for s in (step, nxt) if s is not None and req in
-                      [str(x) for x in ((src.snap(s) or {}).get("scheduler_output") or {}).get("finished_req_ids", [])]),
+                      [str(x) for x in src.scheduler_output(s).get("finished_req_ids", [])]),
                      None)
     told = told_step is not None
     reason = _reason(src, req)

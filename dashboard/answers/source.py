@@ -72,6 +72,10 @@ class RunSource:
         with open_run(self.path) as run:
             return run.snapshot(step)
 
+    def scheduler_output(self, step: int) -> dict:
+        """The step's SchedulerOutput as its snapshot recorded it ({} where none was)."""
+        return (self.snap(step) or {}).get("scheduler_output") or {}
+
     @functools.lru_cache(maxsize=256)
     def mr(self, step: int) -> dict:
         with open_run(self.path) as run:

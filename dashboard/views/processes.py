@@ -164,10 +164,9 @@ def opening_step(src: RunSource, steps: list[int]) -> int:
     NOTE: not the last step (the other pages' default): a finished run's last steps often schedule
     nothing (async scheduling: the last tokens are in flight), leaving ⑦–⑩ empty. A run without such a
     step opens on its last step that ran a forward, else its last step."""
-    def out(s: int) -> dict:
-        return (src.snap(s) or {}).get("scheduler_output") or {}
-    forward = [s for s in steps if out(s).get("total_num_scheduled_tokens")]
-    return next((s for s in forward if out(s).get("scheduled_new_reqs")), forward[-1] if forward else steps[-1])
+    forward = [s for s in steps if src.scheduler_output(s).get("total_num_scheduled_tokens")]
+    return next((s for s in forward if src.scheduler_output(s).get("scheduled_new_reqs")),
+                forward[-1] if forward else steps[-1])
 
 
 def main() -> None:
@@ -210,7 +209,7 @@ def main() -> None:
     state.pick_on_cursor("proc_step", steps)
     step = c1.selectbox("step", steps, key="proc_step", format_func=lambda s: f"step {s}",
                         on_change=lambda: state.goto(int(ss.proc_step)))
-    admits = [s for s in steps if ((src.snap(s) or {}).get("scheduler_output") or {}).get("scheduled_new_reqs")]
+    admits = [s for s in steps if src.scheduler_output(s).get("scheduled_new_reqs")]
     nxt = next((s for s in admits if s > step), None)
     c2.button("next arrival →", key="proc_next_arrival", disabled=nxt is None,
               on_click=state.goto, args=(nxt if nxt is not None else step,), help="the next step that admits a new "
