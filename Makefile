@@ -67,9 +67,9 @@ lint: $(EDITABLE)
 	$(VENV)/bin/ruff check .
 	$(MAKE) --no-print-directory typecheck
 
-# mypy over vllm_anatomy/ (its kernels included), bench/, dashboard/ and tests/ ([tool.mypy] in
-# pyproject.toml says what is checked, how the bench scripts' and the tests' imports resolve,
-# and what is still a follow-up).
+# mypy over vllm_anatomy/ (its kernels included), bench/, dashboard/, tests/ and lessons/
+# ([tool.mypy] in pyproject.toml says what is checked, how the bench scripts', the tests' and
+# the lessons' imports resolve, and what is still a follow-up).
 typecheck: $(EDITABLE)
 	$(VENV)/bin/mypy
 

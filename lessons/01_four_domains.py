@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import msgspec  # noqa: E402
 
-from _common import chat_prompts, check, dashboard_link, finish, greedy, make_llm, say, title  # noqa: E402
+from _common import chat_prompts, check, dashboard_link, finish, greedy, make_llm, say, snapshot, title  # noqa: E402
 from vllm_anatomy.core.sched.output import SchedulerOutput  # noqa: E402
 from vllm_anatomy.engine.serial_utils import MsgpackEncoder  # noqa: E402
 from vllm_anatomy.tracing.reader import open_run  # noqa: E402
@@ -83,8 +83,8 @@ def main() -> None:
     steps = run.steps()
     num_gpu_blocks = run.meta["config"]["cache_config"]["num_gpu_blocks"]
     block_size = run.meta["config"]["cache_config"]["block_size"]
-    first = run.snapshot(steps[0])
-    mr_first = run.snapshot(steps[0], "model_runner")
+    first = snapshot(run, steps[0])
+    mr_first = snapshot(run, steps[0], "model_runner")
 
     # -- the request domain ------------------------------------------------------------
     say(f"""We sent {len(prompts)} chat requests (prompts of {', '.join(str(len(p['prompt_token_ids']))
@@ -117,7 +117,7 @@ def main() -> None:
     # -- the scheduling domain and what crosses ------------------------------------------
     so_first = first["scheduler_output"]
     wire = MsgpackEncoder().encode(msgspec.convert(so_first, SchedulerOutput))
-    so_second = run.snapshot(steps[1])["scheduler_output"] if len(steps) > 1 else None
+    so_second = snapshot(run, steps[1])["scheduler_output"] if len(steps) > 1 else None
     say(f"""The scheduling domain is the SchedulerOutput: one per step, the only thing sent to the
         worker. Step {steps[0]}'s message was {len(wire)} bytes of msgpack: for each new request its
         prompt token ids, sampling params and block ids -- {', '.join(f"{n['req_id']!r}: {n['block_ids'][0]}"
@@ -142,23 +142,23 @@ def main() -> None:
         queue, msgpack). The worker rebuilt its block table rows from those ints alone.""")
 
     # -- checks ------------------------------------------------------------------------------
-    check(engine_pids and worker_pids and not engine_pids & worker_pids and step_procs != mr_procs,
+    check(bool(engine_pids and worker_pids and not engine_pids & worker_pids and step_procs != mr_procs),
           f"scheduler (pid {sorted(engine_pids)}) and model runner (pid {sorted(worker_pids)}) ran in different processes")
-    check(all(type(v) is int for s in steps for v in block_id_values(run.snapshot(s)["scheduler_output"])),
+    check(all(type(v) is int for s in steps for v in block_id_values(snapshot(run, s)["scheduler_output"])),
           f"every block id in all {len(steps)} recorded SchedulerOutputs is a plain int")
-    leaked = set().union(*(all_keys(run.snapshot(s)["scheduler_output"]) & BLOCK_INTERNALS for s in steps))
+    leaked = set().union(*(all_keys(snapshot(run, s)["scheduler_output"]) & BLOCK_INTERNALS for s in steps))
     check(not leaked, "no KVCacheBlock field (ref_cnt, hash, owners, free-list links) is in any SchedulerOutput")
-    leaked_worker = set().union(*(all_keys(run.snapshot(s, "model_runner")) & BLOCK_INTERNALS for s in steps))
+    leaked_worker = set().union(*(all_keys(snapshot(run, s, "model_runner")) & BLOCK_INTERNALS for s in steps))
     check(not leaked_worker and {"ref_cnt", "hash"} <= set(kv["blocks"][0]),
           "the worker's state holds no ref_cnt or hash; only the engine's block pool has them")
-    check(all(isinstance(msgspec.convert(run.snapshot(s)["scheduler_output"], SchedulerOutput), SchedulerOutput)
+    check(all(isinstance(msgspec.convert(snapshot(run, s)["scheduler_output"], SchedulerOutput), SchedulerOutput)
               for s in steps), "each recorded SchedulerOutput decodes back into the wire type SchedulerOutput")
 
     tables: dict[str, list[int]] = {}
     rows_checked = sched_checked = 0
     replay_ok = sched_ok = True
     for s in steps:
-        step, mr = run.snapshot(s), run.snapshot(s, "model_runner")
+        step, mr = snapshot(run, s), snapshot(run, s, "model_runner")
         replay_block_tables(step["scheduler_output"], tables)
         for row in mr["input_batch"]["rows"]:
             rows_checked += 1
@@ -175,16 +175,16 @@ def main() -> None:
           f"each worker block-table row equals the scheduler's KVCacheBlock ids for that request_id "
           f"({sched_checked} rows)")
 
-    used = {b for s in steps for ids in run.snapshot(s)["scheduler"]["kv_cache"]["req_to_block_ids"].values()
+    used = {b for s in steps for ids in snapshot(run, s)["scheduler"]["kv_cache"]["req_to_block_ids"].values()
             for b in ids}
-    check(shape[1] == num_gpu_blocks and used and all(0 < b < num_gpu_blocks for b in used),
+    check(shape[1] == num_gpu_blocks and bool(used) and all(0 < b < num_gpu_blocks for b in used),
           f"block ids {sorted(used)} index dimension 1 of the KV tensor ({num_gpu_blocks} blocks, 0 = null block)")
 
     span_ids = {s.request_id for s in run.requests()}
-    sched_ids = {r for s in steps for r in run.snapshot(s)["scheduler_output"]["num_scheduled_tokens"]}
-    worker_ids = {row["req_id"] for s in steps for row in run.snapshot(s, "model_runner")["input_batch"]["rows"]}
+    sched_ids = {r for s in steps for r in snapshot(run, s)["scheduler_output"]["num_scheduled_tokens"]}
+    worker_ids = {row["req_id"] for s in steps for row in snapshot(run, s, "model_runner")["input_batch"]["rows"]}
     check(span_ids == sched_ids == worker_ids == {o.request_id for o in outputs},
-          f"request_id is the one key shared by the frontend span, the scheduler and the worker: {sorted(span_ids)}")
+          f"request_id is the one key shared by the frontend span, the scheduler and the worker: {sorted(span_ids, key=str)}")
 
     say("""Open the step inspector at step 1: its KV cache tab shows the scheduler's blocks (with ref_cnt
         and hashes); its Worker tab, the worker's block-table rows (bare ids).""")

@@ -29,7 +29,8 @@ import time
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import check, dashboard_link, finish, fixed_len, greedy, make_llm, say, title  # noqa: E402
+from _common import (check, dashboard_link, finish, fixed_len, greedy, make_llm, say, snapshot,  # noqa: E402
+                     title)
 from vllm_anatomy.core.request import RequestStatus  # noqa: E402
 from vllm_anatomy.engine.protocol import EngineCoreRequest  # noqa: E402
 from vllm_anatomy.tracing.reader import open_run  # noqa: E402
@@ -96,7 +97,7 @@ def main() -> None:
     # -- read it back ----------------------------------------------------------------------------
     run = open_run(path)
     steps = run.steps()
-    snaps = {s: run.snapshot(s) for s in steps}
+    snaps = {s: snapshot(run, s) for s in steps}
     spans = {s.request_id: s for s in run.requests()}
     all_ids = list(prompts) + ["stop-0"]
 
@@ -170,21 +171,21 @@ def main() -> None:
         "too-long" in snaps[s]["scheduler_output"]["num_scheduled_tokens"] for s in steps)
     told_worker = any("too-long" in snaps[s]["scheduler_output"]["finished_req_ids"] for s in steps)
     check(status_on_arrival == RequestStatus.FINISHED_IGNORED and never_queued and told_worker
-          and ignored_eco and str(ignored_eco[0].finish_reason) == REASON[RequestStatus.FINISHED_IGNORED],
+          and bool(ignored_eco) and str(ignored_eco[0].finish_reason) == REASON[RequestStatus.FINISHED_IGNORED],
           "WAITING -> FINISHED_IGNORED: the over-long prompt is finished on arrival, never queued or scheduled")
     check(late is not None and late_admit is not None and status(late, wait_steps[0]) == "WAITING",
           f"WAITING -> RUNNING: {late} waited (admission stopped: no_free_blocks) and ran from step {late_admit}")
-    before = status(victim, p_step - 1) if p_step and p_step - 1 in snaps else None
+    before = status(victim, p_step - 1) if p_step and victim and p_step - 1 in snaps else None
     at = next((r for r in snaps[p_step]["scheduler"]["waiting"] if r["request_id"] == victim), None) if p_step else None
-    check(at is not None and before == "RUNNING" and at["status"] == "PREEMPTED" and at["block_ids"] == []
+    check(p_step is not None and at is not None and before == "RUNNING" and at["status"] == "PREEMPTED" and at["block_ids"] == []
           and at["num_computed_tokens"] == 0 and snaps[p_step]["scheduler"]["waiting"][0]["request_id"] == victim
           and victim not in snaps[p_step]["scheduler"]["kv_cache"]["req_to_block_ids"],
           f"RUNNING -> PREEMPTED at step {p_step}: {victim} lost its blocks and progress, first in the waiting queue")
     ev = [e["name"] for e in spans[victim].events] if victim in spans else []
     check(resume_step is not None and "PREEMPTED" in ev and "SCHEDULED" in ev[ev.index("PREEMPTED"):],
           f"PREEMPTED -> RUNNING: {victim} resumed at step {resume_step} (span events {ev})")
-    ab_next = abort_step + 1 if abort_step else None
-    check(abort_step is not None and status(ABORT_ID, abort_step) == "RUNNING" and ab_next in snaps
+    ab_next = abort_step + 1 if abort_step is not None else None
+    check(abort_step is not None and status(ABORT_ID, abort_step) == "RUNNING" and ab_next is not None and ab_next in snaps
           and ABORT_ID in snaps[ab_next]["scheduler_output"]["finished_req_ids"]
           and status(ABORT_ID, ab_next) is None
           and ABORT_ID not in snaps[ab_next]["scheduler"]["kv_cache"]["req_to_block_ids"]

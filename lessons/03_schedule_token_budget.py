@@ -27,7 +27,8 @@ import sys
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import check, dashboard_link, finish, fixed_len, greedy, make_llm, say, title  # noqa: E402
+from _common import (check, dashboard_link, finish, fixed_len, greedy, make_llm, say, snapshot,  # noqa: E402
+                     title)
 from vllm_anatomy.tracing.reader import open_run  # noqa: E402
 
 BUDGET, THRESHOLD = 32, 12
@@ -59,8 +60,8 @@ def main() -> None:
 
     run = open_run(path)
     steps = run.steps()
-    snaps = {s: run.snapshot(s) for s in steps}
-    mrs = {s: run.snapshot(s, "model_runner") for s in steps}
+    snaps = {s: snapshot(run, s) for s in steps}
+    mrs = {s: snapshot(run, s, "model_runner") for s in steps}
     recs = {s: snaps[s]["scheduler"]["step_record"] for s in steps}
 
     print(f"  budget {BUDGET} tokens per step, long_prefill_token_threshold {THRESHOLD}; "

@@ -28,13 +28,16 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
+from typing import Any
 
 # NOTE: one intra-op thread: on a small CPU shared with other work, torch's spinning worker
 # threads make every step several times slower. OMP_NUM_THREADS=2 (or more) overrides it.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import check, dashboard_link, finish, fixed_len, greedy, make_llm, say, title  # noqa: E402
+from _common import (check, dashboard_link, finish, fixed_len, greedy, make_llm, say, snapshot,  # noqa: E402
+                     title)
 from vllm_anatomy import SamplingParams  # noqa: E402
 from vllm_anatomy.core import kv_cache_utils  # noqa: E402
 from vllm_anatomy.tracing.reader import open_run  # noqa: E402
@@ -98,27 +101,33 @@ def main() -> None:
 
     run = open_run(path)
     steps = run.steps()
-    snaps = {s: run.snapshot(s) for s in steps}
+    snaps = {s: snapshot(run, s) for s in steps}
     tables = {s: snaps[s]["scheduler"]["kv_cache"]["req_to_block_ids"] for s in steps}
     blocks = {s: {b["block_id"]: b for b in snaps[s]["scheduler"]["kv_cache"]["blocks"]} for s in steps}
 
-    def first_step(pred) -> int | None:
-        return next((s for s in steps if pred(s)), None)
+    def first_step(pred: Callable[[int], bool], what: str) -> int:
+        """The first recorded step where pred holds: each one the scenario above brings about."""
+        found = next((s for s in steps if pred(s)), None)
+        assert found is not None, f"no recorded step {what}"
+        return found
 
-    def hit(req_id: str) -> tuple[int | None, dict | None]:
+    def hit(req_id: str) -> tuple[int, dict[str, Any]]:
+        """The step that admitted req_id and its prefix-cache lookup.
+        NOTE: with prefix caching on, the scheduler records a lookup for every request it
+        admits (Scheduler: step.prefix_hits), and every request here was admitted."""
         for s in steps:
             for h in snaps[s]["scheduler"]["step_record"]["prefix_hits"]:
                 if h["request_id"] == req_id:
                     return s, h
-        return None, None
+        raise AssertionError(f"no recorded prefix-cache lookup of {req_id}")
 
     # 1. chained hashes and freeing order ----------------------------------------------------
-    s1 = first_step(lambda s: "P1" in tables[s])
+    s1 = first_step(lambda s: "P1" in tables[s], "holding P1")
     t1 = tables[s1]["P1"]
     recorded = [blocks[s1][b]["hash"] for b in t1]
     mine = chain_hashes(prompt["P1"])
     unchained = kv_cache_utils.hash_block_tokens(kv_cache_utils.sha256, None, prompt["P1"][BS:2 * BS]).hex()[:8]
-    f1 = first_step(lambda s: s > s1 and "P1" not in tables[s])
+    f1 = first_step(lambda s: s > s1 and "P1" not in tables[s], f"after {s1} without P1")
     free_ev = [e for e in snaps[f1]["block_pool_events"] if e["kind"] == "free"]
     fq1 = snaps[f1]["scheduler"]["kv_cache"]["free_queue"]
     hashed1 = [b for b in t1 if blocks[s1][b]["hash"]]
@@ -140,18 +149,18 @@ def main() -> None:
     print()
 
     # 2. two live requests sharing blocks ------------------------------------------------------
-    s2 = first_step(lambda s: "P2" in tables[s] and "P3" in tables[s])
+    s2 = first_step(lambda s: "P2" in tables[s] and "P3" in tables[s], "holding P2 and P3")
     shared = [b for b in tables[s2]["P2"] if b in tables[s2]["P3"]]
     _, h2 = hit("P2")
     _, h3 = hit("P3")
     say(f"""P2 and P3 start with the same 48 tokens. At step {s2} both found them cached
-         ({h2['num_hit_tokens'] if h2 else '?'} and {h3['num_hit_tokens'] if h3 else '?'} hit tokens) and now share blocks
+         ({h2['num_hit_tokens']} and {h3['num_hit_tokens']} hit tokens) and now share blocks
          {shared}: {', '.join(f"block {b} ref_cnt={blocks[s2][b]['ref_cnt']} owners={blocks[s2][b]['owners']}" for b in shared)}.
          Their block tables are {tables[s2]['P2']} and {tables[s2]['P3']}; only the last block differs.""")
     check(shared == t1[:3] and all(blocks[s2][b]["ref_cnt"] == 2 and sorted(blocks[s2][b]["owners"]) == ["P2", "P3"]
                                    for b in shared),
           f"two live requests share P1's cached blocks {shared} with ref_cnt 2")
-    check(h2 and h3 and h2["num_hit_tokens"] == h3["num_hit_tokens"] == 3 * BS and h2["hit_block_ids"] == shared,
+    check(h2["num_hit_tokens"] == h3["num_hit_tokens"] == 3 * BS and h2["hit_block_ids"] == shared,
           f"both prefix lookups hit {3 * BS} tokens = 3 whole blocks")
 
     print()
@@ -161,23 +170,23 @@ def main() -> None:
     cached_before = {b["hash"] for b in blocks[s4 - 1].values() if b["hash"]}
     p4_hashes = chain_hashes(prompt["P4"])
     p4_sched = snaps[s4]["scheduler_output"]["num_scheduled_tokens"].get("P4")
-    p4_pi = run.snapshot(s4, "model_runner")["prepare_inputs"]
+    p4_pi = snapshot(run, s4, "model_runner")["prepare_inputs"]
     p4_pos = [p for p, r in zip(p4_pi["positions"], p4_pi["req_indices"]) if p4_pi["req_ids"][r] == "P4"]
     say(f"""P4 is the bare {len(prompt['P4'])}-token prefix; all {len(p4_hashes)} of its block hashes were
-         cached before it arrived. Still, the lookup returned only {h4['num_hit_tokens'] if h4 else '?'} tokens and
+         cached before it arrived. Still, the lookup returned only {h4['num_hit_tokens']} tokens and
          step {s4} computed {p4_sched} (positions {p4_pos[0] if p4_pos else '?'}..{p4_pos[-1] if p4_pos else '?'}):
          a hit may cover at most num_tokens - 1 tokens, because the last prompt token has to run
          through the model to produce the logits of the first output token -- and hits come in
          whole blocks, so here a whole block is recomputed.""")
-    check(h4 is not None and set(p4_hashes) <= cached_before and h4["num_hit_tokens"] < len(prompt["P4"])
+    check(set(p4_hashes) <= cached_before and h4["num_hit_tokens"] < len(prompt["P4"])
           and h4["num_hit_tokens"] == (len(prompt["P4"]) - 1) // BS * BS
-          and p4_sched == len(prompt["P4"]) - h4["num_hit_tokens"] and p4_pos and p4_pos[-1] == len(prompt["P4"]) - 1,
+          and p4_sched == len(prompt["P4"]) - h4["num_hit_tokens"] and bool(p4_pos) and p4_pos[-1] == len(prompt["P4"]) - 1,
           f"a fully cached {len(prompt['P4'])}-token prompt still computes {p4_sched} tokens, its last one included")
 
     print()
 
     # 4. eviction ---------------------------------------------------------------------------------
-    s5 = first_step(lambda s: "P5" in tables[s])
+    s5 = first_step(lambda s: "P5" in tables[s], "holding P5")
     fq_before = snaps[s5 - 1]["scheduler"]["kv_cache"]["free_queue"]
     hash_before = {b: blocks[s5 - 1][b]["hash"] for b in fq_before}
     ev5 = snaps[s5]["block_pool_events"]
@@ -193,7 +202,7 @@ def main() -> None:
          heads {survivors} stay cached longest.""")
     check(alloc5 == fq_before[:len(alloc5)],
           f"allocation pops the free queue from the front: {alloc5}")
-    check(evicted and [b for b, _ in evicted] == expect_evicted
+    check(bool(evicted) and [b for b, _ in evicted] == expect_evicted
           and all(hash_before[b] == h for b, h in evicted),
           f"evicted first: the cached blocks nearest the front, {expect_evicted}; never-cached blocks were used before them")
 
@@ -206,10 +215,10 @@ def main() -> None:
     expect6 = next((i for i, h in enumerate(p6_hashes) if h not in cached6), len(p6_hashes)) * BS
     say(f"""P6 repeats P1's prompt. Of its {len(p6_hashes)} full-block hashes, the cache still held
          {[h for h in p6_hashes if h in cached6]}; the lookup walks the chain and stops at the first
-         miss, so it hit {h6['num_hit_tokens'] if h6 else '?'} tokens.""")
-    check(h6 is not None and h6["num_hit_tokens"] == min(expect6, (len(prompt["P6"]) - 1) // BS * BS)
+         miss, so it hit {h6['num_hit_tokens']} tokens.""")
+    check(h6["num_hit_tokens"] == min(expect6, (len(prompt["P6"]) - 1) // BS * BS)
           and h6["num_hit_tokens"] < len(p6_hashes) * BS,
-          f"after eviction P6 hits {h6['num_hit_tokens'] if h6 else '?'} tokens: the chain up to the first evicted block")
+          f"after eviction P6 hits {h6['num_hit_tokens']} tokens: the chain up to the first evicted block")
     invariant = all(b["ref_cnt"] == len(b["owners"]) for s in steps for b in blocks[s].values() if not b["is_null"])
     check(invariant, f"at every one of {len(steps)} steps, each block's ref_cnt equals the number of requests holding it")
 
@@ -217,28 +226,30 @@ def main() -> None:
 
     # 6. parallel sampling: one prompt, three requests, one set of prompt blocks ---------------------
     children = [f"{i}_P7" for i in range(PARALLEL.n)]
-    s7 = first_step(lambda s: all(c in tables[s] for c in children))
+    s7 = first_step(lambda s: all(c in tables[s] for c in children), f"holding all of {children}")
     shared7 = [b for b in tables[s7][children[0]] if all(b in tables[s7][c] for c in children)]
     own7 = {c: [b for b in tables[s7][c] if b not in shared7] for c in children}
     hits7 = {c: hit(c)[1] for c in children}
-    done7 = {c: first_step(lambda s, c=c: s > s7 and c not in tables[s]) for c in children}
+    def finished(child: str) -> int:
+        return first_step(lambda s: s > s7 and child not in tables[s], f"after {s7} without {child}")
+    done7 = {c: finished(c) for c in children}
     last7 = max(done7.values())
     say(f"""P7 asked for n={PARALLEL.n} samples of one {len(prompt['P7'])}-token prompt. The engine never saw
          a parent: the frontend added three ordinary requests {children} with the same prompt (and seeds
          {PARALLEL.seed}, {PARALLEL.seed + 1}, {PARALLEL.seed + 2}). The prefix cache did the rest: the prompt's
          full blocks {shared7} are held by all three at step {s7}
          ({', '.join(f"block {b} ref_cnt={blocks[s7][b]['ref_cnt']}" for b in shared7)}), so they are stored
-         once and computed at most once (0_P7 itself found {hits7[children[0]]['num_hit_tokens'] if hits7[children[0]] else 0}
+         once and computed at most once (0_P7 itself found {hits7[children[0]]['num_hit_tokens']}
          of its tokens still cached from P6; 1_P7 and 2_P7 found the same blocks, now held by 0_P7). Each child writes only its own
          last prompt block and its outputs ({', '.join(f"{c}: {own7[c]}" for c in children)} at step {s7}).
          Each child stopped at its first sentence, at steps {[done7[c] for c in children]}: after each
-         finish the shared blocks' ref_cnt was {[blocks[done7[c]][shared7[0]]['ref_cnt'] for c in sorted(children, key=done7.get)]},
+         finish the shared blocks' ref_cnt was {[blocks[done7[c]][shared7[0]]['ref_cnt'] for c in sorted(children, key=done7.__getitem__)]},
          and they went back to the free queue (still hashed: a hit for the next such prompt) only at
          step {last7}, when the last holder finished.""")
     check(len(shared7) == len(prompt["P7"]) // BS and all(
         blocks[s7][b]["ref_cnt"] == 3 and sorted(blocks[s7][b]["owners"]) == children for b in shared7),
           f"n=3: the three child requests hold the prompt's {len(shared7)} full blocks {shared7}, ref_cnt 3")
-    check(all(hits7[c] is not None and hits7[c]["num_hit_tokens"] == len(shared7) * BS for c in children[1:]),
+    check(all(hits7[c]["num_hit_tokens"] == len(shared7) * BS for c in children[1:]),
           f"children 1 and 2 found those blocks by hash: {len(shared7) * BS} hit tokens each, nothing recomputed")
     check(len({b for c in children for b in own7[c]}) == sum(len(v) for v in own7.values()),
           "every child's own blocks (the partial prompt block, the outputs) are its alone")

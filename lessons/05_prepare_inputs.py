@@ -26,7 +26,8 @@ import sys
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import check, dashboard_link, finish, fixed_len, greedy, make_llm, say, title  # noqa: E402
+from _common import (check, dashboard_link, finish, fixed_len, greedy, make_llm, say, snapshot,  # noqa: E402
+                     title)
 from vllm_anatomy.tracing.reader import open_run  # noqa: E402
 
 BS = 8
@@ -92,8 +93,8 @@ def main() -> None:
 
     run = open_run(path)
     steps = run.steps()
-    snaps = {s: run.snapshot(s) for s in steps}
-    mrs = {s: run.snapshot(s, "model_runner") for s in steps}
+    snaps = {s: snapshot(run, s) for s in steps}
+    mrs = {s: snapshot(run, s, "model_runner") for s in steps}
 
     def rows_of(s: int) -> dict[str, list[int]]:
         return {row["req_id"]: row["block_ids"] for row in mrs[s]["input_batch"]["rows"]}
@@ -124,6 +125,9 @@ def main() -> None:
          logits_indices picks the last token of each request: the only rows that need logits.""")
 
     cstep = next((s for s in steps if mrs[s]["input_batch"]["condense_moves"]), None)
+    # (None unless a step condensed: then the condense check below fails, saying so)
+    prev: int | None = None
+    src = dst = moved = None
     if cstep is not None:
         prev = steps[steps.index(cstep) - 1]
         (src, dst), = mrs[cstep]["input_batch"]["condense_moves"] or [(None, None)]
@@ -194,16 +198,17 @@ def main() -> None:
     check(bool(jumps) and all(ok for *_, ok in jumps),
           "a decode crossing a block boundary got a new block id and its slot lies in that block: "
           + ", ".join(f"step {s} {r} new block {b} -> slot {sl}" for s, r, b, sl, _ in jumps))
-    prev_rows = index_of(prev) if cstep is not None else {}
+    prev_rows = index_of(prev) if prev is not None else {}
     nxt = steps[steps.index(cstep) + 1] if cstep is not None and cstep != steps[-1] else None
     left = cstep is not None and ("r1" in snaps[cstep]["scheduler_output"]["finished_req_ids"] or (
         "r1" not in snaps[cstep]["scheduler_output"]["num_scheduled_tokens"] and nxt is not None
         and "r1" in snaps[nxt]["scheduler_output"]["finished_req_ids"]))
-    check(left
+    check(left and cstep is not None and prev is not None and moved is not None
           and mrs[cstep]["input_batch"]["condense_moves"] == [[max(prev_rows.values()), prev_rows["r1"]]]
           and index_of(cstep)[moved] == prev_rows["r1"] and rows_of(cstep)[moved][:len(rows_of(prev)[moved])] == rows_of(prev)[moved]
           and mrs[cstep]["input_batch"]["num_reqs"] == len(prev_rows) - 1,
-          f"condense() moved row {src} ({moved}) into r1's hole at row {dst}, its block-table row with it")
+          f"condense() moved row {src} ({moved}) into r1's hole at row {dst}, its block-table row with it"
+          if cstep is not None else "condense() moved a row into r1's hole (no step recorded a condense move)")
 
     say(f"""The step inspector's Worker tab at step {cstep} shows the condense move under the InputBatch,
          and every tensor of prepare_inputs with slot_mapping split into block_id and offset.""")

@@ -287,7 +287,7 @@ def main() -> None:
         reqs = run.requests()
         req_ids = [s.request_id for s in reqs]
         # The first engine step that served the first request (its span links to the request's span).
-        first_step = min((s.step_id for s in run.spans("EngineCore.step") if reqs and any(
+        first_step = min((s.step_id for s in run.spans("EngineCore.step") if s.step_id is not None and reqs and any(
             lk["span_id"] == reqs[0].span_id for lk in s.links)), default=None)
     shown = os.path.join(LESSON_TRACE_DIR, os.path.basename(run_path))
     for suffix in ("", "-wal", "-shm"):

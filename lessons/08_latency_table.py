@@ -50,6 +50,7 @@ from _common import (Stopwatch, check, dashboard_link, finish, greedy, make_llm,
                      say, title)
 
 from vllm_anatomy.model_executor.dummy_configs import num_parameters  # noqa: E402
+from vllm_anatomy.tracing.reader import SpanRow  # noqa: E402
 
 # The article's appendix (§七), as far as its text states figures. Conditions it gives:
 ARTICLE_CONDITIONS = ("Llama-2-7B, FP16, one A100 80GB (HBM ~2.0 TB/s), TP=1, prompt 512 tokens, "
@@ -164,11 +165,11 @@ def measure(run, req_ids: set[str]) -> dict:
               == s.attributes["vllm_anatomy.num_reqs"] == len(reqs)]
     # NOTE: with tensor parallelism every rank runs the same spans: count the output rank's (0).
     other_ranks = {int(r["pid"]) for r in run.meta.get("ranks") or [] if r.get("rank") not in (0, None)}
-    children = {}
+    children: dict[str, list[SpanRow]] = {}
     for s in run.spans():
         if s.step_id is None and s.trace_id in {d.trace_id for d in decode} and s.pid not in other_ranks:
             children.setdefault(s.trace_id, []).append(s)
-    all_reduces = [c.attributes.get("vllm_anatomy.num_all_reduce") for d in decode for c in children[d.trace_id]
+    all_reduces = [c.attributes["vllm_anatomy.num_all_reduce"] for d in decode for c in children[d.trace_id]
                    if c.name == "Worker.execute_model" and "vllm_anatomy.num_all_reduce" in c.attributes]
 
     def part(names):

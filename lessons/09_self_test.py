@@ -30,7 +30,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")   # shared 2-core machines: see th
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _common import (chat_prompts, check, dashboard_link, finish, greedy, make_llm, open_run,  # noqa: E402
-                     say, title)
+                     say, snapshot, title)
 
 SYSTEM = ("You are a patient tutor at a museum of computing history. Answer in one short sentence, "
           "in plain words, and never invent dates or names you are not sure of.")
@@ -65,8 +65,8 @@ def main() -> None:
     path = finish(llm)
     run = open_run(path)
     steps = run.steps()
-    snap = {i: run.snapshot(i) for i in steps}
-    mr = {i: run.snapshot(i, "model_runner") for i in steps}
+    snap = {i: snapshot(run, i) for i in steps}
+    mr = {i: snapshot(run, i, "model_runner") for i in steps}
     bs = snap[steps[0]]["scheduler"]["kv_cache"]["block_size"]
     say(f"""Recorded {len(steps)} steps: {len(a)} requests sharing a system prompt (max_tokens
         {PHASE_A_TOKENS}), then {len(b)} more — one with the same system prompt, {len(PHASE_B_OTHER)}
@@ -295,7 +295,7 @@ def q5(run, steps, snap, mr, rid, weight_bytes) -> None:
     fwd = ms(sum(s.duration_ns for s in in_steps if s.name in fwd_names))
     print(f"  CPU:     schedule + _update_states + _prepare_inputs + bookkeeping + update_from_output "
           f"= {cpu:.2f} ms over those steps, against {fwd:.1f} ms of forward/logits/sampling")
-    states = []
+    states: list[tuple[str, int]] = []
     for i in steps:
         sched = snap[i]["scheduler"]
         st = next((r["status"] for r in sched["running"] + sched["waiting"] if r["request_id"] == rid), None)

@@ -32,7 +32,8 @@ import sys
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import chat_prompts, check, dashboard_link, finish, greedy, make_llm, say, title  # noqa: E402
+from _common import (chat_prompts, check, dashboard_link, finish, greedy, make_llm, say, snapshot,  # noqa: E402
+                     title)
 from vllm_anatomy.tracing.reader import open_run  # noqa: E402
 from vllm_anatomy.tracing.snapshots import SpecDecodeRecord  # noqa: E402
 
@@ -79,7 +80,7 @@ def read(path: str) -> dict:
     verifications: list[SpecDecodeRecord] = []
     spec_steps: dict[int, list[SpecDecodeRecord]] = {}
     for step in run.steps():
-        snap = run.snapshot(step)
+        snap = snapshot(run, step)
         for req_id in snap["scheduler_output"]["num_scheduled_tokens"]:
             steps_of[req_id] = steps_of.get(req_id, 0) + 1
         records = run.verified_drafts(step)
@@ -163,8 +164,8 @@ def main() -> None:
     assert step is not None and rec is not None
     req = rec.request_id
     first_rejected = rec.first_draft_position + rec.num_accepted
-    nxt = next(s for s in run.steps() if s > step and req in run.snapshot(s)["scheduler_output"]["num_scheduled_tokens"])
-    pi = run.snapshot(nxt, "model_runner")["prepare_inputs"]
+    nxt = next(s for s in run.steps() if s > step and req in snapshot(run, s)["scheduler_output"]["num_scheduled_tokens"])
+    pi = snapshot(run, nxt, "model_runner")["prepare_inputs"]
     row = pi["req_ids"].index(req)
     start = pi["query_start_loc"][row]
     say(f"""Step {step}, request "{req}": drafts {rec.draft_token_ids} at positions

@@ -24,6 +24,7 @@ import time
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass
+from typing import Any
 
 from vllm_anatomy import LLM, SamplingParams
 from vllm_anatomy.engine.arg_utils import teaching_attention_backend
@@ -48,6 +49,18 @@ class RecordedRun:
 
     def open(self) -> Run:
         return open_run(self.path)
+
+
+def snapshot(run: Run, step: int, kind: str = "step") -> dict[str, Any]:
+    """The `kind` snapshot ("step" or "model_runner") of one of run.steps(), decoded.
+
+    NOTE: never None for the runs a lesson reads: run.steps() lists the steps whose "step"
+    snapshot is committed, and the worker records its "model_runner" snapshot for every step
+    it ran (level "full"), before finish() flushes and closes the store. Run.snapshot answers
+    None only for a step it has no row of, which would be a recording bug: said here, by name."""
+    snap = run.snapshot(step, kind)
+    assert snap is not None, f"{run.path}: step {step} has no {kind!r} snapshot"
+    return snap
 
 
 def make_llm(**engine_args) -> LLM:

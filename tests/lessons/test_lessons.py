@@ -118,6 +118,36 @@ def test_lesson_2_links_the_preempted_request_at_its_preemption(tmp_path, defaul
     assert "Preemption: RUNNING → PREEMPTED → WAITING" in proc.stdout
 
 
+@pytest.mark.model
+@pytest.mark.slow
+def test_lesson_5_reports_a_missing_condense_as_a_false_fact(tmp_path, default_model_dir):
+    """A run in which no step condensed the batch (here: lesson 5's own run, read back with every
+    condense move hidden) fails the lesson's condense check, which says so, instead of crashing
+    on the names only a condensing step sets (src, dst, moved: UnboundLocalError) or on a None
+    request id used as a row key."""
+    lesson = os.path.join(ROOT, "lessons", "05_prepare_inputs.py")
+    script = "\n".join([
+        "import runpy, sys",
+        "from vllm_anatomy.tracing.reader import Run",
+        "read = Run.snapshot",
+        "def without_condense(self, step_id, kind='step'):",
+        "    snap = read(self, step_id, kind)",
+        "    if kind == 'model_runner' and snap is not None:",
+        "        snap['input_batch']['condense_moves'] = []",
+        "    return snap",
+        "Run.snapshot = without_condense",
+        f"sys.argv = [{lesson!r}]",
+        f"runpy.run_path({lesson!r}, run_name='__main__')"])
+    env = dict(os.environ, VLLM_ANATOMY_LESSON_TRACE_DIR=str(tmp_path), PYTHONUNBUFFERED="1")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=str(tmp_path), env=env, capture_output=True,
+                          text=True, timeout=TIME_LIMIT_S)
+    tail = f"\n--- stdout ---\n{proc.stdout[-3000:]}\n--- stderr ---\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 1, tail
+    assert proc.stderr.rstrip().splitlines()[-1] == ("AssertionError: lesson fact does not hold: condense() moved a "
+                                                     "row into r1's hole (no step recorded a condense move)"), tail
+    assert CHECK_MARK in proc.stdout, tail          # the checks before it held
+
+
 def test_links_follow_the_running_dashboard(monkeypatch, capsys, tmp_path):
     """The link's port is $STREAMLIT_SERVER_PORT (what `make run` serves on), else 8501; the start
     command names the trace directory that lists the run; the lesson's cards are named."""
