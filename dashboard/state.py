@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 import urllib.parse
 
 import streamlit as st
@@ -321,6 +322,21 @@ def goto(step: int, page: str | None = None, tab: str | None = None, request: st
 
 def on_scrub() -> None:
     ss.cursor = int(ss.scrub)
+
+
+def play(steps: list[int]) -> None:
+    """Callback of the scrubber's play / pause: pause, or play — from the first step when the cursor is
+    at the last one, as a media player starts again from the beginning.
+
+    NOTE: the ticker's first run comes with this rerun and moves at once when a period has passed since
+    its last tick; starting over marks a tick now, so the first step shows for a whole period."""
+    if ss.get("playing"):
+        ss.playing = False
+        return
+    ss.playing = True
+    if len(steps) > 1 and cursor_index(steps) == len(steps) - 1:
+        ss.cursor = steps[0]
+        ss._last_tick = time.monotonic()
 
 
 def toggle(key: str) -> None:
