@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dashboard.answers.common import Answer, ShowMe, cannot, ids
 from dashboard.answers.source import RunSource
+from dashboard.words import n_of
 
 
 def _rows(mr: dict) -> dict[int, dict]:
@@ -71,7 +72,7 @@ def answer(src: RunSource, step: int | None = None) -> Answer:
     removed, added, appended, moves = d["removed"], d["added"], d["appended"], d["moves"]
     mirror = _mirror(snap, mr, after, d["a_req"])
     n_rows = len(after)
-    summary = (f"In **step {step}**, `_update_states` turned the {len(before)} rows of step {prev} into {n_rows} rows "
+    summary = (f"In **step {step}**, `_update_states` turned the {n_of(len(before), 'row')} of step {prev} into {n_of(n_rows, 'row')} "
                f"by a diff: **{len(removed)} removed** {ids([r['request'] for r in removed])}, "
                f"**{len(added)} added** {ids([a['request'] for a in added])}, block ids appended to "
                f"{len(appended)} request(s), `num_computed_tokens` written for {len(d['nct'])} cached request(s), "

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dashboard.answers.common import Answer, ShowMe, cannot
 from dashboard.answers.source import RunSource
+from dashboard.words import n_of
 
 CPU_SPANS = {"Scheduler.schedule": "schedule", "GPUModelRunner._update_states": "_update_states",
              "GPUModelRunner._prepare_inputs": "_prepare_inputs", "Scheduler.update_from_output": "update_from_output"}
@@ -195,7 +196,7 @@ def _communication_account(src: RunSource, mine: dict[int, dict], token_steps: l
            "shared-memory messages (execute_model, sample_tokens and their replies)": 4 * n_steps if shm else 0}
     if have_counts:
         comm_why = (f"{coll['all_reduce'][0]} all-reduce(s) ({coll['all_reduce'][1] / MB:.2f} MB handed to them by "
-                    f"each rank) over the {n_steps} steps that served it: {coll['all_reduce'][0] / max(n_steps, 1):.0f} "
+                    f"each rank) over the {n_of(n_steps, 'step')} that served it: {coll['all_reduce'][0] / max(n_steps, 1):.0f} "
                     f"per step (TP {src.tp}, each joined by all {src.tp} ranks); the steps serve its neighbours too, "
                     "so this is the traffic it shared.")
     else:
@@ -242,7 +243,7 @@ def _why(time: dict, mem: dict, cpu: dict, n_steps: int, preempted: int) -> list
                    f"{100 * mem['KV MB'] / mem['weights MB']:.2f} % of the {mem['weights MB']:.0f} MB of weights: "
                    "tiny next to the model, yet the scarce resource that decides who runs.")
     if cpu["total"]:
-        why.append(f"The host spent {cpu['total']:.2f} ms scheduling and preparing the {n_steps} steps it was in "
+        why.append(f"The host spent {cpu['total']:.2f} ms scheduling and preparing the {n_of(n_steps, 'step')} it was in "
                    f"({cpu['share']:.2f} ms its share by tokens) out of {cpu['step_ms']:.1f} ms of step time: cheap "
                    "per request, but paid again every step for every request.")
     if preempted:
@@ -262,7 +263,7 @@ def _rows(time: dict, mem: dict, comm: dict, cpu: dict, n_steps: int, path: list
                                             + (" (each per rank)" if mem.get("per rank") else ""))},
             {"account": "communication", "value": comm["text"]},
             {"account": "CPU", "value": ", ".join(f"{k} {t:.2f} ms" for k, (t, _) in cpu["rows"].items())
-             + f" — {cpu['total']:.2f} ms over its {n_steps} steps, its share {cpu['share']:.2f} ms"},
+             + f" — {cpu['total']:.2f} ms over its {n_of(n_steps, 'step')}, its share {cpu['share']:.2f} ms"},
             {"account": "request", "value": " → ".join(
                 f"{p['status']}@{p['from step']}" + (f"–{p['to step']}" if p["to step"] != p["from step"] else "")
                 for p in path)}]

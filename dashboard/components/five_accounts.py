@@ -14,6 +14,7 @@ from dashboard.answers.cached import answer
 from dashboard.answers.q5_tradeoff import ARTICLE, spec_pair, spec_tradeoff
 from dashboard.components.nav import link, open_view
 from dashboard.components.run_picker import tp_sample_button
+from dashboard.words import n_of
 
 
 def _n(x, nd: int = 1, unit: str = "") -> str:
@@ -53,7 +54,7 @@ def five_accounts(path: str, request_id: str | None, key: str = "fa", links: boo
             st.markdown("**:material/swap_horiz: communication**")
             c = f["collectives"]
             if f["have_counts"]:
-                st.markdown(f"**{c['all_reduce'][0]} all-reduces** over {len(f['steps'])} steps, each joined by "
+                st.markdown(f"**{c['all_reduce'][0]} all-reduces** over {n_of(len(f['steps']), 'step')}, each joined by "
                             f"every rank  \n{c['all_reduce'][1] / 2 ** 20:,.2f} MB handed to them per rank")
             else:
                 st.markdown("**0 collectives**  \none device: nothing to all-reduce")
