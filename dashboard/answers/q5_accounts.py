@@ -257,9 +257,9 @@ def _rows(time: dict, mem: dict, comm: dict, cpu: dict, n_steps: int, path: list
     return [{"account": "time", "value": (f"queue {_f(time['queue ms'])} · prefill {_f(time['prefill ms'])} · decode "
                                           f"{_f(time['decode ms'])} ms; TTFT {_f(time['TTFT ms'])} ms; ITL mean "
                                           f"{_f(time['ITL mean ms'])} ms, max {_f(time['ITL max ms (step ends)'])} ms")},
-            {"account": "memory", "value": (f"{mem['peak KV blocks']} KV blocks at step {mem['at step']} = "
-                                            f"{_f(mem['KV MB'], 2)} MB, pool {mem['pool blocks']} blocks = "
-                                            f"{_f(mem['pool MB'], 1)} MB, weights {_f(mem['weights MB'], 0)} MB"
+            {"account": "memory", "value": (f"{mem['peak KV blocks']} KV blocks at step {mem['at step']}: "
+                                            f"{mb_text(mem['KV MB'], 2)}, pool {mem['pool blocks']} blocks: "
+                                            f"{mb_text(mem['pool MB'], 1)}, weights {mb_text(mem['weights MB'], 0)}"
                                             + (" (each per rank)" if mem.get("per rank") else ""))},
             {"account": "communication", "value": comm["text"]},
             {"account": "CPU", "value": ", ".join(f"{k} {t:.2f} ms" for k, (t, _) in cpu["rows"].items())
@@ -299,3 +299,14 @@ def _finish_steps(src: RunSource) -> list[tuple[int, str]]:
 
 def _f(x, nd: int = 1) -> str:
     return "—" if x is None else f"{x:,.{nd}f}"
+
+
+NOT_RECORDED = "not recorded in this run"
+
+
+def mb_text(x: float | None, nd: int = 1) -> str:
+    """"4.92 MB", or, where the run lacks the figure, the words "not recorded in this run".
+
+    NOTE: never "— MB": a dash before a unit reads as a number lost on the way (found on the H100 sample,
+    whose model files stayed on the recording machine and whose meta has no model_weight_bytes)."""
+    return NOT_RECORDED if x is None else f"{x:,.{nd}f} MB"

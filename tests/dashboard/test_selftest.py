@@ -300,3 +300,22 @@ def test_show_me_lands(runs, pages, key):
         r = re.search(r"request (\S+)$", label)
         if r:
             assert at.session_state["request"] == r[1], (q, label)
+
+
+@pytest.mark.parametrize("key", RUNS)
+def test_q5_weights_say_in_words_when_the_run_lacks_them(runs, pages, store, key):
+    """Found at 1440x900 on the H100 sample: Q5's memory account read "weights — MB" (its model's files are
+    on the recording machine, and the run meta has no model_weight_bytes). A number missing before a unit
+    is said in words; a run that has the figure shows it in MB."""
+    _setup(runs, key)
+    at = pages[key]
+    text = "\n".join([m.value for m in at.markdown] + [c.value for c in at.caption]
+                     + [str(v) for t in at.table for v in t.value.to_numpy().ravel()]
+                     + [str(v) for t in at.dataframe for v in t.value.to_numpy().ravel()])
+    assert not re.search(r"— ?(MB|ms|GB|blocks)\b", text), [ln for ln in text.splitlines() if re.search(r"— ?MB", ln)]
+    from dashboard.answers.source import weight_bytes_of
+    weights, where = weight_bytes_of(store[key]["meta"])
+    if weights is None:
+        assert "weights not recorded in this run" in text and where in text
+    else:
+        assert re.search(r"weights [\d,]+ MB", text), text[:400]
