@@ -142,7 +142,7 @@ def _allocation(src: RunSource, step: int, req: str) -> _Allocation:
     assert ent is not None, "answer() picks (step, req) from allocations(): the step scheduled it"
     hit = _hit(src, step, req)
     hit_ids = list(hit["hit_block_ids"])
-    so = (src.snap(step) or {}).get("scheduler_output", {})
+    so = src.scheduler_output(step)
     new_req = next((r for r in so.get("scheduled_new_reqs", []) if str(r["req_id"]) == req), None)
     cached = so.get("scheduled_cached_reqs", {})
     ci = next((i for i, r in enumerate(cached.get("req_ids", [])) if str(r) == req), None)

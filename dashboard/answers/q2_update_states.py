@@ -45,7 +45,7 @@ def default_step(src: RunSource) -> int | None:
         before = {r["req_id"] for r in _rows(prev).values()}
         after = {r["req_id"] for r in _rows(mr).values()}
         moves = (mr.get("input_batch") or {}).get("condense_moves") or []
-        so = (src.snap(s) or {}).get("scheduler_output", {})
+        so = src.scheduler_output(s)
         appended = sum(1 for x in so.get("scheduled_cached_reqs", {}).get("new_block_ids", []) if x)
         score = (bool(before - after) + bool(after - before) + bool(moves), bool(appended), -s)
         if score > best_score:
@@ -68,9 +68,10 @@ def answer(src: RunSource, step: int | None = None) -> Answer:
     snap = src.snap(step) or {}
     mr = src.mr(step)
     before, after = _rows(src.mr(prev)), _rows(mr)
-    d = _row_diff(before, after, snap.get("scheduler_output", {}), mr)
+    so = src.scheduler_output(step)
+    d = _row_diff(before, after, so, mr)
     removed, added, appended, moves = d["removed"], d["added"], d["appended"], d["moves"]
-    mirror = _mirror(snap, mr, after, d["a_req"])
+    mirror = _mirror(snap, so, mr, after, d["a_req"])
     n_rows = len(after)
     summary = (f"In **step {step}**, `_update_states` turned the {n_of(len(before), 'row')} of step {prev} into {n_of(n_rows, 'row')} "
                f"by a diff: **{len(removed)} removed** {ids([r['request'] for r in removed])}, "
@@ -144,9 +145,8 @@ def _row_diff(before: dict[int, dict], after: dict[int, dict], so: dict, mr: dic
             "added": added, "appended": appended, "nct": nct, "move_rows": move_rows, "kept": kept}
 
 
-def _mirror(snap: dict, mr: dict, after: dict[int, dict], a_req: dict) -> list[dict]:
-    """The mirror: CachedRequestState (worker) beside Request (scheduler), same step."""
-    so = snap.get("scheduler_output", {})
+def _mirror(snap: dict, so: dict, mr: dict, after: dict[int, dict], a_req: dict) -> list[dict]:
+    """The mirror: CachedRequestState (worker) beside Request (scheduler), same step (`so`: its SchedulerOutput)."""
     sched = snap.get("scheduler", {})
     reqs = {str(r["request_id"]): r for r in sched.get("running", []) + sched.get("waiting", [])}
     r2b = sched.get("kv_cache", {}).get("req_to_block_ids", {})

@@ -319,3 +319,14 @@ def test_q5_weights_say_in_words_when_the_run_lacks_them(runs, pages, store, key
         assert "weights not recorded in this run" in text and where in text
     else:
         assert re.search(r"weights [\d,]+ MB", text), text[:400]
+
+
+def test_the_answers_read_a_steps_scheduler_output_one_way():
+    """RunSource.scheduler_output(step) is the one reader of a step's SchedulerOutput for the Self-test
+    answers (dashboard/answers/): q1_allocation and q2_update_states still spelled out
+    `(src.snap(s) or {}).get("scheduler_output", {})` and `snap.get("scheduler_output", {})`."""
+    import pathlib
+    answers = pathlib.Path(__file__).resolve().parents[2] / "dashboard" / "answers"
+    spelled = [f"{p.name}:{i}" for p in sorted(answers.glob("*.py")) if p.name != "source.py"
+               for i, line in enumerate(p.read_text().splitlines(), 1) if re.search(r"""\.get\(["']scheduler_output""", line)]
+    assert not spelled, spelled
