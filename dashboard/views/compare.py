@@ -238,11 +238,17 @@ def _table(a: dict, b: dict) -> pd.DataFrame:
         better = "" if d in (None, 0) or lower is None or rel is None or abs(rel) < cmp.NOISE else \
             ("better" if (d < 0) == lower else "worse")
         rows.append({"account": cmp.ACCOUNT_TITLES[account], "metric": label + (f" ({unit})" if unit else ""),
-                     "A": cmp.fmt(a.get(key)), "B": cmp.fmt(b.get(key)),
+                     "A": _cell(a.get(key)), "B": _cell(b.get(key)),
                      "Δ B − A": cmp.delta_text(d),
                      "change": "—" if rel is None else cmp.change_text(rel)
                      + (f" · {better}" if better else "")})
     return pd.DataFrame(rows)
+
+
+def _cell(v) -> str:
+    """A run's figure in the table; one the run did not record is said so (a dash is kept for a delta
+    that cannot be taken)."""
+    return "not recorded" if v is None else cmp.fmt(v)
 
 
 def _aligned(sa: pd.DataFrame, sb: pd.DataFrame) -> go.Figure:

@@ -345,3 +345,19 @@ def test_async_scheduling_says_what_it_does_then_shows_the_overlap(monkeypatch, 
     assert oa == 0 and ob > 0, counts                   # off: no overlap; on: step N+1 starts inside step N
     assert f"{ob} of {nb} consecutive step pairs overlap in B, {oa} of {na} in A" in line, line
     assert line.index("schedules step N+1") < line.index(f"{ob} of {nb}"), line
+
+
+def test_a_figure_neither_run_recorded_is_said_in_words(monkeypatch, tmp_path):
+    """Found at 1440x900 on the h100-async-scheduling pair: the table's "weights (one rank) (MB)" row read
+    — — — — (the runs' meta has no model_weight_bytes and their model files stayed on the recording
+    machine). A run's missing figure reads "not recorded"; a delta that cannot be taken stays a dash."""
+    from dashboard.answers.source import weight_bytes_of
+    pair = _shipped("h100-async-scheduling")
+    from vllm_anatomy.tracing.reader import open_run
+    with open_run(os.path.join(COMPARE_DIR, pair["a"]["file"])) as run:
+        if weight_bytes_of(run.meta)[0] is not None:
+            pytest.skip("this machine has the pair's model files: its weights are known")
+    at = _compare_by_url(monkeypatch, tmp_path, pair["a"]["file"], pair["b"]["file"])
+    table = at.table[0].value
+    row = next(r for r in table.to_dict("records") if r["metric"].startswith("weights"))
+    assert (row["A"], row["B"], row["Δ B − A"]) == ("not recorded", "not recorded", "—"), row
