@@ -232,7 +232,7 @@ def _summary(step: int, req: str, a: _Allocation, q: dict) -> str:
     return (f"In **step {step}**, `Scheduler.schedule` gave request **{req}** {n_of(a.ent['num_tokens'], 'token')}; "
             + (f"`get_computed_blocks` found {n_of(a.hit['num_hit_tokens'], 'token')} cached (blocks {ids(a.hit_ids)}); "
                if a.admitted else "it was already running, so no prefix lookup; ")
-            + f"`allocate_slots` needed {len(a.new_blocks)} new block(s), and `get_new_blocks` popped "
+            + f"`allocate_slots` needed {n_of(len(a.new_blocks), 'new block')}, and `get_new_blocks` popped "
             f"**{ids(popped if popped is not None else a.new_blocks)}** from the free queue's head"
             + (f", evicting the cached hash of {ids([b for b, _ in evicted])}" if evicted else "")
             + f". They were appended to its block list ({ids(a.table)}) and sent to the worker as "

@@ -76,9 +76,9 @@ def answer(src: RunSource, step: int | None = None) -> Answer:
     summary = (f"In **step {step}**, `_update_states` turned the {n_of(len(before), 'row')} of step {prev} into {n_of(n_rows, 'row')} "
                f"by a diff: **{len(removed)} removed** {ids([r['request'] for r in removed])}, "
                f"**{len(added)} added** {ids([a['request'] for a in added])}, block ids appended to "
-               f"{len(appended)} request(s), `num_computed_tokens` written for {len(d['nct'])} cached request(s), "
-               f"**{len(moves)} condense move(s)** {ids([f'{a}→{b}' for a, b in moves])}. "
-               f"{len(d['kept'])} of {n_rows} rows were **kept as they were** (same row, same token ids and block table: "
+               f"{n_of(len(appended), 'request')}, `num_computed_tokens` written for {n_of(len(d['nct']), 'cached request')}, "
+               f"**{n_of(len(moves), 'condense move')}** {ids([f'{a}→{b}' for a, b in moves])}. "
+               f"{len(d['kept'])} of {n_of(n_rows, 'row')} {'was' if len(d['kept']) == 1 else 'were'} **kept as they were** (same row, same token ids and block table: "
                f"only their num_computed_tokens scalar written) — the InputBatch persists across steps; nothing is rebuilt.")
     notes = ["CachedRequestState is the worker's read-only mirror of the scheduler's Request: it is updated only "
              "from CachedRequestData, never written back. The step snapshot is taken after "

@@ -195,7 +195,7 @@ def _communication_account(src: RunSource, mine: dict[int, dict], token_steps: l
     ipc = {"ZMQ messages (EngineCoreRequest in + EngineCoreOutputs out)": (1 + len(token_steps)) if three else 0,
            "shared-memory messages (execute_model, sample_tokens and their replies)": 4 * n_steps if shm else 0}
     if have_counts:
-        comm_why = (f"{coll['all_reduce'][0]} all-reduce(s) ({coll['all_reduce'][1] / MB:.2f} MB handed to them by "
+        comm_why = (f"{n_of(coll['all_reduce'][0], 'all-reduce')} ({coll['all_reduce'][1] / MB:.2f} MB handed to them by "
                     f"each rank) over the {n_of(n_steps, 'step')} that served it: {coll['all_reduce'][0] / max(n_steps, 1):.0f} "
                     f"per step (TP {src.tp}, each joined by all {src.tp} ranks); the steps serve its neighbours too, "
                     "so this is the traffic it shared.")
@@ -247,7 +247,7 @@ def _why(time: dict, mem: dict, cpu: dict, n_steps: int, preempted: int) -> list
                    f"({cpu['share']:.2f} ms its share by tokens) out of {cpu['step_ms']:.1f} ms of step time: cheap "
                    "per request, but paid again every step for every request.")
     if preempted:
-        why.append(f"It was preempted {preempted} time(s): its KV blocks were taken back and everything it had "
+        why.append(f"It was preempted {n_of(preempted, 'time')}: its KV blocks were taken back and everything it had "
                    "computed was computed again — a memory decision that shows up only in its time account.")
     return why
 

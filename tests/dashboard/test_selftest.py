@@ -13,6 +13,7 @@ import re
 
 import pytest
 
+from dashboard.words import n_of
 from tests.dashboard.conftest import APP, GPU_SAMPLE
 
 RUNS = ["gpu", "cpu"]
@@ -161,12 +162,12 @@ def test_q2_update_states(runs, pages, store, key):
     appended = {str(r) for r, nb in zip(c["req_ids"], c["new_block_ids"]) if nb and r not in c["resumed_req_ids"]}
     moved = {after[d]["req_id"] for _, d in moves}
     kept = [r for r, i in a_req.items() if b_req.get(r) == i and r not in appended | moved | set(added)]
-    assert f"turned the {len(before)} rows of step {prev} into {len(after)} rows" in text
+    assert f"turned the {n_of(len(before), 'row')} of step {prev} into {n_of(len(after), 'row')}" in text
     assert f"**{len(removed)} removed** {ids(removed)}" in text
     assert f"**{len(added)} added** {ids(added)}" in text
-    assert f"block ids appended to {len(appended)} request(s)" in text
-    assert f"**{len(moves)} condense move(s)**" in text
-    assert f"{len(kept)} of {len(after)} rows were **kept as they were**" in text
+    assert f"block ids appended to {n_of(len(appended), 'request')}," in text
+    assert f"**{n_of(len(moves), 'condense move')}**" in text
+    assert f"{len(kept)} of {n_of(len(after), 'row')} {'was' if len(kept) == 1 else 'were'} **kept as they were**" in text
     # the moves the page names carry the request that was in the source row
     for a, b in moves:
         assert before.get(a, after[b])["req_id"] == after[b]["req_id"] or after[b]["req_id"] in added

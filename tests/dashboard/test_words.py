@@ -51,3 +51,15 @@ def _with_tab(make_app, step: int, tab: str):
     at = make_app("inspector", step)
     at.query_params["tab"] = tab
     return at.run()
+
+
+@pytest.mark.model
+def test_no_count_hedges_its_noun(make_app):
+    """Found at 1440x900 on Self-test: "preempted 2 time(s)", "**0 condense move(s)**", "1 request(s)": the
+    count is known, so its noun agrees with it."""
+    at = make_app("selftest")
+    assert not at.exception, [e.value for e in at.exception]
+    text = "\n".join([m.value for m in at.markdown] + [c.value for c in at.caption])
+    hedged = re.findall(r"\d+\*{0,2} [\w-]+(?: [\w-]+)?\(s\)", text)
+    assert not hedged, hedged
+    assert not ONE_PLURAL.findall(text), [line for line in text.splitlines() if ONE_PLURAL.search(line)]
