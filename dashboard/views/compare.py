@@ -102,6 +102,8 @@ def _choose() -> tuple[str, str] | None:
             f"{p['title']} ({p['device']})" for p in pairs if p["name"] == n))
         p = next(x for x in pairs if x["name"] == pick)
         st.caption(p.get("description", ""))
+        # "Any two runs" starts from this pair's two runs (its pickers are not drawn now: they may be set).
+        ss.cmp_a, ss.cmp_b = p["path_a"], p["path_b"]
         return p["path_a"], p["path_b"]
     if mode == MODES[1]:
         runs = all_runs()
