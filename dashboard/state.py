@@ -37,12 +37,14 @@ from __future__ import annotations
 
 import os
 import re
+import time
 import urllib.parse
 
 import streamlit as st
 from streamlit.errors import StreamlitAPIException
 
 from dashboard import data
+from dashboard.words import n_of
 from vllm_anatomy.tracing.factory import DEFAULT_TRACE_DIR
 
 TRACE_DIR_ENV = "VLLM_ANATOMY_TRACE_DIR"
@@ -261,7 +263,7 @@ def show_bad_rows(obj) -> None:
     """A warning listing the rows a loader skipped because their JSON is damaged (if any)."""
     bad = data.bad_rows_of(obj)
     if bad:
-        with st.expander(f":material/warning: {len(bad)} damaged row(s) of this run store were skipped"):
+        with st.expander(f":material/warning: {n_of(len(bad), 'damaged row')} of this run store {'was' if len(bad) == 1 else 'were'} skipped"):
             st.markdown("\n".join(f"- {b}" for b in bad[:50]) + ("\n- …" if len(bad) > 50 else ""))
 
 
@@ -321,6 +323,21 @@ def goto(step: int, page: str | None = None, tab: str | None = None, request: st
 
 def on_scrub() -> None:
     ss.cursor = int(ss.scrub)
+
+
+def play(steps: list[int]) -> None:
+    """Callback of the scrubber's play / pause: pause, or play — from the first step when the cursor is
+    at the last one, as a media player starts again from the beginning.
+
+    NOTE: the ticker's first run comes with this rerun and moves at once when a period has passed since
+    its last tick; starting over marks a tick now, so the first step shows for a whole period."""
+    if ss.get("playing"):
+        ss.playing = False
+        return
+    ss.playing = True
+    if len(steps) > 1 and cursor_index(steps) == len(steps) - 1:
+        ss.cursor = steps[0]
+        ss._last_tick = time.monotonic()
 
 
 def toggle(key: str) -> None:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from dashboard.answers.common import Answer, ShowMe, cannot, ids
 from dashboard.answers.source import EVENT_METHOD, PoolReplay, RunSource
+from dashboard.words import n_of
 
 
 def allocations(src: RunSource) -> list[tuple[int, str]]:
@@ -141,7 +142,7 @@ def _allocation(src: RunSource, step: int, req: str) -> _Allocation:
     assert ent is not None, "answer() picks (step, req) from allocations(): the step scheduled it"
     hit = _hit(src, step, req)
     hit_ids = list(hit["hit_block_ids"])
-    so = (src.snap(step) or {}).get("scheduler_output", {})
+    so = src.scheduler_output(step)
     new_req = next((r for r in so.get("scheduled_new_reqs", []) if str(r["req_id"]) == req), None)
     cached = so.get("scheduled_cached_reqs", {})
     ci = next((i for i, r in enumerate(cached.get("req_ids", [])) if str(r) == req), None)
@@ -203,7 +204,7 @@ def _chain(src: RunSource, step: int, req: str, a: _Allocation, q: dict) -> list
              + (f" ({len(hit_ids)} from the prefix hit)" if hit_ids else "") + f" → {len(new_blocks)} new")
     return [
         {"#": "①", "call": "Scheduler.schedule" + ms(sched),
-         "what happened here": f"step {step}: request {req} gets {ent['num_tokens']} tokens ({ent['kind']})"},
+         "what happened here": f"step {step}: request {req} gets {n_of(ent['num_tokens'], 'token')} ({ent['kind']})"},
         {"#": "②", "call": "KVCacheManager.get_computed_blocks" + ms(gcb),
          "what happened here": (f"prefix-cache lookup: {hit['num_hit_tokens']} of {hit['num_query_tokens']} tokens "
                                 f"cached, blocks {ids(hit_ids)}" if a.admitted else
@@ -228,10 +229,10 @@ def _chain(src: RunSource, step: int, req: str, a: _Allocation, q: dict) -> list
 
 def _summary(step: int, req: str, a: _Allocation, q: dict) -> str:
     popped, evicted = q["popped"], q["evicted"]
-    return (f"In **step {step}**, `Scheduler.schedule` gave request **{req}** {a.ent['num_tokens']} tokens; "
-            + (f"`get_computed_blocks` found {a.hit['num_hit_tokens']} tokens cached (blocks {ids(a.hit_ids)}); "
+    return (f"In **step {step}**, `Scheduler.schedule` gave request **{req}** {n_of(a.ent['num_tokens'], 'token')}; "
+            + (f"`get_computed_blocks` found {n_of(a.hit['num_hit_tokens'], 'token')} cached (blocks {ids(a.hit_ids)}); "
                if a.admitted else "it was already running, so no prefix lookup; ")
-            + f"`allocate_slots` needed {len(a.new_blocks)} new block(s), and `get_new_blocks` popped "
+            + f"`allocate_slots` needed {n_of(len(a.new_blocks), 'new block')}, and `get_new_blocks` popped "
             f"**{ids(popped if popped is not None else a.new_blocks)}** from the free queue's head"
             + (f", evicting the cached hash of {ids([b for b, _ in evicted])}" if evicted else "")
             + f". They were appended to its block list ({ids(a.table)}) and sent to the worker as "

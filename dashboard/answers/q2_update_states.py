@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dashboard.answers.common import Answer, ShowMe, cannot, ids
 from dashboard.answers.source import RunSource
+from dashboard.words import n_of
 
 
 def _rows(mr: dict) -> dict[int, dict]:
@@ -44,7 +45,7 @@ def default_step(src: RunSource) -> int | None:
         before = {r["req_id"] for r in _rows(prev).values()}
         after = {r["req_id"] for r in _rows(mr).values()}
         moves = (mr.get("input_batch") or {}).get("condense_moves") or []
-        so = (src.snap(s) or {}).get("scheduler_output", {})
+        so = src.scheduler_output(s)
         appended = sum(1 for x in so.get("scheduled_cached_reqs", {}).get("new_block_ids", []) if x)
         score = (bool(before - after) + bool(after - before) + bool(moves), bool(appended), -s)
         if score > best_score:
@@ -67,16 +68,17 @@ def answer(src: RunSource, step: int | None = None) -> Answer:
     snap = src.snap(step) or {}
     mr = src.mr(step)
     before, after = _rows(src.mr(prev)), _rows(mr)
-    d = _row_diff(before, after, snap.get("scheduler_output", {}), mr)
+    so = src.scheduler_output(step)
+    d = _row_diff(before, after, so, mr)
     removed, added, appended, moves = d["removed"], d["added"], d["appended"], d["moves"]
-    mirror = _mirror(snap, mr, after, d["a_req"])
+    mirror = _mirror(snap, so, mr, after, d["a_req"])
     n_rows = len(after)
-    summary = (f"In **step {step}**, `_update_states` turned the {len(before)} rows of step {prev} into {n_rows} rows "
+    summary = (f"In **step {step}**, `_update_states` turned the {n_of(len(before), 'row')} of step {prev} into {n_of(n_rows, 'row')} "
                f"by a diff: **{len(removed)} removed** {ids([r['request'] for r in removed])}, "
                f"**{len(added)} added** {ids([a['request'] for a in added])}, block ids appended to "
-               f"{len(appended)} request(s), `num_computed_tokens` written for {len(d['nct'])} cached request(s), "
-               f"**{len(moves)} condense move(s)** {ids([f'{a}→{b}' for a, b in moves])}. "
-               f"{len(d['kept'])} of {n_rows} rows were **kept as they were** (same row, same token ids and block table: "
+               f"{n_of(len(appended), 'request')}, `num_computed_tokens` written for {n_of(len(d['nct']), 'cached request')}, "
+               f"**{n_of(len(moves), 'condense move')}** {ids([f'{a}→{b}' for a, b in moves])}. "
+               f"{len(d['kept'])} of {n_of(n_rows, 'row')} {'was' if len(d['kept']) == 1 else 'were'} **kept as they were** (same row, same token ids and block table: "
                f"only their num_computed_tokens scalar written) — the InputBatch persists across steps; nothing is rebuilt.")
     notes = ["CachedRequestState is the worker's read-only mirror of the scheduler's Request: it is updated only "
              "from CachedRequestData, never written back. The step snapshot is taken after "
@@ -143,9 +145,8 @@ def _row_diff(before: dict[int, dict], after: dict[int, dict], so: dict, mr: dic
             "added": added, "appended": appended, "nct": nct, "move_rows": move_rows, "kept": kept}
 
 
-def _mirror(snap: dict, mr: dict, after: dict[int, dict], a_req: dict) -> list[dict]:
-    """The mirror: CachedRequestState (worker) beside Request (scheduler), same step."""
-    so = snap.get("scheduler_output", {})
+def _mirror(snap: dict, so: dict, mr: dict, after: dict[int, dict], a_req: dict) -> list[dict]:
+    """The mirror: CachedRequestState (worker) beside Request (scheduler), same step (`so`: its SchedulerOutput)."""
     sched = snap.get("scheduler", {})
     reqs = {str(r["request_id"]): r for r in sched.get("running", []) + sched.get("waiting", [])}
     r2b = sched.get("kv_cache", {}).get("req_to_block_ids", {})

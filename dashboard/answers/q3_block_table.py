@@ -17,6 +17,7 @@ import math
 
 from dashboard.answers.common import Answer, ShowMe, cannot, ids
 from dashboard.answers.source import RunSource
+from dashboard.words import n_of
 
 # The kernels that write a step's K/V into the cache at slot_mapping: the attention backend's own, or
 # (on CUDA, steps of <= 256 tokens) the model's launch that also does the write: Qwen3's q/k norm + RoPE
@@ -100,10 +101,10 @@ def answer(src: RunSource, step: int | None = None, req: str | None = None) -> A
     cg = pi.get("cudagraph") or {}
     padded = cg.get("num_padded_tokens") and cg.get("num_tokens") and cg["num_padded_tokens"] > cg["num_tokens"]
     slot_ok = slot == walked[pos // bs] * bs + pos % bs if pos // bs < len(walked) else False
-    summary = (f"In **step {step}** the attention backend got a `block_table` of {len(req_ids)} rows × "
+    summary = (f"In **step {step}** the attention backend got a `block_table` of {n_of(len(req_ids), 'row')} × "
                f"{max_blocks or width} columns (zero-padded), `seq_lens` {ids(pi['seq_lens'])}, `query_start_loc` "
-               f"{ids(qsl)} and a `slot_mapping` of {len(slots)} slots. Request **{req}** decodes one token at "
-               f"position {pos}: `seq_len` = {seq_len}, so the kernel walks ⌈{seq_len} / {bs}⌉ = **{n_walk} blocks** "
+               f"{ids(qsl)} and a `slot_mapping` of {n_of(len(slots), 'slot')}. Request **{req}** decodes one token at "
+               f"position {pos}: `seq_len` = {seq_len}, so the kernel walks ⌈{seq_len} / {bs}⌉ = **{n_of(n_walk, 'block')}** "
                f"{ids(walked)} in order (the last holds {seq_len - (n_walk - 1) * bs} of {bs} tokens), and its new K/V "
                f"goes to **slot {slot}** = block {slot // bs} × {bs} + offset {slot % bs}."
                + (f" The graph replay was padded {cg['num_tokens']} → {cg['num_padded_tokens']} tokens: padding "
@@ -199,7 +200,7 @@ def kv_write(src: RunSource, step: int, tok: int, slot: int, bs: int, mode: str 
         us = sum(x.duration_ns for x in launches) / len(launches) / 1e3
         grid = a.get("vllm_anatomy.grid")
         fused = f" (fused with the layer's {KV_WRITE_FUSED_WITH[kernel]})" if kernel in KV_WRITE_FUSED_WITH else ""
-        return (f"{len(launches)} launches of `{kernel}`{fused} in this step, one per layer, each over "
+        return (f"{n_of(len(launches), 'launch', 'launches')} of `{kernel}`{fused} in this step, one per layer, each over "
                 f"{a.get('vllm_anatomy.num_tokens', '?')} tokens" + (f" (grid {list(grid)})" if grid else "")
                 + f", {us:.1f} µs on average: batch token {tok} (this request's query) → {where} of every "
                 "layer's cache", eager)

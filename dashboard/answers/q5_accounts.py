@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dashboard.answers.common import Answer, ShowMe, cannot
 from dashboard.answers.source import RunSource
+from dashboard.words import n_of
 
 CPU_SPANS = {"Scheduler.schedule": "schedule", "GPUModelRunner._update_states": "_update_states",
              "GPUModelRunner._prepare_inputs": "_prepare_inputs", "Scheduler.update_from_output": "update_from_output"}
@@ -194,8 +195,8 @@ def _communication_account(src: RunSource, mine: dict[int, dict], token_steps: l
     ipc = {"ZMQ messages (EngineCoreRequest in + EngineCoreOutputs out)": (1 + len(token_steps)) if three else 0,
            "shared-memory messages (execute_model, sample_tokens and their replies)": 4 * n_steps if shm else 0}
     if have_counts:
-        comm_why = (f"{coll['all_reduce'][0]} all-reduce(s) ({coll['all_reduce'][1] / MB:.2f} MB handed to them by "
-                    f"each rank) over the {n_steps} steps that served it: {coll['all_reduce'][0] / max(n_steps, 1):.0f} "
+        comm_why = (f"{n_of(coll['all_reduce'][0], 'all-reduce')} ({coll['all_reduce'][1] / MB:.2f} MB handed to them by "
+                    f"each rank) over the {n_of(n_steps, 'step')} that served it: {coll['all_reduce'][0] / max(n_steps, 1):.0f} "
                     f"per step (TP {src.tp}, each joined by all {src.tp} ranks); the steps serve its neighbours too, "
                     "so this is the traffic it shared.")
     else:
@@ -242,11 +243,11 @@ def _why(time: dict, mem: dict, cpu: dict, n_steps: int, preempted: int) -> list
                    f"{100 * mem['KV MB'] / mem['weights MB']:.2f} % of the {mem['weights MB']:.0f} MB of weights: "
                    "tiny next to the model, yet the scarce resource that decides who runs.")
     if cpu["total"]:
-        why.append(f"The host spent {cpu['total']:.2f} ms scheduling and preparing the {n_steps} steps it was in "
+        why.append(f"The host spent {cpu['total']:.2f} ms scheduling and preparing the {n_of(n_steps, 'step')} it was in "
                    f"({cpu['share']:.2f} ms its share by tokens) out of {cpu['step_ms']:.1f} ms of step time: cheap "
                    "per request, but paid again every step for every request.")
     if preempted:
-        why.append(f"It was preempted {preempted} time(s): its KV blocks were taken back and everything it had "
+        why.append(f"It was preempted {n_of(preempted, 'time')}: its KV blocks were taken back and everything it had "
                    "computed was computed again — a memory decision that shows up only in its time account.")
     return why
 
@@ -256,13 +257,13 @@ def _rows(time: dict, mem: dict, comm: dict, cpu: dict, n_steps: int, path: list
     return [{"account": "time", "value": (f"queue {_f(time['queue ms'])} · prefill {_f(time['prefill ms'])} · decode "
                                           f"{_f(time['decode ms'])} ms; TTFT {_f(time['TTFT ms'])} ms; ITL mean "
                                           f"{_f(time['ITL mean ms'])} ms, max {_f(time['ITL max ms (step ends)'])} ms")},
-            {"account": "memory", "value": (f"{mem['peak KV blocks']} KV blocks at step {mem['at step']} = "
-                                            f"{_f(mem['KV MB'], 2)} MB, pool {mem['pool blocks']} blocks = "
-                                            f"{_f(mem['pool MB'], 1)} MB, weights {_f(mem['weights MB'], 0)} MB"
+            {"account": "memory", "value": (f"{mem['peak KV blocks']} KV blocks at step {mem['at step']}: "
+                                            f"{mb_text(mem['KV MB'], 2)}, pool {mem['pool blocks']} blocks: "
+                                            f"{mb_text(mem['pool MB'], 1)}, weights {mb_text(mem['weights MB'], 0)}"
                                             + (" (each per rank)" if mem.get("per rank") else ""))},
             {"account": "communication", "value": comm["text"]},
             {"account": "CPU", "value": ", ".join(f"{k} {t:.2f} ms" for k, (t, _) in cpu["rows"].items())
-             + f" — {cpu['total']:.2f} ms over its {n_steps} steps, its share {cpu['share']:.2f} ms"},
+             + f" — {cpu['total']:.2f} ms over its {n_of(n_steps, 'step')}, its share {cpu['share']:.2f} ms"},
             {"account": "request", "value": " → ".join(
                 f"{p['status']}@{p['from step']}" + (f"–{p['to step']}" if p["to step"] != p["from step"] else "")
                 for p in path)}]
@@ -298,3 +299,14 @@ def _finish_steps(src: RunSource) -> list[tuple[int, str]]:
 
 def _f(x, nd: int = 1) -> str:
     return "—" if x is None else f"{x:,.{nd}f}"
+
+
+NOT_RECORDED = "not recorded in this run"
+
+
+def mb_text(x: float | None, nd: int = 1) -> str:
+    """"4.92 MB", or, where the run lacks the figure, the words "not recorded in this run".
+
+    NOTE: never "— MB": a dash before a unit reads as a number lost on the way (found on the H100 sample,
+    whose model files stayed on the recording machine and whose meta has no model_weight_bytes)."""
+    return NOT_RECORDED if x is None else f"{x:,.{nd}f} MB"

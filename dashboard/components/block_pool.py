@@ -11,6 +11,7 @@ import streamlit as st
 from dashboard.components.code_ref import code_ref
 from dashboard.components.kv_memory import mb
 from dashboard.theme import BLOCK_CACHED, BLOCK_FREE, BLOCK_NULL, EVENT_COLORS, INK, chip, request_color, text_on
+from dashboard.words import n_of
 
 MAX_CELLS = 768
 EVENT_LETTER = {"allocate": "A", "free": "F", "hit": "H", "evict": "E", "cache": "C"}
@@ -96,13 +97,13 @@ def block_pool(kv: dict, events: list[dict], prev_kv: dict | None, per_block: in
                 f"**{kv['usage']:.0%}** ({max(used, 0)} of {total - 1} usable blocks) · free {kv['num_free_blocks']}{hashed} · "
                 f"prefix caching {'on' if kv['enable_caching'] else 'off'}{size}")
     if sparse:
-        st.caption(f"A GPU-sized pool: this step's snapshot lists only the {len(blocks)} blocks it touched, "
+        st.caption(f"A GPU-sized pool: this step's snapshot lists only the {n_of(len(blocks), 'block')} it touched, "
                    f"the head of the free queue and the null block (KVCacheManager.snapshot, \"sparse\"); "
                    f"the block tables below are complete.")
     st.markdown("<div style='display:flex;flex-wrap:wrap;gap:3px'>" + "".join(cells) + "</div>",
                 unsafe_allow_html=True)
     if len(blocks) > MAX_CELLS:
-        st.caption(f"showing the first {MAX_CELLS} of {len(blocks)} blocks")
+        st.caption(f"showing the first {MAX_CELLS} of {n_of(len(blocks), 'block')}")
     legend = " ".join(chip(f"{EVENT_LETTER[k]} {k}", c, title=EVENT_MEANING[k]) for k, c in EVENT_COLORS.items())
     st.markdown(f"Events: {legend} · fills: request colour (striped: shared), "
                 f"{chip('free', BLOCK_FREE, title='free, never hashed')}"

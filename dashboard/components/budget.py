@@ -8,6 +8,7 @@ import streamlit as st
 
 from dashboard.components.code_ref import code_ref
 from dashboard.theme import KIND_COLORS, chip, request_color, short_req_id, style_figure, text_on
+from dashboard.words import n_of
 from vllm_anatomy.core.sched.record import AdmissionStop
 
 PATTERNS = {"prefill_chunk": "/", "final_prefill_chunk": "\\", "decode": "", "resumed": "x"}
@@ -28,13 +29,13 @@ def budget_figure(rec: dict) -> go.Figure:
                     textfont=dict(color=text_on(color)),
                     text=f"req {rid} · {s['kind'].replace('_', ' ')} · {s['num_tokens']}",
                     textposition="inside", insidetextanchor="middle",
-                    hovertemplate=f"req {s['request_id']}<br>{s['kind']}<br>{s['num_tokens']} tokens from "
+                    hovertemplate=f"req {s['request_id']}<br>{s['kind']}<br>{n_of(s['num_tokens'], 'token')} from "
                                   f"position {s['num_computed_tokens_before']}<extra></extra>")
     left = rec["token_budget_end"]
     if left > 0:
         fig.add_bar(y=["budget"], x=[left], orientation="h", name="unused",
                     marker=dict(color=KIND_COLORS["unused"]), text=f"unused {left}", textposition="inside",
-                    hovertemplate=f"{left} tokens unused<extra></extra>")
+                    hovertemplate=f"{n_of(left, 'token')} unused<extra></extra>")
     fig.update_layout(barmode="stack", height=110, margin=dict(l=0, r=0, t=4, b=4), showlegend=False,
                       xaxis=dict(range=[0, rec["token_budget_start"]], title=None),
                       yaxis=dict(visible=False), plot_bgcolor="white")
@@ -54,14 +55,14 @@ def budget_html(rec: dict) -> str:
                  "resumed": "repeating-linear-gradient(45deg,rgba(255,255,255,.35) 0 2px,transparent 2px 6px),"
                             "repeating-linear-gradient(-45deg,rgba(255,255,255,.35) 0 2px,transparent 2px 6px),"
                  }.get(s["kind"], "")
-        cells.append(f"<div title='req {s['request_id']} · {kind} · {s['num_tokens']} tokens from position "
+        cells.append(f"<div title='req {s['request_id']} · {kind} · {n_of(s['num_tokens'], 'token')} from position "
                      f"{s['num_computed_tokens_before']}' style='flex:{s['num_tokens']} 0 0;min-width:0;"
                      f"background:{hatch}{color};color:{text_on(color)};border-right:1px solid white;"
                      f"overflow:hidden;white-space:nowrap;text-overflow:ellipsis;padding:0 4px;font-size:13px'>"
                      f"req {rid} · {kind} · {s['num_tokens']}</div>")
     left = int(rec["token_budget_end"])
     if left > 0:
-        cells.append(f"<div title='{left} tokens unused' style='flex:{left} 0 0;min-width:0;background:"
+        cells.append(f"<div title='{n_of(left, 'token')} unused' style='flex:{left} 0 0;min-width:0;background:"
                      f"{KIND_COLORS['unused']};color:#1F1F1F;overflow:hidden;white-space:nowrap;padding:0 4px;"
                      f"font-size:13px'>unused {left}</div>")
     return (f"<div data-testid='va-budget-bar' style='display:flex;height:30px;line-height:30px;width:100%;"

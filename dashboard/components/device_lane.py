@@ -20,6 +20,7 @@ import streamlit as st
 
 from dashboard.components.code_ref import code_ref
 from dashboard.theme import span_color, style_figure
+from dashboard.words import n_of
 
 PHASES = ["GPU.prepare_inputs", "GPU.model_forward", "GPU.compute_logits", "GPU.sample", "GPU.d2h"]
 
@@ -99,12 +100,12 @@ def _one_hover(r) -> str:
     if r["name"] == "GPU.draft_model_forward" and _get(r, "draft_forward") is not None:
         j = int(r["draft_forward"])
         lines.append(f"draft model forward {j}: " + ("the first pass" if j == 0 else f"decode forward {j}")
-                     + f" · {_get(r, 'num_tokens')} tokens")
+                     + f" · {n_of(_get(r, 'num_tokens'), 'token')}")
     if r["name"].startswith("GPU.kernel."):
         layer = _get(r, "kernel_layer")
         rate = gb_per_s(_get(r, "bytes"), r["dur_ms"])
         where = "draft model" if _get(r, "drafter") else f"layer {int(layer) if layer is not None else '—'}"
-        lines.append(f"{where} · grid {_get(r, 'grid')} · {_get(r, 'num_tokens')} tokens")
+        lines.append(f"{where} · grid {_get(r, 'grid')} · {n_of(_get(r, 'num_tokens'), 'token')}")
         if _get(r, "bytes") is not None:
             lines.append(f"{r['bytes'] / 1e6:.3f} MB moved" + (f" · {rate:.0f} GB/s achieved" if rate else ""))
     if _get(r, "sync_wait_ms") is not None:

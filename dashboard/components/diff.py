@@ -5,6 +5,7 @@ import streamlit as st
 
 from dashboard.components.queues import move_text
 from dashboard.theme import req_chip
+from dashboard.words import n_of
 
 
 def changes(prev: dict | None, step: dict, moves: list[tuple[str, str, str]]) -> list[str]:
@@ -20,7 +21,7 @@ def changes(prev: dict | None, step: dict, moves: list[tuple[str, str, str]]) ->
     for h in rec.get("prefix_hits", []):
         if h["num_hit_tokens"]:
             out.append(f"prefix-cache hit: {req_chip(h['request_id'])} {h['num_hit_tokens']} of "
-                       f"{h['num_query_tokens']} tokens from blocks {h['hit_block_ids']}")
+                       f"{n_of(h['num_query_tokens'], 'token')} from blocks {h['hit_block_ids']}")
     events: dict[str, int] = {}
     for e in step.get("block_pool_events", []):
         events[e["kind"]] = events.get(e["kind"], 0) + len(e["block_ids"])

@@ -12,8 +12,10 @@ import streamlit as st
 from dashboard import data, state
 from dashboard.answers.cached import answer
 from dashboard.answers.q5_tradeoff import ARTICLE, spec_pair, spec_tradeoff
+from dashboard.answers.q5_accounts import mb_text
 from dashboard.components.nav import link, open_view
 from dashboard.components.run_picker import tp_sample_button
+from dashboard.words import n_of
 
 
 def _n(x, nd: int = 1, unit: str = "") -> str:
@@ -46,14 +48,14 @@ def five_accounts(path: str, request_id: str | None, key: str = "fa", links: boo
                         f"max {_n(t['ITL max ms (step ends)'])} ms")
         with cols[1]:
             st.markdown("**:material/memory: memory**")
-            st.markdown(f"**KV {_n(m['KV MB'], 2)} MB** ({m['peak KV blocks']} blocks, peak at step {m['at step']})  \n"
-                        f"pool {_n(m['pool MB'])} MB ({m['pool blocks']} blocks)  \nweights {_n(m['weights MB'], 0)} MB"
+            st.markdown(f"**KV {mb_text(m['KV MB'], 2)}** ({m['peak KV blocks']} blocks, peak at step {m['at step']})  \n"
+                        f"pool {mb_text(m['pool MB'])} ({m['pool blocks']} blocks)  \nweights {mb_text(m['weights MB'], 0)}"
                         + ("  \n(each per rank)" if m.get("per rank") else ""))
         with cols[2]:
             st.markdown("**:material/swap_horiz: communication**")
             c = f["collectives"]
             if f["have_counts"]:
-                st.markdown(f"**{c['all_reduce'][0]} all-reduces** over {len(f['steps'])} steps, each joined by "
+                st.markdown(f"**{c['all_reduce'][0]} all-reduces** over {n_of(len(f['steps']), 'step')}, each joined by "
                             f"every rank  \n{c['all_reduce'][1] / 2 ** 20:,.2f} MB handed to them per rank")
             else:
                 st.markdown("**0 collectives**  \none device: nothing to all-reduce")

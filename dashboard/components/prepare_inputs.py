@@ -10,6 +10,7 @@ import streamlit as st
 from dashboard.components.code_ref import code_ref
 from dashboard.components.focus import style_focus
 from dashboard.theme import request_color, short_req_id
+from dashboard.words import n_of
 
 MAX_COLS = 256
 
@@ -55,7 +56,7 @@ def prepare_inputs(pi: dict | None, block_size: int | None = None) -> None:
     if not pi:
         st.caption("no prepare_inputs recorded for this step")
         return
-    st.markdown(f"**prepare_inputs** · {len(pi['input_ids'])} tokens, {len(pi['req_ids'])} requests · "
+    st.markdown(f"**prepare_inputs** · {n_of(len(pi['input_ids']), 'token')}, {n_of(len(pi['req_ids']), 'request')} · "
                 f"query_start_loc {pi['query_start_loc']}")
     tt = token_tensors(pi, block_size)
     owners = [pi["req_ids"][r] for r in pi["req_indices"][:tt.shape[1]]]

@@ -9,6 +9,7 @@ import streamlit as st
 from dashboard.components.code_ref import code_ref
 from dashboard.components.focus import style_focus
 from dashboard.theme import req_chip, short_req_id
+from dashboard.words import n_of
 
 
 # Key columns first (req, its blocks, its tokens), so they show without scrolling sideways.
@@ -52,7 +53,7 @@ def _cached_table(c: dict, n_sched: dict) -> pd.DataFrame:
 def scheduler_output(so: dict, rec: dict) -> None:
     n_sched = so["num_scheduled_tokens"]
     st.markdown(f"**SchedulerOutput** · step {so.get('step_id')} · total_num_scheduled_tokens "
-                f"**{so['total_num_scheduled_tokens']}** over {len(n_sched)} requests")
+                f"**{so['total_num_scheduled_tokens']}** over {n_of(len(n_sched), 'request')}")
     st.markdown(f"`scheduled_new_reqs` ({len(so['scheduled_new_reqs'])}) — first time on the worker: the whole "
                 f"request (prompt, sampling params, block_ids)")
     if so["scheduled_new_reqs"]:

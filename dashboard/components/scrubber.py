@@ -7,6 +7,7 @@ import time
 import streamlit as st
 
 from dashboard import state
+from dashboard.words import rate_text
 
 ss = st.session_state
 
@@ -17,8 +18,11 @@ def scrubber(steps: list[int]) -> int:
     cols = st.columns([1, 1, 1, 1, 1, 12, 3], vertical_alignment="center")
     cols[0].button(":material/first_page:", key="first", help="first step", on_click=state.goto, args=(steps[0],))
     cols[1].button(":material/chevron_left:", key="prev", help="previous step", on_click=state.move, args=(steps, -1))
-    cols[2].button(":material/pause:" if ss.get("playing") else ":material/play_arrow:", key="play", help="play / pause",
-                   on_click=state.toggle, args=("playing",))
+    at_end = idx == len(steps) - 1 and len(steps) > 1
+    cols[2].button(":material/pause:" if ss.get("playing") else ":material/play_arrow:", key="play",
+                   help="pause" if ss.get("playing") else
+                   ("play: at the last step, start again from the first step" if at_end else "play"),
+                   on_click=state.play, args=(steps,))
     cols[3].button(":material/chevron_right:", key="next", help="next step", on_click=state.move, args=(steps, 1))
     cols[4].button(":material/last_page:", key="last", help="last step", on_click=state.goto, args=(steps[-1],))
     ss.scrub = steps[idx]   # set before the widget exists: allowed, and keeps it in sync with the cursor
@@ -26,7 +30,7 @@ def scrubber(steps: list[int]) -> int:
         cols[5].select_slider("step", options=steps, key="scrub", on_change=state.on_scrub,
                               label_visibility="collapsed")
     cols[6].selectbox("speed", [0.5, 1.0, 2.0, 4.0], index=1, key="speed",
-                      format_func=lambda s: f"{s:g} steps/s", label_visibility="collapsed")
+                      format_func=rate_text, label_visibility="collapsed")
     st.caption(f"step **{steps[idx]}** · {idx + 1} of {len(steps)} committed")
     if ss.get("playing"):
         _ticker(steps)

@@ -16,6 +16,7 @@ import streamlit as st
 from dashboard.answers.q3_block_table import KV_WRITE_FUSED_WITH, KV_WRITE_KERNELS
 from dashboard.components.code_ref import code_ref
 from dashboard.theme import request_color, short_req_id, style_figure, text_on
+from dashboard.words import n_of
 
 MAX_BLOCKS = 40
 ROW_PX = 26
@@ -73,7 +74,7 @@ def kv_write_note(step_spans: pd.DataFrame | None, mode: str | None, device: str
                 fused = (f" (the same launch as the layer's {KV_WRITE_FUSED_WITH[kernel]}: they are fused on this "
                          "model)") if kernel in KV_WRITE_FUSED_WITH else ""
                 return (f"`{kernel}` writes each token's K and V to its slot, in every layer{fused}: "
-                        f"**{len(k)} launches** this step (one per layer, {k['dur_ms'].mean() * 1e3:.1f} µs on "
+                        f"**{n_of(len(k), 'launch', 'launches')}** this step (one per layer, {k['dur_ms'].mean() * 1e3:.1f} µs on "
                         "average; the kernels row of the device lane above).")
     if mode == "FULL":
         why = "it ran inside this step's CUDA graph replay, once per layer; a replay has no span per kernel"
@@ -89,7 +90,7 @@ def kv_write_note(step_spans: pd.DataFrame | None, mode: str | None, device: str
 
 def slot_mapping(pi: dict, block_size: int, write_note: str | None = None) -> None:
     df = slot_rows(pi, block_size)
-    st.markdown(f"**slot_mapping** · {len(df)} tokens → KV slots: slot = block_id × {block_size} + offset")
+    st.markdown(f"**slot_mapping** · {n_of(len(df), 'token')} → KV slots: slot = block_id × {block_size} + offset")
     if df.empty:
         st.caption("no token scheduled")
         return

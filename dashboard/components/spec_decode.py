@@ -18,6 +18,7 @@ import streamlit as st
 from dashboard import data
 from dashboard.components.code_ref import code_ref
 from dashboard.theme import chip, req_chip
+from dashboard.words import n_of
 
 ACCEPTED = "#2E9E5B"
 REJECTED = "#C0392B"
@@ -82,7 +83,7 @@ def spec_decode(meta: dict, step: dict, block_size: int, verifications: list[dic
         if not scheduled:
             st.caption("no request had drafts this step")
         elif late is None and _has_placeholders(scheduled):
-            st.caption(f"{len(scheduled)} request(s) scheduled drafts (-1 placeholders: on the device); "
+            st.caption(f"{n_of(len(scheduled), 'request')} scheduled drafts (-1 placeholders: on the device); "
                        "their verification is not recorded (yet)")
         else:
             st.caption("the requests with drafts finished or were aborted before the drafts were verified")

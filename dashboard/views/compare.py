@@ -71,11 +71,24 @@ def _from_url() -> None:
         ss.cmp_pending = (pa, pb)
 
 
+def _shipped_pair_of(pairs: list[dict], a: str, b: str) -> dict | None:
+    """The shipped pair whose run A is `a` and run B is `b` (None: two runs of no shipped pair)."""
+    return next((p for p in pairs if (os.path.abspath(p["path_a"]), os.path.abspath(p["path_b"]))
+                 == (os.path.abspath(a), os.path.abspath(b))), None)
+
+
 def _choose() -> tuple[str, str] | None:
-    if ss.get("cmp_pending"):
-        ss.cmp_a, ss.cmp_b = ss.pop("cmp_pending")
-        ss.cmp_mode = "Any two runs"
     pairs = shipped_pairs()
+    if ss.get("cmp_pending"):
+        a, b = ss.pop("cmp_pending")
+        # NOTE: a link naming a shipped pair's two runs (compare?a=…&b=…, what this page writes for
+        # it) opens it as that pair, with its description, as picking it here does.
+        shipped = _shipped_pair_of(pairs, a, b)
+        if shipped is not None:
+            ss.cmp_mode, ss.cmp_pair = MODES[0], shipped["name"]
+        else:
+            ss.cmp_a, ss.cmp_b = a, b
+            ss.cmp_mode = MODES[1]
     if "cmp_mode" not in ss:
         ss.cmp_mode = MODES[0] if pairs else MODES[1]
     mode = st.radio("Which runs", MODES, key="cmp_mode", horizontal=True, label_visibility="collapsed")
@@ -89,6 +102,8 @@ def _choose() -> tuple[str, str] | None:
             f"{p['title']} ({p['device']})" for p in pairs if p["name"] == n))
         p = next(x for x in pairs if x["name"] == pick)
         st.caption(p.get("description", ""))
+        # "Any two runs" starts from this pair's two runs (its pickers are not drawn now: they may be set).
+        ss.cmp_a, ss.cmp_b = p["path_a"], p["path_b"]
         return p["path_a"], p["path_b"]
     if mode == MODES[1]:
         runs = all_runs()
@@ -102,6 +117,9 @@ def _choose() -> tuple[str, str] | None:
         c1, c2 = st.columns(2)
         a = c1.selectbox("Run A", paths, key="cmp_a", format_func=runs.get)
         b = c2.selectbox("Run B", paths, key="cmp_b", format_func=runs.get)
+        shipped = _shipped_pair_of(pairs, a, b)
+        if shipped is not None:
+            st.caption(shipped.get("description", ""))
         return (a, b) if a != b else None
     _pair_form()
     return None
@@ -222,11 +240,17 @@ def _table(a: dict, b: dict) -> pd.DataFrame:
         better = "" if d in (None, 0) or lower is None or rel is None or abs(rel) < cmp.NOISE else \
             ("better" if (d < 0) == lower else "worse")
         rows.append({"account": cmp.ACCOUNT_TITLES[account], "metric": label + (f" ({unit})" if unit else ""),
-                     "A": cmp.fmt(a.get(key)), "B": cmp.fmt(b.get(key)),
+                     "A": _cell(a.get(key)), "B": _cell(b.get(key)),
                      "Δ B − A": cmp.delta_text(d),
                      "change": "—" if rel is None else cmp.change_text(rel)
                      + (f" · {better}" if better else "")})
     return pd.DataFrame(rows)
+
+
+def _cell(v) -> str:
+    """A run's figure in the table; one the run did not record is said so (a dash is kept for a delta
+    that cannot be taken)."""
+    return "not recorded" if v is None else cmp.fmt(v)
 
 
 def _aligned(sa: pd.DataFrame, sb: pd.DataFrame) -> go.Figure:

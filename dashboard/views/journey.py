@@ -18,6 +18,7 @@ from dashboard.components.code_ref import code_ref
 from dashboard.components.five_accounts import five_accounts
 from dashboard.components.nav import REQUEST_KEY, on_click_open, open_view
 from dashboard.theme import KIND_COLORS, STATUS_COLORS, request_color, style_figure
+from dashboard.words import n_of
 
 ss = st.session_state
 EVENT_COLORS = {"QUEUED": STATUS_COLORS["WAITING"], "SCHEDULED": STATUS_COLORS["RUNNING"],
@@ -178,7 +179,7 @@ def _cursor_line(life: pd.DataFrame, req_id: str, cursor: int | None) -> None:
                 "not scheduled": "RUNNING but not scheduled: it keeps its KV blocks and gets no token this step "
                                  "(no token budget was left for it, or, with async scheduling, its tokens in flight "
                                  "already reach max_tokens)"}
-        line = what.get(r["kind"]) or what.get(str(r["status"])) or f"{r['status']} · {r['kind']}, {r['tokens']} tokens"
+        line = what.get(r["kind"]) or what.get(str(r["status"])) or f"{r['status']} · {r['kind']}, {n_of(r['tokens'], 'token')}"
         st.markdown(f":material/arrow_right: **Step {cursor}** (the cursor, marked on the chart): req {req_id} — "
                     f"{line}.")
 
@@ -186,7 +187,7 @@ def _cursor_line(life: pd.DataFrame, req_id: str, cursor: int | None) -> None:
 def _life_table(life: pd.DataFrame, cursor: int | None) -> None:
     """The steps of its life, one row each, the cursor's highlighted."""
     counts = life["status"].value_counts()
-    st.caption(f"{len(life)} steps of its life: " + ", ".join(f"{v} {k}" for k, v in counts.items())
+    st.caption(f"{n_of(len(life), 'step')} of its life: " + ", ".join(f"{v} {k}" for k, v in counts.items())
                + ". `status` is its state after the step (the step snapshot's queues).")
 
     def _mark(row):

@@ -13,6 +13,7 @@ from dashboard.components.code_ref import code_ref
 from dashboard.components.kv_memory import block_bytes, mb
 from dashboard.components.nav import on_click_open
 from dashboard.theme import KIND_COLORS, STATUS_COLORS, style_figure
+from dashboard.words import n_of
 
 MAX_POINTS = 2000
 Y_LABEL_PX = 48        # the left margin of every chart: room for its y-axis labels, the same for all
@@ -157,7 +158,7 @@ def main() -> None:
                                                                "KV blocks and will be recomputed")
     shown = downsample(d)
     if len(shown) < len(d):
-        st.caption(f"{len(d)} steps downsampled to {len(shown)} points (max for levels, sums for counts)")
+        st.caption(f"{n_of(len(d), 'step')} downsampled to {n_of(len(shown), 'point')} (max for levels, sums for counts)")
     cursor = st.session_state.get("cursor")
     st.caption(cursor_caption(cursor))
     figs = figures(shown, cursor, pool_bytes, pool_blocks)

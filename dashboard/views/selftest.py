@@ -17,6 +17,7 @@ from dashboard.components.code_ref import code_ref
 from dashboard.components.five_accounts import five_accounts
 from dashboard.components.nav import link, open_view
 from dashboard.theme import short_req_id
+from dashboard.words import n_of
 
 ss = st.session_state
 ANSWER_FILES = {"q1": "q1_allocation", "q2": "q2_update_states", "q3": "q3_block_table", "q4": "q4_finish",
@@ -156,7 +157,7 @@ def main() -> None:
     single = set(kinds) <= {"frontend"} and len(src.pids.get("frontend", ())) <= 1
     procs = ("one process (the offline LLM: engine and worker called in-process)" if single else
              "processes: " + ", ".join(f"{k} ×{len(src.pids[k])}" for k in kinds))
-    st.caption(f"This run: {len(info['steps'])} steps, {len(src.requests)} finished requests, {procs}"
+    st.caption(f"This run: {n_of(len(info['steps']), 'step')}, {n_of(len(src.requests), 'finished request')}, {procs}"
                + ("" if src.attributed else " · block-pool events without request attribution (older recording)"))
     for q in QUESTIONS:
         _question(q, path, version)

@@ -14,6 +14,7 @@ from dashboard.components.code_ref import code_ref
 from dashboard.components.nav import on_click_open, open_view
 from dashboard.components.sampled import sizes_text
 from dashboard.components.timeline_fig import ASYNC_SYNC, MAIN_SPANS, step_duration_figure, sync_points, timeline_figure
+from dashboard.words import n_of
 
 ss = st.session_state
 MAX_WINDOW = 60
@@ -117,7 +118,7 @@ def startup(df: pd.DataFrame) -> None:
     caps = up[up["name"] == "CUDAGraph.capture"]
     sizes = sorted(set(caps["cudagraph_size"].dropna().astype(int)))  # piecewise and full share sizes
     summary = f" · {_captures_text(caps, sizes)} in {caps['dur_ms'].sum():.0f} ms" if not caps.empty else ""
-    with st.expander(f"Start-up: {len(up)} spans before the first step{summary}"):
+    with st.expander(f"Start-up: {n_of(len(up), 'span')} before the first step{summary}"):
         st.dataframe(pd.DataFrame({"span": ["· " * int(d) + n for d, n in zip(up["depth"], up["name"])],
                                    "ms": up["dur_ms"].round(2),
                                    "capture size": ["" if pd.isna(v) else str(int(v)) for v in up["cudagraph_size"]]}),
@@ -166,7 +167,7 @@ def _window_caption(win: pd.DataFrame, a: int, b: int) -> None:
                    f"collectives), the device lane and the sync points rank 0's")
     where = ("`AsyncGPUModelRunnerOutput.get_output` (async scheduling: nothing waits in `_bookkeeping_sync`)"
              if (sync["name"] == ASYNC_SYNC).any() else "`_bookkeeping_sync`")
-    st.caption(f"{len(win)} spans in steps {a}–{b} · {len(sync)} sync points in {where}, total wait "
+    st.caption(f"{n_of(len(win), 'span')} in steps {a}–{b} · {len(sync)} sync points in {where}, total wait "
                f"{sync['sync_wait_ms'].fillna(0).sum():.3f} ms · {device}.")
 
 

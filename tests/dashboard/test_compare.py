@@ -275,3 +275,90 @@ def test_enforce_eager_reads_as_its_own_value():
         with open_run(pair) as a, open_run(pair.replace("-a.", "-b.")) as b:
             [(knob, va, vb)] = cmp.knob_of(a.meta, b.meta)
         assert knob is k and cmp.value_text(k, va).startswith("on") and cmp.value_text(k, vb).startswith("off")
+
+
+def _compare_by_url(monkeypatch, tmp_path, a: str, b: str):
+    """Compare opened by a link naming the two runs (compare?a=…&b=…). AppTest opens the page through the
+    app's `page` parameter, whose page switch drops the other parameters: the link's a and b come on the
+    next run, as a link followed on the open page."""
+    from streamlit.testing.v1 import AppTest
+
+    from tests.dashboard.conftest import APP
+    monkeypatch.setenv("VLLM_ANATOMY_TRACE_DIR", str(tmp_path))
+    monkeypatch.setenv("VLLM_ANATOMY_SAMPLES_DIR", os.path.dirname(COMPARE_DIR))
+    at = AppTest.from_file(APP, default_timeout=120)
+    at.query_params.update({"page": "compare"})
+    at.run()
+    at.query_params.update({"a": a, "b": b})
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    return at
+
+
+def _shipped(name: str) -> dict:
+    with open(os.path.join(COMPARE_DIR, "pairs.json")) as f:
+        pair = next((p for p in json.load(f)["pairs"] if p["name"] == name), None)
+    if pair is None or not all(os.path.exists(os.path.join(COMPARE_DIR, pair[s]["file"])) for s in "ab"):
+        pytest.skip(f"the {name} pair is not shipped")
+    return pair
+
+
+def test_a_link_to_a_shipped_pair_shows_its_description(monkeypatch, tmp_path):
+    """Found at 1440x900: Compare opened by its URL (compare?a=…&b=… naming a shipped pair) showed the
+    two runs as "Any two runs", without the description the in-app picker shows for the same pair."""
+    pair = _shipped("h100-async-scheduling")
+    at = _compare_by_url(monkeypatch, tmp_path, pair["a"]["file"], pair["b"]["file"])
+    assert pair["description"] in [c.value for c in at.caption]
+    assert at.radio(key="cmp_mode").value == "A shipped pair" and at.selectbox(key="cmp_pair").value == pair["name"]
+    assert f"`{pair['a']['file']}`" in "\n".join(m.value for m in at.markdown)
+    # "Any two runs" starts from the same two runs (found in Chromium: it jumped to two unrelated samples),
+    # and they are still that pair: its description is there too.
+    at.radio(key="cmp_mode").set_value("Any two runs").run()
+    assert [at.selectbox(key=k).value for k in ("cmp_a", "cmp_b")] == \
+        [os.path.join(COMPARE_DIR, pair[s]["file"]) for s in "ab"]
+    assert pair["description"] in [c.value for c in at.caption]
+
+
+def test_async_scheduling_says_what_it_does_then_shows_the_overlap(monkeypatch, tmp_path):
+    """Found at 1440x900 on the h100-async-scheduling pair: the Time line's "why" began with the overlap it
+    sees, not with what async scheduling does. It now leads with the mechanism (v0.27.1:
+    EngineCore.step_with_batch_queue keeps the scheduler one step ahead, placeholders standing in for the
+    tokens step N has not sampled yet, so the GPU waits less for the host), then points at the overlapping
+    EngineCore.step spans as the evidence, with this pair's own counts."""
+    knob = cmp.BY_ARG["async_scheduling"]
+    why = knob.why["time"]
+    mech = why.index("schedules step N+1")
+    assert why.startswith("async scheduling") and mech < why.index("GPU runs step N") < why.index("waits less") \
+        < why.index("the evidence") < why.index("overlap")
+    assert "placeholder" in why and "step_with_batch_queue" in why
+    pair = _shipped("h100-async-scheduling")
+    at = _compare_by_url(monkeypatch, tmp_path, pair["a"]["file"], pair["b"]["file"])
+    md = "\n".join(m.value for m in at.markdown)
+    line = next(ln for ln in md.splitlines() if ln.startswith("- **Time**"))
+    from vllm_anatomy.tracing.reader import open_run
+    counts = []
+    for side in "ab":
+        with open_run(os.path.join(COMPARE_DIR, pair[side]["file"])) as run:
+            spans = sorted(run.spans("EngineCore.step"), key=lambda s: s.start_ns)
+        pairs = list(zip(spans, spans[1:]))
+        counts.append((sum(1 for x, y in pairs if y.start_ns < x.end_ns), len(pairs)))
+    (oa, na), (ob, nb) = counts
+    assert oa == 0 and ob > 0, counts                   # off: no overlap; on: step N+1 starts inside step N
+    assert f"{ob} of {nb} consecutive step pairs overlap in B, {oa} of {na} in A" in line, line
+    assert line.index("schedules step N+1") < line.index(f"{ob} of {nb}"), line
+
+
+def test_a_figure_neither_run_recorded_is_said_in_words(monkeypatch, tmp_path):
+    """Found at 1440x900 on the h100-async-scheduling pair: the table's "weights (one rank) (MB)" row read
+    — — — — (the runs' meta has no model_weight_bytes and their model files stayed on the recording
+    machine). A run's missing figure reads "not recorded"; a delta that cannot be taken stays a dash."""
+    from dashboard.answers.source import weight_bytes_of
+    pair = _shipped("h100-async-scheduling")
+    from vllm_anatomy.tracing.reader import open_run
+    with open_run(os.path.join(COMPARE_DIR, pair["a"]["file"])) as run:
+        if weight_bytes_of(run.meta)[0] is not None:
+            pytest.skip("this machine has the pair's model files: its weights are known")
+    at = _compare_by_url(monkeypatch, tmp_path, pair["a"]["file"], pair["b"]["file"])
+    table = at.table[0].value
+    row = next(r for r in table.to_dict("records") if r["metric"].startswith("weights"))
+    assert (row["A"], row["B"], row["Δ B − A"]) == ("not recorded", "not recorded", "—"), row

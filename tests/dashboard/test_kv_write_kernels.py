@@ -63,7 +63,7 @@ def test_q3_follows_the_fused_kernel_and_finds_an_eager_step():
     assert "slot 35 (block 2, offset 3)" in text and eager == 2
     llama = Source([span("fused_rope_kvcache", 2, 10)])
     assert kv_write(llama, 2, tok=0, slot=35, bs=16, mode="NONE")[0].startswith(
-        "1 launches of `fused_rope_kvcache` (fused with the layer's RoPE)")
+        "1 launch of `fused_rope_kvcache` (fused with the layer's RoPE)")
     text, eager = kv_write(src, 1, tok=0, slot=35, bs=16, mode="FULL")
     assert "replayed one CUDA graph" in text and eager == 2            # the first step that shows the launches
 

@@ -100,15 +100,26 @@ def test_scrubber_moves_the_panels(make_app, run_facts):
     assert at.query_params["step"] == [str(steps[-2])] or at.query_params["step"] == str(steps[-2])
 
 
-def test_play_advances_and_stops_at_the_end(make_app, run_facts):
+def test_play_advances(make_app, run_facts):
     # The timer does not tick in AppTest; the fragment's first run (with the render) takes a step.
     steps = run_facts["steps"]
     at = make_app("inspector", steps[0])
     at.button(key="play").click().run()
     assert at.session_state["playing"] and at.session_state["cursor"] == steps[1]
+
+
+def test_play_at_the_last_step_starts_again_from_the_first(make_app, run_facts):
+    """Found at 1440x900: a run opens on its last step, and play there did nothing (the first tick ran
+    off the end and stopped). As a media player does, play at the end starts again from the beginning,
+    showing the first step for a whole tick before moving on."""
+    steps = run_facts["steps"]
     at = make_app("inspector", steps[-1])
+    assert "start again from the first step" in at.button(key="play").help
     at.button(key="play").click().run()
-    assert not at.session_state["playing"] and at.session_state["cursor"] == steps[-1]
+    assert at.session_state["playing"] and at.session_state["cursor"] == steps[0], at.session_state["cursor"]
+    assert f"step **{steps[0]}** · 1 of {len(steps)}" in _text(at)
+    at.button(key="play").click().run()                              # and pause
+    assert not at.session_state["playing"] and at.session_state["cursor"] == steps[0]
 
 
 def _statuses(snaps: dict) -> dict[str, dict[int, str]]:

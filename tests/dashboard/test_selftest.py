@@ -13,6 +13,7 @@ import re
 
 import pytest
 
+from dashboard.words import n_of
 from tests.dashboard.conftest import APP, GPU_SAMPLE
 
 RUNS = ["gpu", "cpu"]
@@ -161,12 +162,12 @@ def test_q2_update_states(runs, pages, store, key):
     appended = {str(r) for r, nb in zip(c["req_ids"], c["new_block_ids"]) if nb and r not in c["resumed_req_ids"]}
     moved = {after[d]["req_id"] for _, d in moves}
     kept = [r for r, i in a_req.items() if b_req.get(r) == i and r not in appended | moved | set(added)]
-    assert f"turned the {len(before)} rows of step {prev} into {len(after)} rows" in text
+    assert f"turned the {n_of(len(before), 'row')} of step {prev} into {n_of(len(after), 'row')}" in text
     assert f"**{len(removed)} removed** {ids(removed)}" in text
     assert f"**{len(added)} added** {ids(added)}" in text
-    assert f"block ids appended to {len(appended)} request(s)" in text
-    assert f"**{len(moves)} condense move(s)**" in text
-    assert f"{len(kept)} of {len(after)} rows were **kept as they were**" in text
+    assert f"block ids appended to {n_of(len(appended), 'request')}," in text
+    assert f"**{n_of(len(moves), 'condense move')}**" in text
+    assert f"{len(kept)} of {n_of(len(after), 'row')} {'was' if len(kept) == 1 else 'were'} **kept as they were**" in text
     # the moves the page names carry the request that was in the source row
     for a, b in moves:
         assert before.get(a, after[b])["req_id"] == after[b]["req_id"] or after[b]["req_id"] in added
@@ -300,3 +301,33 @@ def test_show_me_lands(runs, pages, key):
         r = re.search(r"request (\S+)$", label)
         if r:
             assert at.session_state["request"] == r[1], (q, label)
+
+
+@pytest.mark.parametrize("key", RUNS)
+def test_q5_weights_say_in_words_when_the_run_lacks_them(runs, pages, store, key):
+    """Found at 1440x900 on the H100 sample: Q5's memory account read "weights — MB" (its model's files are
+    on the recording machine, and the run meta has no model_weight_bytes). A number missing before a unit
+    is said in words; a run that has the figure shows it in MB."""
+    _setup(runs, key)
+    at = pages[key]
+    text = "\n".join([m.value for m in at.markdown] + [c.value for c in at.caption]
+                     + [str(v) for t in at.table for v in t.value.to_numpy().ravel()]
+                     + [str(v) for t in at.dataframe for v in t.value.to_numpy().ravel()])
+    assert not re.search(r"— ?(MB|ms|GB|blocks)\b", text), [ln for ln in text.splitlines() if re.search(r"— ?MB", ln)]
+    from dashboard.answers.source import weight_bytes_of
+    weights, where = weight_bytes_of(store[key]["meta"])
+    if weights is None:
+        assert "weights not recorded in this run" in text and where in text
+    else:
+        assert re.search(r"weights [\d,]+ MB", text), text[:400]
+
+
+def test_the_answers_read_a_steps_scheduler_output_one_way():
+    """RunSource.scheduler_output(step) is the one reader of a step's SchedulerOutput for the Self-test
+    answers (dashboard/answers/): q1_allocation and q2_update_states still spelled out
+    `(src.snap(s) or {}).get("scheduler_output", {})` and `snap.get("scheduler_output", {})`."""
+    import pathlib
+    answers = pathlib.Path(__file__).resolve().parents[2] / "dashboard" / "answers"
+    spelled = [f"{p.name}:{i}" for p in sorted(answers.glob("*.py")) if p.name != "source.py"
+               for i, line in enumerate(p.read_text().splitlines(), 1) if re.search(r"""\.get\(["']scheduler_output""", line)]
+    assert not spelled, spelled
