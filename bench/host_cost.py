@@ -232,12 +232,13 @@ def main() -> None:
             for batch in args.batches:
                 for async_scheduling in args.modes:
                     medians: dict[str, dict[str, float]] = {}
+                    key = f"{batch}/{async_scheduling}"     # the child's only key (_child)
                     for name, src in order:
-                        for key, times in _run_child(src, args, batch, async_scheduling).items():
-                            medians[name] = {phase: statistics.median(v) for phase, v in times.items()}
-                            _add_sums(medians[name])
-                            for phase, values in times.items():
-                                samples[name].setdefault(key, {}).setdefault(phase, []).extend(values)
+                        times = _run_child(src, args, batch, async_scheduling)[key]
+                        medians[name] = {phase: statistics.median(v) for phase, v in times.items()}
+                        _add_sums(medians[name])
+                        for phase, values in times.items():
+                            samples[name].setdefault(key, {}).setdefault(phase, []).extend(values)
                     if args.before:
                         for phase in medians["after"]:
                             round_ratios.setdefault(key, {}).setdefault(phase, []).append(

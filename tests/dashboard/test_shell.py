@@ -430,6 +430,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def test_serve_returns_the_child_exit_code(tmp_path):
+    """A Streamlit child that exits by itself, no signal to the CLI: serve() hands its code on,
+    after waiting through at least one 0.2 s poll (the child lives 0.5 s)."""
+    from vllm_anatomy.entrypoints.cli.dashboard import serve
+    child = [sys.executable, "-c", "import sys, time; time.sleep(0.5); sys.exit(3)"]
+    assert serve(child, dict(os.environ), str(tmp_path)) == 3
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_to_the_cli_stops_the_streamlit_child(tmp_path, sig):

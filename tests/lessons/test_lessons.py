@@ -77,14 +77,14 @@ def _check_landing(run_path: str, query: dict[str, str]) -> None:
         if teaching_attention_backend() == "torch":
             assert run.meta["config"]["model_config"]["attention_backend"] == "torch", run.meta["config"]
         steps = run.steps()
-        if "step" in query:
-            step = int(query["step"])
+        step = int(query["step"]) if "step" in query else None
+        if step is not None:
             assert step in steps, f"step {step} is not a committed step of the run"
         if "tab" in query:
             assert query["page"] == "inspector" and query["tab"] in TABS.values(), query
         if "request" in query:
             assert query["request"] in {s.request_id for s in run.requests()}, query
-            if "step" in query:
+            if step is not None:
                 snap = run.snapshot(step)
                 assert snap is not None, f"step {step} has no snapshot"
                 rec, sched = snap["scheduler"]["step_record"], snap["scheduler"]

@@ -281,13 +281,13 @@ class EngineCore:
         if self.scheduler.has_requests():
             trace, scheduler_output, exec_future = self._schedule_and_launch()
             model_executed = scheduler_output.total_num_scheduled_tokens > 0
-            if not model_executed:
-                future = exec_future           # nothing to sample: execute_model answered EMPTY
-            elif scheduler_output.pending_structured_output_tokens:
+            if model_executed and scheduler_output.pending_structured_output_tokens:
                 deferred = (scheduler_output, exec_future, trace)
             else:
-                future = self._sample_non_block(scheduler_output, trace)
-            if deferred is None:
+                if model_executed:
+                    future = self._sample_non_block(scheduler_output, trace)
+                else:
+                    future = exec_future       # nothing to sample: execute_model answered EMPTY
                 batch_queue.appendleft((future, scheduler_output, exec_future, trace))
                 if len(batch_queue) < self.batch_queue_size and (model_executed or self.scheduler.has_requests()):
                     return {}, model_executed

@@ -229,6 +229,7 @@ def _unified_attention_kernel(
         # axis 1 serves request seq_order[p], the caller's order (longest
         # context first: attention/backends/decode_order.py says why). No search.
         seq_idx = tl.load(seq_order_ptr + tl.program_id(1))
+        q_block_global = 0                        # not read: q_block_local is 0 below (constexpr)
     else:
         # NOTE: query blocks in reverse order, KV heads on the fastest grid axis:
         # the GPU starts programs roughly in id order (axis 0 first), and within a

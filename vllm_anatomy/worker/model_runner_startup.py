@@ -175,6 +175,7 @@ class ModelRunnerStartupMixin:
             from vllm_anatomy.attention.backends.prefill_split import warm_up_prefill_len
             long_len = warm_up_prefill_len(self.max_num_tokens, self.max_model_len)
             shapes += ((1, long_len),) if long_len is not None else ()
+        hidden: torch.Tensor | None = None
         for num_reqs, query_len in shapes:
             num_reqs = min(num_reqs, self.max_num_reqs)
             query_len = min(query_len, self.max_num_tokens // num_reqs, self.max_model_len)
@@ -191,6 +192,7 @@ class ModelRunnerStartupMixin:
             metadata._seq_lens_cpu = metadata.seq_lens_cpu_upper_bound = qsl[1:] - qsl[:-1]
             hidden = self._model_forward(num_tokens, metadata)
             self._dummy_sampler_run(hidden[:num_reqs])
+        assert hidden is not None               # WARM_UP_SHAPES is not empty: the loop ran
         self._warm_up_logits(hidden.shape[-1], hidden.dtype)
 
     def _warm_up_logits(self, hidden_size: int, dtype: torch.dtype) -> None:

@@ -99,10 +99,10 @@ def serve(cmd: list[str], env: dict, cwd: str) -> int:
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     try:
-        while True:
+        rc = None
+        while rc is None:
             try:
                 rc = proc.wait(timeout=0.2)
-                break
             except subprocess.TimeoutExpired:
                 if stopping and time.monotonic() - stopping[0] > STOP_GRACE_S:
                     _signal_group(proc, signal.SIGKILL)
