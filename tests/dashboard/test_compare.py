@@ -362,3 +362,24 @@ def test_a_figure_neither_run_recorded_is_said_in_words(monkeypatch, tmp_path):
     table = at.table[0].value
     row = next(r for r in table.to_dict("records") if r["metric"].startswith("weights"))
     assert (row["A"], row["B"], row["Δ B − A"]) == ("not recorded", "not recorded", "—"), row
+
+
+def test_a_run_whose_meta_has_its_weights_shows_them(monkeypatch, tmp_path):
+    """The engine records model_weight_bytes (one rank's loaded weights) in the run meta: the table's
+    "weights (one rank) (MB)" row shows it, from the meta alone (the model's files are nowhere here).
+    The shipped pair is copied and its meta given the figure (SmolLM2-135M's bf16 weights)."""
+    import shutil
+    import sqlite3
+    pair = _shipped("h100-async-scheduling")
+    weights = 134_515_008 * 2
+    for side in "ab":
+        copy = tmp_path / f"weights-{side}.sqlite"
+        shutil.copy(os.path.join(COMPARE_DIR, pair[side]["file"]), copy)
+        with sqlite3.connect(copy) as db:
+            db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", ("model_weight_bytes", json.dumps(weights)))
+            db.execute("UPDATE meta SET value = ? WHERE key = 'model'", (json.dumps("/nowhere/SmolLM2-135M"),))
+    at = _compare_by_url(monkeypatch, tmp_path, "weights-a.sqlite", "weights-b.sqlite")
+    table = at.table[0].value
+    row = next(r for r in table.to_dict("records") if r["metric"].startswith("weights"))
+    assert row["metric"] == "weights (one rank) (MB)", row
+    assert row["A"] == row["B"] == "257", row            # 256.6 MB, as the table rounds it
