@@ -30,3 +30,17 @@ def test_the_run_meta_records_the_bytes_of_the_loaded_weights(tiny_llama_dir, tm
         assert loaded == num_parameters(json.load(f)) * itemsize
     from dashboard.answers.source import weight_bytes_of
     assert weight_bytes_of({**meta, "model": "/nowhere"}) == (loaded, "recorded in the run meta")
+
+
+def test_a_weight_two_models_share_is_counted_once():
+    """A draft model's weights count with the target's (vLLM measures both under one DeviceMemoryProfiler);
+    a tensor both hold (a tied or shared embedding) once."""
+    import torch
+
+    from vllm_anatomy.worker.model_runner_startup import loaded_weight_bytes
+    target = torch.nn.Sequential(torch.nn.Embedding(16, 8), torch.nn.Linear(8, 16, bias=False))
+    target[1].weight = target[0].weight                              # tied: [16, 8] once
+    draft = torch.nn.Sequential(target[0], torch.nn.Linear(8, 4))    # shares the embedding
+    assert loaded_weight_bytes(target) == 16 * 8 * 4
+    assert loaded_weight_bytes(target, draft) == (16 * 8 + 8 * 4 + 4) * 4
+    assert loaded_weight_bytes(target, None) == loaded_weight_bytes(target)
