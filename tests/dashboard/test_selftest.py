@@ -322,6 +322,28 @@ def test_q5_weights_say_in_words_when_the_run_lacks_them(runs, pages, store, key
         assert re.search(r"weights [\d,]+ MB", text), text[:400]
 
 
+def test_q5_weights_come_from_the_run_meta(tmp_path):
+    """The engine records model_weight_bytes (one rank's loaded weights) in the run meta: Q5's memory
+    account shows them in MB, from the meta alone (the model's files are nowhere here). The shipped GPU
+    sample is copied and its meta given the figure (SmolLM2-135M's bf16 weights); the sample is untouched."""
+    import json
+    import shutil
+    import sqlite3
+
+    from dashboard.answers import q5_accounts
+    from dashboard.answers.source import RunSource
+    if not os.path.exists(GPU_SAMPLE):
+        pytest.skip("the GPU sample is not shipped")
+    copy = tmp_path / "weights.sqlite"
+    shutil.copy(GPU_SAMPLE, copy)
+    with sqlite3.connect(copy) as db:
+        db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", ("model_weight_bytes", json.dumps(134_515_008 * 2)))
+        db.execute("UPDATE meta SET value = ? WHERE key = 'model'", (json.dumps("/nowhere/SmolLM2-135M"),))
+    a = q5_accounts.answer(RunSource(str(copy)))
+    assert a.ok and "weights 257 MB" in a.summary and "not recorded" not in a.summary, a.summary
+    assert "Weights: recorded in the run meta." in a.notes, a.notes
+
+
 def test_the_answers_read_a_steps_scheduler_output_one_way():
     """RunSource.scheduler_output(step) is the one reader of a step's SchedulerOutput for the Self-test
     answers (dashboard/answers/): q1_allocation and q2_update_states still spelled out

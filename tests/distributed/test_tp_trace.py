@@ -58,6 +58,21 @@ def test_every_step_counts_its_collectives_on_both_ranks(spans_run):
             assert attrs["vllm_anatomy.num_broadcast"] == 0
 
 
+def test_the_run_meta_records_one_ranks_weights(spans_run, tiny_tp_models):
+    """model_weight_bytes is one rank's (the dashboard's "weights (one rank)"): each rank holds half of
+    every sharded weight (the vocabulary, attention, MLP) and the whole of each replicated norm."""
+    import json
+    import os
+
+    from vllm_anatomy.model_executor.dummy_configs import num_parameters
+    with open(os.path.join(tiny_tp_models["llama"], "config.json")) as f:
+        total = num_parameters(json.load(f))                  # the tied LM head is the embedding
+    norms = 2 * NUM_LAYERS * HIDDEN + HIDDEN                  # input/post-attention norms, the final norm
+    path, _ = spans_run
+    with open_run(path) as run:
+        assert run.meta["model_weight_bytes"] == ((total - norms) // 2 + norms) * FP32
+
+
 def test_level_full_has_one_span_per_collective(tiny_tp_models, tmp_path):
     path, ranks = _traced_run(tiny_tp_models["llama"], "full", tmp_path)
     with open_run(path) as run:

@@ -41,9 +41,22 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+def loaded_weight_bytes(*models: torch.nn.Module | None) -> int:
+    """Bytes of the parameters these models hold on this rank (each counted once: tied weights too).
+
+    NOTE: vLLM's load_model measures the same thing as device memory (DeviceMemoryProfiler around
+    loading the model and the drafter: `model_memory_usage`, logged as "Model loading took X GiB");
+    with tensor parallelism each rank loads its own slice, so the figure is one rank's. Here the
+    parameters are counted instead of the allocator read, so that a CPU run has the number too
+    (buffers such as RoPE's cos/sin cache are left out: a few KB)."""
+    params = {id(p): p for m in models if m is not None for p in m.parameters()}
+    return sum(p.nbytes for p in params.values())
+
+
 class ModelRunnerStartupMixin:
     # The runner's state these methods read and set (made by GPUModelRunner.__init__).
     model: LlamaForCausalLM                         # set by load_model
+    model_memory_usage: int                         # set by load_model: bytes of the weights it loaded
     vllm_config: VllmConfig
     model_config: ModelConfig
     cache_config: CacheConfig
@@ -81,6 +94,8 @@ class ModelRunnerStartupMixin:
                 self.decode_seq_order.seq_threshold_3D = decode_seq_threshold_3D(self.model.num_kv_heads)
             if self.drafter is not None:
                 self.drafter.load_model(self.model)     # a draft model (ngram: nothing to load)
+            self.model_memory_usage = loaded_weight_bytes(self.model, getattr(self.drafter, "model", None))
+        logger.info("Model loading took %.4f GiB", self.model_memory_usage / 2 ** 30)
 
     def get_kv_cache_bytes_per_block(self) -> int:
         """Bytes one block takes summed over all layers (K and V)."""

@@ -85,6 +85,12 @@ class Worker:
 
     def load_model(self) -> None:
         self.model_runner.load_model()
+        # NOTE: the run meta's model_weight_bytes is one rank's weights (the dashboard's "weights (one
+        # rank)", set against one rank's KV). Rank 0 writes it: every rank holds the same bytes (each
+        # sharded layer splits evenly, divide() asserts it, and the norms are replicated), and one
+        # writer leaves no race on the key.
+        if self.rank == 0:
+            self.recorder.set_run_meta("model_weight_bytes", self.model_runner.model_memory_usage)
 
     def determine_num_available_blocks(self) -> int:
         return self.model_runner.determine_num_available_blocks()
