@@ -47,13 +47,18 @@ CPU_PAIRS = {
 GPU_PAIRS = {
     # NOTE: not the step time: with async scheduling a step's EngineCore.step span lasts until its output
     # is processed, after the next step is scheduled, so the median span grows (2.16 -> 3.95 ms on the
-    # H100 pair) while tokens per second (+12 %) and TPOT (-14 %) show the gain.
+    # H100 pair) while tokens per second (+12 %) and TPOT (-14 %) show the gain. TTFT is the price (7.2 -> 14.9
+    # ms): step 1's tokens are read after step 2's eager, fully traced launch (~5 ms of host time) returns.
     "async-scheduling": ("async_scheduling", False, True, "async scheduling off vs on",
                          "output tokens per second and TPOT, where the gain shows: step N+1 is scheduled "
                          "(placeholders standing in for the tokens step N has not sampled yet) and queued while "
                          "the GPU runs step N, so the GPU waits less for the host's Python; and, on the Timeline, "
                          "each step's EngineCore.step span starting before the previous one ends. Not the median "
-                         "step time: it grows, as each step's span now also covers the next step's scheduling (§五)"),
+                         "step time: it grows, as each step's span now also covers the next step's scheduling (§五). "
+                         "And the price, TTFT: step N's tokens are read only after step N+1 has been launched, and "
+                         "these prefill steps are eager and fully traced (about 5 ms of host time to launch), so the "
+                         "median TTFT roughly doubles; a decode step's graph replay takes the host under a "
+                         "millisecond"),
     "cuda-graphs": ("enforce_eager", True, False, "CUDA graphs off vs on",
                     "pure-decode steps: one replay instead of ~400 launches from Python"),
     "max-num-seqs": CPU_PAIRS["max-num-seqs"],
