@@ -2,6 +2,7 @@
 
     python bench/gpu_breakdown.py [--vllm-site DIR] [--out bench/results/gpu_breakdown_h200.json]
                                   [--workload nano-vllm|context:4096|prefill:4096|ttft:4096] [--gc-log]
+                                  [--host-profile]  (with ttft:N: bench/ttft_host.py)
 
 nano-vllm's workload (bench/vs_vllm.py: 256 sequences, prompts and outputs uniform in
 [100, 1024], temperature 0.6, ignore_eos), run once under torch.profiler with CUDA
@@ -202,7 +203,14 @@ def top_kernels(intervals: list[tuple[float, float, str]], n: int = TOP_KERNELS)
     return [{"name": name, "seconds": s, "launches": int(k), "kind": kind_of(name)} for name, (s, k) in ranked]
 
 
-def run_worker(kind: str, model_dir: str, workload_name: str = "nano-vllm", gc_log: bool = False) -> dict:
+def fresh_prompts(num_tokens: int, count: int, seed: int) -> list[list[int]]:
+    """count random prompts of num_tokens ids (another seed than workload()'s: no prefix-cache hit)."""
+    rng = random.Random(seed)
+    return [[rng.randint(0, 10000) for _ in range(num_tokens)] for _ in range(count)]
+
+
+def run_worker(kind: str, model_dir: str, workload_name: str = "nano-vllm", gc_log: bool = False,
+               host_profile: bool = False) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
     prompts, max_tokens, temperature, max_model_len = workload(workload_name)
@@ -210,6 +218,10 @@ def run_worker(kind: str, model_dir: str, workload_name: str = "nano-vllm", gc_l
     engine.generate([list(range(1, 9))], [16], 0.0)                  # warm-up, as nano-vllm's bench
     if workload_name.startswith("ttft:"):
         result = {"engine": kind, "settings": engine.settings()} | profile_ttft(engine, prompts)
+        if host_profile:
+            from ttft_host import host_profile as profile_host
+            n = len(prompts[0])
+            result["ttft_host"] = profile_host(engine, [fresh_prompts(n, TTFT_REPEATS, seed) for seed in (1, 2, 3)])
         engine.shutdown()
         return result
     logs, allocator_before = None, {}
@@ -246,7 +258,7 @@ def profile_ttft(engine: Engine, prompts: list[list[int]]) -> dict:
     autotunes), then each other prompt alone under the profiler, greedy, max_tokens 1."""
     import torch
     from torch.profiler import ProfilerActivity, profile
-    engine.generate([prompts[0]], [1], 0.0)
+    first_s, _ = engine.generate([prompts[0]], [1], 0.0)
     windows: list[tuple[int, int]] = []
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for p in prompts[1:]:
@@ -256,7 +268,7 @@ def profile_ttft(engine: Engine, prompts: list[list[int]]) -> dict:
     origin_ns = prof.profiler.kineto_results.trace_start_ns()
     gpu = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     intervals = [(origin_ns + e.time_range.start * 1e3, origin_ns + e.time_range.end * 1e3, e.name) for e in gpu]
-    return ttft_phases(intervals, windows)
+    return ttft_phases(intervals, windows) | {"first_call_ms": 1e3 * first_s}
 
 
 def ttft_phases(intervals_ns: list[tuple[float, float, str]], windows_ns: list[tuple[int, int]]) -> dict:
@@ -396,14 +408,22 @@ def main() -> None:
                     help="ours: log every garbage collection, Triton compilation and engine step "
                          "(time.time_ns) during the profiled run, and say for each > 1 ms GPU idle gap "
                          "which of them overlapped it (bench/host_stalls.py's logs)")
+    ap.add_argument("--host-profile", action="store_true",
+                    help="with ttft:N, ours: then time fresh requests without the CUDA profiler, their engine "
+                         "steps' host phases, every CUDA sync they make, and a cProfile of them "
+                         "(bench/ttft_host.py)")
     ap.add_argument("--worker", choices=["ours", "vllm"], help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         print("RESULT " + json.dumps(run_worker(args.worker, args.model_dir, args.workload,
-                                                gc_log=args.gc_log and args.worker == "ours")), flush=True)
+                                                gc_log=args.gc_log and args.worker == "ours",
+                                                host_profile=args.host_profile and args.worker == "ours")),
+              flush=True)
         return
     workload(args.workload)                                           # refuse a bad name before any start-up
+    if args.host_profile and not args.workload.startswith("ttft:"):
+        raise SystemExit("--host-profile goes with --workload ttft:N")
     import tempfile
 
     import torch
@@ -424,10 +444,14 @@ def main() -> None:
             if kind == "vllm" and not args.vllm_site:
                 continue
             cmd = [sys.executable, os.path.abspath(__file__), "--worker", kind, "--model-dir", model_dir,
-                   "--workload", args.workload, *(["--gc-log"] if args.gc_log else [])]
+                   "--workload", args.workload, *(["--gc-log"] if args.gc_log else []),
+                   *(["--host-profile"] if args.host_profile else [])]
             result[key] = run_subprocess(f"{kind}: profiled throughput run", cmd,
                                          worker_env(kind, args.vllm_site, multiprocess=False), timeout_s=300)
     (print_ttft_table if args.workload.startswith("ttft:") else print_table)(result)
+    if "ttft_host" in result.get("vllm_anatomy", {}):
+        from ttft_host import print_host_profile
+        print_host_profile(result["vllm_anatomy"]["ttft_host"], result["vllm_anatomy"].get("first_call_ms"))
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

@@ -36,6 +36,8 @@
 #   tracing  bench/tracing_overhead.py --gpu off,spans: .gpu/base's tree, then this one, two rounds
 #   breakdown  bench/gpu_breakdown.py --gc-log, ours only: kernel time by kind, idle gaps, what overlapped them
 #   ttft     bench/gpu_breakdown.py --workload ttft:4096, ours only: one 4k prompt's host and GPU time
+#   ttfthost  the same at 4k and 8k with --host-profile (bench/ttft_host.py): unprofiled walls (the
+#            first call of a length against the rest), each step's host phases, every CUDA sync, cProfile
 #   cold     an A/A run on an emptied Triton cache (the first variant cold): compiles mid-workload
 #   q0, q1   park a vLLM bundle part in /tmp (carry .gpu/q0, then .gpu/q1)
 #   vs       join the parts (carry .gpu/q2), unpack, bench/vs_vllm.py --skip-gpu-time (R: round)
@@ -131,6 +133,11 @@ for STAGE in "$@"; do
     python3 bench/gpu_breakdown.py --gc-log --out "$OUT/gpu_breakdown_${CARD}_gaps_gc.json" 2>&1 | quiet | tail -45 ;;
   ttft)
     python3 bench/gpu_breakdown.py --workload ttft:4096 --out "$OUT/gpu_breakdown_ttft4096_$CARD.json" 2>&1 | quiet | tail -30 ;;
+  ttfthost)
+    for n in 4096 8192; do
+      python3 bench/gpu_breakdown.py --workload ttft:$n --host-profile --out "$OUT/gpu_breakdown_ttft${n}_host_$CARD.json" \
+        2>&1 | quiet | tail -40
+    done ;;
   cold)
     export TRITON_CACHE_DIR=/tmp/tc_fresh; rm -rf /tmp/tc_fresh
     AB_ROUNDS=1 ab cold_cache --a-env VLLM_ANATOMY_X=cold --b-env VLLM_ANATOMY_X=warm --a-label cold_cache --b-label warm_cache
