@@ -12,7 +12,8 @@ bottleneck. This module times the same requests without it, three ways, each on 
   phases   each engine step of each call, its host phases (bench/step_overhead.py's clock:
            schedule, prepare_inputs, forward_launch, compute_logits, ...), and every CUDA
            synchronisation the call made (torch.cuda.set_sync_debug_mode("warn"): an .item(), a
-           pageable copy, a nonzero...), with the innermost vllm_anatomy frame that asked for it.
+           pageable copy, a nonzero...), with the innermost vllm_anatomy frame that asked for it,
+           and the CUDA caching allocator's events (mallocs, frees, retries behind a sync).
            A phase that takes the GPU's time is waiting for the device somewhere inside.
   cprofile the host's functions over the calls (cProfile), top by own time, per call: what
            ~350 eager launches of a prefill step cost in Python.
@@ -79,6 +80,18 @@ class SyncLog:
         self._catch.__exit__(*exc_info)
 
 
+def allocator_events() -> dict[str, int]:
+    """The CUDA caching allocator's event counters (gpu_breakdown.allocator_counts: device mallocs
+    and frees, and alloc retries, each of which frees cached blocks behind a device-wide sync);
+    {} off CUDA. Their change over a call says whether it paid for memory: a long prompt's first
+    call gets fresh segments, and a later one that finds the pool fragmented may sync to retry."""
+    import torch
+    if not torch.cuda.is_available():
+        return {}
+    from gpu_breakdown import allocator_counts
+    return allocator_counts()
+
+
 def top_functions(stats: pstats.Stats, calls: int, n: int = TOP_FUNCTIONS) -> list[dict]:
     """The n functions with the most own time: per call of the profiled workload (ms, calls)."""
     rows = []
@@ -102,12 +115,15 @@ def host_profile(engine, prompt_sets: list[list[list[int]]]) -> dict:
     phases = []
     for p in prompt_sets[1]:
         first_step = len(log.steps)
+        before = allocator_events()
         with SyncLog() as syncs:
             wall = one(p)
+        after = allocator_events()
         steps = [{"ms": (s["end_ns"] - s["start_ns"]) / 1e6,
                   "phases_ms": {k: 1e3 * v for k, v in sorted(s["phases_s"].items(), key=lambda kv: -kv[1])}}
                  for s in log.steps[first_step:]]
-        phases.append({"wall_ms": wall, "steps": steps, "syncs": syncs.syncs})
+        phases.append({"wall_ms": wall, "steps": steps, "syncs": syncs.syncs,
+                       "allocator": {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}})
     profiler = cProfile.Profile()
     t = time.perf_counter()
     profiler.enable()
@@ -135,6 +151,12 @@ def print_host_profile(host: dict, first_call_ms: float | None = None) -> None:
     for c in host["phases"]:
         for s in c["syncs"]:
             syncs[s["site"] + " :: " + s["op"][:80]] = syncs.get(s["site"] + " :: " + s["op"][:80], 0) + 1
+    events: dict[str, int] = {}
+    for c in host["phases"]:
+        for k, v in c["allocator"].items():
+            events[k] = events.get(k, 0) + v
+    print(f"allocator events over {len(host['phases'])} calls: "
+          + (", ".join(f"{k} {v:+d}" for k, v in sorted(events.items())) or "none"))
     print(f"CUDA syncs over {len(host['phases'])} calls: " + ("none" if not syncs else ""))
     for where, n in sorted(syncs.items(), key=lambda kv: -kv[1]):
         print(f"  {n:3d} x {where}")

@@ -79,11 +79,31 @@ def test_host_profile_end_to_end_on_a_tiny_model(th, tmp_path, capsys):
     assert len(host["walls_ms"]) == 2 and all(w > 0 for w in host["walls_ms"])
     assert len(host["phases"]) == 2
     for call in host["phases"]:
-        assert call["syncs"] == [] and call["steps"], call
+        assert call["syncs"] == [] and call["allocator"] == {} and call["steps"], call   # (no CUDA here)
         assert any("forward_launch" in s["phases_ms"] and "schedule" in s["phases_ms"] for s in call["steps"])
         assert sum(s["ms"] for s in call["steps"]) <= call["wall_ms"] * 1.05
     assert host["cprofile_top"] and any("vllm_anatomy" in r["function"] for r in host["cprofile_top"])
     th.print_host_profile(host, first_call_ms=12.5)
     out = capsys.readouterr().out
     assert "first call of this length 12.50 ms" in out and "CUDA syncs over 2 calls: none" in out
+    assert "allocator events over 2 calls: none" in out
     assert "own time per call" in out
+
+
+@pytest.mark.fast
+def test_the_table_sums_each_calls_allocator_events_and_syncs(th, capsys):
+    """What the device run prints from its calls: the allocator's events summed over the calls (a
+    retry is a device-wide sync), each sync site counted, the median call's steps."""
+    def call(wall: float, allocator: dict, syncs: list) -> dict:
+        return {"wall_ms": wall, "steps": [{"ms": wall - 1, "phases_ms": {"forward_launch": wall - 2}}],
+                "syncs": syncs, "allocator": allocator}
+    sync = {"op": f"{th.SYNC_WARNING} (aten::item)", "site": "vllm_anatomy/worker/x.py:3 f"}
+    host = {"walls_ms": [33.0, 41.0, 42.0], "median_wall_ms": 41.0, "cprofile_wall_ms_per_call": 90.0,
+            "cprofile_top": [{"function": "x.py:1 f", "own_ms": 1.0, "cum_ms": 2.0, "calls": 3.0}],
+            "phases": [call(41.0, {"num_alloc_retries": 1, "num_device_alloc": 2}, [sync]),
+                       call(42.0, {"num_alloc_retries": 1}, [sync]), call(33.0, {}, [])]}
+    th.print_host_profile(host, first_call_ms=33.3)
+    out = capsys.readouterr().out
+    assert "allocator events over 3 calls: num_alloc_retries +2, num_device_alloc +2" in out
+    assert "  2 x vllm_anatomy/worker/x.py:3 f :: " in out
+    assert "a median call under the phase clock (41.00 ms)" in out and "forward_launch 39.00" in out
