@@ -82,15 +82,21 @@ def workload(name: str) -> tuple[list[list[int]], list[int], float, int]:
     kind, _, n = name.partition(":")
     if kind not in ("context", "prefill", "ttft") or not n.isdigit() or int(n) < 1:
         raise SystemExit(f"--workload: nano-vllm, context:N, prefill:N or ttft:N (N prompt tokens), not {name!r}")
-    rng = random.Random(0)
     if kind == "ttft":
-        prompts = [[rng.randint(0, 10000) for _ in range(int(n))] for _ in range(1 + TTFT_REPEATS)]
+        prompts = fresh_prompts(int(n), 1 + TTFT_REPEATS, seed=0)
         return prompts, [1] * len(prompts), 0.0, int(n) + CONTEXT_OUTPUT_LEN
-    prompts = [[rng.randint(0, 10000) for _ in range(int(n))] for _ in range(CONTEXT_NUM_SEQS)]
+    prompts = fresh_prompts(int(n), CONTEXT_NUM_SEQS, seed=0)
     # prefill:N: the same prompts with one output token: the context point's prefill alone, so
     # that context:N minus prefill:N is its decode (the profile cannot tell a kernel's step kind).
     output_len = CONTEXT_OUTPUT_LEN if kind == "context" else 1
     return prompts, [output_len] * CONTEXT_NUM_SEQS, 0.6, int(n) + CONTEXT_OUTPUT_LEN
+
+
+def fresh_prompts(num_tokens: int, count: int, seed: int) -> list[list[int]]:
+    """count random prompts of num_tokens ids in [0, 10000]; workload() draws with seed 0, so another
+    seed gives prompts no prefix-cache hit can serve."""
+    rng = random.Random(seed)
+    return [[rng.randint(0, 10000) for _ in range(num_tokens)] for _ in range(count)]
 
 
 def kind_of(name: str) -> str:
@@ -203,12 +209,6 @@ def top_kernels(intervals: list[tuple[float, float, str]], n: int = TOP_KERNELS)
     return [{"name": name, "seconds": s, "launches": int(k), "kind": kind_of(name)} for name, (s, k) in ranked]
 
 
-def fresh_prompts(num_tokens: int, count: int, seed: int) -> list[list[int]]:
-    """count random prompts of num_tokens ids (another seed than workload()'s: no prefix-cache hit)."""
-    rng = random.Random(seed)
-    return [[rng.randint(0, 10000) for _ in range(num_tokens)] for _ in range(count)]
-
-
 def run_worker(kind: str, model_dir: str, workload_name: str = "nano-vllm", gc_log: bool = False,
                host_profile: bool = False) -> dict:
     import torch
@@ -247,8 +247,7 @@ def run_worker(kind: str, model_dir: str, workload_name: str = "nano-vllm", gc_l
     if logs is not None:
         result["gap_causes"] = gap_causes_of_run(prof, intervals, (run_start_ns, run_end_ns), *logs)
         after = allocator_counts()
-        result["gap_causes"]["allocator_counts_during_run"] = {
-            k: after[k] - allocator_before.get(k, 0) for k in after if after[k] != allocator_before.get(k, 0)}
+        result["gap_causes"]["allocator_counts_during_run"] = allocator_change(allocator_before, after)
     engine.shutdown()
     return result
 
@@ -323,6 +322,11 @@ def allocator_counts() -> dict[str, int]:
         stats.update({f"host.{k}": v for k, v in host_stats().items()})
     return {k: int(v) for k, v in stats.items() if k.rsplit(".", 1)[-1].startswith("num_")
             and isinstance(v, (int, float))}
+
+
+def allocator_change(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    """The counters of allocator_counts() that moved between two reads, by how much."""
+    return {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
 
 
 def gap_causes_of_run(prof, intervals: list[tuple[float, float, str]], run_ns: tuple[int, int],
