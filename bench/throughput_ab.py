@@ -27,7 +27,7 @@ is staged here first, into .gpu/, which git ignores, and carried):
 
     python bench/throughput_ab.py [--a TREE] [--b TREE] [--a-env K=V ...] [--b-env K=V ...]
         [--a-label NAME] [--b-label NAME] [--rounds 3] [--shape qwen3-0.6b|smollm2-135m]
-        [--model-dir DIR] [--out FILE] [--tiny]
+        [--model-dir DIR] [--out FILE] [--tiny] [--trace-level off|spans|full]
 
 A tree is a directory holding a `vllm_anatomy/` package (default: this checkout). The
 package imports nothing from outside its folder (only the CLI's `lesson` and `dashboard`
@@ -184,17 +184,17 @@ def in_tree(file: str | None, tree: str) -> bool:
     return file is not None and os.path.realpath(file) == os.path.realpath(package)
 
 
-def measure(v: Variant, model_dir: str, tiny: bool, timeout_s: float) -> dict:
+def measure(v: Variant, model_dir: str, tiny: bool, timeout_s: float, trace_level: str = "off") -> dict:
     """One fresh subprocess of vs_vllm's "ours" throughput worker, importing from v.tree."""
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--model-dir", model_dir,
-           "--env-keys", ",".join(v.env)] + (["--tiny"] if tiny else [])
+           "--env-keys", ",".join(v.env), "--trace-level", trace_level] + (["--tiny"] if tiny else [])
     env = worker_env("ours", None, multiprocess=False, tree=v.tree) | v.env
     r = run_subprocess(f"{v.label} ({v.tree} {v.env})", cmd, env, timeout_s)
     return r | {"variant": v.key, "isolated": in_tree(r.get("vllm_anatomy_file"), v.tree)}
 
 
-def worker(model_dir: str, env_keys: list[str], tiny: bool) -> dict:
-    result = run_worker("ours", model_dir, "off", ["throughput"], TINY if tiny else FULL)
+def worker(model_dir: str, env_keys: list[str], tiny: bool, trace_level: str = "off") -> dict:
+    result = run_worker("ours", model_dir, trace_level, ["throughput"], TINY if tiny else FULL)
     return result | {"vllm_anatomy_file": sys.modules["vllm_anatomy"].__file__,
                      "env": {k: v for k, v in os.environ.items() if k.startswith("VLLM") or k in env_keys}}
 
@@ -251,6 +251,8 @@ def arg_parser() -> argparse.ArgumentParser:
     ap.add_argument("--model-dir", help="write the model here, or reuse the one written here before (default: a temp dir)")
     ap.add_argument("--out", default="bench/results/throughput_ab.json")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke mode: tiny model, tiny workload")
+    ap.add_argument("--trace-level", choices=["off", "spans", "full"], default="off",
+                    help="both variants' trace level (e.g. spans, to A/B a tracing change)")
     ap.add_argument("--worker-timeout", type=float, default=300, help="seconds one run's subprocess may take")
     ap.add_argument("--export", nargs=2, metavar=("REV", "DIR"), help="local only: stage REV's vllm_anatomy/ into DIR")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -279,7 +281,8 @@ def run_rounds(args: argparse.Namespace, variants: dict[str, Variant], model_dir
 
     for rnd, pair in enumerate(result["order"], 1):
         for slot, key in enumerate(pair):
-            sample = measure(variants[key], model_dir, args.tiny, args.worker_timeout) | {"round": rnd, "slot": slot}
+            sample = (measure(variants[key], model_dir, args.tiny, args.worker_timeout, args.trace_level)
+                      | {"round": rnd, "slot": slot})
             result["samples"].append(sample)
             save()
             if "error" in sample or not sample["isolated"]:
@@ -293,8 +296,8 @@ def run_rounds(args: argparse.Namespace, variants: dict[str, Variant], model_dir
 def main() -> None:
     args = arg_parser().parse_args()
     if args.worker:
-        print("RESULT " + json.dumps(worker(args.model_dir, [k for k in args.env_keys.split(",") if k], args.tiny)),
-              flush=True)
+        keys = [k for k in args.env_keys.split(",") if k]
+        print("RESULT " + json.dumps(worker(args.model_dir, keys, args.tiny, args.trace_level)), flush=True)
         return
     if args.export:
         export(*args.export)
@@ -314,7 +317,7 @@ def main() -> None:
         "torch": torch.__version__, "machine": platform.node(), "smoke": args.tiny, "argv": sys.argv[1:],
         "workload": workload_record(TINY if args.tiny else FULL, args.tiny)
         | ({} if args.tiny else {"model": SHAPES[args.shape][0]}), "shape": args.shape, "rounds": args.rounds,
-        "order": order(args.rounds),
+        "trace_level": args.trace_level, "order": order(args.rounds),
         "variants": {k: {"label": v.label, "tree": v.tree, "tree_rev": tree_rev(v.tree), "env": v.env}
                      for k, v in variants.items()},
         "samples": [],

@@ -34,6 +34,8 @@
 #            before the paste) against them, both PDL off. Its own call.
 #   pdlx     A/B: PDL off (default) vs PDL on for every kernel but unified_attention (a patched copy)
 #   tracing  bench/tracing_overhead.py --gpu off,spans: .gpu/base's tree, then this one, two rounds
+#   gil      A/B at trace level spans: the span exporter offering the GIL every 0.5 ms (the default,
+#            tracing/gil_yield.py) against never (VLLM_ANATOMY_TRACE_GIL_OFFER_US=0)
 #   breakdown  bench/gpu_breakdown.py --gc-log, ours only: kernel time by kind, idle gaps, what overlapped them
 #   ttft     bench/gpu_breakdown.py --workload ttft:4096, ours only: one 4k prompt's host and GPU time
 #   ttfthost  the same at 4k and 8k with --host-profile (bench/ttft_host.py): unprofiled walls (the
@@ -129,6 +131,9 @@ for STAGE in "$@"; do
         --out "$OUT/tracing_overhead_${CARD}_base_r$r.json" 2>&1 | tail -4
       python3 bench/tracing_overhead.py --gpu --levels off,spans --out "$OUT/tracing_overhead_${CARD}_r$r.json" 2>&1 | tail -4
     done ;;
+  gil)
+    ab gil_offer_spans --trace-level spans --a-env VLLM_ANATOMY_TRACE_GIL_OFFER_US=0 \
+      --b-env VLLM_ANATOMY_TRACE_GIL_OFFER_US=500 --a-label no_offer --b-label offer_500us ;;
   breakdown)
     python3 bench/gpu_breakdown.py --gc-log --out "$OUT/gpu_breakdown_${CARD}_gaps_gc.json" 2>&1 | quiet | tail -45 ;;
   ttft)

@@ -79,6 +79,7 @@ from opentelemetry.sdk.trace.export import SpanExporter
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
+from vllm_anatomy.tracing.gil_yield import offering_gil
 from vllm_anatomy.tracing.local_span import LocalSpan, _kept
 
 logger = logging.getLogger(__name__)
@@ -530,8 +531,9 @@ class DeferredSpanProcessor(SpanProcessor):
                 token = otel_context.attach(otel_context.set_value(otel_context._SUPPRESS_INSTRUMENTATION_KEY, True))
                 try:
                     # (built inside the try: a span that fails to build fails its batch, as the NOTE says)
-                    spans: list[Any] = ([s.build() if type(s) is DeferredSpan else s for s in batch] if self.builds
-                                        else batch)     # (an exporter with takes_deferred_spans takes them as they are)
+                    # (the GIL offered every ~0.5 ms while building: gil_yield.py)
+                    spans: list[Any] = ([s.build() if type(s) is DeferredSpan else s for s in offering_gil(batch)]
+                                        if self.builds else batch)  # (an exporter with takes_deferred_spans: as they are)
                     self.exporter.export(spans)
                 except Exception:       # noqa: BLE001 (as BatchSpanProcessor: log, lose the batch, go on)
                     logger.exception("Exception while exporting %d spans.", count)

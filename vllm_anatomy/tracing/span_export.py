@@ -33,6 +33,7 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.trace import Link, SpanKind, StatusCode
 
 from vllm_anatomy.tracing.deferred_span import DeferredSpan, PlainSpan
+from vllm_anatomy.tracing.gil_yield import offering_gil
 from vllm_anatomy.tracing.store import RunStore, to_json
 from vllm_anatomy.tracing.trace_context import SharedLink, link_dict, plain_attributes
 
@@ -56,7 +57,7 @@ class StoreSpanExporter(SpanExporter):
 
     def export(self, spans: Sequence[ReadableSpan | DeferredSpan]) -> SpanExportResult:
         rows, details = [], []
-        for s in spans:
+        for s in offering_gil(spans):       # (gil_yield.py: the engine's thread waits little)
             if type(s) is DeferredSpan:
                 plain = s.plain()
                 if plain is not None:
