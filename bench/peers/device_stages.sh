@@ -40,6 +40,9 @@
 #   ttft     bench/gpu_breakdown.py --workload ttft:4096, ours only: one 4k prompt's host and GPU time
 #   ttfthost  the same at 4k and 8k with --host-profile (bench/ttft_host.py): unprofiled walls (the
 #            first call of a length against the rest), each step's host phases, every CUDA sync, cProfile
+#   ttftcfg  ttfthost's 8k (and 4k) pass on a copy of the tree whose prefill kernel takes the config of
+#            before fb796a8 (64 x 64 tiles, 4 warps, device-side TMA, no warp specialisation): did the
+#            128 x 128 warp-specialised default (a many-prompt sweep's pick) slow a single long prompt?
 #   cold     an A/A run on an emptied Triton cache (the first variant cold): compiles mid-workload
 #   q0, q1   park a vLLM bundle part in /tmp (carry .gpu/q0, then .gpu/q1)
 #   vs       join the parts (carry .gpu/q2), unpack, bench/vs_vllm.py --skip-gpu-time (R: round)
@@ -142,6 +145,22 @@ for STAGE in "$@"; do
     for n in 4096 8192; do
       python3 bench/gpu_breakdown.py --workload ttft:$n --host-profile --out "$OUT/gpu_breakdown_ttft${n}_host_$CARD.json" \
         2>&1 | quiet | tail -40
+    done ;;
+  ttftcfg)
+    rm -rf /tmp/cfgtree && mkdir -p /tmp/cfgtree && cp -r vllm_anatomy bench /tmp/cfgtree/
+    python3 - /tmp/cfgtree/vllm_anatomy/kernels/prefill_attention.py <<'PYEOF' || exit 3
+import sys
+p = sys.argv[1]; s = open(p).read()
+new_default = 'if _has_tma():\n        return dict(block_m=128, block_n=128, num_warps=8'
+old_fallback = 'tma="off", warp_specialize=False, fold_scale=False)\n\n\n@functools.cache'
+assert s.count(new_default) == 1 and s.count(old_fallback) == 1, "pick_config changed: update the stage"
+s = s.replace(new_default, new_default.replace("if _has_tma():", "if False:"))
+s = s.replace(old_fallback, old_fallback.replace('tma="off"', 'tma="device"'))
+open(p, "w").write(s)
+PYEOF
+    for n in ${TTFT_LENS:-8192 4096}; do
+      (cd /tmp/cfgtree && python3 bench/gpu_breakdown.py --workload ttft:$n --host-profile \
+        --out "$OUT/gpu_breakdown_ttft${n}_host_cfg64_$CARD.json") 2>&1 | quiet | tail -25
     done ;;
   cold)
     export TRITON_CACHE_DIR=/tmp/tc_fresh; rm -rf /tmp/tc_fresh
