@@ -52,6 +52,12 @@ def test_q5_says_why_one_token_has_no_itl(one_token_run):
     t = q5_accounts.answer(src, "1").facts["time"]
     assert f"ITL mean {t['ITL mean ms']:,.1f} ms, max {t['ITL max ms (step ends)']:,.1f} ms" in four, four
     assert f"decode {t['decode ms']:,.1f} ms" in four and "none" not in four
+    # Its state path: finished by the step that scheduled it, though no queue ever showed it
+    # (the request column was empty); the four-token request's path is read from the queues.
+    (only_step,) = one.facts["steps"]
+    assert one.facts["path"] == [{"status": "FINISHED (length)", "from step": only_step, "to step": only_step}]
+    path1 = q5_accounts.answer(src, "1").facts["path"]
+    assert path1[0]["status"] == "RUNNING" and path1[-1]["status"] == "FINISHED (length)", path1
 
 
 def test_journey_says_why_one_token_has_no_itl(one_token_run, monkeypatch, tmp_path):
@@ -64,6 +70,7 @@ def test_journey_says_why_one_token_has_no_itl(one_token_run, monkeypatch, tmp_p
     assert not at.exception, [e.value for e in at.exception]
     md = "\n".join(m.value for m in at.markdown)
     assert ONE_GAP in md and NO_DECODE in md, md[:600]
+    assert re.search(r"FINISHED \(length\) @ \d+", md), md[:600]
     assert not BARE_DASH.search(md), BARE_DASH.findall(md)
     itl = next(m for m in at.metric if m.label == "ITL (mean)")
     assert (itl.value, itl.delta) == ("none", "one token: no gap"), (itl.value, itl.delta)
