@@ -44,7 +44,7 @@ import streamlit as st
 from streamlit.errors import StreamlitAPIException
 
 from dashboard import data
-from dashboard.words import n_of
+from dashboard.words import agree, n_of
 from vllm_anatomy.tracing.factory import DEFAULT_TRACE_DIR
 
 TRACE_DIR_ENV = "VLLM_ANATOMY_TRACE_DIR"
@@ -263,7 +263,8 @@ def show_bad_rows(obj) -> None:
     """A warning listing the rows a loader skipped because their JSON is damaged (if any)."""
     bad = data.bad_rows_of(obj)
     if bad:
-        with st.expander(f":material/warning: {n_of(len(bad), 'damaged row')} of this run store {'was' if len(bad) == 1 else 'were'} skipped"):
+        with st.expander(f":material/warning: {n_of(len(bad), 'damaged row')} of this run store "
+                         f"{agree(len(bad), 'was', 'were')} skipped"):
             st.markdown("\n".join(f"- {b}" for b in bad[:50]) + ("\n- …" if len(bad) > 50 else ""))
 
 

@@ -39,6 +39,11 @@ class Answer:
     facts: dict[str, Any] = field(default_factory=dict)  # machine-readable: what the tests compare
 
 
+# What a table cell or sentence says where the run lacks a figure it should have (a figure that cannot
+# exist says why instead: "none (one output token: no gap between two tokens)"), never a bare "—".
+NOT_RECORDED = "not recorded in this run"
+
+
 def cannot(why: str) -> Answer:
     return Answer(ok=False, why_not=why)
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from dashboard.answers.common import Answer, ShowMe, cannot, ids
+from dashboard.answers.common import NOT_RECORDED, Answer, ShowMe, cannot, ids
 from dashboard.answers.source import EVENT_METHOD, PoolReplay, RunSource
 from dashboard.words import n_of
 
@@ -92,9 +92,10 @@ def answer(src: RunSource, step: int | None = None, req: str | None = None) -> A
     q = _free_queue_at_allocation(src, step, req)
     evicted, popped = q["evicted"], q["popped"]
     ev_rows = [{"event": e["kind"], "BlockPool method": EVENT_METHOD.get(e["kind"], ""), "blocks": ids(e["block_ids"]),
-                "hashes": ", ".join(x for x in (e.get("block_hashes") or []) if x) or "—",
-                "request": e.get("request_id") or "—", "call": e.get("call") or "—"} for e in q["events"]]
-    notes = []
+                "hashes": ", ".join(x for x in (e.get("block_hashes") or []) if x) or _no_hashes(e["kind"]),
+                "request": e.get("request_id") or NOT_RECORDED, "call": e.get("call") or NOT_RECORDED}
+               for e in q["events"]]
+    notes = [HASHES_NOTE] if any(not e.get("block_hashes") for e in q["events"]) else []
     if not src.attributed:
         notes.append("This run's block-pool events do not name their request and call (recorded before that was "
                      "added): this request's events were matched by block ids.")
@@ -134,6 +135,18 @@ class _Allocation:
     need_tokens: int
     need_blocks: int
     table: list[int]            # its block list afterwards
+
+
+def _no_hashes(kind: str) -> str:
+    """The hashes cell of an event without them: only "cache" and "evict" events carry block hashes
+    (BlockPoolEvent.block_hashes, HASHES_NOTE); an "allocate", "hit" or "free" event names its blocks alone."""
+    if kind in ("cache", "evict"):
+        return NOT_RECORDED
+    return f"not in {'an' if kind[:1] in 'aeiou' else 'a'} {kind} event"
+
+
+HASHES_NOTE = ("Block hashes travel in cache and evict events only (BlockPoolEvent.block_hashes): an allocate, "
+               "hit or free event names its blocks alone.")
 
 
 def _allocation(src: RunSource, step: int, req: str) -> _Allocation:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dashboard.answers.common import Answer, ShowMe, cannot, ids
 from dashboard.answers.source import RunSource
-from dashboard.words import n_of
+from dashboard.words import agree, n_of
 
 
 def _rows(mr: dict) -> dict[int, dict]:
@@ -78,8 +78,10 @@ def answer(src: RunSource, step: int | None = None) -> Answer:
                f"**{len(added)} added** {ids([a['request'] for a in added])}, block ids appended to "
                f"{n_of(len(appended), 'request')}, `num_computed_tokens` written for {n_of(len(d['nct']), 'cached request')}, "
                f"**{n_of(len(moves), 'condense move')}** {ids([f'{a}→{b}' for a, b in moves])}. "
-               f"{len(d['kept'])} of {n_of(n_rows, 'row')} {'was' if len(d['kept']) == 1 else 'were'} **kept as they were** (same row, same token ids and block table: "
-               f"only their num_computed_tokens scalar written) — the InputBatch persists across steps; nothing is rebuilt.")
+               f"{len(d['kept'])} of {n_of(n_rows, 'row')} {agree(len(d['kept']), 'was', 'were')} **kept as "
+               f"{agree(len(d['kept']), 'it was', 'they were')}** (same row, same token ids and block table: only "
+               f"{agree(len(d['kept']), 'its', 'their')} num_computed_tokens scalar written) — the InputBatch persists "
+               "across steps; nothing is rebuilt.")
     notes = ["CachedRequestState is the worker's read-only mirror of the scheduler's Request: it is updated only "
              "from CachedRequestData, never written back. The step snapshot is taken after "
              + ("schedule() (async scheduling)" if src.async_scheduling else "update_from_output")

@@ -20,7 +20,7 @@ request's llm_request span (finish reason), and every later event on the blocks.
 """
 from __future__ import annotations
 
-from dashboard.answers.common import Answer, ShowMe, cannot, ids
+from dashboard.answers.common import NOT_RECORDED, Answer, ShowMe, cannot, ids
 from dashboard.answers.source import PoolReplay, RunSource
 
 
@@ -99,15 +99,21 @@ def _facts(src: RunSource, step: int, req: str) -> dict | None:
     kv = src.kv(fstep)
     fq = kv.get("free_queue", [])
     owners = {b["block_id"]: b.get("owners", []) for b in kv.get("blocks", [])}
+    # NOTE: a freed block without a hash was never cached: prefix caching is off, or it was not full
+    # (KVCacheManager.cache_blocks hashes only blocks full of computed tokens; with caching on, such a
+    # block joins the free queue's front, as the "free queue" column beside it says).
+    no_hash = (NOT_RECORDED if "hashes" not in did else "none (prefix caching off)" if not src.enable_caching
+               else "none (not full: only full blocks are hashed)")
     rows = []
     for i, b in enumerate(ev["block_ids"]):
         end = ends[i] if i < len(ends) else None
         rows.append({"block": b, "ref_cnt before → after": f"{before[i] if i < len(before) else '?'} → "
                                                              f"{after[i] if i < len(after) else '?'}",
-                     "hash": hashes[i] or "—",
+                     "hash": hashes[i] or no_hash,
                      "free queue": (f"{end} (position {fq.index(b)} of {len(fq)} after step {fstep})" if end and b in fq
                                     else end or "not freed: still held by " + (", ".join(map(str, owners.get(b, []))) or "another request")),
-                     "hash kept": "yes" if hashes[i] and end else "—"})
+                     "hash kept": ("yes" if end else "yes (still held)") if hashes[i]
+                     else NOT_RECORDED if no_hash == NOT_RECORDED else "no hash to keep"})
     freed = [r["block"] for r, e in zip(rows, ends) if e]
     shared = [r["block"] for r, e in zip(rows, ends) if not e]
     # Later: the first hit / allocate touching each freed block.

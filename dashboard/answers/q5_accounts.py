@@ -16,7 +16,9 @@ tells its story.
 """
 from __future__ import annotations
 
-from dashboard.answers.common import Answer, ShowMe, cannot
+from typing import Any
+
+from dashboard.answers.common import NOT_RECORDED, Answer, ShowMe, cannot
 from dashboard.answers.source import RunSource
 from dashboard.words import n_of
 
@@ -55,9 +57,15 @@ def _steps_of(src: RunSource, req: str) -> dict[int, dict]:
     return out
 
 
-def _status_path(src: RunSource, req: str, finish_step: int | None, reason: str | None) -> list[dict]:
+def _status_path(src: RunSource, req: str, finish_step: int | None, reason: str | None,
+                 scheduled_steps: list[int]) -> list[dict]:
     seen = src.statuses.get(req, {})
     path: list[dict] = []
+    if not seen and finish_step is None and scheduled_steps and reason:
+        # NOTE: a request that finishes in the step that first schedules it (one output token,
+        # sampled by its prefill) is in no queue after any step, so the queues never show it;
+        # that step's update_from_output finished it: the last (only) step it was scheduled in.
+        finish_step = max(scheduled_steps)
     for s in sorted(seen):
         st = seen[s]
         if path and path[-1]["status"] == st:
@@ -104,7 +112,7 @@ def answer(src: RunSource, req: str | None = None) -> Answer:
     comm = _communication_account(src, mine, token_steps)
     cpu = _cpu_account(src, mine)
     finish_step = next((s for s, r in _finish_steps(src) if r == req), None)
-    path = _status_path(src, req, finish_step, reason)
+    path = _status_path(src, req, finish_step, reason, sorted(mine))
     engine_events = [{"event": e["name"], "ms since arrival": round(_ms(e["time_ns"] - queued), 2)}
                      for e in span.events]
     why = _why(time, mem, cpu, len(mine), len(ev.get("PREEMPTED", [])))
@@ -142,14 +150,43 @@ def _time_account(src: RunSource, span, ev: dict[str, list[int]], mine: dict[int
                        >= (n_in or 0))]
     ends = [src.step_spans[s].end_ns for s in token_steps if s in src.step_spans]
     gaps = [_ms(b - x) for x, b in zip(ends, ends[1:])]
-    time = {"queue ms": _ms(sched - queued) if sched else None,
-            "prefill ms": _ms(first - sched) if first and sched else None,
-            "decode ms": _ms(fin - first) if first else None,
-            "TTFT ms": _ms(first - queued) if first else None,
-            "ITL mean ms": _ms(fin - first) / (n_out - 1) if first and n_out > 1 else None,
-            "ITL max ms (step ends)": max(gaps) if gaps else None,
-            "e2e ms": _ms(span.end_ns - span.start_ns)}
+    # (ms figures, None where the request has none; "why none" below: the words for those)
+    time: dict[str, Any] = {"queue ms": _ms(sched - queued) if sched else None,
+                            "prefill ms": _ms(first - sched) if first and sched else None,
+                            "decode ms": _ms(fin - first) if first else None,
+                            "TTFT ms": _ms(first - queued) if first else None,
+                            "ITL mean ms": _ms(fin - first) / (n_out - 1) if first and n_out > 1 else None,
+                            "ITL max ms (step ends)": max(gaps) if gaps else None,
+                            "e2e ms": _ms(span.end_ns - span.start_ns)}
+    if n_out == 1:
+        # NOTE: its one token is sampled by the step that ends its prompt, and FIRST_TOKEN and FINISHED
+        # are both added in the OutputProcessor's one loop over that step's outputs: fin - first is
+        # that loop's bookkeeping (0.2 ms on a CPU run), not a decode.
+        time["decode ms"] = None
+    time["why none"] = _why_none(time, n_out, scheduled=sched is not None, first_token=first is not None)
     return time, token_steps
+
+
+ONE_TOKEN = "one output token"
+
+
+def _why_none(time: dict, n_out: int, scheduled: bool, first_token: bool) -> dict[str, str]:
+    """For each figure of the time account the request has none of, the words saying why.
+
+    NOTE: a figure missing for a reason the request itself gives (never scheduled, one output token)
+    says that reason; one missing from a request that should have it was lost on the way: "not
+    recorded in this run"."""
+    no_token = "none (no token generated)" if n_out == 0 else NOT_RECORDED
+    not_scheduled = "none (never scheduled)" if n_out == 0 else NOT_RECORDED
+    one_gap = f"none ({ONE_TOKEN}: no gap between two tokens)"
+    reasons = {"queue ms": not_scheduled,
+               "prefill ms": no_token if scheduled else not_scheduled,
+               "decode ms": f"none ({ONE_TOKEN}, sampled by its prefill: no decode step)" if n_out == 1 else no_token,
+               "TTFT ms": no_token,
+               "ITL mean ms": one_gap if n_out == 1 else no_token,
+               "ITL max ms (step ends)": (one_gap if n_out == 1 else no_token if n_out == 0 or not first_token
+                                          else "none (fewer than two of its token steps in this run's spans)")}
+    return {k: w for k, w in reasons.items() if time.get(k) is None}
 
 
 def _memory_account(src: RunSource, mine: dict[int, dict]) -> tuple[dict, float | None, str]:
@@ -254,9 +291,9 @@ def _why(time: dict, mem: dict, cpu: dict, n_steps: int, preempted: int) -> list
 
 def _rows(time: dict, mem: dict, comm: dict, cpu: dict, n_steps: int, path: list[dict]) -> list[dict]:
     """The five accounts, one line each."""
-    return [{"account": "time", "value": (f"queue {_f(time['queue ms'])} · prefill {_f(time['prefill ms'])} · decode "
-                                          f"{_f(time['decode ms'])} ms; TTFT {_f(time['TTFT ms'])} ms; ITL mean "
-                                          f"{_f(time['ITL mean ms'])} ms, max {_f(time['ITL max ms (step ends)'])} ms")},
+    return [{"account": "time", "value": (f"queue {ms_text(time, 'queue ms')} · prefill {ms_text(time, 'prefill ms')} "
+                                          f"· decode {ms_text(time, 'decode ms')}; TTFT {ms_text(time, 'TTFT ms')}; "
+                                          f"{itl_text(time)}")},
             {"account": "memory", "value": (f"{mem['peak KV blocks']} KV blocks at step {mem['at step']}: "
                                             f"{mb_text(mem['KV MB'], 2)}, pool {mem['pool blocks']} blocks: "
                                             f"{mb_text(mem['pool MB'], 1)}, weights {mb_text(mem['weights MB'], 0)}"
@@ -297,11 +334,23 @@ def _finish_steps(src: RunSource) -> list[tuple[int, str]]:
     return finishes(src)
 
 
-def _f(x, nd: int = 1) -> str:
-    return "—" if x is None else f"{x:,.{nd}f}"
+def ms_text(time: dict, key: str, nd: int = 1) -> str:
+    """"204.5 ms", or, where the request has no such figure, why: "none (never scheduled)"; "not recorded
+    in this run" where it should have one (the time account's "why none", from _why_none)."""
+    x = time.get(key)
+    return f"{x:,.{nd}f} ms" if x is not None else (time.get("why none") or {}).get(key, NOT_RECORDED)
 
 
-NOT_RECORDED = "not recorded in this run"
+def itl_text(time: dict) -> str:
+    """"ITL mean 54.8 ms, max 57.2 ms"; a request with no gap between tokens says so once:
+    "ITL none (one output token: no gap between two tokens)", never "ITL mean —, max —".
+
+    NOTE: the inter-token latency is a time between two generated tokens: a request that generated
+    one has none, and a dash in its place reads as a number lost on the way."""
+    mean, top = "ITL mean ms", "ITL max ms (step ends)"
+    if time.get(mean) is None and time.get(top) is None and ms_text(time, mean) == ms_text(time, top):
+        return f"ITL {ms_text(time, mean)}"
+    return f"ITL mean {ms_text(time, mean)}, max {ms_text(time, top)}"
 
 
 def mb_text(x: float | None, nd: int = 1) -> str:

@@ -89,7 +89,7 @@ def bar_label(g: pd.DataFrame) -> list[str]:
 def _one_hover(r) -> str:
     step = _get(r, "step_id")
     lines = [_one_label(r) if r["name"] != "GPU.layer" else r["name"],
-             f"step {int(step) if step is not None else '—'} · {r['dur_ms']:.3f} ms"]
+             f"{f'step {int(step)}' if step is not None else 'outside every step'} · {r['dur_ms']:.3f} ms"]
     if _get(r, "cudagraph_mode") is not None:
         lines.append(f"cudagraph_mode {r['cudagraph_mode']} · {_get(r, 'num_padded_tokens')} tokens run"
                      + (f" · {r['cudagraph_reason']}" if _get(r, "cudagraph_reason") else ""))
@@ -104,7 +104,8 @@ def _one_hover(r) -> str:
     if r["name"].startswith("GPU.kernel."):
         layer = _get(r, "kernel_layer")
         rate = gb_per_s(_get(r, "bytes"), r["dur_ms"])
-        where = "draft model" if _get(r, "drafter") else f"layer {int(layer) if layer is not None else '—'}"
+        where = ("draft model" if _get(r, "drafter") else f"layer {int(layer)}" if layer is not None
+                 else "outside every decoder layer")
         lines.append(f"{where} · grid {_get(r, 'grid')} · {n_of(_get(r, 'num_tokens'), 'token')}")
         if _get(r, "bytes") is not None:
             lines.append(f"{r['bytes'] / 1e6:.3f} MB moved" + (f" · {rate:.0f} GB/s achieved" if rate else ""))

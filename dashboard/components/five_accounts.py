@@ -12,14 +12,10 @@ import streamlit as st
 from dashboard import data, state
 from dashboard.answers.cached import answer
 from dashboard.answers.q5_tradeoff import ARTICLE, spec_pair, spec_tradeoff
-from dashboard.answers.q5_accounts import mb_text
+from dashboard.answers.q5_accounts import itl_text, mb_text, ms_text
 from dashboard.components.nav import link, open_view
 from dashboard.components.run_picker import tp_sample_button
 from dashboard.words import n_of
-
-
-def _n(x, nd: int = 1, unit: str = "") -> str:
-    return "—" if x is None else f"{x:,.{nd}f}{unit}"
 
 
 def five_accounts(path: str, request_id: str | None, key: str = "fa", links: bool = True,
@@ -43,9 +39,8 @@ def five_accounts(path: str, request_id: str | None, key: str = "fa", links: boo
         cols = st.columns(5)
         with cols[0]:
             st.markdown("**:material/timer: time**")
-            st.markdown(f"queue {_n(t['queue ms'])} ms  \nprefill {_n(t['prefill ms'])} ms  \ndecode "
-                        f"{_n(t['decode ms'])} ms  \n**TTFT {_n(t['TTFT ms'])} ms**  \nITL mean {_n(t['ITL mean ms'])}, "
-                        f"max {_n(t['ITL max ms (step ends)'])} ms")
+            st.markdown(f"queue {ms_text(t, 'queue ms')}  \nprefill {ms_text(t, 'prefill ms')}  \ndecode "
+                        f"{ms_text(t, 'decode ms')}  \n**TTFT {ms_text(t, 'TTFT ms')}**  \n{itl_text(t)}")
         with cols[1]:
             st.markdown("**:material/memory: memory**")
             st.markdown(f"**KV {mb_text(m['KV MB'], 2)}** ({m['peak KV blocks']} blocks, peak at step {m['at step']})  \n"

@@ -38,11 +38,21 @@ def describe(kv: dict) -> list[str]:
         shared = [b for b in tables[kids[0]] if all(b in tables[k] for k in kids)]
         own = {k: [b for b in tables[k] if b not in shared] for k in kids}
         rcs = sorted({ref.get(b, 0) for b in shared})
+        head = (f"**Parallel sampling** · `{parent}`: {len(kids)} of its samples run now ("
+                + ", ".join(f"`{k}`" for k in kids) + "). ")
+        own_text = "; ".join(f"`{k}` {own[k]}" for k in kids)
+        if not shared:
+            # NOTE: siblings share the prompt's KV only through the prefix cache (a full block's hash):
+            # none shared means caching is off, or no prompt block was full and hashed when they were scheduled.
+            why = ("prefix caching is off in this run, and siblings find one copy of the prompt's KV only "
+                   "through it" if kv.get("enable_caching") is False else
+                   "no block of the prompt was found in the prefix cache for them (only full blocks are hashed)")
+            lines.append(head + f"They share no block ({why}): each holds its own: {own_text}.")
+            continue
         lines.append(
-            f"**Parallel sampling** · `{parent}`: {len(kids)} of its samples run now ("
-            + ", ".join(f"`{k}`" for k in kids) + f"). They share blocks {shared} "
-            f"(ref_cnt {'/'.join(map(str, rcs)) or '—'}: one copy of the prompt's KV, found through the "
-            f"prefix cache) and each holds its own: " + "; ".join(f"`{k}` {own[k]}" for k in kids)
+            head + f"They share blocks {shared} "
+            f"(ref_cnt {'/'.join(map(str, rcs))}: one copy of the prompt's KV, found through the "
+            f"prefix cache) and each holds its own: " + own_text
             + ". A shared block returns to the free queue only when the last child holding it finishes.")
     return lines
 

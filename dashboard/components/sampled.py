@@ -11,6 +11,7 @@ from dashboard import data
 from dashboard.components.code_ref import code_ref
 from dashboard.components.spec_decode import ACCEPTED, OWN, UNCHECKED, token_chip
 from dashboard.theme import CUDAGRAPH_COLORS, chip, req_chip
+from dashboard.words import agree, n_of
 
 
 def sizes_text(sizes: list[int]) -> str:
@@ -22,7 +23,7 @@ def sizes_text(sizes: list[int]) -> str:
 
 
 def _decodes(n: int) -> str:
-    return f"{n} decode{'s' if n != 1 else ''}"
+    return n_of(n, "decode")
 
 
 def execution_mode(meta: dict, cudagraph: dict | None = None) -> tuple[str, str]:
@@ -50,7 +51,7 @@ def execution_mode(meta: dict, cudagraph: dict | None = None) -> tuple[str, str]
     if mode == "FULL":
         if padded > n:
             head = f"CUDA graph replay · {_decodes(n)} padded to {padded}{captured}"
-            pad = f"{padded - n} padding {'rows get' if padded - n != 1 else 'row gets'}"
+            pad = f"{n_of(padded - n, 'padding row')} {agree(padded - n, 'gets', 'get')}"
             why = (f"A graph replays exactly the kernels captured for {padded} tokens, on the same buffers: the "
                    f"{pad} slot -1 (no KV write), query_len 0 and seq_len 0, so attention skips them, and their "
                    f"logits are never read (logits_indices point at the {n} real rows only).")
@@ -161,8 +162,8 @@ def verified_line(meta: dict, req: str, pos: int, emitted: list[int], num_drafts
         chips.append(token_chip(meta, t, color, f"position {pos + j}: {label}"
                                 + (": dropped, the request stopped before it" if dropped else "")))
     where = f"positions {pos}–{pos + n_acc}" if n_acc else f"position {pos}"
-    line = (f"{req_chip(req)} {where}: {' '.join(chips)} — {len(emitted)} token{'s' if n_acc else ''}: "
-            f"{n_acc} accepted draft{'s' if n_acc != 1 else ''} of {num_drafts}, then the {kind}")
+    line = (f"{req_chip(req)} {where}: {' '.join(chips)} — {n_of(len(emitted), 'token')}: "
+            f"{n_of(n_acc, 'accepted draft')} of {num_drafts}, then the {kind}")
     if final_len is not None and pos >= final_len:
         line += "; " + STOPPED_BEFORE.format(final_len - 1, "all of them")
     elif final_len is not None and pos + n_acc >= final_len:

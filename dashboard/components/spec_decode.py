@@ -50,8 +50,7 @@ def verification_lines(meta: dict, v: dict, block_size: int) -> list[str]:
         f"the recovered token, instead of draft {n_acc + 1}"
     lines = [f"{req_chip(v['request_id'])} drafts at positions {first}–{first + len(drafts) - 1}: {' '.join(marks)}",
              f"&nbsp;&nbsp;→ accepted {n_acc} of {len(drafts)}, then the target's own token "
-             f"{token_chip(meta, own, OWN, kind)} ({kind}): {len(v['output_token_ids'])} token"
-             f"{'s' if len(v['output_token_ids']) != 1 else ''} this step"]
+             f"{token_chip(meta, own, OWN, kind)} ({kind}): {n_of(len(v['output_token_ids']), 'token')} this step"]
     slots = v.get("rejected_slots") or []
     if slots:
         where = ", ".join(f"slot {s} (block {s // block_size}, offset {s % block_size}) ← position "

@@ -80,6 +80,12 @@ def tp_line(f: dict) -> str:
             "on every rank — the *Worker* tab compares them with the article's 160.")
 
 
+def forward_share(collective_ms: float, forward_ms: float) -> str:
+    """"37%": a rank's collective time over its `_model_forward` time; a rank without that span this step
+    says so, not "—"."""
+    return f"{collective_ms / forward_ms:.0%}" if forward_ms else "no _model_forward span on this rank"
+
+
 def tp_panel(f: dict) -> None:
     ar, ag = f["counts"].get("all_reduce"), f["counts"].get("all_gather")
     st.markdown(f"**Tensor parallelism** · {f['tp']} ranks · step {f['step']}")
@@ -89,7 +95,7 @@ def tp_panel(f: dict) -> None:
                    "slices (ParallelLMHead)" if ag and ag[0] else "") + ".")
     if f["per_rank"]:
         df = pd.DataFrame(f["per_rank"])
-        df["share of forward"] = [f"{c / fw:.0%}" if fw else "—" for c, fw in zip(df["collective ms"], df["forward ms"])]
+        df["share of forward"] = [forward_share(c, fw) for c, fw in zip(df["collective ms"], df["forward ms"])]
         df["collective ms"] = df["collective ms"].map(lambda v: f"{v:,.1f}")
         df["forward ms"] = df["forward ms"].map(lambda v: f"{v:,.1f}")
         st.table(df.astype(str), border="horizontal", hide_index=True)

@@ -28,6 +28,7 @@ EVENT_SYMBOLS = {"QUEUED": "circle", "SCHEDULED": "triangle-right", "PREEMPTED":
                  "FINISHED": "diamond"}
 WAIT_COLORS = {"WAITING": STATUS_COLORS["WAITING"], "PREEMPTED": STATUS_COLORS["PREEMPTED"],
                "RUNNING": "#9E9E9E"}
+ONE_TOKEN_ITL = "one token: no gap"
 GLOSSARY = {"TTFT": "time to first token: from the request's arrival (QUEUED) to its first generated token",
             "ITL": "inter-token latency: the mean time between two generated tokens after the first "
                    "(decode time / (output tokens - 1))",
@@ -133,7 +134,12 @@ def metrics_row(req: dict) -> None:
     c = st.columns(6)
     fmt = lambda v, u="ms": "—" if v is None else f"{v:.0f} {u}"  # noqa: E731
     c[0].metric("TTFT", fmt(req["ttft_ms"]), help=GLOSSARY["TTFT"])
-    c[1].metric("ITL (mean)", fmt(req["itl_ms"]), help=GLOSSARY["ITL"])
+    # NOTE: one output token has no gap between two tokens: no ITL, for a reason the page says (grey, under
+    # the value: a longer value is cut at 1440 px), not a dash that reads as a number lost on the way.
+    one = req["itl_ms"] is None and req["output_tokens"] == 1
+    c[1].metric("ITL (mean)", "none" if one else fmt(req["itl_ms"]), delta=ONE_TOKEN_ITL if one else None,
+                delta_color="off", delta_arrow="off",
+                help=GLOSSARY["ITL"] + (". This request generated one token: there is no gap to time." if one else ""))
     c[2].metric("end to end", fmt(req["e2e_ms"]), help=GLOSSARY["end to end"])
     c[3].metric("prompt → output tokens", f"{req['input_tokens']} → {req['output_tokens']}")
     c[4].metric("preemptions", req["num_preemptions"], help="times it was preempted (RUNNING → PREEMPTED): its KV "

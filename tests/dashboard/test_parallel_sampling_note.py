@@ -40,3 +40,15 @@ def test_request_rows_name_their_parent():
     plain = SimpleNamespace(request_id="8", start_ns=0, end_ns=5, events=[], attributes={})
     assert (_request_row(child)["parent_request_id"], _request_row(child)["child_index"]) == ("7", 1)
     assert (_request_row(plain)["parent_request_id"], _request_row(plain)["child_index"]) == (None, None)
+
+
+def test_describe_says_why_siblings_share_nothing():
+    """Siblings that share no block (prefix caching off: a child finds the prompt's KV only through it) were
+    described as sharing "blocks [] (ref_cnt —: one copy of the prompt's KV ...)": the note says they share
+    none, and why."""
+    off = {**kv({"0_P7": [1, 2], "1_P7": [3, 4]}), "enable_caching": False}
+    (line,) = describe(off)
+    assert "They share no block (prefix caching is off in this run" in line and "`0_P7` [1, 2]; `1_P7` [3, 4]" in line
+    assert "—" not in line and "[]" not in line and "A shared block returns" not in line
+    (line,) = describe({**off, "enable_caching": True})
+    assert "They share no block (no block of the prompt was found in the prefix cache" in line

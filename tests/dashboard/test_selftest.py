@@ -13,7 +13,7 @@ import re
 
 import pytest
 
-from dashboard.words import n_of
+from dashboard.words import agree, n_of
 from tests.dashboard.conftest import APP, GPU_SAMPLE
 
 RUNS = ["gpu", "cpu"]
@@ -167,7 +167,9 @@ def test_q2_update_states(runs, pages, store, key):
     assert f"**{len(added)} added** {ids(added)}" in text
     assert f"block ids appended to {n_of(len(appended), 'request')}," in text
     assert f"**{n_of(len(moves), 'condense move')}**" in text
-    assert f"{len(kept)} of {n_of(len(after), 'row')} {'was' if len(kept) == 1 else 'were'} **kept as they were**" in text
+    k = len(kept)
+    assert (f"{k} of {n_of(len(after), 'row')} {agree(k, 'was', 'were')} **kept as {agree(k, 'it was', 'they were')}** "
+            f"(same row, same token ids and block table: only {agree(k, 'its', 'their')} num_computed_tokens") in text
     # the moves the page names carry the request that was in the source row
     for a, b in moves:
         assert before.get(a, after[b])["req_id"] == after[b]["req_id"] or after[b]["req_id"] in added

@@ -2,11 +2,12 @@
 speed read "1 steps/s" and the first step's panels "over 1 requests", "1 tokens"."""
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
 
-from dashboard.words import n_of, rate_text
+from dashboard.words import agree, n_of, rate_text
 
 # "1 <plural>" as the pages would write it (a digit before the 1 is another number: "11 tokens" is right).
 ONE_PLURAL = re.compile(r"(?<![\d.,])1\*{0,2} (tokens|steps|requests|blocks|rows|slots|launches|spans|points|"
@@ -17,6 +18,27 @@ def test_a_count_and_its_noun_agree():
     assert n_of(1, "token") == "1 token" and n_of(2, "token") == "2 tokens" and n_of(0, "step") == "0 steps"
     assert n_of(1.5, "block") == "1.5 blocks" and n_of("?", "token") == "? tokens"
     assert n_of(1, "sync point") == "1 sync point" and n_of(3, "query", "queries") == "3 queries"
+
+
+def test_a_verb_agrees_with_its_count():
+    """"1 of 3 rows was kept as it was", "2 of 3 rows were kept as they were": the words after a count agree
+    with it as its noun does (found on Self-test Q2: "1 of 3 rows was **kept as they were**")."""
+    assert agree(1, "was", "were") == "was" and agree(0, "was", "were") == "were" and agree(2, "was", "were") == "were"
+    assert agree(1.5, "it was", "they were") == "they were" and agree("?", "gets", "get") == "get"
+    assert agree(True, "was", "were") == "were"          # a flag is not a count
+    assert f"{n_of(1, 'padding row')} {agree(1, 'gets', 'get')}" == "1 padding row gets"
+
+
+def test_no_page_chooses_a_verb_inline():
+    """Every choice of a verb or pronoun by a count goes through words.agree (one rule for "exactly one"),
+    never an inline `'was' if n == 1 else 'were'` that the next page would write its own way."""
+    root = os.path.join(os.path.dirname(__file__), "..", "..", "dashboard")
+    inline = re.compile(r"""['"](?:[\w ]+ )?(?:was|were|is|are|has|have|gets|get|it|they|its|their)['"] if .{0,60}?"""
+                        r"""(?:==|!=) ?1\b""")
+    found = [f"{os.path.relpath(os.path.join(d, f), root)}:{i}" for d, _, fs in os.walk(root) for f in fs
+             if f.endswith(".py") for i, line in enumerate(open(os.path.join(d, f), encoding="utf-8"), 1)
+             if inline.search(line)]
+    assert not found, found
 
 
 def test_a_rate_reads_as_it_is_said():
