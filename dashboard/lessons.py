@@ -20,6 +20,8 @@ from typing import Callable
 
 import pandas as pd
 
+from dashboard.answers.q4_finish import last_scheduled, left_queues
+
 # The CLI lessons (lessons/NN_*.py): number -> (file, what it does).
 CLI_LESSONS = {
     1: ("01_four_domains.py", "the four domains and the two keys (request_id, block_id)"),
@@ -45,15 +47,11 @@ class Facts:
     tp: int = 1                                              # the run's tensor_parallel_size
 
     def finishes(self) -> list[tuple[int, str]]:
-        """(step, request) for every request that left the queues after being in them, in step order."""
+        """(step, request) for every request that finished in the recorded steps, in step order
+        (q4_finish.left_queues: one the queues never showed finished where it was last scheduled)."""
         steps = sorted(self.records) or [int(s) for s in self.df["step"]]
-        nxt = {a: b for a, b in zip(steps, steps[1:])}
-        out = []
-        for req, seen in self.statuses.items():
-            last = max(seen)
-            if last in nxt:
-                out.append((nxt[last], req))
-        return sorted(out)
+        unseen = {req for req in self.reasons if req not in self.statuses}
+        return left_queues(steps, self.statuses, last_scheduled(sorted(self.records.items()), unseen))
 
 
 Found = tuple[int | None, str | None]

@@ -20,20 +20,45 @@ request's llm_request span (finish reason), and every later event on the blocks.
 """
 from __future__ import annotations
 
+from typing import Iterable, Mapping, Sequence
+
 from dashboard.answers.common import NOT_RECORDED, Answer, ShowMe, cannot, ids
 from dashboard.answers.source import PoolReplay, RunSource
 
 
 def finishes(src: RunSource) -> list[tuple[int, str]]:
-    """(step, request) for every request that left the queues after being in them: update_from_output
-    of that step finished it (as dashboard/lessons.py reads it)."""
-    nxt = dict(zip(src.steps, src.steps[1:]))
-    out = []
-    for req, seen in src.statuses.items():
-        last = max(seen)
-        if last in nxt:
-            out.append((nxt[last], req))
+    """(step, request) for every request that finished in the recorded steps: update_from_output of
+    that step finished it (as dashboard/lessons.py reads it, through left_queues)."""
+    unseen = {req for req in src.requests if req not in src.statuses}
+    return left_queues(src.steps, src.statuses, last_scheduled(((s, src.record(s)) for s in src.steps), unseen))
+
+
+def left_queues(steps: Sequence[int], statuses: Mapping[str, Mapping[int, str]],
+                never_queued: Mapping[str, int]) -> list[tuple[int, str]]:
+    """(step, request), in step order: a request the queues showed finished in the step after the last
+    that showed it; one they never showed (never_queued: request -> the last step that scheduled it)
+    in that step.
+
+    NOTE: the queues are read after each step's update_from_output, so a request that finishes in
+    the step that first schedules it (one output token, sampled by its prefill, without async
+    scheduling) is in no step's queues: only the scheduled records say where it ran."""
+    nxt = dict(zip(steps, steps[1:]))
+    out = [(nxt[max(seen)], req) for req, seen in statuses.items() if seen and max(seen) in nxt]
+    out += [(step, req) for req, step in never_queued.items() if req not in statuses]
     return sorted(out)
+
+
+def last_scheduled(records: Iterable[tuple[int, dict]], reqs: set[str]) -> dict[str, int]:
+    """request -> the last step whose scheduled records list it, for the requests in `reqs` (none
+    asked: no record is read)."""
+    out: dict[str, int] = {}
+    if not reqs:
+        return out
+    for step, record in records:
+        for e in record.get("scheduled", []):
+            if (req := str(e["request_id"])) in reqs:
+                out[req] = max(step, out.get(req, step))
+    return out
 
 
 def _free_event(src: RunSource, step: int, req: str, held: list[int]) -> tuple[int, dict] | None:

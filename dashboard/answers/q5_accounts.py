@@ -57,15 +57,9 @@ def _steps_of(src: RunSource, req: str) -> dict[int, dict]:
     return out
 
 
-def _status_path(src: RunSource, req: str, finish_step: int | None, reason: str | None,
-                 scheduled_steps: list[int]) -> list[dict]:
+def _status_path(src: RunSource, req: str, finish_step: int | None, reason: str | None) -> list[dict]:
     seen = src.statuses.get(req, {})
     path: list[dict] = []
-    if not seen and finish_step is None and scheduled_steps and reason:
-        # NOTE: a request that finishes in the step that first schedules it (one output token,
-        # sampled by its prefill) is in no queue after any step, so the queues never show it;
-        # that step's update_from_output finished it: the last (only) step it was scheduled in.
-        finish_step = max(scheduled_steps)
     for s in sorted(seen):
         st = seen[s]
         if path and path[-1]["status"] == st:
@@ -112,7 +106,7 @@ def answer(src: RunSource, req: str | None = None) -> Answer:
     comm = _communication_account(src, mine, token_steps)
     cpu = _cpu_account(src, mine)
     finish_step = next((s for s, r in _finish_steps(src) if r == req), None)
-    path = _status_path(src, req, finish_step, reason, sorted(mine))
+    path = _status_path(src, req, finish_step, reason)
     engine_events = [{"event": e["name"], "ms since arrival": round(_ms(e["time_ns"] - queued), 2)}
                      for e in span.events]
     why = _why(time, mem, cpu, len(mine), len(ev.get("PREEMPTED", [])))

@@ -74,3 +74,34 @@ def test_journey_says_why_one_token_has_no_itl(one_token_run, monkeypatch, tmp_p
     assert not BARE_DASH.search(md), BARE_DASH.findall(md)
     itl = next(m for m in at.metric if m.label == "ITL (mean)")
     assert (itl.value, itl.delta) == ("none", "one token: no gap"), (itl.value, itl.delta)
+
+
+def test_q4_and_the_lessons_see_a_request_that_finished_in_its_first_step(one_token_run):
+    """No queue ever shows request 0 (it finished in the step that scheduled it): Q4's finishes and
+    the lessons' Facts.finishes place it at that step, where they left it out."""
+    from dashboard.answers import q4_finish
+    from dashboard.answers.source import RunSource
+    src = RunSource(one_token_run)
+    assert "0" not in src.statuses
+    only_step = max(s for s in src.steps if any(str(e["request_id"]) == "0"
+                                                for e in src.record(s).get("scheduled", [])))
+    done = q4_finish.finishes(src)
+    assert (only_step, "0") in done and any(r == "1" for _, r in done), done
+    import pandas as pd
+    from dashboard.lessons import BY_KEY, Facts
+    records = {s: src.record(s) for s in src.steps}
+    reasons = {"0": "length", "1": "length"}
+    lesson_facts = Facts(pd.DataFrame({"step": src.steps}), records, src.statuses, reasons)
+    assert lesson_facts.finishes() == done
+    assert BY_KEY["finish"].find(lesson_facts) == (only_step, "0")      # the first request that finished
+    facts = q4_finish.answer(src, only_step, "0").facts
+    assert (facts["request"], facts["step"], facts["free_step"]) == ("0", only_step, only_step), facts
+
+
+def test_left_queues_places_queued_and_never_queued_requests():
+    from dashboard.answers.q4_finish import last_scheduled, left_queues
+    statuses = {"a": {1: "RUNNING", 2: "RUNNING"}, "b": {3: "RUNNING"}}    # b: still there at the last step
+    records = [(1, {"scheduled": [{"request_id": "a"}, {"request_id": "c"}]}),
+               (2, {"scheduled": [{"request_id": "a"}]}), (3, {"scheduled": [{"request_id": "b"}]})]
+    assert last_scheduled(records, {"c"}) == {"c": 1} and last_scheduled(records, set()) == {}
+    assert left_queues([1, 2, 3], statuses, {"c": 1}) == [(1, "c"), (3, "a")]
