@@ -43,6 +43,8 @@
 #   ttftcfg  ttfthost's 8k (and 4k) pass on a copy of the tree whose prefill kernel takes the config of
 #            before fb796a8 (64 x 64 tiles, 4 warps, device-side TMA, no warp specialisation): did the
 #            128 x 128 warp-specialised default (a many-prompt sweep's pick) slow a single long prompt?
+#   launch   bench/launch_overhead.py: host us per eager launch (Triton's JIT path, a CompiledKernel
+#            launched directly, torch.empty / an ATen op / a cuBLAS GEMM, the reshape_and_cache wrapper)
 #   cold     an A/A run on an emptied Triton cache (the first variant cold): compiles mid-workload
 #   q0, q1   park a vLLM bundle part in /tmp (carry .gpu/q0, then .gpu/q1)
 #   vs       join the parts (carry .gpu/q2), unpack, bench/vs_vllm.py --skip-gpu-time (R: round)
@@ -162,6 +164,8 @@ PYEOF
       (cd /tmp/cfgtree && python3 bench/gpu_breakdown.py --workload ttft:$n --host-profile \
         --out "$OUT/gpu_breakdown_ttft${n}_host_cfg64_$CARD.json") 2>&1 | quiet | tail -25
     done ;;
+  launch)
+    python3 bench/launch_overhead.py --out "$OUT/launch_overhead_$CARD.json" 2>&1 | tail -12 ;;
   cold)
     export TRITON_CACHE_DIR=/tmp/tc_fresh; rm -rf /tmp/tc_fresh
     AB_ROUNDS=1 ab cold_cache --a-env VLLM_ANATOMY_X=cold --b-env VLLM_ANATOMY_X=warm --a-label cold_cache --b-label warm_cache

@@ -24,7 +24,7 @@ def test_documented_stages_are_the_stages():
     labels = set()
     for label in re.findall(r"^  ([a-z0-9_|]+)\)$", text, re.M):
         labels |= set(label.split("|"))
-    assert documented == labels == {"skinny", "fuse", "fuse_rope", "pdl", "pdltune", "incontext", "pdlx", "tracing", "gil", "breakdown", "ttft", "ttfthost", "ttftcfg", "cold", "q0", "q1",
+    assert documented == labels == {"skinny", "fuse", "fuse_rope", "pdl", "pdltune", "incontext", "pdlx", "tracing", "gil", "breakdown", "ttft", "ttfthost", "ttftcfg", "launch", "cold", "q0", "q1",
                                      "vs", "vs2"}
 
 
