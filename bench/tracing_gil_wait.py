@@ -28,6 +28,7 @@ import statistics
 import sys
 import tempfile
 import time
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from vllm_anatomy.tracing import gil_yield  # noqa: E402
@@ -35,6 +36,9 @@ from vllm_anatomy.tracing.otel import OTelRecorder  # noqa: E402
 from vllm_anatomy.tracing.store import RunStore  # noqa: E402
 
 RELEASE_S = 0.002
+# (`**Attrs({...})`: the span attributes as dict[str, Any], as tests/tracing/test_fast_paths.py
+# types them, so mypy does not check their values against the recorder's named parameters)
+Attrs = dict[str, Any]
 
 
 def record_steps(rec: OTelRecorder, steps: int, batch: int = 64) -> None:
@@ -44,21 +48,21 @@ def record_steps(rec: OTelRecorder, steps: int, batch: int = 64) -> None:
         with rec.use_span(step):
             step.set_attributes({"vllm_anatomy.step_id": step_id, "vllm_anatomy.num_reqs": batch,
                                  "vllm_anatomy.num_scheduled_tokens": batch})
-            with rec.span("Scheduler.schedule", **{"vllm_anatomy.step_id": step_id}):
-                rec.event("scheduled", **{"vllm_anatomy.num_running": batch, "vllm_anatomy.num_waiting": 0})
-            with rec.span("GPUModelRunner.execute_model", **{"vllm_anatomy.step_id": step_id}):
-                with rec.span("GPUModelRunner._prepare_inputs", **{"vllm_anatomy.num_tokens": batch}):
+            with rec.span("Scheduler.schedule", **Attrs({"vllm_anatomy.step_id": step_id})):
+                rec.event("scheduled", **Attrs({"vllm_anatomy.num_running": batch, "vllm_anatomy.num_waiting": 0}))
+            with rec.span("GPUModelRunner.execute_model", **Attrs({"vllm_anatomy.step_id": step_id})):
+                with rec.span("GPUModelRunner._prepare_inputs", **Attrs({"vllm_anatomy.num_tokens": batch})):
                     pass
                 t0 = rec.now_ns()
                 for i, name in enumerate(("GPU.forward", "GPU.compute_logits", "GPU.sample")):
                     rec.record_span(name, t0 + i * 1000, t0 + (i + 1) * 1000,
-                                    **{"vllm_anatomy.lane": "device", "vllm_anatomy.step_id": step_id})
-            with rec.span("Scheduler.update_from_output", **{"vllm_anatomy.step_id": step_id}):
+                                    **Attrs({"vllm_anatomy.lane": "device", "vllm_anatomy.step_id": step_id}))
+            with rec.span("Scheduler.update_from_output", **Attrs({"vllm_anatomy.step_id": step_id})):
                 pass
-            with rec.span("OutputProcessor.process_outputs", **{"vllm_anatomy.num_outputs": batch}):
+            with rec.span("OutputProcessor.process_outputs", **Attrs({"vllm_anatomy.num_outputs": batch})):
                 pass
         step.end()
-        req = rec.start_span("Request", root=True, **{"vllm_anatomy.request_id": f"r{step_id}"})
+        req = rec.start_span("Request", root=True, **Attrs({"vllm_anatomy.request_id": f"r{step_id}"}))
         req.add_event("FINISHED")
         req.end()
 
@@ -74,7 +78,8 @@ def one_round(offer_us: float, steps: int) -> dict:
         record_steps(rec, steps)
         queued = len(processor.queue)
         time.sleep(0.05)
-        waits, t_start = [], time.perf_counter()
+        waits: list[float] = []
+        t_start = time.perf_counter()
         processor._wake.set()
         while processor.queue or processor._export_lock.locked() or not waits:
             t0 = time.perf_counter()

@@ -23,6 +23,7 @@ from vllm_anatomy.tracing.deferred_span import DeferredSpanProcessor
 from vllm_anatomy.tracing.otel import OTelRecorder
 from vllm_anatomy.tracing.span_export import StoreSpanExporter
 from vllm_anatomy.tracing.store import RunStore
+from tests.tracing.test_fast_paths import Attrs
 
 
 class _Clock:
@@ -70,7 +71,7 @@ def _count_sleeps(monkeypatch) -> list[float]:
 
 def _spans(rec: OTelRecorder, n: int) -> None:
     for i in range(n):
-        with rec.span(f"s{i}", **{"vllm_anatomy.step_id": i}):
+        with rec.span(f"s{i}", **Attrs({"vllm_anatomy.step_id": i})):
             pass
 
 
