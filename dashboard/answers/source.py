@@ -235,6 +235,14 @@ class PoolReplay:
         self.sparse = bool(kv.get("sparse"))
         self.ok, self.problem = True, ""
 
+    @classmethod
+    def fresh(cls, num_gpu_blocks: int, enable_caching: bool) -> "PoolReplay":
+        """The pool before the run's first step: every block free, in id order, but block 0
+        (BlockPool.__init__ queues them all, then takes the first as the null block)."""
+        ids = list(range(1, num_gpu_blocks))
+        return cls({"free_queue": ids, "blocks": [{"block_id": b, "ref_cnt": 0, "hash": None} for b in ids]},
+                   enable_caching)
+
     def apply(self, e: dict) -> dict:
         """Apply one event; return what it did: {"popped": [...], "queue_before": [...], "ends": [...], ...}."""
         kind, ids = e["kind"], list(e["block_ids"])
