@@ -5,12 +5,12 @@
 - the run store's exporter and the span processor's build pass every span through
   it (each span offers at a tiny interval), and export the same spans;
 - with real threads: a thread that releases the GIL for 2 ms beside an exporter
-  of 6,000 spans gets it back sooner with offers than without (a ratio of medians,
-  with a wide margin: bench/tracing_gil_wait.py measures it).
+  of 6,000 spans (bench/tracing_gil_wait.py's round) gets it back sooner with offers than
+  without (a ratio of medians, with a wide margin).
 """
 from __future__ import annotations
 
-import statistics
+import os
 import threading
 import time
 import types
@@ -23,7 +23,10 @@ from vllm_anatomy.tracing.deferred_span import DeferredSpanProcessor
 from vllm_anatomy.tracing.otel import OTelRecorder
 from vllm_anatomy.tracing.span_export import StoreSpanExporter
 from vllm_anatomy.tracing.store import RunStore
+from tests.helpers import imported_from
 from tests.tracing.test_fast_paths import Attrs
+
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench")
 
 
 class _Clock:
@@ -105,33 +108,15 @@ def test_the_processor_offers_while_it_builds(monkeypatch):
     processor.shutdown()
 
 
-def _waits_beside_an_export(tmp_path, offer_s: float, monkeypatch) -> float:
-    """Median ms by which a 2 ms GIL release overruns while the store's processor
-    exports 6,000 queued spans on its thread."""
-    monkeypatch.setattr(gil_yield, "OFFER_EVERY_S", offer_s)
-    store = RunStore.create(str(tmp_path / f"o{offer_s}"), {"workload": "gil"})
-    rec = OTelRecorder("spans", process_kind="engine_core", store=store)
-    processor = rec.sink.processors[0]
-    processor.schedule_delay_s = 3600.0
-    processor.max_export_batch_size = processor.max_queue_size = 8192
-    processor.queue = type(processor.queue)(maxlen=8192)
-    _spans(rec, 6000)
-    waits: list[float] = []
-    processor._wake.set()
-    while processor.queue or processor._export_lock.locked() or len(waits) < 3:
-        t0 = time.perf_counter()
-        time.sleep(0.002)
-        waits.append(time.perf_counter() - t0 - 0.002)
-    rec.shutdown()
-    store.close()
-    return statistics.median(waits) * 1e3
-
-
 @pytest.mark.fast
-def test_a_released_thread_gets_the_gil_back_sooner_with_offers(tmp_path, monkeypatch):
+def test_a_released_thread_gets_the_gil_back_sooner_with_offers():
+    """bench/tracing_gil_wait.py's round: 600 steps' worth of the engine's span shapes (6,000 spans)
+    exported while this thread releases the GIL for 2 ms at a time; its median overrun, ms."""
     assert threading.current_thread() is threading.main_thread()
-    without = _waits_beside_an_export(tmp_path, 0.0, monkeypatch)
-    offered = _waits_beside_an_export(tmp_path, 0.0005, monkeypatch)
+    with imported_from(BENCH, ("tracing_gil_wait",)):
+        import tracing_gil_wait
+        without = tracing_gil_wait.one_round(0.0, steps=600)["wait_ms_median"]
+        offered = tracing_gil_wait.one_round(500.0, steps=600)["wait_ms_median"]
     # NOTE: not a timing target: without offers the median overrun is ~1-3 ms on the 2-core CI
     # machine (the switch interval), with them ~0.1-0.3 ms; the margin is 2x.
     assert offered * 2 < without, (offered, without)

@@ -14,9 +14,9 @@ hand-back, longer than a whole decode step on a Hopper GPU (1.5-4 ms), and the G
 idles. time.sleep(0) drops the GIL and wakes its waiter, who takes it; the
 background thread gets it back when the engine's thread next blocks. Offered every
 OFFER_EVERY_S of work (0.5 ms), the wait is at most about that.
-Measured on the 2-core CPU (`bench/tracing_gil_wait.py --rounds 4 --steps 200`: 2,000
-spans of the engine's shapes, exported in 10-14 ms), a thread that released the GIL for
-2 ms got it back a median 3.2 ms late without offers, 0.37 ms late with them. On an H100,
+Measured on the 2-core CPU (`bench/tracing_gil_wait.py --rounds 4`: 6,000 spans of the
+engine's shapes, exported in 33-39 ms), a thread that released the GIL for 2 ms got it
+back a median 5.3 ms late without offers, 0.38 ms late with them. On an H100,
 the offline workload at trace level spans ran 1.0041x and 1.0117x with offers in two
 interleaved rounds (`bash bench/peers/device_stages.sh gil`,
 bench/results/throughput_ab_gil_offer_spans_h100.json).
