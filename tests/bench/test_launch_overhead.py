@@ -10,18 +10,16 @@ import types
 
 import pytest
 
+from tests.helpers import imported_from
+
 BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "bench")
 
 
 @pytest.fixture(scope="module")
 def lo():
-    sys.path.insert(0, BENCH)
-    try:
+    with imported_from(BENCH, ("launch_overhead",)):
         import launch_overhead
         yield launch_overhead
-    finally:
-        sys.path.remove(BENCH)
-        sys.modules.pop("launch_overhead", None)
 
 
 @pytest.mark.fast
