@@ -54,7 +54,7 @@ def _cell(b: dict, free_pos: dict, events: list[str], changed: bool, per_block: 
     shared = fill.startswith("linear-gradient")
     fg = INK if shared else text_on(fill)
     where = (f"free, position {free_pos[b['block_id']]} of the free queue" if b["block_id"] in free_pos
-             else f"held by {b['ref_cnt']} request{'s' * (b['ref_cnt'] != 1)} {b['owners']}")
+             else f"held by {n_of(b['ref_cnt'], 'request')} {b['owners']}")
     hashed = (f"hash {b['hash']}" if b["hash"] else "no hash (the null block holds no tokens)" if b["is_null"]
               else "no hash (only a full block is hashed, with prefix caching on)")
     tip = html.escape(f"block {b['block_id']} · {where} · ref_cnt {b['ref_cnt']} · {hashed} · "

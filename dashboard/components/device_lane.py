@@ -247,7 +247,7 @@ def device_lane(step_spans: pd.DataFrame | None, device: str, step_id: int, devi
     n_draft = int((dev["name"] == "GPU.draft_model_forward").sum())
     if not drafter.empty:
         head += f" · drafter {drafter['dur_ms'].sum():.3f} ms" + (f" ({n_draft} forwards)" if n_draft else "")
-    st.markdown(head + f" · {n_layers} layer span{'s' * (n_layers != 1)} · {n_k} kernel launch{'es' * (n_k != 1)}")
+    st.markdown(head + f" · {n_of(n_layers, 'layer span')} · {n_of(n_k, 'kernel launch', 'kernel launches')}")
     st.plotly_chart(step_figure(dev), width="stretch", key="device_step_fig", config={"displayModeBar": False})
     if not fwd.empty and fwd.iloc[0].get("cudagraph_mode") == "FULL":
         st.caption("A CUDA graph replay is one span: CUDA events cannot be recorded between a graph's kernels, "

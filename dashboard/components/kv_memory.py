@@ -15,6 +15,8 @@ import json
 import math
 import os
 
+from dashboard.words import n_of
+
 DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2, "float64": 8,
                "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1, "uint8": 1}
 MB = 2 ** 20      # the run header's MB (dashboard/components/run_header.py)
@@ -75,5 +77,5 @@ def mb(nbytes: float | None) -> str:
 
 def blocks_mb(n_blocks: int, per_block: int | None) -> str:
     """`3 blocks (1.05 MB)`, or `3 blocks` when the block size in bytes is not known."""
-    s = f"{n_blocks} block{'s' * (n_blocks != 1)}"
+    s = n_of(n_blocks, "block")
     return f"{s} ({mb(n_blocks * per_block)})" if per_block else s

@@ -102,7 +102,7 @@ def slot_mapping(pi: dict, block_size: int, write_note: str | None = None) -> No
                "token's position in its request. A prefill chunk fills a run of offsets; a decode writes one slot "
                "after the request's last token."
                + (f" First {MAX_BLOCKS} of {n_blocks} blocks shown." if n_blocks > MAX_BLOCKS else "")
-               + (f" {pad} padding slot{'s' * (pad != 1)} (-1) write nothing." if pad else ""))
+               + (f" {n_of(pad, 'padding slot')} (-1) write nothing." if pad else ""))
     if write_note:
         st.markdown(f":material/edit_note: {write_note}")
     code_ref("vllm_anatomy/worker/block_table.py", "BlockTable.compute_slot_mapping")

@@ -16,6 +16,7 @@ from dashboard.components.code_ref import code_ref
 from dashboard.components.nav import open_view, point_data, selected_points
 from dashboard.components.tensor_parallel import article_line, tp_facts
 from dashboard.processes import BUSY, chain_rows, layout, step_view
+from dashboard.words import n_of
 
 ss = st.session_state
 FIG_KEY = "proc_fig"
@@ -199,7 +200,7 @@ def main() -> None:
                 icon=":material/info:")
     elif layout(src)["inproc_engine"]:
         workers = len(src.pids.get("worker", ()))
-        st.info(f"**The engine in the LLM's process, {workers} worker process{'es' if workers > 1 else ''}**"
+        st.info(f"**The engine in the LLM's process, {n_of(workers, 'worker process', 'worker processes')}**"
                 + (f" (tensor parallelism: {src.tp} ranks)" if src.tp > 1 else "") + ": requests reach "
                 "EngineCore by a plain call (no ③ over ZMQ), while every step's SchedulerOutput crosses the "
                 "shared-memory ring ⑤ to every rank. Each rank runs its slice of the model and joins the others' "

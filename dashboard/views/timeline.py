@@ -137,7 +137,7 @@ def flagged(flags: dict[int, str], cursor: int | None, steps: list[int]) -> None
         a, b = spans.representative_window(steps, flags, None, WINDOW)
         mid = steps[(steps.index(a) + steps.index(b)) // 2]
         c2.button("Show typical steps", key="tl_typical", on_click=show_step_here, args=(mid,))
-    with st.expander(f"{len(flags)} flagged step{'s' * (len(flags) != 1)} (✕ above): not representative, "
+    with st.expander(f"{n_of(len(flags), 'flagged step')} (✕ above): not representative, "
                      "the window opens away from them"):
         st.markdown("\n".join(f"- **step {s}** · {why}" for s, why in sorted(flags.items())))
 
@@ -158,8 +158,8 @@ def _window_caption(win: pd.DataFrame, a: int, b: int) -> None:
         n_pieces = sum(m == "PIECEWISE" for m in modes.values())
         n_eager = len(modes) - n_graph - n_pieces
         pieces = f", {n_pieces} piecewise" if n_pieces else ""
-        device = (f"GPU: {n_graph} CUDA graph replay{'s' * (n_graph != 1)}{pieces} and {n_eager} eager "
-                  f"forward{'s' * (n_eager != 1)}; eager steps add a row of decoder layers and one of kernel "
+        device = (f"GPU: {n_of(n_graph, 'CUDA graph replay')}{pieces} and {n_of(n_eager, 'eager forward')}; eager "
+                  f"steps add a row of decoder layers and one of kernel "
                   f"launches (hover a kernel: grid, tokens, bytes, GB/s; one step's device lane, larger: the "
                   f"inspector's Worker tab)")
     if ranks > 1:
