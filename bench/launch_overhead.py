@@ -34,6 +34,8 @@ from typing import Callable
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from kernel_bench import card_name  # noqa: E402  (bench/kernel_bench.py)
 
 
 def per_launch_us(fn: Callable[[], object], launches: int, repeats: int = 5) -> dict:
@@ -131,11 +133,10 @@ def main() -> None:
         sys.exit("bench/launch_overhead.py times CUDA launches: it needs a GPU")
     import triton
     name = torch.cuda.get_device_name()
-    card = next((w.lower() for w in name.split() if w[:1] == "H" and w[1:].isdigit()), "gpu")
     rows = triton_paths(args.launches) | torch_paths(args.launches) | wrapper_path(args.launches)
     print(f"{name}, Triton {triton.__version__}, torch {torch.__version__}, {args.launches} launches a loop")
     print_table(rows)
-    out = args.out or f"bench/results/launch_overhead_{card}.json"
+    out = args.out or f"bench/results/launch_overhead_{card_name()}.json"
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out, "w") as f:
         json.dump({"bench": "launch_overhead", "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "gpu": name,
