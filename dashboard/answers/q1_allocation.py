@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass
 
 from dashboard.answers.common import NOT_RECORDED, Answer, ShowMe, cannot, ids
-from dashboard.answers.source import EVENT_METHOD, PoolReplay, RunSource
+from dashboard.answers.source import EVENT_METHOD, RunSource
 from dashboard.words import n_of
 
 
@@ -174,13 +174,12 @@ def _allocation(src: RunSource, step: int, req: str) -> _Allocation:
 
 
 def _free_queue_at_allocation(src: RunSource, step: int, req: str) -> dict:
-    """The free queue as it was when get_new_blocks ran: the previous step's, replayed through
-    this step's events up to (and including) this request's allocate; what it popped, evicted, cached."""
-    prev = src.prev_step(step)
+    """The free queue as it was when get_new_blocks ran: the previous step's (the fresh pool's
+    before step 1: RunSource.pool_replay), replayed through this step's events up to (and including) this request's allocate; what it popped, evicted, cached."""
     evs = src.events(step)
     mine = _my_events(src, step, req)
     alloc_ev = next((e for e in mine if e["kind"] == "allocate"), None)
-    replay = PoolReplay(src.kv(prev) if prev is not None else {}, src.enable_caching) if prev is not None else None
+    replay = src.pool_replay(step)
     popped = queue_before = None
     for e in evs:
         if replay is None:

@@ -107,10 +107,7 @@ def _facts(src: RunSource, step: int, req: str) -> dict | None:
         return None
     fstep, ev = found
     # ref_cnt before / after and the end each block joined: recorded, else replayed from the pool before.
-    before_free = src.prev_step(fstep)
-    # (a request freed in the run's first step: the pool before it is the fresh one)
-    replay = (PoolReplay(src.kv(before_free), src.enable_caching) if before_free is not None
-              else PoolReplay.fresh(int(src.kv(fstep).get("num_gpu_blocks") or 0), src.enable_caching))
+    replay = src.pool_replay(fstep) or PoolReplay({}, src.enable_caching)
     did = {}
     for e in src.events(fstep):
         d = replay.apply(e)

@@ -157,6 +157,17 @@ class RunSource:
     def kv(self, step: int) -> dict:
         return (self.snap(step) or {}).get("scheduler", {}).get("kv_cache", {})
 
+    def pool_replay(self, step: int) -> "PoolReplay | None":
+        """The block pool as it was when `step` began, ready to replay that step's events: the
+        previous step's snapshot; before the engine's first step (1), the fresh pool
+        (PoolReplay.fresh); None where the step before is not recorded."""
+        prev = self.prev_step(step)
+        if prev is not None:
+            return PoolReplay(self.kv(prev), self.enable_caching)
+        if step == 1:
+            return PoolReplay.fresh(int(self.kv(step).get("num_gpu_blocks") or 0), self.enable_caching)
+        return None
+
     def blocks_of(self, step: int, req: str) -> list[int]:
         return list(self.kv(step).get("req_to_block_ids", {}).get(str(req), []))
 

@@ -109,3 +109,19 @@ def test_left_queues_places_queued_and_never_queued_requests():
                (2, {"scheduled": [{"request_id": "a"}]}), (3, {"scheduled": [{"request_id": "b"}]})]
     assert last_scheduled(records, {"c"}) == {"c": 1} and last_scheduled(records, set()) == {}
     assert left_queues([1, 2, 3], statuses, {"c": 1}) == [(1, "c"), (3, "a")]
+
+
+def test_the_first_step_replays_from_the_fresh_pool(one_token_run):
+    """RunSource.pool_replay: before the engine's first step the pool is the fresh one (every block
+    but the null block 0 free, in id order), which Q1 and Q4 both replay from; Q1 then knows the
+    free queue get_new_blocks popped from in step 1 (it knew none), and it agrees with the run."""
+    from dashboard.answers import q1_allocation
+    from dashboard.answers.source import RunSource
+    src = RunSource(one_token_run)
+    assert src.steps[0] == 1
+    n = int(src.kv(1)["num_gpu_blocks"])
+    replay = src.pool_replay(1)
+    assert replay is not None and replay.queue == list(range(1, n))
+    q = q1_allocation._free_queue_at_allocation(src, 1, "0")
+    assert q["queue_before"] == list(range(1, n)) and q["popped"] == [1, 2, 3] and q["replay"].ok, q
+    assert src.pool_replay(2) is not None and src.pool_replay(2).queue == src.kv(1)["free_queue"]
